@@ -1,0 +1,328 @@
+"""Exact GEMM FLOPs of one training pass of a megatron-core decoder (stdlib only: ints in, ints out).
+
+Counted: every matrix multiply that megatron-core runs for the decoder (projections, core
+attention, MLP, MoE router/experts, logits, MTP), as ``torch.utils.flop_counter`` counts them.
+Not counted: norms, softmax, activations, RoPE, embedding lookups, the loss, optimizer steps,
+communication. The one deliberate exception is Mamba's scan, which Megatron-LM estimates and
+we keep under its own key.
+
+Conventions (each named, each selectable):
+
+- ``attention="causal"`` (default, Megatron-compatible): the core-attention term is half of
+  the full query x key product; ``"full"``: every query/key pair inside each sub-sequence (or
+  window band), which is what unfused attention executes.
+- ``include_padding=False`` (model FLOPs): real tokens and real sub-sequence lengths;
+  ``True`` (executed FLOPs): padded tokens and padded sub-sequence lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_flops.spec import ModelSpec
+
+# One training step runs every GEMM three times:
+#   forward           Y  = X @ W        1
+#   input gradient    dX = dY @ W^T     1
+#   weight gradient   dW = X^T @ dY     1
+#                                      ---
+#                                       3 x the forward GEMM
+# Core attention has no weights, but both operands (Q and K, P and V) are activations that need
+# gradients: again two backward GEMMs of the forward's size, so the same 3.
+TRAIN_PASSES = 3
+# One multiply-accumulate is two floating-point operations: (m x k) @ (k x n) = 2*m*k*n FLOPs.
+FLOPS_PER_MAC = 2
+
+ATTENTION_CONVENTIONS = ("causal", "full")
+
+
+def gemm(m: int, k: int, n: int) -> int:
+    """FLOPs of one (m x k) @ (k x n) matrix multiply."""
+    return FLOPS_PER_MAC * m * k * n
+
+
+def apply_attention_convention(full_flops: int, attention: str) -> int:
+    """Core-attention FLOPs under a convention, from the full (unmasked) count.
+
+    NB: ``causal`` halves the full product (Megatron-LM's convention), which keeps half the
+    diagonal; an exact causal count would be ``s(s+1)/2`` pairs. Halving is exact in integers
+    because every full count carries the factor FLOPS_PER_MAC = 2.
+    """
+    if attention == "full":
+        return full_flops
+    if attention == "causal":
+        assert full_flops % 2 == 0, "full attention FLOPs always carry the multiply-add factor 2"
+        return full_flops // 2
+    raise ValueError(f"unknown attention convention {attention!r}; use one of {ATTENTION_CONVENTIONS}")
+
+
+def band_pairs(seqlen: int, window: int | None) -> int:
+    """Query/key pairs of one sequence with ``|q - k| <= window`` (``None``: all ``s^2`` pairs).
+
+    With ``m = min(window, s - 1)``: ``s`` diagonal pairs plus ``2 * sum_{d=1..m} (s - d)`` =
+    ``s * (2m + 1) - m * (m + 1)``; at ``m = s - 1`` this is ``s^2``.
+    """
+    if window is None or window >= seqlen - 1:
+        return seqlen * seqlen
+    return seqlen * (2 * window + 1) - window * (window + 1)
+
+
+# ---- the data side: rows of sequences and their additive statistics --------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One micro-batch row: an unpacked sequence, or a packed row of sub-sequences.
+
+    ``padded_seqlens`` are the lengths the attention kernel runs over (THD padding, or an
+    unpacked sequence padded to the batch length); ``num_padded_tokens`` is every token slot
+    the linear layers run over (padded sub-sequences plus any tail padding).
+    """
+
+    seqlens: tuple[int, ...]
+    padded_seqlens: tuple[int, ...]
+    num_padded_tokens: int
+
+
+def parse_rows(rows: Any) -> tuple[Row, ...]:
+    """Validate ``rows``: a list whose elements are an int (one sequence), a list of ints (a
+    packed row) or ``{"seqlens": [...], "padded_seqlens": [...], "pad_to": N}``."""
+    if not isinstance(rows, (list, tuple)) or not rows:
+        raise ValueError("rows must be a non-empty list")
+    return tuple(_parse_row(i, r) for i, r in enumerate(rows))
+
+
+def _lengths(index: int, key: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
+        raise ValueError(f"row {index}: {key} must be an integer or a list of integers, got {value!r}")
+    values = (value,) if isinstance(value, int) else tuple(value)
+    if not values:
+        raise ValueError(f"row {index}: {key} is empty")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"row {index}: {key} must hold integers, got {v!r}")
+        if v <= 0:
+            raise ValueError(f"row {index}: {key} must be positive, got {v}")
+    return values
+
+
+def _parse_row(index: int, row: Any) -> Row:
+    if not isinstance(row, Mapping):
+        seqlens = _lengths(index, "length", row)
+        return Row(seqlens=seqlens, padded_seqlens=seqlens, num_padded_tokens=sum(seqlens))
+    unknown = set(row) - {"seqlens", "padded_seqlens", "pad_to"}
+    if unknown:
+        raise ValueError(f"row {index}: unknown key(s) {sorted(unknown)}")
+    if "seqlens" not in row:
+        raise ValueError(f"row {index}: a row mapping needs 'seqlens'")
+    seqlens = _lengths(index, "seqlens", row["seqlens"])
+    padded = seqlens
+    if row.get("padded_seqlens") is not None:
+        padded = _lengths(index, "padded_seqlens", row["padded_seqlens"])
+        if len(padded) != len(seqlens) or any(p < s for p, s in zip(padded, seqlens)):
+            raise ValueError(f"row {index}: padded_seqlens must pair with seqlens and be >= them")
+    total = sum(padded)
+    if row.get("pad_to") is not None:
+        (pad_to,) = _lengths(index, "pad_to", row["pad_to"])
+        if pad_to < total:
+            raise ValueError(f"row {index}: pad_to={pad_to} is shorter than the row ({total})")
+        if len(seqlens) == 1 and row.get("padded_seqlens") is None:
+            # NB: an unpacked sequence padded to the batch length attends over the padded length.
+            padded = (pad_to,)
+        total = pad_to
+    return Row(seqlens=seqlens, padded_seqlens=padded, num_padded_tokens=total)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeqStats:
+    """Additive statistics of a set of rows: all that the FLOPs formulas read from data.
+
+    ``*_pairs`` are attention pair counts: ``sum s_i^2`` (full attention) and the window band
+    ``sum band_pairs(s_i, window)`` (sliding-window layers), real and padded.
+    """
+
+    num_sequences: int = 0
+    num_tokens: int = 0
+    num_padded_tokens: int = 0
+    sum_seqlen_squared: int = 0
+    sum_padded_seqlen_squared: int = 0
+    window_pairs: int = 0
+    padded_window_pairs: int = 0
+    num_rows: int = 0
+
+    def __add__(self, other: SeqStats) -> SeqStats:
+        return SeqStats(**{k: getattr(self, k) + getattr(other, k) for k in _STAT_FIELDS})
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Row], *, window: int | None = None) -> SeqStats:
+        """Statistics of parsed rows; ``window`` is the model's sliding window (or None)."""
+        acc: dict[str, int] = dict.fromkeys(_STAT_FIELDS, 0)
+        for row in rows:
+            acc["num_rows"] += 1
+            acc["num_sequences"] += len(row.seqlens)
+            acc["num_tokens"] += sum(row.seqlens)
+            acc["num_padded_tokens"] += row.num_padded_tokens
+            acc["sum_seqlen_squared"] += sum(s * s for s in row.seqlens)
+            acc["sum_padded_seqlen_squared"] += sum(s * s for s in row.padded_seqlens)
+            acc["window_pairs"] += sum(band_pairs(s, window) for s in row.seqlens)
+            acc["padded_window_pairs"] += sum(band_pairs(s, window) for s in row.padded_seqlens)
+        return cls(**acc)
+
+    @classmethod
+    def full_length(cls, num_sequences: int, seq_length: int, *, window: int | None = None) -> SeqStats:
+        """The stock assumption: ``num_sequences`` unpacked rows of exactly ``seq_length``."""
+        rows = [Row(seqlens=(seq_length,), padded_seqlens=(seq_length,), num_padded_tokens=seq_length)]
+        one = cls.from_rows(rows, window=window)
+        return cls(**{k: getattr(one, k) * num_sequences for k in _STAT_FIELDS})
+
+
+_STAT_FIELDS = tuple(SeqStats.__dataclass_fields__)
+
+
+# ---- the model side: FLOPs of each component -------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlopsBreakdown:
+    """FLOPs per component (``attn/qkv``, ``attn/core``, ``mlp``, ``moe/routed``, ``logits``, ...);
+    the total is their sum."""
+
+    components: Mapping[str, int] = field(default_factory=dict)
+    attention: str = "causal"
+    include_padding: bool = False
+
+    @property
+    def total(self) -> int:
+        return sum(self.components.values())
+
+
+def forward_flops(
+    spec: ModelSpec, stats: SeqStats, *, attention: str = "causal", include_padding: bool = False
+) -> dict[str, int]:
+    """Forward-pass FLOPs per component over ``stats``; see the module docstring for conventions."""
+    apply_attention_convention(0, attention)  # validates the name
+    tokens = stats.num_padded_tokens if include_padding else stats.num_tokens
+    full_pairs = stats.sum_padded_seqlen_squared if include_padding else stats.sum_seqlen_squared
+    band = stats.padded_window_pairs if include_padding else stats.window_pairs
+    out: dict[str, int] = {}
+
+    def add(key: str, value: int) -> None:
+        out[key] = out.get(key, 0) + value
+
+    for mixer, ffn in spec.layers:
+        if mixer in ("attention", "window"):
+            _attention(add, spec, tokens, band if mixer == "window" else full_pairs, attention, "")
+        elif mixer == "mamba":
+            _mamba(add, spec, tokens)
+        if ffn == "mlp":
+            _mlp(add, spec, tokens, "")
+        elif ffn == "moe":
+            _moe(add, spec, tokens, "")
+    # Output layer: [T, h] @ [h, V_padded].
+    add("logits", gemm(tokens, spec.hidden_size, spec.padded_vocab_size))
+
+    for _ in range(spec.mtp_num_layers):
+        # MTP eh_proj: concat(embedding, hidden) [T, 2h] @ [2h, h].
+        # NB: the enorm/hnorm/final norms that Megatron-LM prices (3h per token) run no GEMM.
+        add("mtp/eh_proj", gemm(tokens, 2 * spec.hidden_size, spec.hidden_size))
+        _attention(add, spec, tokens, full_pairs, attention, "mtp/")
+        if spec.mtp_ffn == "moe":
+            _moe(add, spec, tokens, "mtp/")
+        else:
+            _mlp(add, spec, tokens, "mtp/")
+        # The shared output layer runs again on every MTP depth.
+        add("mtp/logits", gemm(tokens, spec.hidden_size, spec.padded_vocab_size))
+    return out
+
+
+def training_flops(
+    spec: ModelSpec, stats: SeqStats, *, attention: str = "causal", include_padding: bool = False
+) -> FlopsBreakdown:
+    """Forward + backward FLOPs per component: TRAIN_PASSES x the forward GEMMs."""
+    fwd = forward_flops(spec, stats, attention=attention, include_padding=include_padding)
+    return FlopsBreakdown(
+        components={k: TRAIN_PASSES * v for k, v in fwd.items()},
+        attention=attention,
+        include_padding=include_padding,
+    )
+
+
+def estimate(
+    spec: ModelSpec, rows: Sequence[Row], *, attention: str = "causal", include_padding: bool = False
+) -> FlopsBreakdown:
+    """Training FLOPs of one pass over parsed ``rows``."""
+    stats = SeqStats.from_rows(rows, window=spec.window_size)
+    return training_flops(spec, stats, attention=attention, include_padding=include_padding)
+
+
+def _attention(add: Any, spec: ModelSpec, tokens: int, pairs: int, attention: str, prefix: str) -> None:
+    h, nq = spec.hidden_size, spec.num_attention_heads
+    mla = spec.mla
+    if mla is None:
+        d, ng = spec.kv_channels, spec.num_query_groups
+        gate = nq * d if spec.attention_output_gate else 0
+        # linear_qkv: [T, h] @ [h, (nq + 2*ng)*d (+ nq*d output gate)].
+        add(f"{prefix}attn/qkv", gemm(tokens, h, (nq + 2 * ng) * d + gate))
+        qk_dim, v_dim = d, d
+    else:
+        qk_dim, v_dim = mla.qk_head_dim + mla.qk_pos_emb_head_dim, mla.v_head_dim
+        if mla.q_lora_rank is None:
+            # linear_q_proj: [T, h] @ [h, nq*(qk + rope)].
+            q = gemm(tokens, h, nq * qk_dim)
+        else:
+            # linear_q_down_proj [T, h] @ [h, q_lora]; linear_q_up_proj [T, q_lora] @ [q_lora, nq*(qk + rope)].
+            # NB: the q/kv layernorms that Megatron-LM prices (+1 per rank) run no GEMM.
+            q = gemm(tokens, h, mla.q_lora_rank) + gemm(tokens, mla.q_lora_rank, nq * qk_dim)
+        # linear_kv_down_proj [T, h] @ [h, kv_lora + rope]; linear_kv_up_proj [T, kv_lora] @ [kv_lora, nq*(qk + v)].
+        kv = gemm(tokens, h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim) + gemm(
+            tokens, mla.kv_lora_rank, nq * (mla.qk_head_dim + v_dim)
+        )
+        add(f"{prefix}attn/qkv", q + kv)
+    # Per head: scores [s, qk] @ [qk, s] and context [s, s] @ [s, v], summed over sequences as
+    # pair counts: FLOPS_PER_MAC * nq * (qk + v) * pairs.
+    add(f"{prefix}attn/core", apply_attention_convention(FLOPS_PER_MAC * nq * (qk_dim + v_dim) * pairs, attention))
+    # linear_proj: [T, nq*v] @ [nq*v, h].
+    add(f"{prefix}attn/out", gemm(tokens, nq * v_dim, h))
+
+
+def _mlp(add: Any, spec: ModelSpec, tokens: int, prefix: str) -> None:
+    add(f"{prefix}mlp", _ffn(spec, tokens, spec.hidden_size, spec.ffn_hidden_size))
+
+
+def _ffn(spec: ModelSpec, tokens: int, d_in: int, ffn: int) -> int:
+    # linear_fc1: [T, d] @ [d, ffn (x2 gated)]; linear_fc2: [T, ffn] @ [ffn, d].
+    return gemm(tokens, d_in, ffn * (2 if spec.gated_linear_unit else 1)) + gemm(tokens, ffn, d_in)
+
+
+def _moe(add: Any, spec: ModelSpec, tokens: int, prefix: str) -> None:
+    moe = spec.moe
+    assert moe is not None
+    h = spec.hidden_size
+    # Router: [T, h] @ [h, E].
+    # NB: Megatron-LM's and Megatron-Bridge's formulas omit this GEMM.
+    add(f"{prefix}moe/router", gemm(tokens, h, moe.num_experts))
+    d_in = h
+    if moe.latent_size is not None:
+        # fc1_latent_proj [T, h] @ [h, latent] before dispatch; fc2_latent_proj after combine.
+        add(f"{prefix}moe/latent", gemm(tokens, h, moe.latent_size) + gemm(tokens, moe.latent_size, h))
+        d_in = moe.latent_size
+    # Routed experts: each token runs top-k expert MLPs.
+    # NB: dropless routing; a capacity factor that drops tokens lowers the executed count.
+    add(f"{prefix}moe/routed", _ffn(spec, tokens * moe.router_topk, d_in, moe.ffn_hidden_size))
+    if moe.shared_expert_ffn_hidden_size:
+        add(f"{prefix}moe/shared", _ffn(spec, tokens, h, moe.shared_expert_ffn_hidden_size))
+
+
+def _mamba(add: Any, spec: ModelSpec, tokens: int) -> None:
+    m = spec.mamba
+    assert m is not None
+    h = spec.hidden_size
+    d_inner = 2 * h
+    # in_proj: [T, h] @ [h, 2*d_inner + 2*groups*state + heads] (z, x, B, C, dt).
+    add("mamba/in_proj", gemm(tokens, h, 2 * d_inner + 2 * m.num_groups * m.state_dim + m.num_heads))
+    # NB: not a GEMM; Megatron-LM's estimate of the SSD scan, 7 FLOPs per (token, channel, state).
+    add("mamba/scan", 7 * tokens * d_inner * m.state_dim)
+    # out_proj: [T, d_inner] @ [d_inner, h].
+    add("mamba/out_proj", gemm(tokens, d_inner, h))

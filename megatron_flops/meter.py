@@ -1,0 +1,260 @@
+"""Interval and steady-state throughput from per-iteration StepResults (stdlib only).
+
+Rates are ratios of totals over a window: TFLOP/s/GPU is the sum of every iteration's FLOPs
+divided by the sum of their wall times and by the world size. Megatron-LM instead divides
+the last iteration's FLOPs by the mean iteration time, which is wrong whenever iterations
+differ (variable-length packing, changing batch size).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+from megatron_flops.result import StepResult
+
+
+@dataclass(frozen=True, kw_only=True)
+class IntervalReport:
+    """Totals over a window of iterations and the per-GPU rates derived from them.
+
+    ``flops`` is model FLOPs (MFU), ``executed_flops`` hardware FLOPs (HFU); iterations whose
+    tracker failed (``ok=False``) count with the stock formula's FLOPs and are tallied in
+    ``num_fallback_iterations``. ``static_flops`` is the stock formula's total, None unless
+    every iteration in the window supplied it. Rates needing a peak are None without one.
+    """
+
+    first_iteration: int
+    last_iteration: int
+    num_iterations: int
+    num_fallback_iterations: int
+    elapsed_s: float
+    flops: int
+    executed_flops: int
+    static_flops: int | None
+    num_tokens: int
+    world_size: int
+    peak_flops_per_s: int | None
+
+    @property
+    def fell_back(self) -> bool:
+        """Whether any iteration in the window was counted with the stock formula's FLOPs."""
+        return self.num_fallback_iterations > 0
+
+    @property
+    def tflops_per_s_per_gpu(self) -> float:
+        """Corrected model TFLOP/s per GPU."""
+        return self._per_gpu_per_s(self.flops) / 1e12
+
+    @property
+    def static_tflops_per_s_per_gpu(self) -> float | None:
+        """The stock formula's TFLOP/s per GPU over the same window."""
+        return None if self.static_flops is None else self._per_gpu_per_s(self.static_flops) / 1e12
+
+    @property
+    def over_report_factor(self) -> float | None:
+        """Stock over corrected FLOPs: how many times the stock number overstates throughput."""
+        if self.static_flops is None or self.flops == 0:
+            return None
+        return self.static_flops / self.flops
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Real (unpadded) tokens per second per GPU."""
+        return self._per_gpu_per_s(self.num_tokens)
+
+    @property
+    def mfu_percent(self) -> float | None:
+        """Model FLOP/s per GPU as a percentage of the device's dense peak."""
+        return self._percent_of_peak(self.flops)
+
+    @property
+    def hfu_percent(self) -> float | None:
+        """Executed FLOP/s per GPU as a percentage of the device's dense peak."""
+        return self._percent_of_peak(self.executed_flops)
+
+    def scalars(self) -> dict[str, float]:
+        """Metrics keyed by name with unit, for TensorBoard/W&B; keys whose value is None are omitted."""
+        values: dict[str, float | None] = {
+            "throughput/tflops_per_s_per_gpu": self.tflops_per_s_per_gpu,
+            "throughput/static_tflops_per_s_per_gpu": self.static_tflops_per_s_per_gpu,
+            "throughput/over_report_factor": self.over_report_factor,
+            "throughput/tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "throughput/mfu_percent": self.mfu_percent,
+            "throughput/hfu_percent": self.hfu_percent,
+            "throughput/num_fallback_iterations": float(self.num_fallback_iterations),
+        }
+        return {key: value for key, value in values.items() if value is not None}
+
+    def _per_gpu_per_s(self, total: int) -> float:
+        return total / self.elapsed_s / self.world_size
+
+    def _percent_of_peak(self, total: int) -> float | None:
+        if self.peak_flops_per_s is None:
+            return None
+        return 100.0 * self._per_gpu_per_s(total) / self.peak_flops_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Totals:
+    first_iteration: int
+    last_iteration: int
+    num_iterations: int
+    num_fallback_iterations: int
+    num_static_iterations: int
+    elapsed_s: float
+    flops: int
+    executed_flops: int
+    static_flops: int
+    num_tokens: int
+
+    def add(self, other: _Totals) -> _Totals:
+        return replace(
+            self,
+            last_iteration=other.last_iteration,
+            num_iterations=self.num_iterations + other.num_iterations,
+            num_fallback_iterations=self.num_fallback_iterations + other.num_fallback_iterations,
+            num_static_iterations=self.num_static_iterations + other.num_static_iterations,
+            elapsed_s=self.elapsed_s + other.elapsed_s,
+            flops=self.flops + other.flops,
+            executed_flops=self.executed_flops + other.executed_flops,
+            static_flops=self.static_flops + other.static_flops,
+            num_tokens=self.num_tokens + other.num_tokens,
+        )
+
+
+class ThroughputMeter:
+    """Accumulates iterations into logging intervals and a steady-state summary.
+
+    ``world_size`` is the number of GPUs the StepResults' global totals are spread over;
+    ``peak_flops_per_s`` is one GPU's dense peak (None: no MFU/HFU). The first
+    ``warmup_iterations`` recorded iterations are left out of ``summary()`` but not of
+    ``interval()``.
+    """
+
+    def __init__(self, *, world_size: int, peak_flops_per_s: int | None, warmup_iterations: int = 2) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if peak_flops_per_s is not None and peak_flops_per_s <= 0:
+            raise ValueError(f"peak_flops_per_s must be positive or None, got {peak_flops_per_s}")
+        if warmup_iterations < 0:
+            raise ValueError(f"warmup_iterations must be >= 0, got {warmup_iterations}")
+        if peak_flops_per_s is None:
+            warnings.warn("no peak FLOP/s for this device: MFU and HFU will not be reported", stacklevel=2)
+        self._world_size = world_size
+        self._peak_flops_per_s = peak_flops_per_s
+        self._warmup_iterations = warmup_iterations
+        self._num_recorded = 0
+        self._last_iteration: int | None = None
+        self._interval: _Totals | None = None
+        self._steady: _Totals | None = None
+        self._warned_partial_static = False
+
+    def record(self, *, iteration: int, result: StepResult, elapsed_s: float, static_flops: int | None = None) -> None:
+        """Add one iteration: its StepResult, its wall time, and the stock formula's FLOPs if known.
+
+        With ``result.ok`` False the iteration's model and executed FLOPs are ``static_flops``
+        (or the result's own, which then already hold the fallback, when it is not given).
+        """
+        if not (math.isfinite(elapsed_s) and elapsed_s > 0):
+            raise ValueError(f"elapsed_s must be a positive finite number, got {elapsed_s!r}")
+        if self._last_iteration is not None and iteration <= self._last_iteration:
+            raise ValueError(f"iteration must increase: got {iteration} after {self._last_iteration}")
+        if static_flops is not None and static_flops < 0:
+            raise ValueError(f"static_flops must be >= 0, got {static_flops}")
+        fallback = not result.ok and static_flops is not None
+        step = _Totals(
+            first_iteration=iteration,
+            last_iteration=iteration,
+            num_iterations=1,
+            num_fallback_iterations=0 if result.ok else 1,
+            num_static_iterations=0 if static_flops is None else 1,
+            elapsed_s=elapsed_s,
+            flops=static_flops if fallback else result.flops,
+            executed_flops=static_flops if fallback else result.executed_flops,
+            static_flops=0 if static_flops is None else static_flops,
+            num_tokens=result.num_tokens,
+        )
+        self._interval = step if self._interval is None else self._interval.add(step)
+        if self._num_recorded >= self._warmup_iterations:
+            self._steady = step if self._steady is None else self._steady.add(step)
+        self._num_recorded += 1
+        self._last_iteration = iteration
+
+    def interval(self) -> IntervalReport:
+        """Report the iterations recorded since the previous call, then start a new interval."""
+        if self._interval is None:
+            raise ValueError("interval() called with no iteration recorded since the last interval")
+        report = self._report(self._interval)
+        self._interval = None
+        return report
+
+    def summary(self) -> IntervalReport | None:
+        """Report every iteration after warm-up; None if no iteration got past warm-up."""
+        return None if self._steady is None else self._report(self._steady)
+
+    def _report(self, totals: _Totals) -> IntervalReport:
+        all_static = totals.num_static_iterations == totals.num_iterations
+        if totals.num_static_iterations and not all_static and not self._warned_partial_static:
+            warnings.warn(
+                "static_flops was given for only some iterations: static TFLOP/s and the over-report "
+                "factor are omitted for windows that mix them",
+                stacklevel=3,
+            )
+            self._warned_partial_static = True
+        return IntervalReport(
+            first_iteration=totals.first_iteration,
+            last_iteration=totals.last_iteration,
+            num_iterations=totals.num_iterations,
+            num_fallback_iterations=totals.num_fallback_iterations,
+            elapsed_s=totals.elapsed_s,
+            flops=totals.flops,
+            executed_flops=totals.executed_flops,
+            static_flops=totals.static_flops if all_static else None,
+            num_tokens=totals.num_tokens,
+            world_size=self._world_size,
+            peak_flops_per_s=self._peak_flops_per_s,
+        )
+
+
+def format_log_fields(report: IntervalReport) -> str:
+    """The fields this package adds to a Megatron log line, each as `` name: value |``.
+
+    Leaves out the stock "throughput per GPU" field, which Megatron's own line already has.
+    """
+    fields = [
+        f" corrected throughput per GPU (TFLOP/s/GPU): {report.tflops_per_s_per_gpu:.1f} |",
+        f" tokens per GPU (tokens/s/GPU): {report.tokens_per_s_per_gpu:.1f} |",
+    ]
+    if report.mfu_percent is not None:
+        fields.append(f" MFU (%): {report.mfu_percent:.1f} |")
+    if report.hfu_percent is not None:
+        fields.append(f" HFU (%): {report.hfu_percent:.1f} |")
+    if report.fell_back:
+        fields.append(f" FLOPs fallback iterations: {report.num_fallback_iterations} |")
+    return "".join(fields)
+
+
+def format_log_line(
+    report: IntervalReport,
+    *,
+    iteration: int,
+    train_iters: int | None,
+    elapsed_ms_per_iter: float,
+    timestamp: datetime | None = None,
+) -> str:
+    """A full Megatron-style log line: time, iteration, time per iteration, stock and corrected throughput.
+
+    The stock throughput is the report's static TFLOP/s (a ratio of totals, not Megatron's
+    last-iteration figure) and is left out when the report has none.
+    """
+    when = (timestamp or datetime.now()).strftime("%Y-%m-%d %H:%M:%S")
+    line = f" [{when}] iteration {iteration:8d}"
+    if train_iters is not None:
+        line += f"/{train_iters:8d}"
+    line += f" | elapsed time per iteration (ms): {elapsed_ms_per_iter:.1f} |"
+    if report.static_tflops_per_s_per_gpu is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {report.static_tflops_per_s_per_gpu:.1f} |"
+    return line + format_log_fields(report)
