@@ -153,11 +153,14 @@ class ThroughputMeter:
         self._warned_partial_static = False
 
     def record(self, *, iteration: int, result: StepResult, elapsed_s: float, static_flops: int | None = None) -> None:
-        """Add one iteration: its StepResult, its wall time, and the stock formula's FLOPs if known.
+        """Add one iteration: its StepResult, its wall time, and the stock formula's FLOPs (default:
+        ``result.static_flops``).
 
         With ``result.ok`` False the iteration's model and executed FLOPs are ``static_flops``
         (or the result's own, which then already hold the fallback, when it is not given).
         """
+        if static_flops is None:
+            static_flops = result.static_flops
         if not (math.isfinite(elapsed_s) and elapsed_s > 0):
             raise ValueError(f"elapsed_s must be a positive finite number, got {elapsed_s!r}")
         if self._last_iteration is not None and iteration <= self._last_iteration:

@@ -56,7 +56,6 @@ _A100_DATASHEET = (
     "BF16 312 TFLOPS dense (624 with sparsity), same for SXM4 40/80GB and PCIe 40/80GB; "
     "Ampere has no fp8 tensor cores"
 )
-_NO_FP8_ASCEND = "no fp8 on Ascend 910B"
 
 PEAKS: tuple[PeakEntry, ...] = (
     PeakEntry(
@@ -175,7 +174,7 @@ PEAKS: tuple[PeakEntry, ...] = (
             "Unconfirmed: Huawei publishes no per-variant 910B datasheet. 354 TFLOP/s FP16/BF16 is the "
             "figure open-source MFU counters use for '910B', consistent with 24 AI cores x 4,096 FP16 "
             "MAC/cycle x 2 x 1.8 GHz (910B2 has 24 AI cores). Ascend910B1/B2C/B3/B4/B4-1 differ in AI-core "
-            "count or clock and are not listed: pass an override for them. " + _NO_FP8_ASCEND
+            "count or clock and are not listed: pass an override for them. No fp8 on Ascend 910B."
         ),
         model_tokens=frozenset({"ASCEND910B2"}),
     ),

@@ -23,4 +23,5 @@ class StepResult:
     sum_seqlen_squared: int
     num_microbatches: int
     components: Mapping[str, int] = field(default_factory=dict)
+    static_flops: int | None = None
     ok: bool = True

@@ -1,0 +1,356 @@
+"""Per-micro-batch sequence statistics on the device, and the one per-step reduction (torch).
+
+``record()`` runs in ``forward_step``: no host sync, no data-dependent shape, no collective; what
+the tensor shapes already tell (rows, padded tokens, full-length rows) is counted on the host, the
+rest is added into one preallocated int64 accumulator. ``end_step()`` runs on every rank after the
+forward-backward function: one ``all_reduce`` of a fixed-shape int64 vector, then the FLOPs.
+
+Ownership: a micro-batch is recorded by the first pipeline stage's first virtual chunk
+(``model.pre_process``) on tensor- and context-parallel rank 0, so it is counted once per model
+replica whatever the TP/PP/VPP/CP sizes; every other call is a no-op. The all-reduce sums the
+replicas, so every rank, the last pipeline stage included, gets the global totals.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_flops.formulas import ATTENTION_CONVENTIONS, SeqStats, training_flops
+from megatron_flops.result import StepResult
+from megatron_flops.spec import ModelSpec
+
+logger = logging.getLogger("megatron_flops")
+
+# Slots of the accumulator and of the reduced vector, in order. Adjacent pairs are written by
+# one add: (sum s, sum s^2) for real and padded lengths, and (sum x, sum x^2) of the window
+# excess x = max(s - window, 0), from which the band pairs follow (see _window_pairs).
+SLOTS = (
+    "num_microbatches",
+    "num_rows",
+    "num_sequences",
+    "num_padded_tokens",
+    "num_tokens",
+    "sum_seqlen_squared",
+    "sum_padded_seqlens",  # scratch: the device sum of padded lengths (tokens come from shapes)
+    "sum_padded_seqlen_squared",
+    "window_excess",
+    "window_excess_squared",
+    "padded_window_excess",
+    "padded_window_excess_squared",
+    "num_failed_ranks",
+)
+_I = {name: i for i, name in enumerate(SLOTS)}
+
+
+def _window_pairs(sum_sq: int, excess: int, excess_sq: int) -> int:
+    # band_pairs(s, w) = s^2 - x(x - 1) with x = max(s - w, 0): summed, sum s^2 - sum x^2 + sum x.
+    return sum_sq - excess_sq + excess
+
+
+class FlopsTracker:
+    """Accumulates the real sequence statistics of every micro-batch and prices each step.
+
+    Args:
+        spec: the decoder model.
+        attention: ``"causal"`` (Megatron-compatible) or ``"full"``; see ``formulas``.
+        seq_length: the static sequence length the stock formula assumes (for the static
+            number and the fallback); when None, the mean padded row length of the step.
+        context_parallel_size: CP size when the model does not carry ``pg_collection.cp``.
+            Unpacked rows hold ``1/cp`` of each sequence; packed ``cu_seqlens`` are global.
+        validate: check every input (this syncs the host with the device: for debugging).
+        group: the process group of the per-step all-reduce (default: the world).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        attention: str = "causal",
+        seq_length: int | None = None,
+        context_parallel_size: int | None = None,
+        validate: bool = False,
+        group: Any = None,
+    ) -> None:
+        if attention not in ATTENTION_CONVENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTION_CONVENTIONS}, got {attention!r}")
+        if seq_length is not None and seq_length <= 0:
+            raise ValueError(f"seq_length must be positive, got {seq_length}")
+        if context_parallel_size is not None and context_parallel_size <= 0:
+            raise ValueError(f"context_parallel_size must be positive, got {context_parallel_size}")
+        self.spec = spec
+        self.attention = attention
+        self.seq_length = seq_length
+        self.context_parallel_size = context_parallel_size
+        self.validate = validate
+        self.group = group
+        self._window = spec.window_size
+        self._acc: torch.Tensor | None = None
+        self._exps: torch.Tensor | None = None
+        self._host = [0] * len(SLOTS)
+        self._owners: dict[int, tuple[bool, int]] = {}
+        self._warned = False
+
+    # ---- per micro-batch ------------------------------------------------------------------
+
+    def record(
+        self,
+        *,
+        model: Any = None,
+        tokens: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_padded: torch.Tensor | None = None,
+        cu_seqlens_argmin: torch.Tensor | int | None = None,
+        cu_seqlens_padded_argmin: torch.Tensor | int | None = None,
+        seq_lengths: torch.Tensor | None = None,
+        vp_stage: int | None = None,
+        owner: bool | None = None,
+    ) -> None:
+        """Add one micro-batch. Call it once per ``forward_step`` call, on every rank.
+
+        ``tokens``: ``[b, s]`` input ids (``[1, T]`` for a packed row). ``packed_seq_params``
+        (megatron-core ``PackedSeqParams``) or ``cu_seqlens``/``cu_seqlens_padded`` describe
+        packed sub-sequences; a ``*_argmin`` marks where a sentinel-padded ``cu_seqlens`` ends
+        (Megatron-Bridge). ``seq_lengths``: ``[b]`` real lengths of dynamically padded rows.
+        ``owner`` overrides the ownership rule (see the module docstring).
+        """
+        try:
+            if not self._is_owner(model, vp_stage, owner):
+                return
+            self._record(tokens, packed_seq_params, cu_seqlens, cu_seqlens_padded,
+                         cu_seqlens_argmin, cu_seqlens_padded_argmin, seq_lengths)
+        except Exception as exc:
+            if self.validate:
+                raise
+            self._host[_I["num_failed_ranks"]] = 1
+            self._warn_once("record() failed", exc)
+
+    def _is_owner(self, model: Any, vp_stage: int | None, owner: bool | None) -> bool:
+        if owner is not None:
+            return owner
+        if model is None:
+            return vp_stage in (None, 0)
+        cached = self._owners.get(id(model))
+        if cached is None:
+            inner = model
+            while hasattr(inner, "module"):
+                inner = inner.module
+            is_first = getattr(inner, "pre_process", None)
+            if is_first is None:
+                is_first = vp_stage in (None, 0)
+            groups = getattr(inner, "pg_collection", None)
+            tp_rank = _group_rank(getattr(groups, "tp", None))
+            cp_rank = _group_rank(getattr(groups, "cp", None))
+            cp_size = self.context_parallel_size or _group_size(getattr(groups, "cp", None))
+            cached = (bool(is_first) and tp_rank == 0 and cp_rank == 0, cp_size)
+            self._owners[id(model)] = cached
+        self._cp = cached[1]
+        return cached[0]
+
+    def _record(self, tokens, packed, cu, cu_pad, argmin, pad_argmin, seq_lengths) -> None:
+        if tokens is None:
+            raise ValueError("record() needs tokens on the first pipeline stage")
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        cp = getattr(self, "_cp", None) or self.context_parallel_size or 1
+        if packed is not None:
+            cu = packed.cu_seqlens_q if cu is None else cu
+            cu_pad = getattr(packed, "cu_seqlens_q_padded", None) if cu_pad is None else cu_pad
+        rows, row_len = tokens.shape[0], tokens.shape[1] * cp
+        host = self._host
+        host[_I["num_microbatches"]] += 1
+        host[_I["num_rows"]] += rows
+        host[_I["num_padded_tokens"]] += rows * row_len
+        if cu is None:
+            if seq_lengths is None:
+                # Full-length unpacked rows: everything is known from the shape.
+                host[_I["num_sequences"]] += rows
+                self._host_lengths(rows, row_len, "num_tokens")
+                self._host_lengths(rows, row_len, "sum_padded_seqlens")
+                return
+            self._check_lengths(seq_lengths, "seq_lengths", row_len)
+            host[_I["num_sequences"]] += rows
+            # NB: a dynamically padded row attends over its padded length.
+            self._host_lengths(rows, row_len, "sum_padded_seqlens")
+            self._device_lengths(seq_lengths.reshape(1, -1), "num_tokens", "window_excess")
+            return
+        # Packed rows: lengths are the differences of cu_seqlens (global under CP).
+        cu = self._trim(cu, argmin, "cu_seqlens")
+        self._check_cu(cu, "cu_seqlens", rows * row_len)
+        if cu_pad is None:
+            cu_pad = cu
+        else:
+            cu_pad = self._trim(cu_pad, pad_argmin if pad_argmin is not None else argmin, "cu_seqlens_padded")
+            self._check_cu(cu_pad, "cu_seqlens_padded", rows * row_len)
+        if isinstance(cu, torch.Tensor) and cu.shape == cu_pad.shape:
+            both = torch.stack((cu, cu_pad)) if cu_pad is not cu else cu.unsqueeze(0).expand(2, -1)
+            lengths = both[:, 1:] - both[:, :-1]
+            self._device_lengths(lengths, "num_tokens", "window_excess")
+        else:
+            self._device_lengths(cu[1:] - cu[:-1], "num_tokens", "window_excess", padded=False)
+            self._device_lengths((cu_pad[1:] - cu_pad[:-1]).reshape(1, -1), "sum_padded_seqlens",
+                                 "padded_window_excess")
+        host[_I["num_sequences"]] += cu.shape[-1] - 1
+
+    def _trim(self, cu: torch.Tensor, argmin: torch.Tensor | int | None, name: str) -> torch.Tensor:
+        if not isinstance(cu, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor")
+        if cu.dtype.is_floating_point or cu.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integers, got {cu.dtype}")
+        cu = cu.reshape(-1)
+        if argmin is None:
+            return cu
+        if isinstance(argmin, torch.Tensor):
+            if argmin.device.type != "cpu":
+                raise ValueError(f"{name} argmin must be a host value (a CPU tensor or an int) to trim without a sync")
+            argmin = int(argmin)
+        return cu[:argmin]
+
+    def _check_cu(self, cu: torch.Tensor, name: str, num_tokens: int) -> None:
+        if cu.numel() < 2:
+            raise ValueError(f"{name} needs at least two entries, got {cu.numel()}")
+        if not self.validate:
+            return
+        # NB: validation syncs the host with the device.
+        values = cu.tolist()
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {values[0]}")
+        if any(b < a for a, b in zip(values, values[1:])):
+            raise ValueError(f"{name} must be non-decreasing, got {values}")
+        if values[-1] > num_tokens:
+            raise ValueError(f"{name} ends at {values[-1]} but the micro-batch holds {num_tokens} tokens")
+
+    def _check_lengths(self, lengths: torch.Tensor, name: str, row_len: int) -> None:
+        if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integers, got {lengths.dtype}")
+        if self.validate:
+            values = lengths.tolist()
+            if any(v < 0 or v > row_len for v in values):
+                raise ValueError(f"{name} must lie in [0, {row_len}], got {values}")
+
+    def _host_lengths(self, count: int, length: int, first_slot: str) -> None:
+        """Add ``count`` sequences of ``length`` to a (sum s, sum s^2) pair and its window pair."""
+        i = _I[first_slot]
+        self._host[i] += count * length
+        self._host[i + 1] += count * length * length
+        if self._window is not None:
+            excess = max(length - self._window, 0)
+            j = _I["window_excess" if first_slot == "num_tokens" else "padded_window_excess"]
+            self._host[j] += count * excess
+            self._host[j + 1] += count * excess * excess
+
+    def _device_lengths(self, lengths: torch.Tensor, first_slot: str, window_slot: str, padded: bool = True) -> None:
+        """Add ``[k, n]`` lengths: row r of k goes to the (sum s, sum s^2) pair r after ``first_slot``."""
+        acc = self._accumulator(lengths.device)
+        lengths = lengths.reshape(-1, lengths.shape[-1])
+        k = lengths.shape[0]
+        i = _I[first_slot]
+        # [k, n, 1] ** [1, 2] -> [k, n, 2] (int64), summed over n: (sum s, sum s^2) per row.
+        acc[i : i + 2 * k].add_((lengths.unsqueeze(-1) ** self._exps).sum(1).reshape(-1))
+        if self._window is not None:
+            excess = (lengths - self._window).clamp_(min=0)
+            j = _I[window_slot]
+            acc[j : j + 2 * k].add_((excess.unsqueeze(-1) ** self._exps).sum(1).reshape(-1))
+
+    def _accumulator(self, device: torch.device) -> torch.Tensor:
+        if self._acc is None:
+            self._acc = torch.zeros(len(SLOTS), dtype=torch.int64, device=device)
+            self._exps = torch.tensor([1, 2], dtype=torch.int64, device=device)
+        elif self._acc.device != device:
+            raise ValueError(f"inputs moved from {self._acc.device} to {device}")
+        return self._acc
+
+    # ---- per step ----------------------------------------------------------------------------
+
+    def end_step(self) -> StepResult:
+        """Reduce this step's statistics over all ranks (one all-reduce, every rank must call it)
+        and price them. On any failure the static number is returned with ``ok=False``."""
+        try:
+            totals = self._reduce()
+        except Exception as exc:  # the collective itself failed: nothing more to agree on
+            self._warn_once("end_step() reduction failed", exc)
+            totals = dict.fromkeys(SLOTS, 0)
+            totals["num_failed_ranks"] = 1
+        finally:
+            self._reset()
+        return self._price(totals)
+
+    def _reduce(self) -> dict[str, int]:
+        device = self._collective_device()
+        host = torch.tensor(self._host, dtype=torch.int64)
+        vec = host.to(device) if self._acc is None else self._acc.to(device) + host.to(device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
+        return dict(zip(SLOTS, vec.tolist()))  # the one host sync of the step
+
+    def _collective_device(self) -> torch.device:
+        if dist.is_available() and dist.is_initialized() and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _reset(self) -> None:
+        if self._acc is not None:
+            self._acc.zero_()
+        self._host = [0] * len(SLOTS)
+
+    def _price(self, t: dict[str, int]) -> StepResult:
+        static_len = self.seq_length or -(-t["num_padded_tokens"] // max(t["num_rows"], 1))
+        static_stats = SeqStats.full_length(t["num_rows"], static_len, window=self._window) if static_len else SeqStats()
+        static = training_flops(self.spec, static_stats, attention=self.attention).total
+        failed = t["num_failed_ranks"] > 0
+        if not failed and not (0 <= t["num_tokens"] <= t["num_padded_tokens"]) and t["num_rows"]:
+            self._warn_once("inconsistent statistics", ValueError(
+                f"{t['num_tokens']} real tokens > {t['num_padded_tokens']} token slots"))
+            failed = True
+        if failed:
+            return StepResult(flops=static, executed_flops=static, num_tokens=t["num_padded_tokens"],
+                              num_padded_tokens=t["num_padded_tokens"], num_sequences=t["num_sequences"],
+                              sum_seqlen_squared=0, num_microbatches=t["num_microbatches"],
+                              static_flops=static, ok=False)
+        stats = SeqStats(
+            num_rows=t["num_rows"],
+            num_sequences=t["num_sequences"],
+            num_tokens=t["num_tokens"],
+            num_padded_tokens=t["num_padded_tokens"],
+            sum_seqlen_squared=t["sum_seqlen_squared"],
+            sum_padded_seqlen_squared=t["sum_padded_seqlen_squared"],
+            window_pairs=_window_pairs(t["sum_seqlen_squared"], t["window_excess"], t["window_excess_squared"]),
+            padded_window_pairs=_window_pairs(t["sum_padded_seqlen_squared"], t["padded_window_excess"],
+                                              t["padded_window_excess_squared"]),
+        )
+        model = training_flops(self.spec, stats, attention=self.attention)
+        executed = training_flops(self.spec, stats, attention=self.attention, include_padding=True)
+        return StepResult(
+            flops=model.total,
+            executed_flops=executed.total,
+            num_tokens=stats.num_tokens,
+            num_padded_tokens=stats.num_padded_tokens,
+            num_sequences=stats.num_sequences,
+            sum_seqlen_squared=stats.sum_seqlen_squared,
+            num_microbatches=t["num_microbatches"],
+            components=dict(model.components),
+            static_flops=static,
+        )
+
+    def _warn_once(self, what: str, exc: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("megatron-flops: %s (%s: %s); using the static FLOPs number for affected steps "
+                           "(logged once)", what, type(exc).__name__, exc)
+
+
+def _group_rank(group: Any) -> int:
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group=group)
+
+
+def _group_size(group: Any) -> int:
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group=group)
+
