@@ -1,0 +1,260 @@
+"""FlopsTracker in one process: statistics, conventions, bad input, fallback, sync-freedom."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron_flops.formulas import SeqStats, parse_rows, training_flops
+from megatron_flops.spec import ModelSpec
+from megatron_flops.tracker import FlopsTracker
+
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128)
+
+
+def _spec(**kw) -> ModelSpec:
+    return ModelSpec.from_mapping({**BASE, **kw})
+
+
+def _tok(b: int, s: int) -> torch.Tensor:
+    return torch.zeros(b, s, dtype=torch.long)
+
+
+def test_hand_derived_packed_row():
+    # One packed row of 32 slots holding sub-sequences 5, 7, 18 (2 tail slots of padding).
+    # Real tokens 30, sum s^2 = 25 + 49 + 324 = 398; padded tokens 32, padded sum s^2 = 398.
+    tracker = FlopsTracker(_spec(), seq_length=32)
+    tracker.record(tokens=_tok(1, 32), cu_seqlens=torch.tensor([0, 5, 12, 30], dtype=torch.int32))
+    r = tracker.end_step()
+    assert (r.num_tokens, r.num_padded_tokens, r.num_sequences, r.sum_seqlen_squared) == (30, 32, 3, 398)
+    # Per layer (h=64, 4 heads of 16, ffn 256), forward, T tokens: qkv 2*T*64*192, out 2*T*64*64,
+    # mlp 2*T*64*256*2, core (causal) 2*4*(16+16)*398/2 = 50,944; logits 2*T*64*128 once. x3 for training.
+    t = 30
+    fwd = 2 * (2 * t * 64 * 192 + 2 * t * 64 * 64 + 4 * t * 64 * 256 + 2 * 4 * 32 * 398 // 2) + 2 * t * 64 * 128
+    assert r.flops == 3 * fwd == 19_474_944
+    # Static: one row priced as a full 32-token sequence.
+    fwd_static = 2 * (2 * 32 * 64 * 192 + 2 * 32 * 64 * 64 + 4 * 32 * 64 * 256 + 2 * 4 * 32 * 1024 // 2) + 2 * 32 * 64 * 128
+    assert r.static_flops == 3 * fwd_static
+
+
+ROWS_AND_CALLS = [
+    # (rows for the pure oracle, record() kwargs)
+    ([32, 32], dict(tokens=_tok(2, 32))),
+    ([{"seqlens": [5, 7, 18], "pad_to": 32}], dict(tokens=_tok(1, 32), cu_seqlens=torch.tensor([0, 5, 12, 30]))),
+    (
+        [{"seqlens": [4], "pad_to": 20}, {"seqlens": [20]}, {"seqlens": [9], "pad_to": 20}],
+        dict(tokens=_tok(3, 20), seq_lengths=torch.tensor([4, 20, 9])),
+    ),
+    (
+        [{"seqlens": [5, 7, 18], "padded_seqlens": [6, 8, 18], "pad_to": 40}],
+        dict(
+            tokens=_tok(1, 40),
+            cu_seqlens=torch.tensor([0, 5, 12, 30, -1, -1]),
+            cu_seqlens_padded=torch.tensor([0, 6, 14, 32, -1, -1]),
+            cu_seqlens_argmin=4,
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("attention", ["causal", "full"])
+def test_totals_equal_pure_statistics(window, attention):
+    kw = {} if window is None else dict(window_size=[window, 0], window_attn_skip_freq=2)
+    spec = _spec(**kw)
+    tracker = FlopsTracker(spec, attention=attention, seq_length=32)
+    rows = []
+    for row_list, call in ROWS_AND_CALLS:
+        rows += row_list
+        tracker.record(**call)
+    r = tracker.end_step()
+    stats = SeqStats.from_rows(parse_rows(rows), window=spec.window_size)
+    assert r.flops == training_flops(spec, stats, attention=attention).total
+    assert r.executed_flops == training_flops(spec, stats, attention=attention, include_padding=True).total
+    assert (r.num_tokens, r.num_padded_tokens, r.num_microbatches) == (stats.num_tokens, stats.num_padded_tokens, 4)
+    # The step is over: the next one starts from zero and still reports.
+    empty = tracker.end_step()
+    assert (empty.flops, empty.num_tokens, empty.num_microbatches, empty.ok) == (0, 0, 0, True)
+
+
+def test_packed_seq_params_object():
+    class Params:  # duck-typed megatron.core.packed_seq_params.PackedSeqParams
+        cu_seqlens_q = torch.tensor([0, 10, 14], dtype=torch.int32)
+        cu_seqlens_q_padded = torch.tensor([0, 12, 16], dtype=torch.int32)
+
+    tracker = FlopsTracker(_spec())
+    tracker.record(tokens=_tok(1, 16), packed_seq_params=Params())
+    r = tracker.end_step()
+    # Real 10 + 4 = 14 tokens, sum s^2 = 116; padded lengths 12, 4 over 16 slots.
+    assert (r.num_tokens, r.num_padded_tokens, r.sum_seqlen_squared) == (14, 16, 116)
+    stats = SeqStats.from_rows(parse_rows([{"seqlens": [10, 4], "padded_seqlens": [12, 4]}]))
+    assert r.executed_flops == training_flops(_spec(), stats, include_padding=True).total
+
+
+def test_only_the_owner_records():
+    class Chunk(torch.nn.Module):
+        def __init__(self, pre_process):
+            super().__init__()
+            self.pre_process = pre_process
+
+    class Wrapper(torch.nn.Module):  # like megatron DDP / Float16Module: .module
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    tracker = FlopsTracker(_spec())
+    tracker.record(model=Wrapper(Chunk(False)), tokens=_tok(4, 8))  # a later virtual chunk: no-op
+    tracker.record(model=Wrapper(Chunk(True)), tokens=_tok(2, 8))
+    tracker.record(vp_stage=1, tokens=_tok(4, 8))
+    tracker.record(vp_stage=0, tokens=_tok(1, 8))
+    assert tracker.end_step().num_tokens == 24
+
+
+def test_context_parallel_rows_are_local():
+    # Under CP=2 an unpacked row holds half of each sequence; packed cu_seqlens stay global.
+    tracker = FlopsTracker(_spec(), context_parallel_size=2)
+    tracker.record(tokens=_tok(1, 16))
+    tracker.record(tokens=_tok(1, 8), cu_seqlens=torch.tensor([0, 6, 16]))
+    r = tracker.end_step()
+    assert (r.num_tokens, r.num_padded_tokens, r.sum_seqlen_squared) == (32 + 16, 32 + 16, 32 * 32 + 36 + 100)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (dict(tokens=_tok(1, 8), cu_seqlens=torch.tensor([1, 4, 8])), "start at 0"),
+        (dict(tokens=_tok(1, 8), cu_seqlens=torch.tensor([0, 5, 4])), "non-decreasing"),
+        (dict(tokens=_tok(1, 8), cu_seqlens=torch.tensor([0, 4, 9])), "holds 8 tokens"),
+        (dict(tokens=_tok(1, 8), cu_seqlens=torch.tensor([0.0, 8.0])), "integers"),
+        (dict(tokens=torch.zeros(8, dtype=torch.long)), r"\[batch, seq\]"),
+        (dict(tokens=_tok(2, 8), seq_lengths=torch.tensor([3, 9])), r"lie in \[0, 8\]"),
+        (dict(tokens=None), "needs tokens"),
+    ],
+)
+def test_validation_mode_raises(call, message):
+    tracker = FlopsTracker(_spec(), validate=True)
+    with pytest.raises(ValueError, match=message):
+        tracker.record(**call)
+
+
+def test_bad_input_without_validation_falls_back_once(caplog):
+    tracker = FlopsTracker(_spec(), seq_length=8)
+    with caplog.at_level(logging.WARNING, logger="megatron_flops"):
+        tracker.record(tokens=_tok(1, 8), cu_seqlens=torch.tensor([0.0, 8.0]))
+        tracker.record(tokens=torch.zeros(8, dtype=torch.long))
+        r = tracker.end_step()
+    assert not r.ok and r.flops == r.static_flops
+    assert len([m for m in caplog.messages if "megatron-flops" in m]) == 1
+    # Recovery: the next step is exact again.
+    tracker.record(tokens=_tok(1, 8))
+    assert tracker.end_step().ok
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(attention="half"), "attention"), (dict(seq_length=0), "seq_length"), (dict(context_parallel_size=0), "context")],
+)
+def test_bad_options_at_setup(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FlopsTracker(_spec(), **kwargs)
+
+
+# ---- sync-freedom: mechanically, with a mode that fails on every sync-forcing operation ----------
+
+_SYNC_METHODS = {
+    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+    torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.Tensor.numpy,
+    torch.Tensor.cpu, torch.nonzero, torch.argwhere, torch.masked_select, torch.unique,
+    torch.Tensor.unique, torch.Tensor.masked_select,
+}
+
+
+class SyncGuard(TorchFunctionMode):
+    """Fails on host-syncing ops and boolean-mask indexing; counts the tensor ops that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SYNC_METHODS:
+            raise AssertionError(f"sync-forcing op in the per-micro-batch path: {func.__name__}")
+        if func is torch.Tensor.__getitem__ and isinstance(args[1], torch.Tensor) and args[1].dtype == torch.bool:
+            raise AssertionError("boolean-mask indexing (data-dependent shape)")
+        self.ops.append(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_record_is_sync_free_and_allocation_free(window):
+    spec = _spec(**({} if window is None else dict(window_size=[window, 0])))
+    tracker = FlopsTracker(spec)
+    packed = dict(tokens=_tok(1, 64), cu_seqlens=torch.tensor([0, 5, 12, 30, 64], dtype=torch.int32))
+    padded = dict(
+        tokens=_tok(1, 64),
+        cu_seqlens=torch.tensor([0, 5, 12, 30, -1]),
+        cu_seqlens_padded=torch.tensor([0, 8, 16, 32, -1]),
+        cu_seqlens_argmin=4,
+    )
+    dynamic = dict(tokens=_tok(3, 20), seq_lengths=torch.tensor([4, 20, 9]))
+    tracker.record(**packed)  # the first call allocates the accumulator
+    acc_ptr = tracker._acc.data_ptr()
+    for call in (packed, padded, dynamic, dict(tokens=_tok(2, 32))):
+        with SyncGuard() as guard:
+            tracker.record(**call)
+        assert not any(op in ("zeros", "empty", "tensor") for op in guard.ops), guard.ops
+    assert tracker._acc.data_ptr() == acc_ptr
+    assert tracker.end_step().ok
+
+
+_VIEWS_AND_METADATA = {"__get__", "dim", "numel", "size", "reshape", "view", "unsqueeze", "expand", "__getitem__"}
+
+
+@pytest.mark.parametrize(
+    "window, expected",
+    [
+        # diff of cu_seqlens (real and padded stacked), (s, s^2) powers, sum, add into the accumulator:
+        # the same four kernels as the upstream reference (diff, square, sum, add).
+        (None, ["sub", "pow", "sum", "add_"]),
+        # plus the window excess max(s - w, 0) and its (x, x^2) sums.
+        (6, ["sub", "pow", "sum", "add_", "sub", "clamp_", "pow", "sum", "add_"]),
+    ],
+)
+def test_kernel_ops_per_packed_call(window, expected):
+    tracker = FlopsTracker(_spec(**({} if window is None else dict(window_size=[window, 0]))))
+    call = dict(tokens=_tok(1, 64), cu_seqlens=torch.tensor([0, 5, 12, 30, 64], dtype=torch.int32))
+    tracker.record(**call)
+    with SyncGuard() as guard:
+        tracker.record(**call)
+    assert [op for op in guard.ops if op not in _VIEWS_AND_METADATA] == expected
+    # Full-length unpacked rows are priced from the shape alone: no kernel at all.
+    tokens = _tok(2, 32)
+    with SyncGuard() as plain:
+        tracker.record(tokens=tokens)
+    assert [op for op in plain.ops if op not in _VIEWS_AND_METADATA] == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_record_has_no_cuda_sync():
+    tracker = FlopsTracker(_spec(window_size=[6, 0]))
+    dev = torch.device("cuda")
+    calls = [
+        dict(tokens=torch.zeros(1, 64, dtype=torch.long, device=dev),
+             cu_seqlens=torch.tensor([0, 5, 12, 30, 64], dtype=torch.int32, device=dev)),
+        dict(tokens=torch.zeros(3, 20, dtype=torch.long, device=dev), seq_lengths=torch.tensor([4, 20, 9], device=dev)),
+        dict(tokens=torch.zeros(2, 32, dtype=torch.long, device=dev)),
+    ]
+    tracker.record(**calls[0])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            for call in calls:
+                tracker.record(**call)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tracker.end_step().ok
