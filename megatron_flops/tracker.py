@@ -119,9 +119,10 @@ class FlopsTracker:
         ``owner`` overrides the ownership rule (see the module docstring).
         """
         try:
-            if not self._is_owner(model, vp_stage, owner):
+            is_owner, cp = self._ownership(model, vp_stage, owner)
+            if not is_owner:
                 return
-            self._record(tokens, packed_seq_params, cu_seqlens, cu_seqlens_padded,
+            self._record(tokens, cp, packed_seq_params, cu_seqlens, cu_seqlens_padded,
                          cu_seqlens_argmin, cu_seqlens_padded_argmin, seq_lengths)
         except Exception as exc:
             if self.validate:
@@ -129,11 +130,11 @@ class FlopsTracker:
             self._host[_I["num_failed_ranks"]] = 1
             self._warn_once("record() failed", exc)
 
-    def _is_owner(self, model: Any, vp_stage: int | None, owner: bool | None) -> bool:
-        if owner is not None:
-            return owner
-        if model is None:
-            return vp_stage in (None, 0)
+    def _ownership(self, model: Any, vp_stage: int | None, owner: bool | None) -> tuple[bool, int]:
+        """(whether this call records, the context-parallel size), cached per model chunk."""
+        if owner is not None or model is None:
+            is_owner = owner if owner is not None else vp_stage in (None, 0)
+            return is_owner, self.context_parallel_size or 1
         cached = self._owners.get(id(model))
         if cached is None:
             inner = model
@@ -148,15 +149,13 @@ class FlopsTracker:
             cp_size = self.context_parallel_size or _group_size(getattr(groups, "cp", None))
             cached = (bool(is_first) and tp_rank == 0 and cp_rank == 0, cp_size)
             self._owners[id(model)] = cached
-        self._cp = cached[1]
-        return cached[0]
+        return cached
 
-    def _record(self, tokens, packed, cu, cu_pad, argmin, pad_argmin, seq_lengths) -> None:
+    def _record(self, tokens, cp, packed, cu, cu_pad, argmin, pad_argmin, seq_lengths) -> None:
         if tokens is None:
             raise ValueError("record() needs tokens on the first pipeline stage")
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
-        cp = getattr(self, "_cp", None) or self.context_parallel_size or 1
         if packed is not None:
             cu = packed.cu_seqlens_q if cu is None else cu
             cu_pad = getattr(packed, "cu_seqlens_q_padded", None) if cu_pad is None else cu_pad
@@ -176,32 +175,35 @@ class FlopsTracker:
             host[_I["num_sequences"]] += rows
             # NB: a dynamically padded row attends over its padded length.
             self._host_lengths(rows, row_len, "sum_padded_seqlens")
-            self._device_lengths(seq_lengths.reshape(1, -1), "num_tokens", "window_excess")
+            self._accumulator(seq_lengths.device)
+            self._device_lengths(seq_lengths.reshape(-1), self._real, self._window_real)
             return
         # Packed rows: lengths are the differences of cu_seqlens (global under CP).
         cu = self._trim(cu, argmin, "cu_seqlens")
         self._check_cu(cu, "cu_seqlens", rows * row_len)
+        host[_I["num_sequences"]] += cu.shape[0] - 1
+        if self._acc is None:
+            self._accumulator(cu.device)
         if cu_pad is None:
-            cu_pad = cu
+            # No sub-sequence padding: the real lengths count for both (broadcast into [2, 2]).
+            self._device_lengths(torch.diff(cu), self._both, self._window_both)
+            return
+        cu_pad = self._trim(cu_pad, pad_argmin if pad_argmin is not None else argmin, "cu_seqlens_padded")
+        self._check_cu(cu_pad, "cu_seqlens_padded", rows * row_len)
+        if cu.shape == cu_pad.shape:
+            both = torch.stack((cu, cu_pad))
+            self._device_lengths(torch.diff(both), self._both, self._window_both)
         else:
-            cu_pad = self._trim(cu_pad, pad_argmin if pad_argmin is not None else argmin, "cu_seqlens_padded")
-            self._check_cu(cu_pad, "cu_seqlens_padded", rows * row_len)
-        if isinstance(cu, torch.Tensor) and cu.shape == cu_pad.shape:
-            both = torch.stack((cu, cu_pad)) if cu_pad is not cu else cu.unsqueeze(0).expand(2, -1)
-            lengths = both[:, 1:] - both[:, :-1]
-            self._device_lengths(lengths, "num_tokens", "window_excess")
-        else:
-            self._device_lengths(cu[1:] - cu[:-1], "num_tokens", "window_excess", padded=False)
-            self._device_lengths((cu_pad[1:] - cu_pad[:-1]).reshape(1, -1), "sum_padded_seqlens",
-                                 "padded_window_excess")
-        host[_I["num_sequences"]] += cu.shape[-1] - 1
+            self._device_lengths(torch.diff(cu), self._real, self._window_real)
+            self._device_lengths(torch.diff(cu_pad), self._padded, self._window_padded)
 
     def _trim(self, cu: torch.Tensor, argmin: torch.Tensor | int | None, name: str) -> torch.Tensor:
         if not isinstance(cu, torch.Tensor):
             raise ValueError(f"{name} must be a tensor")
         if cu.dtype.is_floating_point or cu.dtype == torch.bool:
             raise ValueError(f"{name} must hold integers, got {cu.dtype}")
-        cu = cu.reshape(-1)
+        if cu.dim() != 1:
+            cu = cu.reshape(-1)
         if argmin is None:
             return cu
         if isinstance(argmin, torch.Tensor):
@@ -243,25 +245,25 @@ class FlopsTracker:
             self._host[j] += count * excess
             self._host[j + 1] += count * excess * excess
 
-    def _device_lengths(self, lengths: torch.Tensor, first_slot: str, window_slot: str, padded: bool = True) -> None:
-        """Add ``[k, n]`` lengths: row r of k goes to the (sum s, sum s^2) pair r after ``first_slot``."""
-        acc = self._accumulator(lengths.device)
-        lengths = lengths.reshape(-1, lengths.shape[-1])
-        k = lengths.shape[0]
-        i = _I[first_slot]
-        # [k, n, 1] ** [1, 2] -> [k, n, 2] (int64), summed over n: (sum s, sum s^2) per row.
-        acc[i : i + 2 * k].add_((lengths.unsqueeze(-1) ** self._exps).sum(1).reshape(-1))
+    def _device_lengths(self, lengths: torch.Tensor, target: torch.Tensor, window_target: torch.Tensor) -> None:
+        """Add ``(sum s, sum s^2)`` of ``[n]`` or ``[k, n]`` lengths into the ``[2]``/``[k, 2]`` view
+        ``target`` (and the window excess into ``window_target``)."""
+        # [..., n, 1] ** [2] -> [..., n, 2] (int64), summed over n: (sum s, sum s^2).
+        target.add_(torch.pow(lengths.unsqueeze(-1), self._exps).sum(-2))
         if self._window is not None:
             excess = (lengths - self._window).clamp_(min=0)
-            j = _I[window_slot]
-            acc[j : j + 2 * k].add_((excess.unsqueeze(-1) ** self._exps).sum(1).reshape(-1))
+            window_target.add_(torch.pow(excess.unsqueeze(-1), self._exps).sum(-2))
 
     def _accumulator(self, device: torch.device) -> torch.Tensor:
         if self._acc is None:
             self._acc = torch.zeros(len(SLOTS), dtype=torch.int64, device=device)
             self._exps = torch.tensor([1, 2], dtype=torch.int64, device=device)
-        elif self._acc.device != device:
-            raise ValueError(f"inputs moved from {self._acc.device} to {device}")
+            # Views made once: [real, padded] x (sum s, sum s^2), and the same for the window excess.
+            i, j = _I["num_tokens"], _I["window_excess"]
+            self._both = self._acc[i : i + 4].view(2, 2)
+            self._window_both = self._acc[j : j + 4].view(2, 2)
+            self._real, self._padded = self._both[0], self._both[1]
+            self._window_real, self._window_padded = self._window_both[0], self._window_both[1]
         return self._acc
 
     # ---- per step ----------------------------------------------------------------------------
