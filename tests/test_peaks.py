@@ -81,7 +81,8 @@ def test_variants_do_not_cross_match() -> None:
 def test_every_entry_cites_a_source_and_fp8_is_double_bf16() -> None:
     for entry in PEAKS:
         assert entry.source
-        assert entry.fp8_tflops is None or entry.fp8_tflops == 2 * entry.bf16_tflops
+        # Vendors round each figure separately (AMD 2 x 1,307.4 vs 2,614.9; NVL 2 x 835.5 vs 1,670.5).
+        assert entry.fp8_tflops is None or entry.fp8_tflops == pytest.approx(2 * entry.bf16_tflops, abs=0.5)
 
 
 def test_override_wins() -> None:
