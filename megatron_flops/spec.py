@@ -555,9 +555,10 @@ def _hf_to_mcore(hf: Mapping[str, Any]) -> dict[str, Any]:
 
     # Sliding windows: Mistral sets sliding_window alone; Qwen2/3 gate it by use_sliding_window
     # and keep the first max_window_layers layers on full attention.
+    # NB: HF's window of W tokens includes the query itself (q - k < W): megatron's (W - 1, 0).
     window = hf.get("sliding_window")
     if window and hf.get("use_sliding_window", model_type in ("mistral", "mixtral")):
-        out["window_size"] = (int(window), 0)
+        out["window_size"] = (int(window) - 1, 0)
         if "max_window_layers" in hf:
             out["window_attn_skip_freq"] = [
                 int(i >= hf["max_window_layers"]) for i in range(num_layers)
