@@ -76,9 +76,7 @@ def _set(owner: Any, name: str, value: Any) -> None:
     """setattr that remembers the original (raw, un-bound) value once."""
     key = (owner, name)
     if key not in _ORIGINALS:
-        _ORIGINALS[key] = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(
-            owner, name, _MISSING
-        )
+        _ORIGINALS[key] = vars(owner).get(name, _MISSING)
     setattr(owner, name, value)
 
 
@@ -147,7 +145,9 @@ def apply_cpu_patches() -> None:
       * ``GlobalMemoryBuffer.get_tensor`` -> fresh CPU ``torch.empty``.
       * ``CudaRNGStatesTracker.fork`` -> ``nullcontext``; ``CudaRNGStatesTracker.add`` stores a
         CPU generator state (so ``model_parallel_cuda_manual_seed`` works without CUDA);
-        ``_get_cuda_rng_state``/``_set_cuda_rng_state`` -> no-ops (activation recompute).
+        ``_get_cuda_rng_state``/``_set_cuda_rng_state`` -> no-ops (activation recompute);
+        ``CheckpointWithoutOutput`` only takes its TE/FP8 path for a truthy ``fp8``
+        (selective recompute of "layernorm"/"moe_act" otherwise needs TE).
       * MoE: ``Router.gating`` keeps the router weight on CPU; ``moe_utils.te_general_gemm = None``;
         the alltoall dispatcher gets a null stream and a CPU ``_maybe_dtoh_and_synchronize``.
       * MLA: ``multi_latent_attention.HAVE_TE = False``; the local ``DotProductAttention``
@@ -164,6 +164,11 @@ def apply_cpu_patches() -> None:
         raise RuntimeError(SKIP_REASON)
 
     import megatron.core.utils as mutils
+
+    if getattr(mutils.GlobalMemoryBuffer.get_tensor, "_mcore_cpu_patch", False):
+        # Already patched by another copy of this module (imported under a second name).
+        _PATCHED = True
+        return
     from megatron.core.tensor_parallel import random as tp_random
 
     # --- torch.cuda: device queries and syncs used by schedules / allocations -------------
@@ -176,6 +181,7 @@ def apply_cpu_patches() -> None:
         # or as an all-gather destination, so no caching is needed on CPU.
         return torch.empty(tuple(tensor_shape), dtype=dtype, device="cpu", requires_grad=False)
 
+    get_tensor._mcore_cpu_patch = True  # type: ignore[attr-defined]
     _set(mutils.GlobalMemoryBuffer, "get_tensor", get_tensor)
 
     # --- RNG tracker ------------------------------------------------------------------------
@@ -195,6 +201,18 @@ def apply_cpu_patches() -> None:
     _set(tp_random.CudaRNGStatesTracker, "fork", tracker_fork)
     _set(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.zeros(0, dtype=torch.uint8))
     _set(tp_random, "_set_cuda_rng_state", _noop)
+
+    # CheckpointWithoutOutput.__init__ sets ``self.fp8 = fp8 is not None``, so the default
+    # ``fp8=False`` takes the Transformer-Engine FP8 path (NameError: FP8GlobalStateManager)
+    # without TE. Affects selective recompute of "layernorm" and "moe_act". Only a real
+    # (truthy) fp8 setting should select that path.
+    cwo_init = _orig(tp_random.CheckpointWithoutOutput, "__init__")
+
+    def cwo_init_fixed(self, fp8=False):
+        cwo_init(self, fp8=fp8)
+        self.fp8 = bool(fp8)
+
+    _set(tp_random.CheckpointWithoutOutput, "__init__", cwo_init_fixed)
 
     # --- MoE --------------------------------------------------------------------------------
     from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
@@ -367,12 +385,12 @@ CONFIG_DEFAULTS: Dict[str, Any] = dict(
     moe_router_fusion=False,
 )
 
-#: Extra defaults only for MLA configs (MLATransformerConfig defaults to YaRN RoPE).
-MLA_DEFAULTS: Dict[str, Any] = dict(rope_type="rope")
-
-
 def make_config(config_kwargs: Dict[str, Any], **overrides: Any):
-    """TransformerConfig (or MLATransformerConfig when ``multi_latent_attention``)."""
+    """TransformerConfig (or MLATransformerConfig when ``multi_latent_attention``).
+
+    MLA keeps MLATransformerConfig's own defaults (RMSNorm, ``rope_type="yarn"``); RoPE
+    variants add no GEMMs.
+    """
     from megatron.core.transformer.transformer_config import (
         MLATransformerConfig,
         TransformerConfig,
@@ -380,8 +398,6 @@ def make_config(config_kwargs: Dict[str, Any], **overrides: Any):
 
     kwargs = dict(CONFIG_DEFAULTS)
     mla = bool(config_kwargs.get("multi_latent_attention", False))
-    if mla:
-        kwargs.update(MLA_DEFAULTS)
     kwargs.update(config_kwargs)
     kwargs.update(overrides)
     if kwargs.get("num_moe_experts") is None:
