@@ -421,3 +421,37 @@ def test_tensor_bad_inputs():
         vision_stats_tensor(PLAIN, [[1, 2, 2]])
     with pytest.raises(ValueError, match="expected 5 values"):
         vision_stats_from_vector([1, 2, 3])
+
+
+@needs_hf
+def test_cli_vision_only_model_file_equals_measured(tmp_path):
+    # The contract: estimate --model FILE --grid-thw GRIDS --json, FILE holding only model_type
+    # and vision_config; total_flops is the executed forward + backward that FlopCounterMode measures.
+    import json
+    import subprocess
+    import sys
+
+    vision_config, grids = HF_CASES["qwen2_5_vl"]
+    config = _hf_config("qwen2_5_vl", vision_config)
+    _, fwd_total, bwd_total = _measure(_hf_tower("qwen2_5_vl", config), grids)
+    model_file = tmp_path / "vision.json"
+    model_file.write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": vision_config}))
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_flops", "estimate", "--model", str(model_file),
+         "--grid-thw", json.dumps(grids), "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    report = json.loads(out.stdout)
+    assert report["total_flops"] == fwd_total + bwd_total
+    assert sum(report["components"].values()) == report["total_flops"]
+
+
+def test_cli_bad_grid_exits_2(tmp_path, capsys):
+    import json
+
+    from megatron_flops.cli import main
+
+    model_file = tmp_path / "vision.json"
+    model_file.write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": HF_CASES["qwen2_5_vl"][0]}))
+    assert main(["estimate", "--model", str(model_file), "--grid-thw", "[[1, 4]]"]) == 2
+    assert "grid row 0" in capsys.readouterr().err
