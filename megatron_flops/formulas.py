@@ -312,7 +312,11 @@ def _moe(add: Any, spec: ModelSpec, tokens: int, prefix: str) -> None:
     # NB: dropless routing; a capacity factor that drops tokens lowers the executed count.
     add(f"{prefix}moe/routed", _ffn(spec, tokens * moe.router_topk, d_in, moe.ffn_hidden_size))
     if moe.shared_expert_ffn_hidden_size:
-        add(f"{prefix}moe/shared", _ffn(spec, tokens, h, moe.shared_expert_ffn_hidden_size))
+        shared = _ffn(spec, tokens, h, moe.shared_expert_ffn_hidden_size)
+        if moe.shared_expert_gate:
+            # Shared-expert gate: [T, h] @ [h, 1].
+            shared += gemm(tokens, h, 1)
+        add(f"{prefix}moe/shared", shared)
 
 
 def _mamba(add: Any, spec: ModelSpec, tokens: int) -> None:

@@ -69,6 +69,7 @@ class MoESpec:
     router_topk: int
     ffn_hidden_size: int
     shared_expert_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
     latent_size: int | None = None
 
 
@@ -270,6 +271,7 @@ _CONFIG_FIELDS_READ = (
     "moe_router_topk",
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
     "moe_layer_freq",
     "moe_latent_size",
     "multi_latent_attention",
@@ -391,6 +393,7 @@ def _build(fields: dict[str, Any], *, source: str) -> ModelSpec:
                 fields, "moe_shared_expert_intermediate_size", source=source
             )
             or 0,
+            shared_expert_gate=bool(fields.get("moe_shared_expert_gate", False)),
             latent_size=_opt_int(fields, "moe_latent_size", source=source),
         )
 
@@ -529,6 +532,8 @@ def _hf_to_mcore(hf: Mapping[str, Any]) -> dict[str, Any]:
             shared = hf["n_shared_experts"] * hf["moe_intermediate_size"]
         if shared:
             out["moe_shared_expert_intermediate_size"] = shared
+            # Qwen2-MoE scales the shared expert by a sigmoid gate: one [T, h] @ [h, 1] GEMM.
+            out["moe_shared_expert_gate"] = model_type == "qwen2_moe"
         flags = [1] * num_layers
         first_dense = hf.get("first_k_dense_replace") or 0
         step = hf.get("decoder_sparse_step") or hf.get("moe_layer_freq") or 1

@@ -38,6 +38,10 @@ MATRIX = {
         moe_shared_expert_intermediate_size=80, moe_layer_freq=[0, 1, 1],
         gated_linear_unit=True, activation_func=F.silu,
     ),
+    "MoE shared-expert gate": dict(
+        BASE, num_moe_experts=4, moe_router_topk=1, moe_router_pre_softmax=True, moe_ffn_hidden_size=48,
+        moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True,
+    ),
     "MLA": dict(
         BASE, multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=32,
         qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
