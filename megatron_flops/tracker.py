@@ -22,6 +22,8 @@ import torch.distributed as dist
 from megatron_flops.formulas import ATTENTION_CONVENTIONS, SeqStats, training_flops
 from megatron_flops.result import StepResult
 from megatron_flops.spec import ModelSpec
+from megatron_flops.vision import VisionSpec, vision_training_flops
+from megatron_flops.vision_torch import VISION_SLOTS, vision_stats_from_vector, vision_stats_tensor
 
 logger = logging.getLogger("megatron_flops")
 
@@ -63,6 +65,8 @@ class FlopsTracker:
             Unpacked rows hold ``1/cp`` of each sequence; packed ``cu_seqlens`` are global.
         validate: check every input (this syncs the host with the device: for debugging).
         group: the process group of the per-step all-reduce (default: the world).
+        vision: the vision tower of a VLM; ``record(grid_thw=...)`` then prices it (executed
+            FLOPs, full attention within each frame or window) into the same step.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class FlopsTracker:
         context_parallel_size: int | None = None,
         validate: bool = False,
         group: Any = None,
+        vision: VisionSpec | None = None,
     ) -> None:
         if attention not in ATTENTION_CONVENTIONS:
             raise ValueError(f"attention must be one of {ATTENTION_CONVENTIONS}, got {attention!r}")
@@ -88,9 +93,12 @@ class FlopsTracker:
         self.validate = validate
         self.group = group
         self._window = spec.window_size
+        self.vision = vision
+        # The vector's layout is fixed per tracker (identical on every rank: same spec).
+        self._slots = SLOTS + (tuple(f"vision/{name}" for name in VISION_SLOTS) if vision else ())
         self._acc: torch.Tensor | None = None
         self._exps: torch.Tensor | None = None
-        self._host = [0] * len(SLOTS)
+        self._host = [0] * len(self._slots)
         self._owners: dict[int, tuple[bool, int]] = {}
         self._warned = False
 
@@ -107,6 +115,7 @@ class FlopsTracker:
         cu_seqlens_argmin: torch.Tensor | int | None = None,
         cu_seqlens_padded_argmin: torch.Tensor | int | None = None,
         seq_lengths: torch.Tensor | None = None,
+        grid_thw: torch.Tensor | None = None,
         vp_stage: int | None = None,
         owner: bool | None = None,
     ) -> None:
@@ -116,12 +125,15 @@ class FlopsTracker:
         (megatron-core ``PackedSeqParams``) or ``cu_seqlens``/``cu_seqlens_padded`` describe
         packed sub-sequences; a ``*_argmin`` marks where a sentinel-padded ``cu_seqlens`` ends
         (Megatron-Bridge). ``seq_lengths``: ``[b]`` real lengths of dynamically padded rows.
+        ``grid_thw``: ``[n, 3]`` image/video grids of the micro-batch (VLMs; needs ``vision``).
         ``owner`` overrides the ownership rule (see the module docstring).
         """
         try:
             is_owner, cp = self._ownership(model, vp_stage, owner)
             if not is_owner:
                 return
+            if grid_thw is not None:
+                self._record_vision(grid_thw)
             self._record(tokens, cp, packed_seq_params, cu_seqlens, cu_seqlens_padded,
                          cu_seqlens_argmin, cu_seqlens_padded_argmin, seq_lengths)
         except Exception as exc:
@@ -150,6 +162,17 @@ class FlopsTracker:
             cached = (bool(is_first) and tp_rank == 0 and cp_rank == 0, cp_size)
             self._owners[id(model)] = cached
         return cached
+
+    def _record_vision(self, grid_thw: torch.Tensor) -> None:
+        if self.vision is None:
+            raise ValueError("record(grid_thw=...) needs FlopsTracker(..., vision=VisionSpec)")
+        if self.validate:
+            from megatron_flops.vision import parse_grids
+
+            parse_grids(grid_thw.tolist(), spatial_merge_size=self.vision.spatial_merge_size)
+        if self._acc is None:
+            self._accumulator(grid_thw.device)
+        self._vision_acc.add_(vision_stats_tensor(self.vision, grid_thw))
 
     def _record(self, tokens, cp, packed, cu, cu_pad, argmin, pad_argmin, seq_lengths) -> None:
         if tokens is None:
@@ -256,13 +279,14 @@ class FlopsTracker:
 
     def _accumulator(self, device: torch.device) -> torch.Tensor:
         if self._acc is None:
-            self._acc = torch.zeros(len(SLOTS), dtype=torch.int64, device=device)
+            self._acc = torch.zeros(len(self._slots), dtype=torch.int64, device=device)
             self._exps = torch.tensor([1, 2], dtype=torch.int64, device=device)
             # Views made once: [real, padded] x (sum s, sum s^2), and the same for the window excess.
             i, j = _I["num_tokens"], _I["window_excess"]
             self._both = self._acc[i : i + 4].view(2, 2)
             self._window_both = self._acc[j : j + 4].view(2, 2)
             self._real, self._padded = self._both[0], self._both[1]
+            self._vision_acc = self._acc[len(SLOTS) :]
             self._window_real, self._window_padded = self._window_both[0], self._window_both[1]
         return self._acc
 
@@ -275,7 +299,7 @@ class FlopsTracker:
             totals = self._reduce()
         except Exception as exc:  # the collective itself failed: nothing more to agree on
             self._warn_once("end_step() reduction failed", exc)
-            totals = dict.fromkeys(SLOTS, 0)
+            totals = dict.fromkeys(self._slots, 0)
             totals["num_failed_ranks"] = 1
         finally:
             self._reset()
@@ -287,7 +311,7 @@ class FlopsTracker:
         vec = host.to(device) if self._acc is None else self._acc.to(device) + host.to(device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
-        return dict(zip(SLOTS, vec.tolist()))  # the one host sync of the step
+        return dict(zip(self._slots, vec.tolist()))  # the one host sync of the step
 
     def _collective_device(self) -> torch.device:
         if dist.is_available() and dist.is_initialized() and dist.get_backend(self.group) == "nccl":
@@ -297,7 +321,7 @@ class FlopsTracker:
     def _reset(self) -> None:
         if self._acc is not None:
             self._acc.zero_()
-        self._host = [0] * len(SLOTS)
+        self._host = [0] * len(self._slots)
 
     def _price(self, t: dict[str, int]) -> StepResult:
         static_len = self.seq_length or -(-t["num_padded_tokens"] // max(t["num_rows"], 1))
@@ -326,15 +350,24 @@ class FlopsTracker:
         )
         model = training_flops(self.spec, stats, attention=self.attention)
         executed = training_flops(self.spec, stats, attention=self.attention, include_padding=True)
+        components = dict(model.components)
+        vision_flops = 0
+        if self.vision is not None:
+            vision_stats = vision_stats_from_vector([t[f"vision/{name}"] for name in VISION_SLOTS])
+            # NB: the vision tower is priced as executed (full attention within each frame or
+            # window, no padding): the same number in model and executed FLOPs.
+            vision = vision_training_flops(self.vision, vision_stats)
+            components.update(vision.components)
+            vision_flops = vision.total
         return StepResult(
-            flops=model.total,
-            executed_flops=executed.total,
+            flops=model.total + vision_flops,
+            executed_flops=executed.total + vision_flops,
             num_tokens=stats.num_tokens,
             num_padded_tokens=stats.num_padded_tokens,
             num_sequences=stats.num_sequences,
             sum_seqlen_squared=stats.sum_seqlen_squared,
             num_microbatches=t["num_microbatches"],
-            components=dict(model.components),
+            components=components,
             static_flops=static,
         )
 

@@ -258,3 +258,22 @@ def test_record_has_no_cuda_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert tracker.end_step().ok
+
+
+def test_vision_grids_share_the_step_and_the_collective():
+    from megatron_flops.vision import VisionSpec, VisionStats, vision_training_flops
+
+    vit = VisionSpec(depth=2, hidden_size=32, num_heads=4, intermediate_size=64, gated_mlp=True,
+                     patch_size=2, out_hidden_size=64, window_size=8, fullatt_block_indexes=(1,))
+    grids = [[1, 8, 6], [2, 4, 4]]
+    tracker = FlopsTracker(_spec(), vision=vit)
+    tokens, grid = _tok(1, 32), torch.tensor(grids)
+    tracker.record(tokens=tokens, grid_thw=grid)
+    with SyncGuard():
+        tracker.record(tokens=tokens, grid_thw=grid)
+    r = tracker.end_step()
+    text = training_flops(_spec(), SeqStats.from_rows(parse_rows([32, 32]))).total
+    vision = vision_training_flops(vit, VisionStats.from_grids(vit, grids + grids))
+    assert r.flops == text + vision.total and r.components["vit/mlp"] == vision.components["vit/mlp"]
+    with pytest.raises(ValueError, match="needs FlopsTracker"):
+        FlopsTracker(_spec(), validate=True).record(tokens=tokens, grid_thw=grid)
