@@ -1,0 +1,223 @@
+"""Wrappers that the framework adapters install (no framework import).
+
+Hook choice. ``train_step`` is wrapped to open and close the session's step: the training loop
+calls it once per iteration on every rank (pipeline stages included), before any logging, and
+evaluation runs outside it. So the tracker's all-reduce in ``end_step`` is reached by every
+rank every iteration, evaluation micro-batches are not counted, and the step clock covers the
+step only. ``training_log`` is wrapped for the output: its own log line is amended while it is
+printed (``print_rank_last``, looked up in ``training_log``'s module globals, is swapped for the
+duration of the call), and the interval's scalars are written after it returns. The original
+functions always run, with the caller's arguments, and their results are returned unchanged;
+an accounting failure is logged once and leaves the framework's own line as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import re
+from collections.abc import Callable, Iterator, MutableMapping
+from typing import Any
+
+from megatron_flops.meter import IntervalReport, format_log_fields
+from megatron_flops.session import Session, get_session
+
+logger = logging.getLogger("megatron_flops")
+
+ORIGINAL_ATTR = "__megatron_flops_original__"
+PRINTER = "print_rank_last"
+# The stock throughput field of Megatron-LM's and Megatron-Bridge's log line; ours go right after it.
+_STOCK_FIELD = re.compile(r" throughput per GPU \(TFLOP/s/GPU\): [^|]*\|")
+# A text every version's iteration log line carries (and no other line printed by training_log).
+_LOG_LINE_MARK = "elapsed time per iteration (ms)"
+
+
+class Adapter:
+    """What differs between frameworks: how a session is built and where the log's iteration
+    and writers are. Subclasses override the hooks; ``bound`` holds the wrapped call's arguments."""
+
+    name = "framework"
+    failed = False  # building the session failed: not retried
+
+    def session(self, bound: inspect.BoundArguments) -> Session | None:
+        """The installed session, else a new one from the framework's configuration, else None."""
+        session = get_session()
+        if session is not None or self.failed:
+            return session
+        try:
+            return self.new_session(bound)
+        except Exception as exc:
+            # It depends on the configuration only, so every rank fails alike and none opens a step.
+            self.failed = True
+            logger.warning("megatron-flops: cannot set up accounting from the %s configuration (%s: %s); "
+                           "training continues with the stock numbers", self.name, type(exc).__name__, exc)
+            return None
+
+    def new_session(self, bound: inspect.BoundArguments) -> Session:
+        raise NotImplementedError
+
+    def on_step_begin(self, bound: inspect.BoundArguments, session: Session) -> None:
+        """Called before the original train step, after ``session.begin_step()``."""
+
+    def on_log(self, bound: inspect.BoundArguments, session: Session) -> None:
+        """Called before the original ``training_log``."""
+
+    def log_iteration(self, bound: inspect.BoundArguments) -> int:
+        raise NotImplementedError
+
+    def writers(self, bound: inspect.BoundArguments, namespace: MutableMapping[str, Any]) -> tuple[Any, Any]:
+        """(TensorBoard writer, W&B writer) for the log call; either may be None."""
+        raise NotImplementedError
+
+
+def is_wrapped(fn: Any) -> bool:
+    """Whether ``fn`` is one of this package's wrappers."""
+    return getattr(fn, ORIGINAL_ATTR, None) is not None
+
+
+def _mark(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(wrapper, ORIGINAL_ATTR, original)
+    return wrapper
+
+
+def wrap_train_step(original: Callable[..., Any], adapter: Adapter) -> Callable[..., Any]:
+    """``original`` bracketed by the session's ``begin_step()`` / ``end_step()``.
+
+    Once a rank has opened a step it always closes it (the close is a collective), unless the
+    original raises, in which case the exception propagates untouched.
+    """
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # the original reports the bad call
+        session = adapter.session(bound)
+        if session is not None:
+            try:
+                session.begin_step()
+                adapter.on_step_begin(bound, session)
+            except Exception as exc:
+                session.warn_once(f"{adapter.name} train_step hook failed", exc)
+        result = original(*args, **kwargs)
+        if session is not None:
+            try:
+                session.end_step()
+            except Exception as exc:
+                session.warn_once(f"{adapter.name} end of step failed", exc)
+        return result
+
+    return _mark(train_step, original)
+
+
+def wrap_static_flops(original: Callable[..., Any], adapter: Adapter) -> Callable[..., Any]:
+    """``original`` (the framework's stock FLOPs function) whose result is also attached to the
+    session's latest step as its static number."""
+
+    @functools.wraps(original)
+    def static_flops(*args: Any, **kwargs: Any) -> Any:
+        value = original(*args, **kwargs)
+        session = get_session()
+        if session is not None:
+            try:
+                session.set_static_flops(value)
+            except Exception as exc:
+                session.warn_once(f"{adapter.name} stock FLOPs hook failed", exc)
+        return value
+
+    return _mark(static_flops, original)
+
+
+def wrap_training_log(original: Callable[..., Any], adapter: Adapter) -> Callable[..., Any]:
+    """``original`` whose iteration log line gains the corrected fields and whose log interval
+    also writes ``IntervalReport.scalars()`` to the framework's writers."""
+    signature = inspect.signature(original)
+    namespace = inspect.unwrap(original).__globals__
+
+    @functools.wraps(original)
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        session = get_session()
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            bound = None
+        if session is None or bound is None:
+            return original(*args, **kwargs)
+        try:
+            adapter.on_log(bound, session)
+        except Exception as exc:
+            session.warn_once(f"{adapter.name} training_log hook failed", exc)
+        line = _LogLine(session, adapter.name)
+        with _swapped(namespace, PRINTER, line.amend):
+            result = original(*args, **kwargs)
+        if line.report is not None:
+            try:
+                tb_writer, wandb_writer = adapter.writers(bound, namespace)
+                write_scalars(line.report, adapter.log_iteration(bound), tb_writer, wandb_writer)
+            except Exception as exc:
+                session.warn_once(f"{adapter.name} scalar logging failed", exc)
+        return result
+
+    return _mark(training_log, original)
+
+
+def insert_fields(line: str, fields: str) -> str:
+    """``line`` with ``fields`` right after its stock throughput field, or at its end."""
+    match = _STOCK_FIELD.search(line)
+    if match is None:
+        return line + fields
+    return line[: match.end()] + fields + line[match.end():]
+
+
+def write_scalars(report: IntervalReport, iteration: int, tb_writer: Any, wandb_writer: Any) -> None:
+    """``report.scalars()`` at ``iteration``: one ``add_scalar`` per key, one W&B ``log``."""
+    scalars = report.scalars()
+    if tb_writer is not None:
+        for key, value in scalars.items():
+            tb_writer.add_scalar(key, value, iteration)
+    if wandb_writer is not None:
+        wandb_writer.log(scalars, iteration)
+
+
+class _LogLine:
+    """Amends the first iteration log line printed during one ``training_log`` call."""
+
+    def __init__(self, session: Session, name: str) -> None:
+        self.session = session
+        self.name = name
+        self.report: IntervalReport | None = None
+        self._done = False
+
+    def amend(self, message: Any) -> Any:
+        if self._done or not isinstance(message, str) or _LOG_LINE_MARK not in message:
+            return message
+        self._done = True
+        try:
+            self.report = self.session.report()
+            return message if self.report is None else insert_fields(message, format_log_fields(self.report))
+        except Exception as exc:
+            self.report = None
+            self.session.warn_once(f"{self.name} log line", exc)
+            return message
+
+
+@contextlib.contextmanager
+def _swapped(namespace: MutableMapping[str, Any], name: str, amend: Callable[[Any], Any]) -> Iterator[None]:
+    printer = namespace.get(name)
+    if printer is None:  # renamed since install(): print unamended
+        yield
+        return
+
+    @functools.wraps(printer)
+    def amended(message: Any, *args: Any, **kwargs: Any) -> Any:
+        return printer(amend(message), *args, **kwargs)
+
+    namespace[name] = amended
+    try:
+        yield
+    finally:
+        namespace[name] = printer

@@ -1,0 +1,57 @@
+"""Building a session from framework options, shared by the adapters (no framework import)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+
+import torch
+
+from megatron_flops.formulas import ATTENTION_CONVENTIONS
+from megatron_flops.peaks import resolve_peak
+from megatron_flops.session import Session, install_session
+from megatron_flops.spec import ModelSpec
+from megatron_flops.tracker import FlopsTracker
+
+
+def check_options(*, peak_tflops: float | None, attention: str | None) -> None:
+    """Reject bad adapter options up front (``ValueError`` naming the option)."""
+    if peak_tflops is not None and not (isinstance(peak_tflops, (int, float)) and math.isfinite(peak_tflops)
+                                        and peak_tflops > 0):
+        raise ValueError(f"peak_tflops must be a positive finite number, got {peak_tflops!r}")
+    if attention is not None and attention not in ATTENTION_CONVENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTION_CONVENTIONS}, got {attention!r}")
+
+
+def new_session(
+    spec: ModelSpec,
+    *,
+    seq_length: int | None,
+    context_parallel_size: int | None,
+    attention: str,
+    peak_tflops: float | None,
+    fp8: bool,
+    world_size: int | None,
+) -> Session:
+    """Install a session for ``spec``. The MFU peak is ``peak_tflops`` if given, else this
+    device's dense peak from the table.
+
+    NB: with an fp8 recipe the peak is the fp8 one, since most GEMMs then run in fp8.
+    """
+    check_options(peak_tflops=peak_tflops, attention=attention)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    tracker = FlopsTracker(spec, attention=attention, seq_length=seq_length,
+                           context_parallel_size=context_parallel_size)
+    return install_session(
+        tracker,
+        peak_flops_per_s=resolve_peak(device, "fp8" if fp8 else "bf16", peak_tflops),
+        world_size=world_size,
+    )
+
+
+def framework_version(distribution: str) -> str:
+    """The installed version of a distribution, for warnings; ``"unknown"`` if not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,205 @@
+"""The process-global accounting session that the framework adapters share (torch level).
+
+A session owns a :class:`FlopsTracker` and a :class:`ThroughputMeter` and times each training
+step. An adapter brackets the framework's train step with ``begin_step()`` / ``end_step()`` on
+every rank (``end_step`` runs the tracker's one all-reduce); ``record()`` in ``forward_step``
+reaches the tracker only while a step is open, so evaluation forward passes, which run outside
+the train step, are not counted. The log hook asks ``report()`` for the interval's numbers.
+
+Step time is the wall time from ``begin_step()`` to the end of ``end_step()``'s reduction, which
+waits for the step's device work (its result is read on the host): the forward-backward passes
+and the optimizer step, without the logging, evaluation and checkpointing between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_flops.meter import IntervalReport, ThroughputMeter
+from megatron_flops.result import StepResult
+from megatron_flops.tracker import FlopsTracker
+
+logger = logging.getLogger("megatron_flops")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Step:
+    iteration: int
+    result: StepResult
+    elapsed_s: float
+    static_flops: int | None = None
+
+
+class Session:
+    """One training run's accounting: the tracker, the meter and the step clock.
+
+    Build it with :func:`install_session`. The latest ended step is held back from the meter
+    until the next ``begin_step()`` or ``report()`` so that a framework's stock FLOPs number,
+    computed after its train step returns, can still be attached with ``set_static_flops()``.
+    """
+
+    def __init__(
+        self,
+        tracker: FlopsTracker,
+        *,
+        peak_flops_per_s: int | None,
+        warmup_iterations: int,
+        world_size: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.tracker = tracker
+        self.meter = ThroughputMeter(
+            world_size=world_size, peak_flops_per_s=peak_flops_per_s, warmup_iterations=warmup_iterations
+        )
+        self._clock = clock
+        self._open = False
+        self._started = 0.0
+        self._record_failed = False
+        self._pending: _Step | None = None
+        self._last_iteration = 0
+        self._num_unreported = 0
+        self._warned: set[str] = set()
+
+    def begin_step(self) -> None:
+        """Open a step: start its clock and let ``record()`` through. Call it on every rank."""
+        self._open = True
+        self._record_failed = False
+        self._started = self._clock()
+        self._flush()
+
+    def record(self, **kwargs: Any) -> None:
+        """Forward one micro-batch to the tracker if a step is open; otherwise ignore it.
+
+        Never raises, unless the tracker validates (``validate=True``): a failure marks the
+        step as fallen back to the static number and is logged once.
+        """
+        if not self._open:
+            return
+        try:
+            self.tracker.record(**kwargs)
+        except Exception as exc:
+            if self.tracker.validate:
+                raise
+            self._record_failed = True
+            self.warn_once("record() failed", exc)
+
+    def end_step(self, *, elapsed_s: float | None = None, iteration: int | None = None) -> StepResult:
+        """Close the step opened by ``begin_step()``: reduce and price it (the tracker's one
+        collective: every rank must call this) and keep it for the next report.
+
+        ``elapsed_s``: the step's wall time (default: measured since ``begin_step()``).
+        ``iteration``: its number (default: the previous one plus 1, starting at 1).
+        """
+        if not self._open:
+            raise ValueError("end_step() called without begin_step()")
+        self._open = False
+        result = self.tracker.end_step()
+        if elapsed_s is None:
+            elapsed_s = self._clock() - self._started
+        if self._record_failed:
+            result = replace(result, ok=False)
+        iteration = self._last_iteration + 1 if iteration is None else iteration
+        self._flush()
+        self._pending = _Step(iteration=iteration, result=result, elapsed_s=elapsed_s)
+        self._last_iteration = iteration
+        return result
+
+    def set_static_flops(self, flops: float) -> None:
+        """Attach the framework's stock FLOPs number to the latest ended step (a no-op when that
+        step was already reported). Rounded to an integer; Megatron computes it in floats."""
+        if not (math.isfinite(flops) and flops >= 0):
+            raise ValueError(f"static FLOPs must be a non-negative finite number, got {flops!r}")
+        if self._pending is not None:
+            self._pending = replace(self._pending, static_flops=round(flops))
+
+    def report(self) -> IntervalReport | None:
+        """The steps ended since the previous report, as one interval; None if there are none."""
+        self._flush()
+        if not self._num_unreported:
+            return None
+        self._num_unreported = 0
+        return self.meter.interval()
+
+    def summary(self) -> IntervalReport | None:
+        """Every step after the warm-up (see ``ThroughputMeter.summary``)."""
+        self._flush()
+        return self.meter.summary()
+
+    def warn_once(self, what: str, exc: BaseException) -> None:
+        """Log an accounting failure once per kind (``what``); training is not interrupted."""
+        if what in self._warned:
+            return
+        self._warned.add(what)
+        logger.warning(
+            "megatron-flops: %s (%s: %s); the framework's own throughput numbers are unchanged "
+            "(logged once)", what, type(exc).__name__, exc,
+        )
+
+    def _flush(self) -> None:
+        step, self._pending = self._pending, None
+        if step is not None:
+            self.meter.record(
+                iteration=step.iteration, result=step.result, elapsed_s=step.elapsed_s,
+                static_flops=step.static_flops,
+            )
+            self._num_unreported += 1
+
+
+_session: Session | None = None
+
+
+def install_session(
+    tracker: FlopsTracker,
+    *,
+    peak_flops_per_s: int | None = None,
+    warmup_iterations: int = 2,
+    world_size: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Session:
+    """Make a new session the process-global one (replacing any previous) and return it.
+
+    Install it on every rank. ``world_size``: the number of GPUs the step totals are spread over
+    (default: the initialised process group's size, else 1). ``peak_flops_per_s``: one GPU's
+    dense peak (None: no MFU/HFU). ``clock``: seconds, monotonic.
+    """
+    global _session
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    _session = Session(
+        tracker,
+        peak_flops_per_s=peak_flops_per_s,
+        warmup_iterations=warmup_iterations,
+        world_size=world_size,
+        clock=clock,
+    )
+    return _session
+
+
+def get_session() -> Session | None:
+    """The process-global session, or None when none is installed."""
+    return _session
+
+
+def uninstall_session() -> Session | None:
+    """Remove the process-global session (the adapters then only call the originals); returns it."""
+    global _session
+    session, _session = _session, None
+    return session
+
+
+def record(**kwargs: Any) -> None:
+    """Record one micro-batch in the installed session (``FlopsTracker.record`` arguments).
+
+    The one line a ``forward_step`` needs. A no-op when no session is installed or no train step
+    is open (evaluation); never raises (see ``Session.record``).
+    """
+    session = _session
+    if session is not None:
+        session.record(**kwargs)
