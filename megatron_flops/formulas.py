@@ -198,20 +198,49 @@ class FlopsBreakdown:
         return sum(self.components.values())
 
 
-def forward_flops(
+@dataclass(frozen=True, kw_only=True)
+class Gemm:
+    """One forward GEMM (or one group of same-role GEMMs, e.g. every routed expert's fc1).
+
+    ``name`` is the megatron-core module that runs it (``linear_qkv``, ``experts.linear_fc1``,
+    ``output_layer``, ...; core attention is ``core_attention.scores`` and
+    ``core_attention.context``); ``layer`` is the 0-based index in ``spec.layers``, MTP depth
+    ``d`` is ``num_layers + d``, and the output layer is ``None``. ``shape`` is
+    ``(rows, in_features, out_features)`` of a linear layer, ``None`` for a GEMM of two
+    activations (core attention) or Mamba's scan.
+    """
+
+    key: str
+    name: str
+    layer: int | None
+    flops: int
+    shape: tuple[int, int, int] | None = None
+
+    @property
+    def has_weight(self) -> bool:
+        return self.shape is not None
+
+
+def forward_gemms(
     spec: ModelSpec, stats: SeqStats, *, attention: str = "causal", include_padding: bool = False
-) -> dict[str, int]:
-    """Forward-pass FLOPs per component over ``stats``; see the module docstring for conventions."""
+) -> tuple[Gemm, ...]:
+    """Every forward GEMM over ``stats`` in execution order (layers, output layer, MTP depths);
+    see the module docstring for conventions."""
     apply_attention_convention(0, attention)  # validates the name
     tokens = stats.num_padded_tokens if include_padding else stats.num_tokens
     full_pairs = stats.sum_padded_seqlen_squared if include_padding else stats.sum_seqlen_squared
     band = stats.padded_window_pairs if include_padding else stats.window_pairs
-    out: dict[str, int] = {}
+    out: list[Gemm] = []
 
-    def add(key: str, value: int) -> None:
-        out[key] = out.get(key, 0) + value
+    def at(layer: int | None) -> Any:
+        def add(key: str, name: str, flops: int, shape: tuple[int, int, int] | None = None) -> None:
+            assert shape is None or flops == gemm(*shape)
+            out.append(Gemm(key=key, name=name, layer=layer, flops=flops, shape=shape))
 
-    for mixer, ffn in spec.layers:
+        return add
+
+    for index, (mixer, ffn) in enumerate(spec.layers):
+        add = at(index)
         if mixer in ("attention", "window"):
             _attention(add, spec, tokens, band if mixer == "window" else full_pairs, attention, "")
         elif mixer == "mamba":
@@ -221,19 +250,30 @@ def forward_flops(
         elif ffn == "moe":
             _moe(add, spec, tokens, "")
     # Output layer: [T, h] @ [h, V_padded].
-    add("logits", gemm(tokens, spec.hidden_size, spec.padded_vocab_size))
+    _linear(at(None), "logits", "output_layer", tokens, spec.hidden_size, spec.padded_vocab_size)
 
-    for _ in range(spec.mtp_num_layers):
+    for depth in range(spec.mtp_num_layers):
+        add = at(spec.num_layers + depth)
         # MTP eh_proj: concat(embedding, hidden) [T, 2h] @ [2h, h].
         # NB: the enorm/hnorm/final norms that Megatron-LM prices (3h per token) run no GEMM.
-        add("mtp/eh_proj", gemm(tokens, 2 * spec.hidden_size, spec.hidden_size))
+        _linear(add, "mtp/eh_proj", "eh_proj", tokens, 2 * spec.hidden_size, spec.hidden_size)
         _attention(add, spec, tokens, full_pairs, attention, "mtp/")
         if spec.mtp_ffn == "moe":
             _moe(add, spec, tokens, "mtp/")
         else:
             _mlp(add, spec, tokens, "mtp/")
         # The shared output layer runs again on every MTP depth.
-        add("mtp/logits", gemm(tokens, spec.hidden_size, spec.padded_vocab_size))
+        _linear(at(None), "mtp/logits", "output_layer", tokens, spec.hidden_size, spec.padded_vocab_size)
+    return tuple(out)
+
+
+def forward_flops(
+    spec: ModelSpec, stats: SeqStats, *, attention: str = "causal", include_padding: bool = False
+) -> dict[str, int]:
+    """Forward-pass FLOPs per component over ``stats``: :func:`forward_gemms` summed by key."""
+    out: dict[str, int] = {}
+    for g in forward_gemms(spec, stats, attention=attention, include_padding=include_padding):
+        out[g.key] = out.get(g.key, 0) + g.flops
     return out
 
 
@@ -257,43 +297,49 @@ def estimate(
     return training_flops(spec, stats, attention=attention, include_padding=include_padding)
 
 
+def _linear(add: Any, key: str, name: str, rows: int, d_in: int, d_out: int) -> None:
+    add(key, name, gemm(rows, d_in, d_out), (rows, d_in, d_out))
+
+
 def _attention(add: Any, spec: ModelSpec, tokens: int, pairs: int, attention: str, prefix: str) -> None:
     h, nq = spec.hidden_size, spec.num_attention_heads
+    key = f"{prefix}attn/qkv"
     mla = spec.mla
     if mla is None:
         d, ng = spec.kv_channels, spec.num_query_groups
         gate = nq * d if spec.attention_output_gate else 0
         # linear_qkv: [T, h] @ [h, (nq + 2*ng)*d (+ nq*d output gate)].
-        add(f"{prefix}attn/qkv", gemm(tokens, h, (nq + 2 * ng) * d + gate))
+        _linear(add, key, "linear_qkv", tokens, h, (nq + 2 * ng) * d + gate)
         qk_dim, v_dim = d, d
     else:
         qk_dim, v_dim = mla.qk_head_dim + mla.qk_pos_emb_head_dim, mla.v_head_dim
         if mla.q_lora_rank is None:
             # linear_q_proj: [T, h] @ [h, nq*(qk + rope)].
-            q = gemm(tokens, h, nq * qk_dim)
+            _linear(add, key, "linear_q_proj", tokens, h, nq * qk_dim)
         else:
             # linear_q_down_proj [T, h] @ [h, q_lora]; linear_q_up_proj [T, q_lora] @ [q_lora, nq*(qk + rope)].
             # NB: the q/kv layernorms that Megatron-LM prices (+1 per rank) run no GEMM.
-            q = gemm(tokens, h, mla.q_lora_rank) + gemm(tokens, mla.q_lora_rank, nq * qk_dim)
+            _linear(add, key, "linear_q_down_proj", tokens, h, mla.q_lora_rank)
+            _linear(add, key, "linear_q_up_proj", tokens, mla.q_lora_rank, nq * qk_dim)
         # linear_kv_down_proj [T, h] @ [h, kv_lora + rope]; linear_kv_up_proj [T, kv_lora] @ [kv_lora, nq*(qk + v)].
-        kv = gemm(tokens, h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim) + gemm(
-            tokens, mla.kv_lora_rank, nq * (mla.qk_head_dim + v_dim)
-        )
-        add(f"{prefix}attn/qkv", q + kv)
+        _linear(add, key, "linear_kv_down_proj", tokens, h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
+        _linear(add, key, "linear_kv_up_proj", tokens, mla.kv_lora_rank, nq * (mla.qk_head_dim + v_dim))
     # Per head: scores [s, qk] @ [qk, s] and context [s, s] @ [s, v], summed over sequences as
-    # pair counts: FLOPS_PER_MAC * nq * (qk + v) * pairs.
-    add(f"{prefix}attn/core", apply_attention_convention(FLOPS_PER_MAC * nq * (qk_dim + v_dim) * pairs, attention))
+    # pair counts: FLOPS_PER_MAC * nq * qk * pairs and FLOPS_PER_MAC * nq * v * pairs.
+    for name, dim in (("core_attention.scores", qk_dim), ("core_attention.context", v_dim)):
+        add(f"{prefix}attn/core", name, apply_attention_convention(FLOPS_PER_MAC * nq * dim * pairs, attention))
     # linear_proj: [T, nq*v] @ [nq*v, h].
-    add(f"{prefix}attn/out", gemm(tokens, nq * v_dim, h))
+    _linear(add, f"{prefix}attn/out", "linear_proj", tokens, nq * v_dim, h)
 
 
 def _mlp(add: Any, spec: ModelSpec, tokens: int, prefix: str) -> None:
-    add(f"{prefix}mlp", _ffn(spec, tokens, spec.hidden_size, spec.ffn_hidden_size))
+    _ffn(add, f"{prefix}mlp", "", spec, tokens, spec.hidden_size, spec.ffn_hidden_size)
 
 
-def _ffn(spec: ModelSpec, tokens: int, d_in: int, ffn: int) -> int:
+def _ffn(add: Any, key: str, module: str, spec: ModelSpec, tokens: int, d_in: int, ffn: int) -> None:
     # linear_fc1: [T, d] @ [d, ffn (x2 gated)]; linear_fc2: [T, ffn] @ [ffn, d].
-    return gemm(tokens, d_in, ffn * (2 if spec.gated_linear_unit else 1)) + gemm(tokens, ffn, d_in)
+    _linear(add, key, f"{module}linear_fc1", tokens, d_in, ffn * (2 if spec.gated_linear_unit else 1))
+    _linear(add, key, f"{module}linear_fc2", tokens, ffn, d_in)
 
 
 def _moe(add: Any, spec: ModelSpec, tokens: int, prefix: str) -> None:
@@ -302,21 +348,19 @@ def _moe(add: Any, spec: ModelSpec, tokens: int, prefix: str) -> None:
     h = spec.hidden_size
     # Router: [T, h] @ [h, E].
     # NB: Megatron-LM's and Megatron-Bridge's formulas omit this GEMM.
-    add(f"{prefix}moe/router", gemm(tokens, h, moe.num_experts))
+    _linear(add, f"{prefix}moe/router", "router", tokens, h, moe.num_experts)
     d_in = h
     if moe.latent_size is not None:
         # fc1_latent_proj [T, h] @ [h, latent] before dispatch; fc2_latent_proj after combine.
-        add(f"{prefix}moe/latent", gemm(tokens, h, moe.latent_size) + gemm(tokens, moe.latent_size, h))
+        _linear(add, f"{prefix}moe/latent", "fc1_latent_proj", tokens, h, moe.latent_size)
         d_in = moe.latent_size
     # Routed experts: each token runs top-k expert MLPs.
     # NB: dropless routing; a capacity factor that drops tokens lowers the executed count.
-    add(f"{prefix}moe/routed", _ffn(spec, tokens * moe.router_topk, d_in, moe.ffn_hidden_size))
+    _ffn(add, f"{prefix}moe/routed", "experts.", spec, tokens * moe.router_topk, d_in, moe.ffn_hidden_size)
+    if moe.latent_size is not None:
+        _linear(add, f"{prefix}moe/latent", "fc2_latent_proj", tokens, moe.latent_size, h)
     if moe.shared_expert_ffn_hidden_size:
-        shared = _ffn(spec, tokens, h, moe.shared_expert_ffn_hidden_size)
-        if moe.shared_expert_gate:
-            # Shared-expert gate: [T, h] @ [h, 1].
-            shared += gemm(tokens, h, 1)
-        add(f"{prefix}moe/shared", shared)
+        _ffn(add, f"{prefix}moe/shared", "shared_experts.", spec, tokens, h, moe.shared_expert_ffn_hidden_size)
 
 
 def _mamba(add: Any, spec: ModelSpec, tokens: int) -> None:
@@ -325,8 +369,8 @@ def _mamba(add: Any, spec: ModelSpec, tokens: int) -> None:
     h = spec.hidden_size
     d_inner = 2 * h
     # in_proj: [T, h] @ [h, 2*d_inner + 2*groups*state + heads] (z, x, B, C, dt).
-    add("mamba/in_proj", gemm(tokens, h, 2 * d_inner + 2 * m.num_groups * m.state_dim + m.num_heads))
+    _linear(add, "mamba/in_proj", "in_proj", tokens, h, 2 * d_inner + 2 * m.num_groups * m.state_dim + m.num_heads)
     # NB: not a GEMM; Megatron-LM's estimate of the SSD scan, 7 FLOPs per (token, channel, state).
-    add("mamba/scan", 7 * tokens * d_inner * m.state_dim)
+    add("mamba/scan", "scan", 7 * tokens * d_inner * m.state_dim)
     # out_proj: [T, d_inner] @ [d_inner, h].
-    add("mamba/out_proj", gemm(tokens, d_inner, h))
+    _linear(add, "mamba/out_proj", "out_proj", tokens, d_inner, h)
