@@ -168,3 +168,19 @@ def test_sliding_window_counts_band_pairs():
     assert estimate(full, parse_rows([10]), attention="full").components["attn/core"] == 3 * 2 * 4 * 32 * 200
     # Causal halves the band: 79 pairs.
     assert estimate(spec, parse_rows([10])).components["attn/core"] == 3 * 2 * 4 * 32 * 79
+
+
+def test_hybrid_mamba_follows_megatron_lm():
+    # Pattern "M*-M": 2 Mamba layers, 1 attention-only layer, 1 MLP-only layer (Megatron-LM's
+    # hybrid_flops). h=64, 4 heads of 16, ffn 128 (gelu), V=128, state 16, head dim 16, 2 groups.
+    h, T, s, V, ffn, N, G = 64, 2 * 32, 32, 128, 128, 16, 2
+    spec = ModelSpec.from_mapping(dict(
+        hidden_size=h, num_attention_heads=4, ffn_hidden_size=ffn, vocab_size=V, num_layers=4,
+        hybrid_override_pattern="M*-M", mamba_state_dim=N, mamba_head_dim=16, mamba_num_groups=G,
+    ))
+    d_in, heads = 2 * h, 2 * h // 16
+    mamba = 2 * T * h * (2 * d_in + 2 * G * N + heads) + 7 * T * d_in * N + 2 * T * d_in * h
+    attn = 4 * T * h * h + 4 * T * h * h + 2 * (2 * s * s) * h  # q+o, k+v (MHA), causal core
+    mlp = 4 * T * h * ffn
+    logits = 2 * T * h * V
+    assert estimate(spec, parse_rows([s, s])).total == 3 * (2 * mamba + attn + mlp + logits)
