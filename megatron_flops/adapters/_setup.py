@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import logging
 import math
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import torch
 
+from megatron_flops.adapters._hooks import Adapter, is_wrapped
 from megatron_flops.formulas import ATTENTION_CONVENTIONS
 from megatron_flops.peaks import resolve_peak
 from megatron_flops.session import Session, install_session
 from megatron_flops.spec import ModelSpec
 from megatron_flops.tracker import FlopsTracker
+
+logger = logging.getLogger("megatron_flops")
 
 
 def check_options(*, peak_tflops: float | None, attention: str | None) -> None:
@@ -55,3 +63,39 @@ def framework_version(distribution: str) -> str:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+def import_target(module_name: str, framework: str) -> ModuleType | None:
+    """The framework module to patch, or None (with one warning) when it does not import."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        logger.warning("megatron-flops: cannot import %s (%s); %s accounting is not installed",
+                       module_name, exc, framework)
+        return None
+
+
+def patch(module: ModuleType, wrappers: dict[str, Callable[..., Any]], adapter: Adapter, *,
+          missing: list[str], distribution: str) -> bool:
+    """Replace each ``wrappers`` name in ``module`` by its wrapper (once), unless a required
+    symbol is ``missing``: then warn once, naming it and the installed version, and patch nothing."""
+    if missing:
+        logger.warning(
+            "megatron-flops: %s not found in %s (%s %s); %s accounting is not installed and training "
+            "continues with the stock numbers",
+            ", ".join(missing), module.__name__, distribution, framework_version(distribution), adapter.name,
+        )
+        return False
+    for name, wrap in wrappers.items():
+        fn = getattr(module, name)
+        if not is_wrapped(fn):
+            setattr(module, name, wrap(fn, adapter))
+    return True
+
+
+def is_corrected(mode: Any, option: str) -> bool:
+    """Whether an accounting option (``static``, ``corrected``, or unset = static) asks for ours."""
+    mode = mode or "static"
+    if mode not in ("static", "corrected"):
+        raise ValueError(f"{option} must be 'static' or 'corrected', got {mode!r}")
+    return mode == "corrected"

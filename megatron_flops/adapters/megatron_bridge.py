@@ -25,15 +25,14 @@ Checked against Megatron-Bridge v0.2.0 (7af9601), v0.4.0 (0fbfe7d), v0.5.0 (fcbb
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 from typing import Any
 
 import torch.distributed as dist
 
-from megatron_flops.adapters._hooks import PRINTER, Adapter, is_wrapped, wrap_train_step, wrap_training_log
-from megatron_flops.adapters._setup import check_options, framework_version, new_session
+from megatron_flops.adapters._hooks import PRINTER, Adapter, wrap_train_step, wrap_training_log
+from megatron_flops.adapters._setup import check_options, import_target, is_corrected, new_session, patch
 from megatron_flops.session import Session
 from megatron_flops.spec import ModelSpec
 
@@ -113,36 +112,21 @@ def install(cfg: Any = None, *, peak_tflops: float | None = None, attention: str
     function) logs one warning and returns False, patching nothing.
     """
     check_options(peak_tflops=peak_tflops, attention=attention)
-    try:
-        module = importlib.import_module(MODULE)
-    except ImportError as exc:
-        logger.warning("megatron-flops: cannot import %s (%s); Megatron-Bridge accounting is not installed",
-                       MODULE, exc)
+    module = import_target(MODULE, _ADAPTER.name)
+    if module is None:
         return False
     missing = [name for name in _WRAPPERS if not callable(getattr(module, name, None))]
     missing += [f"{name}(global_state)" for name in _WRAPPERS if name not in missing
                 and "global_state" not in inspect.signature(getattr(module, name)).parameters]
     if "training_log" not in missing and PRINTER not in inspect.unwrap(module.training_log).__globals__:
         missing.append(f"training_log's {PRINTER}")
-    if missing:
-        logger.warning(
-            "megatron-flops: %s not found in %s (megatron-bridge %s); Megatron-Bridge accounting is "
-            "not installed and training continues with the stock numbers",
-            ", ".join(missing), MODULE, framework_version("megatron-bridge"),
-        )
-        return False
-    _ADAPTER.configure(cfg, peak_tflops=peak_tflops, attention=attention)
-    for name, wrap in _WRAPPERS.items():
-        fn = getattr(module, name)
-        if not is_wrapped(fn):
-            setattr(module, name, wrap(fn, _ADAPTER))
-    return True
+    if not missing:
+        _ADAPTER.configure(cfg, peak_tflops=peak_tflops, attention=attention)
+    return patch(module, _WRAPPERS, _ADAPTER, missing=missing, distribution="megatron-bridge")
 
 
 def maybe_install_from_config(cfg: Any) -> bool:
     """``install(cfg)`` when ``cfg.logger.flops_accounting == "corrected"``; False (nothing
     patched) when it is ``"static"`` or absent."""
-    mode = getattr(getattr(cfg, "logger", None), "flops_accounting", None) or "static"
-    if mode not in ("static", "corrected"):
-        raise ValueError(f"cfg.logger.flops_accounting must be 'static' or 'corrected', got {mode!r}")
-    return mode == "corrected" and install(cfg)
+    mode = getattr(getattr(cfg, "logger", None), "flops_accounting", None)
+    return is_corrected(mode, "cfg.logger.flops_accounting") and install(cfg)

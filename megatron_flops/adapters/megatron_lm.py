@@ -20,7 +20,6 @@ are globals of that module in all of them.
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import logging
 from typing import Any
@@ -28,12 +27,11 @@ from typing import Any
 from megatron_flops.adapters._hooks import (
     PRINTER,
     Adapter,
-    is_wrapped,
     wrap_static_flops,
     wrap_train_step,
     wrap_training_log,
 )
-from megatron_flops.adapters._setup import check_options, framework_version, new_session
+from megatron_flops.adapters._setup import check_options, import_target, is_corrected, new_session, patch
 from megatron_flops.formulas import ATTENTION_CONVENTIONS
 from megatron_flops.session import Session
 from megatron_flops.spec import ModelSpec
@@ -106,11 +104,8 @@ def install(args: Any = None, *, peak_tflops: float | None = None, attention: st
     warning and returns False, patching nothing.
     """
     check_options(peak_tflops=peak_tflops, attention=attention)
-    try:
-        module = importlib.import_module(MODULE)
-    except ImportError as exc:
-        logger.warning("megatron-flops: cannot import %s (%s); Megatron-LM accounting is not installed",
-                       MODULE, exc)
+    module = import_target(MODULE, _ADAPTER.name)
+    if module is None:
         return False
     missing = [name for name in _WRAPPERS if not callable(getattr(module, name, None))]
     namespace: dict = {}
@@ -119,25 +114,12 @@ def install(args: Any = None, *, peak_tflops: float | None = None, attention: st
         missing += [name for name in _LOG_GLOBALS if name not in namespace]
         if "iteration" not in inspect.signature(module.training_log).parameters:
             missing.append("training_log(iteration)")
-    if missing:
-        logger.warning(
-            "megatron-flops: %s not found in %s (megatron-core %s); Megatron-LM accounting is not "
-            "installed and training continues with the stock numbers",
-            ", ".join(missing), MODULE, framework_version("megatron-core"),
-        )
-        return False
-    _ADAPTER.configure(args, peak_tflops=peak_tflops, attention=attention, namespace=namespace)
-    for name, wrap in _WRAPPERS.items():
-        fn = getattr(module, name)
-        if not is_wrapped(fn):
-            setattr(module, name, wrap(fn, _ADAPTER))
-    return True
+    if not missing:
+        _ADAPTER.configure(args, peak_tflops=peak_tflops, attention=attention, namespace=namespace)
+    return patch(module, _WRAPPERS, _ADAPTER, missing=missing, distribution="megatron-core")
 
 
 def maybe_install_from_args(args: Any) -> bool:
     """``install(args)`` when ``args.flops_accounting == "corrected"``; False (nothing patched)
     when it is ``"static"`` or absent."""
-    mode = getattr(args, "flops_accounting", None) or "static"
-    if mode not in ("static", "corrected"):
-        raise ValueError(f"flops_accounting must be 'static' or 'corrected', got {mode!r}")
-    return mode == "corrected" and install(args)
+    return is_corrected(getattr(args, "flops_accounting", None), "flops_accounting") and install(args)
