@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -10,6 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from megatron_flops.formulas import ATTENTION_CONVENTIONS, Row, SeqStats, parse_rows, training_flops
+from megatron_flops.passes import (
+    LORA_TARGETS,
+    MODEL_FLOPS_CONVENTIONS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    PeftSpec,
+    RecomputeSpec,
+    training_passes,
+)
 from megatron_flops.spec import ModelSpec, load_model_file
 
 
@@ -37,12 +47,25 @@ def estimate_report(
     *,
     attention: str = "causal",
     seq_length: int | None = None,
+    peft: PeftSpec | None = None,
+    recompute: RecomputeSpec | None = None,
+    convention: str = "needed",
 ) -> dict[str, Any]:
     """Everything ``estimate --json`` prints: totals, components, statistics, and the static
-    number that prices every row as one full ``seq_length`` sequence."""
+    number that prices every row as one full ``seq_length`` sequence. With ``peft`` or
+    ``recompute``, model FLOPs follow ``convention`` and executed FLOPs add recompute and the
+    GEMMs megatron-core runs unneeded (:mod:`megatron_flops.passes`)."""
     stats = SeqStats.from_rows(rows, window=spec.window_size)
-    model = training_flops(spec, stats, attention=attention)
-    executed = training_flops(spec, stats, attention=attention, include_padding=True)
+    recomputed = unneeded = 0
+    if peft is None and recompute is None:
+        model = training_flops(spec, stats, attention=attention)
+        executed = training_flops(spec, stats, attention=attention, include_padding=True)
+    else:
+        model = training_passes(spec, stats, peft=peft, recompute=recompute, attention=attention).model(convention)
+        padded = training_passes(spec, stats, peft=peft, recompute=recompute, attention=attention,
+                                 include_padding=True)
+        executed = padded.executed()
+        recomputed, unneeded = sum(padded.recompute.values()), sum(padded.unneeded.values())
     static_len = seq_length or max(r.num_padded_tokens for r in rows)
     static = training_flops(spec, _static_stats(rows, static_len, spec.window_size), attention=attention)
     return {
@@ -50,6 +73,9 @@ def estimate_report(
         "components": dict(model.components),
         "executed_flops": executed.total,
         "executed_components": dict(executed.components),
+        "recompute_flops": recomputed,
+        "unneeded_flops": unneeded,
+        "model_flops_convention": convention,
         "static_flops": static.total,
         "static_seq_length": static_len,
         "over_report_factor": static.total / model.total,
@@ -88,6 +114,8 @@ def _format_report(report: dict[str, Any]) -> str:
         *_format_components(report["components"], total),
         "",
         f"executed (padding included): {report['executed_flops']:,}",
+        *([f"  of which recompute {report['recompute_flops']:,}, unneeded GEMMs {report['unneeded_flops']:,}"]
+          if report["recompute_flops"] or report["unneeded_flops"] else []),
         f"static (every row priced as {report['static_seq_length']} tokens): {report['static_flops']:,}"
         f"  -> over-reports {report['over_report_factor']:.2f}x",
     ]
@@ -121,9 +149,72 @@ def _add_vision(report: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any
     return merged
 
 
+def _format_dit(report: dict[str, Any]) -> str:
+    head = (f"DiT: {report['num_samples']} samples, {report['num_video_tokens']:,} video tokens, "
+            f"{report['num_text_tokens']:,} text tokens")
+    return "\n".join([head, f"attention: full; model FLOPs convention: {report['model_flops_convention']}", "",
+                      *_format_components(report["components"], report["total_flops"])])
+
+
+def _training_setup(args: argparse.Namespace, raw: dict[str, Any]) -> tuple[PeftSpec | None, RecomputeSpec | None]:
+    """Frozen weights and LoRA (the model file's ``"lora"`` section, then the flags) and
+    recompute (the model file's ``recompute_*`` fields, then the flags)."""
+    source = Path(args.model).name
+    peft = PeftSpec.from_lora_mapping(raw["lora"], source=source) if raw.get("lora") is not None else None
+    if args.lora_targets is not None and args.lora_rank is None and peft is None:
+        raise ValueError("--lora-targets needs --lora-rank")
+    if args.frozen or args.lora_rank is not None or args.lora_targets is not None:
+        base = peft or PeftSpec()
+        peft = PeftSpec(
+            frozen=args.frozen or base.frozen,
+            lora_rank=base.lora_rank if args.lora_rank is None else args.lora_rank,
+            lora_targets=base.lora_targets if args.lora_targets is None
+            else tuple(t.strip() for t in args.lora_targets.split(",")),
+        )
+    flags = {
+        "recompute_granularity": args.recompute,
+        "recompute_method": args.recompute_method,
+        "recompute_num_layers": args.recompute_num_layers,
+        "recompute_modules": None if args.recompute_modules is None else args.recompute_modules.split(","),
+    }
+    fields = {**raw, **{k: v for k, v in flags.items() if v is not None}}
+    if fields.get("recompute_granularity") is None and any(v is not None for v in flags.values()):
+        raise ValueError(
+            "--recompute-method/--recompute-num-layers/--recompute-modules need --recompute full|selective"
+        )
+    return peft, RecomputeSpec.from_mapping(fields, source=source)
+
+
+def _estimate_dit(args: argparse.Namespace, raw: dict[str, Any], rows: Sequence[Row] | None) -> int:
+    """A DiT model file: --seqlens are video tokens per sample, --kv-seqlens text tokens."""
+    from megatron_flops.dit import dit_report
+
+    if rows is None:
+        raise ValueError(f"{args.model}: a DiT model file needs --seqlens (video tokens per sample)")
+    if args.grid_thw is not None or args.frozen or args.lora_rank is not None or args.recompute is not None:
+        raise ValueError("--grid-thw, --frozen, --lora-rank and --recompute do not apply to a DiT model file")
+    video = [s for row in rows for s in row.seqlens]
+    text = None
+    if args.kv_seqlens is not None:
+        try:
+            text = [s for row in parse_rows(_json_list_arg("--kv-seqlens", args.kv_seqlens)) for s in row.seqlens]
+        except ValueError as exc:
+            raise ValueError(f"--kv-seqlens: {exc}") from None
+        if len(text) != len(video):
+            raise ValueError(f"--kv-seqlens has {len(text)} lengths but --seqlens has {len(video)} samples")
+    report = dit_report(raw["dit"], video, text, convention=args.convention)
+    print(json.dumps(report) if args.json else _format_dit(report))
+    return 0
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     spec, raw = load_model_file(args.model)
     rows = _rows_from_args(args)
+    if "dit" in raw:
+        return _estimate_dit(args, raw, rows)
+    if args.kv_seqlens is not None:
+        raise ValueError("--kv-seqlens prices cross-attention: give a DiT model file (a 'dit' section)")
+    peft, recompute = _training_setup(args, raw)
     vision = None
     if args.grid_thw is not None:
         from megatron_flops.vision import vision_report
@@ -136,7 +227,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     else:
         if spec is None:
             raise ValueError(f"{args.model}: holds no decoder model to price --seqlens with")
-        report = estimate_report(spec, rows, attention=args.attention, seq_length=args.seq_length)
+        report = estimate_report(spec, rows, attention=args.attention, seq_length=args.seq_length,
+                                 peft=peft, recompute=recompute, convention=args.convention)
         if vision is not None:
             report = _add_vision(report, vision)
     if args.json:
@@ -146,6 +238,33 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     else:
         print(_format_report(report))
     return 0
+
+
+def _have_megatron_core() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ImportError:  # no top-level ``megatron`` package
+        return False
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from megatron_flops.demo.run import DemoOptions, main as run_demo
+
+    options = DemoOptions(
+        pp=args.pp,
+        vpp=args.vpp,
+        dp=args.dp,
+        iterations=args.iterations,
+        num_microbatches=args.micro_batches,
+        log_interval=args.log_interval,
+        warmup=args.warmup,
+        peak_tflops=args.peak_tflops,
+        seed=args.seed,
+        attention=args.attention,
+    )
+    if not _have_megatron_core():
+        raise ValueError("the demo trains a megatron-core model: pip install megatron-core")
+    return run_demo(options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,8 +277,32 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--batch-size", type=int, help="number of rows (with --seq-length)")
     est.add_argument("--grid-thw", help="JSON list of [t, h, w] vision grids (or a file): prices the vision tower")
     est.add_argument("--attention", choices=ATTENTION_CONVENTIONS, default="causal")
+    est.add_argument("--kv-seqlens",
+                     help="DiT model file: JSON list of text (key/value) tokens per sample, paired with --seqlens")
+    est.add_argument("--frozen", action="store_true", help="freeze every base weight (train only the LoRA adapters)")
+    est.add_argument("--lora-rank", type=int, help="add rank-R LoRA adapters (model file: 'lora': {'dim': R})")
+    est.add_argument("--lora-targets", help=f"comma-separated projections to adapt, of {','.join(LORA_TARGETS)}")
+    est.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES,
+                     help="recompute_granularity (default: the model file's)")
+    est.add_argument("--recompute-method", choices=RECOMPUTE_METHODS)
+    est.add_argument("--recompute-num-layers", type=int)
+    est.add_argument("--recompute-modules", help="comma-separated selective recompute modules (default core_attn)")
+    est.add_argument("--convention", choices=MODEL_FLOPS_CONVENTIONS, default="needed",
+                     help="model FLOPs: GEMMs training needs (default) or TRAIN_PASSES x every forward GEMM")
     est.add_argument("--json", action="store_true", help="print one JSON object")
     est.set_defaults(func=_cmd_estimate)
+    demo = sub.add_parser("demo", help="train a small megatron-core GPT on CPU and print static vs corrected TFLOP/s/GPU")
+    demo.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1: one process)")
+    demo.add_argument("--vpp", type=int, help="model chunks per pipeline stage (interleaved 1F1B)")
+    demo.add_argument("--dp", type=int, help="data-parallel replicas (default 2 with --pp > 1, else 1)")
+    demo.add_argument("--iterations", type=int, default=12)
+    demo.add_argument("--micro-batches", type=int, default=4, help="micro-batches per iteration per replica")
+    demo.add_argument("--log-interval", type=int, default=1, help="iterations per log line")
+    demo.add_argument("--warmup", type=int, default=2, help="iterations left out of the steady-state summary")
+    demo.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one device, for MFU (a CPU has none)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--attention", choices=ATTENTION_CONVENTIONS, default="causal")
+    demo.set_defaults(func=_cmd_demo)
     return parser
 
 

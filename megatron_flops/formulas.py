@@ -361,6 +361,9 @@ def _moe(add: Any, spec: ModelSpec, tokens: int, prefix: str) -> None:
         _linear(add, f"{prefix}moe/latent", "fc2_latent_proj", tokens, moe.latent_size, h)
     if moe.shared_expert_ffn_hidden_size:
         _ffn(add, f"{prefix}moe/shared", "shared_experts.", spec, tokens, h, moe.shared_expert_ffn_hidden_size)
+        if moe.shared_expert_gate:
+            # Shared-expert gate: [T, h] @ [h, 1].
+            _linear(add, f"{prefix}moe/shared", "shared_experts.gate_weight", tokens, h, 1)
 
 
 def _mamba(add: Any, spec: ModelSpec, tokens: int) -> None:

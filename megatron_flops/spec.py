@@ -55,6 +55,7 @@ _EXTRA_KEYS = frozenset(
         "vision_config",
         "vision",
         "lora",
+        "dit",
     }
 )
 
@@ -208,8 +209,8 @@ class ModelSpec:
 
 
 def load_model_file(path: str | Path) -> tuple[ModelSpec | None, dict[str, Any]]:
-    """Read a JSON/YAML model file; return the decoder spec (None for a vision-only file) and
-    the raw mapping (vision and other sections are read by their own modules)."""
+    """Read a JSON/YAML model file; return the decoder spec (None for a vision-only or DiT-only
+    file) and the raw mapping (vision and other sections are read by their own modules)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -236,7 +237,7 @@ def load_model_file(path: str | Path) -> tuple[ModelSpec | None, dict[str, Any]]
 
 def model_from_mapping(data: Mapping[str, Any], *, source: str) -> ModelSpec | None:
     """Dispatch a mapping to the Hugging Face or the megatron-core reader; None when it holds
-    only a vision tower."""
+    only a vision tower or a DiT (``"dit"``)."""
     if is_hf_config(data):
         text = data.get("text_config")
         if isinstance(text, Mapping):
@@ -244,8 +245,8 @@ def model_from_mapping(data: Mapping[str, Any], *, source: str) -> ModelSpec | N
         if "num_hidden_layers" not in data and "vision_config" in data:
             return None
         return ModelSpec.from_hf_config(data)
-    decoder = {k: v for k, v in data.items() if k not in ("vision_config", "vision", "lora")}
-    if not decoder and ("vision_config" in data or "vision" in data):
+    decoder = {k: v for k, v in data.items() if k not in ("vision_config", "vision", "lora", "dit")}
+    if not decoder and ("vision_config" in data or "vision" in data or "dit" in data):
         return None
     return ModelSpec.from_mapping(decoder, source=source)
 

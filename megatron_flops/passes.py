@@ -1,0 +1,425 @@
+"""GEMM FLOPs of a training step with frozen weights, LoRA adapters and activation recompute
+(stdlib only: ints in, ints out).
+
+Every forward GEMM of :func:`megatron_flops.formulas.forward_gemms` runs once forward. Its
+backward runs one GEMM of the forward's size per operand that gets a gradient: the input
+gradient (dgrad) when its activation operand needs one, the weight gradient (wgrad) when its
+weight is trainable. Core attention multiplies two activations (Q and K, then P and V): one
+dgrad GEMM per operand that needs a gradient. A fully trainable model runs all TRAIN_PASSES.
+
+An activation needs a gradient when a trainable parameter lies upstream of it. With a frozen base
+(embedding, norms, every linear, router and output layer) that is only true downstream of the
+first LoRA adapter: the GEMMs before it run forward only, and the first adapted projection runs
+no input gradient.
+
+Model FLOPs (MFU), two conventions:
+
+- ``"needed"`` (default): forward + every input gradient a gradient must flow through + the
+  weight gradients of trainable weights. Equal to ``formulas.training_flops`` for a fully
+  trainable model; a frozen base layer costs forward + dgrad.
+- ``"train_passes"``: TRAIN_PASSES x every forward GEMM, adapters included: the stock "6N"
+  count, as if every weight trained.
+
+Executed FLOPs (HFU) = the ``"needed"`` passes + the GEMMs megatron-core runs that nothing needs
+(``unneeded``) + recomputed forward GEMMs (``recompute``). Unneeded, as measured on
+megatron-core 0.16.1:
+
+- megatron's linear autograd Function always computes the input gradient of a trainable weight's
+  layer. Adapters are megatron linears (Megatron-Bridge's ``ParallelLinearAdapter``), so an
+  adapter whose input needs no gradient still runs its first GEMM's dgrad.
+- ``RouterGatingLinearFunction`` always computes both gradients: a frozen router's wgrad.
+- Full recompute with a frozen base: megatron's reentrant checkpoint calls backward only when
+  its input requires grad, so Megatron-Bridge makes the decoder input require grad
+  (``maybe_enable_recompute_inputs_grad``). We model that: every decoder GEMM then runs its dgrad.
+
+Recompute (megatron-core's ``recompute_granularity``/``recompute_method``/``recompute_num_layers``/
+``recompute_modules``) re-runs the forward GEMMs of each checkpointed region whose backward runs:
+
+- ``full``: every GEMM of the recomputed layers (``uniform``: all; ``block``: the first
+  ``recompute_num_layers`` of every pipeline model chunk), LoRA adapters included; MTP layers
+  (eh_proj + transformer layer) with ``uniform`` only. Never the output layer.
+- ``selective``: ``core_attn`` the two core-attention GEMMs; ``mla_up_proj`` the MLA
+  up-projections (``linear_q_up_proj`` or ``linear_q_proj``, and ``linear_kv_up_proj``);
+  ``mlp`` the dense MLP; ``moe`` the whole MoE layer (router, latent projections, routed and
+  shared experts); ``shared_experts`` the shared experts and their gate (twice with ``moe``: the
+  inner checkpoint re-runs inside the outer one's recompute); ``layernorm``, ``moe_act`` no GEMM.
+
+Not modelled (ValueError): hybrid/Mamba layers; a checkpointed region that holds trainable
+weights but whose input needs no gradient (megatron's reentrant checkpoint would leave them
+untrained); uneven pipeline splits with ``block``; FP8/FP4 ``block`` recompute, which skips
+layers whose input needs no gradient.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_flops.formulas import TRAIN_PASSES, FlopsBreakdown, Gemm, SeqStats, forward_gemms, gemm
+from megatron_flops.spec import ModelSpec
+
+MODEL_FLOPS_CONVENTIONS = ("needed", "train_passes")
+# Projections an adapter can wrap, named as Megatron-Bridge's LoRA ``target_modules`` name them.
+LORA_TARGETS = (
+    "linear_qkv",
+    "linear_proj",
+    "linear_fc1",
+    "linear_fc2",
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+)
+# Megatron-Bridge's LoRA default.
+DEFAULT_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+_UNEVEN_PIPELINE_FIELDS = (
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+    "pipeline_model_parallel_layout",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeftSpec:
+    """Which weights train: ``frozen`` freezes every base parameter; ``lora_rank`` adds a rank-r
+    adapter ``x @ A @ B`` (A: in x r, B: r x out, run on the projection's input rows) beside every
+    projection named in ``lora_targets``, in every layer (MTP layers and routed/shared experts
+    included, as Megatron-Bridge matches module names)."""
+
+    frozen: bool = False
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+
+    def __post_init__(self) -> None:
+        if self.lora_rank is not None and (
+            isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1
+        ):
+            raise ValueError(f"lora rank must be a positive integer, got {self.lora_rank!r}")
+        if not isinstance(self.lora_targets, tuple) or not self.lora_targets:
+            raise ValueError(f"lora targets must be a non-empty tuple of names, got {self.lora_targets!r}")
+        for target in self.lora_targets:
+            if target not in LORA_TARGETS:
+                close = difflib.get_close_matches(str(target), LORA_TARGETS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"unknown lora target {target!r}{hint}; known: {', '.join(LORA_TARGETS)}")
+        if self.frozen and self.lora_rank is None:
+            raise ValueError("a frozen base without LoRA adapters has nothing to train; give a lora rank")
+
+    @classmethod
+    def from_lora_mapping(cls, section: Mapping[str, Any], *, source: str = "model file") -> PeftSpec:
+        """A model file's ``"lora"`` section in Megatron-Bridge's field names: ``dim`` (rank) and
+        optional ``target_modules``. LoRA freezes the base, as Megatron-Bridge's PEFT does."""
+        if not isinstance(section, Mapping):
+            raise ValueError(f"{source}: 'lora' must be a mapping with 'dim' and 'target_modules'")
+        unknown = set(section) - {"dim", "target_modules"}
+        if unknown:
+            raise ValueError(f"{source}: unknown key(s) {sorted(unknown)} in 'lora' (known: dim, target_modules)")
+        if "dim" not in section:
+            raise ValueError(f"{source}: 'lora' needs 'dim' (the adapter rank)")
+        targets = section.get("target_modules", DEFAULT_LORA_TARGETS)
+        if isinstance(targets, str) or not isinstance(targets, (list, tuple)):
+            raise ValueError(f"{source}: lora 'target_modules' must be a list of names, got {targets!r}")
+        try:
+            return cls(frozen=True, lora_rank=section["dim"], lora_targets=tuple(targets))
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputeSpec:
+    """Activation recompute as megatron-core's ``TransformerConfig`` sets it (same validation)."""
+
+    granularity: str
+    method: str | None = None
+    num_layers: int | None = None
+    modules: tuple[str, ...] = ("core_attn",)
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got {self.granularity!r}"
+            )
+        if self.granularity == "full":
+            if self.method not in RECOMPUTE_METHODS:
+                raise ValueError(
+                    f"recompute_granularity='full' needs recompute_method in {RECOMPUTE_METHODS}, "
+                    f"got {self.method!r}"
+                )
+            if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+                raise ValueError(
+                    f"recompute_granularity='full' needs recompute_num_layers >= 1, got {self.num_layers!r}"
+                )
+        elif self.num_layers is not None:
+            raise ValueError("recompute_num_layers must be None with recompute_granularity='selective'")
+        if not isinstance(self.modules, tuple):
+            raise ValueError(f"recompute_modules must be a tuple of names, got {self.modules!r}")
+        for module in self.modules:
+            if module not in RECOMPUTE_MODULES:
+                raise ValueError(f"unknown recompute module {module!r}; known: {', '.join(RECOMPUTE_MODULES)}")
+        for name in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_mapping(cls, fields: Mapping[str, Any], *, source: str = "model file") -> RecomputeSpec | None:
+        """From ``TransformerConfig`` field names (a model file, or a config's ``vars``); None when
+        ``recompute_granularity`` is unset."""
+        granularity = fields.get("recompute_granularity")
+        if granularity is None:
+            return None
+        modules = fields.get("recompute_modules")
+        if modules is None:
+            modules = ("core_attn",)
+        elif isinstance(modules, str) or not isinstance(modules, (list, tuple)):
+            raise ValueError(f"{source}: recompute_modules must be a list of names, got {modules!r}")
+        if fields.get("recompute_method") == "block":
+            uneven = [k for k in _UNEVEN_PIPELINE_FIELDS if fields.get(k)]
+            if uneven:
+                raise ValueError(
+                    f"{source}: recompute_method='block' with uneven pipeline stages ({uneven[0]}) is not modelled"
+                )
+        pp = fields.get("pipeline_model_parallel_size")
+        try:
+            return cls(
+                granularity=granularity,
+                method=fields.get("recompute_method"),
+                num_layers=fields.get("recompute_num_layers"),
+                modules=tuple(modules),
+                pipeline_model_parallel_size=1 if pp is None else pp,
+                virtual_pipeline_model_parallel_size=fields.get("virtual_pipeline_model_parallel_size"),
+            )
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingPasses:
+    """FLOPs of one training step per component, split by pass. Every mapping has the keys of
+    ``forward`` (formulas' keys plus ``lora/<target>`` per adapted projection)."""
+
+    forward: Mapping[str, int]
+    input_grad: Mapping[str, int]
+    weight_grad: Mapping[str, int]
+    unneeded: Mapping[str, int]
+    recompute: Mapping[str, int]
+    attention: str = "causal"
+    include_padding: bool = False
+
+    def model(self, convention: str = "needed") -> FlopsBreakdown:
+        """Model FLOPs per component under ``convention`` (see the module docstring)."""
+        if convention == "needed":
+            components = {k: v + self.input_grad[k] + self.weight_grad[k] for k, v in self.forward.items()}
+        elif convention == "train_passes":
+            components = {k: TRAIN_PASSES * v for k, v in self.forward.items()}
+        else:
+            raise ValueError(
+                f"unknown model FLOPs convention {convention!r}; use one of {MODEL_FLOPS_CONVENTIONS}"
+            )
+        return FlopsBreakdown(components=components, attention=self.attention, include_padding=self.include_padding)
+
+    def executed(self) -> FlopsBreakdown:
+        """What the hardware runs: the needed passes + unneeded GEMMs + recompute."""
+        needed = self.model("needed").components
+        components = {k: v + self.unneeded[k] + self.recompute[k] for k, v in needed.items()}
+        return FlopsBreakdown(components=components, attention=self.attention, include_padding=self.include_padding)
+
+
+def training_passes(
+    spec: ModelSpec,
+    stats: SeqStats,
+    *,
+    peft: PeftSpec | None = None,
+    recompute: RecomputeSpec | None = None,
+    attention: str = "causal",
+    include_padding: bool = False,
+) -> TrainingPasses:
+    """Forward, input-gradient, weight-gradient, unneeded and recompute FLOPs over ``stats``."""
+    peft = peft or PeftSpec()
+    if spec.mamba is not None or any("none" in layer for layer in spec.layers):
+        raise ValueError(
+            "frozen weights, LoRA and recompute are modelled for GPT decoders only (no hybrid/Mamba layers)"
+        )
+    gemms = forward_gemms(spec, stats, attention=attention, include_padding=include_padding)
+    if peft.lora_rank is not None:
+        present = {g.name.rsplit(".", 1)[-1] for g in gemms}
+        for target in peft.lora_targets:
+            if target not in present:
+                raise ValueError(f"lora target {target!r} matches no projection of this model")
+    needed = _walk(spec, gemms, peft, None, executed=False)
+    done = _walk(spec, gemms, peft, recompute, executed=True)
+    unneeded = {}
+    for k in needed.forward:
+        unneeded[k] = done.input_grad[k] + done.weight_grad[k] - needed.input_grad[k] - needed.weight_grad[k]
+        assert unneeded[k] >= 0, k
+    return TrainingPasses(
+        forward=needed.forward,
+        input_grad=needed.input_grad,
+        weight_grad=needed.weight_grad,
+        unneeded=unneeded,
+        recompute=done.recompute,
+        attention=attention,
+        include_padding=include_padding,
+    )
+
+
+# ---- the walk: which operands need a gradient -------------------------------------------------
+
+_Q = ("linear_qkv", "linear_q_proj", "linear_q_up_proj")
+_K = ("linear_qkv", "linear_kv_down_proj", "linear_kv_up_proj")
+_V = ("linear_qkv", "linear_kv_up_proj")
+# Activation operands of each GEMM, each given as the values it is computed from; ``attn_in`` and
+# ``ffn_in`` are the (normed) inputs of the attention and MLP sub-layers.
+_OPERANDS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "linear_qkv": (("attn_in",),),
+    "linear_q_proj": (("attn_in",),),
+    "linear_q_down_proj": (("attn_in",),),
+    "linear_kv_down_proj": (("attn_in",),),
+    "linear_q_up_proj": (("linear_q_down_proj",),),
+    "linear_kv_up_proj": (("linear_kv_down_proj",),),
+    "core_attention.scores": (_Q, _K),
+    # softmax(scores) and V.
+    "core_attention.context": (_Q + _K, _V),
+    "linear_proj": (_Q + _K + _V,),
+    "linear_fc1": (("ffn_in",),),
+    "linear_fc2": (("linear_fc1",),),
+    "router": (("ffn_in",),),
+    "fc1_latent_proj": (("ffn_in",),),
+    "experts.linear_fc1": (("ffn_in", "fc1_latent_proj"),),
+    "experts.linear_fc2": (("experts.linear_fc1",),),
+    # The combine weighs expert outputs by router probabilities.
+    "fc2_latent_proj": (("experts.linear_fc2", "router"),),
+    "shared_experts.linear_fc1": (("ffn_in",),),
+    "shared_experts.linear_fc2": (("shared_experts.linear_fc1",),),
+    "shared_experts.gate_weight": (("ffn_in",),),
+    "eh_proj": (("attn_in",),),
+    "output_layer": (("attn_in",),),
+}
+# Values the residual stream adds after a layer's MLP sub-layer.
+_SHARED = ("shared_experts.linear_fc1", "shared_experts.linear_fc2", "shared_experts.gate_weight")
+_LAYER_OUTPUTS = ("ffn_in", "linear_fc2", "experts.linear_fc2", "router", "fc2_latent_proj") + _SHARED
+_MOE = ("router", "fc1_latent_proj", "experts.linear_fc1", "experts.linear_fc2", "fc2_latent_proj") + _SHARED
+# Selective recompute: module -> (GEMMs it re-runs, values its checkpoint takes as input).
+_REGIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "core_attn": (("core_attention.scores", "core_attention.context"), _Q + _K + _V),
+    "mla_up_proj": (("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj"),
+                    ("attn_in", "linear_q_down_proj", "linear_kv_down_proj")),
+    "mlp": (("linear_fc1", "linear_fc2"), ("ffn_in",)),
+    "moe": (_MOE, ("ffn_in",)),
+    "shared_experts": (_SHARED, ("ffn_in",)),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Walk:
+    forward: dict[str, int]
+    input_grad: dict[str, int]
+    weight_grad: dict[str, int]
+    recompute: dict[str, int]
+
+
+def _recomputed_layers(spec: ModelSpec, recompute: RecomputeSpec | None) -> frozenset[int]:
+    """Layers (decoder, then MTP depths) that full recompute re-runs."""
+    if recompute is None or recompute.granularity != "full":
+        return frozenset()
+    layers = spec.num_layers
+    if recompute.method == "uniform":
+        if spec.mtp_num_layers and recompute.num_layers != 1:
+            raise ValueError(
+                "megatron-core's MTP recompute needs recompute_num_layers=1 with recompute_method='uniform'"
+            )
+        return frozenset(range(layers + spec.mtp_num_layers))
+    chunks = recompute.pipeline_model_parallel_size * (recompute.virtual_pipeline_model_parallel_size or 1)
+    if layers % chunks:
+        raise ValueError(f"num_layers={layers} does not split evenly into {chunks} pipeline model chunks")
+    # NB: block recompute re-runs the first recompute_num_layers layers of every model chunk and
+    # skips MTP layers (megatron-core warns and runs them plainly).
+    per_chunk = layers // chunks
+    return frozenset(i for i in range(layers) if i % per_chunk < recompute.num_layers)
+
+
+def _walk(
+    spec: ModelSpec,
+    gemms: tuple[Gemm, ...],
+    peft: PeftSpec,
+    recompute: RecomputeSpec | None,
+    *,
+    executed: bool,
+) -> _Walk:
+    """One pass over the GEMMs: the needed passes (``executed=False``, no recompute) or what
+    megatron-core runs (``executed=True``)."""
+    fwd: dict[str, int] = {}
+    dgrad: dict[str, int] = {}
+    wgrad: dict[str, int] = {}
+    redo: dict[str, int] = {}
+
+    def add(key: str, f: int, d: int, w: int, r: int) -> None:
+        for acc, value in ((fwd, f), (dgrad, d), (wgrad, w), (redo, r)):
+            acc[key] = acc.get(key, 0) + value
+
+    recomputed = _recomputed_layers(spec, recompute)
+    selective = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
+    trainable = not peft.frozen
+    # The decoder input (embedding output) needs a gradient when the embedding trains, and in the
+    # executed walk when Megatron-Bridge forces it for full recompute.
+    stream = trainable or (executed and bool(recomputed))
+    layer: int | None = -1
+    values: dict[str, bool] = {}
+
+    def value(name: str) -> bool:
+        if name == "ffn_in":
+            return values["attn_in"] or values.get("linear_proj", False)
+        return values.get(name, False)
+
+    for g in gemms:
+        if g.layer != layer:
+            if layer != -1:
+                stream = any(value(v) for v in _LAYER_OUTPUTS)
+            layer, values = g.layer, {"attn_in": stream}
+        operands = [any(value(v) for v in sources) for sources in _OPERANDS[g.name]]
+        adapted = peft.lora_rank is not None and g.name.rsplit(".", 1)[-1] in peft.lora_targets
+        weight = g.has_weight and trainable
+        # Backward: one GEMM of the forward's size per operand that gets a gradient.
+        d = g.flops * sum(operands)
+        w = g.flops if weight else 0
+        if executed and g.name == "router" and any(operands):
+            # RouterGatingLinearFunction computes dgrad and wgrad whenever it runs backward.
+            w = g.flops
+        times = int(g.layer in recomputed)
+        for module in selective:
+            names, inputs = _REGIONS.get(module, ((), ()))
+            if g.name not in names:
+                continue
+            if any(value(v) for v in inputs):
+                times += 1
+            elif weight or adapted:
+                raise ValueError(
+                    f"selective recompute of {module!r} with a frozen base: megatron-core's reentrant "
+                    f"checkpoint gives the trainable weights of {g.name} (layer {g.layer}) no gradient, "
+                    "because nothing upstream of it trains"
+                )
+        add(g.key, g.flops, d, w, times * g.flops)
+        if adapted:
+            assert g.shape is not None and peft.lora_rank is not None
+            rows, d_in, d_out = g.shape
+            a, b = gemm(rows, d_in, peft.lora_rank), gemm(rows, peft.lora_rank, d_out)
+            # A: [rows, in] @ [in, r]; B: [rows, r] @ [r, out]. Both train; B's input (A's output)
+            # always needs a gradient, A's when the projection's input does. A trainable megatron
+            # linear computes its dgrad even when its input needs none (executed).
+            a_dgrad = a if operands[0] or executed else 0
+            prefix = "mtp/" if g.key.startswith("mtp/") else ""
+            add(f"{prefix}lora/{g.name}", a + b, a_dgrad + b, a + b, times * (a + b))
+        values[g.name] = any(operands) or weight or adapted
+        if g.name == "eh_proj":
+            values["attn_in"] = values["eh_proj"]
+    return _Walk(forward=fwd, input_grad=dgrad, weight_grad=wgrad, recompute=redo)
