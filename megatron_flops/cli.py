@@ -18,7 +18,7 @@ from megatron_flops.passes import (
     RECOMPUTE_METHODS,
     PeftSpec,
     RecomputeSpec,
-    training_passes,
+    price,
 )
 from megatron_flops.spec import ModelSpec, load_model_file
 
@@ -56,16 +56,8 @@ def estimate_report(
     ``recompute``, model FLOPs follow ``convention`` and executed FLOPs add recompute and the
     GEMMs megatron-core runs unneeded (:mod:`megatron_flops.passes`)."""
     stats = SeqStats.from_rows(rows, window=spec.window_size)
-    recomputed = unneeded = 0
-    if peft is None and recompute is None:
-        model = training_flops(spec, stats, attention=attention)
-        executed = training_flops(spec, stats, attention=attention, include_padding=True)
-    else:
-        model = training_passes(spec, stats, peft=peft, recompute=recompute, attention=attention).model(convention)
-        padded = training_passes(spec, stats, peft=peft, recompute=recompute, attention=attention,
-                                 include_padding=True)
-        executed = padded.executed()
-        recomputed, unneeded = sum(padded.recompute.values()), sum(padded.unneeded.values())
+    priced = price(spec, stats, attention=attention, peft=peft, recompute=recompute, convention=convention)
+    model, executed = priced.model, priced.executed
     static_len = seq_length or max(r.num_padded_tokens for r in rows)
     static = training_flops(spec, _static_stats(rows, static_len, spec.window_size), attention=attention)
     return {
@@ -73,8 +65,8 @@ def estimate_report(
         "components": dict(model.components),
         "executed_flops": executed.total,
         "executed_components": dict(executed.components),
-        "recompute_flops": recomputed,
-        "unneeded_flops": unneeded,
+        "recompute_flops": priced.recompute_flops,
+        "unneeded_flops": priced.unneeded_flops,
         "model_flops_convention": convention,
         "static_flops": static.total,
         "static_seq_length": static_len,

@@ -57,7 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_flops.formulas import TRAIN_PASSES, FlopsBreakdown, Gemm, SeqStats, forward_gemms, gemm
+from megatron_flops.formulas import TRAIN_PASSES, FlopsBreakdown, Gemm, SeqStats, forward_gemms, gemm, training_flops
 from megatron_flops.spec import ModelSpec
 
 MODEL_FLOPS_CONVENTIONS = ("needed", "train_passes")
@@ -423,3 +423,40 @@ def _walk(
         if g.name == "eh_proj":
             values["attn_in"] = values["eh_proj"]
     return _Walk(forward=fwd, input_grad=dgrad, weight_grad=wgrad, recompute=redo)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PricedStep:
+    """Model FLOPs (real tokens, the model-FLOPs convention) and executed FLOPs (padding,
+    unneeded GEMMs, recompute) of one set of statistics."""
+
+    model: FlopsBreakdown
+    executed: FlopsBreakdown
+    recompute_flops: int = 0
+    unneeded_flops: int = 0
+
+
+def price(
+    spec: ModelSpec,
+    stats: SeqStats,
+    *,
+    attention: str = "causal",
+    peft: PeftSpec | None = None,
+    recompute: RecomputeSpec | None = None,
+    convention: str = "needed",
+) -> PricedStep:
+    """The one pricing path of the CLI and the tracker: plain TRAIN_PASSES when nothing is frozen
+    or recomputed, else :func:`training_passes`."""
+    if peft is None and recompute is None:
+        return PricedStep(
+            model=training_flops(spec, stats, attention=attention),
+            executed=training_flops(spec, stats, attention=attention, include_padding=True),
+        )
+    model = training_passes(spec, stats, peft=peft, recompute=recompute, attention=attention).model(convention)
+    padded = training_passes(spec, stats, peft=peft, recompute=recompute, attention=attention, include_padding=True)
+    return PricedStep(
+        model=model,
+        executed=padded.executed(),
+        recompute_flops=sum(padded.recompute.values()),
+        unneeded_flops=sum(padded.unneeded.values()),
+    )

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_flops.formulas import ATTENTION_CONVENTIONS, SeqStats, training_flops
+from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec, price
 from megatron_flops.result import StepResult
 from megatron_flops.spec import ModelSpec
 from megatron_flops.vision import VisionSpec, vision_training_flops
@@ -67,6 +68,9 @@ class FlopsTracker:
         group: the process group of the per-step all-reduce (default: the world).
         vision: the vision tower of a VLM; ``record(grid_thw=...)`` then prices it (executed
             FLOPs, full attention within each frame or window) into the same step.
+        peft, recompute, convention: frozen weights / LoRA, activation recompute, and the
+            model-FLOPs convention under PEFT (see ``passes``): they change executed FLOPs (HFU)
+            and, for PEFT, model FLOPs (MFU).
     """
 
     def __init__(
@@ -79,6 +83,9 @@ class FlopsTracker:
         validate: bool = False,
         group: Any = None,
         vision: VisionSpec | None = None,
+        peft: PeftSpec | None = None,
+        recompute: RecomputeSpec | None = None,
+        convention: str = "needed",
     ) -> None:
         if attention not in ATTENTION_CONVENTIONS:
             raise ValueError(f"attention must be one of {ATTENTION_CONVENTIONS}, got {attention!r}")
@@ -86,7 +93,14 @@ class FlopsTracker:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
         if context_parallel_size is not None and context_parallel_size <= 0:
             raise ValueError(f"context_parallel_size must be positive, got {context_parallel_size}")
+        if convention not in MODEL_FLOPS_CONVENTIONS:
+            raise ValueError(f"convention must be one of {MODEL_FLOPS_CONVENTIONS}, got {convention!r}")
+        # Price an empty step once now: an impossible PEFT/recompute setup fails at set-up.
+        price(spec, SeqStats(), attention=attention, peft=peft, recompute=recompute, convention=convention)
         self.spec = spec
+        self.peft = peft
+        self.recompute = recompute
+        self.convention = convention
         self.attention = attention
         self.seq_length = seq_length
         self.context_parallel_size = context_parallel_size
@@ -348,8 +362,9 @@ class FlopsTracker:
             padded_window_pairs=_window_pairs(t["sum_padded_seqlen_squared"], t["padded_window_excess"],
                                               t["padded_window_excess_squared"]),
         )
-        model = training_flops(self.spec, stats, attention=self.attention)
-        executed = training_flops(self.spec, stats, attention=self.attention, include_padding=True)
+        priced = price(self.spec, stats, attention=self.attention, peft=self.peft, recompute=self.recompute,
+                       convention=self.convention)
+        model, executed = priced.model, priced.executed
         components = dict(model.components)
         vision_flops = 0
         if self.vision is not None:

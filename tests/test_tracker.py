@@ -277,3 +277,26 @@ def test_vision_grids_share_the_step_and_the_collective():
     assert r.flops == text + vision.total and r.components["vit/mlp"] == vision.components["vit/mlp"]
     with pytest.raises(ValueError, match="needs FlopsTracker"):
         FlopsTracker(_spec(), validate=True).record(tokens=tokens, grid_thw=grid)
+
+
+def test_recompute_moves_executed_flops_only():
+    from megatron_flops.formulas import forward_flops
+    from megatron_flops.passes import RecomputeSpec
+
+    recompute = RecomputeSpec(granularity="full", method="uniform", num_layers=1)
+    plain, redo = FlopsTracker(_spec()), FlopsTracker(_spec(), recompute=recompute)
+    for tracker in (plain, redo):
+        tracker.record(tokens=_tok(2, 16))
+    a, b = plain.end_step(), redo.end_step()
+    fwd = forward_flops(_spec(), SeqStats.from_rows(parse_rows([16, 16])))
+    # Full recompute re-runs every decoder GEMM's forward once; never the output layer.
+    assert b.flops == a.flops and b.executed_flops - a.executed_flops == sum(fwd.values()) - fwd["logits"]
+
+
+def test_impossible_peft_setup_fails_at_setup():
+    from megatron_flops.passes import PeftSpec
+
+    with pytest.raises(ValueError, match="linear_q_proj"):
+        FlopsTracker(_spec(), peft=PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj",)))
+    with pytest.raises(ValueError, match="convention"):
+        FlopsTracker(_spec(), convention="6N")

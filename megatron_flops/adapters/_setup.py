@@ -14,6 +14,7 @@ import torch
 
 from megatron_flops.adapters._hooks import Adapter, is_wrapped
 from megatron_flops.formulas import ATTENTION_CONVENTIONS
+from megatron_flops.passes import RecomputeSpec
 from megatron_flops.peaks import resolve_peak
 from megatron_flops.session import Session, install_session
 from megatron_flops.spec import ModelSpec
@@ -40,6 +41,7 @@ def new_session(
     peak_tflops: float | None,
     fp8: bool,
     world_size: int | None,
+    recompute: RecomputeSpec | None = None,
 ) -> Session:
     """Install a session for ``spec``. The MFU peak is ``peak_tflops`` if given, else this
     device's dense peak from the table.
@@ -49,7 +51,7 @@ def new_session(
     check_options(peak_tflops=peak_tflops, attention=attention)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     tracker = FlopsTracker(spec, attention=attention, seq_length=seq_length,
-                           context_parallel_size=context_parallel_size)
+                           context_parallel_size=context_parallel_size, recompute=recompute)
     return install_session(
         tracker,
         peak_flops_per_s=resolve_peak(device, "fp8" if fp8 else "bf16", peak_tflops),

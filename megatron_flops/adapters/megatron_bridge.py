@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_flops.adapters._hooks import PRINTER, Adapter, wrap_train_step, wrap_training_log
 from megatron_flops.adapters._setup import check_options, import_target, is_corrected, new_session, patch
+from megatron_flops.passes import RecomputeSpec
 from megatron_flops.session import Session
 from megatron_flops.spec import ModelSpec
 
@@ -78,6 +79,7 @@ class _MegatronBridge(Adapter):
             peak_tflops=getattr(options, "flops_peak_tflops", None) if self.peak_tflops is None else self.peak_tflops,
             fp8=bool(getattr(model, "fp8", None)),
             world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized() else None,
+            recompute=RecomputeSpec.from_mapping(vars(model), source="Megatron-Bridge model config"),
         )
 
     def on_step_begin(self, bound: inspect.BoundArguments, session: Session) -> None:

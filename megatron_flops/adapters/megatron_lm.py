@@ -33,6 +33,7 @@ from megatron_flops.adapters._hooks import (
 )
 from megatron_flops.adapters._setup import check_options, import_target, is_corrected, new_session, patch
 from megatron_flops.formulas import ATTENTION_CONVENTIONS
+from megatron_flops.passes import RecomputeSpec
 from megatron_flops.session import Session
 from megatron_flops.spec import ModelSpec
 
@@ -70,6 +71,7 @@ class _MegatronLM(Adapter):
             peak_tflops=getattr(args, "flops_peak_tflops", None) if self.peak_tflops is None else self.peak_tflops,
             fp8=bool(getattr(args, "fp8", None)),
             world_size=getattr(args, "world_size", None),
+            recompute=RecomputeSpec.from_mapping(vars(args), source="Megatron-LM args"),
         )
 
     def log_iteration(self, bound: inspect.BoundArguments) -> int:
