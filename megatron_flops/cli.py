@@ -145,7 +145,9 @@ def _format_dit(report: dict[str, Any]) -> str:
     head = (f"DiT: {report['num_samples']} samples, {report['num_video_tokens']:,} video tokens, "
             f"{report['num_text_tokens']:,} text tokens")
     return "\n".join([head, f"attention: full; model FLOPs convention: {report['model_flops_convention']}", "",
-                      *_format_components(report["components"], report["total_flops"])])
+                      *_format_components(report["components"], report["total_flops"]), "",
+                      f"static (every sample priced as {report['static_seq_length']:,} video tokens): "
+                      f"{report['static_flops']:,}  -> over-reports {report['over_report_factor']:.2f}x"])
 
 
 def _training_setup(args: argparse.Namespace, raw: dict[str, Any]) -> tuple[PeftSpec | None, RecomputeSpec | None]:

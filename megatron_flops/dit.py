@@ -255,8 +255,15 @@ def dit_report(
     spec = DiTSpec.from_mapping(section)
     model = dit_training_flops(spec, video_seqlens, text_seqlens, convention=convention)
     text = tuple(text_seqlens) if text_seqlens is not None else (spec.text_len,) * len(video_seqlens)
+    # NB: the static number prices every sample at the longest video of the batch with the full
+    # text length, as fixed-shape formulas (and a batch padded to its longest sample) do.
+    longest = max(video_seqlens)
+    static = dit_training_flops(spec, [longest] * len(video_seqlens), None, convention=convention).total
     return {
         "total_flops": model.total,
+        "static_flops": static,
+        "static_seq_length": longest,
+        "over_report_factor": static / model.total,
         "components": dict(model.components),
         "executed_flops": dit_training_flops(spec, video_seqlens, text_seqlens).total,
         "model_flops_convention": convention,
