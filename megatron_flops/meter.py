@@ -222,15 +222,20 @@ class ThroughputMeter:
         )
 
 
+def format_tflops(value: float) -> str:
+    """Megatron's one decimal from 10 TFLOP/s up; three significant digits below (small or CPU runs)."""
+    return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
+
+
 def format_log_fields(report: IntervalReport) -> str:
     """The fields this package adds to a Megatron log line, each as `` name: value |``.
 
     Leaves out the stock "throughput per GPU" field, which Megatron's own line already has.
     """
-    fields = [
-        f" corrected throughput per GPU (TFLOP/s/GPU): {report.tflops_per_s_per_gpu:.1f} |",
-        f" tokens per GPU (tokens/s/GPU): {report.tokens_per_s_per_gpu:.1f} |",
-    ]
+    fields = [f" corrected throughput per GPU (TFLOP/s/GPU): {format_tflops(report.tflops_per_s_per_gpu)} |"]
+    if report.over_report_factor is not None:
+        fields.append(f" over-report factor: {report.over_report_factor:.2f}x |")
+    fields.append(f" tokens per GPU (tokens/s/GPU): {report.tokens_per_s_per_gpu:.1f} |")
     if report.mfu_percent is not None:
         fields.append(f" MFU (%): {report.mfu_percent:.1f} |")
     if report.hfu_percent is not None:
@@ -259,5 +264,30 @@ def format_log_line(
         line += f"/{train_iters:8d}"
     line += f" | elapsed time per iteration (ms): {elapsed_ms_per_iter:.1f} |"
     if report.static_tflops_per_s_per_gpu is not None:
-        line += f" throughput per GPU (TFLOP/s/GPU): {report.static_tflops_per_s_per_gpu:.1f} |"
+        line += f" throughput per GPU (TFLOP/s/GPU): {format_tflops(report.static_tflops_per_s_per_gpu)} |"
     return line + format_log_fields(report)
+
+
+def format_summary(report: IntervalReport | None, *, warmup_iterations: int) -> str:
+    """A multi-line steady-state summary (``ThroughputMeter.summary()``), for the end of a run."""
+    if report is None:
+        return f"steady state: no iteration after the {warmup_iterations} warm-up iterations"
+    rows = [
+        ("elapsed time per iteration (ms)", f"{1000 * report.elapsed_s / report.num_iterations:.1f}"),
+        ("static throughput per GPU (TFLOP/s/GPU)",
+         "n/a" if report.static_tflops_per_s_per_gpu is None else format_tflops(report.static_tflops_per_s_per_gpu)),
+        ("corrected throughput per GPU (TFLOP/s/GPU)", format_tflops(report.tflops_per_s_per_gpu)),
+        ("over-report factor (static / corrected)",
+         "n/a" if report.over_report_factor is None else f"{report.over_report_factor:.2f}x"),
+        ("tokens per GPU (tokens/s/GPU)", f"{report.tokens_per_s_per_gpu:.1f}"),
+        ("real tokens, all GPUs", f"{report.num_tokens}"),
+    ]
+    if report.mfu_percent is not None:
+        rows.append(("MFU (%)", f"{report.mfu_percent:.2f}"))
+    if report.hfu_percent is not None:
+        rows.append(("HFU (%)", f"{report.hfu_percent:.2f}"))
+    if report.fell_back:
+        rows.append(("iterations priced with the static fallback", f"{report.num_fallback_iterations}"))
+    head = (f"steady state: iterations {report.first_iteration}-{report.last_iteration} "
+            f"({report.num_iterations} iterations, the first {warmup_iterations} left out as warm-up)")
+    return "\n".join([head, *(f"  {name + ':':<46}{value}" for name, value in rows)])

@@ -224,6 +224,7 @@ def test_format_log_line_megatron_style() -> None:
         " elapsed time per iteration (ms): 1000.0 |"
         " throughput per GPU (TFLOP/s/GPU): 3000.0 |"
         " corrected throughput per GPU (TFLOP/s/GPU): 1000.0 |"
+        " over-report factor: 3.00x |"
         " tokens per GPU (tokens/s/GPU): 500.0 |"
         " MFU (%): 50.0 |"
         " HFU (%): 75.0 |"
@@ -284,3 +285,14 @@ def test_record_rejects_non_increasing_iteration() -> None:
     meter.record(iteration=5, result=_result(flops=1, executed_flops=1, num_tokens=1), elapsed_s=1.0)
     with pytest.raises(ValueError, match="iteration must increase"):
         meter.record(iteration=5, result=_result(flops=1, executed_flops=1, num_tokens=1), elapsed_s=1.0)
+
+
+def test_small_rates_keep_three_significant_digits_and_summary() -> None:
+    from megatron_flops.meter import format_summary, format_tflops
+
+    assert (format_tflops(412.345), format_tflops(9.876), format_tflops(0.01734)) == ("412.3", "9.88", "0.0173")
+    meter = _two_iteration_meter()
+    summary = format_summary(meter.summary(), warmup_iterations=0)
+    assert summary.splitlines()[0] == "steady state: iterations 10-11 (2 iterations, the first 0 left out as warm-up)"
+    assert "  corrected throughput per GPU (TFLOP/s/GPU):   1000.0" in summary
+    assert format_summary(None, warmup_iterations=5) == "steady state: no iteration after the 5 warm-up iterations"
