@@ -114,7 +114,7 @@ class FlopsTracker:
         self._exps: torch.Tensor | None = None
         self._host = [0] * len(self._slots)
         self._owners: dict[int, tuple[bool, int]] = {}
-        self._warned = False
+        self._warned: set[str] = set()
 
     # ---- per micro-batch ------------------------------------------------------------------
 
@@ -154,7 +154,7 @@ class FlopsTracker:
             if self.validate:
                 raise
             self._host[_I["num_failed_ranks"]] = 1
-            self._warn_once("record() failed", exc)
+            self._warn_once("record() failed; every rank reports the static FLOPs for this step", exc)
 
     def _ownership(self, model: Any, vp_stage: int | None, owner: bool | None) -> tuple[bool, int]:
         """(whether this call records, the context-parallel size), cached per model chunk."""
@@ -179,7 +179,12 @@ class FlopsTracker:
 
     def _record_vision(self, grid_thw: torch.Tensor) -> None:
         if self.vision is None:
-            raise ValueError("record(grid_thw=...) needs FlopsTracker(..., vision=VisionSpec)")
+            message = "record(grid_thw=...) needs FlopsTracker(..., vision=VisionSpec)"
+            if self.validate:
+                raise ValueError(message)
+            # NB: the decoder stays exact; only the vision tower is left out, and said so once.
+            self._warn_once("vision tower not counted", ValueError(message))
+            return
         if self.validate:
             from megatron_flops.vision import parse_grids
 
@@ -387,10 +392,9 @@ class FlopsTracker:
         )
 
     def _warn_once(self, what: str, exc: BaseException) -> None:
-        if not self._warned:
-            self._warned = True
-            logger.warning("megatron-flops: %s (%s: %s); using the static FLOPs number for affected steps "
-                           "(logged once)", what, type(exc).__name__, exc)
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning("megatron-flops: %s (%s: %s) (logged once)", what, type(exc).__name__, exc)
 
 
 def _group_rank(group: Any) -> int:

@@ -678,3 +678,21 @@ def test_real_megatron_bridge_train(monkeypatch):
         monkeypatch.setattr(module, name, getattr(module, name))
     assert megatron_bridge.install() is True
     assert _hooks.is_wrapped(module.training_log) and _hooks.is_wrapped(module.train_step)
+
+
+def test_bridge_vlm_provider_gets_its_vision_tower():
+    # Megatron-Bridge's Qwen25VLModelProvider carries the Hugging Face vision config object.
+    transformers = pytest.importorskip("transformers")
+    from megatron_flops.adapters.megatron_bridge import _vision_spec
+
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=40, num_heads=2, patch_size=2,
+                           window_size=8, out_hidden_size=48, fullatt_block_indexes=[3]),
+    ).vision_config
+
+    class Provider:
+        vision_config = config
+
+    spec = _vision_spec(Provider())
+    assert (spec.depth, spec.hidden_size, spec.window_size, spec.fullatt_block_indexes) == (4, 32, 8, (3,))
+    assert _vision_spec(object()) is None

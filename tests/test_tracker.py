@@ -279,6 +279,16 @@ def test_vision_grids_share_the_step_and_the_collective():
         FlopsTracker(_spec(), validate=True).record(tokens=tokens, grid_thw=grid)
 
 
+def test_grids_without_a_vision_spec_count_the_text_and_warn_once(caplog):
+    tracker = FlopsTracker(_spec())
+    with caplog.at_level(logging.WARNING, logger="megatron_flops"):
+        for _ in range(2):
+            tracker.record(tokens=_tok(1, 32), grid_thw=torch.tensor([[1, 4, 4]]))
+        r = tracker.end_step()
+    assert r.ok and r.flops == training_flops(_spec(), SeqStats.from_rows(parse_rows([32, 32]))).total
+    assert sum("vision tower not counted" in m for m in caplog.messages) == 1
+
+
 def test_recompute_moves_executed_flops_only():
     from megatron_flops.formulas import forward_flops
     from megatron_flops.passes import RecomputeSpec

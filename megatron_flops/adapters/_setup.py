@@ -19,6 +19,7 @@ from megatron_flops.peaks import resolve_peak
 from megatron_flops.session import Session, install_session
 from megatron_flops.spec import ModelSpec
 from megatron_flops.tracker import FlopsTracker
+from megatron_flops.vision import VisionSpec
 
 logger = logging.getLogger("megatron_flops")
 
@@ -42,6 +43,7 @@ def new_session(
     fp8: bool,
     world_size: int | None,
     recompute: RecomputeSpec | None = None,
+    vision: VisionSpec | None = None,
 ) -> Session:
     """Install a session for ``spec``. The MFU peak is ``peak_tflops`` if given, else this
     device's dense peak from the table.
@@ -51,7 +53,8 @@ def new_session(
     check_options(peak_tflops=peak_tflops, attention=attention)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     tracker = FlopsTracker(spec, attention=attention, seq_length=seq_length,
-                           context_parallel_size=context_parallel_size, recompute=recompute)
+                           context_parallel_size=context_parallel_size, recompute=recompute,
+                           vision=vision)
     return install_session(
         tracker,
         peak_flops_per_s=resolve_peak(device, "fp8" if fp8 else "bf16", peak_tflops),

@@ -36,6 +36,7 @@ from megatron_flops.adapters._setup import check_options, import_target, is_corr
 from megatron_flops.passes import RecomputeSpec
 from megatron_flops.session import Session
 from megatron_flops.spec import ModelSpec
+from megatron_flops.vision import VisionSpec
 
 logger = logging.getLogger("megatron_flops")
 
@@ -80,6 +81,7 @@ class _MegatronBridge(Adapter):
             fp8=bool(getattr(model, "fp8", None)),
             world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized() else None,
             recompute=RecomputeSpec.from_mapping(vars(model), source="Megatron-Bridge model config"),
+            vision=_vision_spec(model),
         )
 
     def on_step_begin(self, bound: inspect.BoundArguments, session: Session) -> None:
@@ -96,6 +98,16 @@ class _MegatronBridge(Adapter):
     def writers(self, bound: inspect.BoundArguments, namespace: Any) -> tuple[Any, Any]:
         state = bound.arguments["global_state"]
         return state.tensorboard_logger, state.wandb_logger
+
+
+def _vision_spec(model: Any) -> VisionSpec | None:
+    """The vision tower of a Qwen-VL provider (its Hugging Face ``vision_config``), else None."""
+    config = getattr(model, "vision_config", None)
+    if config is None:
+        return None
+    mapping = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    model_type = mapping.get("model_type") or getattr(config, "model_type", None)
+    return VisionSpec.from_hf_vision_config(str(model_type), mapping)
 
 
 def _flops_so_far(bound: inspect.BoundArguments) -> float:
