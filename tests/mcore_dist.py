@@ -339,6 +339,11 @@ def build_model_chunks(
     )
     if tp > 1:
         kwargs.setdefault("sequence_parallel", False)
+    if vpp is not None:
+        # As Megatron-LM sets it for interleaving: with PP=2 both neighbours are the same rank, and
+        # batched p2p would pair an activation with a gradient.
+        kwargs.setdefault("overlap_p2p_comm", True)
+        kwargs.setdefault("batch_p2p_comm", False)
     config = mcore_cpu.make_config(kwargs)
 
     chunks = []
