@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from megatron_flops.formulas import FLOPS_PER_MAC, TRAIN_PASSES, FlopsBreakdown, gemm
+from megatron_flops.formulas import TRAIN_PASSES, FlopsBreakdown, attention_gemm, gemm
 from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS
 
 
@@ -76,7 +76,7 @@ def cross_attention_flops(
         "kv": gemm(sum(kvs), context_dim, 2 * width),
         # Per head and (query, key) pair: scores q.k and context p*v, d MACs each, every pair of
         # each sample (no causal mask).
-        "core": FLOPS_PER_MAC * 2 * width * sum(q * k for q, k in zip(queries, kvs)),
+        "core": 2 * attention_gemm(num_heads, head_dim, sum(q * k for q, k in zip(queries, kvs))),
         # out: [Sq, heads*d] @ [heads*d, hidden].
         "out": gemm(sum(queries), width, hidden_size),
     }

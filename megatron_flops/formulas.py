@@ -43,6 +43,12 @@ def gemm(m: int, k: int, n: int) -> int:
     return FLOPS_PER_MAC * m * k * n
 
 
+def attention_gemm(num_heads: int, head_dim: int, pairs: int) -> int:
+    """FLOPs of one core-attention GEMM over ``pairs`` query/key pairs, all heads: per head the
+    scores ``[s, d] @ [d, s]`` (or the context ``[s, s] @ [s, d]``) is one ``d``-long MAC per pair."""
+    return FLOPS_PER_MAC * num_heads * head_dim * pairs
+
+
 def apply_attention_convention(full_flops: int, attention: str) -> int:
     """Core-attention FLOPs under a convention, from the full (unmasked) count.
 
@@ -327,7 +333,7 @@ def _attention(add: Any, spec: ModelSpec, tokens: int, pairs: int, attention: st
     # Per head: scores [s, qk] @ [qk, s] and context [s, s] @ [s, v], summed over sequences as
     # pair counts: FLOPS_PER_MAC * nq * qk * pairs and FLOPS_PER_MAC * nq * v * pairs.
     for name, dim in (("core_attention.scores", qk_dim), ("core_attention.context", v_dim)):
-        add(f"{prefix}attn/core", name, apply_attention_convention(FLOPS_PER_MAC * nq * dim * pairs, attention))
+        add(f"{prefix}attn/core", name, apply_attention_convention(attention_gemm(nq, dim, pairs), attention))
     # linear_proj: [T, nq*v] @ [nq*v, h].
     _linear(add, f"{prefix}attn/out", "linear_proj", tokens, nq * v_dim, h)
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from megatron_flops.formulas import FLOPS_PER_MAC, TRAIN_PASSES, FlopsBreakdown, gemm
+from megatron_flops.formulas import TRAIN_PASSES, FlopsBreakdown, attention_gemm, gemm
 
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 VISION_ATTENTION_CONVENTIONS = ("full",)
@@ -303,7 +303,7 @@ def vision_forward_flops(spec: VisionSpec, stats: VisionStats, *, attention: str
     # is sum t*(h*w)^2, not sum (t*h*w)^2.
     pairs = spec.num_full_attention_blocks * stats.sum_frame_patches_squared
     pairs += spec.num_window_attention_blocks * stats.window_pairs
-    out["vit/attn/core"] = FLOPS_PER_MAC * spec.num_heads * (spec.head_dim + spec.head_dim) * pairs
+    out["vit/attn/core"] = 2 * attention_gemm(spec.num_heads, spec.head_dim, pairs)
     # proj: [P, D] @ [D, D], per block.
     out["vit/attn/out"] = spec.depth * gemm(p, d, d)
     # fc1 [P, D] @ [D, F] (gate and up: [D, 2F] when gated), fc2/down [P, F] @ [F, D], per block.
