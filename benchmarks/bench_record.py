@@ -10,12 +10,13 @@ import statistics
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megatron_flops.spec import ModelSpec
 from megatron_flops.tracker import FlopsTracker
 
 N_CALLS = 2000
-REPEATS = 7
+REPEATS = 15
 
 
 def _time_per_call(fn) -> float:
@@ -28,6 +29,29 @@ def _time_per_call(fn) -> float:
             fn()
         samples.append((time.perf_counter() - start) / N_CALLS * 1e6)
     return statistics.median(samples)
+
+
+_VIEWS_AND_METADATA = {"__get__", "dim", "numel", "size", "reshape", "view", "unsqueeze", "expand", "__getitem__"}
+
+
+class _CountKernels(TorchFunctionMode):
+    """Counts the tensor operations that launch a kernel (views and metadata reads excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name not in _VIEWS_AND_METADATA:
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _kernels(fn) -> str:
+    with _CountKernels() as mode:
+        fn()
+    return f"{len(mode.names)} ({', '.join(mode.names) or '-'})"
 
 
 def main() -> None:
@@ -58,16 +82,17 @@ def main() -> None:
     def tracker_plain() -> None:
         tracker.record(tokens=plain_tokens)
 
-    rows = [
-        ("packed row, 64 sub-sequences", _time_per_call(reference_packed), _time_per_call(tracker_packed)),
-        ("plain batch [4, 4096]", _time_per_call(reference_plain), _time_per_call(tracker_plain)),
+    cases = [
+        ("packed row, 64 sub-sequences", reference_packed, tracker_packed),
+        ("plain batch [4, 4096]", reference_plain, tracker_plain),
     ]
-    tracker.end_step()
     print(f"torch {torch.__version__}, 1 thread, median of {REPEATS} x {N_CALLS} calls")
-    print(f"| case | reference (us/call) | record() (us/call) | ratio |")
-    print(f"|---|---:|---:|---:|")
-    for name, ref, ours in rows:
-        print(f"| {name} | {ref:.1f} | {ours:.1f} | {ours / ref:.2f} |")
+    print("| case | reference (us/call) | record() (us/call) | ratio | reference kernels | record() kernels |")
+    print("|---|---:|---:|---:|---|---|")
+    for name, ref_fn, ours_fn in cases:
+        ref, ours = _time_per_call(ref_fn), _time_per_call(ours_fn)
+        print(f"| {name} | {ref:.1f} | {ours:.1f} | {ours / ref:.2f} | {_kernels(ref_fn)} | {_kernels(ours_fn)} |")
+    tracker.end_step()
 
 
 if __name__ == "__main__":

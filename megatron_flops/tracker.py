@@ -23,7 +23,7 @@ from megatron_flops.formulas import ATTENTION_CONVENTIONS, SeqStats, training_fl
 from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec, price
 from megatron_flops.result import StepResult
 from megatron_flops.spec import ModelSpec
-from megatron_flops.vision import VisionSpec, vision_training_flops
+from megatron_flops.vision import VisionSpec, parse_grids, vision_training_flops
 from megatron_flops.vision_torch import VISION_SLOTS, vision_stats_from_vector, vision_stats_tensor
 
 logger = logging.getLogger("megatron_flops")
@@ -47,6 +47,7 @@ SLOTS = (
     "num_failed_ranks",
 )
 _I = {name: i for i, name in enumerate(SLOTS)}
+_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
 
 def _window_pairs(sum_sq: int, excess: int, excess_sq: int) -> int:
@@ -186,8 +187,6 @@ class FlopsTracker:
             self._warn_once("vision tower not counted", ValueError(message))
             return
         if self.validate:
-            from megatron_flops.vision import parse_grids
-
             parse_grids(grid_thw.tolist(), spatial_merge_size=self.vision.spatial_merge_size)
         if self._acc is None:
             self._accumulator(grid_thw.device)
@@ -222,7 +221,8 @@ class FlopsTracker:
             return
         # Packed rows: lengths are the differences of cu_seqlens (global under CP).
         cu = self._trim(cu, argmin, "cu_seqlens")
-        self._check_cu(cu, "cu_seqlens", rows * row_len)
+        if self.validate:
+            self._check_cu(cu, "cu_seqlens", rows * row_len)
         host[_I["num_sequences"]] += cu.shape[0] - 1
         if self._acc is None:
             self._accumulator(cu.device)
@@ -231,7 +231,8 @@ class FlopsTracker:
             self._device_lengths(torch.diff(cu), self._both, self._window_both)
             return
         cu_pad = self._trim(cu_pad, pad_argmin if pad_argmin is not None else argmin, "cu_seqlens_padded")
-        self._check_cu(cu_pad, "cu_seqlens_padded", rows * row_len)
+        if self.validate:
+            self._check_cu(cu_pad, "cu_seqlens_padded", rows * row_len)
         if cu.shape == cu_pad.shape:
             both = torch.stack((cu, cu_pad))
             self._device_lengths(torch.diff(both), self._both, self._window_both)
@@ -240,10 +241,8 @@ class FlopsTracker:
             self._device_lengths(torch.diff(cu_pad), self._padded, self._window_padded)
 
     def _trim(self, cu: torch.Tensor, argmin: torch.Tensor | int | None, name: str) -> torch.Tensor:
-        if not isinstance(cu, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor")
-        if cu.dtype.is_floating_point or cu.dtype == torch.bool:
-            raise ValueError(f"{name} must hold integers, got {cu.dtype}")
+        if not isinstance(cu, torch.Tensor) or cu.dtype not in _INT_DTYPES:
+            raise ValueError(f"{name} must be a tensor of integers, got {getattr(cu, 'dtype', type(cu).__name__)}")
         if cu.dim() != 1:
             cu = cu.reshape(-1)
         if argmin is None:
@@ -255,12 +254,10 @@ class FlopsTracker:
         return cu[:argmin]
 
     def _check_cu(self, cu: torch.Tensor, name: str, num_tokens: int) -> None:
-        if cu.numel() < 2:
-            raise ValueError(f"{name} needs at least two entries, got {cu.numel()}")
-        if not self.validate:
-            return
-        # NB: validation syncs the host with the device.
+        """Validation mode only (it syncs the host with the device)."""
         values = cu.tolist()
+        if len(values) < 2:
+            raise ValueError(f"{name} needs at least two entries, got {len(values)}")
         if values[0] != 0:
             raise ValueError(f"{name} must start at 0, got {values[0]}")
         if any(b < a for a, b in zip(values, values[1:])):
@@ -269,7 +266,7 @@ class FlopsTracker:
             raise ValueError(f"{name} ends at {values[-1]} but the micro-batch holds {num_tokens} tokens")
 
     def _check_lengths(self, lengths: torch.Tensor, name: str, row_len: int) -> None:
-        if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        if lengths.dtype not in _INT_DTYPES:
             raise ValueError(f"{name} must hold integers, got {lengths.dtype}")
         if self.validate:
             values = lengths.tolist()
