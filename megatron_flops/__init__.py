@@ -23,6 +23,8 @@ _EXPORTS = {
     "FlopsTracker": "megatron_flops.tracker",
     "ThroughputMeter": "megatron_flops.meter",
     "peak_flops_per_s": "megatron_flops.peaks",
+    "record": "megatron_flops.session",
+    "install_session": "megatron_flops.session",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,12 +317,32 @@ def _opt_int(fields: Mapping[str, Any], key: str, *, source: str, minimum: int =
     return _int(fields, key, source=source, minimum=minimum)
 
 
+_PATTERN_TERM = re.compile(r"\[\s*([01](?:\s*,\s*[01])*)\s*\](?:\s*\*\s*(\d+))?")
+
+
+def _pattern_string(text: str, key: str, *, source: str) -> list[int]:
+    """``"([0]*3+[1]*58)"`` or ``"[1,0,1]"`` -> a 0/1 list (the forms Megatron-LM evaluates)."""
+    body = text.strip()
+    if body.startswith("(") and body.endswith(")"):
+        body = body[1:-1]
+    flags: list[int] = []
+    for term in body.split("+"):
+        match = _PATTERN_TERM.fullmatch(term.strip())
+        if match is None:
+            raise ValueError(f"{source}: {key!r} string {text!r} is not a sum of [0/1, ...]*n terms")
+        flags += [int(v) for v in match[1].split(",")] * int(match[2] or 1)
+    return flags
+
+
 def _layer_flags(value: Any, num_layers: int, key: str, *, source: str, every: bool) -> tuple[bool, ...]:
     """An int frequency or a 0/1 list of length ``num_layers``, as megatron-core reads them.
 
     ``every=True``: layer i (0-based) is set when ``i % freq == 0`` (``moe_layer_freq``);
-    ``every=False``: set unless ``(i + 1) % freq == 0`` (``window_attn_skip_freq``).
+    ``every=False``: set unless ``(i + 1) % freq == 0`` (``window_attn_skip_freq``). Megatron-LM's
+    command-line form, a string such as ``"([0]*3+[1]*58)"``, is read without ``eval``.
     """
+    if isinstance(value, str):
+        value = _pattern_string(value, key, source=source)
     if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
         raise ValueError(f"{source}: {key!r} must be an integer or a list of 0/1, got {value!r}")
     if isinstance(value, int):

@@ -34,6 +34,14 @@ def test_moe_layer_freq_int_and_list():
     assert spec.moe.router_topk == 2 and spec.moe.ffn_hidden_size == 256
 
 
+def test_moe_layer_freq_megatron_lm_string():
+    # Megatron-LM's --moe-layer-freq "([0]*1+[1]*3)": first layer dense, then MoE.
+    spec = ModelSpec.from_mapping(dict(BASE, num_layers=4, num_moe_experts=4, moe_layer_freq="([0]*1+[1]*3)"))
+    assert [f for _, f in spec.layers] == ["mlp", "moe", "moe", "moe"]
+    with pytest.raises(ValueError, match="not a sum of"):
+        ModelSpec.from_mapping(dict(BASE, num_moe_experts=4, moe_layer_freq="__import__('os')"))
+
+
 def test_window_skip_freq_as_megatron_core():
     # window_attn_skip_freq=3: layers 3, 6 (1-based) keep full attention.
     spec = ModelSpec.from_mapping(dict(BASE, num_layers=6, window_size=[128, 0], window_attn_skip_freq=3))
