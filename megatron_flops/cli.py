@@ -217,6 +217,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if rows is None and vision is None:
         raise ValueError("give --seqlens ROWS, --seq-length N with --batch-size B, or --grid-thw GRIDS")
     if rows is None:
+        assert vision is not None
         report = vision
     else:
         if spec is None:

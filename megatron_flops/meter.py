@@ -167,7 +167,9 @@ class ThroughputMeter:
             raise ValueError(f"iteration must increase: got {iteration} after {self._last_iteration}")
         if static_flops is not None and static_flops < 0:
             raise ValueError(f"static_flops must be >= 0, got {static_flops}")
-        fallback = not result.ok and static_flops is not None
+        # A failed step counts with the static number when there is one.
+        model_flops = static_flops if not result.ok and static_flops is not None else result.flops
+        executed_flops = static_flops if not result.ok and static_flops is not None else result.executed_flops
         step = _Totals(
             first_iteration=iteration,
             last_iteration=iteration,
@@ -175,8 +177,8 @@ class ThroughputMeter:
             num_fallback_iterations=0 if result.ok else 1,
             num_static_iterations=0 if static_flops is None else 1,
             elapsed_s=elapsed_s,
-            flops=static_flops if fallback else result.flops,
-            executed_flops=static_flops if fallback else result.executed_flops,
+            flops=model_flops,
+            executed_flops=executed_flops,
             static_flops=0 if static_flops is None else static_flops,
             num_tokens=result.num_tokens,
         )

@@ -345,6 +345,7 @@ def _recomputed_layers(spec: ModelSpec, recompute: RecomputeSpec | None) -> froz
     # NB: block recompute re-runs the first recompute_num_layers layers of every model chunk and
     # skips MTP layers (megatron-core warns and runs them plainly).
     per_chunk = layers // chunks
+    assert recompute.num_layers is not None, "RecomputeSpec requires num_layers for full recompute"
     return frozenset(i for i in range(layers) if i % per_chunk < recompute.num_layers)
 
 

@@ -425,7 +425,7 @@ def _build(fields: dict[str, Any], *, source: str) -> ModelSpec:
             q_lora_rank=_opt_int(fields, "q_lora_rank", source=source),
             kv_lora_rank=_opt_int(fields, "kv_lora_rank", source=source) or 512,
             qk_head_dim=_opt_int(fields, "qk_head_dim", source=source) or 128,
-            qk_pos_emb_head_dim=_opt_int(fields, "qk_pos_emb_head_dim", source=source, minimum=0)
+            qk_pos_emb_head_dim=_int(fields, "qk_pos_emb_head_dim", source=source, minimum=0)
             if fields.get("qk_pos_emb_head_dim") is not None
             else 64,
             v_head_dim=_opt_int(fields, "v_head_dim", source=source) or 128,

@@ -112,7 +112,7 @@ class FlopsTracker:
         # The vector's layout is fixed per tracker (identical on every rank: same spec).
         self._slots = SLOTS + (tuple(f"vision/{name}" for name in VISION_SLOTS) if vision else ())
         self._acc: torch.Tensor | None = None
-        self._exps: torch.Tensor | None = None
+        self._exps = torch.tensor([1, 2], dtype=torch.int64)  # moved to the data's device on first use
         self._host = [0] * len(self._slots)
         self._owners: dict[int, tuple[bool, int]] = {}
         self._warned: set[str] = set()
@@ -296,7 +296,7 @@ class FlopsTracker:
     def _accumulator(self, device: torch.device) -> torch.Tensor:
         if self._acc is None:
             self._acc = torch.zeros(len(self._slots), dtype=torch.int64, device=device)
-            self._exps = torch.tensor([1, 2], dtype=torch.int64, device=device)
+            self._exps = self._exps.to(device)
             # Views made once: [real, padded] x (sum s, sum s^2), and the same for the window excess.
             i, j = _I["num_tokens"], _I["window_excess"]
             self._both = self._acc[i : i + 4].view(2, 2)
