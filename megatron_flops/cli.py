@@ -37,10 +37,6 @@ def _json_list_arg(flag: str, value: str) -> Any:
         raise ValueError(f"{flag}: invalid JSON: {exc}") from None
 
 
-def _static_stats(rows: Sequence[Row], seq_length: int, window: int | None) -> SeqStats:
-    return SeqStats.full_length(len(rows), seq_length, window=window)
-
-
 def estimate_report(
     spec: ModelSpec,
     rows: Sequence[Row],
@@ -59,7 +55,8 @@ def estimate_report(
     priced = price(spec, stats, attention=attention, peft=peft, recompute=recompute, convention=convention)
     model, executed = priced.model, priced.executed
     static_len = seq_length or max(r.num_padded_tokens for r in rows)
-    static = training_flops(spec, _static_stats(rows, static_len, spec.window_size), attention=attention)
+    static = training_flops(spec, SeqStats.full_length(len(rows), static_len, window=spec.window_size),
+                            attention=attention)
     return {
         "total_flops": model.total,
         "components": dict(model.components),
