@@ -146,7 +146,7 @@ def test_demo_rejects_bad_layouts(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_demo_without_megatron_core(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(cli, "_have_megatron_core", lambda: False)
+    monkeypatch.setattr(cli.demo, "_have_megatron_core", lambda: False)
     assert cli.main(["demo"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install megatron-core" in err

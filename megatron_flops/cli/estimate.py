@@ -1,11 +1,9 @@
-"""Command line: ``megatron-flops estimate`` (FLOPs of a model over given rows) and ``demo``."""
+"""``megatron-flops estimate``: training FLOPs of a model over given rows (or vision grids, or DiT clips)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -232,36 +230,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _have_megatron_core() -> bool:
-    try:
-        return importlib.util.find_spec("megatron.core") is not None
-    except ImportError:  # no top-level ``megatron`` package
-        return False
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from megatron_flops.demo.run import DemoOptions, main as run_demo
-
-    options = DemoOptions(
-        pp=args.pp,
-        vpp=args.vpp,
-        dp=args.dp,
-        iterations=args.iterations,
-        num_microbatches=args.micro_batches,
-        log_interval=args.log_interval,
-        warmup=args.warmup,
-        peak_tflops=args.peak_tflops,
-        seed=args.seed,
-        attention=args.attention,
-    )
-    if not _have_megatron_core():
-        raise ValueError("the demo trains a megatron-core model: pip install megatron-core")
-    return run_demo(options)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-flops", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_parser(sub: Any) -> None:
+    """Register ``estimate`` on the top-level subparsers."""
     est = sub.add_parser("estimate", help="training FLOPs (forward + backward) of a model over rows")
     est.add_argument("--model", required=True, help="JSON/YAML of TransformerConfig fields + vocab_size, or a HF config.json")
     est.add_argument("--seqlens", help="JSON list of rows (int: a sequence; list: a packed row), or a file holding one")
@@ -283,31 +253,3 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model FLOPs: GEMMs training needs (default) or TRAIN_PASSES x every forward GEMM")
     est.add_argument("--json", action="store_true", help="print one JSON object")
     est.set_defaults(func=_cmd_estimate)
-    demo = sub.add_parser("demo", help="train a small megatron-core GPT on CPU and print static vs corrected TFLOP/s/GPU")
-    demo.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1: one process)")
-    demo.add_argument("--vpp", type=int, help="model chunks per pipeline stage (interleaved 1F1B)")
-    demo.add_argument("--dp", type=int, help="data-parallel replicas (default 2 with --pp > 1, else 1)")
-    demo.add_argument("--iterations", type=int, default=12)
-    demo.add_argument("--micro-batches", type=int, default=4, help="micro-batches per iteration per replica")
-    demo.add_argument("--log-interval", type=int, default=1, help="iterations per log line")
-    demo.add_argument("--warmup", type=int, default=2, help="iterations left out of the steady-state summary")
-    demo.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one device, for MFU (a CPU has none)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--attention", choices=ATTENTION_CONVENTIONS, default="causal")
-    demo.set_defaults(func=_cmd_demo)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; user errors exit 2 with one line on stderr."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as exc:
-        print(f"megatron-flops: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
