@@ -1,9 +1,10 @@
-"""Per-micro-batch sequence statistics on the device, and the one per-step reduction (torch).
+"""Per-micro-batch sequence statistics on the device, priced once per step (torch).
 
 ``record()`` runs in ``forward_step``: no host sync, no data-dependent shape, no collective; what
 the tensor shapes already tell (rows, padded tokens, full-length rows) is counted on the host, the
 rest is added into one preallocated int64 accumulator. ``end_step()`` runs on every rank after the
-forward-backward function: one ``all_reduce`` of a fixed-shape int64 vector, then the FLOPs.
+forward-backward function: one ``all_reduce`` of a fixed-shape int64 vector (``reduction``), then
+the FLOPs.
 
 Ownership: a micro-batch is recorded by the first pipeline stage's first virtual chunk
 (``model.pre_process``) on tensor- and context-parallel rank 0, so it is counted once per model
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_flops.formulas import ATTENTION_CONVENTIONS, SeqStats, training_flops
 from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec, price
+from megatron_flops.reduction import StepReducer
 from megatron_flops.result import StepResult
 from megatron_flops.spec import ModelSpec
 from megatron_flops.vision import VisionSpec, parse_grids, vision_training_flops
@@ -114,6 +116,7 @@ class FlopsTracker:
         self._acc: torch.Tensor | None = None
         self._exps = torch.tensor([1, 2], dtype=torch.int64)  # moved to the data's device on first use
         self._host = [0] * len(self._slots)
+        self._reducer = StepReducer(self._slots, group=group)
         self._owners: dict[int, tuple[bool, int]] = {}
         self._warned: set[str] = set()
 
@@ -312,7 +315,7 @@ class FlopsTracker:
         """Reduce this step's statistics over all ranks (one all-reduce, every rank must call it)
         and price them. On any failure the static number is returned with ``ok=False``."""
         try:
-            totals = self._reduce()
+            totals = self._reducer.reduce(self._acc, self._host)
         except Exception as exc:  # the collective itself failed: nothing more to agree on
             self._warn_once("end_step() reduction failed", exc)
             totals = dict.fromkeys(self._slots, 0)
@@ -320,19 +323,6 @@ class FlopsTracker:
         finally:
             self._reset()
         return self._price(totals)
-
-    def _reduce(self) -> dict[str, int]:
-        device = self._collective_device()
-        host = torch.tensor(self._host, dtype=torch.int64)
-        vec = host.to(device) if self._acc is None else self._acc.to(device) + host.to(device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
-        return dict(zip(self._slots, vec.tolist()))  # the one host sync of the step
-
-    def _collective_device(self) -> torch.device:
-        if dist.is_available() and dist.is_initialized() and dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def _reset(self) -> None:
         if self._acc is not None:
