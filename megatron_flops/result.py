@@ -25,3 +25,4 @@ class StepResult:
     components: Mapping[str, int] = field(default_factory=dict)
     static_flops: int | None = None
     ok: bool = True
+    fallback_reason: str | None = None

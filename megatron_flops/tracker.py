@@ -15,6 +15,7 @@ replicas, so every rank, the last pipeline stage included, gets the global total
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_flops.formulas import ATTENTION_CONVENTIONS, SeqStats, training_flops
 from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec, price
-from megatron_flops.reduction import StepReducer
+from megatron_flops.reduction import INT64_LIMIT, Reduction, StepReducer
 from megatron_flops.result import StepResult
 from megatron_flops.spec import ModelSpec
 from megatron_flops.vision import VisionSpec, parse_grids, vision_training_flops
@@ -46,8 +47,10 @@ SLOTS = (
     "window_excess_squared",
     "padded_window_excess",
     "padded_window_excess_squared",
-    "num_failed_ranks",
 )
+# The slots known from tensor shapes alone (host counts): they still travel when a rank fails, so
+# the static number stays known.
+SHAPE_SLOTS = ("num_microbatches", "num_rows", "num_sequences", "num_padded_tokens")
 _I = {name: i for i, name in enumerate(SLOTS)}
 _INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
@@ -116,7 +119,10 @@ class FlopsTracker:
         self._acc: torch.Tensor | None = None
         self._exps = torch.tensor([1, 2], dtype=torch.int64)  # moved to the data's device on first use
         self._host = [0] * len(self._slots)
-        self._reducer = StepReducer(self._slots, group=group)
+        self._failed = False
+        self._reducer = StepReducer(self._slots, shape_slots=SHAPE_SLOTS, group=group)
+        self._num_steps = 0
+        self._last_static: int | None = None  # the static number of the latest step that had one
         self._owners: dict[int, tuple[bool, int]] = {}
         self._warned: set[str] = set()
 
@@ -157,7 +163,7 @@ class FlopsTracker:
         except Exception as exc:
             if self.validate:
                 raise
-            self._host[_I["num_failed_ranks"]] = 1
+            self._failed = True
             self._warn_once("record() failed; every rank reports the static FLOPs for this step", exc)
 
     def _ownership(self, model: Any, vp_stage: int | None, owner: bool | None) -> tuple[bool, int]:
@@ -215,6 +221,8 @@ class FlopsTracker:
                 self._host_lengths(rows, row_len, "num_tokens")
                 self._host_lengths(rows, row_len, "sum_padded_seqlens")
                 return
+            if seq_lengths.numel() != rows:
+                raise ValueError(f"seq_lengths must hold one length per row ({rows}), got shape {tuple(seq_lengths.shape)}")
             self._check_lengths(seq_lengths, "seq_lengths", row_len)
             host[_I["num_sequences"]] += rows
             # NB: a dynamically padded row attends over its padded length.
@@ -247,20 +255,22 @@ class FlopsTracker:
         if not isinstance(cu, torch.Tensor) or cu.dtype not in _INT_DTYPES:
             raise ValueError(f"{name} must be a tensor of integers, got {getattr(cu, 'dtype', type(cu).__name__)}")
         if cu.dim() != 1:
-            cu = cu.reshape(-1)
-        if argmin is None:
-            return cu
-        if isinstance(argmin, torch.Tensor):
-            if argmin.device.type != "cpu":
-                raise ValueError(f"{name} argmin must be a host value (a CPU tensor or an int) to trim without a sync")
-            argmin = int(argmin)
-        return cu[:argmin]
+            if cu.dim() == 0 or cu.numel() != cu.shape[-1]:
+                raise ValueError(f"{name} must be one-dimensional, got shape {tuple(cu.shape)}")
+            cu = cu.reshape(-1)  # [1, n] (a batch dimension of 1)
+        if argmin is not None:
+            if isinstance(argmin, torch.Tensor):
+                if argmin.device.type != "cpu":
+                    raise ValueError(f"{name} argmin must be a host value (a CPU tensor or an int) to trim without a sync")
+                argmin = int(argmin)
+            cu = cu[:argmin]
+        if cu.shape[0] < 2:
+            raise ValueError(f"{name} needs at least two entries (0 and the end of a sequence), got {cu.shape[0]}")
+        return cu
 
     def _check_cu(self, cu: torch.Tensor, name: str, num_tokens: int) -> None:
         """Validation mode only (it syncs the host with the device)."""
         values = cu.tolist()
-        if len(values) < 2:
-            raise ValueError(f"{name} needs at least two entries, got {len(values)}")
         if values[0] != 0:
             raise ValueError(f"{name} must start at 0, got {values[0]}")
         if any(b < a for a, b in zip(values, values[1:])):
@@ -311,38 +321,69 @@ class FlopsTracker:
 
     # ---- per step ----------------------------------------------------------------------------
 
-    def end_step(self) -> StepResult:
-        """Reduce this step's statistics over all ranks (one all-reduce, every rank must call it)
-        and price them. On any failure the static number is returned with ``ok=False``."""
-        try:
-            totals = self._reducer.reduce(self._acc, self._host)
-        except Exception as exc:  # the collective itself failed: nothing more to agree on
-            self._warn_once("end_step() reduction failed", exc)
-            totals = dict.fromkeys(self._slots, 0)
-            totals["num_failed_ranks"] = 1
-        finally:
-            self._reset()
-        return self._price(totals)
+    def end_step(self, *, step: int | None = None) -> StepResult:
+        """Reduce this step's statistics over all ranks and price them. Every rank must call it
+        once per step: it runs the step's one all-reduce whatever failed on this rank.
+
+        ``step``: the training iteration (the same on every rank, one more each step); with it the
+        reduction detects a rank that skipped or repeated ``end_step()`` (every rank then falls
+        back and the ranks resynchronise). Default: the number of ``end_step()`` calls, which
+        cannot show such a rank. When the step cannot be priced exactly, every rank returns the
+        static number with ``ok=False`` and logs the reason once.
+        """
+        self._num_steps += 1
+        failed, self._failed = self._failed, False
+        padded_tokens = self._host[_I["num_padded_tokens"]]
+        # NB: with valid inputs no accumulated value exceeds (this rank's token slots)^2.
+        bound = max([padded_tokens * padded_tokens, *self._host]) if all(
+            isinstance(v, int) for v in self._host) else INT64_LIMIT
+        reduction = self._reducer.reduce(self._acc, self._host, step=self._num_steps if step is None else step,
+                                         failed=failed, bound=bound)
+        self._reset()
+        if reduction.local_error is not None:
+            self._warn_once("this rank could not build its statistics vector", reduction.local_error)
+        return self._price(reduction, failed_here=failed)
 
     def _reset(self) -> None:
         if self._acc is not None:
             self._acc.zero_()
         self._host = [0] * len(self._slots)
 
-    def _price(self, t: dict[str, int]) -> StepResult:
-        static_len = self.seq_length or -(-t["num_padded_tokens"] // max(t["num_rows"], 1))
-        static_stats = SeqStats.full_length(t["num_rows"], static_len, window=self._window) if static_len else SeqStats()
-        static = training_flops(self.spec, static_stats, attention=self.attention).total
-        failed = t["num_failed_ranks"] > 0
-        if not failed and not (0 <= t["num_tokens"] <= t["num_padded_tokens"]) and t["num_rows"]:
-            self._warn_once("inconsistent statistics", ValueError(
-                f"{t['num_tokens']} real tokens > {t['num_padded_tokens']} token slots"))
-            failed = True
-        if failed:
-            return StepResult(flops=static, executed_flops=static, num_tokens=t["num_padded_tokens"],
-                              num_padded_tokens=t["num_padded_tokens"], num_sequences=t["num_sequences"],
-                              sum_seqlen_squared=0, num_microbatches=t["num_microbatches"],
-                              static_flops=static, ok=False)
+    def _price(self, reduction: Reduction, *, failed_here: bool) -> StepResult:
+        shapes, totals, problem = reduction.shapes, reduction.totals, reduction.problem
+        static = None if shapes is None else self._static(shapes)
+        if totals is not None:
+            problem = _inconsistency(totals)
+            if problem is None:
+                return self._exact(totals, static)
+        if not failed_here:  # a rank that failed to record has said why already
+            self._warn_once("the step fell back to the static number", problem or "no totals")
+        if not static:  # the step's shapes did not arrive or hold no row: the latest known
+            static = self._last_static
+        if static is None:
+            self._warn_once("no static number is known for a failed step", "it reports 0 FLOPs with ok=False")
+        return self._fallback(shapes, static, problem)
+
+    def _static(self, shapes: Mapping[str, int]) -> int:
+        """The stock number: every row one ``seq_length`` (or mean padded row length) sequence."""
+        rows = shapes["num_rows"]
+        static_len = self.seq_length or -(-shapes["num_padded_tokens"] // max(rows, 1))
+        stats = SeqStats.full_length(rows, static_len, window=self._window) if static_len else SeqStats()
+        static = training_flops(self.spec, stats, attention=self.attention).total
+        if static:
+            self._last_static = static
+        return static
+
+    def _fallback(self, shapes: Mapping[str, int] | None, static: int | None, problem: str | None) -> StepResult:
+        shapes = shapes or dict.fromkeys(SHAPE_SLOTS, 0)
+        return StepResult(
+            flops=static or 0, executed_flops=static or 0, num_tokens=shapes["num_padded_tokens"],
+            num_padded_tokens=shapes["num_padded_tokens"], num_sequences=shapes["num_sequences"],
+            sum_seqlen_squared=0, num_microbatches=shapes["num_microbatches"], static_flops=static, ok=False,
+            fallback_reason=problem,
+        )
+
+    def _exact(self, t: Mapping[str, int], static: int | None) -> StepResult:
         stats = SeqStats(
             num_rows=t["num_rows"],
             num_sequences=t["num_sequences"],
@@ -378,10 +419,25 @@ class FlopsTracker:
             static_flops=static,
         )
 
-    def _warn_once(self, what: str, exc: BaseException) -> None:
+    def _warn_once(self, what: str, why: BaseException | str) -> None:
         if what not in self._warned:
             self._warned.add(what)
-            logger.warning("megatron-flops: %s (%s: %s) (logged once)", what, type(exc).__name__, exc)
+            if isinstance(why, BaseException):
+                why = f"{type(why).__name__}: {why}"
+            logger.warning("megatron-flops: %s (%s) (logged once)", what, why)
+
+
+def _inconsistency(t: Mapping[str, int]) -> str | None:
+    """Why reduced totals cannot come from valid lengths (malformed values are counted as given,
+    since seeing them would sync), or None."""
+    if not t["num_tokens"] <= t["num_padded_tokens"]:
+        return f"{t['num_tokens']} real tokens > {t['num_padded_tokens']} token slots"
+    if t["sum_seqlen_squared"] < t["num_tokens"]:  # s^2 >= s for every integer s
+        return f"sum of squared lengths {t['sum_seqlen_squared']} < {t['num_tokens']} tokens"
+    if t["num_tokens"] ** 2 > t["num_sequences"] * t["sum_seqlen_squared"]:  # Cauchy-Schwarz
+        return (f"{t['num_tokens']} tokens in {t['num_sequences']} sequences cannot have a sum of squared "
+                f"lengths of {t['sum_seqlen_squared']}")
+    return None
 
 
 def _group_rank(group: Any) -> int:
