@@ -1,19 +1,22 @@
 """The one per-step reduction: a fixed-shape int64 vector summed over the ranks (torch).
 
 Every rank calls :meth:`StepReducer.reduce` once per step, whatever failed locally, so the ranks'
-collectives always pair; what went wrong travels in the vector instead:
+collectives always pair; what went wrong travels in the vector instead. Its layout:
 
-- the payload (device accumulator + host counts), each value split into 32-bit halves so that the
-  sum over ranks is exact for any number of ranks (up to 2^31);
-- per rank: a 1 (the number of ranks), whether its payload failed (zeroed), whether it may have
-  overflowed int64 (zeroed), whether its shape counts are missing, whether the vector is a
-  resynchronisation filler, a one-hot of its step index modulo ``STEP_WINDOW``, and the number
-  of negative payload values (a wrapped or malformed value).
+- the payload (device accumulator + host counts), each value split into 32-bit halves so that
+  the sum over ranks is exact for any number of ranks (up to 2^31);
+- per rank: a 1 (the number of ranks); whether its payload failed or may have overflowed int64
+  (the payload is then zeros); whether its shape counts are missing too; whether the vector is
+  a resynchronisation filler; its step index (modulo 2^20) and the square of it; a one-hot of
+  the step index modulo ``STEP_WINDOW``; the number of negative payload values (a wrapped or
+  malformed value, counted on the device).
 
-After the all-reduce (the one host sync of the step) every rank holds the same vector and so takes
-the same decision: price it, fall back, or, when the ranks were on different steps, fall back and
-resynchronise (the ranks ahead by ``k`` steps run ``k`` filler all-reduces at once, which pair
-with the lagging ranks' next ``k`` steps; those steps fall back too).
+After the all-reduce (the one host sync of the step) every rank holds the same vector and so
+takes the same decision: price the payload, or fall back. Ranks on different steps (a rank
+skipped or repeated ``end_step``) fall back; when their steps had agreed at the previous
+reduction and now lie fewer than ``STEP_WINDOW // 2`` apart, the ranks ahead by ``k`` steps run
+``k`` filler all-reduces at once, which pair with the lagging ranks' next ``k`` steps (those fall
+back too) and put every rank on the same step again. Otherwise every later step falls back.
 """
 
 from __future__ import annotations
@@ -26,11 +29,10 @@ import torch
 import torch.distributed as dist
 
 INT64_LIMIT = 2**63
-# A step index is reduced as a one-hot over its residue modulo STEP_WINDOW: ranks fewer than
-# STEP_WINDOW // 2 steps apart can be told apart and resynchronised; farther apart, every step
-# falls back until they meet again.
 STEP_WINDOW = 16
-_CONTROL = ("num_ranks", "num_failed", "num_overflowed", "num_without_shapes", "num_fillers")
+_STEP_MODULUS = 2**20  # step indices are compared modulo this: their squares summed over 2^23 ranks fit
+_CONTROL = ("num_ranks", "num_failed", "num_overflowed", "num_without_shapes", "num_fillers",
+            "step_sum", "step_sum_squares")
 _LOW_BITS = 32
 _LOW_MASK = (1 << _LOW_BITS) - 1
 
@@ -64,17 +66,18 @@ class StepReducer:
         self.group = group
         self._shape_index = frozenset(self.slots.index(name) for name in shape_slots)
         self._world_size: int | None = None
+        self._in_step = False  # whether every rank was on the same step at the previous reduction
 
     def reduce(
         self, acc: torch.Tensor | None, host: Sequence[int], *, step: int, failed: bool, bound: int,
     ) -> Reduction:
-        """The totals of ``acc + host`` over every rank: one all-reduce (plus fillers when the ranks
-        were on different steps). Never raises.
+        """The totals of ``acc + host`` over every rank: one all-reduce (and fillers after a
+        mis-paired step, see the module docstring). Never raises.
 
-        ``step``: this step's index (the same on every rank when the ranks are in step).
-        ``failed``: this rank's statistics are wrong (its payload is replaced by zeros).
+        ``step``: this step's index (the same on every rank for the same step).
+        ``failed``: this rank's statistics are wrong: its payload travels as zeros.
         ``bound``: an upper bound of every payload value of this rank for valid inputs; at or past
-        2^63 the int64 accumulator may have wrapped, so the payload is replaced by zeros.
+        2^63 the int64 accumulator may have wrapped, so the payload travels as zeros.
         """
         error: BaseException | None = None
         try:
@@ -83,52 +86,40 @@ class StepReducer:
                 vec = self._local_vector(acc, host, device, step=step, failed=failed, bound=bound)
             except Exception as exc:  # whatever failed locally, this rank still joins the collective
                 error = exc
-                vec = self._control_vector(device, step, failed=True, without_shapes=True)
+                vec = self._host_vector(host, device, step=step, failed=True)
             summed = self._all_reduce(vec)
-        except Exception as exc:
-            return Reduction(problem=f"the all-reduce failed ({type(exc).__name__}: {exc})", local_error=error)
-        try:
             return self._decide(summed, step, device, error)
-        except Exception as exc:  # an invariant broke: fall back rather than report it
-            return Reduction(problem=f"the reduced vector could not be read ({type(exc).__name__}: {exc})",
-                             local_error=error)
+        except Exception as exc:
+            self._in_step = False
+            return Reduction(problem=f"the all-reduce failed ({type(exc).__name__}: {exc})", local_error=error)
 
     # ---- this rank's vector ---------------------------------------------------------------------
 
     def _local_vector(self, acc, host, device, *, step: int, failed: bool, bound: int) -> torch.Tensor:
-        values = list(host)
-        if not all(isinstance(v, int) and v >= 0 for v in values):
-            raise ValueError(f"host counts must be non-negative ints, got {values}")
-        shapes_fit = all(values[i] < INT64_LIMIT for i in self._shape_index)
-        overflowed = not bound < INT64_LIMIT or not all(v < INT64_LIMIT for v in values)
+        if not all(isinstance(v, int) and v >= 0 for v in host):
+            raise ValueError(f"host counts must be non-negative ints, got {list(host)}")
+        overflowed = not bound < INT64_LIMIT or not all(v < INT64_LIMIT for v in host)
         if failed or overflowed:
-            # A zeroed payload; the shape counts travel when they fit.
-            values = [v if i in self._shape_index and shapes_fit else 0 for i, v in enumerate(values)]
-            vec = torch.tensor(values, dtype=torch.int64, device=device)
-        else:
-            vec = torch.tensor(values, dtype=torch.int64).to(device)
-            if acc is not None:
-                vec = vec + acc.to(device)
-        control = self._control(step, failed=failed, overflowed=overflowed, without_shapes=not shapes_fit)
+            return self._host_vector(host, device, step=step, failed=failed, overflowed=overflowed)
+        vec = torch.tensor(list(host), dtype=torch.int64).to(device)
+        if acc is not None:
+            vec = vec + acc.to(device)
+        control = torch.tensor(_control(step), dtype=torch.int64, device=device)
         negative = (vec < 0).sum().view(1)  # on the device: no sync
-        halves = (vec & _LOW_MASK, vec >> _LOW_BITS)
-        return torch.cat((*halves, torch.tensor(control, dtype=torch.int64, device=device), negative))
+        return torch.cat((vec & _LOW_MASK, vec >> _LOW_BITS, control, negative))
 
-    def _control_vector(self, device: torch.device, step: int | None, **flags: bool) -> torch.Tensor:
-        """A zero payload, this rank's control slots, no negative value."""
-        values = [0] * (2 * len(self.slots)) + self._control(step, **flags) + [0]
+    def _host_vector(
+        self, host: Sequence[Any], device: torch.device, *, step: int | None, failed: bool = False,
+        overflowed: bool = False, filler: bool = False,
+    ) -> torch.Tensor:
+        """A zeroed payload but for the shape counts (when they are ints that fit), and the flags."""
+        shapes = [v if i in self._shape_index else 0 for i, v in enumerate(host)]
+        with_shapes = not filler and all(isinstance(v, int) and 0 <= v < INT64_LIMIT for v in shapes)
+        if not with_shapes:
+            shapes = [0] * len(self.slots)
+        control = _control(step, failed=failed, overflowed=overflowed, without_shapes=not with_shapes, filler=filler)
+        values = [v & _LOW_MASK for v in shapes] + [v >> _LOW_BITS for v in shapes] + control + [0]
         return torch.tensor(values, dtype=torch.int64, device=device)
-
-    @staticmethod
-    def _control(
-        step: int | None, *, failed: bool = False, overflowed: bool = False, without_shapes: bool = False,
-        filler: bool = False,
-    ) -> list[int]:
-        """The control slots (``_CONTROL``), then the one-hot of the step's residue (none for a filler)."""
-        steps = [0] * STEP_WINDOW
-        if step is not None:
-            steps[step % STEP_WINDOW] = 1
-        return [1, int(failed), int(overflowed), int(without_shapes), int(filler)] + steps
 
     # ---- the collective and what every rank concludes ------------------------------------------
 
@@ -141,26 +132,33 @@ class StepReducer:
         n = len(self.slots)
         totals = {name: (summed[n + i] << _LOW_BITS) + summed[i] for i, name in enumerate(self.slots)}
         control = dict(zip(_CONTROL, summed[2 * n : 2 * n + len(_CONTROL)]))
-        steps = summed[2 * n + len(_CONTROL) : -1]
+        residues = summed[2 * n + len(_CONTROL) : -1]
         negative = summed[-1]
         world = self._group_size()
-        if control["num_ranks"] != world or sum(steps) + control["num_fillers"] != world:
+        if control["num_ranks"] != world or sum(residues) + control["num_fillers"] != world:
+            self._in_step = False
             return Reduction(problem=f"the reduced vector does not add up ({control['num_ranks']} ranks of {world})",
                              local_error=error)
-        occupied = [r for r, count in enumerate(steps) if count]
-        if len(occupied) > 1 or control["num_fillers"]:
-            lag = _lag(occupied, step)
+        occupied = [r for r, count in enumerate(residues) if count]
+        stepping = world - control["num_fillers"]
+        if control["num_fillers"] or len(occupied) > 1 or (
+                stepping * control["step_sum_squares"] != control["step_sum"] ** 2):  # all equal iff equality
+            lag = _lag(residues, control["step_sum"], control["step_sum_squares"], step) if (
+                self._in_step and not control["num_fillers"]) else None
+            self._in_step = False
             for _ in range(lag or 0):
-                self._all_reduce(self._control_vector(device, None, without_shapes=True, filler=True))
-            where = "resynchronised" if lag is not None else "too far apart to resynchronise"
-            return Reduction(problem=f"the ranks were on different steps (step residues {occupied}, "
-                                     f"{control['num_fillers']} fillers; {where})", local_error=error)
-        shapes = None if control["num_without_shapes"] else {self.slots[i]: totals[self.slots[i]]
-                                                             for i in sorted(self._shape_index)}
+                self._all_reduce(self._host_vector((), device, step=None, filler=True))
+            what = ("this step pairs with resynchronisation fillers" if control["num_fillers"] else
+                    "the ranks were resynchronised" if lag is not None else
+                    "they cannot be resynchronised: every later step falls back")
+            return Reduction(problem=f"the ranks called end_step() on different steps ({what})", local_error=error)
+        self._in_step = True
+        shapes = None if control["num_without_shapes"] else {
+            self.slots[i]: totals[self.slots[i]] for i in sorted(self._shape_index)}
         problem = None
         if control["num_overflowed"]:
             problem = (f"{control['num_overflowed']} rank(s) past the exact int64 range "
-                       f"(a rank's token slots in one step, squared, reach 2^63)")
+                       "(a rank's token slots in one step, squared, reach 2^63)")
         elif control["num_failed"]:
             problem = f"{control['num_failed']} rank(s) failed to record or reduce this step"
         elif negative:
@@ -179,9 +177,32 @@ class StepReducer:
         return self._world_size
 
 
-def _lag(occupied: list[int], step: int) -> int | None:
-    """How many steps this rank is ahead of the lowest step among the ranks (None: ambiguous)."""
+def _control(
+    step: int | None, *, failed: bool = False, overflowed: bool = False, without_shapes: bool = False,
+    filler: bool = False,
+) -> list[int]:
+    """This rank's control slots (``_CONTROL``), then the one-hot of its step (none for a filler)."""
+    one_hot = [0] * STEP_WINDOW
+    index = 0
+    if step is not None:
+        index = step % _STEP_MODULUS
+        one_hot[step % STEP_WINDOW] = 1
+    flags = [1, int(failed), int(overflowed), int(without_shapes), int(filler)]
+    return flags + [index, index * index] + one_hot
+
+
+def _lag(residues: Sequence[int], step_sum: int, step_sum_squares: int, step: int) -> int | None:
+    """How many steps this rank is ahead of the lowest-step ranks, when the one-hot residues and
+    the exact sums pin every rank's step down within ``STEP_WINDOW // 2``; else None."""
+    occupied = [r for r, count in enumerate(residues) if count]
     for low in occupied:
-        if max((r - low) % STEP_WINDOW for r in occupied) < STEP_WINDOW // 2:
-            return (step - low) % STEP_WINDOW
+        lags = {r: (r - low) % STEP_WINDOW for r in occupied}
+        if max(lags.values()) >= STEP_WINDOW // 2:
+            continue
+        # The lowest step, if every rank sits at low + its residue's lag.
+        base, rest = divmod(step_sum - sum(residues[r] * lag for r, lag in lags.items()), sum(residues))
+        squares = sum(residues[r] * (base + lag) ** 2 for r, lag in lags.items())
+        if rest or base % STEP_WINDOW != low or squares != step_sum_squares:
+            return None
+        return lags[step % STEP_WINDOW]
     return None

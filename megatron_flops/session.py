@@ -60,6 +60,7 @@ class Session:
         )
         self._clock = clock
         self._open = False
+        self._num_begun = 0  # the step index the tracker's reduction compares across ranks
         self._started = 0.0
         self._record_failed = False
         self._pending: _Step | None = None
@@ -70,6 +71,7 @@ class Session:
     def begin_step(self) -> None:
         """Open a step: start its clock and let ``record()`` through. Call it on every rank."""
         self._open = True
+        self._num_begun += 1
         self._record_failed = False
         self._started = self._clock()
         self._flush()
@@ -100,7 +102,7 @@ class Session:
         if not self._open:
             raise ValueError("end_step() called without begin_step()")
         self._open = False
-        result = self.tracker.end_step()
+        result = self.tracker.end_step(step=self._num_begun)
         if elapsed_s is None:
             elapsed_s = self._clock() - self._started
         if self._record_failed:
