@@ -333,10 +333,9 @@ class FlopsTracker:
         """
         self._num_steps += 1
         failed, self._failed = self._failed, False
-        padded_tokens = self._host[_I["num_padded_tokens"]]
-        # NB: with valid inputs no accumulated value exceeds (this rank's token slots)^2.
-        bound = max([padded_tokens * padded_tokens, *self._host]) if all(
-            isinstance(v, int) for v in self._host) else INT64_LIMIT
+        slots = self._host[_I["num_padded_tokens"]]
+        # NB: with valid lengths no statistic of this rank exceeds (its token slots in the step)^2.
+        bound = slots * slots if isinstance(slots, int) else INT64_LIMIT
         reduction = self._reducer.reduce(self._acc, self._host, step=self._num_steps if step is None else step,
                                          failed=failed, bound=bound)
         self._reset()
