@@ -21,6 +21,7 @@ back too) and put every rank on the same step again. Otherwise every later step 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,21 +70,22 @@ class StepReducer:
         self._in_step = False  # whether every rank was on the same step at the previous reduction
 
     def reduce(
-        self, acc: torch.Tensor | None, host: Sequence[int], *, step: int, failed: bool, bound: int,
+        self, acc: torch.Tensor | None, host: Sequence[int], *, step: int, failed: bool, token_slots: int,
     ) -> Reduction:
         """The totals of ``acc + host`` over every rank: one all-reduce (and fillers after a
         mis-paired step, see the module docstring). Never raises.
 
         ``step``: this step's index (the same on every rank for the same step).
         ``failed``: this rank's statistics are wrong: its payload travels as zeros.
-        ``bound``: an upper bound of every payload value of this rank for valid inputs; at or past
-        2^63 the int64 accumulator may have wrapped, so the payload travels as zeros.
+        ``token_slots``: this rank's token slots in the step, T. With valid lengths no statistic
+        exceeds T^2; at or past 2^63 the int64 accumulator may have wrapped, so the payload travels
+        as zeros (Python and numpy integers are read exactly).
         """
         error: BaseException | None = None
         try:
             device = self._collective_device()
             try:
-                vec = self._local_vector(acc, host, device, step=step, failed=failed, bound=bound)
+                vec = self._local_vector(acc, host, device, step=step, failed=failed, token_slots=token_slots)
             except Exception as exc:  # whatever failed locally, this rank still joins the collective
                 error = exc
                 vec = self._host_vector(host, device, step=step, failed=True)
@@ -95,13 +97,14 @@ class StepReducer:
 
     # ---- this rank's vector ---------------------------------------------------------------------
 
-    def _local_vector(self, acc, host, device, *, step: int, failed: bool, bound: int) -> torch.Tensor:
-        if not all(isinstance(v, int) and v >= 0 for v in host):
-            raise ValueError(f"host counts must be non-negative ints, got {list(host)}")
-        overflowed = not bound < INT64_LIMIT or not all(v < INT64_LIMIT for v in host)
+    def _local_vector(self, acc, host, device, *, step: int, failed: bool, token_slots: int) -> torch.Tensor:
+        host = [operator.index(v) for v in host]  # exact ints (a float or tensor raises)
+        if any(v < 0 for v in host):
+            raise ValueError(f"host counts must be non-negative, got {host}")
+        overflowed = operator.index(token_slots) ** 2 >= INT64_LIMIT or any(v >= INT64_LIMIT for v in host)
         if failed or overflowed:
             return self._host_vector(host, device, step=step, failed=failed, overflowed=overflowed)
-        vec = torch.tensor(list(host), dtype=torch.int64).to(device)
+        vec = torch.tensor(host, dtype=torch.int64).to(device)
         if acc is not None:
             vec = vec + acc.to(device)
         control = torch.tensor(_control(step), dtype=torch.int64, device=device)
@@ -113,8 +116,11 @@ class StepReducer:
         overflowed: bool = False, filler: bool = False,
     ) -> torch.Tensor:
         """A zeroed payload but for the shape counts (when they are ints that fit), and the flags."""
-        shapes = [v if i in self._shape_index else 0 for i, v in enumerate(host)]
-        with_shapes = not filler and all(isinstance(v, int) and 0 <= v < INT64_LIMIT for v in shapes)
+        try:
+            shapes = [operator.index(v) if i in self._shape_index else 0 for i, v in enumerate(host)]
+            with_shapes = not filler and all(0 <= v < INT64_LIMIT for v in shapes)
+        except TypeError:
+            with_shapes = False
         if not with_shapes:
             shapes = [0] * len(self.slots)
         control = _control(step, failed=failed, overflowed=overflowed, without_shapes=not with_shapes, filler=filler)

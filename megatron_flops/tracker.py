@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_flops.formulas import ATTENTION_CONVENTIONS, SeqStats, training_flops
 from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec, price
-from megatron_flops.reduction import INT64_LIMIT, Reduction, StepReducer
+from megatron_flops.reduction import Reduction, StepReducer
 from megatron_flops.result import StepResult
 from megatron_flops.spec import ModelSpec
 from megatron_flops.vision import VisionSpec, parse_grids, vision_training_flops
@@ -333,11 +333,8 @@ class FlopsTracker:
         """
         self._num_steps += 1
         failed, self._failed = self._failed, False
-        slots = self._host[_I["num_padded_tokens"]]
-        # NB: with valid lengths no statistic of this rank exceeds (its token slots in the step)^2.
-        bound = slots * slots if isinstance(slots, int) else INT64_LIMIT
         reduction = self._reducer.reduce(self._acc, self._host, step=self._num_steps if step is None else step,
-                                         failed=failed, bound=bound)
+                                         failed=failed, token_slots=self._host[_I["num_padded_tokens"]])
         self._reset()
         if reduction.local_error is not None:
             self._warn_once("this rank could not build its statistics vector", reduction.local_error)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_flops.formulas import SeqStats, parse_rows, training_flops
-from megatron_flops.reduction import STEP_WINDOW, _lag
+from megatron_flops.reduction import STEP_WINDOW, StepReducer, _lag
 from megatron_flops.spec import ModelSpec
 from megatron_flops.tracker import FlopsTracker
 
@@ -146,3 +146,15 @@ def test_lag_pins_every_rank_down_or_refuses(steps, lags):
         residues[s % STEP_WINDOW] += 1
     total, squares = sum(steps), sum(s * s for s in steps)
     assert [_lag(residues, total, squares, s) for s in steps] == lags
+
+
+def test_host_counts_are_read_exactly_whatever_their_int_type():
+    np = pytest.importorskip("numpy")
+    reducer = StepReducer(("num_rows", "sum"), shape_slots=("num_rows",))
+    # numpy int64 counts near 2^62 are read exactly (no float round trip, no wrap).
+    r = reducer.reduce(None, [np.int64(3), np.int64(2**62 + 1)], step=1, failed=False, token_slots=np.int64(3))
+    assert r.problem is None and dict(r.totals) == {"num_rows": 3, "sum": 2**62 + 1}
+    # A float is no count: the rank's step fails (its shapes still travel), nothing raises.
+    r = reducer.reduce(None, [np.int64(3), 1.5], step=2, failed=False, token_slots=3)
+    assert r.problem is not None and r.totals is None and dict(r.shapes) == {"num_rows": 3}
+    assert isinstance(r.local_error, TypeError)
