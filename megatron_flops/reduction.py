@@ -83,6 +83,10 @@ class StepReducer:
         """
         error: BaseException | None = None
         try:
+            step = operator.index(step)
+        except TypeError as exc:  # no step index: the vector cannot add up, every rank falls back
+            step, error, failed = None, exc, True
+        try:
             device = self._collective_device()
             try:
                 vec = self._local_vector(acc, host, device, step=step, failed=failed, token_slots=token_slots)
@@ -97,7 +101,7 @@ class StepReducer:
 
     # ---- this rank's vector ---------------------------------------------------------------------
 
-    def _local_vector(self, acc, host, device, *, step: int, failed: bool, token_slots: int) -> torch.Tensor:
+    def _local_vector(self, acc, host, device, *, step: int | None, failed: bool, token_slots: int) -> torch.Tensor:
         host = [operator.index(v) for v in host]  # exact ints (a float or tensor raises)
         if any(v < 0 for v in host):
             raise ValueError(f"host counts must be non-negative, got {host}")
@@ -134,7 +138,7 @@ class StepReducer:
             dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
         return vec.tolist()  # the one host sync of the step
 
-    def _decide(self, summed: list[int], step: int, device: torch.device, error: BaseException | None) -> Reduction:
+    def _decide(self, summed: list[int], step: int | None, device: torch.device, error: BaseException | None) -> Reduction:
         n = len(self.slots)
         totals = {name: (summed[n + i] << _LOW_BITS) + summed[i] for i, name in enumerate(self.slots)}
         control = dict(zip(_CONTROL, summed[2 * n : 2 * n + len(_CONTROL)]))

@@ -341,9 +341,13 @@ class FlopsTracker:
         return self._price(reduction, failed_here=failed)
 
     def _reset(self) -> None:
-        if self._acc is not None:
-            self._acc.zero_()
         self._host = [0] * len(self._slots)
+        if self._acc is not None:
+            try:
+                self._acc.zero_()
+            except Exception as exc:  # a fresh accumulator on the next record()
+                self._acc = None
+                self._warn_once("the accumulator could not be reset", exc)
 
     def _price(self, reduction: Reduction, *, failed_here: bool) -> StepResult:
         shapes, totals, problem = reduction.shapes, reduction.totals, reduction.problem
@@ -351,7 +355,10 @@ class FlopsTracker:
         if totals is not None:
             problem = _inconsistency(totals)
             if problem is None:
-                return self._exact(totals, static)
+                try:
+                    return self._exact(totals, static)
+                except Exception as exc:  # the same totals on every rank: every rank falls back
+                    problem = f"pricing failed ({type(exc).__name__}: {exc})"
         if not failed_here:  # a rank that failed to record has said why already
             self._warn_once("the step fell back to the static number", problem or "no totals")
         if not static:  # the step's shapes did not arrive or hold no row: the latest known

@@ -158,3 +158,14 @@ def test_host_counts_are_read_exactly_whatever_their_int_type():
     r = reducer.reduce(None, [np.int64(3), 1.5], step=2, failed=False, token_slots=3)
     assert r.problem is not None and r.totals is None and dict(r.shapes) == {"num_rows": 3}
     assert isinstance(r.local_error, TypeError)
+
+
+def test_a_step_index_that_is_no_integer_falls_back_without_raising(caplog):
+    tracker = FlopsTracker(SPEC, seq_length=8)
+    tracker.record(tokens=_tok(1, 8))
+    with caplog.at_level(logging.WARNING, logger="megatron_flops"):
+        r = tracker.end_step(step=1.5)
+    assert not r.ok and "does not add up" in r.fallback_reason
+    assert any("TypeError" in m for m in _warnings(caplog))
+    tracker.record(tokens=_tok(1, 8))
+    assert tracker.end_step(step=2).ok
