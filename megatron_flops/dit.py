@@ -25,6 +25,9 @@ NB: model FLOPs use real lengths. WAN pads the text to ``text_len`` tokens and r
 cross-attention over all of them (``context_lens=None``), so its default text length per sample
 is ``text_len``; give the real lengths where an implementation packs them (Megatron-Bridge's
 WAN). WAN's batched path also pads video tokens to the batch maximum: not counted.
+
+Also here: the LoRA target names of a DiT block and parameter counts. Training passes with a
+frozen base, LoRA and per-block checkpointing: :mod:`megatron_flops.dit_passes`.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ import difflib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
-from megatron_flops.formulas import TRAIN_PASSES, FlopsBreakdown, attention_gemm, gemm
-from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS
+from megatron_flops.formulas import Gemm, attention_gemm, gemm
+from megatron_flops.passes import PeftSpec
 
 
 def seqlens_from_cu_seqlens(cu_seqlens: Sequence[int], *, name: str = "cu_seqlens") -> tuple[int, ...]:
@@ -88,6 +91,7 @@ class DiTSpec:
 
     ``image_dim`` (CLIP feature width, 1280 in WAN image-to-video) turns on the image
     cross-attention over ``image_len`` CLIP tokens per sample; ``None``: text-to-video.
+    ``qk_norm`` and ``cross_attn_norm`` (WAN's defaults) add norm weights: parameter counts only.
     """
 
     num_layers: int
@@ -102,11 +106,16 @@ class DiTSpec:
     text_len: int = 512
     image_dim: int | None = None
     image_len: int = 257
+    qk_norm: bool = True
+    cross_attn_norm: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "patch_size":
+            if f.name in ("qk_norm", "cross_attn_norm"):
+                if not isinstance(value, bool):
+                    raise ValueError(f"{f.name} must be true or false, got {value!r}")
+            elif f.name == "patch_size":
                 if not isinstance(value, tuple) or len(value) != 3:
                     raise ValueError(f"patch_size must be three integers (t, h, w), got {value!r}")
                 _ints(value, "patch_size", minimum=1)
@@ -143,85 +152,237 @@ class DiTSpec:
             raise ValueError(f"{source}: {exc}") from None
 
 
-def dit_forward_flops(
-    spec: DiTSpec, video_seqlens: Sequence[int], text_seqlens: Sequence[int] | None = None
-) -> dict[str, int]:
-    """Forward FLOPs per component of the DiT over samples of ``video_seqlens[i]`` video tokens
-    (after patchifying) and ``text_seqlens[i]`` text tokens (default: ``text_len`` each)."""
-    video = _ints(video_seqlens, "video_seqlens", minimum=1)
-    if not video:
-        raise ValueError("video_seqlens is empty")
-    text = (spec.text_len,) * len(video) if text_seqlens is None else text_seqlens
-    video, text = _paired(video, text, "video_seqlens", "text_seqlens")
-    h, n, d, L = spec.hidden_size, spec.num_heads, spec.head_dim, spec.num_layers
-    num_samples, tokens, text_tokens = len(video), sum(video), sum(text)
+@dataclass(frozen=True, kw_only=True)
+class DiTStats:
+    """Additive statistics of DiT samples: all the FLOPs depend on. Sample ``i`` has ``s_i`` video
+    tokens, ``c_i`` text tokens and ``m_i`` image (CLIP) tokens."""
+
+    num_samples: int = 0
+    num_video_tokens: int = 0
+    num_text_tokens: int = 0
+    num_image_tokens: int = 0
+    sum_video_seqlen_squared: int = 0
+    sum_text_pairs: int = 0  # sum s_i * c_i
+    sum_image_pairs: int = 0  # sum s_i * m_i
+
+    @classmethod
+    def from_seqlens(
+        cls,
+        spec: DiTSpec,
+        video_seqlens: Sequence[int],
+        text_seqlens: Sequence[int] | None = None,
+        image_seqlens: Sequence[int] | None = None,
+    ) -> DiTStats:
+        """Per-sample lengths; text defaults to ``text_len`` per sample, image (image-to-video
+        only) to ``image_len``."""
+        video = _ints(video_seqlens, "video_seqlens", minimum=1)
+        if not video:
+            raise ValueError("video_seqlens is empty")
+        text = (spec.text_len,) * len(video) if text_seqlens is None else text_seqlens
+        video, text = _paired(video, text, "video_seqlens", "text_seqlens")
+        if spec.image_dim is None:
+            if image_seqlens is not None:
+                raise ValueError("image_seqlens given for a text-to-video DiT (no image_dim)")
+            image: tuple[int, ...] = (0,) * len(video)
+        else:
+            _, image = _paired(video, (spec.image_len,) * len(video) if image_seqlens is None else image_seqlens,
+                               "video_seqlens", "image_seqlens")
+        return cls(
+            num_samples=len(video),
+            num_video_tokens=sum(video),
+            num_text_tokens=sum(text),
+            num_image_tokens=sum(image),
+            sum_video_seqlen_squared=sum(v * v for v in video),
+            sum_text_pairs=sum(v * c for v, c in zip(video, text)),
+            sum_image_pairs=sum(v * m for v, m in zip(video, image)),
+        )
+
+
+def dit_forward_gemms(spec: DiTSpec, stats: DiTStats) -> tuple[Gemm, ...]:
+    """Every forward GEMM over ``stats``, named after ``WanModel``'s modules (block GEMMs without
+    the ``blocks.{i}.`` prefix, ``layer`` = block index; core attention is ``*.scores`` and
+    ``*.context``), embeddings first, then the blocks, then the head."""
+    h, n, d = spec.hidden_size, spec.num_heads, spec.head_dim
+    B, S, C, M = stats.num_samples, stats.num_video_tokens, stats.num_text_tokens, stats.num_image_tokens
     patch = math.prod(spec.patch_size)
-    out: dict[str, int] = {}
+    out: list[Gemm] = []
+
+    def linear(key: str, name: str, layer: int | None, rows: int, d_in: int, d_out: int) -> None:
+        out.append(Gemm(key=key, name=name, layer=layer, flops=gemm(rows, d_in, d_out), shape=(rows, d_in, d_out)))
+
+    def core(key: str, name: str, layer: int, pairs: int) -> None:
+        # Per head and (query, key) pair: scores q.k, then context p*v: d MACs each, every pair of
+        # each sample (no mask).
+        for part in ("scores", "context"):
+            out.append(Gemm(key=key, name=f"{name}{part}", layer=layer, flops=attention_gemm(n, d, pairs)))
+
     # patch_embedding: Conv3d, stride = kernel: [S, C_in*pt*ph*pw] @ [C_in*pt*ph*pw, h].
-    out["dit/patch_embed"] = gemm(tokens, spec.in_channels * patch, h)
+    linear("dit/patch_embed", "patch_embedding", None, S, spec.in_channels * patch, h)
     # text_embedding: [C, text_dim] @ [text_dim, h], then [C, h] @ [h, h].
-    out["dit/text_embed"] = gemm(text_tokens, spec.text_dim, h) + gemm(text_tokens, h, h)
+    linear("dit/text_embed", "text_embedding.0", None, C, spec.text_dim, h)
+    linear("dit/text_embed", "text_embedding.2", None, C, h, h)
     # time_embedding: [B, freq_dim] @ [freq_dim, h], then [B, h] @ [h, h] (one timestep per sample).
-    out["dit/time_embed"] = gemm(num_samples, spec.freq_dim, h) + gemm(num_samples, h, h)
+    linear("dit/time_embed", "time_embedding.0", None, B, spec.freq_dim, h)
+    linear("dit/time_embed", "time_embedding.2", None, B, h, h)
     # time_projection: [B, h] @ [h, 6h], shared by every block (see the module NB).
-    out["dit/modulation"] = gemm(num_samples, h, 6 * h)
+    linear("dit/modulation", "time_projection.1", None, B, h, 6 * h)
     if spec.image_dim is not None:
-        images = num_samples * spec.image_len
         # img_emb: [M, 1280] @ [1280, 1280], then [M, 1280] @ [1280, h].
-        out["dit/image_embed"] = gemm(images, spec.image_dim, spec.image_dim) + gemm(images, spec.image_dim, h)
-    # Self-attention: q, k, v [S, h] @ [h, h] each; full attention within each sample; o [S, h] @ [h, h].
-    self_attn = cross_attention_flops(query_seqlens=video, kv_seqlens=video, hidden_size=h,
-                                      context_dim=h, num_heads=n, head_dim=d)
-    out["dit/self_attn/qkv"] = L * (self_attn["q"] + self_attn["kv"])
-    out["dit/self_attn/core"] = L * self_attn["core"]
-    out["dit/self_attn/out"] = L * self_attn["out"]
-    # Cross-attention: the text context is already h wide (text_embedding).
-    cross = cross_attention_flops(query_seqlens=video, kv_seqlens=text, hidden_size=h,
-                                  context_dim=h, num_heads=n, head_dim=d)
-    out["dit/cross_attn/q"] = L * cross["q"]
-    out["dit/cross_attn/kv"] = L * cross["kv"]
-    out["dit/cross_attn/core"] = L * cross["core"]
-    if spec.image_dim is not None:
-        image = cross_attention_flops(query_seqlens=video, kv_seqlens=(spec.image_len,) * num_samples,
-                                      hidden_size=h, context_dim=h, num_heads=n, head_dim=d)
-        # k_img, v_img on the CLIP tokens and their attention; q and o are shared with the text.
-        out["dit/cross_attn/image_kv"] = L * image["kv"]
-        out["dit/cross_attn/image_core"] = L * image["core"]
-    out["dit/cross_attn/out"] = L * cross["out"]
-    # FFN: [S, h] @ [h, ffn], [S, ffn] @ [ffn, h].
-    out["dit/mlp"] = L * (gemm(tokens, h, spec.ffn_hidden_size) + gemm(tokens, spec.ffn_hidden_size, h))
+        linear("dit/image_embed", "img_emb.proj.1", None, M, spec.image_dim, spec.image_dim)
+        linear("dit/image_embed", "img_emb.proj.3", None, M, spec.image_dim, h)
+    for layer in range(spec.num_layers):
+        # Self-attention: q, k, v [S, h] @ [h, h]; full attention within each sample; o [S, h] @ [h, h].
+        for name in ("self_attn.q", "self_attn.k", "self_attn.v"):
+            linear("dit/self_attn/qkv", name, layer, S, h, h)
+        core("dit/self_attn/core", "self_attn.", layer, stats.sum_video_seqlen_squared)
+        linear("dit/self_attn/out", "self_attn.o", layer, S, h, h)
+        # Cross-attention: q on the video tokens; k, v on the text tokens (already h wide).
+        linear("dit/cross_attn/q", "cross_attn.q", layer, S, h, h)
+        linear("dit/cross_attn/kv", "cross_attn.k", layer, C, h, h)
+        linear("dit/cross_attn/kv", "cross_attn.v", layer, C, h, h)
+        core("dit/cross_attn/core", "cross_attn.", layer, stats.sum_text_pairs)
+        if spec.image_dim is not None:
+            # k_img, v_img on the CLIP tokens, attended by the same queries; the two results are
+            # summed before o.
+            linear("dit/cross_attn/image_kv", "cross_attn.k_img", layer, M, h, h)
+            linear("dit/cross_attn/image_kv", "cross_attn.v_img", layer, M, h, h)
+            core("dit/cross_attn/image_core", "cross_attn.image_", layer, stats.sum_image_pairs)
+        linear("dit/cross_attn/out", "cross_attn.o", layer, S, h, h)
+        # FFN: [S, h] @ [h, ffn], [S, ffn] @ [ffn, h].
+        linear("dit/mlp", "ffn.0", layer, S, h, spec.ffn_hidden_size)
+        linear("dit/mlp", "ffn.2", layer, S, spec.ffn_hidden_size, h)
     # head: [S, h] @ [h, C_out*pt*ph*pw].
-    out["dit/head"] = gemm(tokens, h, spec.out_channels * patch)
-    return out
+    linear("dit/head", "head.head", None, S, h, spec.out_channels * patch)
+    return tuple(out)
 
 
-def dit_training_flops(
+def dit_forward_flops(
     spec: DiTSpec,
     video_seqlens: Sequence[int],
     text_seqlens: Sequence[int] | None = None,
-    *,
-    convention: str = "needed",
-) -> FlopsBreakdown:
-    """Forward + backward FLOPs per component.
+    image_seqlens: Sequence[int] | None = None,
+) -> dict[str, int]:
+    """Forward FLOPs per component over samples of ``video_seqlens[i]`` video tokens (after
+    patchifying), ``text_seqlens[i]`` text tokens (default ``text_len``) and, image-to-video,
+    ``image_seqlens[i]`` CLIP tokens (default ``image_len``)."""
+    out: dict[str, int] = {}
+    for g in dit_forward_gemms(spec, DiTStats.from_seqlens(spec, video_seqlens, text_seqlens, image_seqlens)):
+        out[g.key] = out.get(g.key, 0) + g.flops
+    return out
 
-    NB (``"needed"``, as :mod:`megatron_flops.passes` defines it): the GEMMs fed by data (video
-    latents into the patch embedding, frozen-T5 features into ``text_embedding``'s first
-    Linear, the sinusoid into ``time_embedding``'s first Linear) run forward + weight gradient
-    only; every other GEMM all TRAIN_PASSES (``img_emb``'s first Linear follows a LayerNorm
-    with trainable weights, so it needs its input gradient). ``"train_passes"``: TRAIN_PASSES x
-    every GEMM.
-    """
-    if convention not in MODEL_FLOPS_CONVENTIONS:
-        raise ValueError(f"unknown model FLOPs convention {convention!r}; use one of {MODEL_FLOPS_CONVENTIONS}")
-    fwd = dit_forward_flops(spec, video_seqlens, text_seqlens)
-    components = {k: TRAIN_PASSES * v for k, v in fwd.items()}
-    if convention == "needed":
-        num_samples = len(video_seqlens)
-        text_tokens = sum(text_seqlens) if text_seqlens is not None else spec.text_len * num_samples
-        components["dit/patch_embed"] -= fwd["dit/patch_embed"]
-        components["dit/text_embed"] -= gemm(text_tokens, spec.text_dim, spec.hidden_size)
-        components["dit/time_embed"] -= gemm(num_samples, spec.freq_dim, spec.hidden_size)
-    return FlopsBreakdown(components=components, attention="full")
+
+# ---- LoRA targets and parameter counts -------------------------------------------------------
+
+# The projections of a block a LoRA adapter can wrap, named as in ``WanAttentionBlock``
+# (``blocks.{i}.self_attn.q``, ...): ``ffn.0`` and ``ffn.2`` are the FFN's in and out Linear.
+DIT_LORA_MODULES = (
+    "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
+    "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o",
+    "cross_attn.k_img", "cross_attn.v_img",
+    "ffn.0", "ffn.2",
+)
+# A target matches a module whose name ends with it at a dot (PEFT's ``target_modules``): ``q``
+# adapts ``self_attn.q`` and ``cross_attn.q``. NB: bare ``0``/``2`` are refused: in ``WanModel``
+# they would also match ``text_embedding.0``, ``time_embedding.2``, ...
+DIT_LORA_TARGETS = ("q", "k", "v", "o", "k_img", "v_img", *DIT_LORA_MODULES)
+DEFAULT_DIT_LORA_TARGETS = ("q", "k", "v", "o")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiTPeftSpec(PeftSpec):
+    """Frozen base and LoRA for a DiT: ``lora_targets`` from :data:`DIT_LORA_TARGETS`, matched by
+    module-name suffix; every block gets the same adapters. Adapters carry no bias."""
+
+    KNOWN_TARGETS: ClassVar[tuple[str, ...]] = DIT_LORA_TARGETS
+
+    lora_targets: tuple[str, ...] = DEFAULT_DIT_LORA_TARGETS
+
+    def adapts(self, module: str) -> bool:
+        """Whether a block module (``self_attn.q``, ...) gets an adapter."""
+        return self.lora_rank is not None and any(
+            module == t or module.endswith("." + t) for t in self.lora_targets)
+
+    @classmethod
+    def of(cls, peft: PeftSpec | None) -> DiTPeftSpec:
+        """``peft`` with its target names checked against the DiT's (a plain ``PeftSpec``'s
+        defaults are decoder names)."""
+        if peft is None or isinstance(peft, cls):
+            return peft or cls()
+        return cls(frozen=peft.frozen, lora_rank=peft.lora_rank, lora_targets=peft.lora_targets)
+
+
+def dit_adapted_modules(spec: DiTSpec, peft: PeftSpec | None) -> tuple[str, ...]:
+    """The block modules that get an adapter; ValueError for a target that matches none."""
+    peft = DiTPeftSpec.of(peft)
+    if peft.lora_rank is None:
+        return ()
+    present = _block_projections(spec)
+    for target in peft.lora_targets:
+        if not any(DiTPeftSpec(lora_rank=1, lora_targets=(target,)).adapts(m) for m in present):
+            raise ValueError(f"lora target {target!r} matches no projection of this DiT "
+                             f"(projections: {', '.join(present)})")
+    return tuple(m for m in present if peft.adapts(m))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiTParameters:
+    """Parameter counts of a ``WanModel`` (weights, biases, norms, modulation tables) and its
+    LoRA adapters (A: in x r, B: r x out, no bias)."""
+
+    num_params: int  # base + adapters
+    num_trainable_params: int
+    num_block_params: int  # one block, base
+    num_adapters: int  # adapted projections, all blocks
+    num_adapter_params: int  # all adapters
+
+    @property
+    def num_base_params(self) -> int:
+        return self.num_params - self.num_adapter_params
+
+
+def dit_parameter_counts(spec: DiTSpec, peft: PeftSpec | None = None) -> DiTParameters:
+    """Parameters of the model ``spec`` describes, with ``peft``'s adapters."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    patch = math.prod(spec.patch_size)
+    shapes = _block_projections(spec)
+    block = sum(d_in * d_out + d_out for d_in, d_out in shapes.values())
+    # norm_q, norm_k of both attentions (+ norm_k_img): RMSNorm weights; norm3: LayerNorm weight
+    # and bias; the block's adaLN table [1, 6, h]. norm1 and norm2 have no weights.
+    norms = 4 + (spec.image_dim is not None) if spec.qk_norm else 0
+    block += norms * h + (2 * h if spec.cross_attn_norm else 0) + 6 * h
+    embed = (
+        spec.in_channels * patch * h + h  # patch_embedding (Conv3d weight and bias)
+        + spec.text_dim * h + h + h * h + h  # text_embedding
+        + spec.freq_dim * h + h + h * h + h  # time_embedding
+        + h * 6 * h + 6 * h  # time_projection
+        + h * spec.out_channels * patch + spec.out_channels * patch + 2 * h  # head (+ its adaLN table)
+    )
+    if spec.image_dim is not None:
+        w = spec.image_dim
+        # img_emb.proj: LayerNorm(w), Linear(w, w), Linear(w, h), LayerNorm(h).
+        embed += 2 * w + w * w + w + w * h + h + 2 * h
+    adapted = dit_adapted_modules(spec, peft)
+    rank = 0 if peft is None or peft.lora_rank is None else peft.lora_rank
+    adapter = spec.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in adapted)
+    base = embed + spec.num_layers * block
+    frozen = peft is not None and peft.frozen
+    return DiTParameters(
+        num_params=base + adapter,
+        num_trainable_params=adapter + (0 if frozen else base),
+        num_block_params=block,
+        num_adapters=spec.num_layers * len(adapted),
+        num_adapter_params=adapter,
+    )
+
+
+def _block_projections(spec: DiTSpec) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of one block."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    shapes = {m: (h, h) for m in DIT_LORA_MODULES}
+    shapes["ffn.0"], shapes["ffn.2"] = (h, f), (f, h)
+    if spec.image_dim is None:
+        del shapes["cross_attn.k_img"], shapes["cross_attn.v_img"]
+    return shapes
 
 
 def _ints(values: Any, name: str, *, minimum: int) -> tuple[int, ...]:
@@ -240,37 +401,3 @@ def _paired(a: Any, b: Any, name_a: str, name_b: str) -> tuple[tuple[int, ...], 
     if len(first) != len(second):
         raise ValueError(f"{name_a} has {len(first)} samples but {name_b} has {len(second)}")
     return first, second
-
-
-def dit_report(
-    section: Mapping[str, Any],
-    video_seqlens: Sequence[int],
-    text_seqlens: Sequence[int] | None = None,
-    *,
-    convention: str = "needed",
-) -> dict[str, Any]:
-    """What ``estimate --json`` prints for a model file's ``"dit"`` section: model FLOPs under
-    ``convention``, components, statistics. ``executed_flops`` is the ``"needed"`` count (see
-    the module NB on padding)."""
-    spec = DiTSpec.from_mapping(section)
-    model = dit_training_flops(spec, video_seqlens, text_seqlens, convention=convention)
-    text = tuple(text_seqlens) if text_seqlens is not None else (spec.text_len,) * len(video_seqlens)
-    # NB: the static number prices every sample at the longest video of the batch with the full
-    # text length, as fixed-shape formulas (and a batch padded to its longest sample) do.
-    longest = max(video_seqlens)
-    static = dit_training_flops(spec, [longest] * len(video_seqlens), None, convention=convention).total
-    return {
-        "total_flops": model.total,
-        "static_flops": static,
-        "static_seq_length": longest,
-        "over_report_factor": static / model.total,
-        "components": dict(model.components),
-        "executed_flops": dit_training_flops(spec, video_seqlens, text_seqlens).total,
-        "model_flops_convention": convention,
-        "attention": "full",
-        "num_samples": len(video_seqlens),
-        "num_video_tokens": sum(video_seqlens),
-        "num_text_tokens": sum(text),
-        "sum_video_seqlen_squared": sum(s * s for s in video_seqlens),
-        "sum_cross_pairs": sum(s * c for s, c in zip(video_seqlens, text)),
-    }

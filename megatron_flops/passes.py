@@ -55,7 +55,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from megatron_flops.formulas import TRAIN_PASSES, FlopsBreakdown, Gemm, SeqStats, forward_gemms, gemm, training_flops
 from megatron_flops.spec import ModelSpec
@@ -92,7 +92,10 @@ class PeftSpec:
     """Which weights train: ``frozen`` freezes every base parameter; ``lora_rank`` adds a rank-r
     adapter ``x @ A @ B`` (A: in x r, B: r x out, run on the projection's input rows) beside every
     projection named in ``lora_targets``, in every layer (MTP layers and routed/shared experts
-    included, as Megatron-Bridge matches module names)."""
+    included, as Megatron-Bridge matches module names). Subclasses name another model's
+    projections in ``KNOWN_TARGETS`` (``dit.DiTPeftSpec``)."""
+
+    KNOWN_TARGETS: ClassVar[tuple[str, ...]] = LORA_TARGETS
 
     frozen: bool = False
     lora_rank: int | None = None
@@ -105,11 +108,12 @@ class PeftSpec:
             raise ValueError(f"lora rank must be a positive integer, got {self.lora_rank!r}")
         if not isinstance(self.lora_targets, tuple) or not self.lora_targets:
             raise ValueError(f"lora targets must be a non-empty tuple of names, got {self.lora_targets!r}")
+        known = self.KNOWN_TARGETS
         for target in self.lora_targets:
-            if target not in LORA_TARGETS:
-                close = difflib.get_close_matches(str(target), LORA_TARGETS, n=1)
+            if target not in known:
+                close = difflib.get_close_matches(str(target), known, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"unknown lora target {target!r}{hint}; known: {', '.join(LORA_TARGETS)}")
+                raise ValueError(f"unknown lora target {target!r}{hint}; known: {', '.join(known)}")
         if self.frozen and self.lora_rank is None:
             raise ValueError("a frozen base without LoRA adapters has nothing to train; give a lora rank")
 
@@ -124,10 +128,12 @@ class PeftSpec:
             raise ValueError(f"{source}: unknown key(s) {sorted(unknown)} in 'lora' (known: dim, target_modules)")
         if "dim" not in section:
             raise ValueError(f"{source}: 'lora' needs 'dim' (the adapter rank)")
-        targets = section.get("target_modules", DEFAULT_LORA_TARGETS)
-        if isinstance(targets, str) or not isinstance(targets, (list, tuple)):
+        targets = section.get("target_modules")
+        if targets is not None and (isinstance(targets, str) or not isinstance(targets, (list, tuple))):
             raise ValueError(f"{source}: lora 'target_modules' must be a list of names, got {targets!r}")
         try:
+            if targets is None:
+                return cls(frozen=True, lora_rank=section["dim"])
             return cls(frozen=True, lora_rank=section["dim"], lora_targets=tuple(targets))
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
@@ -320,6 +326,16 @@ _REGIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+def lora_passes(shape: tuple[int, int, int], rank: int, *, input_grad: bool) -> tuple[int, int, int]:
+    """(forward, input-gradient, weight-gradient) FLOPs of a rank-``rank`` adapter beside a
+    projection of ``shape`` (rows, in, out); ``input_grad``: whether A's dgrad runs."""
+    rows, d_in, d_out = shape
+    # A: [rows, in] @ [in, r]; B: [rows, r] @ [r, out]. Both train; B's input (A's output) always
+    # needs a gradient, A's when the projection's input does.
+    a, b = gemm(rows, d_in, rank), gemm(rows, rank, d_out)
+    return a + b, (a if input_grad else 0) + b, a + b
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Walk:
     forward: dict[str, int]
@@ -328,17 +344,17 @@ class _Walk:
     recompute: dict[str, int]
 
 
-def _recomputed_layers(spec: ModelSpec, recompute: RecomputeSpec | None) -> frozenset[int]:
-    """Layers (decoder, then MTP depths) that full recompute re-runs."""
+def recomputed_layers(num_layers: int, recompute: RecomputeSpec | None, *, mtp_num_layers: int = 0) -> frozenset[int]:
+    """Layers (0-based: decoder layers or DiT blocks, then MTP depths) that full recompute re-runs."""
     if recompute is None or recompute.granularity != "full":
         return frozenset()
-    layers = spec.num_layers
+    layers = num_layers
     if recompute.method == "uniform":
-        if spec.mtp_num_layers and recompute.num_layers != 1:
+        if mtp_num_layers and recompute.num_layers != 1:
             raise ValueError(
                 "megatron-core's MTP recompute needs recompute_num_layers=1 with recompute_method='uniform'"
             )
-        return frozenset(range(layers + spec.mtp_num_layers))
+        return frozenset(range(layers + mtp_num_layers))
     chunks = recompute.pipeline_model_parallel_size * (recompute.virtual_pipeline_model_parallel_size or 1)
     if layers % chunks:
         raise ValueError(f"num_layers={layers} does not split evenly into {chunks} pipeline model chunks")
@@ -368,7 +384,7 @@ def _walk(
         for acc, value in ((fwd, f), (dgrad, d), (wgrad, w), (redo, r)):
             acc[key] = acc.get(key, 0) + value
 
-    recomputed = _recomputed_layers(spec, recompute)
+    recomputed = recomputed_layers(spec.num_layers, recompute, mtp_num_layers=spec.mtp_num_layers)
     selective = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
     trainable = not peft.frozen
     # The decoder input (embedding output) needs a gradient when the embedding trains, and in the
@@ -412,14 +428,10 @@ def _walk(
         add(g.key, g.flops, d, w, times * g.flops)
         if adapted:
             assert g.shape is not None and peft.lora_rank is not None
-            rows, d_in, d_out = g.shape
-            a, b = gemm(rows, d_in, peft.lora_rank), gemm(rows, peft.lora_rank, d_out)
-            # A: [rows, in] @ [in, r]; B: [rows, r] @ [r, out]. Both train; B's input (A's output)
-            # always needs a gradient, A's when the projection's input does. A trainable megatron
-            # linear computes its dgrad even when its input needs none (executed).
-            a_dgrad = a if operands[0] or executed else 0
+            # A trainable megatron linear computes its dgrad even when its input needs none (executed).
+            f, d, w = lora_passes(g.shape, peft.lora_rank, input_grad=operands[0] or executed)
             prefix = "mtp/" if g.key.startswith("mtp/") else ""
-            add(f"{prefix}lora/{g.name}", a + b, a_dgrad + b, a + b, times * (a + b))
+            add(f"{prefix}lora/{g.name}", f, d, w, times * f)
         values[g.name] = any(operands) or weight or adapted
         if g.name == "eh_proj":
             values["attn_in"] = values["eh_proj"]

@@ -246,8 +246,10 @@ def model_from_mapping(data: Mapping[str, Any], *, source: str) -> ModelSpec | N
         if "num_hidden_layers" not in data and "vision_config" in data:
             return None
         return ModelSpec.from_hf_config(data)
-    decoder = {k: v for k, v in data.items() if k not in ("vision_config", "vision", "lora", "dit")}
-    if not decoder and ("vision_config" in data or "vision" in data or "dit" in data):
+    if "dit" in data:
+        return None  # a DiT model file (dit_passes.dit_setup reads it)
+    decoder = {k: v for k, v in data.items() if k not in ("vision_config", "vision", "lora")}
+    if not decoder and ("vision_config" in data or "vision" in data):
         return None
     return ModelSpec.from_mapping(decoder, source=source)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from megatron_flops.cli.estimate import _format_components, _json_list_arg
@@ -23,7 +24,7 @@ def _format_dit(report: dict[str, Any]) -> str:
 
 def estimate_dit(args: argparse.Namespace, raw: dict[str, Any], rows: Sequence[Row] | None) -> int:
     """Print the DiT report for ``estimate``'s parsed arguments; ``raw`` is the model file."""
-    from megatron_flops.dit import dit_report
+    from megatron_flops.dit_passes import dit_report, dit_setup
 
     if rows is None:
         raise ValueError(f"{args.model}: a DiT model file needs --seqlens (video tokens per sample)")
@@ -38,6 +39,6 @@ def estimate_dit(args: argparse.Namespace, raw: dict[str, Any], rows: Sequence[R
             raise ValueError(f"--kv-seqlens: {exc}") from None
         if len(text) != len(video):
             raise ValueError(f"--kv-seqlens has {len(text)} lengths but --seqlens has {len(video)} samples")
-    report = dit_report(raw["dit"], video, text, convention=args.convention)
+    report = dit_report(dit_setup(raw, source=Path(args.model).name), video, text, convention=args.convention)
     print(json.dumps(report) if args.json else _format_dit(report))
     return 0
