@@ -172,8 +172,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         from megatron_flops.cli._dit import estimate_dit
 
         return estimate_dit(args, raw, rows)
-    if args.kv_seqlens is not None:
-        raise ValueError("--kv-seqlens prices cross-attention: give a DiT model file (a 'dit' section)")
+    if args.kv_seqlens is not None or args.image_seqlens is not None:
+        raise ValueError("--kv-seqlens and --image-seqlens price cross-attention: give a DiT model file (a 'dit' section)")
     peft, recompute = _training_setup(args, raw)
     vision = None
     if args.grid_thw is not None:
@@ -223,4 +223,7 @@ def add_parser(sub: Any) -> None:
     est.add_argument("--convention", choices=MODEL_FLOPS_CONVENTIONS, default="needed",
                      help="model FLOPs: GEMMs training needs (default) or TRAIN_PASSES x every forward GEMM")
     est.add_argument("--json", action="store_true", help="print one JSON object")
+    from megatron_flops.cli._dit import add_arguments as add_dit_arguments
+
+    add_dit_arguments(est)
     est.set_defaults(func=_cmd_estimate)
