@@ -1,12 +1,12 @@
-"""Cross-attention and the WAN-2.1-style DiT: formulas vs FlopCounterMode on a small WAN-like model
-written in plain ``torch.nn`` (forward + backward, samples of different video/text lengths),
-hand-derived cases, one-term deltas, the WAN-2.1-14B preset, bad inputs."""
+"""Cross-attention and the WAN-2.1-style DiT: formulas vs FlopCounterMode on the small WAN-like model
+of ``examples/wan_dit_fsdp2.py`` (plain ``torch.nn``, forward + backward, clips of different
+video/text lengths packed in one pass), hand-derived cases, one-term deltas, the WAN-2.1-14B
+preset, bad inputs."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_flops.dit import DiTSpec, cross_attention_flops, dit_forward_flops, seqlens_from_cu_seqlens
@@ -22,6 +21,9 @@ from megatron_flops.dit_passes import dit_training_flops
 from megatron_flops.formulas import FLOPS_PER_MAC, TRAIN_PASSES, gemm
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+import wan_dit_fsdp2 as wan  # noqa: E402  (the example's model is the oracle)
 
 # Tiny WAN-like stacks: 2 blocks, width 32 (4 heads of 8), FFN 48; text features 24 wide, CLIP
 # features 20 wide with 5 tokens per image.
@@ -35,108 +37,30 @@ VIDEO = [12, 6, 3]
 TEXT = [5, 7, 2]
 
 
-# ---- a WAN-like model in plain torch.nn (the oracle) -----------------------------------------
+# ---- the oracle: the example's WAN-like model in plain torch.nn --------------------------------
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
-    """Unmasked multi-head attention with explicit matmuls: [1, Lq, D] x [1, Lk, D] -> [1, Lq, D]."""
-    split = lambda t: t.unflatten(-1, (heads, -1)).transpose(1, 2)  # noqa: E731
-    q, k, v = split(q), split(k), split(v)
-    probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
-    return (probs @ v).transpose(1, 2).flatten(2)
-
-
-class Block(nn.Module):
-    """WanAttentionBlock: adaLN from a learned table + e0, self-attention, text (+ image)
-    cross-attention, FFN."""
-
-    def __init__(self, spec: DiTSpec) -> None:
-        super().__init__()
-        d, self.heads = spec.hidden_size, spec.num_heads
-        self.norm1 = nn.LayerNorm(d, elementwise_affine=False)
-        self.norm2 = nn.LayerNorm(d, elementwise_affine=False)
-        self.norm3 = nn.LayerNorm(d)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.norm_q, self.norm_k = nn.RMSNorm(d), nn.RMSNorm(d)
-        self.cq, self.ck, self.cv, self.co = (nn.Linear(d, d) for _ in range(4))
-        self.image = spec.image_dim is not None
-        if self.image:
-            self.ck_img, self.cv_img = nn.Linear(d, d), nn.Linear(d, d)
-        self.ffn = nn.Sequential(nn.Linear(d, spec.ffn_hidden_size), nn.GELU(approximate="tanh"),
-                                 nn.Linear(spec.ffn_hidden_size, d))
-        self.modulation = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
-
-    def forward(self, x, e0, text, image):
-        e = (self.modulation + e0).chunk(6, dim=1)
-        y = self.norm1(x) * (1 + e[1]) + e[0]
-        y = _attention(self.norm_q(self.q(y)), self.norm_k(self.k(y)), self.v(y), self.heads)
-        x = x + self.o(y) * e[2]
-        y = self.norm3(x)
-        q = self.cq(y)
-        out = _attention(q, self.ck(text), self.cv(text), self.heads)
-        if self.image:
-            out = out + _attention(q, self.ck_img(image), self.cv_img(image), self.heads)
-        x = x + self.co(out)
-        return x + self.ffn(self.norm2(x) * (1 + e[4]) + e[3]) * e[5]
-
-
-class TinyWan(nn.Module):
-    """WanModel: patch/text/time embeddings, time projection, blocks, head (+ img_emb)."""
-
-    def __init__(self, spec: DiTSpec) -> None:
-        super().__init__()
-        d, self.spec = spec.hidden_size, spec
-        self.patch_embedding = nn.Conv3d(spec.in_channels, d, kernel_size=spec.patch_size, stride=spec.patch_size)
-        self.text_embedding = nn.Sequential(nn.Linear(spec.text_dim, d), nn.GELU(approximate="tanh"), nn.Linear(d, d))
-        self.time_embedding = nn.Sequential(nn.Linear(spec.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
-        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
-        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
-        self.head_norm = nn.LayerNorm(d, elementwise_affine=False)
-        self.head = nn.Linear(d, spec.out_channels * math.prod(spec.patch_size))
-        self.head_modulation = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
-        if spec.image_dim is not None:
-            w = spec.image_dim
-            self.img_emb = nn.Sequential(nn.LayerNorm(w), nn.Linear(w, w), nn.GELU(), nn.Linear(w, d), nn.LayerNorm(d))
-
-    def forward(self, latent, t, text, clip):
-        x = self.patch_embedding(latent).flatten(2).transpose(1, 2)
-        half = self.spec.freq_dim // 2
-        angles = t[:, None].float() * torch.pow(10000.0, -torch.arange(half) / half)
-        e = self.time_embedding(torch.cat([torch.cos(angles), torch.sin(angles)], dim=1))
-        e0 = self.time_projection(e).unflatten(1, (6, -1))
-        text = self.text_embedding(text)
-        image = self.img_emb(clip) if clip is not None else None
-        for block in self.blocks:
-            x = block(x, e0, text, image)
-        shift, scale = (self.head_modulation + e[:, None]).chunk(2, dim=1)
-        return self.head(self.head_norm(x) * (1 + scale) + shift)
-
-
-def _inputs(spec: DiTSpec, grid, text_len: int, seed: int):
+def _clips(spec: DiTSpec, samples, seed: int = 0):
+    """Latents, timesteps, text and CLIP features of ``samples`` (grid, text length)."""
     gen = torch.Generator().manual_seed(seed)
-    frames, height, width = grid
-    latent = torch.randn(1, spec.in_channels, frames, height, width, generator=gen)
-    clip = torch.randn(1, spec.image_len, spec.image_dim, generator=gen) if spec.image_dim else None
-    return latent, torch.tensor([seed * 37 + 1]), torch.randn(1, text_len, spec.text_dim, generator=gen), clip
+    latents = [torch.randn(spec.in_channels, *grid, generator=gen) for grid, _ in samples]
+    text = [torch.randn(c, spec.text_dim, generator=gen) for _, c in samples]
+    clip = [torch.randn(spec.image_len, spec.image_dim, generator=gen) for _ in samples] if spec.image_dim else None
+    return latents, torch.tensor([37 * i + 1 for i in range(len(samples))]), text, clip
 
 
 def _measure(spec: DiTSpec, samples, *, train: bool) -> int:
-    """FlopCounterMode total over the samples, one sample at a time."""
+    """FlopCounterMode total of one packed forward (+ backward) over the samples."""
     torch.manual_seed(0)
-    model = TinyWan(spec)
-    total = 0
-    for seed, (grid, text_len) in enumerate(samples):
-        inputs = _inputs(spec, grid, text_len, seed)
-        counter = FlopCounterMode(display=False)
-        with counter:
-            if train:
-                model.zero_grad(set_to_none=True)
-                model(*inputs).sum().backward()
-            else:
-                with torch.no_grad():
-                    model(*inputs)
-        total += counter.get_total_flops()
-    return total
+    model = wan.WanLike(spec)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        if train:
+            model(*_clips(spec, samples)).sum().backward()
+        else:
+            with torch.no_grad():
+                model(*_clips(spec, samples))
+    return counter.get_total_flops()
 
 
 # ---- (a) measured == formula -----------------------------------------------------------------
@@ -331,7 +255,11 @@ def test_dit_bad_lengths():
 
 
 def test_attention_helper_matches_sdpa():
-    # The oracle's attention is ordinary softmax attention (same numbers as SDPA's math path).
-    q, k, v = torch.randn(1, 5, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8)
-    ref = F.scaled_dot_product_attention(*(t.unflatten(-1, (2, 4)).transpose(1, 2) for t in (q, k, v)))
-    assert torch.allclose(_attention(q, k, v, 2), ref.transpose(1, 2).flatten(2), atol=1e-6)
+    # The oracle's attention is ordinary softmax attention within each clip (same numbers as SDPA's
+    # math path per clip): clips of 5 and 2 queries over 3 and 4 keys, 2 heads of 4.
+    q, k, v = torch.randn(7, 8), torch.randn(7, 8), torch.randn(7, 8)
+    ours = wan.attend(q, k, v, [5, 2], [3, 4], 2)
+    for (qs, ks), (q0, k0) in zip(((slice(0, 5), slice(0, 3)), (slice(5, 7), slice(3, 7))), ((0, 0), (5, 3))):
+        split = lambda t: t.unflatten(-1, (2, 4)).transpose(0, 1)  # noqa: E731
+        ref = F.scaled_dot_product_attention(split(q[qs]), split(k[ks]), split(v[ks])).transpose(0, 1).flatten(1)
+        assert torch.allclose(ours[qs], ref, atol=1e-6)
