@@ -18,6 +18,7 @@ run over the packed tokens, attention within each clip and its prompt. The loop 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -25,7 +26,9 @@ import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import IO
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +37,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_flops import FlopsTracker
 from megatron_flops.dit import DiTSpec
 from megatron_flops.meter import ThroughputMeter, format_log_line, format_summary
+from megatron_flops.result import StepResult
 
 MODEL_FILE = Path(__file__).resolve().parent / "wan_tiny_dit.json"
 GLOO_TIMEOUT_S = 120
@@ -232,9 +237,6 @@ def video_tokens(spec: DiTSpec, clip: Clip) -> int:
     return math.prod(clip.latent.shape[1:]) // math.prod(spec.patch_size)
 
 
-# ---- training -----------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Options:
     iterations: int = 6
@@ -242,50 +244,106 @@ class Options:
     clips_per_micro_batch: int = 2
     seed: int = 0
     warmup: int = 1
+    trace: str | None = None  # rank 0 writes one JSON line per step
+    check: bool = False  # measure every step with FlopCounterMode
 
 
-def train(options: Options, rank: int, world_size: int) -> list:
-    """One rank: FSDP2 over the world, the tracker in the loop; returns every step's result."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def microbatches(spec: DiTSpec, options: Options, rank: int) -> Iterator[tuple[list[Clip], torch.Tensor]]:
+    """Each rank's endless stream of (clips, diffusion timesteps): every rank sees different clips."""
+    rng = random.Random(options.seed * 1000 + rank)
+    while True:
+        batch = clips(spec, rng, options.clips_per_micro_batch)
+        yield batch, torch.tensor([rng.randrange(1000) for _ in batch])
 
-    raw = json.loads(MODEL_FILE.read_text())
-    spec = DiTSpec.from_mapping(raw["dit"])
-    model = build_model(raw, seed=options.seed)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    tracker = FlopsTracker.from_model_file(MODEL_FILE)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    meter = ThroughputMeter(world_size=world_size, peak_flops_per_s=None, warmup_iterations=options.warmup)
-    rng = random.Random(options.seed * 1000 + rank)  # every rank sees different clips
-    results = []
-    for iteration in range(1, options.iterations + 1):
-        started = time.perf_counter()
-        for m in range(options.micro_batches):
-            batch = clips(spec, rng, options.clips_per_micro_batch)
-            tracker.record(video_seqlens=torch.tensor([video_tokens(spec, c) for c in batch]),
-                           text_seqlens=torch.tensor([c.text.shape[0] for c in batch]))
-            model.set_requires_gradient_sync(m == options.micro_batches - 1)
-            t = torch.tensor([rng.randrange(1000) for _ in batch])
-            out = model([c.latent for c in batch], t, [c.text for c in batch],
-                        None if spec.image_dim is None else [c.image for c in batch])
-            loss = F.mse_loss(out, torch.cat([c.target for c in batch])) / options.micro_batches
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        result = tracker.end_step()
-        results.append(result)
-        meter.record(iteration=iteration, result=result, elapsed_s=time.perf_counter() - started)
-        if rank == 0:
-            report = meter.interval()
-            print(format_log_line(report, iteration=iteration, train_iters=options.iterations,
-                                  elapsed_ms_per_iter=1000 * report.elapsed_s) + f" loss: {loss.item():.4f} |",
-                  flush=True)
-    if rank == 0:
-        print(format_summary(meter.summary(), warmup_iterations=options.warmup), flush=True)
-    return results
+
+# ---- training -----------------------------------------------------------------------------------
+
+
+class Trainer:
+    """One rank: the model sharded with FSDP2 over the world, the tracker in the loop."""
+
+    def __init__(self, options: Options, rank: int, world_size: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.options, self.rank, self.world_size = options, rank, world_size
+        self.raw = json.loads(MODEL_FILE.read_text())
+        self.spec = DiTSpec.from_mapping(self.raw["dit"])
+        self.model = build_model(self.raw, seed=options.seed)
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        # The one line megatron-flops needs at set-up: a tracker from the same model file.
+        self.tracker = FlopsTracker.from_model_file(MODEL_FILE)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a CPU has no peak FLOP/s: no MFU
+            self.meter = ThroughputMeter(world_size=world_size, peak_flops_per_s=None,
+                                         warmup_iterations=options.warmup)
+        self.stream = microbatches(self.spec, options, rank)
+
+    def run(self) -> None:
+        if self.rank == 0:
+            print(_header(self.raw, self.world_size), flush=True)
+        trace = Path(self.options.trace).open("w") if self.options.trace and self.rank == 0 else None
+        try:
+            for iteration in range(1, self.options.iterations + 1):
+                started = time.perf_counter()
+                measured, loss = self.step()
+                # Every rank, once per step: the one all-reduce, then the step's FLOPs.
+                result = self.tracker.end_step()
+                elapsed = time.perf_counter() - started
+                self.meter.record(iteration=iteration, result=result, elapsed_s=elapsed)
+                if self.rank == 0:
+                    self.log(iteration, result, elapsed, measured, loss, trace)
+        finally:
+            if trace is not None:
+                trace.close()
+        if self.rank == 0:
+            print(format_summary(self.meter.summary(), warmup_iterations=self.options.warmup), flush=True)
+
+    def step(self) -> tuple[int | None, float]:
+        """Forward + backward over the micro-batches, then the optimizer: (the FLOPs FlopCounterMode
+        measured on every rank with ``check``, the last loss)."""
+        spec, counter = self.spec, FlopCounterMode(display=False)
+        with counter if self.options.check else contextlib.nullcontext():
+            for m in range(self.options.micro_batches):
+                batch, t = next(self.stream)
+                self.tracker.record(video_seqlens=torch.tensor([video_tokens(spec, c) for c in batch]),
+                                    text_seqlens=torch.tensor([c.text.shape[0] for c in batch]))
+                self.model.set_requires_gradient_sync(m == self.options.micro_batches - 1)
+                out = self.model([c.latent for c in batch], t, [c.text for c in batch],
+                                 None if spec.image_dim is None else [c.image for c in batch])
+                loss = F.mse_loss(out, torch.cat([c.target for c in batch])) / self.options.micro_batches
+                loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if not self.options.check:
+            return None, loss.item()
+        measured = torch.tensor([counter.get_total_flops()], dtype=torch.int64)
+        dist.all_reduce(measured)
+        return int(measured), loss.item()
+
+    def log(self, iteration: int, result: StepResult, elapsed: float, measured: int | None, loss: float,
+            trace: IO[str] | None) -> None:
+        line = format_log_line(self.meter.interval(), iteration=iteration, train_iters=self.options.iterations,
+                               elapsed_ms_per_iter=1000 * elapsed)
+        if measured is not None:
+            line += f" executed FLOPs {'==' if measured == result.executed_flops else '!='} FlopCounterMode |"
+        print(line + f" loss: {loss:.4f} |", flush=True)
+        if trace is not None:
+            trace.write(json.dumps({"iteration": iteration, "flops": result.flops,
+                                    "executed_flops": result.executed_flops, "static_flops": result.static_flops,
+                                    "num_video_tokens": result.num_tokens, "ok": result.ok,
+                                    "measured_flops": measured}) + "\n")
+
+
+def _header(raw: dict, world_size: int) -> str:
+    dit, lora = raw["dit"], raw.get("lora") or {}
+    return (f"WAN-like DiT: {dit['num_layers']} blocks, hidden {dit['hidden_size']}; LoRA rank {lora.get('dim')} on "
+            f"{','.join(lora.get('target_modules', []))}, base frozen; every block checkpointed; FSDP2 over "
+            f"{world_size} gloo ranks (CPU: no peak FLOP/s, so no MFU)")
 
 
 def _worker(rank: int, world_size: int, init_method: str, options: Options) -> None:
@@ -293,7 +351,7 @@ def _worker(rank: int, world_size: int, init_method: str, options: Options) -> N
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
     try:
-        train(options, rank, world_size)
+        Trainer(options, rank, world_size).run()
     finally:
         dist.destroy_process_group()
 
@@ -303,8 +361,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=Options.iterations)
     parser.add_argument("--micro-batches", type=int, default=Options.micro_batches)
     parser.add_argument("--seed", type=int, default=Options.seed)
+    parser.add_argument("--trace", help="write one JSON line per step to this file")
+    parser.add_argument("--check", action="store_true",
+                        help="measure each step with FlopCounterMode and compare it with the executed FLOPs")
     args = parser.parse_args(argv)
-    options = Options(iterations=args.iterations, micro_batches=args.micro_batches, seed=args.seed)
+    options = Options(iterations=args.iterations, micro_batches=args.micro_batches, seed=args.seed,
+                      trace=args.trace, check=args.check)
     if "RANK" in os.environ:  # under torchrun
         _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", options)
         return 0

@@ -21,6 +21,8 @@ _EXPORTS = {
     "training_flops": "megatron_flops.formulas",
     "StepResult": "megatron_flops.result",
     "FlopsTracker": "megatron_flops.tracker",
+    "DiTFlopsTracker": "megatron_flops.dit_tracker",
+    "DiTSpec": "megatron_flops.dit",
     "ThroughputMeter": "megatron_flops.meter",
     "peak_flops_per_s": "megatron_flops.peaks",
     "record": "megatron_flops.session",

@@ -198,6 +198,24 @@ class DiTStats:
         )
 
 
+    @classmethod
+    def full_context(
+        cls, spec: DiTSpec, *, num_samples: int, num_video_tokens: int, sum_video_seqlen_squared: int
+    ) -> DiTStats:
+        """Samples with these video totals, each with the full ``text_len`` text (and, image-to-video,
+        ``image_len`` CLIP) tokens: what a fixed-shape formula assumes."""
+        image_len = 0 if spec.image_dim is None else spec.image_len
+        return cls(
+            num_samples=num_samples,
+            num_video_tokens=num_video_tokens,
+            num_text_tokens=num_samples * spec.text_len,
+            num_image_tokens=num_samples * image_len,
+            sum_video_seqlen_squared=sum_video_seqlen_squared,
+            sum_text_pairs=num_video_tokens * spec.text_len,
+            sum_image_pairs=num_video_tokens * image_len,
+        )
+
+
 def dit_forward_gemms(spec: DiTSpec, stats: DiTStats) -> tuple[Gemm, ...]:
     """Every forward GEMM over ``stats``, named after ``WanModel``'s modules (block GEMMs without
     the ``blocks.{i}.`` prefix, ``layer`` = block index; core attention is ``*.scores`` and

@@ -305,7 +305,12 @@ def dit_report(
     spec = setup.spec
     stats = DiTStats.from_seqlens(spec, video_seqlens, text_seqlens, image_seqlens)
     priced = price_dit(spec, stats, peft=setup.peft, recompute=setup.recompute, convention=convention)
-    static = dit_static_flops(spec, stats.num_samples, max(video_seqlens), convention=convention)
+    # NB: the static number prices every sample at the longest clip with the full text (and image)
+    # context, every weight trained, nothing recomputed: what a fixed-shape formula reports.
+    longest, n = max(video_seqlens), stats.num_samples
+    static_stats = DiTStats.full_context(spec, num_samples=n, num_video_tokens=n * longest,
+                                         sum_video_seqlen_squared=n * longest * longest)
+    static = price_dit(spec, static_stats, convention=convention).model.total
     params = dit_parameter_counts(spec, setup.peft)
     checkpointed = _checkpointed_blocks(spec, setup.recompute)
     return {
@@ -338,10 +343,3 @@ def dit_report(
         "num_adapters": params.num_adapters,
         "num_adapter_params": params.num_adapter_params,
     }
-
-
-def dit_static_flops(spec: DiTSpec, num_samples: int, video_seqlen: int, *, convention: str = "needed") -> int:
-    """What a fixed-shape formula says: every sample ``video_seqlen`` video tokens with the full
-    ``text_len`` (and ``image_len``) context, every weight trained, nothing recomputed."""
-    stats = DiTStats.from_seqlens(spec, [video_seqlen] * num_samples)
-    return price_dit(spec, stats, convention=convention).model.total

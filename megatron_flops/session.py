@@ -1,6 +1,6 @@
 """The process-global accounting session that the framework adapters share (torch level).
 
-A session owns a :class:`FlopsTracker` and a :class:`ThroughputMeter` and times each training
+A session owns a :class:`FlopsTracker` (or a :class:`~megatron_flops.dit_tracker.DiTFlopsTracker`) and a :class:`ThroughputMeter` and times each training
 step. An adapter brackets the framework's train step with ``begin_step()`` / ``end_step()`` on
 every rank (``end_step`` runs the tracker's one all-reduce); ``record()`` in ``forward_step``
 reaches the tracker only while a step is open, so evaluation forward passes, which run outside
@@ -18,13 +18,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from megatron_flops.meter import IntervalReport, ThroughputMeter
 from megatron_flops.result import StepResult
 from megatron_flops.tracker import FlopsTracker
+
+if TYPE_CHECKING:
+    from megatron_flops.dit_tracker import DiTFlopsTracker
 
 logger = logging.getLogger("megatron_flops")
 
@@ -47,7 +50,7 @@ class Session:
 
     def __init__(
         self,
-        tracker: FlopsTracker,
+        tracker: FlopsTracker | DiTFlopsTracker,
         *,
         peak_flops_per_s: int | None,
         warmup_iterations: int,
@@ -158,7 +161,7 @@ _session: Session | None = None
 
 
 def install_session(
-    tracker: FlopsTracker,
+    tracker: FlopsTracker | DiTFlopsTracker,
     *,
     peak_flops_per_s: int | None = None,
     warmup_iterations: int = 2,

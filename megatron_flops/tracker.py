@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ from megatron_flops.result import StepResult
 from megatron_flops.spec import ModelSpec
 from megatron_flops.vision import VisionSpec, parse_grids, vision_training_flops
 from megatron_flops.vision_torch import VISION_SLOTS, vision_stats_from_vector, vision_stats_tensor
+
+if TYPE_CHECKING:
+    from megatron_flops.dit_tracker import DiTFlopsTracker
 
 logger = logging.getLogger("megatron_flops")
 
@@ -422,6 +426,16 @@ class FlopsTracker:
             static_flops=static,
         )
 
+    @classmethod
+    def from_model_file(cls, path: str | Path, **options: Any) -> FlopsTracker | DiTFlopsTracker:
+        """A tracker for any model file ``megatron-flops estimate`` takes: a decoder (a VLM with a
+        ``vision_config``; ``lora`` and ``recompute_*`` set up PEFT and recompute), or a DiT (a
+        ``"dit"`` section: a :class:`~megatron_flops.dit_tracker.DiTFlopsTracker`). ``options``
+        are the tracker's keyword arguments; they override the file."""
+        from megatron_flops.model_file import tracker_from_model_file
+
+        return tracker_from_model_file(path, **options)
+
     def _warn_once(self, what: str, why: BaseException | str) -> None:
         if what not in self._warned:
             self._warned.add(what)
@@ -441,7 +455,6 @@ def _inconsistency(t: Mapping[str, int]) -> str | None:
         return (f"{t['num_tokens']} tokens in {t['num_sequences']} sequences cannot have a sum of squared "
                 f"lengths of {t['sum_seqlen_squared']}")
     return None
-
 
 def _group_rank(group: Any) -> int:
     if group is None or not (dist.is_available() and dist.is_initialized()):
