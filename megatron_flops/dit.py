@@ -360,7 +360,7 @@ class DiTParameters:
 
 def dit_parameter_counts(spec: DiTSpec, peft: PeftSpec | None = None) -> DiTParameters:
     """Parameters of the model ``spec`` describes, with ``peft``'s adapters."""
-    h, f = spec.hidden_size, spec.ffn_hidden_size
+    h = spec.hidden_size
     patch = math.prod(spec.patch_size)
     shapes = _block_projections(spec)
     block = sum(d_in * d_out + d_out for d_in, d_out in shapes.values())

@@ -263,7 +263,9 @@ def dit_setup(
         raise ValueError(f"{source}: a DiT model file holds 'dit', 'lora' and {', '.join(_RECOMPUTE_KEYS)}; "
                          f"decoder-style key(s) {', '.join(map(repr, other))} do not apply")
     spec = DiTSpec.from_mapping(raw["dit"], source=source)
-    peft = DiTPeftSpec.from_lora_mapping(raw["lora"], source=source) if raw.get("lora") is not None else None
+    peft = None
+    if raw.get("lora") is not None:
+        peft = DiTPeftSpec.of(DiTPeftSpec.from_lora_mapping(raw["lora"], source=source))
     if lora_targets is not None and lora_rank is None and peft is None:
         raise ValueError("lora targets need a lora rank")
     if frozen or lora_rank is not None or lora_targets is not None:

@@ -191,7 +191,10 @@ class DiTFlopsTracker:
         return n
 
     def _add_host(self, n: int, values: list[Lengths]) -> None:
-        columns = [v if isinstance(v, tuple) else (v,) * n for v in values]
+        columns: list[tuple[int, ...]] = []
+        for v in values:
+            assert not isinstance(v, torch.Tensor), "device lengths take _add_device"
+            columns.append(v if isinstance(v, tuple) else (v,) * n)
         video, text = columns[0], columns[1]
         image = columns[2] if len(columns) == 3 else (0,) * n
         longest = max(video)

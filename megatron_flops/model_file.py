@@ -40,7 +40,7 @@ def tracker_from_model_file(path: str | Path, **options: Any) -> FlopsTracker | 
 
 
 def _check_options(cls: type, options: dict[str, Any], source: str, what: str) -> None:
-    known = [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "spec")]
+    known = [name for name in inspect.signature(cls).parameters if name != "spec"]
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ValueError(f"{source} describes {what}: option(s) {', '.join(unknown)} do not apply "
