@@ -14,12 +14,16 @@ so each clip is counted once.
 
 Static number: every sample priced at its micro-batch's longest clip (or ``seq_length`` video
 tokens) with the full ``text_len`` (and ``image_len``) context, every weight trained, nothing
-recomputed: what a fixed-shape formula reports, and what a failed step falls back to.
+recomputed: what a fixed-shape formula reports. A step that cannot be priced exactly (a failed
+record on any rank, a non-positive length, see :mod:`~megatron_flops.reduction`) reports the
+static number on every rank with ``ok=False``: from the sample count with ``seq_length``, else the
+latest exact step's.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,7 +31,7 @@ import torch
 from megatron_flops.dit import DiTPeftSpec, DiTSpec, DiTStats
 from megatron_flops.dit_passes import price_dit
 from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec
-from megatron_flops.reduction import StepReducer
+from megatron_flops.reduction import Reduction, StepReducer
 from megatron_flops.result import StepResult
 
 logger = logging.getLogger("megatron_flops")
@@ -46,8 +50,9 @@ SLOTS = (
     "static_video_tokens",  # sum over micro-batches of samples x longest clip
     "static_video_seqlen_squared",  # ... x longest clip^2
     "num_bad_lengths",
-    "num_failed_ranks",
 )
+# Known from host-side shapes alone: they travel even when a rank's payload fails.
+SHAPE_SLOTS = ("num_microbatches", "num_samples")
 _I = {name: i for i, name in enumerate(SLOTS)}
 _SUMS = slice(_I["num_video_tokens"], _I["num_bad_lengths"] + 1)
 _INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
@@ -101,7 +106,10 @@ class DiTFlopsTracker:
         self.group = group
         self._acc: torch.Tensor | None = None
         self._host = [0] * len(SLOTS)
-        self._reducer = StepReducer(SLOTS, group=group)
+        self._failed = False
+        self._num_steps = 0
+        self._last_static: int | None = None
+        self._reducer = StepReducer(SLOTS, shape_slots=SHAPE_SLOTS, group=group)
         self._warned: set[str] = set()
 
     # ---- per micro-batch ------------------------------------------------------------------
@@ -133,7 +141,7 @@ class DiTFlopsTracker:
         except Exception as exc:
             if self.validate:
                 raise
-            self._host[_I["num_failed_ranks"]] = 1
+            self._failed = True
             self._warn_once("record() failed; every rank reports the static FLOPs for this step", exc)
 
     def _record(self, video: Any, text: Any, image: Any, num_samples: int | None) -> None:
@@ -230,35 +238,61 @@ class DiTFlopsTracker:
 
     # ---- per step ----------------------------------------------------------------------------
 
-    def end_step(self) -> StepResult:
-        """Reduce this step's statistics over all ranks (one all-reduce, every rank must call it)
-        and price them. On any failure the static number is returned with ``ok=False``."""
-        try:
-            totals = self._reducer.reduce(self._acc, self._host)
-        except Exception as exc:  # the collective itself failed: nothing more to agree on
-            self._warn_once("end_step() reduction failed", exc)
-            totals = dict.fromkeys(SLOTS, 0)
-            totals["num_failed_ranks"] = 1
-        finally:
-            if self._acc is not None:
-                self._acc.zero_()
-            self._host = [0] * len(SLOTS)
-        return self._price(totals)
+    def end_step(self, *, step: int | None = None) -> StepResult:
+        """Reduce this step's statistics over all ranks and price them. Every rank must call it
+        once per step: it runs the step's one all-reduce whatever failed on this rank.
 
-    def _price(self, t: dict[str, int]) -> StepResult:
-        static = self._static(t)
-        failed = t["num_failed_ranks"] > 0
-        if not failed and t["num_bad_lengths"]:
-            self._warn_once("non-positive clip lengths", ValueError(
-                f"{t['num_bad_lengths']} non-positive lengths recorded this step"))
-            failed = True
-        tokens = max(t["num_video_tokens"], 0)
-        if failed:
-            return StepResult(flops=static, executed_flops=static, num_tokens=tokens, num_padded_tokens=tokens,
-                              num_sequences=t["num_samples"], sum_seqlen_squared=0,
-                              num_microbatches=t["num_microbatches"], static_flops=static, ok=False)
+        ``step``: the training iteration (see ``FlopsTracker.end_step``; default: the number of
+        ``end_step()`` calls). When the step cannot be priced exactly, every rank returns the
+        static number with ``ok=False`` and logs the reason once.
+        """
+        self._num_steps += 1
+        failed, self._failed = self._failed, False
+        # NB: the host-known token counts bound the statistics of host lengths; a wrapped device
+        # value shows as a negative statistic after the reduction.
+        host = self._host
+        token_slots = max(host[_I["num_video_tokens"]], host[_I["num_text_tokens"]], host[_I["static_video_tokens"]])
+        reduction = self._reducer.reduce(self._acc, host, step=self._num_steps if step is None else step,
+                                         failed=failed, token_slots=token_slots)
+        self._reset()
+        if reduction.local_error is not None:
+            self._warn_once("this rank could not build its statistics vector", reduction.local_error)
+        return self._price(reduction, failed_here=failed)
+
+    def _reset(self) -> None:
+        self._host = [0] * len(SLOTS)
+        if self._acc is not None:
+            try:
+                self._acc.zero_()
+            except Exception as exc:  # a fresh accumulator on the next record()
+                self._acc = None
+                self._warn_once("the accumulator could not be reset", exc)
+
+    def _price(self, reduction: Reduction, *, failed_here: bool) -> StepResult:
+        shapes, totals, problem = reduction.shapes, reduction.totals, reduction.problem
+        if totals is not None:
+            problem = f"{totals['num_bad_lengths']} non-positive clip lengths" if totals["num_bad_lengths"] else None
+            if problem is None:
+                try:
+                    return self._exact(totals)
+                except Exception as exc:  # the same totals on every rank: every rank falls back
+                    problem = f"pricing failed ({type(exc).__name__}: {exc})"
+        if not failed_here:  # a rank that failed to record has said why already
+            self._warn_once("the step fell back to the static number", problem or "no totals")
+        static = self._static(shapes["num_samples"]) if shapes is not None and self.seq_length else None
+        static = static or self._last_static
+        if static is None:
+            self._warn_once("no static number is known for a failed step", "it reports 0 FLOPs with ok=False")
+        shapes = shapes or dict.fromkeys(SHAPE_SLOTS, 0)
+        return StepResult(flops=static or 0, executed_flops=static or 0, num_tokens=0, num_padded_tokens=0,
+                          num_sequences=shapes["num_samples"], sum_seqlen_squared=0,
+                          num_microbatches=shapes["num_microbatches"], static_flops=static, ok=False,
+                          fallback_reason=problem)
+
+    def _exact(self, t: Mapping[str, int]) -> StepResult:
         stats = DiTStats(**{k: t[k] for k in _STAT_SLOTS})
         priced = price_dit(self.spec, stats, peft=self.peft, recompute=self.recompute, convention=self.convention)
+        static = self._static(stats.num_samples, t["static_video_tokens"], t["static_video_seqlen_squared"])
         return StepResult(
             flops=priced.model.total,
             executed_flops=priced.executed.total,
@@ -271,20 +305,23 @@ class DiTFlopsTracker:
             static_flops=static,
         )
 
-    def _static(self, t: dict[str, int]) -> int:
-        n = t["num_samples"]
+    def _static(self, num_samples: int, longest_tokens: int = 0, longest_squares: int = 0) -> int:
+        """``seq_length`` video tokens per sample when set, else each micro-batch's longest clip."""
         if self.seq_length is not None:
-            tokens, squares = n * self.seq_length, n * self.seq_length**2
-        else:
-            tokens, squares = max(t["static_video_tokens"], 0), max(t["static_video_seqlen_squared"], 0)
-        stats = DiTStats.full_context(self.spec, num_samples=n, num_video_tokens=tokens,
-                                      sum_video_seqlen_squared=squares)
-        return price_dit(self.spec, stats, convention=self.convention).model.total
+            longest_tokens, longest_squares = num_samples * self.seq_length, num_samples * self.seq_length**2
+        stats = DiTStats.full_context(self.spec, num_samples=num_samples, num_video_tokens=longest_tokens,
+                                      sum_video_seqlen_squared=longest_squares)
+        static = price_dit(self.spec, stats, convention=self.convention).model.total
+        if static:
+            self._last_static = static
+        return static
 
-    def _warn_once(self, what: str, exc: BaseException) -> None:
+    def _warn_once(self, what: str, why: BaseException | str) -> None:
         if what not in self._warned:
             self._warned.add(what)
-            logger.warning("megatron-flops: %s (%s: %s) (logged once)", what, type(exc).__name__, exc)
+            if isinstance(why, BaseException):
+                why = f"{type(why).__name__}: {why}"
+            logger.warning("megatron-flops: %s (%s) (logged once)", what, why)
 
 
 def _check_positive(values: Any, name: str) -> None:

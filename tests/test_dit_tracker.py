@@ -185,9 +185,26 @@ def test_failure_falls_back_with_one_warning(caplog):
     # length (a micro-batch whose sample count is unclear adds none): 3 x 10.
     static = DiTStats.full_context(I2V, num_samples=3, num_video_tokens=30, sum_video_seqlen_squared=300)
     assert failed.static_flops == price_dit(I2V, static).model.total
+    assert failed.fallback_reason == "1 rank(s) failed to record or reduce this step"
     assert sum("record() failed" in r.message for r in caplog.records) == 1
     tracker.record(video_seqlens=[12, 6])
     assert tracker.end_step().ok
+
+
+def test_fallback_without_seq_length_is_the_latest_static(caplog):
+    # No seq_length: a failed step cannot know its clips' lengths; it reports the latest exact
+    # step's static number (none before the first: 0, flagged, with a warning).
+    tracker = DiTFlopsTracker(I2V)
+    with caplog.at_level(logging.WARNING, logger="megatron_flops"):
+        tracker.record(video_seqlens=[0])
+        first = tracker.end_step()
+        tracker.record(video_seqlens=[12, 6])
+        good = tracker.end_step()
+        tracker.record(video_seqlens=[5], text_seqlens=[1, 2])
+        later = tracker.end_step()
+    assert (first.ok, first.flops, first.static_flops) == (False, 0, None)
+    assert good.ok and (later.ok, later.flops, later.static_flops) == (False, good.static_flops, good.static_flops)
+    assert any("no static number is known" in r.message for r in caplog.records)
 
 
 def test_non_positive_device_lengths_fall_back_at_end_step(device_path, caplog):
