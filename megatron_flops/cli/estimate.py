@@ -172,8 +172,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         from megatron_flops.cli._dit import estimate_dit
 
         return estimate_dit(args, raw, rows)
-    if args.kv_seqlens is not None or args.image_seqlens is not None:
-        raise ValueError("--kv-seqlens and --image-seqlens price cross-attention: give a DiT model file (a 'dit' section)")
+    for flag, value in (("--kv-seqlens", args.kv_seqlens), ("--image-seqlens", args.image_seqlens)):
+        if value is not None:
+            raise ValueError(f"{flag} prices cross-attention: give a DiT model file (a 'dit' section)")
     peft, recompute = _training_setup(args, raw)
     vision = None
     if args.grid_thw is not None:
