@@ -200,7 +200,7 @@ def uninstall_session() -> Session | None:
 
 
 def record(**kwargs: Any) -> None:
-    """Record one micro-batch in the installed session (``FlopsTracker.record`` arguments).
+    """Record one micro-batch in the installed session (``FlopsTracker.record`` or ``DiTFlopsTracker.record`` arguments).
 
     The one line a ``forward_step`` needs. A no-op when no session is installed or no train step
     is open (evaluation); never raises (see ``Session.record``).

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "DiT model file",
         f"--lora-targets takes WAN module names, matched by suffix as PEFT's target_modules: "
-        f"{','.join(DIT_LORA_TARGETS)} (default {','.join(DEFAULT_DIT_LORA_TARGETS)}: self- and "
+        f"{', '.join(DIT_LORA_TARGETS)} (default {','.join(DEFAULT_DIT_LORA_TARGETS)}: self- and "
         "cross-attention q, k, v, o); --recompute full checkpoints every block, or the first "
         "--recompute-num-layers blocks.",
     )
