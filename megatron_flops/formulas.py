@@ -9,19 +9,24 @@ we keep under its own key.
 Conventions (each named, each selectable):
 
 - ``attention="causal"`` (default, Megatron-compatible): the core-attention term is half of
-  the full query x key product; ``"full"``: every query/key pair inside each sub-sequence (or
-  window band), which is what unfused attention executes.
+  the full query x key product; ``"full"``: every query/key pair inside each sub-sequence, what
+  a varlen (THD) or unfused kernel executes.
+- Sliding-window layers count only the band ``|q - k| <= window``: what a window-aware kernel
+  (FlashAttention's ``window_size``) executes. NB: unfused (eager) attention computes the full
+  ``s^2`` scores and masks the outside of the band, so it executes more than this count.
 - ``include_padding=False`` (model FLOPs): real tokens and real sub-sequence lengths;
   ``True`` (executed FLOPs): padded tokens and padded sub-sequence lengths.
 """
 
 from __future__ import annotations
 
+import difflib
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_flops.spec import ModelSpec
+from megatron_flops.spec import ModelSpec, show
 
 # One training step runs every GEMM three times:
 #   forward           Y  = X @ W        1
@@ -92,50 +97,88 @@ class Row:
     num_padded_tokens: int
 
 
+ROW_KEYS = ("seqlens", "padded_seqlens", "pad_to")
+# Rows given to the CLI and parse_rows: a global batch of packed rows is well below this.
+MAX_SEQUENCES = 1 << 18
+
+
 def parse_rows(rows: Any) -> tuple[Row, ...]:
-    """Validate ``rows``: a list whose elements are an int (one sequence), a list of ints (a
-    packed row) or ``{"seqlens": [...], "padded_seqlens": [...], "pad_to": N}``."""
-    if not isinstance(rows, (list, tuple)) or not rows:
-        raise ValueError("rows must be a non-empty list")
-    return tuple(_parse_row(i, r) for i, r in enumerate(rows))
+    """Validate ``rows``: a list whose elements are an int (one unpacked sequence), a list of ints
+    (a packed row) or ``{"seqlens": ..., "padded_seqlens": ..., "pad_to": N}``. Errors name the row
+    as ``rows[i]`` (0-based).
+
+    NB: ``pad_to`` pads a row's token slots, which every linear layer runs over. An unpacked
+    sequence (``seqlens`` an int) padded to ``pad_to`` is one row of a padded batch: attention runs
+    over the whole ``pad_to`` square under a padding mask. A packed row (``seqlens`` a list) keeps
+    each sub-sequence's attention at its ``padded_seqlens``: a THD (varlen) kernel attends only
+    within ``cu_seqlens_padded``, so the tail past the last sub-sequence is not attended. When a
+    packer folds the tail into the last sub-sequence, say so with ``padded_seqlens``.
+    """
+    if isinstance(rows, Mapping):
+        hint = " (one row: wrap it in a list, [{...}])" if set(rows) & set(ROW_KEYS) else ""
+        raise ValueError(f"expected a list of rows, got a mapping{hint}")
+    if not isinstance(rows, (list, tuple)):
+        raise ValueError(f"expected a list of rows, got {show(rows)}")
+    if not rows:
+        raise ValueError("the list of rows is empty")
+    parsed = []
+    num_sequences = 0
+    for i, r in enumerate(rows):
+        row = _parse_row(f"rows[{i}]", r)
+        num_sequences += len(row.seqlens)
+        if num_sequences > MAX_SEQUENCES:
+            raise ValueError(f"more than {MAX_SEQUENCES:,} sequences; price a sample of the step instead")
+        parsed.append(row)
+    return tuple(parsed)
 
 
-def _lengths(index: int, key: str, value: Any) -> tuple[int, ...]:
+def _lengths(where: str, key: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
-        raise ValueError(f"row {index}: {key} must be an integer or a list of integers, got {value!r}")
+        raise ValueError(f"{where}: {key} must be an integer or a list of integers, got {show(value)}")
+    if not isinstance(value, int) and len(value) > MAX_SEQUENCES:
+        raise ValueError(f"{where}: {key} has more than {MAX_SEQUENCES:,} entries")
     values = (value,) if isinstance(value, int) else tuple(value)
     if not values:
-        raise ValueError(f"row {index}: {key} is empty")
+        raise ValueError(f"{where}: {key} is empty")
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"row {index}: {key} must hold integers, got {v!r}")
+            raise ValueError(f"{where}: {key} must hold integers, got {show(v)}")
         if v <= 0:
-            raise ValueError(f"row {index}: {key} must be positive, got {v}")
+            raise ValueError(f"{where}: {key} must be positive, got {v}")
     return values
 
 
-def _parse_row(index: int, row: Any) -> Row:
+def _parse_row(where: str, row: Any) -> Row:
+    if type(row) is int and row > 0:  # the common case, fast
+        seqlens = (row,)
+        return Row(seqlens=seqlens, padded_seqlens=seqlens, num_padded_tokens=row)
     if not isinstance(row, Mapping):
-        seqlens = _lengths(index, "length", row)
+        seqlens = _lengths(where, "length", row)
         return Row(seqlens=seqlens, padded_seqlens=seqlens, num_padded_tokens=sum(seqlens))
-    unknown = set(row) - {"seqlens", "padded_seqlens", "pad_to"}
+    unknown = [k for k in row if k not in ROW_KEYS]
     if unknown:
-        raise ValueError(f"row {index}: unknown key(s) {sorted(unknown)}")
+        close = difflib.get_close_matches(str(unknown[0]), ROW_KEYS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(ROW_KEYS)})"
+        raise ValueError(f"{where}: unknown key {show(unknown[0])}{hint}")
     if "seqlens" not in row:
-        raise ValueError(f"row {index}: a row mapping needs 'seqlens'")
-    seqlens = _lengths(index, "seqlens", row["seqlens"])
+        raise ValueError(f"{where}: a row mapping needs 'seqlens'")
+    unpacked = isinstance(row["seqlens"], int) and not isinstance(row["seqlens"], bool)
+    seqlens = _lengths(where, "seqlens", row["seqlens"])
     padded = seqlens
     if row.get("padded_seqlens") is not None:
-        padded = _lengths(index, "padded_seqlens", row["padded_seqlens"])
+        padded = _lengths(where, "padded_seqlens", row["padded_seqlens"])
         if len(padded) != len(seqlens) or any(p < s for p, s in zip(padded, seqlens)):
-            raise ValueError(f"row {index}: padded_seqlens must pair with seqlens and be >= them")
+            raise ValueError(f"{where}: padded_seqlens must pair with seqlens and be >= them")
     total = sum(padded)
     if row.get("pad_to") is not None:
-        (pad_to,) = _lengths(index, "pad_to", row["pad_to"])
+        pad_to = row["pad_to"]
+        if isinstance(pad_to, bool) or not isinstance(pad_to, int):
+            raise ValueError(f"{where}: pad_to must be an integer, got {show(pad_to)}")
         if pad_to < total:
-            raise ValueError(f"row {index}: pad_to={pad_to} is shorter than the row ({total})")
-        if len(seqlens) == 1 and row.get("padded_seqlens") is None:
-            # NB: an unpacked sequence padded to the batch length attends over the padded length.
+            raise ValueError(f"{where}: pad_to={pad_to} is shorter than the row ({total} tokens)")
+        if unpacked:
+            if row.get("padded_seqlens") is not None:
+                raise ValueError(f"{where}: give an unpacked sequence pad_to or padded_seqlens, not both")
             padded = (pad_to,)
         total = pad_to
     return Row(seqlens=seqlens, padded_seqlens=padded, num_padded_tokens=total)
@@ -165,15 +208,25 @@ class SeqStats:
     def from_rows(cls, rows: Iterable[Row], *, window: int | None = None) -> SeqStats:
         """Statistics of parsed rows; ``window`` is the model's sliding window (or None)."""
         acc: dict[str, int] = dict.fromkeys(_STAT_FIELDS, 0)
+        num_rows = num_sequences = tokens = padded_tokens = squares = padded_squares = band = padded_band = 0
         for row in rows:
-            acc["num_rows"] += 1
-            acc["num_sequences"] += len(row.seqlens)
-            acc["num_tokens"] += sum(row.seqlens)
-            acc["num_padded_tokens"] += row.num_padded_tokens
-            acc["sum_seqlen_squared"] += sum(s * s for s in row.seqlens)
-            acc["sum_padded_seqlen_squared"] += sum(s * s for s in row.padded_seqlens)
-            acc["window_pairs"] += sum(band_pairs(s, window) for s in row.seqlens)
-            acc["padded_window_pairs"] += sum(band_pairs(s, window) for s in row.padded_seqlens)
+            real, padded = row.seqlens, row.padded_seqlens
+            num_rows += 1
+            num_sequences += len(real)
+            tokens += sum(real)
+            padded_tokens += row.num_padded_tokens
+            real_squares = sum(map(operator.mul, real, real))
+            squares += real_squares
+            pad_squares = real_squares if padded is real else sum(map(operator.mul, padded, padded))
+            padded_squares += pad_squares
+            if window is not None:
+                band += sum(band_pairs(s, window) for s in real)
+                padded_band += sum(band_pairs(s, window) for s in padded)
+        if window is None:  # band_pairs without a window is s^2
+            band, padded_band = squares, padded_squares
+        acc.update(num_rows=num_rows, num_sequences=num_sequences, num_tokens=tokens, num_padded_tokens=padded_tokens,
+                   sum_seqlen_squared=squares, sum_padded_seqlen_squared=padded_squares, window_pairs=band,
+                   padded_window_pairs=padded_band)
         return cls(**acc)
 
     @classmethod
@@ -206,19 +259,16 @@ class FlopsBreakdown:
 
 @dataclass(frozen=True, kw_only=True)
 class Gemm:
-    """One forward GEMM (or one group of same-role GEMMs, e.g. every routed expert's fc1).
+    """One forward GEMM (or one group of same-role GEMMs, e.g. every routed expert's fc1) of one layer.
 
     ``name`` is the megatron-core module that runs it (``linear_qkv``, ``experts.linear_fc1``,
     ``output_layer``, ...; core attention is ``core_attention.scores`` and
-    ``core_attention.context``); ``layer`` is the 0-based index in ``spec.layers``, MTP depth
-    ``d`` is ``num_layers + d``, and the output layer is ``None``. ``shape`` is
-    ``(rows, in_features, out_features)`` of a linear layer, ``None`` for a GEMM of two
-    activations (core attention) or Mamba's scan.
+    ``core_attention.context``). ``shape`` is ``(rows, in_features, out_features)`` of a linear
+    layer, ``None`` for a GEMM of two activations (core attention) or Mamba's scan.
     """
 
     key: str
     name: str
-    layer: int | None
     flops: int
     shape: tuple[int, int, int] | None = None
 
@@ -227,59 +277,78 @@ class Gemm:
         return self.shape is not None
 
 
-def forward_gemms(
+@dataclass(frozen=True, kw_only=True)
+class LayerRun:
+    """``count`` consecutive layers that each run the forward GEMMs ``gemms``.
+
+    ``first`` is the 0-based index of the first layer: decoder layers are ``0 .. num_layers - 1``,
+    MTP depth ``d`` is ``num_layers + d``; ``None`` for the output layer (once for the decoder,
+    once per MTP depth). Repeated layers are one run, so pricing never loops over layers.
+    """
+
+    first: int | None
+    count: int
+    gemms: tuple[Gemm, ...]
+
+
+def forward_runs(
     spec: ModelSpec, stats: SeqStats, *, attention: str = "causal", include_padding: bool = False
-) -> tuple[Gemm, ...]:
-    """Every forward GEMM over ``stats`` in execution order (layers, output layer, MTP depths);
-    see the module docstring for conventions."""
+) -> tuple[LayerRun, ...]:
+    """The forward GEMMs over ``stats`` in execution order, repeated layers as one run: the
+    decoder's runs, the output layer, the MTP depths and their output layers. See the module
+    docstring for conventions."""
     apply_attention_convention(0, attention)  # validates the name
     tokens = stats.num_padded_tokens if include_padding else stats.num_tokens
     full_pairs = stats.sum_padded_seqlen_squared if include_padding else stats.sum_seqlen_squared
     band = stats.padded_window_pairs if include_padding else stats.window_pairs
-    out: list[Gemm] = []
-
-    def at(layer: int | None) -> Any:
-        def add(key: str, name: str, flops: int, shape: tuple[int, int, int] | None = None) -> None:
-            assert shape is None or flops == gemm(*shape)
-            out.append(Gemm(key=key, name=name, layer=layer, flops=flops, shape=shape))
-
-        return add
-
-    for index, (mixer, ffn) in enumerate(spec.layers):
-        add = at(index)
-        if mixer in ("attention", "window"):
-            _attention(add, spec, tokens, band if mixer == "window" else full_pairs, attention, "")
-        elif mixer == "mamba":
-            _mamba(add, spec, tokens)
-        if ffn == "mlp":
-            _mlp(add, spec, tokens, "")
-        elif ffn == "moe":
-            _moe(add, spec, tokens, "")
+    kinds: dict[tuple[str, str], tuple[Gemm, ...]] = {}
+    runs: list[LayerRun] = []
+    first = 0
+    for kind, count in spec.layer_runs:
+        if kind not in kinds:
+            mixer, ffn = kind
+            out = _Gemms()
+            if mixer in ("attention", "window"):
+                _attention(out, spec, tokens, band if mixer == "window" else full_pairs, attention, "")
+            elif mixer == "mamba":
+                _mamba(out, spec, tokens)
+            if ffn == "mlp":
+                _mlp(out, spec, tokens, "")
+            elif ffn == "moe":
+                _moe(out, spec, tokens, "")
+            kinds[kind] = tuple(out)
+        runs.append(LayerRun(first=first, count=count, gemms=kinds[kind]))
+        first += count
     # Output layer: [T, h] @ [h, V_padded].
-    _linear(at(None), "logits", "output_layer", tokens, spec.hidden_size, spec.padded_vocab_size)
-
-    for depth in range(spec.mtp_num_layers):
-        add = at(spec.num_layers + depth)
+    logits = _Gemms()
+    _linear(logits, "logits", "output_layer", tokens, spec.hidden_size, spec.padded_vocab_size)
+    runs.append(LayerRun(first=None, count=1, gemms=tuple(logits)))
+    if spec.mtp_num_layers:
+        depth = _Gemms()
         # MTP eh_proj: concat(embedding, hidden) [T, 2h] @ [2h, h].
         # NB: the enorm/hnorm/final norms that Megatron-LM prices (3h per token) run no GEMM.
-        _linear(add, "mtp/eh_proj", "eh_proj", tokens, 2 * spec.hidden_size, spec.hidden_size)
-        _attention(add, spec, tokens, full_pairs, attention, "mtp/")
+        _linear(depth, "mtp/eh_proj", "eh_proj", tokens, 2 * spec.hidden_size, spec.hidden_size)
+        _attention(depth, spec, tokens, full_pairs, attention, "mtp/")
         if spec.mtp_ffn == "moe":
-            _moe(add, spec, tokens, "mtp/")
+            _moe(depth, spec, tokens, "mtp/")
         else:
-            _mlp(add, spec, tokens, "mtp/")
+            _mlp(depth, spec, tokens, "mtp/")
+        runs.append(LayerRun(first=spec.num_layers, count=spec.mtp_num_layers, gemms=tuple(depth)))
         # The shared output layer runs again on every MTP depth.
-        _linear(at(None), "mtp/logits", "output_layer", tokens, spec.hidden_size, spec.padded_vocab_size)
-    return tuple(out)
+        mtp_logits = _Gemms()
+        _linear(mtp_logits, "mtp/logits", "output_layer", tokens, spec.hidden_size, spec.padded_vocab_size)
+        runs.append(LayerRun(first=None, count=spec.mtp_num_layers, gemms=tuple(mtp_logits)))
+    return tuple(runs)
 
 
 def forward_flops(
     spec: ModelSpec, stats: SeqStats, *, attention: str = "causal", include_padding: bool = False
 ) -> dict[str, int]:
-    """Forward-pass FLOPs per component over ``stats``: :func:`forward_gemms` summed by key."""
+    """Forward-pass FLOPs per component over ``stats``: :func:`forward_runs` summed by key."""
     out: dict[str, int] = {}
-    for g in forward_gemms(spec, stats, attention=attention, include_padding=include_padding):
-        out[g.key] = out.get(g.key, 0) + g.flops
+    for run in forward_runs(spec, stats, attention=attention, include_padding=include_padding):
+        for g in run.gemms:
+            out[g.key] = out.get(g.key, 0) + run.count * g.flops
     return out
 
 
@@ -303,11 +372,19 @@ def estimate(
     return training_flops(spec, stats, attention=attention, include_padding=include_padding)
 
 
-def _linear(add: Any, key: str, name: str, rows: int, d_in: int, d_out: int) -> None:
+class _Gemms(list[Gemm]):
+    """The forward GEMMs of one layer, in execution order."""
+
+    def __call__(self, key: str, name: str, flops: int, shape: tuple[int, int, int] | None = None) -> None:
+        assert shape is None or flops == gemm(*shape)
+        self.append(Gemm(key=key, name=name, flops=flops, shape=shape))
+
+
+def _linear(add: _Gemms, key: str, name: str, rows: int, d_in: int, d_out: int) -> None:
     add(key, name, gemm(rows, d_in, d_out), (rows, d_in, d_out))
 
 
-def _attention(add: Any, spec: ModelSpec, tokens: int, pairs: int, attention: str, prefix: str) -> None:
+def _attention(add: _Gemms, spec: ModelSpec, tokens: int, pairs: int, attention: str, prefix: str) -> None:
     h, nq = spec.hidden_size, spec.num_attention_heads
     key = f"{prefix}attn/qkv"
     mla = spec.mla
@@ -338,17 +415,17 @@ def _attention(add: Any, spec: ModelSpec, tokens: int, pairs: int, attention: st
     _linear(add, f"{prefix}attn/out", "linear_proj", tokens, nq * v_dim, h)
 
 
-def _mlp(add: Any, spec: ModelSpec, tokens: int, prefix: str) -> None:
+def _mlp(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:
     _ffn(add, f"{prefix}mlp", "", spec, tokens, spec.hidden_size, spec.ffn_hidden_size)
 
 
-def _ffn(add: Any, key: str, module: str, spec: ModelSpec, tokens: int, d_in: int, ffn: int) -> None:
+def _ffn(add: _Gemms, key: str, module: str, spec: ModelSpec, tokens: int, d_in: int, ffn: int) -> None:
     # linear_fc1: [T, d] @ [d, ffn (x2 gated)]; linear_fc2: [T, ffn] @ [ffn, d].
     _linear(add, key, f"{module}linear_fc1", tokens, d_in, ffn * (2 if spec.gated_linear_unit else 1))
     _linear(add, key, f"{module}linear_fc2", tokens, ffn, d_in)
 
 
-def _moe(add: Any, spec: ModelSpec, tokens: int, prefix: str) -> None:
+def _moe(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:
     moe = spec.moe
     assert moe is not None
     h = spec.hidden_size
@@ -372,7 +449,7 @@ def _moe(add: Any, spec: ModelSpec, tokens: int, prefix: str) -> None:
             _linear(add, f"{prefix}moe/shared", "shared_experts.gate_weight", tokens, h, 1)
 
 
-def _mamba(add: Any, spec: ModelSpec, tokens: int) -> None:
+def _mamba(add: _Gemms, spec: ModelSpec, tokens: int) -> None:
     m = spec.mamba
     assert m is not None
     h = spec.hidden_size

@@ -1,7 +1,7 @@
 """GEMM FLOPs of a training step with frozen weights, LoRA adapters and activation recompute
 (stdlib only: ints in, ints out).
 
-Every forward GEMM of :func:`megatron_flops.formulas.forward_gemms` runs once forward. Its
+Every forward GEMM of :func:`megatron_flops.formulas.forward_runs` runs once forward. Its
 backward runs one GEMM of the forward's size per operand that gets a gradient: the input
 gradient (dgrad) when its activation operand needs one, the weight gradient (wgrad) when its
 weight is trainable. Core attention multiplies two activations (Q and K, then P and V): one
@@ -53,11 +53,20 @@ layers whose input needs no gradient.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from megatron_flops.formulas import TRAIN_PASSES, FlopsBreakdown, Gemm, SeqStats, forward_gemms, gemm, training_flops
+from megatron_flops.formulas import (
+    TRAIN_PASSES,
+    FlopsBreakdown,
+    Gemm,
+    LayerRun,
+    SeqStats,
+    forward_runs,
+    gemm,
+    training_flops,
+)
 from megatron_flops.spec import ModelSpec
 
 MODEL_FLOPS_CONVENTIONS = ("needed", "train_passes")
@@ -252,18 +261,18 @@ def training_passes(
 ) -> TrainingPasses:
     """Forward, input-gradient, weight-gradient, unneeded and recompute FLOPs over ``stats``."""
     peft = peft or PeftSpec()
-    if spec.mamba is not None or any("none" in layer for layer in spec.layers):
+    if spec.mamba is not None or any("none" in kind for kind, _ in spec.layer_runs):
         raise ValueError(
             "frozen weights, LoRA and recompute are modelled for GPT decoders only (no hybrid/Mamba layers)"
         )
-    gemms = forward_gemms(spec, stats, attention=attention, include_padding=include_padding)
+    runs = forward_runs(spec, stats, attention=attention, include_padding=include_padding)
     if peft.lora_rank is not None:
-        present = {g.name.rsplit(".", 1)[-1] for g in gemms}
+        present = {g.name.rsplit(".", 1)[-1] for run in runs for g in run.gemms}
         for target in peft.lora_targets:
             if target not in present:
                 raise ValueError(f"lora target {target!r} matches no projection of this model")
-    needed = _walk(spec, gemms, peft, None, executed=False)
-    done = _walk(spec, gemms, peft, recompute, executed=True)
+    needed = _walk(spec, runs, peft, None, executed=False)
+    done = _walk(spec, runs, peft, recompute, executed=True)
     unneeded = {}
     for k in needed.forward:
         unneeded[k] = done.input_grad[k] + done.weight_grad[k] - needed.input_grad[k] - needed.weight_grad[k]
@@ -326,6 +335,14 @@ _REGIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Walk:
+    forward: dict[str, int]
+    input_grad: dict[str, int]
+    weight_grad: dict[str, int]
+    recompute: dict[str, int]
+
+
 def lora_passes(shape: tuple[int, int, int], rank: int, *, input_grad: bool) -> tuple[int, int, int]:
     """(forward, input-gradient, weight-gradient) FLOPs of a rank-``rank`` adapter beside a
     projection of ``shape`` (rows, in, out); ``input_grad``: whether A's dgrad runs."""
@@ -336,25 +353,29 @@ def lora_passes(shape: tuple[int, int, int], rank: int, *, input_grad: bool) -> 
     return a + b, (a if input_grad else 0) + b, a + b
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Walk:
-    forward: dict[str, int]
-    input_grad: dict[str, int]
-    weight_grad: dict[str, int]
-    recompute: dict[str, int]
-
-
 def recomputed_layers(num_layers: int, recompute: RecomputeSpec | None, *, mtp_num_layers: int = 0) -> frozenset[int]:
-    """Layers (0-based: decoder layers or DiT blocks, then MTP depths) that full recompute re-runs."""
+    """Layers (0-based: decoder layers or DiT blocks, then MTP depths) that full recompute re-runs
+    (one entry per layer: for small models; the decoder walk counts them with
+    :func:`recomputed_counter`)."""
+    count = recomputed_counter(num_layers, recompute, mtp_num_layers=mtp_num_layers)
+    return frozenset(i for i in range(num_layers + mtp_num_layers) if count(i, 1))
+
+
+def recomputed_counter(
+    num_layers: int, recompute: RecomputeSpec | None, *, mtp_num_layers: int = 0
+) -> Callable[[int | None, int], int]:
+    """``count(first, n)``: how many of the layers ``first .. first + n - 1`` (decoder layers, then
+    MTP depths; ``None`` is the output layer, never recomputed) full recompute re-runs, without a
+    loop over them."""
     if recompute is None or recompute.granularity != "full":
-        return frozenset()
+        return lambda first, n: 0
     layers = num_layers
     if recompute.method == "uniform":
         if mtp_num_layers and recompute.num_layers != 1:
             raise ValueError(
                 "megatron-core's MTP recompute needs recompute_num_layers=1 with recompute_method='uniform'"
             )
-        return frozenset(range(layers + mtp_num_layers))
+        return lambda first, n: 0 if first is None else n
     chunks = recompute.pipeline_model_parallel_size * (recompute.virtual_pipeline_model_parallel_size or 1)
     if layers % chunks:
         raise ValueError(f"num_layers={layers} does not split evenly into {chunks} pipeline model chunks")
@@ -362,80 +383,127 @@ def recomputed_layers(num_layers: int, recompute: RecomputeSpec | None, *, mtp_n
     # skips MTP layers (megatron-core warns and runs them plainly).
     per_chunk = layers // chunks
     assert recompute.num_layers is not None, "RecomputeSpec requires num_layers for full recompute"
-    return frozenset(i for i in range(layers) if i % per_chunk < recompute.num_layers)
+    block = min(recompute.num_layers, per_chunk)
+
+    def below(i: int) -> int:  # recomputed layers among 0 .. i - 1 (i <= layers)
+        return (i // per_chunk) * block + min(i % per_chunk, block)
+
+    def count(first: int | None, n: int) -> int:
+        if first is None or first >= layers:
+            return 0
+        return below(min(first + n, layers)) - below(first)
+
+    return count
+
+
+# One layer's contribution: (key, forward, input grad, weight grad, recompute) per GEMM.
+_Contribution = tuple[tuple[str, int, int, int, int], ...]
 
 
 def _walk(
     spec: ModelSpec,
-    gemms: tuple[Gemm, ...],
+    runs: tuple[LayerRun, ...],
     peft: PeftSpec,
     recompute: RecomputeSpec | None,
     *,
     executed: bool,
 ) -> _Walk:
-    """One pass over the GEMMs: the needed passes (``executed=False``, no recompute) or what
-    megatron-core runs (``executed=True``)."""
-    fwd: dict[str, int] = {}
-    dgrad: dict[str, int] = {}
-    wgrad: dict[str, int] = {}
-    redo: dict[str, int] = {}
-
-    def add(key: str, f: int, d: int, w: int, r: int) -> None:
-        for acc, value in ((fwd, f), (dgrad, d), (wgrad, w), (redo, r)):
-            acc[key] = acc.get(key, 0) + value
-
-    recomputed = recomputed_layers(spec.num_layers, recompute, mtp_num_layers=spec.mtp_num_layers)
-    selective = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
-    trainable = not peft.frozen
+    """One pass over the layers: the needed passes (``executed=False``, no recompute) or what
+    megatron-core runs (``executed=True``). A run of identical layers is walked once per distinct
+    (input needs a gradient, recomputed) case and multiplied, so the cost does not grow with the
+    number of layers."""
+    acc: tuple[dict[str, int], ...] = ({}, {}, {}, {})
+    recomputed = recomputed_counter(spec.num_layers, recompute, mtp_num_layers=spec.mtp_num_layers)
+    walker = _LayerWalker(peft, recompute, executed=executed)
     # The decoder input (embedding output) needs a gradient when the embedding trains, and in the
     # executed walk when Megatron-Bridge forces it for full recompute.
-    stream = trainable or (executed and bool(recomputed))
-    layer: int | None = -1
-    values: dict[str, bool] = {}
+    stream = walker.trainable or (executed and recomputed(0, spec.num_layers + spec.mtp_num_layers) > 0)
+    for run in runs:
+        redo = recomputed(run.first, run.count)
+        _, out = walker.layer(run.gemms, stream, False, run.first)
+        groups = [(stream, run.first, run.count, redo)]
+        if out != stream:
+            # Only the first layer sees an input that needs no gradient; every later one does.
+            first_redo = recomputed(run.first, 1)
+            nxt = None if run.first is None else run.first + 1
+            groups = [(stream, run.first, 1, first_redo), (out, nxt, run.count - 1, redo - first_redo)]
+        for grad_in, index, count, redone in groups:
+            for times, n in ((True, redone), (False, count - redone)):
+                if n:
+                    contribution, _ = walker.layer(run.gemms, grad_in, times, index)
+                    for key, *values in contribution:
+                        for into, value in zip(acc, values):
+                            into[key] = into.get(key, 0) + n * value
+        stream = out
+    return _Walk(forward=acc[0], input_grad=acc[1], weight_grad=acc[2], recompute=acc[3])
 
-    def value(name: str) -> bool:
-        if name == "ffn_in":
-            return values["attn_in"] or values.get("linear_proj", False)
-        return values.get(name, False)
 
-    for g in gemms:
-        if g.layer != layer:
-            if layer != -1:
-                stream = any(value(v) for v in _LAYER_OUTPUTS)
-            layer, values = g.layer, {"attn_in": stream}
-        operands = [any(value(v) for v in sources) for sources in _OPERANDS[g.name]]
-        adapted = peft.lora_rank is not None and g.name.rsplit(".", 1)[-1] in peft.lora_targets
-        weight = g.has_weight and trainable
-        # Backward: one GEMM of the forward's size per operand that gets a gradient.
-        d = g.flops * sum(operands)
-        w = g.flops if weight else 0
-        if executed and g.name == "router" and any(operands):
-            # RouterGatingLinearFunction computes dgrad and wgrad whenever it runs backward.
-            w = g.flops
-        times = int(g.layer in recomputed)
-        for module in selective:
-            names, inputs = _REGIONS.get(module, ((), ()))
-            if g.name not in names:
-                continue
-            if any(value(v) for v in inputs):
-                times += 1
-            elif weight or adapted:
-                raise ValueError(
-                    f"selective recompute of {module!r} with a frozen base: megatron-core's reentrant "
-                    f"checkpoint gives the trainable weights of {g.name} (layer {g.layer}) no gradient, "
-                    "because nothing upstream of it trains"
-                )
-        add(g.key, g.flops, d, w, times * g.flops)
-        if adapted:
-            assert g.shape is not None and peft.lora_rank is not None
-            # A trainable megatron linear computes its dgrad even when its input needs none (executed).
-            f, d, w = lora_passes(g.shape, peft.lora_rank, input_grad=operands[0] or executed)
-            prefix = "mtp/" if g.key.startswith("mtp/") else ""
-            add(f"{prefix}lora/{g.name}", f, d, w, times * f)
-        values[g.name] = any(operands) or weight or adapted
-        if g.name == "eh_proj":
-            values["attn_in"] = values["eh_proj"]
-    return _Walk(forward=fwd, input_grad=dgrad, weight_grad=wgrad, recompute=redo)
+class _LayerWalker:
+    """Which operands of one layer's GEMMs need a gradient, given whether its input does; memoised
+    per (layer GEMMs, input needs a gradient, fully recomputed)."""
+
+    def __init__(self, peft: PeftSpec, recompute: RecomputeSpec | None, *, executed: bool) -> None:
+        self.peft = peft
+        self.executed = executed
+        self.trainable = not peft.frozen
+        self.selective = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
+        self._memo: dict[tuple[tuple[Gemm, ...], bool, bool], tuple[_Contribution, bool]] = {}
+
+    def layer(
+        self, gemms: tuple[Gemm, ...], grad_in: bool, recomputed: bool, index: int | None
+    ) -> tuple[_Contribution, bool]:
+        """The layer's contribution and whether its output needs a gradient."""
+        key = (gemms, grad_in, recomputed)
+        if key not in self._memo:
+            self._memo[key] = self._walk_layer(gemms, grad_in, recomputed, index)
+        return self._memo[key]
+
+    def _walk_layer(
+        self, gemms: tuple[Gemm, ...], grad_in: bool, recomputed: bool, index: int | None
+    ) -> tuple[_Contribution, bool]:
+        peft = self.peft
+        values: dict[str, bool] = {"attn_in": grad_in}
+
+        def value(name: str) -> bool:
+            if name == "ffn_in":
+                return values["attn_in"] or values.get("linear_proj", False)
+            return values.get(name, False)
+
+        out: list[tuple[str, int, int, int, int]] = []
+        for g in gemms:
+            operands = [any(value(v) for v in sources) for sources in _OPERANDS[g.name]]
+            adapted = peft.lora_rank is not None and g.name.rsplit(".", 1)[-1] in peft.lora_targets
+            weight = g.has_weight and self.trainable
+            # Backward: one GEMM of the forward's size per operand that gets a gradient.
+            d = g.flops * sum(operands)
+            w = g.flops if weight else 0
+            if self.executed and g.name == "router" and any(operands):
+                # RouterGatingLinearFunction computes dgrad and wgrad whenever it runs backward.
+                w = g.flops
+            times = int(recomputed)
+            for module in self.selective:
+                names, inputs = _REGIONS.get(module, ((), ()))
+                if g.name not in names:
+                    continue
+                if any(value(v) for v in inputs):
+                    times += 1
+                elif weight or adapted:
+                    raise ValueError(
+                        f"selective recompute of {module!r} with a frozen base: megatron-core's reentrant "
+                        f"checkpoint gives the trainable weights of {g.name} (layer {index}) no gradient, "
+                        "because nothing upstream of it trains"
+                    )
+            out.append((g.key, g.flops, d, w, times * g.flops))
+            if adapted:
+                assert g.shape is not None and peft.lora_rank is not None
+                # A trainable megatron linear computes its dgrad even when its input needs none (executed).
+                f, d, w = lora_passes(g.shape, peft.lora_rank, input_grad=operands[0] or self.executed)
+                prefix = "mtp/" if g.key.startswith("mtp/") else ""
+                out.append((f"{prefix}lora/{g.name}", f, d, w, times * f))
+            values[g.name] = any(operands) or weight or adapted
+            if g.name == "eh_proj":
+                values["attn_in"] = values["eh_proj"]
+        return tuple(out), any(value(v) for v in _LAYER_OUTPUTS)
 
 
 @dataclass(frozen=True, kw_only=True)

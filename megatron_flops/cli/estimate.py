@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,25 +15,46 @@ from megatron_flops.passes import (
     MODEL_FLOPS_CONVENTIONS,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
+    RECOMPUTE_MODULES,
     PeftSpec,
     RecomputeSpec,
     price,
 )
-from megatron_flops.spec import ModelSpec, load_model_file
+from megatron_flops.spec import (
+    HF_FAMILIES,
+    MAX_FILE_BYTES,
+    ModelOptions,
+    ModelSpec,
+    hf_text_config,
+    is_hf_config,
+    load_model_file,
+    parse_document,
+    read_document,
+    show,
+)
+
+# --batch-size builds one row per sample only for a DiT file; the decoder prices it in O(1).
+MAX_BATCH_SIZE = 1 << 20
 
 
 def _json_list_arg(flag: str, value: str) -> Any:
-    """A JSON list given inline or as a file path."""
+    """A JSON list given inline, or a JSON/YAML file holding one."""
     text = value.strip()
-    if not text.startswith("["):
-        try:
-            text = Path(value).read_text()
-        except OSError as exc:
-            raise ValueError(f"{flag}: {value!r} is neither a JSON list nor a readable file ({exc.strerror})") from None
+    if text.startswith(("[", "{")):
+        if len(text) > MAX_FILE_BYTES:
+            raise ValueError(f"{flag}: longer than {MAX_FILE_BYTES // 2**20} MiB")
+        return parse_document(text, name=flag)
+    if not Path(value).is_file():
+        raise ValueError(f"{flag}: {show(value)} is neither a JSON list nor a readable file")
+    return read_document(value, what=f"{flag} file")
+
+
+def _parse_rows_arg(flag: str, value: str) -> tuple[Row, ...]:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{flag}: invalid JSON: {exc}") from None
+        return parse_rows(_json_list_arg(flag, value))
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message if message.startswith(flag) else f"{flag}: {message}") from None
 
 
 def estimate_report(
@@ -46,14 +68,29 @@ def estimate_report(
     convention: str = "needed",
 ) -> dict[str, Any]:
     """Everything ``estimate --json`` prints: totals, components, statistics, and the static
-    number that prices every row as one full ``seq_length`` sequence. With ``peft`` or
-    ``recompute``, model FLOPs follow ``convention`` and executed FLOPs add recompute and the
-    GEMMs megatron-core runs unneeded (:mod:`megatron_flops.passes`)."""
+    number that prices every row as one ``seq_length``-token sequence (default: the longest
+    row), as the stock formula does. With ``peft`` or ``recompute``, model FLOPs follow
+    ``convention`` and executed FLOPs add recompute and the GEMMs megatron-core runs unneeded
+    (:mod:`megatron_flops.passes`)."""
     stats = SeqStats.from_rows(rows, window=spec.window_size)
+    static_len = seq_length or max(r.num_padded_tokens for r in rows)
+    return _report(spec, stats, static_len, attention=attention, peft=peft, recompute=recompute,
+                   convention=convention)
+
+
+def _report(
+    spec: ModelSpec,
+    stats: SeqStats,
+    static_len: int,
+    *,
+    attention: str,
+    peft: PeftSpec | None,
+    recompute: RecomputeSpec | None,
+    convention: str,
+) -> dict[str, Any]:
     priced = price(spec, stats, attention=attention, peft=peft, recompute=recompute, convention=convention)
     model, executed = priced.model, priced.executed
-    static_len = seq_length or max(r.num_padded_tokens for r in rows)
-    static = training_flops(spec, SeqStats.full_length(len(rows), static_len, window=spec.window_size),
+    static = training_flops(spec, SeqStats.full_length(stats.num_rows, static_len, window=spec.window_size),
                             attention=attention)
     return {
         "total_flops": model.total,
@@ -109,18 +146,30 @@ def _format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _rows_from_args(args: argparse.Namespace) -> tuple[Row, ...] | None:
+def _rows_from_args(args: argparse.Namespace, seq_length: int | None) -> tuple[Row, ...] | None:
+    """The rows to price; ``seq_length`` is the training sequence length (``--seq-length``, else a
+    Megatron-LM command line's): with ``--seqlens`` it is only the static length."""
+    if seq_length is not None and seq_length <= 0:
+        raise ValueError(f"--seq-length must be positive, got {seq_length}")
     if args.seqlens is not None:
-        if args.seq_length is not None or args.batch_size is not None:
-            raise ValueError("give either --seqlens or --seq-length with --batch-size, not both")
-        return parse_rows(_json_list_arg("--seqlens", args.seqlens))
-    if args.seq_length is None and args.batch_size is None:
+        if args.batch_size is not None:
+            raise ValueError("--batch-size goes with --seq-length alone: --seqlens gives the rows themselves")
+        rows = _parse_rows_arg("--seqlens", args.seqlens)
+        if seq_length is not None:
+            for i, row in enumerate(rows):
+                if row.num_padded_tokens > seq_length:
+                    raise ValueError(f"--seqlens rows[{i}] holds {row.num_padded_tokens:,} tokens, more than "
+                                     f"--seq-length {seq_length:,}")
+        return rows
+    if args.batch_size is None:
+        if args.seq_length is not None:
+            raise ValueError("--seq-length N needs --batch-size B (or --seqlens ROWS, priced against N)")
         return None
-    if args.seq_length is None or args.batch_size is None:
-        raise ValueError("give --seqlens ROWS, or --seq-length N with --batch-size B")
-    if args.seq_length <= 0 or args.batch_size <= 0:
-        raise ValueError("--seq-length and --batch-size must be positive")
-    return parse_rows([args.seq_length] * args.batch_size)
+    if seq_length is None:
+        raise ValueError("--batch-size B needs --seq-length N")
+    if not 0 < args.batch_size <= MAX_BATCH_SIZE:
+        raise ValueError(f"--batch-size must be between 1 and {MAX_BATCH_SIZE:,}, got {args.batch_size}")
+    return (Row(seqlens=(seq_length,), padded_seqlens=(seq_length,), num_padded_tokens=seq_length),) * args.batch_size
 
 
 def _add_vision(report: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
@@ -136,10 +185,11 @@ def _add_vision(report: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any
     return merged
 
 
-def _training_setup(args: argparse.Namespace, raw: dict[str, Any]) -> tuple[PeftSpec | None, RecomputeSpec | None]:
+def _training_setup(
+    args: argparse.Namespace, raw: dict[str, Any], source: str
+) -> tuple[PeftSpec | None, RecomputeSpec | None]:
     """Frozen weights and LoRA (the model file's ``"lora"`` section, then the flags) and
-    recompute (the model file's ``recompute_*`` fields, then the flags)."""
-    source = Path(args.model).name
+    recompute (the model file's or command line's ``recompute_*`` fields, then the flags)."""
     peft = PeftSpec.from_lora_mapping(raw["lora"], source=source) if raw.get("lora") is not None else None
     if args.lora_targets is not None and args.lora_rank is None and peft is None:
         raise ValueError("--lora-targets needs --lora-rank")
@@ -165,9 +215,42 @@ def _training_setup(args: argparse.Namespace, raw: dict[str, Any]) -> tuple[Peft
     return peft, RecomputeSpec.from_mapping(fields, source=source)
 
 
+def _load(args: argparse.Namespace) -> tuple[ModelSpec | None, dict[str, Any], str, int | None]:
+    """The model (from --model or --megatron-args), the raw mapping its other sections come from,
+    a source name for messages, and the training sequence length."""
+    options = ModelOptions(hf_family=args.hf_family, vocab_multiple=args.pad_vocab_to_multiple,
+                           mtp_num_layers=args.mtp_num_layers)
+    if args.megatron_args is not None:
+        from megatron_flops.megatron_args import load_megatron_args, model_spec, training_fields
+
+        if args.hf_family is not None:
+            raise ValueError("--hf-family applies to a Hugging Face config.json (--model), not to --megatron-args")
+        namespace, source = load_megatron_args(args.megatron_args)
+        spec = model_spec(namespace, source, options=options)
+        seq_length = args.seq_length if args.seq_length is not None else namespace.seq_length
+        return spec, training_fields(namespace), source, seq_length
+    spec, raw = load_model_file(args.model, options=options)
+    if args.hf_family is not None and not is_hf_config(raw):
+        raise ValueError(f"--hf-family applies to a Hugging Face config.json; {Path(args.model).name} holds "
+                         "megatron-core fields")
+    return spec, raw, Path(args.model).name, args.seq_length
+
+
+def _notes(args: argparse.Namespace, raw: dict[str, Any]) -> list[str]:
+    """Conventions the user should know about for this model file."""
+    if args.megatron_args is not None or not is_hf_config(raw) or args.mtp_num_layers is not None:
+        return []
+    text = hf_text_config(raw) or {}
+    mtp = text.get("num_nextn_predict_layers")
+    if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0:
+        return [f"num_nextn_predict_layers={mtp} (multi-token prediction) is not counted: transformers does "
+                f"not run it; --mtp-num-layers {mtp} counts it as Megatron-LM trains it"]
+    return []
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    spec, raw = load_model_file(args.model)
-    rows = _rows_from_args(args)
+    spec, raw, source, seq_length = _load(args)
+    rows = _rows_from_args(args, seq_length)
     if "dit" in raw:
         from megatron_flops.cli._dit import estimate_dit
 
@@ -175,11 +258,14 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     for flag, value in (("--kv-seqlens", args.kv_seqlens), ("--image-seqlens", args.image_seqlens)):
         if value is not None:
             raise ValueError(f"{flag} prices cross-attention: give a DiT model file (a 'dit' section)")
-    peft, recompute = _training_setup(args, raw)
+    peft, recompute = _training_setup(args, raw, source)
     vision = None
     if args.grid_thw is not None:
         from megatron_flops.vision import vision_report
 
+        if "vision_config" not in raw:
+            raise ValueError(f"--grid-thw prices a vision tower, but {source} has no 'vision_config' "
+                             "(a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config.json)")
         vision = vision_report(raw, _json_list_arg("--grid-thw", args.grid_thw))
     if rows is None and vision is None:
         raise ValueError("give --seqlens ROWS, --seq-length N with --batch-size B, or --grid-thw GRIDS")
@@ -188,13 +274,22 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         report = vision
     else:
         if spec is None:
-            raise ValueError(f"{args.model}: holds no decoder model to price --seqlens with")
-        report = estimate_report(spec, rows, attention=args.attention, seq_length=args.seq_length,
-                                 peft=peft, recompute=recompute, convention=args.convention)
+            raise ValueError(f"{source}: holds no decoder model to price --seqlens with")
+        if args.seqlens is None:  # --seq-length N --batch-size B: identical rows, priced in O(1)
+            assert seq_length is not None
+            stats = SeqStats.full_length(len(rows), seq_length, window=spec.window_size)
+            report = _report(spec, stats, seq_length, attention=args.attention, peft=peft, recompute=recompute,
+                             convention=args.convention)
+        else:
+            report = estimate_report(spec, rows, attention=args.attention, seq_length=seq_length,
+                                     peft=peft, recompute=recompute, convention=args.convention)
         if vision is not None:
             report = _add_vision(report, vision)
+    notes = _notes(args, raw)
+    for note in notes:
+        print(f"megatron-flops: note: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps({**report, "notes": notes} if notes else report))
     elif rows is None:
         print(_format_vision(report))
     else:
@@ -202,25 +297,67 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+_SEQLENS_HELP = (
+    'the rows of a step: a JSON list, inline or in a JSON/YAML file. Each row is an integer (one '
+    'unpacked sequence), a list of integers (a packed row of sub-sequences), or {"seqlens": ..., '
+    '"padded_seqlens": [...], "pad_to": N} for padded rows: an unpacked sequence padded to pad_to is '
+    'attended over pad_to tokens; a packed row\'s tail past its padded_seqlens runs only the linear layers'
+)
+
+
 def add_parser(sub: Any) -> None:
     """Register ``estimate`` on the top-level subparsers."""
-    est = sub.add_parser("estimate", help="training FLOPs (forward + backward) of a model over rows")
-    est.add_argument("--model", required=True, help="JSON/YAML of TransformerConfig fields + vocab_size, or a HF config.json")
-    est.add_argument("--seqlens", help="JSON list of rows (int: a sequence; list: a packed row), or a file holding one")
-    est.add_argument("--seq-length", type=int, help="every row one sequence of N tokens (with --batch-size)")
-    est.add_argument("--batch-size", type=int, help="number of rows (with --seq-length)")
-    est.add_argument("--grid-thw", help="JSON list of [t, h, w] vision grids (or a file): prices the vision tower")
-    est.add_argument("--attention", choices=ATTENTION_CONVENTIONS, default="causal")
-    est.add_argument("--kv-seqlens",
+    est = sub.add_parser(
+        "estimate", help="training FLOPs (forward + backward) of a model over rows",
+        description="Training FLOPs (forward + backward GEMMs) of a model over the rows of a step, with the "
+                    "static number the stock formula reports for them.",
+    )
+    source = est.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="FILE",
+                        help="a JSON/YAML file of megatron-core TransformerConfig fields + vocab_size, or a Hugging "
+                             "Face config.json (YAML needs pip install 'megatron-flops[yaml]')")
+    source.add_argument("--megatron-args", metavar="ARGS",
+                        help='the Megatron-LM arguments you launch with, quoted ("--num-layers 32 --hidden-size '
+                             '4096 ... --swiglu"), or a file holding them or an args dump (.json/.yaml of vars(args))')
+    est.add_argument("--seqlens", metavar="ROWS", help=_SEQLENS_HELP)
+    est.add_argument("--seq-length", type=int, metavar="N",
+                     help="the training sequence length: with --batch-size, B rows of one N-token sequence; "
+                          "with --seqlens, the length the static number prices each row at")
+    est.add_argument("--batch-size", type=int, metavar="B", help="number of rows (with --seq-length)")
+    est.add_argument("--grid-thw", metavar="GRIDS",
+                     help="JSON list of [t, h, w] vision grids (inline or a file): prices the vision tower")
+    est.add_argument("--attention", choices=ATTENTION_CONVENTIONS, default="causal",
+                     help="core-attention convention: causal halves the s^2 product (Megatron-LM's, the "
+                          "default), full counts every query/key pair")
+    est.add_argument("--kv-seqlens", metavar="ROWS",
                      help="DiT model file: JSON list of text (key/value) tokens per sample, paired with --seqlens")
+    est.add_argument("--hf-family", choices=HF_FAMILIES,
+                     help="price a Hugging Face config.json with this family's rules whatever its model_type "
+                          "(for a model_type we do not support: whatever else differs is not priced)")
+    est.add_argument("--pad-vocab-to-multiple", type=int, metavar="N",
+                     help="pad the vocabulary to a multiple of N, as Megatron-LM does with "
+                          "make_vocab_size_divisible_by x TP (1: no padding). Default: the file's "
+                          "make_vocab_size_divisible_by; else 128 x TP for megatron-core fields and "
+                          "Megatron-LM args, no padding for a Hugging Face config.json")
+    est.add_argument("--mtp-num-layers", type=int, metavar="N",
+                     help="multi-token-prediction layers trained, overriding the model file (a Hugging Face "
+                          "file's num_nextn_predict_layers is counted only with this flag)")
     est.add_argument("--frozen", action="store_true", help="freeze every base weight (train only the LoRA adapters)")
-    est.add_argument("--lora-rank", type=int, help="add rank-R LoRA adapters (model file: 'lora': {'dim': R})")
-    est.add_argument("--lora-targets", help=f"comma-separated projections to adapt, of {','.join(LORA_TARGETS)}")
+    est.add_argument("--lora-rank", type=int, metavar="R",
+                     help="add rank-R LoRA adapters (model file: 'lora': {'dim': R})")
+    est.add_argument("--lora-targets", metavar="NAMES",
+                     help=f"comma-separated projections to adapt, of {','.join(LORA_TARGETS)}")
     est.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES,
-                     help="recompute_granularity (default: the model file's)")
-    est.add_argument("--recompute-method", choices=RECOMPUTE_METHODS)
-    est.add_argument("--recompute-num-layers", type=int)
-    est.add_argument("--recompute-modules", help="comma-separated selective recompute modules (default core_attn)")
+                     help="activation recompute granularity (default: the model file's recompute_granularity)")
+    est.add_argument("--recompute-method", choices=RECOMPUTE_METHODS,
+                     help="full recompute: uniform (every layer) or block (the first --recompute-num-layers "
+                          "layers of each pipeline model chunk)")
+    est.add_argument("--recompute-num-layers", type=int, metavar="N",
+                     help="full recompute: layers per checkpointed group (uniform) or recomputed layers per "
+                          "pipeline model chunk (block)")
+    est.add_argument("--recompute-modules", metavar="NAMES",
+                     help=f"comma-separated selective recompute modules, of {','.join(RECOMPUTE_MODULES)} "
+                          "(default core_attn)")
     est.add_argument("--convention", choices=MODEL_FLOPS_CONVENTIONS, default="needed",
                      help="model FLOPs: GEMMs training needs (default) or TRAIN_PASSES x every forward GEMM")
     est.add_argument("--json", action="store_true", help="print one JSON object")

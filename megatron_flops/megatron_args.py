@@ -1,0 +1,184 @@
+"""Megatron-LM arguments as users launch them (stdlib only): a pasted command line, a file holding
+one (a launch script's arguments), or an args dump (JSON/YAML of ``vars(args)``), read with
+Megatron-LM's own option table (:mod:`megatron_flops._mlm_args`) and defaults, then priced by
+:meth:`ModelSpec.from_megatron_args`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from megatron_flops.spec import MAX_FILE_BYTES, ModelOptions, ModelSpec, read_document, show
+
+# Megatron-LM dests that megatron-flops reads (the model, recompute, pipeline split, seq_length).
+READ = (
+    "num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups",
+    "kv_channels", "ffn_hidden_size", "swiglu", "squared_relu", "quick_geglu", "attention_output_gate",
+    "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate", "moe_layer_freq", "moe_latent_size", "multi_latent_attention", "q_lora_rank",
+    "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers", "window_size",
+    "window_attn_skip_freq", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
+    "experimental_attention_variant", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
+    "tensor_model_parallel_size", "untie_embeddings_and_output_weights", "hybrid_override_pattern",
+    "seq_length", "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+    "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
+)
+
+
+def load_megatron_args(value: str) -> tuple[SimpleNamespace, str]:
+    """``value``: a command line (starting with ``--``), or the path of a file holding one or of an
+    args dump (``.json``/``.yaml``). Returns the args namespace (Megatron-LM's defaults filled in)
+    and a source name for messages."""
+    text = value.strip()
+    if text.startswith("--"):
+        return parse_command_line(text, source="--megatron-args"), "--megatron-args"
+    path = Path(value)
+    if path.suffix in (".json", ".yaml", ".yml"):
+        dump = read_document(path, what="--megatron-args file")
+        if not isinstance(dump, Mapping):
+            raise ValueError(f"{path.name}: an args dump must be a mapping of Megatron-LM argument names")
+        return args_from_dump(dump, source=path.name), path.name
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ValueError(f"--megatron-args file {value!r} is larger than {MAX_FILE_BYTES // 2**20} MiB")
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"--megatron-args: {show(value)} is neither a command line (--num-layers ...) "
+                         f"nor a readable file ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--megatron-args file {value!r} is not UTF-8 text") from None
+    return parse_command_line(text, source=path.name), path.name
+
+
+def model_spec(args: SimpleNamespace, source: str, *, options: ModelOptions | None = None) -> ModelSpec:
+    """The model a Megatron-LM args namespace trains, with its fields named as options in errors
+    when it came from a command line."""
+    return ModelSpec.from_megatron_args(args, source=source, options=options,
+                                        option_names=getattr(args, "_from_command_line", False))
+
+
+def training_fields(args: SimpleNamespace) -> dict[str, Any]:
+    """Recompute and pipeline settings in ``TransformerConfig`` field names (for
+    :meth:`RecomputeSpec.from_mapping`), as Megatron-LM's ``validate_args`` derives them."""
+    pp = args.pipeline_model_parallel_size or 1
+    vpp = args.num_virtual_stages_per_pipeline_rank
+    if vpp is None and args.num_layers_per_virtual_pipeline_stage:
+        if not isinstance(args.num_layers, int) or not isinstance(pp, int) or pp < 1:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage needs integer --num-layers and "
+                             "--pipeline-model-parallel-size")
+        vpp = (args.num_layers // pp) // args.num_layers_per_virtual_pipeline_stage
+    return {
+        "recompute_granularity": args.recompute_granularity,
+        "recompute_method": args.recompute_method,
+        "recompute_num_layers": args.recompute_num_layers,
+        "recompute_modules": args.recompute_modules,
+        "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": vpp,
+        "num_layers_in_first_pipeline_stage": args.decoder_first_pipeline_num_layers,
+        "num_layers_in_last_pipeline_stage": args.decoder_last_pipeline_num_layers,
+        "account_for_embedding_in_pipeline_split": args.account_for_embedding_in_pipeline_split,
+        "account_for_loss_in_pipeline_split": args.account_for_loss_in_pipeline_split,
+        "pipeline_model_parallel_layout": args.pipeline_model_parallel_layout,
+    }
+
+
+def args_from_dump(dump: Mapping[str, Any], *, source: str) -> SimpleNamespace:
+    """An args dump (``vars(args)`` as JSON/YAML): the keys megatron-flops reads, over Megatron-LM's
+    defaults. Other keys are Megatron-LM state and are ignored, except near-misses of a key we read
+    (a typo), which are an error with the suggestion."""
+    from megatron_flops import _mlm_args
+
+    for key in dump:
+        if not isinstance(key, str):
+            raise ValueError(f"{source}: keys must be argument names, got {show(key)}")
+        if key in _mlm_args.DESTS:
+            continue
+        close = difflib.get_close_matches(key, READ, n=1, cutoff=0.85)
+        if close:
+            raise ValueError(f"{source}: unknown Megatron-LM argument {key!r} (did you mean {close[0]!r}?)")
+    values = {**_mlm_args.DEFAULTS, **{k: v for k, v in dump.items() if k in READ}}
+    return SimpleNamespace(**values)
+
+
+def parse_command_line(text: str, *, source: str) -> SimpleNamespace:
+    """Megatron-LM options as ``pretrain_gpt.py`` parses them (no abbreviations). A launcher prefix
+    (``torchrun ... pretrain_gpt.py``) is skipped; ``#`` comments and ``\\`` line breaks are allowed."""
+    from megatron_flops import _mlm_args
+
+    try:
+        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as exc:
+        raise ValueError(f"{source}: cannot split the command line: {exc}") from None
+    scripts = [i for i, t in enumerate(tokens) if t.endswith(".py")]
+    if scripts:
+        tokens = tokens[scripts[-1] + 1:]
+    values: dict[str, Any] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        option, has_value, inline = token.partition("=")
+        if option not in _mlm_args.OPTIONS:
+            raise ValueError(f"{source}: {_unknown_option(token, _mlm_args)}")
+        dest, kind = _mlm_args.OPTIONS[option]
+        i += 1
+        if kind in ("true", "false"):
+            if has_value:
+                raise ValueError(f"{source}: {option} takes no value")
+            values[dest] = kind == "true"
+            continue
+        if has_value:
+            given = [inline]
+        else:
+            count = 1 if kind == "value" else None if kind == "list" else int(kind)
+            end = i
+            while end < len(tokens) and not tokens[end].startswith("--") and (count is None or end - i < count):
+                end += 1
+            given = tokens[i:end]
+            i = end
+            if not given or (count is not None and len(given) != count):
+                raise ValueError(f"{source}: {option} expects {count or 'one or more'} value(s)")
+        if dest in _mlm_args.TYPES:
+            values[dest] = _convert(option, _mlm_args.TYPES[dest], given if kind != "value" else given[0], source)
+    args = SimpleNamespace(**{**_mlm_args.DEFAULTS, **values})
+    args._from_command_line = True
+    return args
+
+
+def _unknown_option(token: str, table: Any) -> str:
+    if not token.startswith("-"):
+        return f"unexpected {show(token)}: expected an --option (a value must follow its option)"
+    option = token.partition("=")[0]
+    close = difflib.get_close_matches(option, list(table.OPTIONS), n=1, cutoff=0.8)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown Megatron-LM {table.MEGATRON_LM_TAG} argument {show(option)}{hint}"
+
+
+def _convert(option: str, type_name: str, value: Any, source: str) -> Any:
+    if isinstance(value, list):
+        return [_convert(option, type_name, v, source) for v in value]
+    try:
+        if type_name == "int":
+            return int(value) if len(value) <= 30 else int("x")
+        if type_name == "float":
+            return float(value)
+        if type_name == "tuple_type":
+            return tuple(int(v) for v in value.strip("()").split(","))
+        if type_name == "moe_freq_type":
+            # An integer, or a pattern string such as "([0]*3+[1]*58)" (read by the spec, no eval).
+            return value if "[" in value else int(value)
+    except ValueError:
+        hint = " (expand shell variables first)" if "$" in value else ""
+        raise ValueError(f"{source}: {option} expects {_TYPE_WORDS.get(type_name, type_name)}, got {show(value)}{hint}") from None
+    return value
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "tuple_type": "integers such as 4096,0",
+               "moe_freq_type": "an integer or a pattern such as ([0]*3+[1]*29)"}
