@@ -1,26 +1,35 @@
 """Print the README's conformance table: measured (FlopCounterMode) vs estimated FLOPs.
 
-Run: python scripts/conformance_table.py   (needs megatron-core; takes ~20 s on 2 cores)
+Run: python scripts/conformance_table.py   (needs megatron-core; takes ~20 s on 2 cores).
+tests/test_conformance.py checks that the README holds exactly this output.
 """
 
+from __future__ import annotations
+
 import sys
-import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
-warnings.filterwarnings("ignore")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+HEADER = ("| architecture | measured FLOPs | estimate --attention full | equal |", "|---|---:|---:|:---:|")
 
-import mcore_cpu  # noqa: E402
-from test_conformance import MATRIX, ROWS, VOCAB, _measure_rows, _spec_for  # noqa: E402
 
-from megatron_flops.formulas import estimate, parse_rows  # noqa: E402
+def table_lines(results: Mapping[str, tuple[int, int]]) -> list[str]:
+    """The table's markdown lines from ``{architecture: (measured, estimated)}``, in order."""
+    return [*HEADER, *(f"| {name} | {measured:,} | {estimated:,} | {'yes' if measured == estimated else 'NO'} |"
+                       for name, (measured, estimated) in results.items())]
 
-mcore_cpu.init_single_process()
-print(f"rows: {ROWS}\n")
-print("| architecture | measured FLOPs | estimate --attention full | equal |")
-print("|---|---:|---:|:---:|")
-for name, kwargs in MATRIX.items():
-    model = mcore_cpu.build_gpt(dict(kwargs), vocab_size=VOCAB, max_seq_len=32)
-    measured = _measure_rows(model, ROWS)
-    estimated = estimate(_spec_for(model, True), parse_rows(ROWS), attention="full").total
-    print(f"| {name} | {measured:,} | {estimated:,} | {'yes' if measured == estimated else 'NO'} |")
+
+def main() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import mcore_cpu
+    from test_conformance import MATRIX, measured_and_estimated
+
+    mcore_cpu.init_single_process()
+    print("\n".join(table_lines({name: measured_and_estimated(name) for name in MATRIX})))
+
+
+if __name__ == "__main__":
+    main()

@@ -153,7 +153,8 @@ def test_one_more_token_moves_only_token_linear_terms():
 
 def test_padding_moves_only_executed_flops():
     spec = ModelSpec.from_mapping(BASE)
-    rows = parse_rows([{"seqlens": [10], "pad_to": 16}])
+    # An unpacked sequence (an int) padded to 16 is attended over all 16 tokens.
+    rows = parse_rows([{"seqlens": 10, "pad_to": 16}])
     model, executed = estimate(spec, rows), estimate(spec, rows, include_padding=True)
     assert model.total == estimate(spec, parse_rows([10])).total
     assert executed.total == estimate(spec, parse_rows([16])).total

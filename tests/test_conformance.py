@@ -8,10 +8,13 @@ run THD on CPU). One model is built per configuration; every distinct length is 
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch.nn.functional as F
@@ -75,11 +78,30 @@ def _spec_for(model, share: bool) -> ModelSpec:
     )
 
 
+@functools.cache
+def measured_and_estimated(name: str) -> tuple[int, int]:
+    """FLOPs of ``MATRIX[name]`` over ROWS: measured, and ``estimate --attention full``."""
+    model = mcore_cpu.build_gpt(dict(MATRIX[name]), vocab_size=VOCAB, max_seq_len=32)
+    return _measure_rows(model, ROWS), estimate(_spec_for(model, True), parse_rows(ROWS), attention="full").total
+
+
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_measured_equals_estimate(name):
-    model = mcore_cpu.build_gpt(dict(MATRIX[name]), vocab_size=VOCAB, max_seq_len=32)
-    expected = estimate(_spec_for(model, True), parse_rows(ROWS), attention="full").total
-    assert _measure_rows(model, ROWS) == expected
+    measured, expected = measured_and_estimated(name)
+    assert measured == expected
+
+
+def test_readme_table_is_the_scripts_output():
+    # The README's table must be exactly what scripts/conformance_table.py prints (no drift).
+    root = Path(__file__).resolve().parents[1]
+    script = importlib.util.spec_from_file_location("conformance_table", root / "scripts" / "conformance_table.py")
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    lines = module.table_lines({name: measured_and_estimated(name) for name in MATRIX})
+    readme = (root / "README.md").read_text().splitlines()
+    start = readme.index(lines[0])
+    assert readme[start:start + len(lines) + 1] == [*lines, ""]
+    assert f"`{json.dumps(ROWS)}`" in "\n".join(readme)
 
 
 @pytest.mark.parametrize("variant, share, pos", VARIANTS)

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_flops.cli import main
 from megatron_flops.formulas import parse_rows
-from megatron_flops.spec import ModelSpec, load_model_file
+from megatron_flops.spec import ModelOptions, ModelSpec, load_model_file
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128)
@@ -101,7 +101,8 @@ HF = {
 
 def test_hf_families():
     llama = ModelSpec.from_hf_config(HF["llama"])
-    assert (llama.kv_channels, llama.gated_linear_unit, llama.padded_vocab_size, llama.tied_output) == (16, True, 1024, False)
+    # A Hugging Face vocab_size is the embedding as built: no Megatron padding by default.
+    assert (llama.kv_channels, llama.gated_linear_unit, llama.padded_vocab_size, llama.tied_output) == (16, True, 1000, False)
     qwen3 = ModelSpec.from_hf_config(HF["qwen3"])
     assert (qwen3.kv_channels, qwen3.window_size, qwen3.tied_output) == (32, None, True)
     moe = ModelSpec.from_hf_config(HF["qwen3_moe"])
@@ -116,9 +117,11 @@ def test_hf_families():
 def test_deepseek_v3_example():
     spec, _ = load_model_file(EXAMPLES / "deepseek_v3_hf_config.json")
     assert [f for _, f in spec.layers[:4]] == ["mlp", "mlp", "mlp", "moe"] and spec.num_layers == 61
-    assert spec.moe.shared_expert_ffn_hidden_size == 2048 and spec.mtp_num_layers == 1
+    # num_nextn_predict_layers is not counted unless asked for (transformers does not run it).
+    assert spec.moe.shared_expert_ffn_hidden_size == 2048 and spec.mtp_num_layers == 0
     assert (spec.mla.q_lora_rank, spec.mla.kv_lora_rank, spec.mla.qk_pos_emb_head_dim) == (1536, 512, 64)
-    assert spec.mtp_ffn == "moe"
+    spec, _ = load_model_file(EXAMPLES / "deepseek_v3_hf_config.json", options=ModelOptions(mtp_num_layers=1))
+    assert (spec.mtp_num_layers, spec.mtp_ffn) == (1, "moe")
 
 
 def test_yaml_model_file(tmp_path):
@@ -156,15 +159,17 @@ def test_kv_channels_lifts_the_divisibility_rule():
 @pytest.mark.parametrize(
     "rows, message",
     [
-        ([], "non-empty"),
-        ([0], "row 0: length must be positive, got 0"),
-        ([8, -3], "row 1: length must be positive"),
-        ([8, []], "row 1: length is empty"),
-        ([8, [4, 2.5]], "row 1: length must hold integers, got 2.5"),
-        (["8"], "row 0: length must be an integer"),
-        ([{"seqlens": [4], "pad_to": 3}], "row 0: pad_to=3 is shorter"),
-        ([{"seqlens": [4, 4], "padded_seqlens": [4]}], "row 0: padded_seqlens must pair"),
-        ([{"lens": [4]}], "row 0: unknown key"),
+        ([], "the list of rows is empty"),
+        ([0], "rows\\[0\\]: length must be positive, got 0"),
+        ([8, -3], "rows\\[1\\]: length must be positive"),
+        ([8, []], "rows\\[1\\]: length is empty"),
+        ([8, [4, 2.5]], "rows\\[1\\]: length must hold integers, got 2.5"),
+        (["8"], "rows\\[0\\]: length must be an integer"),
+        ([{"seqlens": [4], "pad_to": 3}], "rows\\[0\\]: pad_to=3 is shorter"),
+        ([{"seqlens": [4, 4], "padded_seqlens": [4]}], "rows\\[0\\]: padded_seqlens must pair"),
+        ([{"lens": [4]}], "rows\\[0\\]: unknown key 'lens'"),
+        ([{"seqlen": [4]}], "unknown key 'seqlen' \\(did you mean 'seqlens'\\?\\)"),
+        ({"seqlens": [4]}, "got a mapping \\(one row: wrap it in a list"),
     ],
 )
 def test_bad_rows(rows, message):
@@ -181,8 +186,8 @@ def _model_file(tmp_path, **extra) -> str:
 @pytest.mark.parametrize(
     "argv_tail, message",
     [
-        (["--seqlens", "[8, 0]"], "row 1: length must be positive"),
-        (["--seqlens", "[8, [3, 1.5]]"], "row 1"),
+        (["--seqlens", "[8, 0]"], "--seqlens: rows[1]: length must be positive"),
+        (["--seqlens", "[8, [3, 1.5]]"], "rows[1]"),
         (["--seqlens", "not-json-or-file"], "neither a JSON list nor a readable file"),
         (["--seq-length", "8"], "--batch-size"),
         (["--seq-length", "-8", "--batch-size", "1"], "must be positive"),

@@ -45,7 +45,8 @@ ROWS_AND_CALLS = [
     ([32, 32], dict(tokens=_tok(2, 32))),
     ([{"seqlens": [5, 7, 18], "pad_to": 32}], dict(tokens=_tok(1, 32), cu_seqlens=torch.tensor([0, 5, 12, 30]))),
     (
-        [{"seqlens": [4], "pad_to": 20}, {"seqlens": [20]}, {"seqlens": [9], "pad_to": 20}],
+        # Dynamic padding: unpacked sequences (ints) padded to the batch length, attended over it.
+        [{"seqlens": 4, "pad_to": 20}, {"seqlens": 20}, {"seqlens": 9, "pad_to": 20}],
         dict(tokens=_tok(3, 20), seq_lengths=torch.tensor([4, 20, 9])),
     ),
     (
