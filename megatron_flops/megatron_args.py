@@ -13,7 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from megatron_flops.spec import MAX_FILE_BYTES, ModelOptions, ModelSpec, read_document, show
+from megatron_flops._inputs import MAX_FILE_BYTES, read_document, show
+from megatron_flops.spec import ModelOptions, ModelSpec
 
 # Megatron-LM dests that megatron-flops reads (the model, recompute, pipeline split, seq_length).
 READ = (

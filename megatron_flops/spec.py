@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import difflib
 import itertools
-import json
-import reprlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_flops._inputs import Fields, read_document, show
+from megatron_flops._layout import Runs, layer_flags, merged, zip_runs
 from megatron_flops._mcore_fields import TRANSFORMER_CONFIG_FIELDS
+from megatron_flops.hf_config import HF_FAMILIES, HF_NAMES, HF_SOURCE, hf_text_config, hf_to_mcore, is_hf_config
 
 # Activation name -> whether the name itself implies a gated linear unit.
 _ACTIVATIONS: dict[str, bool] = {
@@ -63,24 +64,6 @@ _EXTRA_KEYS = frozenset(
 )
 
 _HYBRID_SYMBOLS = {"M": ("mamba", "none"), "*": ("attention", "none"), "-": ("none", "mlp"), "E": ("none", "moe")}
-# A real model changes layer kind a few dozen times; far more is a malformed layout.
-MAX_LAYER_RUNS = 10_000
-# Nesting deeper than this in a model or rows file is malformed (and would exhaust recursion).
-MAX_NESTING = 32
-MAX_FILE_BYTES = 16 * 2**20
-
-_short = reprlib.Repr()
-_short.maxstring = _short.maxother = 40
-_short.maxlist = _short.maxtuple = _short.maxdict = 6
-_short.maxlevel = 2
-_short.maxlong = 40
-
-
-def show(value: Any) -> str:
-    """A short, always one-line ``repr`` of a user value for an error message."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
-        return f"an integer of {len(str(abs(value)))} digits"
-    return _short.repr(value).replace("\n", " ")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,8 +233,8 @@ class ModelSpec:
         (:data:`HF_FAMILIES`, and the text decoders of Qwen2-VL/2.5-VL/3-VL). ``vocab_size`` is
         the embedding as built: no padding unless the file or ``options`` asks for it."""
         options = options or ModelOptions()
-        fields = _hf_to_mcore(config, family=options.hf_family)
-        return _build(_with_options(fields, options), source=_HF_SOURCE, names=_HF_NAMES)
+        fields = hf_to_mcore(config, family=options.hf_family)
+        return _build(_with_options(fields, options), source=HF_SOURCE, names=HF_NAMES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,55 +257,6 @@ class ModelOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {show(value)}")
-
-
-def parse_document(text: str, *, name: str, yaml_format: bool = False) -> Any:
-    """Parse JSON (or YAML) text; every failure is one ``ValueError`` line naming ``name``, and
-    nesting deeper than :data:`MAX_NESTING` is refused."""
-    if yaml_format:
-        try:
-            import yaml
-        except ImportError:
-            raise ValueError(f"{name}: YAML files need PyYAML: pip install 'megatron-flops[yaml]'") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise ValueError(f"{name}: invalid YAML{where}: {exc.problem or exc.context}") from None
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{name}: invalid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-        except RecursionError:
-            raise ValueError(f"{name}: nested deeper than {MAX_NESTING} levels") from None
-        except ValueError as exc:  # an integer past Python's digit limit
-            raise ValueError(f"{name}: invalid YAML: {str(exc).splitlines()[0]}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{name}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-        except RecursionError:
-            raise ValueError(f"{name}: nested deeper than {MAX_NESTING} levels") from None
-        except ValueError as exc:  # an integer past Python's digit limit
-            raise ValueError(f"{name}: invalid JSON: {str(exc).split(';')[0]}") from None
-    _check_nesting(data, name)
-    return data
-
-
-def read_document(path: str | Path, *, what: str) -> Any:
-    """Read a JSON or YAML (``.yaml``/``.yml``) file of at most :data:`MAX_FILE_BYTES`."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise ValueError(f"{what} {str(path)!r} is {size / 2**20:.0f} MiB; the limit is "
-                             f"{MAX_FILE_BYTES // 2**20} MiB")
-        text = path.read_text()
-    except OSError as exc:
-        raise ValueError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text") from None
-    return parse_document(text, name=path.name, yaml_format=path.suffix in (".yaml", ".yml"))
 
 
 def load_model_file(
@@ -353,26 +287,6 @@ def model_from_mapping(
     if not decoder and ("vision_config" in data or "vision" in data):
         return None
     return ModelSpec.from_mapping(decoder, source=source, options=options)
-
-
-def is_hf_config(data: Mapping[str, Any]) -> bool:
-    """A Hugging Face config names its layers ``num_hidden_layers`` or carries ``model_type``."""
-    return "num_hidden_layers" in data or "model_type" in data or "text_config" in data
-
-
-def hf_text_config(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The text decoder's keys of a Hugging Face config (``text_config`` of a VLM, inheriting the
-    outer ``model_type``), or None for a vision-only file."""
-    text = data.get("text_config")
-    if text is not None:
-        if not isinstance(text, Mapping):
-            raise ValueError(f"{_HF_SOURCE}: 'text_config' must be a mapping, got {show(text)}")
-        if "model_type" not in text and "model_type" in data:
-            text = {**text, "model_type": data["model_type"]}
-        return text
-    if "num_hidden_layers" not in data and "vision_config" in data:
-        return None
-    return data
 
 
 # ---- internals ------------------------------------------------------------------------------
@@ -434,16 +348,6 @@ def _unknown_keys_message(unknown: list[str]) -> str:
     return f"unknown key(s) {', '.join(hints)}{more}"
 
 
-def _check_nesting(data: Any, name: str) -> None:
-    stack = [(data, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (list, dict)):
-            if depth >= MAX_NESTING:
-                raise ValueError(f"{name}: nested deeper than {MAX_NESTING} levels")
-            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
-
-
 def _activation_name(func: Any) -> str:
     if func is None:
         return "gelu"
@@ -465,220 +369,11 @@ def _with_options(fields: dict[str, Any], options: ModelOptions | None) -> dict[
     return fields
 
 
-class _Fields:
-    """Typed reads of one source's fields; errors name each field as the source spells it."""
-
-    def __init__(self, fields: Mapping[str, Any], source: str, names: Mapping[str, str]) -> None:
-        self.fields, self.source, self.names = fields, source, names
-
-    def name(self, key: str) -> str:
-        return self.names.get(key, key)
-
-    def error(self, message: str) -> ValueError:
-        return ValueError(f"{self.source}: {message}")
-
-    def int(self, key: str, *, minimum: int = 1, default: int | None = None) -> int:
-        value = self.fields.get(key, default)
-        if value is None and default is not None:
-            value = default
-        if isinstance(value, bool) or not isinstance(value, int):
-            missing = key not in self.fields or self.fields[key] is None
-            raise self.error(f"{'missing ' + repr(self.name(key)) if missing else repr(self.name(key)) + ' must be an integer'}"
-                             f"{'' if missing else ', got ' + show(value)}")
-        if value < minimum:
-            raise self.error(f"{self.name(key)!r} must be >= {minimum}, got {value}")
-        return value
-
-    def opt_int(self, key: str, *, minimum: int = 1) -> int | None:
-        return None if self.fields.get(key) is None else self.int(key, minimum=minimum)
-
-    def bool(self, key: str, default: bool = False) -> bool:
-        value = self.fields.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self.error(f"{self.name(key)!r} must be true or false, got {show(value)}")
-        return value
-
-
-# ---- layer layouts as runs ------------------------------------------------------------------
-
-_Runs = tuple[tuple[Any, int], ...]
-
-
-class _FlagRuns(tuple):  # type: ignore[type-arg]
-    """A per-layer 0/1 layout already given as runs ``((flag, count), ...)`` (HF readers)."""
-
-
-def _merged(pairs: Iterable[tuple[Any, int]], what: str) -> _Runs:
-    out: list[list[Any]] = []
-    for value, count in pairs:
-        if count <= 0:
-            continue
-        if out and out[-1][0] == value:
-            out[-1][1] += count
-        else:
-            out.append([value, count])
-            if len(out) > MAX_LAYER_RUNS:
-                raise ValueError(f"{what} changes layer kind more than {MAX_LAYER_RUNS:,} times")
-    return tuple((v, c) for v, c in out)
-
-
-def _repeat(unit: _Runs, times: int, what: str) -> _Runs:
-    """``unit`` concatenated ``times`` times, never expanded past the run limit."""
-    unit = _merged(unit, what)
-    if not unit or times == 0:
-        return ()
-    if len(unit) == 1:
-        return ((unit[0][0], unit[0][1] * times),)
-    if len(unit) * times > 2 * MAX_LAYER_RUNS:
-        raise ValueError(f"{what} changes layer kind more than {MAX_LAYER_RUNS:,} times")
-    return _merged(unit * times, what)
-
-
-def _cycle(unit: _Runs, total: int, what: str) -> _Runs:
-    """``unit`` repeated to cover exactly ``total`` layers (the last copy cut short)."""
-    period = sum(c for _, c in unit)
-    full, rest = divmod(total, period)
-    tail: list[tuple[Any, int]] = []
-    for value, count in unit:
-        if rest <= 0:
-            break
-        tail.append((value, min(count, rest)))
-        rest -= count
-    return _merged(_repeat(unit, full, what) + tuple(tail), what)
-
-
-def _zip(a: _Runs, b: _Runs) -> _Runs:
-    """Runs of ``(a_i, b_i)`` pairs of two layouts of one length."""
-    out: list[tuple[Any, int]] = []
-    i = j = 0
-    left_a, left_b = (a[0][1] if a else 0), (b[0][1] if b else 0)
-    while i < len(a) and j < len(b):
-        n = min(left_a, left_b)
-        out.append(((a[i][0], b[j][0]), n))
-        left_a -= n
-        left_b -= n
-        if not left_a:
-            i += 1
-            left_a = a[i][1] if i < len(a) else 0
-        if not left_b:
-            j += 1
-            left_b = b[j][1] if j < len(b) else 0
-    return _merged(out, "the layer layout")
-
-
-def _length(runs: _Runs) -> int:
-    return sum(c for _, c in runs)
-
-
-class _Pattern:
-    """Megatron-LM's layer-pattern strings, e.g. ``"([0]*3+[1]*58)"`` or ``"([1]*3+[0]*2)*2"``,
-    evaluated as runs without ``eval``: sums of lists, parenthesised groups and integer repeats."""
-
-    def __init__(self, text: str, what: str) -> None:
-        self.text, self.what = "".join(text.split()), what
-        self.pos = 0
-
-    def runs(self) -> _Runs:
-        runs = self._sum(0)
-        if self.pos != len(self.text):
-            self._fail()
-        return runs
-
-    def _fail(self) -> None:
-        raise ValueError(f"{self.what} {show(self.text)} is not a sum of [0/1, ...]*n terms")
-
-    def _peek(self) -> str:
-        return self.text[self.pos] if self.pos < len(self.text) else ""
-
-    def _take(self, char: str) -> None:
-        if self._peek() != char:
-            self._fail()
-        self.pos += 1
-
-    def _number(self) -> int:
-        start = self.pos
-        while self._peek().isdigit():
-            self.pos += 1
-        if start == self.pos or self.pos - start > 18:
-            self._fail()
-        return int(self.text[start:self.pos])
-
-    def _sum(self, depth: int) -> _Runs:
-        runs = self._term(depth)
-        while self._peek() == "+":
-            self.pos += 1
-            runs = _merged(runs + self._term(depth), self.what)
-        return runs
-
-    def _term(self, depth: int) -> _Runs:
-        times = 1
-        while self._peek().isdigit():
-            times *= self._number()
-            self._take("*")
-        runs = self._factor(depth)
-        while self._peek() == "*":
-            self.pos += 1
-            times *= self._number()
-        return _repeat(runs, times, self.what)
-
-    def _factor(self, depth: int) -> _Runs:
-        if depth > MAX_NESTING:
-            self._fail()
-        if self._peek() == "(":
-            self.pos += 1
-            runs = self._sum(depth + 1)
-            self._take(")")
-            return runs
-        self._take("[")
-        values = [self._number()]
-        while self._peek() == ",":
-            self.pos += 1
-            values.append(self._number())
-        self._take("]")
-        if any(v not in (0, 1) for v in values):
-            raise ValueError(f"{self.what} entries must be 0 or 1, got {show(self.text)}")
-        return _merged(((bool(v), 1) for v in values), self.what)
-
-
-def _layer_flags(f: _Fields, key: str, value: Any, num_layers: int, *, every: bool) -> _Runs:
-    """An int frequency or a 0/1 list of length ``num_layers``, as megatron-core reads them, as
-    runs of booleans.
-
-    ``every=True``: layer i (0-based) is set when ``i % freq == 0`` (``moe_layer_freq``);
-    ``every=False``: set unless ``(i + 1) % freq == 0`` (``window_attn_skip_freq``). Megatron-LM's
-    command-line form, a string such as ``"([0]*3+[1]*58)"`` (or ``"2"``), is read without ``eval``.
-    """
-    name = repr(f.name(key))
-    if isinstance(value, _FlagRuns):
-        runs = tuple(value)
-    elif isinstance(value, str):
-        text = value.strip()
-        if text.isdigit() and len(text) <= 18:
-            return _layer_flags(f, key, int(text), num_layers, every=every)
-        runs = _Pattern(text, f"{f.source}: {name} string").runs()
-    elif isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
-        raise f.error(f"{name} must be an integer or a list of 0/1, got {show(value)}")
-    elif isinstance(value, int):
-        if value < 1:
-            raise f.error(f"{name} must be >= 1, got {value}")
-        unit = ((True, 1), (False, value - 1)) if every else ((True, value - 1), (False, 1))
-        return _cycle(unit, num_layers, f"{f.source}: {name}")
-    else:
-        if any(isinstance(v, bool) or v not in (0, 1) for v in value):
-            raise f.error(f"{name} entries must be 0 or 1, got {show(list(value))}")
-        runs = _merged(((bool(v), len(list(group))) for v, group in itertools.groupby(value)), f"{f.source}: {name}")
-    if _length(runs) != num_layers:
-        raise f.error(f"{name} has {_length(runs)} entries but the model has {num_layers} layers")
-    return runs
-
-
 # ---- the one builder ------------------------------------------------------------------------
 
 
 def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | None = None) -> ModelSpec:
-    f = _Fields(fields, source, names or {})
+    f = Fields(fields, source, names or {})
     if fields.get("experimental_attention_variant"):
         raise f.error(f"experimental_attention_variant={show(fields['experimental_attention_variant'])} "
                       "is not supported")
@@ -754,7 +449,7 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
     )
 
 
-def _moe_spec(f: _Fields, ffn: int) -> MoESpec | None:
+def _moe_spec(f: Fields, ffn: int) -> MoESpec | None:
     num_experts = f.opt_int("num_moe_experts")
     if num_experts is None:
         freq = f.fields.get("moe_layer_freq")
@@ -775,7 +470,7 @@ def _moe_spec(f: _Fields, ffn: int) -> MoESpec | None:
     )
 
 
-def _window(f: _Fields) -> int | None:
+def _window(f: Fields) -> int | None:
     window_size = f.fields.get("window_size")
     name = f.name("window_size")
     if window_size is None:
@@ -792,20 +487,20 @@ def _window(f: _Fields) -> int | None:
 
 
 def _layers(
-    f: _Fields, hidden: int, moe: MoESpec | None, window: int | None
+    f: Fields, hidden: int, moe: MoESpec | None, window: int | None
 ) -> tuple[tuple[tuple[tuple[str, str], int], ...], MambaSpec | None]:
     pattern = f.fields.get("hybrid_override_pattern") or f.fields.get("hybrid_layer_pattern")
     if not pattern:
         num_layers = f.int("num_layers")
-        ffn_runs: _Runs = ((False, num_layers),)
+        ffn_runs: Runs = ((False, num_layers),)
         if moe is not None:
-            ffn_runs = _layer_flags(f, "moe_layer_freq", f.fields.get("moe_layer_freq", 1), num_layers, every=True)
-        windowed: _Runs = ((False, num_layers),)
+            ffn_runs = layer_flags(f, "moe_layer_freq", f.fields.get("moe_layer_freq", 1), num_layers, every=True)
+        windowed: Runs = ((False, num_layers),)
         if window is not None:
             skip = f.fields.get("window_attn_skip_freq")
-            windowed = ((True, num_layers),) if skip is None else _layer_flags(
+            windowed = ((True, num_layers),) if skip is None else layer_flags(
                 f, "window_attn_skip_freq", skip, num_layers, every=False)
-        runs = _zip(windowed, ffn_runs)
+        runs = zip_runs(windowed, ffn_runs)
         return tuple((("window" if w else "attention", "moe" if m else "mlp"), n) for (w, m), n in runs), None
     name = f.name("hybrid_override_pattern")
     if not isinstance(pattern, str) or set(pattern) - set(_HYBRID_SYMBOLS):
@@ -815,7 +510,7 @@ def _layers(
         raise f.error(f"{f.name('num_layers')}={show(num_layers)} but {name} has {len(pattern)} layers")
     if "E" in pattern and moe is None:
         raise f.error(f"{name} has MoE layers ('E') but {f.name('num_moe_experts')} is unset")
-    layer_runs = _merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(pattern)),
+    layer_runs = merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(pattern)),
                          f"{f.source}: {name}")
     mamba = None
     if "M" in pattern:
@@ -828,228 +523,3 @@ def _layers(
             num_heads=f.opt_int("mamba_num_heads") or max(d_inner // head_dim, 1),
         )
     return layer_runs, mamba
-
-
-# ---- Hugging Face config.json ---------------------------------------------------------------
-
-HF_FAMILIES = ("deepseek_v2", "deepseek_v3", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-# VLM text decoders priced with their text family's rules.
-_HF_TEXT_MODEL_TYPES = {
-    "qwen2_vl": "qwen2", "qwen2_vl_text": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_5_vl_text": "qwen2",
-    "qwen3_vl": "qwen3", "qwen3_vl_text": "qwen3", "qwen3_vl_moe": "qwen3_moe", "qwen3_vl_moe_text": "qwen3_moe",
-}
-_HF_SOURCE = "Hugging Face config"
-_HF_NAMES = {
-    "num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size", "num_query_groups": "num_key_value_heads",
-    "kv_channels": "head_dim", "activation_func": "hidden_act", "moe_router_topk": "num_experts_per_tok",
-    "moe_ffn_hidden_size": "moe_intermediate_size", "num_moe_experts": "num_experts",
-    "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size", "window_size": "sliding_window",
-    "share_embeddings_and_output_weights": "tie_word_embeddings", "attention_output_gate": "attn_output_gate",
-    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_nope_head_dim",
-    "qk_pos_emb_head_dim": "qk_rope_head_dim", "moe_layer_freq": "first_k_dense_replace",
-    "window_attn_skip_freq": "layer_types",
-}
-# Keys whose Hugging Face default is a fixed size rather than derived, so a file must give them.
-_HF_FIXED_KV_HEADS = ("mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-
-
-def _hf_family(hf: Mapping[str, Any], family: str | None) -> str:
-    if family is not None:
-        return family
-    model_type = hf.get("model_type")
-    if model_type is None:
-        raise ValueError(f"{_HF_SOURCE}: missing 'model_type' (one of {', '.join(HF_FAMILIES)}); "
-                         "or name the family with --hf-family")
-    if not isinstance(model_type, str):
-        raise ValueError(f"{_HF_SOURCE}: 'model_type' must be a string, got {show(model_type)}")
-    if model_type in HF_FAMILIES:
-        return model_type
-    if model_type in _HF_TEXT_MODEL_TYPES:
-        return _HF_TEXT_MODEL_TYPES[model_type]
-    raise ValueError(
-        f"{_HF_SOURCE}: model_type {show(model_type)} is not supported (supported: {', '.join(HF_FAMILIES)}, "
-        f"and the text decoders of {', '.join(sorted(k for k in _HF_TEXT_MODEL_TYPES if not k.endswith('_text')))}); "
-        "--hf-family FAMILY prices it with that family's rules, ignoring whatever else differs"
-    )
-
-
-def _hf_to_mcore(hf: Mapping[str, Any], *, family: str | None = None) -> dict[str, Any]:
-    """Translate Hugging Face config keys to TransformerConfig field names with ``family``'s rules
-    (as transformers' modeling code reads them); every key is type-checked under its HF name."""
-    family = _hf_family(hf, family)
-    f = _Fields(hf, f"{_HF_SOURCE} ({family})", {})
-    required = ["num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"]
-    if family in _HF_FIXED_KV_HEADS:
-        required.append("num_key_value_heads")
-    if family == "qwen3":
-        required.append("head_dim")
-    missing = [k for k in required if hf.get(k) is None]
-    if missing:
-        raise f.error(f"missing required key(s) {', '.join(repr(k) for k in missing)}")
-    num_layers = f.int("num_hidden_layers")
-    heads = f.int("num_attention_heads")
-    out: dict[str, Any] = {
-        "num_layers": num_layers,
-        "hidden_size": f.int("hidden_size"),
-        "num_attention_heads": heads,
-        "num_query_groups": f.opt_int("num_key_value_heads") or heads,
-        "ffn_hidden_size": f.int("intermediate_size"),
-        "vocab_size": f.int("vocab_size"),
-        "share_embeddings_and_output_weights": f.bool("tie_word_embeddings"),
-        "attention_output_gate": f.bool("attn_output_gate"),
-        "activation_func": hf.get("hidden_act") or "silu",
-        # Every supported family runs a gated MLP (gate_proj/up_proj/down_proj).
-        "gated_linear_unit": True,
-        # NB: a Hugging Face vocab_size is the embedding as built: padded only on request.
-        "make_vocab_size_divisible_by": f.int("make_vocab_size_divisible_by", default=1),
-        "tensor_model_parallel_size": f.int("tensor_model_parallel_size", default=1),
-    }
-    if hf.get("head_dim") is not None:
-        out["kv_channels"] = f.int("head_dim")
-    if family.startswith("deepseek"):
-        _hf_deepseek(f, out, num_layers)
-    elif family in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        _hf_moe(f, out, family, num_layers)
-    _hf_window(f, out, family, num_layers)
-    return out
-
-
-def _hf_moe(f: _Fields, out: dict[str, Any], family: str, num_layers: int) -> None:
-    hf = f.fields
-    experts_key = "num_local_experts" if family == "mixtral" and "num_experts" not in hf else "num_experts"
-    required = [experts_key, "num_experts_per_tok"] + (["moe_intermediate_size"] if family != "mixtral" else [])
-    if family == "qwen2_moe":
-        required.append("shared_expert_intermediate_size")
-    missing = [k for k in required if hf.get(k) is None]
-    if missing:
-        raise f.error(f"missing required key(s) {', '.join(repr(k) for k in missing)}")
-    num_experts = f.int(experts_key, minimum=0)
-    if num_experts == 0:  # Qwen: no experts, every layer dense.
-        return
-    topk = f.int("num_experts_per_tok")
-    if topk > num_experts:
-        raise f.error(f"num_experts_per_tok={topk} > {experts_key}={num_experts}")
-    out["num_moe_experts"] = num_experts
-    out["moe_router_topk"] = topk
-    out["moe_ffn_hidden_size"] = f.int("intermediate_size" if family == "mixtral" else "moe_intermediate_size")
-    if family == "mixtral":
-        return
-    if family == "qwen2_moe":
-        out["moe_shared_expert_intermediate_size"] = f.int("shared_expert_intermediate_size")
-        # Qwen2-MoE scales the shared expert by a sigmoid gate: one [T, h] @ [h, 1] GEMM.
-        out["moe_shared_expert_gate"] = True
-    # Qwen: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
-    step = f.int("decoder_sparse_step", default=1)
-    flags = _cycle(((False, step - 1), (True, 1)), num_layers, f"{f.source}: 'decoder_sparse_step'")
-    mlp_only = hf.get("mlp_only_layers") or []
-    if not isinstance(mlp_only, list) or any(
-        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in mlp_only
-    ):
-        raise f.error(f"'mlp_only_layers' must be a list of layer indices in [0, {num_layers}), got {show(mlp_only)}")
-    out["moe_layer_freq"] = _FlagRuns(_cleared(flags, sorted(set(mlp_only)), f.source))
-
-
-def _cleared(runs: _Runs, indices: list[int], what: str) -> _Runs:
-    """``runs`` with the layers at sorted ``indices`` set to False."""
-    pieces: list[tuple[Any, int]] = []
-    start = 0
-    k = 0
-    for value, count in runs:
-        end = start + count
-        pos = start
-        while k < len(indices) and indices[k] < end:
-            pieces += [(value, indices[k] - pos), (False, 1)]
-            pos = indices[k] + 1
-            k += 1
-        pieces.append((value, end - pos))
-        start = end
-    return _merged(pieces, what)
-
-
-def _hf_deepseek(f: _Fields, out: dict[str, Any], num_layers: int) -> None:
-    hf = f.fields
-    required = ["n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
-                "first_k_dense_replace", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
-    missing = [k for k in required if hf.get(k) is None and not (k == "n_shared_experts" and k in hf)]
-    if "q_lora_rank" not in hf:
-        missing.append("q_lora_rank")  # null is allowed (DeepSeek-V2-Lite): a plain q_proj.
-    if missing:
-        raise f.error(f"missing required key(s) {', '.join(repr(k) for k in missing)}")
-    freq = f.int("moe_layer_freq", default=1)
-    if freq != 1:
-        # NB: transformers makes every layer from first_k_dense_replace on an MoE layer, DeepSeek's own
-        # modeling code only every moe_layer_freq-th: the file does not say which one trains.
-        raise f.error(f"moe_layer_freq={freq}: transformers ignores it (every layer from first_k_dense_replace "
-                      "on is MoE) while DeepSeek's remote code places MoE layers every moe_layer_freq-th; set it "
-                      "to 1 for transformers' placement, or describe the model in megatron-core fields")
-    first_dense = f.int("first_k_dense_replace", minimum=0)
-    if first_dense > num_layers:
-        raise f.error(f"first_k_dense_replace={first_dense} > num_hidden_layers={num_layers}")
-    num_experts = f.int("n_routed_experts")
-    topk = f.int("num_experts_per_tok")
-    if topk > num_experts:
-        raise f.error(f"num_experts_per_tok={topk} > n_routed_experts={num_experts}")
-    moe_ffn = f.int("moe_intermediate_size")
-    out.update(
-        num_moe_experts=num_experts,
-        moe_router_topk=topk,
-        moe_ffn_hidden_size=moe_ffn,
-        moe_layer_freq=_FlagRuns(_merged(((False, first_dense), (True, num_layers - first_dense)), f.source)),
-        multi_latent_attention=True,
-        q_lora_rank=f.opt_int("q_lora_rank"),
-        kv_lora_rank=f.int("kv_lora_rank"),
-        qk_head_dim=f.int("qk_nope_head_dim"),
-        qk_pos_emb_head_dim=f.int("qk_rope_head_dim", minimum=0),
-        v_head_dim=f.int("v_head_dim"),
-    )
-    shared = f.opt_int("n_shared_experts", minimum=0)
-    if shared:
-        out["moe_shared_expert_intermediate_size"] = shared * moe_ffn
-    out.pop("kv_channels", None)
-    # NB: num_nextn_predict_layers (DeepSeek-V3's MTP module) is not counted: transformers never runs
-    # it; ModelOptions.mtp_num_layers (--mtp-num-layers) counts MTP layers as Megatron-LM trains them.
-
-
-def _hf_window(f: _Fields, out: dict[str, Any], family: str, num_layers: int) -> None:
-    """Sliding windows as each family's modeling code applies them.
-
-    NB: HF's window of W tokens includes the query itself (q - k < W): megatron's (W - 1, 0).
-    """
-    hf = f.fields
-    if family in ("llama", "deepseek_v2", "deepseek_v3"):
-        return
-    if family in ("mistral", "mixtral"):
-        if family == "mistral" and "sliding_window" not in hf:
-            raise f.error("missing required key 'sliding_window' (null for none; transformers' default is 4096)")
-        size = f.opt_int("sliding_window")
-        if size is not None:
-            out["window_size"] = (size - 1, 0)  # every layer
-        return
-    if not f.bool("use_sliding_window"):
-        return
-    size = f.opt_int("sliding_window", minimum=0)
-    if not size:
-        return
-    out["window_size"] = (size - 1, 0)
-    if family == "qwen3_moe":
-        return  # every layer
-    layer_types = hf.get("layer_types")
-    if layer_types is not None:
-        kinds = ("full_attention", "sliding_attention")
-        if not isinstance(layer_types, list) or any(not isinstance(t, str) or t not in kinds for t in layer_types):
-            raise f.error(f"'layer_types' must be a list of {' or '.join(map(repr, kinds))}, got {show(layer_types)}")
-        flags = _merged(((t == "sliding_attention", len(list(g))) for t, g in itertools.groupby(layer_types)),
-                        f"{f.source}: 'layer_types'")
-        if _length(flags) != num_layers:
-            raise f.error(f"'layer_types' has {len(layer_types)} entries but num_hidden_layers={num_layers}")
-    else:
-        if hf.get("max_window_layers") is None:
-            raise f.error("missing required key 'max_window_layers' (use_sliding_window is true)")
-        boundary = min(f.int("max_window_layers", minimum=0), num_layers)
-        if family == "qwen2_moe":
-            # Layers i < max_window_layers with (i + 1) % 2 != 0 (the even ones) slide.
-            flags = _cycle(((True, 1), (False, 1)), boundary, f"{f.source}: 'max_window_layers'")
-            flags = _merged(flags + ((False, num_layers - boundary),), f.source)
-        else:
-            flags = _merged(((False, boundary), (True, num_layers - boundary)), f.source)
-    out["window_attn_skip_freq"] = _FlagRuns(flags)

@@ -147,7 +147,8 @@ def test_one_recompute_module_moves_one_executed_term():
 
 def test_one_more_block_layer_moves_one_layer():
     # Block recompute of 1 -> 2 layers on a 3-layer TINY: one layer's forward, 11,904.
-    spec = dataclasses.replace(TINY, layers=TINY.layers + TINY.layers[:1])
+    (kind, count), = TINY.layer_runs
+    spec = dataclasses.replace(TINY, layer_runs=((kind, count + 1),))
 
     def executed(n: int) -> int:
         return training_passes(spec, TINY_STATS, recompute=RecomputeSpec(granularity="full", method="block",

@@ -20,18 +20,9 @@ from megatron_flops.passes import (
     RecomputeSpec,
     price,
 )
-from megatron_flops.spec import (
-    HF_FAMILIES,
-    MAX_FILE_BYTES,
-    ModelOptions,
-    ModelSpec,
-    hf_text_config,
-    is_hf_config,
-    load_model_file,
-    parse_document,
-    read_document,
-    show,
-)
+from megatron_flops._inputs import MAX_FILE_BYTES, parse_document, read_document, show
+from megatron_flops.hf_config import HF_FAMILIES, hf_text_config, is_hf_config
+from megatron_flops.spec import ModelOptions, ModelSpec, load_model_file
 
 # --batch-size builds one row per sample only for a DiT file; the decoder prices it in O(1).
 MAX_BATCH_SIZE = 1 << 20
