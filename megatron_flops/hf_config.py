@@ -113,9 +113,14 @@ def hf_to_mcore(hf: Mapping[str, Any], *, family: str | None = None) -> dict[str
     return out
 
 
+def _experts_key(hf: Mapping[str, Any], keys: tuple[str, ...]) -> str:
+    """The first of ``keys`` the file sets (transformers' ``attribute_map`` aliases), else the first."""
+    return next((k for k in keys if hf.get(k) is not None), keys[0])
+
+
 def _hf_moe(f: Fields, out: dict[str, Any], family: str, num_layers: int) -> None:
     hf = f.fields
-    experts_key = "num_local_experts" if family == "mixtral" and "num_experts" not in hf else "num_experts"
+    experts_key = _experts_key(hf, ("num_experts", "num_local_experts"))
     required = [experts_key, "num_experts_per_tok"] + (["moe_intermediate_size"] if family != "mixtral" else [])
     if family == "qwen2_moe":
         required.append("shared_expert_intermediate_size")
@@ -150,7 +155,8 @@ def _hf_moe(f: Fields, out: dict[str, Any], family: str, num_layers: int) -> Non
 
 def _hf_deepseek(f: Fields, out: dict[str, Any], num_layers: int) -> None:
     hf = f.fields
-    required = ["n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+    experts_key = _experts_key(hf, ("n_routed_experts", "num_local_experts", "num_experts"))
+    required = [experts_key, "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
                 "first_k_dense_replace", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
     missing = [k for k in required if hf.get(k) is None and not (k == "n_shared_experts" and k in hf)]
     if "q_lora_rank" not in hf:
@@ -167,10 +173,10 @@ def _hf_deepseek(f: Fields, out: dict[str, Any], num_layers: int) -> None:
     first_dense = f.int("first_k_dense_replace", minimum=0)
     if first_dense > num_layers:
         raise f.error(f"first_k_dense_replace={first_dense} > num_hidden_layers={num_layers}")
-    num_experts = f.int("n_routed_experts")
+    num_experts = f.int(experts_key)
     topk = f.int("num_experts_per_tok")
     if topk > num_experts:
-        raise f.error(f"num_experts_per_tok={topk} > n_routed_experts={num_experts}")
+        raise f.error(f"num_experts_per_tok={topk} > {experts_key}={num_experts}")
     moe_ffn = f.int("moe_intermediate_size")
     out.update(
         num_moe_experts=num_experts,
@@ -187,7 +193,9 @@ def _hf_deepseek(f: Fields, out: dict[str, Any], num_layers: int) -> None:
     shared = f.opt_int("n_shared_experts", minimum=0)
     if shared:
         out["moe_shared_expert_intermediate_size"] = shared * moe_ffn
+    # MLA has no key/value groups: num_key_value_heads (and head_dim) shape no GEMM.
     out.pop("kv_channels", None)
+    out["num_query_groups"] = out["num_attention_heads"]
     # NB: num_nextn_predict_layers (DeepSeek-V3's MTP module) is not counted: transformers never runs
     # it; ModelOptions.mtp_num_layers (--mtp-num-layers) counts MTP layers as Megatron-LM trains them.
 
