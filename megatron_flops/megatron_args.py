@@ -35,13 +35,13 @@ READ = (
 
 
 def load_megatron_args(value: str) -> tuple[SimpleNamespace, str]:
-    """``value``: a command line (starting with ``--``), or the path of a file holding one or of an
-    args dump (``.json``/``.yaml``). Returns the args namespace (Megatron-LM's defaults filled in)
+    """``value``: a command line (options, optionally after ``torchrun ... pretrain_gpt.py``), or the
+    path of a file holding one or of an args dump (``.json``/``.yaml``). Returns the args namespace (Megatron-LM's defaults filled in)
     and a source name for messages."""
     text = value.strip()
-    if text.startswith("--"):
-        return parse_command_line(text, source="--megatron-args"), "--megatron-args"
     path = Path(value)
+    if text.startswith("--") or (any(c.isspace() for c in text) and not _is_file(path)):
+        return parse_command_line(text, source="--megatron-args"), "--megatron-args"
     if path.suffix in (".json", ".yaml", ".yml"):
         dump = read_document(path, what="--megatron-args file")
         if not isinstance(dump, Mapping):
@@ -57,6 +57,13 @@ def load_megatron_args(value: str) -> tuple[SimpleNamespace, str]:
     except UnicodeDecodeError:
         raise ValueError(f"--megatron-args file {value!r} is not UTF-8 text") from None
     return parse_command_line(text, source=path.name), path.name
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long for the file system
+        return False
 
 
 def model_spec(args: SimpleNamespace, source: str, *, options: ModelOptions | None = None) -> ModelSpec:

@@ -223,7 +223,7 @@ class ModelSpec:
         if option_names:
             names = {k: "--" + names.get(k, k).replace("_", "-") for k in _ALL_FIELD_NAMES}
         if fields["vocab_size"] is None:
-            raise ValueError(f"{source}: the vocabulary size is unknown: give {names['vocab_size']} "
+            raise ValueError(f"{source}: the vocabulary size is unknown: give {names.get('vocab_size', 'vocab_size')!r} "
                              "(the tokenizer's vocabulary before padding)")
         return _build(_with_options(fields, options), source=source, names=names)
 

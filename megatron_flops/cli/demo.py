@@ -42,11 +42,13 @@ def add_parser(sub: Any) -> None:
     demo.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1: one process)")
     demo.add_argument("--vpp", type=int, help="model chunks per pipeline stage (interleaved 1F1B)")
     demo.add_argument("--dp", type=int, help="data-parallel replicas (default 2 with --pp > 1, else 1)")
-    demo.add_argument("--iterations", type=int, default=12)
+    demo.add_argument("--iterations", type=int, default=12, help="training iterations (default 12)")
     demo.add_argument("--micro-batches", type=int, default=4, help="micro-batches per iteration per replica")
     demo.add_argument("--log-interval", type=int, default=1, help="iterations per log line")
     demo.add_argument("--warmup", type=int, default=2, help="iterations left out of the steady-state summary")
     demo.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one device, for MFU (a CPU has none)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--attention", choices=ATTENTION_CONVENTIONS, default="causal")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the model weights and of each rank's data (default 0)")
+    demo.add_argument("--attention", choices=ATTENTION_CONVENTIONS, default="causal",
+                      help="core-attention convention of the corrected number: causal halves the s^2 product "
+                           "(Megatron-LM's, the default), full counts every query/key pair")
     demo.set_defaults(func=_cmd_demo)
