@@ -51,7 +51,8 @@ def microbatch_rows(layout: str, dp_rank: int, index: int) -> list:
             rows.append({"seqlens": docs, "pad_to": SEQ})
         return rows
     # Dynamic padding: real lengths vary, every row padded to SEQ (fixed shapes for PP p2p).
-    return [{"seqlens": [rng.randint(1, SEQ)], "pad_to": SEQ} for _ in range(MBS)]
+    # Unpacked sequences (ints): each attended over the padded SEQ tokens, as a padded batch runs.
+    return [{"seqlens": rng.randint(1, SEQ), "pad_to": SEQ} for _ in range(MBS)]
 
 
 def _batch() -> dict:
@@ -90,7 +91,7 @@ def tracker_worker(rank: int, world_size: int, fail_rank: int | None) -> dict:
                         cu.append(cu[-1] + s)
                 batch["tracker"] = dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32))
             else:
-                batch["tracker"] = dict(seq_lengths=torch.tensor([r["seqlens"][0] for r in rows]))
+                batch["tracker"] = dict(seq_lengths=torch.tensor([r["seqlens"] for r in rows]))
             batches.append(batch)
 
         def forward_step(data_iterator, model, name=name):
