@@ -137,7 +137,7 @@ def _mutate_command_line(rng: random.Random) -> str:
 def test_fuzzed_inputs_exit_0_or_2_with_one_line(tmp_path, capsys):
     rng = random.Random(20260611)
     outcomes = {0: 0, 2: 0}
-    for case in range(1500):
+    for case in range(1200):
         name = rng.choice(sorted(BASES))
         argv = ["estimate"]
         if name == "mlm dump" or rng.random() < 0.1:
@@ -145,7 +145,7 @@ def test_fuzzed_inputs_exit_0_or_2_with_one_line(tmp_path, capsys):
                 else _mutate_command_line(rng)
             argv += ["--megatron-args", source]
         else:
-            argv += ["--model", _file(tmp_path, _mutate(rng, BASES[name]), rng.choice(["m.json", "m.yaml"]))]
+            argv += ["--model", _file(tmp_path, _mutate(rng, BASES[name]), "m.yaml" if rng.random() < 0.1 else "m.json")]
         if rng.random() < 0.85:
             argv += ["--seqlens", rng.choice(ROWS[:5] if rng.random() < 0.5 else ROWS)]
         argv += rng.choice(FLAGS[:3] if rng.random() < 0.5 else FLAGS) + (rng.choice(FLAGS) if rng.random() < 0.2 else [])
@@ -160,7 +160,7 @@ def test_fuzzed_inputs_exit_0_or_2_with_one_line(tmp_path, capsys):
             assert out, argv
         outcomes[rc] += 1
     # Both outcomes are exercised (a fuzz that only ever fails would prove little).
-    assert outcomes[0] > 100 and outcomes[2] > 500, outcomes
+    assert outcomes[0] > 100 and outcomes[2] > 400, outcomes
 
 
 # ---- costs that do not grow with the layer count ---------------------------------------------
