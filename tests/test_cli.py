@@ -277,17 +277,21 @@ def test_deeply_nested_inputs(tmp_path, capsys):
 
 
 def test_megatron_command_line_equals_the_model_file(capsys):
-    llama = json.loads((EXAMPLES / "llama3_8b.json").read_text())
-    line = ("torchrun --nproc-per-node 8 pretrain_gpt.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
-            "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 --swiglu "
-            "--untie-embeddings-and-output-weights --vocab-size 128256 --seq-length 8192 --micro-batch-size 1 "
-            "--lr 3e-4 --normalization RMSNorm --position-embedding-type rope --bf16")
-    assert llama["num_layers"] == 32
-    rows = str(EXAMPLES / "packed_rows_8k.json")
+    # The README's example: the Llama-3-8B file and the Megatron-LM arguments it trains with.
+    readme = ("--num-layers 32 \\\n    --hidden-size 4096 --num-attention-heads 32 --group-query-attention "
+              "--num-query-groups 8 \\\n    --ffn-hidden-size 14336 --swiglu --untie-embeddings-and-output-weights "
+              "--vocab-size 128256 \\\n    --seq-length 32768 --micro-batch-size 1 --lr 3e-4")
+    rows = str(EXAMPLES / "packed_sft_32k.json")
     from_file = _json(capsys, "estimate", "--model", str(EXAMPLES / "llama3_8b.json"), "--seqlens", rows,
-                      "--seq-length", "8192")
-    # The command line's --seq-length is the static length, as the training run's.
-    assert _json(capsys, "estimate", "--megatron-args", line, "--seqlens", rows) == from_file
+                      "--seq-length", "32768")
+    # The shell removes the backslash-newlines inside the double quotes.
+    from_args = _json(capsys, "estimate", "--seqlens", rows, "--megatron-args", readme.replace("\\\n", ""))
+    assert from_args == from_file
+    assert (from_args["total_flops"], from_args["static_flops"]) == (6_084_464_895_590_400, 9_279_603_260_522_496)
+    # A launch line as pasted, with its launcher, comments and line breaks.
+    launch = ("torchrun --nproc-per-node 8 pretrain_gpt.py \\\n" + readme + " # the model\n"
+              "    --normalization RMSNorm --position-embedding-type rope --bf16")
+    assert _json(capsys, "estimate", "--seqlens", rows, "--megatron-args", launch) == from_file
 
 
 def test_megatron_args_follow_megatron_lm_rules(tmp_path, capsys):
