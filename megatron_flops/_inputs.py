@@ -103,7 +103,7 @@ class Fields:
     def error(self, message: str) -> ValueError:
         return ValueError(f"{self.source}: {message}")
 
-    def int(self, key: str, *, minimum: int = 1, default: int | None = None) -> int:
+    def integer(self, key: str, *, minimum: int = 1, default: int | None = None) -> int:
         value = self.fields.get(key)
         if value is None:
             if default is None:
@@ -124,10 +124,10 @@ class Fields:
             parts.append(repr(key) + (f" (the file has {close[0]!r}: a typo?)" if close else ""))
         return self.error(f"missing required key(s) {', '.join(parts)}")
 
-    def opt_int(self, key: str, *, minimum: int = 1) -> int | None:
-        return None if self.fields.get(key) is None else self.int(key, minimum=minimum)
+    def opt_integer(self, key: str, *, minimum: int = 1) -> int | None:
+        return None if self.fields.get(key) is None else self.integer(key, minimum=minimum)
 
-    def bool(self, key: str, default: bool = False) -> bool:
+    def boolean(self, key: str, default: bool = False) -> bool:
         value = self.fields.get(key)
         if value is None:
             return default

@@ -150,6 +150,7 @@ def _lengths(where: str, key: str, value: Any) -> tuple[int, ...]:
 
 
 def _parse_row(where: str, row: Any) -> Row:
+    seqlens: tuple[int, ...]
     if type(row) is int and row > 0:  # the common case, fast
         seqlens = (row,)
         return Row(seqlens=seqlens, padded_seqlens=seqlens, num_padded_tokens=row)

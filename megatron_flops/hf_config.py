@@ -85,26 +85,26 @@ def hf_to_mcore(hf: Mapping[str, Any], *, family: str | None = None) -> dict[str
     missing = [k for k in required if hf.get(k) is None]
     if missing:
         raise f.missing(missing)
-    num_layers = f.int("num_hidden_layers")
-    heads = f.int("num_attention_heads")
+    num_layers = f.integer("num_hidden_layers")
+    heads = f.integer("num_attention_heads")
     out: dict[str, Any] = {
         "num_layers": num_layers,
-        "hidden_size": f.int("hidden_size"),
+        "hidden_size": f.integer("hidden_size"),
         "num_attention_heads": heads,
-        "num_query_groups": f.opt_int("num_key_value_heads") or heads,
-        "ffn_hidden_size": f.int("intermediate_size"),
-        "vocab_size": f.int("vocab_size"),
-        "share_embeddings_and_output_weights": f.bool("tie_word_embeddings"),
-        "attention_output_gate": f.bool("attn_output_gate"),
+        "num_query_groups": f.opt_integer("num_key_value_heads") or heads,
+        "ffn_hidden_size": f.integer("intermediate_size"),
+        "vocab_size": f.integer("vocab_size"),
+        "share_embeddings_and_output_weights": f.boolean("tie_word_embeddings"),
+        "attention_output_gate": f.boolean("attn_output_gate"),
         "activation_func": hf.get("hidden_act") or "silu",
         # Every supported family runs a gated MLP (gate_proj/up_proj/down_proj).
         "gated_linear_unit": True,
         # NB: a Hugging Face vocab_size is the embedding as built: padded only on request.
-        "make_vocab_size_divisible_by": f.int("make_vocab_size_divisible_by", default=1),
-        "tensor_model_parallel_size": f.int("tensor_model_parallel_size", default=1),
+        "make_vocab_size_divisible_by": f.integer("make_vocab_size_divisible_by", default=1),
+        "tensor_model_parallel_size": f.integer("tensor_model_parallel_size", default=1),
     }
     if hf.get("head_dim") is not None:
-        out["kv_channels"] = f.int("head_dim")
+        out["kv_channels"] = f.integer("head_dim")
     if family.startswith("deepseek"):
         _hf_deepseek(f, out, num_layers)
     elif family in ("mixtral", "qwen2_moe", "qwen3_moe"):
@@ -127,23 +127,23 @@ def _hf_moe(f: Fields, out: dict[str, Any], family: str, num_layers: int) -> Non
     missing = [k for k in required if hf.get(k) is None]
     if missing:
         raise f.missing(missing)
-    num_experts = f.int(experts_key, minimum=0)
+    num_experts = f.integer(experts_key, minimum=0)
     if num_experts == 0:  # Qwen: no experts, every layer dense.
         return
-    topk = f.int("num_experts_per_tok")
+    topk = f.integer("num_experts_per_tok")
     if topk > num_experts:
         raise f.error(f"num_experts_per_tok={topk} > {experts_key}={num_experts}")
     out["num_moe_experts"] = num_experts
     out["moe_router_topk"] = topk
-    out["moe_ffn_hidden_size"] = f.int("intermediate_size" if family == "mixtral" else "moe_intermediate_size")
+    out["moe_ffn_hidden_size"] = f.integer("intermediate_size" if family == "mixtral" else "moe_intermediate_size")
     if family == "mixtral":
         return
     if family == "qwen2_moe":
-        out["moe_shared_expert_intermediate_size"] = f.int("shared_expert_intermediate_size")
+        out["moe_shared_expert_intermediate_size"] = f.integer("shared_expert_intermediate_size")
         # Qwen2-MoE scales the shared expert by a sigmoid gate: one [T, h] @ [h, 1] GEMM.
         out["moe_shared_expert_gate"] = True
     # Qwen: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
-    step = f.int("decoder_sparse_step", default=1)
+    step = f.integer("decoder_sparse_step", default=1)
     flags = cycle(((False, step - 1), (True, 1)), num_layers, f"{f.source}: 'decoder_sparse_step'")
     mlp_only = hf.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list) or any(
@@ -163,34 +163,34 @@ def _hf_deepseek(f: Fields, out: dict[str, Any], num_layers: int) -> None:
         missing.append("q_lora_rank")  # null is allowed (DeepSeek-V2-Lite): a plain q_proj.
     if missing:
         raise f.missing(missing)
-    freq = f.int("moe_layer_freq", default=1)
+    freq = f.integer("moe_layer_freq", default=1)
     if freq != 1:
         # NB: transformers makes every layer from first_k_dense_replace on an MoE layer, DeepSeek's own
         # modeling code only every moe_layer_freq-th: the file does not say which one trains.
         raise f.error(f"moe_layer_freq={freq}: transformers ignores it (every layer from first_k_dense_replace "
                       "on is MoE) while DeepSeek's remote code places MoE layers every moe_layer_freq-th; set it "
                       "to 1 for transformers' placement, or describe the model in megatron-core fields")
-    first_dense = f.int("first_k_dense_replace", minimum=0)
+    first_dense = f.integer("first_k_dense_replace", minimum=0)
     if first_dense > num_layers:
         raise f.error(f"first_k_dense_replace={first_dense} > num_hidden_layers={num_layers}")
-    num_experts = f.int(experts_key)
-    topk = f.int("num_experts_per_tok")
+    num_experts = f.integer(experts_key)
+    topk = f.integer("num_experts_per_tok")
     if topk > num_experts:
         raise f.error(f"num_experts_per_tok={topk} > {experts_key}={num_experts}")
-    moe_ffn = f.int("moe_intermediate_size")
+    moe_ffn = f.integer("moe_intermediate_size")
     out.update(
         num_moe_experts=num_experts,
         moe_router_topk=topk,
         moe_ffn_hidden_size=moe_ffn,
         moe_layer_freq=FlagRuns(merged(((False, first_dense), (True, num_layers - first_dense)), f.source)),
         multi_latent_attention=True,
-        q_lora_rank=f.opt_int("q_lora_rank"),
-        kv_lora_rank=f.int("kv_lora_rank"),
-        qk_head_dim=f.int("qk_nope_head_dim"),
-        qk_pos_emb_head_dim=f.int("qk_rope_head_dim", minimum=0),
-        v_head_dim=f.int("v_head_dim"),
+        q_lora_rank=f.opt_integer("q_lora_rank"),
+        kv_lora_rank=f.integer("kv_lora_rank"),
+        qk_head_dim=f.integer("qk_nope_head_dim"),
+        qk_pos_emb_head_dim=f.integer("qk_rope_head_dim", minimum=0),
+        v_head_dim=f.integer("v_head_dim"),
     )
-    shared = f.opt_int("n_shared_experts", minimum=0)
+    shared = f.opt_integer("n_shared_experts", minimum=0)
     if shared:
         out["moe_shared_expert_intermediate_size"] = shared * moe_ffn
     # MLA has no key/value groups: num_key_value_heads (and head_dim) shape no GEMM.
@@ -211,13 +211,13 @@ def _hf_window(f: Fields, out: dict[str, Any], family: str, num_layers: int) -> 
     if family in ("mistral", "mixtral"):
         if family == "mistral" and "sliding_window" not in hf:
             raise f.error("missing required key 'sliding_window' (null for none; transformers' default is 4096)")
-        size = f.opt_int("sliding_window")
+        size = f.opt_integer("sliding_window")
         if size is not None:
             out["window_size"] = (size - 1, 0)  # every layer
         return
-    if not f.bool("use_sliding_window"):
+    if not f.boolean("use_sliding_window"):
         return
-    size = f.opt_int("sliding_window", minimum=0)
+    size = f.opt_integer("sliding_window", minimum=0)
     if not size:
         return
     out["window_size"] = (size - 1, 0)
@@ -235,7 +235,7 @@ def _hf_window(f: Fields, out: dict[str, Any], family: str, num_layers: int) -> 
     else:
         if hf.get("max_window_layers") is None:
             raise f.error("missing required key 'max_window_layers' (use_sliding_window is true)")
-        boundary = min(f.int("max_window_layers", minimum=0), num_layers)
+        boundary = min(f.integer("max_window_layers", minimum=0), num_layers)
         if family == "qwen2_moe":
             # Layers i < max_window_layers with (i + 1) % 2 != 0 (the even ones) slide.
             flags = cycle(((True, 1), (False, 1)), boundary, f"{f.source}: 'max_window_layers'")

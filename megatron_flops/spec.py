@@ -377,54 +377,54 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
     if fields.get("experimental_attention_variant"):
         raise f.error(f"experimental_attention_variant={show(fields['experimental_attention_variant'])} "
                       "is not supported")
-    hidden = f.int("hidden_size")
-    heads = f.int("num_attention_heads")
-    groups = f.opt_int("num_query_groups") or heads
+    hidden = f.integer("hidden_size")
+    heads = f.integer("num_attention_heads")
+    groups = f.opt_integer("num_query_groups") or heads
     if heads % groups:
         raise f.error(f"{f.name('num_query_groups')}={groups} does not divide "
                       f"{f.name('num_attention_heads')}={heads}")
-    kv_channels = f.opt_int("kv_channels")
+    kv_channels = f.opt_integer("kv_channels")
     if kv_channels is None:
         if hidden % heads:
             raise f.error(f"{f.name('num_attention_heads')}={heads} does not divide {f.name('hidden_size')}="
                           f"{hidden} and {f.name('kv_channels')} is not given")
         kv_channels = hidden // heads
-    ffn = f.opt_int("ffn_hidden_size") or 4 * hidden
+    ffn = f.opt_integer("ffn_hidden_size") or 4 * hidden
 
     activation = fields.get("activation_func", "gelu")
     if not isinstance(activation, str) or activation.lower() not in _ACTIVATIONS:
         raise f.error(f"unknown {f.name('activation_func')} {show(activation)}; known: {', '.join(sorted(_ACTIVATIONS))}")
     activation = activation.lower()
-    gated = f.bool("gated_linear_unit") or _ACTIVATIONS[activation]
+    gated = f.boolean("gated_linear_unit") or _ACTIVATIONS[activation]
 
     # Vocabulary: Megatron pads to a multiple of make_vocab_size_divisible_by x TP.
-    vocab = f.int("vocab_size")
+    vocab = f.integer("vocab_size")
     if fields.get("padded_vocab_size") is not None:
-        padded_vocab = f.int("padded_vocab_size")
+        padded_vocab = f.integer("padded_vocab_size")
         if padded_vocab < vocab:
             raise f.error(f"{f.name('padded_vocab_size')}={padded_vocab} < {f.name('vocab_size')}={vocab}")
     else:
-        multiple = f.int("make_vocab_size_divisible_by", default=128) * f.int("tensor_model_parallel_size", default=1)
+        multiple = f.integer("make_vocab_size_divisible_by", default=128) * f.integer("tensor_model_parallel_size", default=1)
         padded_vocab = -(-vocab // multiple) * multiple
 
     moe = _moe_spec(f, ffn)
     mla = None
-    if f.bool("multi_latent_attention"):
+    if f.boolean("multi_latent_attention"):
         mla = MLASpec(
-            q_lora_rank=f.opt_int("q_lora_rank"),
-            kv_lora_rank=f.opt_int("kv_lora_rank") or 512,
-            qk_head_dim=f.opt_int("qk_head_dim") or 128,
-            qk_pos_emb_head_dim=f.int("qk_pos_emb_head_dim", minimum=0, default=64),
-            v_head_dim=f.opt_int("v_head_dim") or 128,
+            q_lora_rank=f.opt_integer("q_lora_rank"),
+            kv_lora_rank=f.opt_integer("kv_lora_rank") or 512,
+            qk_head_dim=f.opt_integer("qk_head_dim") or 128,
+            qk_pos_emb_head_dim=f.integer("qk_pos_emb_head_dim", minimum=0, default=64),
+            v_head_dim=f.opt_integer("v_head_dim") or 128,
         )
     window = _window(f)
     layer_runs, mamba = _layers(f, hidden, moe, window)
 
-    mtp = f.opt_int("mtp_num_layers", minimum=0) or 0
+    mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
     if fields.get("share_embeddings_and_output_weights") is not None:
-        tied = f.bool("share_embeddings_and_output_weights")
+        tied = f.boolean("share_embeddings_and_output_weights")
     else:
-        tied = not f.bool("untie_embeddings_and_output_weights")
+        tied = not f.boolean("untie_embeddings_and_output_weights")
     last_ffn = layer_runs[-1][0][1]
     return ModelSpec(
         hidden_size=hidden,
@@ -437,7 +437,7 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
         vocab_size=vocab,
         padded_vocab_size=padded_vocab,
         layer_runs=layer_runs,
-        attention_output_gate=f.bool("attention_output_gate"),
+        attention_output_gate=f.boolean("attention_output_gate"),
         window_size=window,
         moe=moe,
         mla=mla,
@@ -450,23 +450,23 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
 
 
 def _moe_spec(f: Fields, ffn: int) -> MoESpec | None:
-    num_experts = f.opt_int("num_moe_experts")
+    num_experts = f.opt_integer("num_moe_experts")
     if num_experts is None:
         freq = f.fields.get("moe_layer_freq")
         if freq is not None and freq != 1:
             raise f.error(f"{f.name('moe_layer_freq')!r} places MoE layers but {f.name('num_moe_experts')!r} "
                           "is not set")
         return None
-    topk = f.opt_int("moe_router_topk") or 2
+    topk = f.opt_integer("moe_router_topk") or 2
     if topk > num_experts:
         raise f.error(f"{f.name('moe_router_topk')}={topk} > {f.name('num_moe_experts')}={num_experts}")
     return MoESpec(
         num_experts=num_experts,
         router_topk=topk,
-        ffn_hidden_size=f.opt_int("moe_ffn_hidden_size") or ffn,
-        shared_expert_ffn_hidden_size=f.opt_int("moe_shared_expert_intermediate_size") or 0,
-        shared_expert_gate=f.bool("moe_shared_expert_gate"),
-        latent_size=f.opt_int("moe_latent_size"),
+        ffn_hidden_size=f.opt_integer("moe_ffn_hidden_size") or ffn,
+        shared_expert_ffn_hidden_size=f.opt_integer("moe_shared_expert_intermediate_size") or 0,
+        shared_expert_gate=f.boolean("moe_shared_expert_gate"),
+        latent_size=f.opt_integer("moe_latent_size"),
     )
 
 
@@ -491,7 +491,7 @@ def _layers(
 ) -> tuple[tuple[tuple[tuple[str, str], int], ...], MambaSpec | None]:
     pattern = f.fields.get("hybrid_override_pattern") or f.fields.get("hybrid_layer_pattern")
     if not pattern:
-        num_layers = f.int("num_layers")
+        num_layers = f.integer("num_layers")
         ffn_runs: Runs = ((False, num_layers),)
         if moe is not None:
             ffn_runs = layer_flags(f, "moe_layer_freq", f.fields.get("moe_layer_freq", 1), num_layers, every=True)
@@ -505,9 +505,9 @@ def _layers(
     name = f.name("hybrid_override_pattern")
     if not isinstance(pattern, str) or set(pattern) - set(_HYBRID_SYMBOLS):
         raise f.error(f"{name} {show(pattern)} may only use the symbols {''.join(_HYBRID_SYMBOLS)}")
-    num_layers = f.fields.get("num_layers")
-    if num_layers is not None and num_layers != len(pattern):
-        raise f.error(f"{f.name('num_layers')}={show(num_layers)} but {name} has {len(pattern)} layers")
+    given = f.fields.get("num_layers")
+    if given is not None and given != len(pattern):
+        raise f.error(f"{f.name('num_layers')}={show(given)} but {name} has {len(pattern)} layers")
     if "E" in pattern and moe is None:
         raise f.error(f"{name} has MoE layers ('E') but {f.name('num_moe_experts')} is unset")
     layer_runs = merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(pattern)),
@@ -515,11 +515,11 @@ def _layers(
     mamba = None
     if "M" in pattern:
         d_inner = 2 * hidden
-        head_dim = f.opt_int("mamba_head_dim") or 64
+        head_dim = f.opt_integer("mamba_head_dim") or 64
         mamba = MambaSpec(
-            state_dim=f.opt_int("mamba_state_dim") or 128,
+            state_dim=f.opt_integer("mamba_state_dim") or 128,
             head_dim=head_dim,
-            num_groups=f.opt_int("mamba_num_groups") or 8,
-            num_heads=f.opt_int("mamba_num_heads") or max(d_inner // head_dim, 1),
+            num_groups=f.opt_integer("mamba_num_groups") or 8,
+            num_heads=f.opt_integer("mamba_num_heads") or max(d_inner // head_dim, 1),
         )
     return layer_runs, mamba

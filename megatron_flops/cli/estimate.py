@@ -217,7 +217,7 @@ def _load(args: argparse.Namespace) -> tuple[ModelSpec | None, dict[str, Any], s
         if args.hf_family is not None:
             raise ValueError("--hf-family applies to a Hugging Face config.json (--model), not to --megatron-args")
         namespace, source = load_megatron_args(args.megatron_args)
-        spec = model_spec(namespace, source, options=options)
+        spec: ModelSpec | None = model_spec(namespace, source, options=options)
         seq_length = args.seq_length if args.seq_length is not None else namespace.seq_length
         return spec, training_fields(namespace), source, seq_length
     spec, raw = load_model_file(args.model, options=options)
