@@ -48,7 +48,7 @@ def _rows(rank: int, step: int) -> tuple[list[int], list[int]]:
 
 def _oracle_rows(rank: int, step: int) -> list:
     docs, lengths = _rows(rank, step)
-    return [{"seqlens": docs, "pad_to": SEQ}] + [{"seqlens": [s], "pad_to": SEQ // 2} for s in lengths]
+    return [{"seqlens": docs, "pad_to": SEQ}] + [{"seqlens": s, "pad_to": SEQ // 2} for s in lengths]
 
 
 def _truth(step: int, extra: list | None = None) -> int:

@@ -162,7 +162,8 @@ def test_tracker_equals_the_estimator_on_random_micro_batches(family):
                 grid = [[1, 2 * rng.randint(1, 4), 2 * rng.randint(1, 4)]]
                 tracker.record(tokens=torch.zeros(b, s, dtype=torch.long), grid_thw=torch.tensor(grid),
                                **({"seq_lengths": torch.tensor(lengths)} if kind == "dynamic" else {}))
-                rows += [{"seqlens": [n], "pad_to": s} for n in lengths]
+                # Unpacked sequences (ints) padded to the batch length: attended over it.
+                rows += [{"seqlens": n, "pad_to": s} for n in lengths]
                 grids += grid
         r = tracker.end_step()
         stats = SeqStats.from_rows(parse_rows(rows), window=spec.window_size)
