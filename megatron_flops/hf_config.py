@@ -11,6 +11,7 @@ from typing import Any
 from megatron_flops._inputs import Fields, show
 from megatron_flops._layout import FlagRuns, cleared, cycle, length, merged
 
+
 def is_hf_config(data: Mapping[str, Any]) -> bool:
     """A Hugging Face config names its layers ``num_hidden_layers`` or carries ``model_type``."""
     return "num_hidden_layers" in data or "model_type" in data or "text_config" in data
@@ -43,10 +44,8 @@ HF_NAMES = {
     "kv_channels": "head_dim", "activation_func": "hidden_act", "moe_router_topk": "num_experts_per_tok",
     "moe_ffn_hidden_size": "moe_intermediate_size", "num_moe_experts": "num_experts",
     "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size", "window_size": "sliding_window",
-    "share_embeddings_and_output_weights": "tie_word_embeddings", "attention_output_gate": "attn_output_gate",
-    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_nope_head_dim",
-    "qk_pos_emb_head_dim": "qk_rope_head_dim", "moe_layer_freq": "first_k_dense_replace",
-    "window_attn_skip_freq": "layer_types",
+    "share_embeddings_and_output_weights": "tie_word_embeddings", "qk_head_dim": "qk_nope_head_dim",
+    "qk_pos_emb_head_dim": "qk_rope_head_dim",
 }
 # Keys whose Hugging Face default is a fixed size rather than derived, so a file must give them.
 _HF_FIXED_KV_HEADS = ("mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -95,7 +94,6 @@ def hf_to_mcore(hf: Mapping[str, Any], *, family: str | None = None) -> dict[str
         "ffn_hidden_size": f.integer("intermediate_size"),
         "vocab_size": f.integer("vocab_size"),
         "share_embeddings_and_output_weights": f.boolean("tie_word_embeddings"),
-        "attention_output_gate": f.boolean("attn_output_gate"),
         "activation_func": hf.get("hidden_act") or "silu",
         # Every supported family runs a gated MLP (gate_proj/up_proj/down_proj).
         "gated_linear_unit": True,
@@ -145,7 +143,7 @@ def _hf_moe(f: Fields, out: dict[str, Any], family: str, num_layers: int) -> Non
     # Qwen: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
     step = f.integer("decoder_sparse_step", default=1)
     flags = cycle(((False, step - 1), (True, 1)), num_layers, f"{f.source}: 'decoder_sparse_step'")
-    mlp_only = hf.get("mlp_only_layers") or []
+    mlp_only = [] if hf.get("mlp_only_layers") is None else hf["mlp_only_layers"]
     if not isinstance(mlp_only, list) or any(
         isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in mlp_only
     ):
