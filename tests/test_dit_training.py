@@ -295,7 +295,7 @@ def test_report_image_lengths():
     [
         (["--lora-rank", "8", "--lora-targets", "q,qkv"], "unknown lora target 'qkv'.*known: q, k, v, o, k_img"),
         (["--kv-seqlens", "[512]"], "--kv-seqlens has 1 lengths but --seqlens has 2 samples"),
-        (["--kv-seqlens", "[512, 0]"], "--kv-seqlens: row 1: length must be positive"),
+        (["--kv-seqlens", "[512, 0]"], "--kv-seqlens: rows\\[1\\]: length must be positive"),
         (["--recompute", "selective"], "a DiT checkpoints whole blocks"),
         (["--recompute", "full", "--recompute-modules", "mlp"], "--recompute-modules do not apply"),
         (["--image-seqlens", "[257, 257]"], "image_seqlens given for a text-to-video DiT"),
