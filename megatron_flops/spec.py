@@ -337,8 +337,9 @@ def _unknown_keys_message(unknown: list[str]) -> str:
 
     mlm = [k for k in unknown if k in _mlm_args.DESTS]
     if mlm:
-        return (f"{', '.join(repr(k) for k in mlm[:3])} {'is a' if len(mlm) == 1 else 'are'} Megatron-LM "
-                "argument(s), not TransformerConfig fields: read an args dump with --megatron-args FILE")
+        what = ("is a Megatron-LM argument, not a TransformerConfig field" if len(mlm) == 1
+                else "are Megatron-LM arguments, not TransformerConfig fields")
+        return f"{', '.join(repr(k) for k in mlm[:3])} {what}: read an args dump with --megatron-args FILE"
     known = sorted(TRANSFORMER_CONFIG_FIELDS | _EXTRA_KEYS)
     hints = []
     for key in unknown[:5]:
