@@ -259,6 +259,12 @@ class DiTFlopsTracker:
             self._warn_once("this rank could not build its statistics vector", reduction.local_error)
         return self._price(reduction, failed_here=failed)
 
+    def discard_step(self) -> None:
+        """Drop everything recorded since the last ``end_step()``, without a collective (for a
+        step that raised; see ``Session.abort_step``)."""
+        self._failed = False
+        self._reset()
+
     def _reset(self) -> None:
         self._host = [0] * len(SLOTS)
         if self._acc is not None:

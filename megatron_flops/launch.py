@@ -1,7 +1,8 @@
-"""Run a training script with the adapters installed, without editing it beyond ``record()``.
+"""Run a training script with the adapters installed, without editing it.
 
     python -m megatron_flops.launch [--flops-accounting corrected] [--flops-peak-tflops T]
-        [--flops-attention causal|full] [--flops-framework auto] pretrain_gpt.py ARGS...
+        [--flops-attention causal|full] [--flops-framework auto] [--flops-trace FILE]
+        pretrain_gpt.py ARGS...
     torchrun --nproc-per-node 8 -m megatron_flops.launch --flops-accounting corrected pretrain_gpt.py ARGS...
 
 Options go before the script; each defaults to its environment variable (``adapters.env``).
@@ -28,12 +29,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--flops-peak-tflops", default=None, help=f"default: ${env.PEAK_TFLOPS}")
     parser.add_argument("--flops-attention", default=None, help=f"default: ${env.ATTENTION}")
     parser.add_argument("--flops-framework", default=None, help=f"default: ${env.FRAMEWORK}, else auto")
+    parser.add_argument("--flops-trace", default=None, metavar="FILE",
+                        help=f"append the per-step trace to FILE (default: ${env.TRACE}, else none)")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     options = parser.parse_args(argv)
     environ = dict(os.environ)
     for name, value in ((env.ACCOUNTING, options.flops_accounting), (env.PEAK_TFLOPS, options.flops_peak_tflops),
-                        (env.ATTENTION, options.flops_attention), (env.FRAMEWORK, options.flops_framework)):
+                        (env.ATTENTION, options.flops_attention), (env.FRAMEWORK, options.flops_framework),
+                        (env.TRACE, options.flops_trace)):
         if value is not None:
             environ[name] = value
     try:

@@ -1,10 +1,13 @@
 """The process-global accounting session that the framework adapters share (torch level).
 
-A session owns a :class:`FlopsTracker` (or a :class:`~megatron_flops.dit_tracker.DiTFlopsTracker`) and a :class:`ThroughputMeter` and times each training
-step. An adapter brackets the framework's train step with ``begin_step()`` / ``end_step()`` on
-every rank (``end_step`` runs the tracker's one all-reduce); ``record()`` in ``forward_step``
-reaches the tracker only while a step is open, so evaluation forward passes, which run outside
-the train step, are not counted. The log hook asks ``report()`` for the interval's numbers.
+A session owns a :class:`FlopsTracker` (or a :class:`~megatron_flops.dit_tracker.DiTFlopsTracker`)
+and a :class:`ThroughputMeter`, times each training step and writes the per-step trace. An adapter brackets the framework's train step with
+``begin_step()`` / ``end_step()`` on every rank (``end_step`` runs the tracker's one all-reduce);
+micro-batches reach the tracker only while a step is open, whether a ``forward_step`` records them
+(``record()``) or an adapter observes them as the data iterator hands them over (``observe()``),
+so evaluation forward passes, which run outside the train step, are not counted. A train step that
+raises is closed with ``abort_step()``: nothing of it is counted. The log hook asks ``report()``
+for the interval's numbers.
 
 Step time is the wall time from ``begin_step()`` to the end of ``end_step()``'s reduction, which
 waits for the step's device work (its result is read on the host): the forward-backward passes
@@ -13,8 +16,10 @@ and the optimizer step, without the logging, evaluation and checkpointing betwee
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -22,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from megatron_flops import __version__
 from megatron_flops.meter import IntervalReport, ThroughputMeter
 from megatron_flops.result import StepResult
+from megatron_flops.trace import TraceWriter, run_header, trace_path
 from megatron_flops.tracker import FlopsTracker
 
 if TYPE_CHECKING:
@@ -43,9 +50,10 @@ class _Step:
 class Session:
     """One training run's accounting: the tracker, the meter and the step clock.
 
-    Build it with :func:`install_session`. The latest ended step is held back from the meter
-    until the next ``begin_step()`` or ``report()`` so that a framework's stock FLOPs number,
-    computed after its train step returns, can still be attached with ``set_static_flops()``.
+    Build it with :func:`install_session`. The latest ended step is held back from the meter and
+    the trace until the next ``begin_step()``, ``report()`` or ``close()`` so that a framework's
+    stock FLOPs number, computed after its train step returns, can still be attached with
+    ``set_static_flops()``.
     """
 
     def __init__(
@@ -56,11 +64,13 @@ class Session:
         warmup_iterations: int,
         world_size: int,
         clock: Callable[[], float],
+        trace: TraceWriter | None = None,
     ) -> None:
         self.tracker = tracker
         self.meter = ThroughputMeter(
             world_size=world_size, peak_flops_per_s=peak_flops_per_s, warmup_iterations=warmup_iterations
         )
+        self.trace = trace
         self._clock = clock
         self._open = False
         self._num_begun = 0  # the step index the tracker's reduction compares across ranks
@@ -72,7 +82,9 @@ class Session:
         self._warned: set[str] = set()
 
     def begin_step(self) -> None:
-        """Open a step: start its clock and let ``record()`` through. Call it on every rank."""
+        """Open a step: start its clock and let micro-batches through. Call it on every rank."""
+        if self._open:  # the previous step was neither ended nor aborted: none of it counts
+            self.abort_step()
         self._open = True
         self._num_begun += 1
         self._record_failed = False
@@ -95,6 +107,40 @@ class Session:
             self._record_failed = True
             self.warn_once("record() failed", exc)
 
+    def observing(self, model: Any) -> bool:
+        """Whether a micro-batch given to ``model`` (a model chunk) now counts: a step is open and
+        the chunk owns its micro-batches (see ``FlopsTracker.owns``)."""
+        owns = getattr(self.tracker, "owns", None)  # a DiT tracker observes nothing
+        if not self._open or owns is None:
+            return False
+        try:
+            return owns(model)
+        except Exception as exc:
+            self.tracker.observe_failed(exc)
+            return False
+
+    def observe(self, read: Callable[[Any], dict[str, Any]], batch: Any) -> None:
+        """Observe one micro-batch as a data iterator handed it over, if a step is open:
+        ``read(batch)`` gives ``FlopsTracker.observe`` arguments. Never raises: a batch that
+        ``read`` cannot understand makes the step fall back on every rank, logged once."""
+        if not self._open:
+            return
+        try:
+            fields = read(batch)
+        except Exception as exc:
+            if self.tracker.validate:
+                raise
+            self.tracker.observe_failed(exc)
+        else:
+            self.tracker.observe(**fields)
+
+    def abort_step(self) -> None:
+        """Close the open step without counting it (its train step raised): no collective, and
+        nothing recorded or observed in it reaches a later step."""
+        if self._open:
+            self._open = False
+            self.tracker.discard_step()
+
     def end_step(self, *, elapsed_s: float | None = None, iteration: int | None = None) -> StepResult:
         """Close the step opened by ``begin_step()``: reduce and price it (the tracker's one
         collective: every rank must call this) and keep it for the next report.
@@ -109,6 +155,11 @@ class Session:
         if elapsed_s is None:
             elapsed_s = self._clock() - self._started
         if self._record_failed:
+            result = replace(result, ok=False)
+        if result.ok and result.num_microbatches == 0:
+            # NB: no rank counted anything: the step fell back (observation missed the batches).
+            self.warn_once("no micro-batch was recorded or observed in a training step", ValueError(
+                "the step reports the framework's stock FLOPs"))
             result = replace(result, ok=False)
         iteration = self._last_iteration + 1 if iteration is None else iteration
         self._flush()
@@ -147,6 +198,13 @@ class Session:
             "(logged once)", what, type(exc).__name__, exc,
         )
 
+    def close(self) -> None:
+        """Hand the last ended step to the meter and the trace, and close the trace file."""
+        self._flush()
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
     def _flush(self) -> None:
         step, self._pending = self._pending, None
         if step is not None:
@@ -155,6 +213,13 @@ class Session:
                 static_flops=step.static_flops,
             )
             self._num_unreported += 1
+            if self.trace is not None:
+                try:
+                    static = step.result.static_flops if step.static_flops is None else step.static_flops
+                    self.trace.write_step(iteration=step.iteration, result=step.result, elapsed_s=step.elapsed_s,
+                                          static_flops=static)
+                except Exception as exc:  # a full disk never stops training
+                    self.warn_once("writing the trace failed", exc)
 
 
 _session: Session | None = None
@@ -167,22 +232,40 @@ def install_session(
     warmup_iterations: int = 2,
     world_size: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    trace: str | os.PathLike[str] | None = None,
+    framework: str = "custom",
+    framework_version: str | None = None,
 ) -> Session:
-    """Make a new session the process-global one (replacing any previous) and return it.
+    """Make a new session the process-global one (replacing and closing any previous) and
+    return it.
 
     Install it on every rank. ``world_size``: the number of GPUs the step totals are spread over
     (default: the initialised process group's size, else 1). ``peak_flops_per_s``: one GPU's
-    dense peak (None: no MFU/HFU). ``clock``: seconds, monotonic.
+    dense peak (None: no MFU/HFU). ``clock``: seconds, monotonic. ``trace``: a file that the rank
+    printing the log (the last rank) appends the per-step trace to (``megatron_flops.trace``; a
+    ``{rank}`` in the path: every rank writes its own); ``framework`` and ``framework_version``
+    go into its header. The trace's last step is written by ``close()``, at the latest at exit.
     """
     global _session
+    initialised = dist.is_available() and dist.is_initialized()
     if world_size is None:
-        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world_size = dist.get_world_size() if initialised else 1
+    writer = None
+    if trace is not None:
+        header = run_header(tracker=tracker, framework=framework, framework_version=framework_version,
+                            world_size=world_size, warmup_iterations=warmup_iterations,
+                            peak_flops_per_s=peak_flops_per_s, megatron_flops_version=__version__)
+        path = trace_path(trace, rank=dist.get_rank() if initialised else 0,
+                          world_size=dist.get_world_size() if initialised else 1)
+        writer = None if path is None else TraceWriter(path, header)
+    uninstall_session()
     _session = Session(
         tracker,
         peak_flops_per_s=peak_flops_per_s,
         warmup_iterations=warmup_iterations,
         world_size=world_size,
         clock=clock,
+        trace=writer,
     )
     return _session
 
@@ -193,17 +276,24 @@ def get_session() -> Session | None:
 
 
 def uninstall_session() -> Session | None:
-    """Remove the process-global session (the adapters then only call the originals); returns it."""
+    """Remove the process-global session (the adapters then only call the originals), closing
+    it (see ``Session.close``); returns it."""
     global _session
     session, _session = _session, None
+    if session is not None:
+        session.close()
     return session
+
+
+atexit.register(uninstall_session)  # the trace's last step, at the latest at exit
 
 
 def record(**kwargs: Any) -> None:
     """Record one micro-batch in the installed session (``FlopsTracker.record`` or ``DiTFlopsTracker.record`` arguments).
 
-    The one line a ``forward_step`` needs. A no-op when no session is installed or no train step
-    is open (evaluation); never raises (see ``Session.record``).
+    For custom loops (the Megatron-LM and Megatron-Bridge adapters observe the batches without
+    it; a step that calls it is priced from its calls only). A no-op when no session is
+    installed or no train step is open (evaluation); never raises (see ``Session.record``).
     """
     session = _session
     if session is not None:

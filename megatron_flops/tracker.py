@@ -1,28 +1,32 @@
-"""Per-micro-batch sequence statistics on the device, priced once per step (torch).
+"""Per-micro-batch sequence statistics, and the one per-step reduction (torch).
 
-``record()`` runs in ``forward_step``: no host sync, no data-dependent shape, no collective; what
-the tensor shapes already tell (rows, padded tokens, full-length rows) is counted on the host, the
-rest is added into one preallocated int64 accumulator. ``end_step()`` runs on every rank after the
-forward-backward function: one ``all_reduce`` of a fixed-shape int64 vector (``reduction``), then
+``record()`` runs in ``forward_step`` (``observe()`` where an adapter sees the data iterator hand a
+batch over): no host sync, no data-dependent shape, no collective. What the tensor shapes tell
+(rows, padded tokens, full-length rows) is counted on the host. Host (CPU) tensors are kept by
+reference and priced at ``end_step()`` in one vectorised pass (``host_stats``): no tensor
+operation per micro-batch. Device tensors are added into one preallocated int64 accumulator.
+``end_step()`` runs on every rank after the forward-backward function: one ``all_reduce`` of a
+fixed-shape int64 vector (``reduction``), then
 the FLOPs.
 
-Ownership: a micro-batch is recorded by the first pipeline stage's first virtual chunk
-(``model.pre_process``) on tensor- and context-parallel rank 0, so it is counted once per model
-replica whatever the TP/PP/VPP/CP sizes; every other call is a no-op. The all-reduce sums the
-replicas, so every rank, the last pipeline stage included, gets the global totals.
+Ownership (``ownership``): a micro-batch is recorded by the first pipeline stage's first virtual
+chunk (``model.pre_process``) on tensor- and context-parallel rank 0, so it is counted once per
+model replica whatever the TP/PP/VPP/CP sizes; every other call is a no-op. The all-reduce sums
+the replicas, so every rank, the last pipeline stage included, gets the global totals.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_flops.formulas import ATTENTION_CONVENTIONS, SeqStats, training_flops
+from megatron_flops.host_stats import HostBatches
+from megatron_flops.ownership import chunk_ownership
 from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec, price
 from megatron_flops.reduction import Reduction, StepReducer
 from megatron_flops.result import StepResult
@@ -127,6 +131,11 @@ class FlopsTracker:
         self._reducer = StepReducer(self._slots, shape_slots=SHAPE_SLOTS, group=group)
         self._num_steps = 0
         self._last_static: int | None = None  # the static number of the latest step that had one
+        self._index = {name: i for i, name in enumerate(self._slots)}
+        # This step's host micro-batches, recorded and observed (see observe()).
+        self._explicit = HostBatches(window=self._window, vision=vision)
+        self._observed = HostBatches(window=self._window, vision=vision)
+        self._num_explicit = 0
         self._owners: dict[int, tuple[bool, int]] = {}
         self._warned: set[str] = set()
 
@@ -143,32 +152,97 @@ class FlopsTracker:
         cu_seqlens_argmin: torch.Tensor | int | None = None,
         cu_seqlens_padded_argmin: torch.Tensor | int | None = None,
         seq_lengths: torch.Tensor | None = None,
-        grid_thw: torch.Tensor | None = None,
+        grid_thw: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        num_real_tokens: int | None = None,
         vp_stage: int | None = None,
         owner: bool | None = None,
+        cp_sliced: bool = True,
     ) -> None:
         """Add one micro-batch. Call it once per ``forward_step`` call, on every rank.
 
-        ``tokens``: ``[b, s]`` input ids (``[1, T]`` for a packed row). ``packed_seq_params``
-        (megatron-core ``PackedSeqParams``) or ``cu_seqlens``/``cu_seqlens_padded`` describe
-        packed sub-sequences; a ``*_argmin`` marks where a sentinel-padded ``cu_seqlens`` ends
-        (Megatron-Bridge). ``seq_lengths``: ``[b]`` real lengths of dynamically padded rows.
-        ``grid_thw``: ``[n, 3]`` image/video grids of the micro-batch (VLMs; needs ``vision``).
-        ``owner`` overrides the ownership rule (see the module docstring).
+        ``tokens``: ``[b, s]`` input ids (``[1, T]`` for a packed row); with ``cp_sliced`` (the
+        default) this context-parallel rank's slice, as ``forward_step`` holds it after
+        ``get_batch``; ``cp_sliced=False`` for whole rows, as the data iterator yields them.
+        ``packed_seq_params`` (megatron-core ``PackedSeqParams``) or ``cu_seqlens`` (real) and
+        ``cu_seqlens_padded`` describe packed sub-sequences; a ``*_argmin`` marks where a
+        sentinel-padded ``cu_seqlens`` ends (Megatron-Bridge); ``num_real_tokens``: the packed
+        row's real tokens (offsets past it are padding). ``seq_lengths``: ``[b]`` real lengths of
+        dynamically padded rows. ``grid_thw``: ``[n, 3]`` image/video grids of the micro-batch,
+        or several such tensors (VLMs; needs ``vision``). ``owner`` overrides the ownership rule
+        (see the module docstring).
+
+        Host (CPU) tensors cost no tensor operation here: they are priced together at
+        ``end_step()``. Device tensors are added into the device accumulator without a sync.
         """
+        self._num_explicit += 1
         try:
             is_owner, cp = self._ownership(model, vp_stage, owner)
             if not is_owner:
                 return
-            if grid_thw is not None:
-                self._record_vision(grid_thw)
-            self._record(tokens, cp, packed_seq_params, cu_seqlens, cu_seqlens_padded,
-                         cu_seqlens_argmin, cu_seqlens_padded_argmin, seq_lengths)
+            if tokens is None:
+                raise ValueError("record() needs tokens on the first pipeline stage")
+            if tokens.dim() != 2:
+                raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+            if packed_seq_params is not None:
+                cu_seqlens = packed_seq_params.cu_seqlens_q if cu_seqlens is None else cu_seqlens
+                if cu_seqlens_padded is None:
+                    cu_seqlens_padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+            self._add(self._explicit, tokens.shape[0], tokens.shape[1] * (cp if cp_sliced else 1),
+                      cu_seqlens, cu_seqlens_argmin, cu_seqlens_padded, cu_seqlens_padded_argmin,
+                      num_real_tokens, seq_lengths, grid_thw, defer_device=False)
         except Exception as exc:
             if self.validate:
                 raise
-            self._failed = True
+            self._explicit.failed = True
             self._warn_once("record() failed; every rank reports the static FLOPs for this step", exc)
+
+    def observe(
+        self,
+        *,
+        num_rows: int,
+        row_length: int,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_argmin: torch.Tensor | int | None = None,
+        cu_seqlens_padded: torch.Tensor | None = None,
+        cu_seqlens_padded_argmin: torch.Tensor | int | None = None,
+        num_real_tokens: int | None = None,
+        seq_lengths: torch.Tensor | None = None,
+        grid_thw: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """Add one micro-batch as a data iterator handed it over: ``num_rows`` whole rows of
+        ``row_length`` token slots (before any context-parallel slicing), the other arguments as
+        in ``record()``. Call it only where ``owns(model)`` holds (the adapters do).
+
+        Observed micro-batches are kept apart: a step with any ``record()`` call prices its
+        recorded micro-batches only, so that a ``forward_step`` that records explicitly is not
+        counted twice. Never raises (unless ``validate``); a failure makes the step fall back.
+        """
+        try:
+            self._add(self._observed, num_rows, row_length, cu_seqlens, cu_seqlens_argmin, cu_seqlens_padded,
+                      cu_seqlens_padded_argmin, num_real_tokens, seq_lengths, grid_thw, defer_device=True)
+        except Exception as exc:
+            if self.validate:
+                raise
+            self._observed.failed = True
+            self._warn_once("observing a micro-batch failed; every rank reports the static FLOPs for this step", exc)
+
+    def observe_failed(self, exc: BaseException) -> None:
+        """A micro-batch could not be observed (a batch in an unknown layout): unless the step
+        records explicitly, it falls back on every rank; logged once."""
+        self._observed.failed = True
+        self._warn_once("a training batch is in a layout megatron-flops does not know; every rank reports the "
+                        "static FLOPs for such steps", exc)
+
+    def owns(self, model: Any) -> bool:
+        """Whether ``model`` (a model chunk) counts the micro-batches it is given."""
+        return self._ownership(model, None, None)[0]
+
+    def discard_step(self) -> None:
+        """Drop everything recorded or observed since the last ``end_step()``, without a
+        collective (for a step that raised: its micro-batches are not counted anywhere)."""
+        self._clear_pending()
+        self._failed = False
+        self._reset()
 
     def _ownership(self, model: Any, vp_stage: int | None, owner: bool | None) -> tuple[bool, int]:
         """(whether this call records, the context-parallel size), cached per model chunk."""
@@ -177,100 +251,136 @@ class FlopsTracker:
             return is_owner, self.context_parallel_size or 1
         cached = self._owners.get(id(model))
         if cached is None:
-            inner = model
-            while hasattr(inner, "module"):
-                inner = inner.module
-            is_first = getattr(inner, "pre_process", None)
-            if is_first is None:
-                is_first = vp_stage in (None, 0)
-            groups = getattr(inner, "pg_collection", None)
-            tp_rank = _group_rank(getattr(groups, "tp", None))
-            cp_rank = _group_rank(getattr(groups, "cp", None))
-            cp_size = self.context_parallel_size or _group_size(getattr(groups, "cp", None))
-            cached = (bool(is_first) and tp_rank == 0 and cp_rank == 0, cp_size)
+            is_owner, cp_size = chunk_ownership(model, vp_stage)
+            cached = (is_owner, self.context_parallel_size or cp_size)
             self._owners[id(model)] = cached
         return cached
 
-    def _record_vision(self, grid_thw: torch.Tensor) -> None:
+    def _add(self, step: HostBatches, rows: int, row_len: int, cu, argmin, cu_pad, pad_argmin, limit,
+             seq_lengths, grids, *, defer_device: bool) -> None:
+        """One micro-batch into ``step`` (host tensors and shape counters) and, for device
+        tensors, the device accumulator (or ``step.device_batches`` with ``defer_device``)."""
+        if grids is not None and not isinstance(grids, (list, tuple)):
+            grids = (grids,)
+        if defer_device and not (_on_host_or_none(cu) and _on_host_or_none(cu_pad) and _on_host_or_none(seq_lengths)
+                                 and all(_on_host(g) for g in grids or ())):
+            step.device_batches.append(dict(rows=rows, row_len=row_len, cu=cu, argmin=argmin, cu_pad=cu_pad,
+                                            pad_argmin=pad_argmin, limit=limit, seq_lengths=seq_lengths,
+                                            grids=grids))
+            return
+        counters = step.counters
+        counters["num_microbatches"] += 1
+        counters["num_rows"] += rows
+        counters["num_padded_tokens"] += rows * row_len
+        if grids:
+            self._add_grids(step, grids)
+        if cu is not None:
+            self._add_packed(step, rows * row_len, cu, argmin, cu_pad, pad_argmin, limit)
+            return
+        counters["num_sequences"] += rows
+        if seq_lengths is None:
+            # Full-length unpacked rows: everything is known from the shape.
+            step.add_full_rows(rows, row_len, real=True)
+            return
+        if seq_lengths.numel() != rows:
+            raise ValueError(f"seq_lengths must hold one length per row ({rows}), got shape {tuple(seq_lengths.shape)}")
+        self._check_lengths(seq_lengths, "seq_lengths", row_len)
+        # NB: a dynamically padded row attends over its padded length.
+        step.add_full_rows(rows, row_len, real=False)
+        if _on_host(seq_lengths):
+            step.lengths.append(seq_lengths)
+        else:
+            self._accumulator(seq_lengths.device)
+            self._device_lengths(seq_lengths.reshape(-1), self._real, self._window_real)
+
+    def _add_packed(self, step: HostBatches, num_slots: int, cu, argmin, cu_pad, pad_argmin, limit) -> None:
+        """A packed row: lengths are the differences of cu_seqlens (global under CP)."""
+        argmin = self._check_offsets(cu, argmin, "cu_seqlens", num_slots)
+        if cu_pad is not None:
+            pad_argmin = self._check_offsets(cu_pad, argmin if pad_argmin is None else pad_argmin,
+                                             "cu_seqlens_padded", num_slots)
+        if limit is not None:
+            limit = _host_int(limit, "num_real_tokens")
+        host, pad_host = _on_host(cu), cu_pad is None or _on_host(cu_pad)
+        if host:
+            step.offsets.append((cu, argmin, limit, True, cu_pad is None and limit is None))
+            if cu_pad is None and limit is not None:
+                step.offsets.append((cu, argmin, None, False, True))
+        if cu_pad is not None and pad_host:
+            step.offsets.append((cu_pad, pad_argmin, None, False, True))
+        if not (host and pad_host):
+            self._device_offsets(step, cu, argmin, cu_pad, pad_argmin, limit)
+
+    def _device_offsets(self, step: HostBatches, cu, argmin, cu_pad, pad_argmin, limit) -> None:
+        """The device path of a packed row: trim (host argmins), diff, (s, s^2) sums."""
+        if limit is not None:
+            raise ValueError("num_real_tokens needs host (CPU) cu_seqlens")
+        on_device = not _on_host(cu)
+        pad_on_device = cu_pad is not None and not _on_host(cu_pad)
+        cu = self._trim(cu, argmin, "cu_seqlens")
+        if on_device:
+            step.counters["num_sequences"] += cu.shape[0] - 1
+        self._accumulator(cu.device if on_device else cu_pad.device)
+        if cu_pad is None:
+            # No sub-sequence padding: the real lengths count for both (broadcast into [2, 2]).
+            self._device_lengths(torch.diff(cu), self._both, self._window_both)
+            return
+        cu_pad = self._trim(cu_pad, pad_argmin, "cu_seqlens_padded")
+        if on_device and pad_on_device and cu.shape == cu_pad.shape:
+            self._device_lengths(torch.diff(torch.stack((cu, cu_pad))), self._both, self._window_both)
+            return
+        if on_device:
+            self._device_lengths(torch.diff(cu), self._real, self._window_real)
+        if pad_on_device:
+            self._device_lengths(torch.diff(cu_pad), self._padded, self._window_padded)
+
+    def _add_grids(self, step: HostBatches, grids: list[torch.Tensor]) -> None:
         if self.vision is None:
-            message = "record(grid_thw=...) needs FlopsTracker(..., vision=VisionSpec)"
+            message = "grid_thw needs FlopsTracker(..., vision=VisionSpec)"
             if self.validate:
                 raise ValueError(message)
             # NB: the decoder stays exact; only the vision tower is left out, and said so once.
             self._warn_once("vision tower not counted", ValueError(message))
             return
-        if self.validate:
-            parse_grids(grid_thw.tolist(), spatial_merge_size=self.vision.spatial_merge_size)
-        if self._acc is None:
-            self._accumulator(grid_thw.device)
-        self._vision_acc.add_(vision_stats_tensor(self.vision, grid_thw))
+        for grid in grids:
+            if not isinstance(grid, torch.Tensor) or grid.dtype not in _INT_DTYPES or grid.shape[-1:] != (3,):
+                raise ValueError(f"grid_thw must be an integer tensor of [t, h, w] rows, got {grid!r:.80}")
+            if self.validate:
+                parse_grids(grid.reshape(-1, 3).tolist(), spatial_merge_size=self.vision.spatial_merge_size)
+            if _on_host(grid):
+                step.grids.append(grid)
+            else:
+                self._accumulator(grid.device)
+                self._vision_acc.add_(vision_stats_tensor(self.vision, grid.reshape(-1, 3)))
 
-    def _record(self, tokens, cp, packed, cu, cu_pad, argmin, pad_argmin, seq_lengths) -> None:
-        if tokens is None:
-            raise ValueError("record() needs tokens on the first pipeline stage")
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
-        if packed is not None:
-            cu = packed.cu_seqlens_q if cu is None else cu
-            cu_pad = getattr(packed, "cu_seqlens_q_padded", None) if cu_pad is None else cu_pad
-        rows, row_len = tokens.shape[0], tokens.shape[1] * cp
-        host = self._host
-        host[_I["num_microbatches"]] += 1
-        host[_I["num_rows"]] += rows
-        host[_I["num_padded_tokens"]] += rows * row_len
-        if cu is None:
-            if seq_lengths is None:
-                # Full-length unpacked rows: everything is known from the shape.
-                host[_I["num_sequences"]] += rows
-                self._host_lengths(rows, row_len, "num_tokens")
-                self._host_lengths(rows, row_len, "sum_padded_seqlens")
-                return
-            if seq_lengths.numel() != rows:
-                raise ValueError(f"seq_lengths must hold one length per row ({rows}), got shape {tuple(seq_lengths.shape)}")
-            self._check_lengths(seq_lengths, "seq_lengths", row_len)
-            host[_I["num_sequences"]] += rows
-            # NB: a dynamically padded row attends over its padded length.
-            self._host_lengths(rows, row_len, "sum_padded_seqlens")
-            self._accumulator(seq_lengths.device)
-            self._device_lengths(seq_lengths.reshape(-1), self._real, self._window_real)
-            return
-        # Packed rows: lengths are the differences of cu_seqlens (global under CP).
-        cu = self._trim(cu, argmin, "cu_seqlens")
-        if self.validate:
-            self._check_cu(cu, "cu_seqlens", rows * row_len)
-        host[_I["num_sequences"]] += cu.shape[0] - 1
-        if self._acc is None:
-            self._accumulator(cu.device)
-        if cu_pad is None:
-            # No sub-sequence padding: the real lengths count for both (broadcast into [2, 2]).
-            self._device_lengths(torch.diff(cu), self._both, self._window_both)
-            return
-        cu_pad = self._trim(cu_pad, pad_argmin if pad_argmin is not None else argmin, "cu_seqlens_padded")
-        if self.validate:
-            self._check_cu(cu_pad, "cu_seqlens_padded", rows * row_len)
-        if cu.shape == cu_pad.shape:
-            both = torch.stack((cu, cu_pad))
-            self._device_lengths(torch.diff(both), self._both, self._window_both)
-        else:
-            self._device_lengths(torch.diff(cu), self._real, self._window_real)
-            self._device_lengths(torch.diff(cu_pad), self._padded, self._window_padded)
-
-    def _trim(self, cu: torch.Tensor, argmin: torch.Tensor | int | None, name: str) -> torch.Tensor:
+    def _check_offsets(self, cu: Any, argmin: Any, name: str, num_tokens: int) -> Any:
+        """Host checks of a cu_seqlens (its dtype and shape; its values only when validating);
+        returns its argmin: None, an int, or a one-element CPU tensor (read at ``end_step``)."""
         if not isinstance(cu, torch.Tensor) or cu.dtype not in _INT_DTYPES:
             raise ValueError(f"{name} must be a tensor of integers, got {getattr(cu, 'dtype', type(cu).__name__)}")
-        if cu.dim() != 1:
-            if cu.dim() == 0 or cu.numel() != cu.shape[-1]:
-                raise ValueError(f"{name} must be one-dimensional, got shape {tuple(cu.shape)}")
-            cu = cu.reshape(-1)  # [1, n] (a batch dimension of 1)
-        if argmin is not None:
-            if isinstance(argmin, torch.Tensor):
-                if argmin.device.type != "cpu":
-                    raise ValueError(f"{name} argmin must be a host value (a CPU tensor or an int) to trim without a sync")
-                argmin = int(argmin)
-            cu = cu[:argmin]
-        if cu.shape[0] < 2:
-            raise ValueError(f"{name} needs at least two entries (0 and the end of a sequence), got {cu.shape[0]}")
-        return cu
+        shape = cu.shape
+        if not (len(shape) == 1 or (len(shape) == 2 and shape[0] == 1)):
+            raise ValueError(f"{name} must be one-dimensional ([n], or [1, n]: one packed row), "
+                             f"got shape {tuple(shape)}")
+        if shape[-1] < 2:
+            raise ValueError(f"{name} needs at least two entries, got shape {tuple(shape)}")
+        if isinstance(argmin, torch.Tensor):
+            if argmin.numel() != 1 or argmin.device.type != "cpu":
+                argmin = _host_int(argmin, f"{name} argmin")  # raises: not a host value of one element
+        elif argmin is not None:
+            argmin = _host_int(argmin, f"{name} argmin")
+        if self.validate:
+            self._check_cu(self._trim(cu, argmin, name), name, num_tokens)
+        return argmin
+
+    def _trim(self, cu: torch.Tensor, argmin: torch.Tensor | int | None, name: str) -> torch.Tensor:
+        cu = cu.reshape(-1)
+        if argmin is None:
+            return cu
+        argmin = _host_int(argmin, f"{name} argmin")
+        if argmin < 2:
+            raise ValueError(f"{name} needs at least two entries before its end marker, got {argmin}")
+        return cu[:argmin]
 
     def _check_cu(self, cu: torch.Tensor, name: str, num_tokens: int) -> None:
         """Validation mode only (it syncs the host with the device)."""
@@ -289,17 +399,6 @@ class FlopsTracker:
             values = lengths.tolist()
             if any(v < 0 or v > row_len for v in values):
                 raise ValueError(f"{name} must lie in [0, {row_len}], got {values}")
-
-    def _host_lengths(self, count: int, length: int, first_slot: str) -> None:
-        """Add ``count`` sequences of ``length`` to a (sum s, sum s^2) pair and its window pair."""
-        i = _I[first_slot]
-        self._host[i] += count * length
-        self._host[i + 1] += count * length * length
-        if self._window is not None:
-            excess = max(length - self._window, 0)
-            j = _I["window_excess" if first_slot == "num_tokens" else "padded_window_excess"]
-            self._host[j] += count * excess
-            self._host[j + 1] += count * excess * excess
 
     def _device_lengths(self, lengths: torch.Tensor, target: torch.Tensor, window_target: torch.Tensor) -> None:
         """Add ``(sum s, sum s^2)`` of ``[n]`` or ``[k, n]`` lengths into the ``[2]``/``[k, 2]`` view
@@ -323,6 +422,32 @@ class FlopsTracker:
             self._window_real, self._window_padded = self._window_both[0], self._window_both[1]
         return self._acc
 
+    def _settle(self) -> None:
+        """Fold this step's host micro-batches into the host slots: the recorded ones if
+        ``record()`` was called this step, else the observed ones. Never raises; on a failure
+        the shape counts still arrive (the static number stays known) and the step falls back."""
+        step = self._explicit if self._num_explicit else self._observed
+        failed = step.failed
+        try:
+            for batch in step.device_batches:
+                self._add(step, **batch, defer_device=False)
+            totals = step.settle()
+        except Exception as exc:
+            failed = True
+            totals = {name: step.counters[name] for name in SHAPE_SLOTS}
+            self._warn_once("pricing the step's host micro-batches failed; every rank reports the static FLOPs "
+                            "for this step", exc)
+        for name, value in totals.items():
+            self._host[self._index[name]] += value
+        self._clear_pending()
+        if failed:
+            self._failed = True
+
+    def _clear_pending(self) -> None:
+        self._explicit = HostBatches(window=self._window, vision=self.vision)
+        self._observed = HostBatches(window=self._window, vision=self.vision)
+        self._num_explicit = 0
+
     # ---- per step ----------------------------------------------------------------------------
 
     def end_step(self, *, step: int | None = None) -> StepResult:
@@ -335,6 +460,7 @@ class FlopsTracker:
         cannot show such a rank. When the step cannot be priced exactly, every rank returns the
         static number with ``ok=False`` and logs the reason once.
         """
+        self._settle()
         self._num_steps += 1
         failed, self._failed = self._failed, False
         reduction = self._reducer.reduce(self._acc, self._host, step=self._num_steps if step is None else step,
@@ -456,14 +582,30 @@ def _inconsistency(t: Mapping[str, int]) -> str | None:
                 f"lengths of {t['sum_seqlen_squared']}")
     return None
 
-def _group_rank(group: Any) -> int:
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group=group)
+
+# Where a tensor counts as on the host (priced at end_step by HostBatches). Tests empty it to run
+# the device path on CPU tensors.
+HOST_DEVICE_TYPES = frozenset({"cpu"})
 
 
-def _group_size(group: Any) -> int:
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group=group)
+def _on_host(value: Any) -> bool:
+    """Whether ``value`` is a host tensor (anything else takes the checked device path)."""
+    return isinstance(value, torch.Tensor) and value.is_cpu and "cpu" in HOST_DEVICE_TYPES
 
+
+def _on_host_or_none(value: Any) -> bool:
+    return value is None or _on_host(value)
+
+
+def _host_int(value: Any, name: str) -> int:
+    """An int, or the one value of a host tensor or one-element list (never a device read)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu" or value.numel() != 1:
+            raise ValueError(f"{name} must be a host value (a CPU tensor of one element or an int) to read "
+                             f"without a sync, got {tuple(value.shape)} on {value.device}")
+        return int(value.reshape(()))
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value

@@ -20,7 +20,8 @@ def _modules_after(code: str) -> set[str]:
 @pytest.mark.parametrize("module", ["megatron_flops.spec", "megatron_flops.formulas", "megatron_flops.vision",
                                     "megatron_flops.peaks", "megatron_flops.meter", "megatron_flops.result",
                                     "megatron_flops.passes", "megatron_flops.dit", "megatron_flops.dit_passes",
-                                    "megatron_flops.hf_config", "megatron_flops.megatron_args"])
+                                    "megatron_flops.hf_config", "megatron_flops.megatron_args",
+                                    "megatron_flops.trace"])
 def test_pure_layers_import_without_torch(module):
     loaded = _modules_after(f"import {module}")
     assert "torch" not in loaded and not any(m.startswith("megatron.") for m in loaded)

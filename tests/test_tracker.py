@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_flops import tracker as tracker_module
 from megatron_flops.formulas import SeqStats, parse_rows, training_flops
 from megatron_flops.spec import ModelSpec
 from megatron_flops.tracker import FlopsTracker
@@ -23,7 +25,21 @@ def _tok(b: int, s: int) -> torch.Tensor:
     return torch.zeros(b, s, dtype=torch.long)
 
 
-def test_hand_derived_packed_row():
+@pytest.fixture(params=["host", "device"])
+def path(request, monkeypatch):
+    """Both statistics paths on CPU tensors: the host one (priced at end_step) and the device one
+    (host tensors then count as device tensors)."""
+    if request.param == "device":
+        monkeypatch.setattr(tracker_module, "HOST_DEVICE_TYPES", frozenset())
+    return request.param
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    monkeypatch.setattr(tracker_module, "HOST_DEVICE_TYPES", frozenset())
+
+
+def test_hand_derived_packed_row(path):
     # One packed row of 32 slots holding sub-sequences 5, 7, 18 (2 tail slots of padding).
     # Real tokens 30, sum s^2 = 25 + 49 + 324 = 398; padded tokens 32, padded sum s^2 = 398.
     tracker = FlopsTracker(_spec(), seq_length=32)
@@ -63,7 +79,7 @@ ROWS_AND_CALLS = [
 
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("attention", ["causal", "full"])
-def test_totals_equal_pure_statistics(window, attention):
+def test_totals_equal_pure_statistics(window, attention, path):
     kw = {} if window is None else dict(window_size=[window, 0], window_attn_skip_freq=2)
     spec = _spec(**kw)
     tracker = FlopsTracker(spec, attention=attention, seq_length=32)
@@ -81,7 +97,7 @@ def test_totals_equal_pure_statistics(window, attention):
     assert (empty.flops, empty.num_tokens, empty.num_microbatches, empty.ok) == (0, 0, 0, True)
 
 
-def test_packed_seq_params_object():
+def test_packed_seq_params_object(path):
     class Params:  # duck-typed megatron.core.packed_seq_params.PackedSeqParams
         cu_seqlens_q = torch.tensor([0, 10, 14], dtype=torch.int32)
         cu_seqlens_q_padded = torch.tensor([0, 12, 16], dtype=torch.int32)
@@ -114,7 +130,7 @@ def test_only_the_owner_records():
     assert tracker.end_step().num_tokens == 24
 
 
-def test_context_parallel_rows_are_local():
+def test_context_parallel_rows_are_local(path):
     # Under CP=2 an unpacked row holds half of each sequence; packed cu_seqlens stay global.
     tracker = FlopsTracker(_spec(), context_parallel_size=2)
     tracker.record(tokens=_tok(1, 16))
@@ -191,7 +207,7 @@ class SyncGuard(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("window", [None, 6])
-def test_record_is_sync_free_and_allocation_free(window):
+def test_record_is_sync_free_and_allocation_free(window, device_path):
     spec = _spec(**({} if window is None else dict(window_size=[window, 0])))
     tracker = FlopsTracker(spec)
     packed = dict(tokens=_tok(1, 64), cu_seqlens=torch.tensor([0, 5, 12, 30, 64], dtype=torch.int32))
@@ -225,7 +241,7 @@ _VIEWS_AND_METADATA = {"__get__", "dim", "numel", "size", "reshape", "view", "un
         (6, ["diff", "pow", "sum", "add_", "sub", "clamp_", "pow", "sum", "add_"]),
     ],
 )
-def test_kernel_ops_per_packed_call(window, expected):
+def test_kernel_ops_per_packed_call(window, expected, device_path):
     tracker = FlopsTracker(_spec(**({} if window is None else dict(window_size=[window, 0]))))
     call = dict(tokens=_tok(1, 64), cu_seqlens=torch.tensor([0, 5, 12, 30, 64], dtype=torch.int32))
     tracker.record(**call)
@@ -311,3 +327,108 @@ def test_impossible_peft_setup_fails_at_setup():
         FlopsTracker(_spec(), peft=PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj",)))
     with pytest.raises(ValueError, match="convention"):
         FlopsTracker(_spec(), convention="6N")
+
+
+# ---- the host path: CPU tensors cost no tensor operation per micro-batch --------------------------
+
+
+def test_host_micro_batches_run_no_tensor_op_until_end_step():
+    from megatron_flops.vision import VisionSpec, VisionStats, vision_training_flops
+
+    vit = VisionSpec(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, gated_mlp=False, patch_size=2,
+                     out_hidden_size=64)
+    tracker = FlopsTracker(_spec(window_size=[6, 0]), vision=vit)
+    calls = [
+        dict(tokens=_tok(1, 64), cu_seqlens=torch.tensor([[0, 5, 12, 30, 64]], dtype=torch.int32)),
+        dict(tokens=_tok(1, 40), cu_seqlens=torch.tensor([[0, 6, 14, 32, -1]]),
+             cu_seqlens_argmin=torch.tensor([[4]]), cu_seqlens_padded=torch.tensor([[0, 8, 16, 40, -1]])),
+        dict(tokens=_tok(3, 20), seq_lengths=torch.tensor([4, 20, 9]), grid_thw=torch.tensor([[1, 4, 4]])),
+        dict(tokens=_tok(2, 32)),
+    ]
+    for call in calls:
+        with SyncGuard() as guard:
+            tracker.record(**call)
+        assert [op for op in guard.ops if op not in _VIEWS_AND_METADATA] == [], guard.ops
+    assert tracker._acc is None  # no device accumulator either
+    r = tracker.end_step()
+    # Real: 5, 7, 18, 34 | 6, 8, 18 | 4, 20, 9 | 32, 32; padded: 5, 7, 18, 34 | 8, 8, 24 | 3 x 20 | 32, 32.
+    rows = [[5, 7, 18, 34], {"seqlens": [6, 8, 18], "padded_seqlens": [8, 8, 24]},
+            {"seqlens": [4], "pad_to": 20}, 20, {"seqlens": [9], "pad_to": 20}, 32, 32]
+    stats = SeqStats.from_rows(parse_rows(rows), window=6)
+    assert (r.num_tokens, r.num_padded_tokens, r.num_sequences) == (stats.num_tokens, stats.num_padded_tokens, 12)
+    vision = vision_training_flops(vit, VisionStats.from_grids(vit, [[1, 4, 4]])).total
+    assert r.flops == training_flops(_spec(window_size=[6, 0]), stats).total + vision
+
+
+def test_host_offsets_real_token_limit_and_zero_length_segments():
+    # Megatron-Bridge without unpadded offsets: 13 real tokens (token_count) in a 16-slot pack whose
+    # offsets end with a padding segment and a zero-length pad entry (pad_cu_seqlens).
+    tracker = FlopsTracker(_spec())
+    tracker.record(tokens=_tok(1, 16), cu_seqlens=torch.tensor([0, 4, 12, 13, 16, 16, -1], dtype=torch.int32),
+                   cu_seqlens_argmin=torch.tensor([6]), num_real_tokens=[13])
+    r = tracker.end_step()
+    # Real lengths 4, 8, 1 (the padding segment and the empty one hold no real token): 3 sequences,
+    # sum s^2 = 81; run lengths 4, 8, 1, 3.
+    assert (r.num_tokens, r.num_sequences, r.sum_seqlen_squared) == (13, 3, 81)
+    stats = SeqStats(num_rows=1, num_sequences=3, num_tokens=13, num_padded_tokens=16, sum_seqlen_squared=81,
+                     sum_padded_seqlen_squared=16 + 64 + 1 + 9)
+    assert r.flops == training_flops(_spec(), stats).total
+    assert r.executed_flops == training_flops(_spec(), stats, include_padding=True).total
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(cu_seqlens=torch.tensor([0, 9, 4, 16])), "non-decreasing"),
+    (dict(cu_seqlens=torch.tensor([2, 9, 16])), "start at 0"),
+    (dict(cu_seqlens=torch.tensor([0, 4, -1]), cu_seqlens_argmin=torch.tensor([1])), "at least two entries"),
+    (dict(cu_seqlens=torch.tensor([0])), "at least two entries"),
+    (dict(cu_seqlens=torch.tensor([[0, 8], [0, 8]])), "one-dimensional"),
+    (dict(seq_lengths=torch.tensor([-3])), "non-negative"),
+])
+def test_malformed_host_values_fall_back_once(call, message, caplog):
+    tracker = FlopsTracker(_spec(), seq_length=16)
+    with caplog.at_level(logging.WARNING, logger="megatron_flops"):
+        for _ in range(2):
+            tracker.record(tokens=_tok(1, 16), **call)
+            r = tracker.end_step()
+            assert not r.ok and r.flops == r.static_flops
+    [warning] = [m for m in caplog.messages if "megatron-flops" in m]
+    assert re.search(message, warning)
+
+
+def test_host_sums_of_squares_never_wrap(monkeypatch):
+    # A length past 3.04e9 tokens would wrap int64 squares: the sums are then exact Python integers.
+    monkeypatch.setattr("megatron_flops.host_stats._SQUARE_SAFE", 10)
+    tracker = FlopsTracker(_spec())
+    tracker.record(tokens=_tok(1, 16), cu_seqlens=torch.tensor([0, 7, 16]))
+    r = tracker.end_step()
+    assert (r.num_tokens, r.sum_seqlen_squared) == (16, 49 + 81)
+
+
+def test_observed_micro_batches_yield_to_recorded_ones():
+    tracker = FlopsTracker(_spec())
+    tracker.observe(num_rows=1, row_length=16, cu_seqlens=torch.tensor([[0, 4, 16]]))
+    assert tracker.end_step().sum_seqlen_squared == 16 + 144  # observed only: counted
+    tracker.observe(num_rows=1, row_length=16, cu_seqlens=torch.tensor([[0, 4, 16]]))
+    tracker.record(tokens=_tok(1, 16))
+    r = tracker.end_step()
+    assert (r.num_microbatches, r.sum_seqlen_squared) == (1, 256)  # recorded wins
+    tracker.observe_failed(ValueError("unknown layout"))
+    tracker.record(tokens=_tok(1, 16))
+    assert tracker.end_step().ok  # the observed failure went with the observed batches
+
+
+def test_discard_step_forgets_everything():
+    tracker = FlopsTracker(_spec())
+    tracker.record(tokens=_tok(1, 16), cu_seqlens=torch.tensor([0, 16]))
+    tracker.observe(num_rows=2, row_length=16)
+    tracker.discard_step()
+    r = tracker.end_step()
+    assert (r.num_microbatches, r.num_tokens) == (0, 0)
+
+
+def test_observed_device_batches_are_deferred(device_path):
+    tracker = FlopsTracker(_spec())
+    tracker.observe(num_rows=1, row_length=16, cu_seqlens=torch.tensor([[0, 4, 16]]))
+    assert tracker._acc is None  # nothing runs until the step is priced
+    r = tracker.end_step()
+    assert (r.num_tokens, r.sum_seqlen_squared, r.num_sequences) == (16, 160, 2)

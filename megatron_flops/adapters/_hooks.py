@@ -4,7 +4,9 @@ Hook choice. ``train_step`` is wrapped to open and close the session's step: the
 calls it once per iteration on every rank (pipeline stages included), before any logging, and
 evaluation runs outside it. So the tracker's all-reduce in ``end_step`` is reached by every
 rank every iteration, evaluation micro-batches are not counted, and the step clock covers the
-step only. ``training_log`` is wrapped for the output: its own log line is amended while it is
+step only. The same wrapper hands the original the forward step wrapped by ``_observe``, so the
+micro-batches are observed with no edit to ``forward_step``. If the original raises, the step is
+closed uncounted (``Session.abort_step``, no collective) and the exception propagates. ``training_log`` is wrapped for the output: its own log line is amended while it is
 printed (``print_rank_last``, looked up in ``training_log``'s module globals, is swapped for the
 duration of the call), and the interval's scalars are written after it returns. The original
 functions always run, with the caller's arguments, and their results are returned unchanged;
@@ -21,6 +23,7 @@ import re
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
+from megatron_flops.adapters._observe import BatchReader, observe_forward_step
 from megatron_flops.meter import IntervalReport, format_log_fields
 from megatron_flops.session import Session, get_session
 
@@ -40,6 +43,7 @@ class Adapter:
 
     name = "framework"
     failed = False  # building the session failed: not retried
+    _reader: BatchReader | None = None
 
     def session(self, bound: inspect.BoundArguments) -> Session | None:
         """The installed session, else a new one from the framework's configuration, else None."""
@@ -57,6 +61,12 @@ class Adapter:
 
     def new_session(self, bound: inspect.BoundArguments) -> Session:
         raise NotImplementedError
+
+    def reader(self, bound: inspect.BoundArguments, forward_step_func: Callable[..., Any]) -> Callable[[Any], dict]:
+        """How this step's batches are read (the frameworks' keys; see ``BatchReader``)."""
+        if self._reader is None:
+            self._reader = BatchReader()
+        return self._reader
 
     def on_step_begin(self, bound: inspect.BoundArguments, session: Session) -> None:
         """Called before the original train step, after ``session.begin_step()``."""
@@ -83,10 +93,12 @@ def _mark(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable
 
 
 def wrap_train_step(original: Callable[..., Any], adapter: Adapter) -> Callable[..., Any]:
-    """``original`` bracketed by the session's ``begin_step()`` / ``end_step()``.
+    """``original`` bracketed by the session's ``begin_step()`` / ``end_step()``, its
+    ``forward_step_func`` argument observed (``_observe.observe_forward_step``).
 
-    Once a rank has opened a step it always closes it (the close is a collective), unless the
-    original raises, in which case the exception propagates untouched.
+    Once a rank has opened a step it always closes it: with ``end_step()`` (a collective) when
+    the original returns; with ``abort_step()`` (none) when it raises, and the exception then
+    propagates unchanged.
     """
     signature = inspect.signature(original)
 
@@ -97,13 +109,23 @@ def wrap_train_step(original: Callable[..., Any], adapter: Adapter) -> Callable[
         except TypeError:
             return original(*args, **kwargs)  # the original reports the bad call
         session = adapter.session(bound)
+        call_args, call_kwargs = args, kwargs
         if session is not None:
             try:
                 session.begin_step()
                 adapter.on_step_begin(bound, session)
+                call_args, call_kwargs = _observed_call(bound, adapter, session)
             except Exception as exc:
                 session.warn_once(f"{adapter.name} train_step hook failed", exc)
-        result = original(*args, **kwargs)
+        try:
+            result = original(*call_args, **call_kwargs)
+        except BaseException:
+            if session is not None:
+                try:
+                    session.abort_step()
+                except Exception as exc:
+                    session.warn_once(f"{adapter.name} closing a failed step failed", exc)
+            raise
         if session is not None:
             try:
                 session.end_step()
@@ -112,6 +134,16 @@ def wrap_train_step(original: Callable[..., Any], adapter: Adapter) -> Callable[
         return result
 
     return _mark(train_step, original)
+
+
+def _observed_call(bound: inspect.BoundArguments, adapter: Adapter, session: Session) -> tuple[tuple, dict]:
+    """The original's arguments with its ``forward_step_func`` observed."""
+    forward = bound.arguments.get("forward_step_func")
+    if forward is None:
+        return bound.args, bound.kwargs
+    observed = inspect.BoundArguments(bound.signature, dict(bound.arguments))
+    observed.arguments["forward_step_func"] = observe_forward_step(forward, session, adapter.reader(bound, forward))
+    return observed.args, observed.kwargs
 
 
 def wrap_static_flops(original: Callable[..., Any], adapter: Adapter) -> Callable[..., Any]:

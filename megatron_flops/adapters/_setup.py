@@ -6,6 +6,7 @@ import importlib
 import importlib.metadata
 import logging
 import math
+import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -24,8 +25,10 @@ from megatron_flops.vision import VisionSpec
 logger = logging.getLogger("megatron_flops")
 
 
-def check_options(*, peak_tflops: float | None, attention: str | None) -> None:
+def check_options(*, peak_tflops: float | None, attention: str | None, trace: Any = None) -> None:
     """Reject bad adapter options up front (``ValueError`` naming the option)."""
+    if trace is not None and not (isinstance(trace, (str, os.PathLike)) and os.fspath(trace)):
+        raise ValueError(f"the trace must be a file path, got {trace!r}")
     if peak_tflops is not None and not (isinstance(peak_tflops, (int, float)) and math.isfinite(peak_tflops)
                                         and peak_tflops > 0):
         raise ValueError(f"peak_tflops must be a positive finite number, got {peak_tflops!r}")
@@ -42,23 +45,31 @@ def new_session(
     peak_tflops: float | None,
     fp8: bool,
     world_size: int | None,
+    framework: str,
     recompute: RecomputeSpec | None = None,
     vision: VisionSpec | None = None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> Session:
     """Install a session for ``spec``. The MFU peak is ``peak_tflops`` if given, else this
-    device's dense peak from the table.
+    device's dense peak from the table. ``trace``: the per-step trace file (see ``trace``);
+    ``framework`` names the adapter there, with its installed version.
 
     NB: with an fp8 recipe the peak is the fp8 one, since most GEMMs then run in fp8.
     """
-    check_options(peak_tflops=peak_tflops, attention=attention)
+    check_options(peak_tflops=peak_tflops, attention=attention, trace=trace)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     tracker = FlopsTracker(spec, attention=attention, seq_length=seq_length,
                            context_parallel_size=context_parallel_size, recompute=recompute,
                            vision=vision)
+    distribution = {"megatron-lm": "megatron-core", "megatron-bridge": "megatron-bridge"}[framework]
+    version = framework_version(distribution)
     return install_session(
         tracker,
         peak_flops_per_s=resolve_peak(device, "fp8" if fp8 else "bf16", peak_tflops),
         world_size=world_size,
+        trace=trace,
+        framework=framework,
+        framework_version=None if version == "unknown" else version,
     )
 
 

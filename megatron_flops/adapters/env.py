@@ -5,6 +5,8 @@
 - ``MEGATRON_FLOPS_ATTENTION``: ``causal`` (default) or ``full``.
 - ``MEGATRON_FLOPS_FRAMEWORK``: ``megatron-lm``, ``megatron-bridge`` or ``auto`` (default:
   every one of the two that is installed).
+- ``MEGATRON_FLOPS_TRACE``: a file the per-step trace is appended to (``megatron_flops.trace``;
+  written by the last rank, or by every rank when the name holds ``{rank}``).
 
 Without editing the training script: ``python -m megatron_flops.launch script.py ARGS`` (see
 ``megatron_flops.launch``).
@@ -28,6 +30,7 @@ ACCOUNTING = "MEGATRON_FLOPS"
 PEAK_TFLOPS = "MEGATRON_FLOPS_PEAK_TFLOPS"
 ATTENTION = "MEGATRON_FLOPS_ATTENTION"
 FRAMEWORK = "MEGATRON_FLOPS_FRAMEWORK"
+TRACE = "MEGATRON_FLOPS_TRACE"
 
 # Framework name -> (the package whose presence selects it under "auto", its install()).
 _FRAMEWORKS: dict[str, tuple[str, Callable[..., bool]]] = {
@@ -52,6 +55,7 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> bool:
         raise ValueError(f"{PEAK_TFLOPS} must be a number of TFLOP/s, got {peak_text!r}") from None
     attention = env.get(ATTENTION, "").strip() or None
     framework = env.get(FRAMEWORK, "").strip() or "auto"
+    trace = env.get(TRACE, "").strip() or None
     if framework != "auto" and framework not in _FRAMEWORKS:
         raise ValueError(f"{FRAMEWORK} must be 'auto' or one of {tuple(_FRAMEWORKS)}, got {framework!r}")
     if peak is not None and not (math.isfinite(peak) and peak > 0):
@@ -67,7 +71,7 @@ def install_from_env(environ: Mapping[str, str] | None = None) -> bool:
             logger.warning("megatron-flops: %s=corrected but neither Megatron-LM nor Megatron-Bridge is "
                            "installed; nothing patched", ACCOUNTING)
             return False
-    installed = [_FRAMEWORKS[name][1](peak_tflops=peak, attention=attention) for name in names]
+    installed = [_FRAMEWORKS[name][1](peak_tflops=peak, attention=attention, trace=trace) for name in names]
     return any(installed)
 
 

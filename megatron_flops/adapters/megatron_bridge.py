@@ -4,7 +4,9 @@
 looks them up as module globals (``training_log`` is imported there by name from
 ``megatron.bridge.training.utils.train_utils``):
 
-- ``train_step``: opens and closes the session's step (see ``_hooks`` for why this hook);
+- ``train_step``: opens and closes the session's step (see ``_hooks`` for why this hook), and
+  observes the micro-batches the forward step pulls from its data iterator (``_observe``; for
+  ``vlm_step``, ``VlmStepReader``): the stock ``gpt_step``/``vlm_step`` need no edit;
 - ``training_log``: unchanged, except that its log line gains the corrected fields after the
   stock ``throughput per GPU (TFLOP/s/GPU)`` and each log interval writes
   ``IntervalReport.scalars()`` to ``global_state.tensorboard_logger`` / ``wandb_logger``
@@ -19,19 +21,24 @@ differently (v0.4.0 prices one sample once; main adds the vision term separately
 Enable it with ``install(cfg)``, or ``maybe_install_from_config(cfg)`` and
 ``cfg.logger.flops_accounting = "corrected"`` (read with ``getattr``: absent means off). The
 session is built at the first train step from ``global_state.cfg`` unless one was installed.
-Checked against Megatron-Bridge v0.2.0 (7af9601), v0.4.0 (0fbfe7d), v0.5.0 (fcbb603), v0.6.0
-(51885cf) and main 067f987 (2026-08-22).
+Run in tests: 0.3.1 (PyPI). Read, not run: v0.2.0 (7af9601), v0.4.0 (0fbfe7d), v0.5.0 (fcbb603),
+v0.6.0 (51885cf) and main 067f987 (2026-08-22).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+import os
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from megatron_flops.adapters._hooks import PRINTER, Adapter, wrap_train_step, wrap_training_log
+from megatron_flops.adapters._observe import BatchReader
 from megatron_flops.adapters._setup import check_options, import_target, is_corrected, new_session, patch
 from megatron_flops.passes import RecomputeSpec
 from megatron_flops.session import Session
@@ -41,6 +48,7 @@ from megatron_flops.vision import VisionSpec
 logger = logging.getLogger("megatron_flops")
 
 MODULE = "megatron.bridge.training.train"
+VLM_STEP_MODULE = "megatron.bridge.training.vlm_step"
 _WRAPPERS = {"train_step": wrap_train_step, "training_log": wrap_training_log}
 
 
@@ -48,14 +56,16 @@ class _MegatronBridge(Adapter):
     name = "Megatron-Bridge"
 
     def __init__(self) -> None:
-        self.configure(None, peak_tflops=None, attention=None)
+        self.configure(None, peak_tflops=None, attention=None, trace=None)
 
-    def configure(self, cfg: Any, *, peak_tflops: float | None, attention: str | None) -> None:
+    def configure(self, cfg: Any, *, peak_tflops: float | None, attention: str | None, trace: Any) -> None:
         self.cfg = cfg
         self.peak_tflops = peak_tflops
         self.attention = attention
+        self.trace = trace
         self.failed = False
         self._flops_before_step: float | None = None
+        self._vlm_reader: VlmStepReader | None = None
 
     def new_session(self, bound: inspect.BoundArguments) -> Session:
         cfg = self.cfg if self.cfg is not None else bound.arguments["global_state"].cfg
@@ -80,9 +90,19 @@ class _MegatronBridge(Adapter):
             peak_tflops=getattr(options, "flops_peak_tflops", None) if self.peak_tflops is None else self.peak_tflops,
             fp8=bool(getattr(model, "fp8", None)),
             world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized() else None,
+            framework="megatron-bridge",
             recompute=RecomputeSpec.from_mapping(vars(model), source="Megatron-Bridge model config"),
             vision=_vision_spec(model),
+            trace=self.trace if self.trace is not None else getattr(options, "flops_trace", None),
         )
+
+    def reader(self, bound: inspect.BoundArguments, forward_step_func: Callable[..., Any]) -> Callable[[Any], dict]:
+        if not _is_vlm_step(forward_step_func):
+            return super().reader(bound, forward_step_func)
+        cfg = bound.arguments["global_state"].cfg
+        if self._vlm_reader is None or self._vlm_reader.cfg is not cfg:
+            self._vlm_reader = VlmStepReader(cfg)
+        return self._vlm_reader
 
     def on_step_begin(self, bound: inspect.BoundArguments, session: Session) -> None:
         self._flops_before_step = _flops_so_far(bound)
@@ -98,6 +118,64 @@ class _MegatronBridge(Adapter):
     def writers(self, bound: inspect.BoundArguments, namespace: Any) -> tuple[Any, Any]:
         state = bound.arguments["global_state"]
         return state.tensorboard_logger, state.wandb_logger
+
+
+class VlmStepReader(BatchReader):
+    """Batches as ``megatron.bridge.training.vlm_step.forward_step`` (0.3.1) reshapes them for the
+    model, which the data iterator's batch does not show.
+
+    Without in-batch packing, rows are padded or cut to ``seq_length`` under pipeline
+    parallelism, else padded to the next multiple of 128 (at most ``seq_length``); each counts as
+    one sequence of that length. With ``cfg.dataset.pack_sequences_in_batch``, a row's real length
+    runs to its last non-zero token id (vlm_step's padding rule), rows with none are dropped,
+    each is padded to a multiple of ``2 x CP`` under context parallelism, and the model runs
+    them as one packed row. The dataset's own ``cu_seqlens`` are ignored, as vlm_step does.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.cfg = cfg
+        model = cfg.model
+        self.seq_length = model.seq_length
+        self.pipelined = (getattr(model, "pipeline_model_parallel_size", 1) or 1) > 1
+        self.packing = bool(getattr(getattr(cfg, "dataset", None), "pack_sequences_in_batch", False))
+        cp = getattr(model, "context_parallel_size", 1) or 1
+        self.multiple = 2 * cp if cp > 1 else 1
+
+    def __call__(self, batch: Any) -> dict[str, Any]:
+        tokens = self.tokens(batch)
+        fields = self.packed(tokens) if self.packing else {
+            "num_rows": tokens.shape[0], "row_length": self.row_length(tokens.shape[1])}
+        grids = self.grids(batch)
+        if grids:
+            fields["grid_thw"] = grids
+        return fields
+
+    def row_length(self, length: int) -> int:
+        """The length vlm_step pads or cuts an unpacked row of ``length`` to."""
+        cap = self.seq_length
+        target = cap if self.pipelined else min(cap, -(-length // 128) * 128)
+        return target if length < target else min(length, cap)
+
+    def packed(self, tokens: torch.Tensor) -> dict[str, Any]:
+        """The packed row vlm_step builds (host tensor operations: vlm_step itself reads each row)."""
+        positions = torch.arange(1, tokens.shape[1] + 1, device=tokens.device)
+        ends = ((tokens != 0) * positions).amax(dim=1).cpu()
+        real = ends[ends > 0]
+        padded = -(-real // self.multiple) * self.multiple
+        if real.numel() == 0:
+            return {"num_rows": 0, "row_length": 0}
+        zero = torch.zeros(1, dtype=real.dtype)
+        cu_padded = torch.cat((zero, padded.cumsum(0)))
+        return {"num_rows": 1, "row_length": int(cu_padded[-1]), "cu_seqlens": torch.cat((zero, real.cumsum(0))),
+                "cu_seqlens_padded": cu_padded}
+
+
+def _is_vlm_step(forward_step_func: Any) -> bool:
+    """Whether the forward step is Megatron-Bridge's ``vlm_step.forward_step`` (through partials)."""
+    while isinstance(forward_step_func, functools.partial):
+        forward_step_func = forward_step_func.func
+    return getattr(forward_step_func, "__module__", None) == VLM_STEP_MODULE
 
 
 def _vision_spec(model: Any) -> VisionSpec | None:
@@ -117,15 +195,16 @@ def _flops_so_far(bound: inspect.BoundArguments) -> float:
 _ADAPTER = _MegatronBridge()
 
 
-def install(cfg: Any = None, *, peak_tflops: float | None = None, attention: str | None = None) -> bool:
+def install(cfg: Any = None, *, peak_tflops: float | None = None, attention: str | None = None,
+            trace: str | os.PathLike[str] | None = None) -> bool:
     """Patch ``megatron.bridge.training.train``; returns whether the hooks are in place.
 
     ``cfg``: the ``ConfigContainer`` (default: ``global_state.cfg`` at the first train step);
-    its ``logger.flops_peak_tflops``/``logger.flops_attention`` apply unless given here. A second
-    call updates the options without wrapping again. A missing symbol (a renamed upstream
-    function) logs one warning and returns False, patching nothing.
+    its ``logger.flops_peak_tflops``/``logger.flops_attention``/``logger.flops_trace`` apply
+    unless given here. A second call updates the options without wrapping again. A missing
+    symbol (a renamed upstream function) logs one warning and returns False, patching nothing.
     """
-    check_options(peak_tflops=peak_tflops, attention=attention)
+    check_options(peak_tflops=peak_tflops, attention=attention, trace=trace)
     module = import_target(MODULE, _ADAPTER.name)
     if module is None:
         return False
@@ -135,7 +214,7 @@ def install(cfg: Any = None, *, peak_tflops: float | None = None, attention: str
     if "training_log" not in missing and PRINTER not in inspect.unwrap(module.training_log).__globals__:
         missing.append(f"training_log's {PRINTER}")
     if not missing:
-        _ADAPTER.configure(cfg, peak_tflops=peak_tflops, attention=attention)
+        _ADAPTER.configure(cfg, peak_tflops=peak_tflops, attention=attention, trace=trace)
     return patch(module, _WRAPPERS, _ADAPTER, missing=missing, distribution="megatron-bridge")
 
 

@@ -3,7 +3,9 @@
 ``install()`` replaces three attributes of ``megatron.training.training``, where ``train()``
 and ``training_log()`` look them up as module globals:
 
-- ``train_step``: opens and closes the session's step (see ``_hooks`` for why this hook);
+- ``train_step``: opens and closes the session's step (see ``_hooks`` for why this hook), and
+  observes the micro-batches that ``forward_step`` pulls from its data iterator (``_observe``):
+  the stock ``pretrain_gpt.py`` needs no edit;
 - ``num_floating_point_operations``: unchanged result, also kept as the step's static number;
 - ``training_log``: unchanged, except that its log line gains the corrected fields after the
   stock ``throughput per GPU (TFLOP/s/GPU)`` and each log interval writes
@@ -11,16 +13,17 @@ and ``training_log()`` look them up as module globals:
 
 Nothing is patched on import. The session is built at the first train step from Megatron's
 global ``args`` (``ModelSpec.from_megatron_args``), unless one was installed already.
-Checked against Megatron-LM core_v0.8.0 (baf94af), core_v0.12.0 (d580efc), core_v0.14.0
-(23e00ed), core_v0.16.1 (55ac708), core_v0.18.2 (571370c), core_v0.19.0 (5be9626) and main
-d98e8a6 (2026-08-22): the three names, ``print_rank_last``, ``get_args`` and the writer getters
-are globals of that module in all of them.
+Run in tests: core_v0.16.1 and core_v0.14.0 (``pretrain_gpt.py``, unmodified). Read, not run:
+core_v0.8.0 (baf94af), core_v0.12.0 (d580efc), core_v0.18.2 (571370c), core_v0.19.0 (5be9626)
+and main d98e8a6 (2026-08-22): the three names, ``print_rank_last``, ``get_args`` and the writer
+getters are globals of that module in all of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import logging
 from typing import Any
 
@@ -52,12 +55,14 @@ class _MegatronLM(Adapter):
     name = "Megatron-LM"
 
     def __init__(self) -> None:
-        self.configure(None, peak_tflops=None, attention=None, namespace={})
+        self.configure(None, peak_tflops=None, attention=None, trace=None, namespace={})
 
-    def configure(self, args: Any, *, peak_tflops: float | None, attention: str | None, namespace: dict) -> None:
+    def configure(self, args: Any, *, peak_tflops: float | None, attention: str | None, trace: Any,
+                  namespace: dict) -> None:
         self.args = args
         self.peak_tflops = peak_tflops
         self.attention = attention
+        self.trace = trace
         self.namespace = namespace
         self.failed = False
 
@@ -71,7 +76,9 @@ class _MegatronLM(Adapter):
             peak_tflops=getattr(args, "flops_peak_tflops", None) if self.peak_tflops is None else self.peak_tflops,
             fp8=bool(getattr(args, "fp8", None)),
             world_size=getattr(args, "world_size", None),
+            framework="megatron-lm",
             recompute=RecomputeSpec.from_mapping(vars(args), source="Megatron-LM args"),
+            trace=self.trace if self.trace is not None else getattr(args, "flops_trace", None),
         )
 
     def log_iteration(self, bound: inspect.BoundArguments) -> int:
@@ -85,8 +92,8 @@ _ADAPTER = _MegatronLM()
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--flops-accounting``, ``--flops-peak-tflops`` and ``--flops-attention`` (Megatron's
-    ``extra_args_provider`` convention: returns the parser)."""
+    """Add ``--flops-accounting``, ``--flops-peak-tflops``, ``--flops-attention`` and
+    ``--flops-trace`` (Megatron's ``extra_args_provider`` convention: returns the parser)."""
     group = parser.add_argument_group(title="megatron-flops")
     group.add_argument("--flops-accounting", choices=("static", "corrected"), default="static",
                        help="corrected: add exact TFLOP/s/GPU, tokens/s/GPU and MFU to the training log")
@@ -94,18 +101,22 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="one GPU's dense peak TFLOP/s for MFU (default: looked up from the device name)")
     group.add_argument("--flops-attention", choices=ATTENTION_CONVENTIONS, default="causal",
                        help="core-attention convention: causal halves the full product, as Megatron does")
+    group.add_argument("--flops-trace", default=None, metavar="FILE",
+                       help="append one JSON line per iteration to FILE (written by the last rank; "
+                            "{rank} in the name: one file per rank)")
     return parser
 
 
-def install(args: Any = None, *, peak_tflops: float | None = None, attention: str | None = None) -> bool:
+def install(args: Any = None, *, peak_tflops: float | None = None, attention: str | None = None,
+            trace: str | os.PathLike[str] | None = None) -> bool:
     """Patch ``megatron.training.training``; returns whether the hooks are in place.
 
     ``args``: Megatron's args (default: ``get_args()`` at the first train step); its
-    ``flops_peak_tflops``/``flops_attention`` apply unless given here. A second call updates
-    the options without wrapping again. A missing symbol (a renamed upstream function) logs one
-    warning and returns False, patching nothing.
+    ``flops_peak_tflops``/``flops_attention``/``flops_trace`` apply unless given here. A second
+    call updates the options without wrapping again. A missing symbol (a renamed upstream
+    function) logs one warning and returns False, patching nothing.
     """
-    check_options(peak_tflops=peak_tflops, attention=attention)
+    check_options(peak_tflops=peak_tflops, attention=attention, trace=trace)
     module = import_target(MODULE, _ADAPTER.name)
     if module is None:
         return False
@@ -117,7 +128,7 @@ def install(args: Any = None, *, peak_tflops: float | None = None, attention: st
         if "iteration" not in inspect.signature(module.training_log).parameters:
             missing.append("training_log(iteration)")
     if not missing:
-        _ADAPTER.configure(args, peak_tflops=peak_tflops, attention=attention, namespace=namespace)
+        _ADAPTER.configure(args, peak_tflops=peak_tflops, attention=attention, trace=trace, namespace=namespace)
     return patch(module, _WRAPPERS, _ADAPTER, missing=missing, distribution="megatron-core")
 
 

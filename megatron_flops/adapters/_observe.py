@@ -1,0 +1,152 @@
+"""Observing micro-batches where the training loop hands them over (no framework import).
+
+The train-step wrapper passes the original train step ``observe_forward_step(forward_step_func)``
+instead of the framework's forward step. Each call of it on a model chunk that owns its
+micro-batches (``FlopsTracker.owns``: first pipeline stage, first virtual chunk, tensor- and
+context-parallel rank 0) hands the forward step an ``ObservedIterator`` around its data
+iterator, so every ``next()`` inside that forward step is observed with the call's chunk. Under
+interleaved pipelining each chunk gets its own iterator from the list: only the first chunk's is
+observed. Other calls get their arguments untouched, and the train step itself still gets the
+framework's iterators (Megatron's rerun state machine checks their type).
+
+``BatchReader`` turns a batch, as Megatron-LM's and Megatron-Bridge's data loaders yield it, into
+``FlopsTracker.observe`` arguments (the keys are listed on the class). It reads references and
+shapes only: host tensors are priced at the end of the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from megatron_flops.session import Session
+
+logger = logging.getLogger("megatron_flops")
+
+GRID_KEYS = ("image_grid_thw", "video_grid_thw")
+
+
+class ObservedIterator:
+    """``iterator``, whose batches are also observed by ``session`` (read with ``read``).
+
+    A batch that Megatron's ``RerunDataIterator`` replays (a step re-run to check a result) is
+    not observed again. Every other attribute is the wrapped iterator's.
+    """
+
+    __slots__ = ("_iterator", "_session", "_read", "_replays")
+
+    def __init__(self, iterator: Iterator[Any], session: Session, read: Callable[[Any], dict[str, Any]]) -> None:
+        self._iterator = iterator
+        self._session = session
+        self._read = read
+        self._replays = hasattr(iterator, "replaying")
+
+    def __iter__(self) -> ObservedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._iterator)
+        if not (self._replays and self._iterator.replaying):
+            self._session.observe(self._read, batch)
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iterator, name)
+
+
+def observe_forward_step(
+    forward_step_func: Callable[..., Any], session: Session, read: Callable[[Any], dict[str, Any]]
+) -> Callable[..., Any]:
+    """``forward_step_func(data_iterator, model, ...)`` whose data iterator is observed when
+    ``model`` owns its micro-batches."""
+
+    @functools.wraps(forward_step_func)
+    def forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if data_iterator is not None and hasattr(data_iterator, "__next__") and session.observing(model):
+            data_iterator = ObservedIterator(data_iterator, session, read)
+        return forward_step_func(data_iterator, model, *args, **kwargs)
+
+    return forward_step
+
+
+class BatchReader:
+    """``FlopsTracker.observe`` arguments from a training batch (a mapping of tensors).
+
+    Keys read:
+
+    - ``tokens`` (else ``input_ids``): ``[b, s]``; its shape gives the rows and token slots.
+    - Packed rows, both frameworks' conventions: the real offsets are ``cu_seqlens_unpadded``
+      (Megatron-Bridge, with ``cu_seqlens_unpadded_argmin``) or else ``cu_seqlens`` (with
+      ``cu_seqlens_argmin``); the padded ones are ``cu_seqlens_padded`` (Megatron-LM) or, next
+      to ``cu_seqlens_unpadded``, ``cu_seqlens``. Without padded offsets the real ones are also
+      what runs. Megatron-Bridge's ``token_count`` (the packed row's real tokens), when no
+      unpadded offsets are given, makes a trailing padding segment zero real tokens.
+    - Vision grids: ``image_grid_thw`` and ``video_grid_thw``, in the batch or in its
+      ``visual_inputs`` (an object or a mapping), ``[n, 3]`` or ``[b, n, 3]``.
+
+    A batch with no offsets counts full rows and says so once; one without a ``[b, s]`` token
+    tensor raises ``ValueError`` (the step falls back).
+    """
+
+    def __init__(self) -> None:
+        self._warned = False
+
+    def __call__(self, batch: Any) -> dict[str, Any]:
+        rows, length = self.tokens(batch).shape
+        fields = self.offsets(batch)
+        fields["num_rows"], fields["row_length"] = rows, length
+        if "visual_inputs" in batch or "image_grid_thw" in batch or "video_grid_thw" in batch:
+            grids = self.grids(batch)
+            if grids:
+                fields["grid_thw"] = grids
+        return fields
+
+    def tokens(self, batch: Any) -> torch.Tensor:
+        """The batch's ``[b, s]`` token tensor."""
+        if type(batch) is not dict and not isinstance(batch, Mapping):
+            raise ValueError(f"a training batch is a {type(batch).__name__}, not a mapping with 'tokens'")
+        tokens = batch.get("tokens")
+        if tokens is None:
+            tokens = batch.get("input_ids")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            raise ValueError("a training batch has no [batch, seq] 'tokens' or 'input_ids' tensor "
+                             f"(keys: {', '.join(map(str, batch))})")
+        return tokens
+
+    def offsets(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The packed-row arguments (empty for unpacked rows, said once)."""
+        cu, unpadded, padded = batch.get("cu_seqlens"), batch.get("cu_seqlens_unpadded"), batch.get("cu_seqlens_padded")
+        if cu is None and unpadded is None:
+            if not self._warned:
+                self._warned = True
+                logger.warning("megatron-flops: the training batches carry no packed-sequence offsets "
+                               "(cu_seqlens): each row counts as one sequence of its full length (logged once)")
+            return {}
+        if unpadded is not None:
+            if padded is None:
+                padded, padded_argmin = cu, batch.get("cu_seqlens_argmin")
+            else:
+                padded_argmin = batch.get("cu_seqlens_padded_argmin")
+            return dict(cu_seqlens=unpadded, cu_seqlens_argmin=batch.get("cu_seqlens_unpadded_argmin"),
+                        cu_seqlens_padded=padded, cu_seqlens_padded_argmin=padded_argmin)
+        fields = dict(cu_seqlens=cu, cu_seqlens_argmin=batch.get("cu_seqlens_argmin"), cu_seqlens_padded=padded,
+                      cu_seqlens_padded_argmin=batch.get("cu_seqlens_padded_argmin"))
+        if padded is None and batch.get("token_count") is not None:
+            fields["num_real_tokens"] = batch["token_count"]
+        return fields
+
+    def grids(self, batch: Mapping[str, Any]) -> list[torch.Tensor]:
+        """The batch's image and video grids (none: an empty list)."""
+        visual = batch.get("visual_inputs")
+        found = []
+        for key in GRID_KEYS:
+            grid = batch.get(key)
+            if grid is None and visual is not None:
+                grid = visual.get(key) if isinstance(visual, Mapping) else getattr(visual, key, None)
+            if grid is not None:
+                found.append(grid)
+        return found

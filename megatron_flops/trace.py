@@ -1,0 +1,158 @@
+"""Per-step trace: one JSON object per training iteration, one line each (JSON Lines; stdlib only).
+
+A trace file is appended to, never replaced: each run (or restart) first appends its own header
+line, ``{"run": {...}}``, then one line per iteration, each flushed as it is written. A file can
+thus hold several segments; a reader starts a segment at every header line.
+
+Header (``"format": "megatron-flops-trace/1"``): ``megatron_flops_version``, ``framework``
+(``megatron-lm``, ``megatron-bridge``, ``custom`` or ``demo``), ``framework_version``,
+``world_size``, ``model`` (the ``ModelSpec`` fields, nested ones flattened as ``moe.num_experts``),
+``conventions`` (``attention``, ``model_flops``, ``recompute``, ``peft``), ``warmup_iterations``,
+``peak_flops_per_s`` and ``started_at`` (ISO 8601, UTC).
+
+Iteration: ``iteration``, ``flops`` and ``executed_flops`` (what the meter counts: the static
+number when the step fell back), ``static_flops`` (the framework's own number when it gave one,
+else the tracker's), ``num_tokens``, ``num_padded_tokens``, ``num_sequences``,
+``num_microbatches`` (global totals of the step), ``elapsed_s`` (the step's own time) and ``ok``
+(false when the step fell back). Keys may be added in later versions of the format, never renamed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from datetime import datetime, timezone
+from typing import IO, Any
+
+from megatron_flops.result import StepResult
+
+FORMAT = "megatron-flops-trace/1"
+FRAMEWORKS = ("megatron-lm", "megatron-bridge", "custom", "demo")
+RANK_FIELD = "{rank}"
+
+
+class TraceWriter:
+    """Appends a header line at creation, then one line per ``write_step()``, flushed each time."""
+
+    def __init__(self, path: str | os.PathLike[str], header: dict[str, Any]) -> None:
+        self.path = os.fspath(path)
+        directory = os.path.dirname(self.path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
+        self._write({"run": header})
+
+    def write_step(self, *, iteration: int, result: StepResult, elapsed_s: float, static_flops: int | None) -> None:
+        """One iteration's line (``static_flops``: the number the meter used for it, if any)."""
+        fell_back = not result.ok and static_flops is not None
+        self._write({
+            "iteration": iteration,
+            "flops": static_flops if fell_back else result.flops,
+            "executed_flops": static_flops if fell_back else result.executed_flops,
+            "static_flops": static_flops,
+            "num_tokens": result.num_tokens,
+            "num_padded_tokens": result.num_padded_tokens,
+            "num_sequences": result.num_sequences,
+            "num_microbatches": result.num_microbatches,
+            "elapsed_s": elapsed_s,
+            "ok": result.ok,
+        })
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            raise ValueError(f"trace {self.path} is closed")
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+
+
+def trace_path(path: str | os.PathLike[str], *, rank: int, world_size: int) -> str | None:
+    """Where ``rank`` writes ``path``'s trace, or None if it writes none.
+
+    The rank that prints the log writes it: the last rank (Megatron's ``print_rank_last``). A
+    ``{rank}`` in the path gives every rank its own file instead.
+    """
+    path = os.fspath(path)
+    if not path:
+        raise ValueError("the trace path is empty")
+    if RANK_FIELD in path:
+        return path.replace(RANK_FIELD, str(rank))
+    return path if rank == world_size - 1 else None
+
+
+def run_header(
+    *,
+    tracker: Any,
+    framework: str,
+    framework_version: str | None,
+    world_size: int,
+    warmup_iterations: int,
+    peak_flops_per_s: int | None,
+    megatron_flops_version: str,
+) -> dict[str, Any]:
+    """The header of a run: what it trains and under which conventions (``tracker``: a
+    ``FlopsTracker`` or a ``DiTFlopsTracker``)."""
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+    return {
+        "format": FORMAT,
+        "megatron_flops_version": megatron_flops_version,
+        "framework": framework,
+        "framework_version": framework_version,
+        "world_size": world_size,
+        "model": spec_summary(tracker.spec),
+        "conventions": {
+            "attention": getattr(tracker, "attention", "full"),  # a DiT attends fully
+            "model_flops": tracker.convention,
+            "recompute": recompute_summary(tracker.recompute),
+            "peft": peft_summary(tracker.peft),
+        },
+        "warmup_iterations": warmup_iterations,
+        "peak_flops_per_s": peak_flops_per_s,
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def spec_summary(spec: Any) -> dict[str, Any]:
+    """A dataclass's fields as a flat JSON-safe mapping: nested dataclasses under dotted keys,
+    tuples as lists."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        if dataclasses.is_dataclass(value):
+            out.update({f"{field.name}.{k}": v for k, v in spec_summary(value).items()})
+        else:
+            out[field.name] = _json_safe(value)
+    return out
+
+
+def recompute_summary(recompute: Any) -> str | None:
+    """``full/uniform/2`` (granularity/method/layers), ``selective:core_attn,mlp``, or None."""
+    if recompute is None:
+        return None
+    if recompute.granularity == "selective":
+        return "selective:" + ",".join(recompute.modules)
+    return f"{recompute.granularity}/{recompute.method}/{recompute.num_layers}"
+
+
+def peft_summary(peft: Any) -> str | None:
+    """``frozen``, ``lora:r8:linear_qkv,linear_proj``, ``frozen+lora:...``, or None."""
+    if peft is None:
+        return None
+    parts = ["frozen"] if peft.frozen else []
+    if peft.lora_rank is not None:
+        parts.append(f"lora:r{peft.lora_rank}:" + ",".join(peft.lora_targets))
+    return "+".join(parts) or None
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
