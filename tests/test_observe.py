@@ -434,3 +434,28 @@ def test_static_accounting_leaves_the_forward_step_untouched(mlm):
     assert megatron_lm.maybe_install_from_args(parser.parse_args([])) is False
     _train_mlm(mlm, iterator, num_iterations=1, forward_step=forward_step)
     assert seen == [iterator, iterator] and not _hooks.is_wrapped(mlm.train_step)
+
+
+def test_a_dit_session_traces_and_aborts(tmp_path):
+    # The session with a DiT tracker: the trace header reads its spec and conventions; an aborted
+    # step leaves nothing behind; nothing is observed (a DiT tracker records explicitly).
+    from megatron_flops.dit import DiTSpec
+    from megatron_flops.dit_tracker import DiTFlopsTracker
+
+    spec = DiTSpec(num_layers=1, hidden_size=8, num_heads=2, ffn_hidden_size=8)
+    session = install_session(DiTFlopsTracker(spec), world_size=1, peak_flops_per_s=10**15,
+                              trace=tmp_path / "dit.jsonl", framework="demo")
+    assert not session.observing(CHUNK)
+    session.begin_step()
+    record(video_seqlens=[4, 6])
+    session.abort_step()
+    session.begin_step()
+    record(video_seqlens=[4])
+    clean = session.end_step(elapsed_s=1.0)
+    uninstall_session()
+    header, step = _lines(tmp_path / "dit.jsonl")
+    assert header["run"]["framework"] == "demo" and header["run"]["conventions"]["attention"] == "full"
+    assert header["run"]["model"]["hidden_size"] == 8
+    # Only the second step's one clip of 4 video tokens.
+    assert (clean.num_tokens, clean.num_microbatches, clean.ok) == (4, 1, True)
+    assert (step["num_tokens"], step["flops"]) == (4, clean.flops)
