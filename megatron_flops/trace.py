@@ -120,8 +120,9 @@ def run_header(
 
 def spec_summary(spec: Any) -> dict[str, Any]:
     """A dataclass's fields as a flat JSON-safe mapping: nested dataclasses under dotted keys,
-    tuples as lists."""
-    out: dict[str, Any] = {}
+    tuples as lists; ``num_layers`` too where it is a property."""
+    num_layers = getattr(spec, "num_layers", None)
+    out: dict[str, Any] = {} if not isinstance(num_layers, int) else {"num_layers": num_layers}
     for field in dataclasses.fields(spec):
         value = getattr(spec, field.name)
         if dataclasses.is_dataclass(value):

@@ -352,7 +352,8 @@ def test_trace_lines_hold_the_exact_integers(mlm, tmp_path):
     run = header["run"]
     assert (run["format"], run["framework"], run["world_size"], run["warmup_iterations"]) == (
         "megatron-flops-trace/1", "custom", 1, 2)
-    assert run["model"]["hidden_size"] == 64 and run["model"]["layers"] == [["attention", "mlp"]]
+    assert run["model"]["hidden_size"] == 64 and run["model"]["num_layers"] == 1
+    assert run["model"]["layer_runs"] == [[["attention", "mlp"], 1]]
     assert run["conventions"] == {"attention": "causal", "model_flops": "needed", "recompute": None, "peft": None}
     assert run["peak_flops_per_s"] == 11_083_776_000_000 and run["started_at"].endswith("+00:00")
     # Each step: 2 packed rows (sub-sequences 4, 8, 4); the stock number from
