@@ -1,0 +1,61 @@
+"""What the real-framework tests share: skipping (or failing under CI) when a framework is not here,
+and the trace assertions (test-only)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from frameworks import envs
+from frameworks.procs import Rank
+
+T = TypeVar("T")
+TRACE_FIELDS = ("iteration", "flops", "executed_flops", "static_flops", "num_tokens", "num_padded_tokens",
+                "num_sequences", "num_microbatches")
+
+
+def require(make: Callable[[], T]) -> T:
+    """``make()``, or skip the test with the reason it cannot be had here; under CI (``CI`` set, as
+    ``.ci/run`` runs) a missing framework is a failure instead: CI has ``../shared`` and PyPI."""
+    try:
+        return make()
+    except envs.Unavailable as exc:
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"CI must run the real frameworks: {exc}")
+        pytest.skip(str(exc))
+
+
+def trace_supported() -> bool:
+    """Whether this checkout's package reads ``MEGATRON_FLOPS_TRACE`` (the per-step trace)."""
+    import megatron_flops
+
+    package = Path(megatron_flops.__file__).parent
+    return any("MEGATRON_FLOPS_TRACE" in path.read_text() for path in package.rglob("*.py"))
+
+
+def traces(ranks: list[Rank]) -> dict[int, list[dict]]:
+    """rank -> its trace lines, for every rank that wrote one. Without trace support in the adapters
+    (not on main yet) the test is marked xfail; with it, a run with no trace at all fails."""
+    found = {r.rank: lines for r in ranks if (lines := r.trace()) is not None}
+    if not found:
+        if not trace_supported():
+            pytest.xfail("the per-step trace (MEGATRON_FLOPS_TRACE / --flops-trace) is not in the adapters yet")
+        raise AssertionError("no rank wrote a trace although MEGATRON_FLOPS_TRACE was set on every rank")
+    return found
+
+
+def assert_trace(lines: list[dict], expected: list[dict[str, int]], *, world_size: int) -> None:
+    """A header ``{"run": {...}}`` with the world size, then one line per iteration whose integer
+    fields equal ``expected`` (and ``ok`` true)."""
+    header, steps = lines[0], lines[1:]
+    assert set(header) == {"run"}, header
+    assert header["run"]["format"] == "megatron-flops-trace/1"
+    assert header["run"]["world_size"] == world_size
+    got = [{key: step[key] for key in TRACE_FIELDS} for step in steps]
+    assert got == expected
+    assert all(step["ok"] is True for step in steps)
+    assert all(isinstance(step["elapsed_s"], float) and step["elapsed_s"] > 0 for step in steps)

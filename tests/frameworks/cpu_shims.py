@@ -1,0 +1,191 @@
+"""Test-only CPU shims for the real training loops: each one listed in ``tests/frameworks/SHIMS.md``.
+
+Applied only by ``rank_main.py`` inside a rank process started by a test, before the training
+script runs; never imported by the ``megatron_flops`` package. Each shim maps a CUDA call that
+megatron-core, Megatron-LM or Megatron-Bridge make unconditionally onto the CPU; none changes
+what is computed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.split(":")[0] == "cuda"
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """S1: ``device="cuda"`` arguments, ``Tensor.cuda()``, ``.to("cuda")`` and ``pin_memory()`` stay on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _noop_fn() -> Any:
+    """A distinct no-op per patched name (torch._dynamo rejects one function under two names)."""
+    return lambda *args, **kwargs: None
+
+
+class _Event:
+    """S3: ``torch.cuda.Event`` for timers: records nothing, measures 0 ms."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    record = synchronize = wait = _noop
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    """S3: ``torch.cuda.Stream``: the CPU has one stream; waiting on it is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    wait_stream = wait_event = synchronize = _noop
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _Event:
+        return _Event()
+
+
+def install_torch_cuda() -> None:
+    """S1-S3: the ``torch.cuda`` surface the training loops touch, answered for one CPU "device"."""
+    _CudaToCpu().__enter__()  # S1, for the life of the rank process
+    cuda = torch.cuda
+    cuda.device_count = lambda: 1  # S2: else Megatron skips model-parallel initialisation
+    cuda.current_device = lambda: "cpu"  # S2: p2p buffers, scratch buffers, RoPE
+    cuda.set_device = _noop_fn()
+    cuda.synchronize = _noop_fn()
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = _noop_fn()
+    cuda.manual_seed = _noop_fn()
+    cuda.manual_seed_all = _noop_fn()
+    cuda.Event = _Event  # S3
+    cuda.Stream = _Stream
+    cuda.current_stream = cuda.default_stream = lambda *a, **k: _Stream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.empty_cache = _noop_fn()
+
+
+def install_megatron_core() -> None:
+    """S4-S5: megatron-core's CUDA-only helpers (both 0.14.0 and 0.16.1)."""
+    import megatron.core.utils as mutils
+    from megatron.core.tensor_parallel import random as tp_random
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(tuple(tensor_shape), dtype=dtype)
+
+    mutils.GlobalMemoryBuffer.get_tensor = get_tensor  # S4: scratch buffers on the CPU
+
+    def tracker_add(self, name, seed):  # S5: the model-parallel RNG states are CPU generator states
+        if seed in self.seeds_ or name in self.states_:
+            raise Exception(f"RNG state {name} ({seed}) already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    tp_random.CudaRNGStatesTracker.add = tracker_add
+    tp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+    tp_random._set_cuda_rng_state = _noop
+
+
+def install_pipeline_sends() -> None:
+    """S10: pipeline sends hand gloo a copy. The schedules free a sent activation's storage right
+    after ``isend`` returns (``deallocate_pipeline_outputs``); NCCL has read it by then on its
+    stream, gloo may not have (intermittent NaN loss under PP2 x VPP2 otherwise)."""
+    import torch.distributed as dist
+
+    stock = dist.isend
+
+    def isend(tensor, *args: Any, **kwargs: Any):
+        return stock(tensor.detach().clone(), *args, **kwargs)
+
+    dist.isend = isend
+
+
+def install_megatron_lm() -> None:
+    """S6-S7: Megatron-LM's start-up on a machine without CUDA (core_v0.14.0 and core_v0.16.1)."""
+    import megatron.core.datasets.utils as dataset_utils
+    import megatron.legacy.fused_kernels as fused_kernels
+    import megatron.training.arguments as arguments
+    import megatron.training.training as training
+
+    stock = training.initialize_megatron
+
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:  # S6: its own CPU switch
+        return stock(*args, **{**kwargs, "allow_no_cuda": True})
+
+    training.initialize_megatron = initialize_megatron
+    # The argument checks read the GPU architecture when TP > 1: 9 (Hopper), whose
+    # CUDA_DEVICE_MAX_CONNECTIONS=1 requirement procs.launch meets.
+    arguments.get_device_arch_version = lambda: 9
+    fused_kernels.load = _noop  # S7: no CUDA kernels to build;
+    dataset_utils.compile_helpers = _noop  # the wheel ships the built dataset helpers (no Makefile)
+
+
+def install_thd_attention() -> None:
+    """S8: packed (THD) rows through megatron-core's local ``DotProductAttention``, which asserts
+    ``packed_seq_params is None`` (Transformer Engine's attention handles THD on a GPU).
+
+    Each sub-sequence of ``cu_seqlens`` (``cu_seqlens_q_padded`` when given, as Transformer
+    Engine reads it) runs through the unchanged local attention as its own sequence of batch 1,
+    with the caller's mask type (causal for GPT): what a THD kernel computes. Tokens past the
+    last offset attend to nothing (zeros, as in Transformer Engine).
+    """
+    from megatron.core.transformer import dot_product_attention as dpa
+
+    stock = dpa.DotProductAttention.forward
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            return stock(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                         attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        offsets = cu.reshape(-1).tolist()
+        parts = [
+            stock(self, query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1), None,
+                  attn_mask_type=attn_mask_type, attention_bias=attention_bias)
+            for a, b in zip(offsets, offsets[1:]) if b > a
+        ]
+        tail = query.shape[0] - offsets[-1]
+        if tail:
+            parts.append(parts[0].new_zeros((tail, *parts[0].shape[1:])))
+        return torch.cat(parts)  # [t, 1, heads x head dim]; the caller reshapes it
+
+    dpa.DotProductAttention.forward = forward
+
+    import megatron.core.utils as mutils
+
+    stock_thd_batch = mutils.get_thd_batch_on_this_cp_rank
+
+    def get_thd_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, *args, **kwargs):
+        # S9: pretrain_gpt passes the collated offsets, [1, n + 1]; megatron-core's unfused THD RoPE
+        # (the one that runs without Transformer Engine) indexes them as 1-D.
+        flat = [None if cu is None else cu.reshape(-1) for cu in (cu_seqlens, cu_seqlens_padded)]
+        return stock_thd_batch(batch, *flat, max_seqlen, *args, **kwargs)
+
+    mutils.get_thd_batch_on_this_cp_rank = get_thd_batch_on_this_cp_rank

@@ -1,0 +1,128 @@
+"""The Python environments the real-framework tests run in, made on first use and cached (test-only).
+
+- ``megatron-lm-0.16.1``: the test environment itself (``pip install -e ".[test]"`` brings
+  megatron-core 0.16.1 and what Megatron-LM's training package imports).
+- ``megatron-lm-0.14.0`` and ``megatron-bridge-0.3.1``: virtual environments of their own (their
+  pins clash with the test extra: megatron-core 0.14.0; ``transformers<5``), created by
+  ``ensure()`` under ``.venvs/`` in the repository (git-ignored; ``MEGATRON_FLOPS_TEST_VENVS``
+  moves it) and reused while their requirement list is unchanged. ``megatron_flops`` itself is
+  not installed there: the ranks import it from the repository (``PYTHONPATH``).
+
+Creating one takes a few minutes (torch comes from the local wheel); a second run reuses it.
+A failed creation is reported as the reason to skip (or to fail, under CI).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+UPSTREAM = REPO.parent / "shared" / "upstream" / "megatron-lm"
+TORCH = "torch==2.13.0"
+# What Megatron-LM's training package imports beyond megatron-core (both snapshots).
+MEGATRON_LM_DEPS = ("six", "regex", "einops", "tqdm", "pyyaml", "pydantic", "triton==3.9.0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Env:
+    name: str
+    python: Path
+    pythonpath: tuple[Path, ...] = ()  # before site-packages (the Megatron-LM snapshot)
+
+
+# name -> pip install steps (each one `pip install` call); --no-deps steps pin everything themselves.
+VENVS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "megatron-lm-0.14.0": ((TORCH,), ("megatron-core==0.14.0", *MEGATRON_LM_DEPS)),
+    "megatron-bridge-0.3.1": (
+        (TORCH,),
+        # Megatron-Bridge's own pins ask for Transformer Engine (CUDA only): install it alone,
+        # then what it imports on the pretrain() and vlm_step paths.
+        ("--no-deps", "megatron-bridge==0.3.1"),
+        ("megatron-core==0.16.1", "transformers>=4.57,<5", "datasets", "omegaconf", "hydra-core>=1.3,<1.4",
+         "tensorboard", "rich", "accelerate", "nvidia-modelopt==0.47.0",
+         "nvidia-resiliency-ext==0.4.1", *MEGATRON_LM_DEPS),
+    ),
+}
+
+
+class Unavailable(Exception):
+    """The environment cannot be had here; the message says why (a test skips with it)."""
+
+
+def snapshot(version: str) -> Path:
+    """The unmodified Megatron-LM training package at ``core_v{version}`` (``../shared``)."""
+    path = UPSTREAM / f"core_v{version}"
+    if not (path / "pretrain_gpt.py").is_file():
+        raise Unavailable(f"the Megatron-LM snapshot {path} is not here (CI and the developers have ../shared)")
+    return path
+
+
+def megatron_lm(version: str) -> Env:
+    """The environment for Megatron-LM ``core_v{version}`` with its snapshot on ``PYTHONPATH``."""
+    tree = snapshot(version)
+    if version == "0.16.1":
+        _check_here(("megatron.core", "0.16.1"), *MEGATRON_LM_DEPS)
+        return Env(name=f"megatron-lm-{version}", python=Path(sys.executable), pythonpath=(tree,))
+    return Env(name=f"megatron-lm-{version}", python=ensure(f"megatron-lm-{version}"), pythonpath=(tree,))
+
+
+def megatron_bridge() -> Env:
+    return Env(name="megatron-bridge-0.3.1", python=ensure("megatron-bridge-0.3.1"))
+
+
+def _check_here(core: tuple[str, str], *requirements: str) -> None:
+    from importlib import metadata
+
+    missing = []
+    for requirement in requirements:
+        name = requirement.split("==")[0]
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+    try:
+        if metadata.version("megatron-core") != core[1]:
+            missing.append(f"megatron-core=={core[1]}")
+    except metadata.PackageNotFoundError:
+        missing.append(f"megatron-core=={core[1]}")
+    if missing:
+        raise Unavailable(f"not installed in this environment: {', '.join(missing)} (pip install -e '.[test]')")
+
+
+def root() -> Path:
+    return Path(os.environ.get("MEGATRON_FLOPS_TEST_VENVS") or REPO / ".venvs")
+
+
+def ensure(name: str) -> Path:
+    """The python of venv ``name``, created (under a file lock) unless a complete one with the same
+    requirements exists. Raises ``Unavailable`` with pip's last lines when it cannot be made."""
+    steps = VENVS[name]
+    stamp_text = repr(steps)
+    venv = root() / name
+    python = venv / "bin" / "python"
+    stamp = venv / ".megatron-flops-requirements"
+    root().mkdir(parents=True, exist_ok=True)
+    with open(root() / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one creator at a time (pytest runs in parallel worktrees)
+        if stamp.is_file() and stamp.read_text() == stamp_text and python.is_file():
+            return python
+        log = root() / f"{name}.log"
+        with open(log, "w") as out:
+            commands = [[sys.executable, "-m", "venv", "--clear", str(venv)]]
+            commands += [[str(python), "-m", "pip", "install", "-q", *step] for step in steps]
+            for command in commands:
+                out.write("$ " + " ".join(command) + "\n")
+                out.flush()
+                done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      timeout=1800)
+                if done.returncode != 0:
+                    tail = log.read_text().splitlines()[-8:]
+                    raise Unavailable(f"could not create the {name} venv ({' '.join(command[3:])} failed; "
+                                      f"log {log}):\n" + "\n".join(tail))
+        stamp.write_text(stamp_text)
+        return python

@@ -1,0 +1,102 @@
+"""Start the ranks of one real training run as local processes, with a bounded wait (test-only).
+
+Each rank is ``python tests/frameworks/rank_main.py ARGS`` with the torch.distributed environment
+variables set (gloo on 127.0.0.1), one thread, its own output file and its own trace file
+(``MEGATRON_FLOPS_TRACE``). A run that exceeds its timeout, or whose rank fails, has every rank
+still running killed by its process group (each rank is started in a new session), so a test
+never hangs and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RANK_MAIN = Path(__file__).with_name("rank_main.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rank:
+    rank: int
+    returncode: int | None  # None: killed at the timeout
+    output: str
+    trace_path: Path
+
+    def trace(self) -> list[dict] | None:
+        """The rank's trace lines (parsed), or None when it wrote no trace."""
+        if not self.trace_path.exists():
+            return None
+        return [json.loads(line) for line in self.trace_path.read_text().splitlines() if line.strip()]
+
+
+class RunFailed(AssertionError):
+    def __init__(self, message: str, ranks: list[Rank]) -> None:
+        tails = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-4000:]}" for r in ranks)
+        super().__init__(f"{message}\n{tails}")
+        self.ranks = ranks
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(python: str | Path, rank_args: list[str], *, world_size: int, workdir: Path, timeout_s: float,
+           pythonpath: list[Path] = (), env: dict[str, str] | None = None) -> list[Rank]:
+    """Run ``world_size`` ranks of ``rank_main.py rank_args`` under ``python``; their results in
+    rank order. Raises ``RunFailed`` (with each rank's output tail) when a rank fails or the run
+    times out."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    base = {**os.environ, **(env or {})}
+    base.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+        TORCHDYNAMO_DISABLE="1",
+        PYTHONPATH=os.pathsep.join(str(p) for p in [REPO, *pythonpath]),
+    )
+    base.pop("MEGATRON_FLOPS", None)  # each run says what it wants on its command line
+    procs, logs = [], []
+    for rank in range(world_size):
+        log = open(workdir / f"rank{rank}.log", "w+")
+        rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank),
+                        MEGATRON_FLOPS_TRACE=str(workdir / f"trace.rank{rank}.jsonl"))
+        procs.append(subprocess.Popen([str(python), str(RANK_MAIN), *rank_args], cwd=workdir, env=rank_env,
+                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True))
+        logs.append(log)
+    deadline = time.monotonic() + timeout_s
+    failed = timed_out = False
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                failed = True  # a peer is gone: the others would wait for it until their timeout
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the rank's own session: it and its children
+                p.wait()
+    ranks = []
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        ranks.append(Rank(rank=rank, returncode=None if timed_out and p.returncode < 0 else p.returncode,
+                          output=log.read(), trace_path=workdir / f"trace.rank{rank}.jsonl"))
+        log.close()
+    if timed_out:
+        raise RunFailed(f"the run did not finish within {timeout_s:.0f} s", ranks)
+    if failed or any(r.returncode != 0 for r in ranks):
+        raise RunFailed("a rank failed", ranks)
+    return ranks

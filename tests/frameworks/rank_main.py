@@ -1,0 +1,43 @@
+"""One rank of a real training run on CPU (test-only entry point, started by ``procs.launch``).
+
+    python tests/frameworks/rank_main.py megatron-lm [--packed SEED] -- LAUNCH_ARGS... pretrain_gpt.py ARGS...
+
+applies the CPU shims (``cpu_shims``), optionally swaps the mock dataset for packed rows with known
+document lengths (``data``), then hands over to ``python -m megatron_flops.launch LAUNCH_ARGS...``,
+which runs the stock, unmodified script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+
+from frameworks import cpu_shims  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("framework", choices=("megatron-lm",))
+    parser.add_argument("--packed", type=int, default=None, help="packed rows from this seed (data.PackedRows)")
+    argv = sys.argv[1:]
+    split = argv.index("--")
+    options, rest = parser.parse_args(argv[:split]), argv[split + 1:]
+    cpu_shims.install_torch_cuda()
+    cpu_shims.install_megatron_core()
+    cpu_shims.install_pipeline_sends()
+    cpu_shims.install_megatron_lm()
+    if options.packed is not None:
+        from frameworks import data
+
+        data.install_packed_mock_dataset(options.packed)
+        cpu_shims.install_thd_attention()
+    from megatron_flops import launch
+
+    launch.main(rest)
+
+
+if __name__ == "__main__":
+    main()

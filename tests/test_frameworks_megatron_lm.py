@@ -1,0 +1,71 @@
+"""Megatron-LM's stock ``pretrain_gpt.py``, unmodified, trained on CPU in local gloo processes with
+``python -m megatron_flops.launch --flops-accounting corrected`` (the flag only: no edit to
+``forward_step``).
+
+core_v0.16.1 (snapshot in ``../shared``, megatron-core 0.16.1 from the test extra): 1 process,
+TP2, PP2 x VPP2 x DP2, and packed rows (``cu_seqlens`` from a dataset with known document
+lengths) in 1 process and under PP2 x VPP2 x DP2. core_v0.14.0 (its own venv, megatron-core
+0.14.0): 1 process, TP2, PP2 x VPP2 x DP2; its ``pretrain_gpt.py`` has no packed-sequence path.
+
+Expected numbers: ``frameworks.megatron_lm.expected_step`` (a closed form over the model's shapes
+and the dataset's document lengths). The CPU shims are listed in ``tests/frameworks/SHIMS.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from frameworks import checks, envs, procs
+from frameworks import megatron_lm as mlm
+
+pytestmark = pytest.mark.frameworks
+
+RUNS = [("0.16.1", name) for name in mlm.SCENARIOS] + [
+    ("0.14.0", name) for name in ("1proc", "tp2", "pp2-vpp2-dp2")
+]
+_DONE: dict[tuple[str, str], list[procs.Rank]] = {}
+
+
+@pytest.fixture(params=RUNS, ids=[f"{v}-{n}" for v, n in RUNS])
+def run(request, tmp_path_factory):
+    """(scenario, ranks) of one training run; each run happens once per session, shared by the tests."""
+    version, name = request.param
+    scenario = mlm.SCENARIOS[name]
+    if (version, name) not in _DONE:
+        env = checks.require(lambda: envs.megatron_lm(version))
+        _DONE[version, name] = procs.launch(
+            env.python, mlm.rank_args(scenario, envs.snapshot(version)), world_size=scenario.world_size,
+            workdir=tmp_path_factory.mktemp(f"megatron-lm-{version}-{name}"), timeout_s=420,
+            pythonpath=list(env.pythonpath),
+        )
+    return scenario, _DONE[version, name]
+
+
+def test_trains_and_logs_the_corrected_fields(run):
+    # The rank that prints the log (the last one) has one line per iteration with a finite loss,
+    # the stock throughput field and, beside it, the adapter's corrected one.
+    scenario, ranks = run
+    lines = mlm.log_lines(ranks[-1].output)
+    assert sorted(lines) == list(range(1, mlm.ITERATIONS + 1))
+    for fields in lines.values():
+        assert math.isfinite(float(fields["lm loss"]))
+        assert "throughput per GPU (TFLOP/s/GPU)" in fields
+        assert "corrected throughput per GPU (TFLOP/s/GPU)" in fields
+
+
+def test_trace_has_the_exact_flops_and_tokens(run):
+    scenario, ranks = run
+    expected = [mlm.expected_step(scenario, i) for i in range(1, mlm.ITERATIONS + 1)]
+    for rank, lines in checks.traces(ranks).items():
+        checks.assert_trace(lines, expected, world_size=scenario.world_size)
+
+
+def test_expected_numbers_are_independent_of_the_packing():
+    # The closed form's two halves, checked on hand-countable rows: one 64-token row, and the same
+    # 64 tokens as documents of 16 + 48 (attention 16^2 + 48^2 = 2560 pairs instead of 4096).
+    per_token = 6 * (4 * (4 * 64 * 64 + 2 * 64 * 256) + 64 * 4096)
+    assert mlm.per_token_flops() == per_token == 6_291_456
+    assert mlm.attention_flops(64 * 64) == 6 * 4 * 64 * 4096
+    assert mlm.attention_flops(16 * 16 + 48 * 48) == 6 * 4 * 64 * 2560
