@@ -116,13 +116,14 @@ def install_pipeline_sends() -> None:
     after ``isend`` returns (``deallocate_pipeline_outputs``); NCCL has read it by then on its
     stream, gloo may not have (intermittent NaN loss under PP2 x VPP2 otherwise)."""
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
 
-    stock = dist.isend
+    stock = c10d.isend
 
     def isend(tensor, *args: Any, **kwargs: Any):
         return stock(tensor.detach().clone(), *args, **kwargs)
 
-    dist.isend = isend
+    dist.isend = c10d.isend = isend  # both names: batched P2POp checks its op against c10d's
 
 
 def install_megatron_lm() -> None:
@@ -189,3 +190,46 @@ def install_thd_attention() -> None:
         return stock_thd_batch(batch, *flat, max_seqlen, *args, **kwargs)
 
     mutils.get_thd_batch_on_this_cp_rank = get_thd_batch_on_this_cp_rank
+
+
+def import_megatron_bridge() -> None:
+    """S11: import Megatron-Bridge with a stand-in ``transformer_engine`` present only while its two
+    PEFT modules that import it without a fallback (``peft/lora.py``, ``peft/lora_layers.py``, both
+    reached from ``training/config.py``) load. megatron-core is imported first, without it, so it
+    keeps its own non-TE paths; LoRA is not used by these tests."""
+    import sys
+    import types
+
+    import megatron.core.extensions.transformer_engine  # noqa: F401  (decides HAVE_TE=False)
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+
+    class _Missing(torch.nn.Module):
+        """A Transformer Engine class that the stand-in names but cannot provide."""
+
+    def stub(name: str) -> types.ModuleType:
+        module = types.ModuleType(name)
+        module.__getattr__ = lambda attr: _Missing if attr[:1].isupper() else stub(f"{name}.{attr}")
+        return module
+
+    names = ("transformer_engine", "transformer_engine.pytorch")
+    sys.modules.update({name: stub(name) for name in names})
+    sys.modules["transformer_engine"].pytorch = sys.modules["transformer_engine.pytorch"]
+    try:
+        import megatron.bridge.training.config  # noqa: F401
+    finally:
+        for name in names:
+            del sys.modules[name]
+
+
+def install_megatron_bridge() -> None:
+    """S12: Megatron-Bridge's start-up on a machine without CUDA (its own CPU switch, as S6)."""
+    import megatron.bridge.training.initialize as initialize
+    import megatron.bridge.training.setup as setup
+
+    initialize.compile_helpers = _noop_fn()  # S7, where Megatron-Bridge imported it
+    stock = setup.initialize_megatron
+
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        return stock(*args, **{**kwargs, "allow_no_cuda": True})
+
+    setup.initialize_megatron = initialize_megatron

@@ -20,7 +20,7 @@ from frameworks import cpu_shims  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("framework", choices=("megatron-lm",))
+    parser.add_argument("framework", choices=("megatron-lm", "megatron-bridge"))
     parser.add_argument("--packed", type=int, default=None, help="packed rows from this seed (data.PackedRows)")
     argv = sys.argv[1:]
     split = argv.index("--")
@@ -28,7 +28,12 @@ def main() -> None:
     cpu_shims.install_torch_cuda()
     cpu_shims.install_megatron_core()
     cpu_shims.install_pipeline_sends()
-    cpu_shims.install_megatron_lm()
+    if options.framework == "megatron-lm":
+        cpu_shims.install_megatron_lm()
+    else:
+        cpu_shims.import_megatron_bridge()
+        cpu_shims.install_megatron_bridge()
+        cpu_shims.install_thd_attention()
     if options.packed is not None:
         from frameworks import data
 
