@@ -48,8 +48,16 @@ SCENARIOS = {
         Scenario(name="pp2", world_size=2, pp=2, config_flag=True),
         Scenario(name="packed", micro_batch=1, global_batch=4, packed=True, pad_to_mult=4),
         Scenario(name="packed-pp2", world_size=2, pp=2, micro_batch=1, global_batch=4, packed=True),
+        Scenario(name="vlm", global_batch=4, vlm=True),
+        Scenario(name="vlm-packed", global_batch=4, vlm=True, packed=True),
     )
 }
+# Model settings for the CPU: fp32, local layers' unfused paths, no dropout.
+CPU_MODEL_SETTINGS = dict(
+    bf16=False, fp16=False, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+    masked_softmax_fusion=False, cross_entropy_loss_fusion=False, gradient_accumulation_fusion=False,
+    bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+)
 
 
 # ---- the packed dataset: documents of known lengths ----------------------------------------------
@@ -110,15 +118,20 @@ def config(s: Scenario):
         MockGPTDatasetConfig, OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig, TrainingConfig,
     )
 
-    model = GPTModelProvider(
-        num_layers=mlm.LAYERS, hidden_size=mlm.HIDDEN, num_attention_heads=mlm.HEADS, ffn_hidden_size=mlm.FFN,
-        seq_length=SEQ, vocab_size=VOCAB, position_embedding_type="rope", transformer_layer_spec=local_layer_spec,
-        pipeline_model_parallel_size=s.pp, pipeline_dtype=None, bf16=False, fp16=False,
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        masked_softmax_fusion=False, cross_entropy_loss_fusion=False, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-    )
-    if s.packed:
+    if s.vlm:
+        from frameworks import vlm
+
+        model, dataset = vlm.model_provider(s), vlm.dataset_provider(s)
+    else:
+        model = GPTModelProvider(
+            num_layers=mlm.LAYERS, hidden_size=mlm.HIDDEN, num_attention_heads=mlm.HEADS, ffn_hidden_size=mlm.FFN,
+            seq_length=SEQ, vocab_size=VOCAB, position_embedding_type="rope", transformer_layer_spec=local_layer_spec,
+            **CPU_MODEL_SETTINGS,
+        )
+    model.pipeline_model_parallel_size = s.pp
+    if s.vlm:
+        pass
+    elif s.packed:
         dataset = packed_dataset_provider(s)
     else:
         dataset = MockGPTDatasetConfig(

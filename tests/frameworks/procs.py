@@ -49,21 +49,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_env(pythonpath: list[Path] = (), env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a framework process: the repository (and ``pythonpath``) importable, one
+    thread, and no ``MEGATRON_FLOPS*`` inherited (each run says what it wants). E1: torch.compile
+    off (megatron-core compiles a few element-wise fusions; on a CPU that builds C++ per process)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_FLOPS")}
+    base.update(env or {})
+    base.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1", TORCHDYNAMO_DISABLE="1",
+                PYTHONPATH=os.pathsep.join(str(p) for p in [REPO, REPO / "tests", *pythonpath]))
+    return base
+
+
 def launch(python: str | Path, rank_args: list[str], *, world_size: int, workdir: Path, timeout_s: float,
            pythonpath: list[Path] = (), env: dict[str, str] | None = None) -> list[Rank]:
     """Run ``world_size`` ranks of ``rank_main.py rank_args`` under ``python``; their results in
     rank order. Raises ``RunFailed`` (with each rank's output tail) when a rank fails or the run
     times out."""
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    base = {**os.environ, **(env or {})}
-    base.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
-        TORCHDYNAMO_DISABLE="1",
-        PYTHONPATH=os.pathsep.join(str(p) for p in [REPO, *pythonpath]),
-    )
-    base.pop("MEGATRON_FLOPS", None)  # each run says what it wants on its command line
+    base = child_env(pythonpath, env)
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size))
     procs, logs = [], []
     for rank in range(world_size):
         log = open(workdir / f"rank{rank}.log", "w+")

@@ -1,0 +1,122 @@
+"""Megatron-Bridge 0.3.1 (PyPI, its own venv) ``pretrain()`` on CPU in local gloo processes, with the
+stock ``gpt_step.forward_step`` / ``vlm_step.forward_step`` and the flag only: the launcher
+(``python -m megatron_flops.launch --flops-accounting corrected``), or for PP2 the config route
+(``cfg.logger.flops_accounting = "corrected"`` + ``maybe_install_from_config(cfg)``).
+
+GPT: 1 process and PP2, unpacked (megatron-core's mock data) and packed (Megatron-Bridge's own
+``GPTSFTPackedDataset`` and collate function: ``cu_seqlens`` with the ``-1`` sentinel and
+``cu_seqlens_argmin``; with sub-sequence padding also ``cu_seqlens_unpadded``). VLM: a tiny
+``Qwen25VLModelProvider`` (Hugging Face vision tower) with images of different sizes, unpacked and
+with in-batch packing (``vlm_step`` builds ``cu_seqlens`` itself; THD with MRoPE runs here through
+the test's THD attention shim).
+
+Expected numbers: ``frameworks.bridge.expected_step`` and ``frameworks.vlm.expected_step`` (closed
+forms over the models' shapes and the datasets' known lengths and image grids).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pytest
+
+from frameworks import bridge, checks, envs, procs, vlm
+from frameworks import megatron_lm as mlm
+
+pytestmark = pytest.mark.frameworks
+
+SCRIPT = procs.REPO / "tests" / "frameworks" / "bridge_pretrain.py"
+_DONE: dict[str, list[procs.Rank]] = {}
+
+
+@pytest.fixture(params=sorted(bridge.SCENARIOS))
+def run(request, tmp_path_factory):
+    """(scenario, ranks) of one training run; each run happens once per session."""
+    scenario = bridge.SCENARIOS[request.param]
+    if scenario.name not in _DONE:
+        env = checks.require(envs.megatron_bridge)
+        script = [str(SCRIPT), scenario.name]
+        flag = [*script, "--config-flag"] if scenario.config_flag else ["--flops-accounting", "corrected", *script]
+        _DONE[scenario.name] = procs.launch(
+            env.python, ["megatron-bridge", "--", *flag], world_size=scenario.world_size,
+            workdir=tmp_path_factory.mktemp(f"megatron-bridge-{scenario.name}"), timeout_s=420,
+        )
+    return scenario, _DONE[scenario.name]
+
+
+def expected(scenario: bridge.Scenario) -> list[dict[str, int]]:
+    module = vlm if scenario.vlm else bridge
+    return [module.expected_step(scenario, i) for i in range(1, bridge.ITERATIONS + 1)]
+
+
+def test_trains_and_logs_the_corrected_fields(run):
+    scenario, ranks = run
+    lines = mlm.log_lines(ranks[-1].output)
+    assert sorted(lines) == list(range(1, bridge.ITERATIONS + 1))
+    for fields in lines.values():
+        assert math.isfinite(float(fields["lm loss"]))
+        assert "throughput per GPU (TFLOP/s/GPU)" in fields
+        assert "corrected throughput per GPU (TFLOP/s/GPU)" in fields
+
+
+def test_trace_has_the_exact_flops_and_tokens(run):
+    scenario, ranks = run
+    want = expected(scenario)
+    for rank, lines in checks.traces(ranks).items():
+        if scenario.vlm:  # the static number of a VLM is Megatron-Bridge's own (vision pricing), not derived here
+            lines = [lines[0]] + [{**line, "static_flops": None} for line in lines[1:]]
+            want = [{**step, "static_flops": None} for step in want]
+        checks.assert_trace(lines, want, world_size=scenario.world_size)
+
+
+# Collates the packed file's rows with Megatron-Bridge's own dataset class and prints their metadata.
+_COLLATE = """
+import json, sys
+from frameworks import bridge, cpu_shims
+cpu_shims.import_megatron_bridge()
+from megatron.bridge.data.datasets.sft import GPTSFTPackedDataset
+s = bridge.SCENARIOS[sys.argv[1]]
+bridge.write_packed_file(s, sys.argv[2], 8)
+tokenizer = type("T", (), {"eos_id": bridge.EOS})()
+ds = GPTSFTPackedDataset(sys.argv[2], tokenizer, max_seq_length=bridge.SEQ, pad_to_max_length=True,
+                         pad_seq_to_mult=s.pad_to_mult, prompt_template="{input} {output}", label_key="output",
+                         truncation_field="input")
+for i in range(8):
+    b = ds.collate_fn([ds[i]])
+    print(json.dumps({k: b[k][0].tolist() for k in ("cu_seqlens", "cu_seqlens_argmin", "cu_seqlens_unpadded") if k in b}))
+"""
+
+
+@pytest.mark.parametrize("name", ["packed", "packed-pp2"])
+def test_packed_file_carries_the_known_lengths(name, tmp_path):
+    # The expected numbers rest on the file meaning what packed_rows() says: Megatron-Bridge's collate
+    # function must give cu_seqlens (up to the -1 sentinel at argmin) over the padded documents and the
+    # empty tail, and cu_seqlens_unpadded over the real documents (the tail as an empty segment).
+    env = checks.require(envs.megatron_bridge)
+    scenario = bridge.SCENARIOS[name]
+    out = subprocess.run([str(env.python), "-c", _COLLATE, name, str(tmp_path / "rows.npy")], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path, env=procs.child_env([])).stdout
+    for docs, line in zip(bridge.packed_rows(scenario, 8), out.splitlines(), strict=True):
+        batch = json.loads(line)
+        (argmin,) = batch["cu_seqlens_argmin"]
+        cu = batch["cu_seqlens"]
+        assert cu[argmin:] == [-1] and min(cu) == -1
+        padded = [bridge.padded(scenario, n) for n in docs]
+        tail = [bridge.SEQ - sum(padded)] if sum(padded) < bridge.SEQ else []
+        assert [b - a for a, b in zip(cu[:argmin], cu[1:argmin])] == padded + tail
+        if scenario.pad_to_mult > 1:
+            unpadded = batch["cu_seqlens_unpadded"]
+            assert [b - a for a, b in zip(unpadded, unpadded[1:]) if b >= 0] == docs + [0] * len(tail)
+        else:
+            assert "cu_seqlens_unpadded" not in batch
+
+
+def test_vision_closed_form_on_hand_countable_grids():
+    # One 4x4-patch image (16 patches, 4 merged tokens): patch embedding 2 x 2*16*24*32 = 49,152;
+    # per block 2*16*(4*32^2 + 3*32*64) = 327,680 plus attention 2*2*16^2*32 = 32,768;
+    # merger 2*4*128*(128 + 64) = 196,608; total 49,152 + 3*(2*360,448 + 196,608) = 2,801,664.
+    assert vlm.vision_flops(1, 4, 4) == 2_801_664
+    # Two frames of the same image: twice the GEMMs, twice the per-frame attention.
+    assert vlm.vision_flops(2, 4, 4) == 2 * vlm.vision_flops(1, 4, 4)
