@@ -44,31 +44,14 @@ def _noop_fn() -> Any:
     return lambda *args, **kwargs: None
 
 
-class _Event:
-    """S3: ``torch.cuda.Event`` for timers: records nothing, measures 0 ms."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    record = synchronize = wait = _noop
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
-
-    def query(self) -> bool:
-        return True
-
-
 class _Stream:
-    """S3: ``torch.cuda.Stream``: the CPU has one stream; waiting on it is a no-op."""
+    """S3: ``torch.cuda.Stream`` (megatron-core's DDP starts on a side stream): the CPU has one
+    stream; waiting on it is a no-op."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     wait_stream = wait_event = synchronize = _noop
-
-    def record_event(self, *args: Any, **kwargs: Any) -> _Event:
-        return _Event()
 
 
 def install_torch_cuda() -> None:
@@ -78,16 +61,12 @@ def install_torch_cuda() -> None:
     cuda.device_count = lambda: 1  # S2: else Megatron skips model-parallel initialisation
     cuda.current_device = lambda: "cpu"  # S2: p2p buffers, scratch buffers, RoPE
     cuda.set_device = _noop_fn()
-    cuda.synchronize = _noop_fn()
-    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.synchronize = _noop_fn()  # S2: the schedules' batched p2p
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # S2: the rerun state machine's snapshot
     cuda.set_rng_state = _noop_fn()
-    cuda.manual_seed = _noop_fn()
-    cuda.manual_seed_all = _noop_fn()
-    cuda.Event = _Event  # S3
-    cuda.Stream = _Stream
-    cuda.current_stream = cuda.default_stream = lambda *a, **k: _Stream()
+    cuda.Stream = _Stream  # S3
+    cuda.current_stream = lambda *a, **k: _Stream()
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    cuda.empty_cache = _noop_fn()
 
 
 def install_megatron_core() -> None:
