@@ -68,7 +68,7 @@ def test_trace_has_the_exact_flops_and_tokens(run):
         if scenario.vlm:  # the static number of a VLM is Megatron-Bridge's own (vision pricing), not derived here
             lines = [lines[0]] + [{**line, "static_flops": None} for line in lines[1:]]
             want = [{**step, "static_flops": None} for step in want]
-        checks.assert_trace(lines, want, world_size=scenario.world_size)
+        checks.assert_trace(lines, want, framework="megatron-bridge", world_size=scenario.world_size)
 
 
 # Collates the packed file's rows with Megatron-Bridge's own dataset class and prints their metadata.

@@ -59,10 +59,10 @@ def test_trace_has_the_exact_flops_and_tokens(run):
     scenario, ranks = run
     expected = [mlm.expected_step(scenario, i) for i in range(1, mlm.ITERATIONS + 1)]
     for rank, lines in checks.traces(ranks).items():
-        checks.assert_trace(lines, expected, world_size=scenario.world_size)
+        checks.assert_trace(lines, expected, framework="megatron-lm", world_size=scenario.world_size)
 
 
-def test_expected_numbers_are_independent_of_the_packing():
+def test_closed_form_on_hand_countable_rows():
     # The closed form's two halves, checked on hand-countable rows: one 64-token row, and the same
     # 64 tokens as documents of 16 + 48 (attention 16^2 + 48^2 = 2560 pairs instead of 4096).
     per_token = 6 * (4 * (4 * 64 * 64 + 2 * 64 * 256) + 64 * 4096)

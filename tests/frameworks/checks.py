@@ -48,13 +48,13 @@ def traces(ranks: list[Rank]) -> dict[int, list[dict]]:
     return found
 
 
-def assert_trace(lines: list[dict], expected: list[dict[str, int]], *, world_size: int) -> None:
-    """A header ``{"run": {...}}`` with the world size, then one line per iteration whose integer
-    fields equal ``expected`` (and ``ok`` true)."""
+def assert_trace(lines: list[dict], expected: list[dict[str, int]], *, framework: str, world_size: int) -> None:
+    """A header ``{"run": {...}}`` naming the framework and the world size, then one line per
+    iteration whose integer fields equal ``expected`` (and ``ok`` true)."""
     header, steps = lines[0], lines[1:]
     assert set(header) == {"run"}, header
     assert header["run"]["format"] == "megatron-flops-trace/1"
-    assert header["run"]["world_size"] == world_size
+    assert (header["run"]["framework"], header["run"]["world_size"]) == (framework, world_size)
     got = [{key: step[key] for key in TRACE_FIELDS} for step in steps]
     assert got == expected
     assert all(step["ok"] is True for step in steps)

@@ -30,7 +30,6 @@ MEGATRON_LM_DEPS = ("six", "regex", "einops", "tqdm", "pyyaml", "pydantic", "tri
 
 @dataclass(frozen=True, kw_only=True)
 class Env:
-    name: str
     python: Path
     pythonpath: tuple[Path, ...] = ()  # before site-packages (the Megatron-LM snapshot)
 
@@ -67,12 +66,12 @@ def megatron_lm(version: str) -> Env:
     tree = snapshot(version)
     if version == "0.16.1":
         _check_here(("megatron.core", "0.16.1"), *MEGATRON_LM_DEPS)
-        return Env(name=f"megatron-lm-{version}", python=Path(sys.executable), pythonpath=(tree,))
-    return Env(name=f"megatron-lm-{version}", python=ensure(f"megatron-lm-{version}"), pythonpath=(tree,))
+        return Env(python=Path(sys.executable), pythonpath=(tree,))
+    return Env(python=ensure(f"megatron-lm-{version}"), pythonpath=(tree,))
 
 
 def megatron_bridge() -> Env:
-    return Env(name="megatron-bridge-0.3.1", python=ensure("megatron-bridge-0.3.1"))
+    return Env(python=ensure("megatron-bridge-0.3.1"))
 
 
 def _check_here(core: tuple[str, str], *requirements: str) -> None:

@@ -65,6 +65,7 @@ def script_args(s: Scenario) -> list[str]:
         "--micro-batch-size", s.micro_batch, "--global-batch-size", s.global_batch, "--train-iters", ITERATIONS,
         "--tensor-model-parallel-size", s.tp, "--pipeline-model-parallel-size", s.pp,
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", VOCAB_ARG, "--split", "100,0,0",
+        "--num-workers", 0,
         "--lr", "1e-4", "--min-lr", "1e-5", "--seed", 1234, "--log-interval", 1, "--log-throughput",
         "--eval-iters", 0, "--eval-interval", 1000,
         "--transformer-impl", "local", "--use-cpu-initialization", "--distributed-backend", "gloo",

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 @dataclass(frozen=True, kw_only=True)
 class Rank:
     rank: int
-    returncode: int | None  # None: killed at the timeout
+    returncode: int  # negative: killed (a signal), as after a timeout
     output: str
     trace_path: Path
 
@@ -49,24 +49,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(pythonpath: list[Path] = (), env: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(pythonpath: list[Path] = ()) -> dict[str, str]:
     """The environment of a framework process: the repository (and ``pythonpath``) importable, one
     thread, and no ``MEGATRON_FLOPS*`` inherited (each run says what it wants). E1: torch.compile
     off (megatron-core compiles a few element-wise fusions; on a CPU that builds C++ per process)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_FLOPS")}
-    base.update(env or {})
     base.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1", TORCHDYNAMO_DISABLE="1",
                 PYTHONPATH=os.pathsep.join(str(p) for p in [REPO, REPO / "tests", *pythonpath]))
     return base
 
 
 def launch(python: str | Path, rank_args: list[str], *, world_size: int, workdir: Path, timeout_s: float,
-           pythonpath: list[Path] = (), env: dict[str, str] | None = None) -> list[Rank]:
+           pythonpath: list[Path] = ()) -> list[Rank]:
     """Run ``world_size`` ranks of ``rank_main.py rank_args`` under ``python``; their results in
     rank order. Raises ``RunFailed`` (with each rank's output tail) when a rank fails or the run
     times out."""
     workdir.mkdir(parents=True, exist_ok=True)
-    base = child_env(pythonpath, env)
+    base = child_env(pythonpath)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size))
     procs, logs = [], []
@@ -79,12 +78,11 @@ def launch(python: str | Path, rank_args: list[str], *, world_size: int, workdir
                                       start_new_session=True))
         logs.append(log)
     deadline = time.monotonic() + timeout_s
-    failed = timed_out = False
+    timed_out = False
     try:
         while any(p.poll() is None for p in procs):
             if any(p.returncode not in (None, 0) for p in procs):
-                failed = True  # a peer is gone: the others would wait for it until their timeout
-                break
+                break  # a peer is gone: the others would wait for it until their timeout
             if time.monotonic() > deadline:
                 timed_out = True
                 break
@@ -97,11 +95,11 @@ def launch(python: str | Path, rank_args: list[str], *, world_size: int, workdir
     ranks = []
     for rank, (p, log) in enumerate(zip(procs, logs)):
         log.seek(0)
-        ranks.append(Rank(rank=rank, returncode=None if timed_out and p.returncode < 0 else p.returncode,
-                          output=log.read(), trace_path=workdir / f"trace.rank{rank}.jsonl"))
+        ranks.append(Rank(rank=rank, returncode=p.returncode, output=log.read(),
+                          trace_path=workdir / f"trace.rank{rank}.jsonl"))
         log.close()
     if timed_out:
         raise RunFailed(f"the run did not finish within {timeout_s:.0f} s", ranks)
-    if failed or any(r.returncode != 0 for r in ranks):
+    if any(r.returncode != 0 for r in ranks):
         raise RunFailed("a rank failed", ranks)
     return ranks

@@ -1,6 +1,7 @@
 """One rank of a real training run on CPU (test-only entry point, started by ``procs.launch``).
 
     python tests/frameworks/rank_main.py megatron-lm [--packed SEED] -- LAUNCH_ARGS... pretrain_gpt.py ARGS...
+    python tests/frameworks/rank_main.py megatron-bridge -- LAUNCH_ARGS... bridge_pretrain.py SCENARIO
 
 applies the CPU shims (``cpu_shims``), optionally swaps the mock dataset for packed rows with known
 document lengths (``data``), then hands over to ``python -m megatron_flops.launch LAUNCH_ARGS...``,
@@ -21,7 +22,7 @@ from frameworks import cpu_shims  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("framework", choices=("megatron-lm", "megatron-bridge"))
-    parser.add_argument("--packed", type=int, default=None, help="packed rows from this seed (data.PackedRows)")
+    parser.add_argument("--packed", type=int, default=None, help="packed rows from this seed (data.install_packed_mock_dataset)")
     argv = sys.argv[1:]
     split = argv.index("--")
     options, rest = parser.parse_args(argv[:split]), argv[split + 1:]
