@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -29,22 +28,11 @@ def require(make: Callable[[], T]) -> T:
         pytest.skip(str(exc))
 
 
-def trace_supported() -> bool:
-    """Whether this checkout's package reads ``MEGATRON_FLOPS_TRACE`` (the per-step trace)."""
-    import megatron_flops
-
-    package = Path(megatron_flops.__file__).parent
-    return any("MEGATRON_FLOPS_TRACE" in path.read_text() for path in package.rglob("*.py"))
-
-
 def traces(ranks: list[Rank]) -> dict[int, list[dict]]:
-    """rank -> its trace lines, for every rank that wrote one. Without trace support in the adapters
-    (not on main yet) the test is marked xfail; with it, a run with no trace at all fails."""
+    """rank -> its trace lines, for every rank that wrote one (the rank that prints the log must)."""
     found = {r.rank: lines for r in ranks if (lines := r.trace()) is not None}
-    if not found:
-        if not trace_supported():
-            pytest.xfail("the per-step trace (MEGATRON_FLOPS_TRACE / --flops-trace) is not in the adapters yet")
-        raise AssertionError("no rank wrote a trace although MEGATRON_FLOPS_TRACE was set on every rank")
+    assert found, "no rank wrote a trace although MEGATRON_FLOPS_TRACE was set on every rank"
+    assert len(ranks) - 1 in found, "the last rank (it prints the log) wrote no trace"
     return found
 
 
