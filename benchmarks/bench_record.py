@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_flops import tracker as tracker_module
+from megatron_flops import batch_checks
 from megatron_flops.adapters._observe import BatchReader, ObservedIterator
 from megatron_flops.session import install_session, uninstall_session
 from megatron_flops.spec import ModelSpec
@@ -117,20 +117,20 @@ def main() -> None:
         best: dict[str, tuple[float, float]] = {}
         for _ in range(REPEATS):
             for path, (call, settle, host_types) in paths.items():
-                tracker_module.HOST_DEVICE_TYPES = host_types
+                batch_checks.HOST_DEVICE_TYPES = host_types
                 per_call, total = _time_steps(call, settle, micro_batches)
                 old = best.get(path, (float("inf"), float("inf")))
                 best[path] = (min(old[0], per_call), min(old[1], total))
         ref = best["reference"][1]
         for path, (call, settle, host_types) in paths.items():
-            tracker_module.HOST_DEVICE_TYPES = host_types
+            batch_checks.HOST_DEVICE_TYPES = host_types
             kernels = _kernels(call)
             for _ in range(micro_batches - 1):
                 call()
             ops = "-" if path == "reference" else str(len(_kernels(settle)))
             per_call, total = best[path]
             print(f"| {name} | {path} | {per_call:.1f} | {total:.1f} | {total / ref:.2f} | {_describe(kernels)} | {ops} |")
-        tracker_module.HOST_DEVICE_TYPES = frozenset({"cpu"})
+        batch_checks.HOST_DEVICE_TYPES = frozenset({"cpu"})
         uninstall_session()
 
 
@@ -140,8 +140,6 @@ def _paths(spec: ModelSpec, batch: dict) -> dict[str, tuple[Callable[[], None], 
     device, host = FlopsTracker(spec), FlopsTracker(spec)
     session = install_session(FlopsTracker(spec), world_size=1, peak_flops_per_s=10**15)
     session.begin_step()
-    chunk = object()
-    session.tracker._owners[id(chunk)] = (True, 1)  # the first stage's chunk: it owns its batches
     observed = ObservedIterator(itertools.repeat(batch), session, BatchReader())
     cpu = frozenset({"cpu"})
     return {

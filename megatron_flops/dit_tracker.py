@@ -22,19 +22,18 @@ latest exact step's.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megatron_flops.batch_checks import INT_DTYPES, on_host
 from megatron_flops.dit import DiTPeftSpec, DiTSpec, DiTStats
 from megatron_flops.dit_passes import price_dit
 from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec
-from megatron_flops.reduction import Reduction, StepReducer
 from megatron_flops.result import StepResult
-
-logger = logging.getLogger("megatron_flops")
+from megatron_flops.step_tracker import DeviceAccumulator, StepTracker
 
 # Slots of the accumulator and of the reduced vector. The nine from num_video_tokens through
 # num_bad_lengths are written by one add per device micro-batch, in this order.
@@ -55,15 +54,12 @@ SLOTS = (
 SHAPE_SLOTS = ("num_microbatches", "num_samples")
 _I = {name: i for i, name in enumerate(SLOTS)}
 _SUMS = slice(_I["num_video_tokens"], _I["num_bad_lengths"] + 1)
-_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
-# Tensors on these devices are read on the host (no device to sync with).
-_HOST_DEVICE_TYPES = frozenset({"cpu"})
 _STAT_SLOTS = tuple(DiTStats.__dataclass_fields__)
 
 Lengths = int | tuple[int, ...] | torch.Tensor
 
 
-class DiTFlopsTracker:
+class DiTFlopsTracker(StepTracker):
     """Accumulates the clip lengths of every micro-batch of a DiT and prices each step.
 
     Args:
@@ -90,27 +86,14 @@ class DiTFlopsTracker:
     ) -> None:
         if not isinstance(spec, DiTSpec):
             raise ValueError(f"DiTFlopsTracker needs a DiTSpec, got {type(spec).__name__}")
-        if convention not in MODEL_FLOPS_CONVENTIONS:
-            raise ValueError(f"convention must be one of {MODEL_FLOPS_CONVENTIONS}, got {convention!r}")
-        if seq_length is not None and (isinstance(seq_length, bool) or not isinstance(seq_length, int)
-                                       or seq_length <= 0):
-            raise ValueError(f"seq_length must be a positive integer, got {seq_length!r}")
         self.peft = None if peft is None else DiTPeftSpec.of(peft)
-        # Price an empty step once now: an impossible PEFT/recompute setup fails at set-up.
-        price_dit(spec, DiTStats(), peft=self.peft, recompute=recompute, convention=convention)
+        pricing = DiTPricing(spec=spec, peft=self.peft, recompute=recompute, convention=convention,
+                             seq_length=seq_length)
+        super().__init__(DeviceAccumulator(SLOTS), pricing, shape_slots=SHAPE_SLOTS, validate=validate, group=group)
         self.spec = spec
         self.recompute = recompute
         self.convention = convention
         self.seq_length = seq_length
-        self.validate = validate
-        self.group = group
-        self._acc: torch.Tensor | None = None
-        self._host = [0] * len(SLOTS)
-        self._failed = False
-        self._num_steps = 0
-        self._last_static: int | None = None
-        self._reducer = StepReducer(SLOTS, shape_slots=SHAPE_SLOTS, group=group)
-        self._warned: set[str] = set()
 
     # ---- per micro-batch ------------------------------------------------------------------
 
@@ -168,9 +151,9 @@ class DiTFlopsTracker:
     def _lengths(self, value: Any, name: str) -> Lengths:
         """An int or a tuple of ints (host values), or a 1-D int64 device tensor."""
         if isinstance(value, torch.Tensor):
-            if value.dtype not in _INT_DTYPES:
+            if value.dtype not in INT_DTYPES:
                 raise ValueError(f"{name} must hold integers, got {value.dtype}")
-            if value.device.type not in _HOST_DEVICE_TYPES:
+            if not on_host(value):
                 if self.validate:
                     _check_positive(value.tolist(), name)
                 return value.reshape(-1).to(torch.int64)
@@ -214,8 +197,7 @@ class DiTFlopsTracker:
             self._host[i] += value
 
     def _add_device(self, n: int, values: list[Lengths], device: torch.device) -> None:
-        if self._acc is None:
-            self._acc = torch.zeros(len(SLOTS), dtype=torch.int64, device=device)
+        acc = self._device.on(device)
         columns = [self._on_device(v, n, device) for v in values]
         lengths = torch.stack(columns)  # [2 or 3, n]
         video, text = columns[0], columns[1]
@@ -224,7 +206,7 @@ class DiTFlopsTracker:
         longest = video.max()
         static = torch.stack((n * longest, n * longest * longest))
         bad = (lengths <= 0).sum().reshape(1)
-        self._acc[_SUMS].add_(torch.cat((terms, static, bad)))
+        acc[_SUMS].add_(torch.cat((terms, static, bad)))
 
     @staticmethod
     def _on_device(value: Lengths, n: int, device: torch.device) -> torch.Tensor:
@@ -236,66 +218,40 @@ class DiTFlopsTracker:
         # From pinned memory the copy is asynchronous (from pageable memory it would sync).
         return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
-    # ---- per step ----------------------------------------------------------------------------
-
-    def end_step(self, *, step: int | None = None) -> StepResult:
-        """Reduce this step's statistics over all ranks and price them. Every rank must call it
-        once per step: it runs the step's one all-reduce whatever failed on this rank.
-
-        ``step``: the training iteration (see ``FlopsTracker.end_step``; default: the number of
-        ``end_step()`` calls). When the step cannot be priced exactly, every rank returns the
-        static number with ``ok=False`` and logs the reason once.
-        """
-        self._num_steps += 1
-        failed, self._failed = self._failed, False
+    def _token_slots(self) -> int:
         # NB: the host-known token counts bound the statistics of host lengths; a wrapped device
         # value shows as a negative statistic after the reduction.
         host = self._host
-        token_slots = max(host[_I["num_video_tokens"]], host[_I["num_text_tokens"]], host[_I["static_video_tokens"]])
-        reduction = self._reducer.reduce(self._acc, host, step=self._num_steps if step is None else step,
-                                         failed=failed, token_slots=token_slots)
-        self._reset()
-        if reduction.local_error is not None:
-            self._warn_once("this rank could not build its statistics vector", reduction.local_error)
-        return self._price(reduction, failed_here=failed)
+        return max(host[_I["num_video_tokens"]], host[_I["num_text_tokens"]], host[_I["static_video_tokens"]])
 
-    def discard_step(self) -> None:
-        """Drop everything recorded since the last ``end_step()``, without a collective (for a
-        step that raised; see ``Session.abort_step``)."""
-        self._failed = False
-        self._reset()
 
-    def _reset(self) -> None:
-        self._host = [0] * len(SLOTS)
-        if self._acc is not None:
-            try:
-                self._acc.zero_()
-            except Exception as exc:  # a fresh accumulator on the next record()
-                self._acc = None
-                self._warn_once("the accumulator could not be reset", exc)
+@dataclass(frozen=True, kw_only=True)
+class DiTPricing:
+    """How a DiT's step is priced (see ``DiTFlopsTracker``'s arguments). Raises ``ValueError``
+    for an unknown convention, a bad ``seq_length`` or an impossible setup."""
 
-    def _price(self, reduction: Reduction, *, failed_here: bool) -> StepResult:
-        shapes, totals, problem = reduction.shapes, reduction.totals, reduction.problem
-        if totals is not None:
-            problem = f"{totals['num_bad_lengths']} non-positive clip lengths" if totals["num_bad_lengths"] else None
-            if problem is None:
-                try:
-                    return self._exact(totals)
-                except Exception as exc:  # the same totals on every rank: every rank falls back
-                    problem = f"pricing failed ({type(exc).__name__}: {exc})"
-        if not failed_here:  # a rank that failed to record has said why already
-            self._warn_once("the step fell back to the static number", problem or "no totals")
-        static = self._static(shapes["num_samples"]) if shapes is not None and self.seq_length else None
-        static = static or self._last_static
-        if static is None:
-            self._warn_once("no static number is known for a failed step", "it reports 0 FLOPs with ok=False")
-        shapes = shapes or dict.fromkeys(SHAPE_SLOTS, 0)
-        return StepResult(flops=static or 0, executed_flops=static or 0, num_tokens=0, num_padded_tokens=0,
-                          num_sequences=shapes["num_samples"], sum_seqlen_squared=0,
-                          num_microbatches=shapes["num_microbatches"], static_flops=static, ok=False,
-                          fallback_reason=problem)
+    spec: DiTSpec
+    peft: DiTPeftSpec | None = None
+    recompute: RecomputeSpec | None = None
+    convention: str = "needed"
+    seq_length: int | None = None
 
-    def _exact(self, t: Mapping[str, int]) -> StepResult:
+    def __post_init__(self) -> None:
+        if self.convention not in MODEL_FLOPS_CONVENTIONS:
+            raise ValueError(f"convention must be one of {MODEL_FLOPS_CONVENTIONS}, got {self.convention!r}")
+        if self.seq_length is not None and (isinstance(self.seq_length, bool) or not isinstance(self.seq_length, int)
+                                            or self.seq_length <= 0):
+            raise ValueError(f"seq_length must be a positive integer, got {self.seq_length!r}")
+        # Price an empty step once now: an impossible PEFT/recompute setup fails at set-up.
+        price_dit(self.spec, DiTStats(), peft=self.peft, recompute=self.recompute, convention=self.convention)
+
+    def problem(self, totals: Mapping[str, int]) -> str | None:
+        """Non-positive clip lengths (counted on the device), or None."""
+        bad = totals["num_bad_lengths"]
+        return f"{bad} non-positive clip lengths" if bad else None
+
+    def exact(self, t: Mapping[str, int]) -> StepResult:
+        """Model and executed FLOPs of the step's clips."""
         stats = DiTStats(**{k: t[k] for k in _STAT_SLOTS})
         priced = price_dit(self.spec, stats, peft=self.peft, recompute=self.recompute, convention=self.convention)
         static = self._static(stats.num_samples, t["static_video_tokens"], t["static_video_seqlen_squared"])
@@ -311,23 +267,26 @@ class DiTFlopsTracker:
             static_flops=static,
         )
 
+    def static(self, shapes: Mapping[str, int]) -> int | None:
+        """With ``seq_length``, the static number of the step's samples (without it, the longest
+        clips it needs are no shape count: None)."""
+        return None if self.seq_length is None else self._static(shapes["num_samples"])
+
+    def fallback(self, shapes: Mapping[str, int] | None, static: int | None, problem: str | None) -> StepResult:
+        """The static number, with the step's sample and micro-batch counts."""
+        shapes = shapes or dict.fromkeys(SHAPE_SLOTS, 0)
+        return StepResult(flops=static or 0, executed_flops=static or 0, num_tokens=0, num_padded_tokens=0,
+                          num_sequences=shapes["num_samples"], sum_seqlen_squared=0,
+                          num_microbatches=shapes["num_microbatches"], static_flops=static, ok=False,
+                          fallback_reason=problem)
+
     def _static(self, num_samples: int, longest_tokens: int = 0, longest_squares: int = 0) -> int:
         """``seq_length`` video tokens per sample when set, else each micro-batch's longest clip."""
         if self.seq_length is not None:
             longest_tokens, longest_squares = num_samples * self.seq_length, num_samples * self.seq_length**2
         stats = DiTStats.full_context(self.spec, num_samples=num_samples, num_video_tokens=longest_tokens,
                                       sum_video_seqlen_squared=longest_squares)
-        static = price_dit(self.spec, stats, convention=self.convention).model.total
-        if static:
-            self._last_static = static
-        return static
-
-    def _warn_once(self, what: str, why: BaseException | str) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            if isinstance(why, BaseException):
-                why = f"{type(why).__name__}: {why}"
-            logger.warning("megatron-flops: %s (%s) (logged once)", what, why)
+        return price_dit(self.spec, stats, convention=self.convention).model.total
 
 
 def _check_positive(values: Any, name: str) -> None:

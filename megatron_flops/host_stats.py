@@ -13,6 +13,7 @@ in Python integers.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -47,52 +48,71 @@ class HostBatches:
         self.full_rows: dict[tuple[int, bool], int] = {}  # (length, counts as real) -> rows
         self.failed = False
         self.device_batches: list[dict[str, Any]] = []  # observed device tensors, for the device path
-        self.offsets: list[tuple[torch.Tensor, Any, int | None, bool, bool]] = []
+        self.whole_offsets: list[torch.Tensor] = []  # rows whole in both channels (the common case)
+        self.offsets: list[tuple[torch.Tensor, Any, int | None, bool, bool]] = []  # every other row
         self.lengths: list[torch.Tensor] = []
         self.grids: list[torch.Tensor] = []
+
+    def add_shape(self, num_rows: int, row_length: int) -> None:
+        """A micro-batch of ``num_rows`` rows of ``row_length`` token slots."""
+        counters = self.counters
+        counters["num_microbatches"] += 1
+        counters["num_rows"] += num_rows
+        counters["num_padded_tokens"] += num_rows * row_length
 
     def add_full_rows(self, num_rows: int, length: int, *, real: bool) -> None:
         """``num_rows`` sequences of ``length`` into the padded channel (and the real one)."""
         key = (length, real)
         self.full_rows[key] = self.full_rows.get(key, 0) + num_rows
 
+    def add_offsets(self, cu: torch.Tensor, argmin: Any, limit: int | None, *, real: bool, padded: bool) -> None:
+        """A row of offsets into the real and/or padded channel, trimmed to ``argmin`` entries (an
+        int or a one-element CPU tensor) and clipped to ``limit`` real tokens when given."""
+        if argmin is None and limit is None and real and padded:
+            self.whole_offsets.append(cu)
+        else:
+            self.offsets.append((cu, argmin, limit, real, padded))
+
     def settle(self) -> dict[str, int]:
         """The counters plus the sums over every kept tensor. Raises ``ValueError`` on values
         that no well-formed batch holds (decreasing offsets, negative lengths, bad grids)."""
-        totals = dict(self.counters)
+        totals = dict.fromkeys(REAL_SLOTS + PADDED_SLOTS, 0) | self.counters
         for (length, real), num_rows in self.full_rows.items():
             excess = 0 if self.window is None else max(length - self.window, 0)
             values = (length, length * length, excess, excess * excess)
             for names in (REAL_SLOTS, PADDED_SLOTS) if real else (PADDED_SLOTS,):
                 for name, value in zip(names, values):
-                    totals[name] = totals.get(name, 0) + num_rows * value
-        # [k, n] lengths, and per row the slot groups its sums go to.
-        blocks: list[tuple[np.ndarray, tuple[tuple[tuple[str, ...], ...], ...]]] = []
+                    totals[name] += num_rows * value
+        channels: list[tuple[np.ndarray, tuple[tuple[str, ...], ...]]] = []  # 1-D lengths, their slots
+        if self.whole_offsets:
+            lengths = _whole_lengths(self.whole_offsets)
+            totals["num_sequences"] += int(np.count_nonzero(lengths))
+            channels.append((lengths, (REAL_SLOTS, PADDED_SLOTS)))
         if self.offsets:
-            lengths, channels, num_sequences = self._offset_lengths()
-            blocks.append((lengths, channels))
-            totals["num_sequences"] += num_sequences
+            real, padded = self._trimmed_lengths()
+            totals["num_sequences"] += int(np.count_nonzero(real))
+            channels += [(real, (REAL_SLOTS,)), (padded, (PADDED_SLOTS,))]
         if self.lengths:
-            lengths = _flat(self.lengths).reshape(1, -1)
+            lengths = _flat(self.lengths)
             if lengths.size and lengths.min() < 0:
                 raise ValueError("seq_lengths must be non-negative")
-            blocks.append((lengths, ((REAL_SLOTS,),)))
-        for lengths, channels in blocks:
-            for row, groups in zip(self._sums(lengths), channels):
-                for names in groups:
-                    for name, value in zip(names, row):
-                        totals[name] = totals.get(name, 0) + value
+            channels.append((lengths, (REAL_SLOTS,)))
+        for lengths, groups in channels:
+            sums = self._sums(lengths)
+            for names in groups:
+                for name, value in zip(names, sums):
+                    totals[name] += value
         if self.grids:
             for name, value in zip(VISION_SLOTS, self._grid_sums()):
-                totals[f"vision/{name}"] = totals.get(f"vision/{name}", 0) + value
+                totals[f"vision/{name}"] = value
         return totals
 
-    def _offset_lengths(self) -> tuple[np.ndarray, tuple[tuple[tuple[str, ...], ...], ...], int]:
-        """The lengths of every offsets row as ``[k, n]`` rows (masked lengths 0), the slot groups
-        of each row, and the number of positive real lengths."""
+    def _trimmed_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """The real and the padded lengths of every trimmed, clipped or one-channel row, as two
+        1-D arrays of one length (a length dropped from a channel is 0 there)."""
         tensors, sizes, valid, limits, pending = [], [], [], [], []
-        mixed = limited = False  # mixed: a row is trimmed, clipped, or in one channel only
-        for i, (cu, argmin, limit, real, padded) in enumerate(self.offsets):
+        limited = False
+        for i, (cu, argmin, limit, _, _) in enumerate(self.offsets):
             size = cu.shape[-1]
             tensors.append(cu)
             sizes.append(size)
@@ -105,7 +125,6 @@ class HostBatches:
             else:
                 valid.append(argmin)
             limited = limited or limit is not None
-            mixed = mixed or argmin is not None or limited or not (real and padded)
         if pending:  # CPU argmin tensors, read in one go
             for (i, _), value in zip(pending, _flat([a for _, a in pending]).tolist()):
                 valid[i] = value
@@ -119,40 +138,29 @@ class HostBatches:
         if limited:
             flat = np.minimum(flat, np.repeat(limits, sizes))
         diffs = np.diff(flat)
-        if not mixed:  # every row whole in both channels: only the row boundaries are dropped
-            diffs[ends[:-1] - 1] = 0
-            lengths, channels = diffs.reshape(1, -1), ((REAL_SLOTS, PADDED_SLOTS),)
-        else:
-            # Diff i is kept in a channel when entries i and i + 1 are valid entries of one row in
-            # it: per row, (valid - 1) kept diffs, then its dropped sentinel entries and the
-            # boundary to the next row.
-            counts = [c for size, n in zip(sizes, valid) for c in (n - 1, size - n + 1)]
-            counts[-1] -= 1
-            flags = ([real for *_, real, _ in self.offsets], [padded for *_, padded in self.offsets])
-            pattern = np.array([[f for flag in row for f in (flag, False)] for row in flags], dtype=np.int64)
-            lengths = diffs * np.repeat(pattern, counts, axis=1)
-            channels = ((REAL_SLOTS,), (PADDED_SLOTS,))
+        # Diff i is kept in a channel when entries i and i + 1 are valid entries of one row in it:
+        # per row, (valid - 1) kept diffs, then its dropped sentinel entries and the boundary to
+        # the next row.
+        counts = [c for size, n in zip(sizes, valid) for c in (n - 1, size - n + 1)]
+        counts[-1] -= 1
+        flags = ([real for *_, real, _ in self.offsets], [padded for *_, padded in self.offsets])
+        pattern = np.array([[f for flag in row for f in (flag, False)] for row in flags], dtype=np.int64)
+        lengths = diffs * np.repeat(pattern, counts, axis=1)
         if lengths.min() < 0:
             raise ValueError("cu_seqlens must be non-decreasing")
-        return lengths, channels, int(np.count_nonzero(lengths[0]))
+        return lengths[0], lengths[1]
 
-    def _sums(self, lengths: np.ndarray) -> list[list[int]]:
-        """Per row of ``[k, n]`` lengths: [sum s, sum s^2, sum x, sum x^2] (x: the window excess)."""
-        sums = lengths.sum(axis=1)
-        if sums.size and int(sums.max()) > _SQUARE_SAFE:  # int64 squares could wrap: Python integers
-            rows = lengths.tolist()
-            excess = rows if self.window is None else [[max(v - self.window, 0) for v in row] for row in rows]
-            return [[sum(row), sum(v * v for v in row)] + ([0, 0] if self.window is None else
-                                                            [sum(x), sum(v * v for v in x)])
-                    for row, x in zip(rows, excess)]
-        if self.window is None and len(lengths) == 1:
-            row = lengths[0]
-            return [[int(sums[0]), int(row @ row), 0, 0]]
-        squares = np.einsum("ij,ij->i", lengths, lengths)
+    def _sums(self, lengths: np.ndarray) -> tuple[int, int, int, int]:
+        """[sum s, sum s^2, sum x, sum x^2] of 1-D non-negative lengths (x: the window excess)."""
+        total = int(lengths.sum())
+        if total > _SQUARE_SAFE:  # int64 squares could wrap: Python integers
+            values = lengths.tolist()
+            excess = [] if self.window is None else [max(v - self.window, 0) for v in values]
+            return total, sum(v * v for v in values), sum(excess), sum(x * x for x in excess)
         if self.window is None:
-            return [[s, q, 0, 0] for s, q in zip(sums.tolist(), squares.tolist())]
+            return total, int(lengths @ lengths), 0, 0
         excess = np.maximum(lengths - self.window, 0)
-        return np.stack((sums, squares, excess.sum(axis=1), np.einsum("ij,ij->i", excess, excess)), axis=1).tolist()
+        return total, int(lengths @ lengths), int(excess.sum()), int(excess @ excess)
 
     def _grid_sums(self) -> list[int]:
         assert self.vision is not None  # the tracker keeps grids only with a vision spec
@@ -162,6 +170,20 @@ class HostBatches:
         if bad[0] or bad[1]:
             raise ValueError(f"grid_thw rows must be positive with h and w multiples of {merge}")
         return vision_stats_tensor(self.vision, grids).tolist()
+
+
+def _whole_lengths(tensors: list[torch.Tensor]) -> np.ndarray:
+    """The lengths of rows of offsets, each whole, concatenated (a 0 between two rows)."""
+    flat = _flat(tensors)
+    starts = np.fromiter(itertools.accumulate([t.numel() for t in tensors[:-1]], initial=0), np.int64,
+                         len(tensors))
+    if np.count_nonzero(flat[starts]):
+        raise ValueError("cu_seqlens must start at 0")
+    lengths = flat[1:] - flat[:-1]
+    lengths[starts[1:] - 1] = 0  # from one row's last entry to the next row's first
+    if lengths.min() < 0:
+        raise ValueError("cu_seqlens must be non-decreasing")
+    return lengths
 
 
 def _flat(tensors: list[torch.Tensor]) -> np.ndarray:

@@ -18,6 +18,27 @@ import torch.distributed as dist
 GROUP_ATTRIBUTES = ("pg_collection", "model_comm_pgs")
 
 
+class ChunkOwners:
+    """Per model chunk: whether it records its micro-batches, and the context-parallel size
+    (``context_parallel_size`` when given, else the model's), read once per chunk."""
+
+    def __init__(self, context_parallel_size: int | None = None) -> None:
+        self.context_parallel_size = context_parallel_size
+        self._chunks: dict[int, tuple[bool, int]] = {}
+
+    def __call__(self, model: Any, vp_stage: int | None = None, owner: bool | None = None) -> tuple[bool, int]:
+        """(whether a micro-batch given to ``model`` counts, the context-parallel size). ``owner``
+        overrides the rule; without a model, the first virtual chunk (``vp_stage`` None or 0) owns."""
+        if owner is not None or model is None:
+            is_owner = owner if owner is not None else vp_stage in (None, 0)
+            return is_owner, self.context_parallel_size or 1
+        cached = self._chunks.get(id(model))
+        if cached is None:
+            is_owner, cp_size = chunk_ownership(model, vp_stage)
+            cached = self._chunks[id(model)] = (is_owner, self.context_parallel_size or cp_size)
+        return cached
+
+
 def unwrap(model: Any) -> Any:
     """The innermost module under DDP / Float16Module-style ``.module`` wrappers."""
     while hasattr(model, "module"):

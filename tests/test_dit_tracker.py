@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mcore_dist
-from megatron_flops import FlopsTracker, dit_tracker
+from megatron_flops import FlopsTracker, batch_checks
 from megatron_flops.dit import DiTPeftSpec, DiTSpec, DiTStats
 from megatron_flops.dit_passes import dit_recompute, dit_report, dit_setup, price_dit
 from megatron_flops.dit_tracker import DiTFlopsTracker
@@ -49,7 +49,7 @@ def _estimate(model: Path, video: list[int], text: list[int], *extra: str) -> di
 @pytest.fixture
 def device_path(monkeypatch):
     """CPU tensors take the device path (no host reads), as CUDA tensors do."""
-    monkeypatch.setattr(dit_tracker, "_HOST_DEVICE_TYPES", frozenset())
+    monkeypatch.setattr(batch_checks, "HOST_DEVICE_TYPES", frozenset())
 
 
 # ---- a step equals estimate -----------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_record_on_device_does_not_sync(device_path, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", no_tolist)
     tracker = DiTFlopsTracker(I2V, peft=DiTPeftSpec(frozen=True, lora_rank=2), recompute=dit_recompute(I2V))
     tracker.record(video_seqlens=torch.tensor([3]), text_seqlens=torch.tensor([2]))
-    acc = tracker._acc
+    acc = tracker._device.tensor
     ops = _Ops()
     with ops:
         tracker.record(video_seqlens=torch.tensor([12, 6]), text_seqlens=torch.tensor([5, 7]),
@@ -138,7 +138,7 @@ def test_record_on_device_does_not_sync(device_path, monkeypatch):
         tracker.record(video_seqlens=torch.tensor([4, 4, 9]), text_seqlens=7)
     assert ops.names and not any("_local_scalar_dense" in n or "nonzero" in n for n in ops.names)
     monkeypatch.undo()  # end_step reads the reduced vector: the one host sync of the step
-    assert tracker._acc is acc and tracker.end_step().ok
+    assert tracker._device.tensor is acc and tracker.end_step().ok
 
 
 # ---- bad input -------------------------------------------------------------------------------

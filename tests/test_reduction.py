@@ -98,7 +98,7 @@ def test_a_batch_dimension_of_one_is_not_malformed():
 def test_negative_statistics_fall_back(monkeypatch):
     # A malformed cu_seqlens that ends below 0 gives negative token counts: never priced. On the
     # device path (host tensors catch it earlier, as decreasing offsets) the reduction sees it.
-    monkeypatch.setattr("megatron_flops.tracker.HOST_DEVICE_TYPES", frozenset())
+    monkeypatch.setattr("megatron_flops.batch_checks.HOST_DEVICE_TYPES", frozenset())
     tracker = FlopsTracker(SPEC, seq_length=8)
     tracker.record(tokens=_tok(1, 8), cu_seqlens=torch.tensor([0, 4, -4]))
     r = tracker.end_step()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_flops import tracker as tracker_module
+from megatron_flops import batch_checks
 from megatron_flops.formulas import SeqStats, parse_rows, training_flops
 from megatron_flops.spec import ModelSpec
 from megatron_flops.tracker import FlopsTracker
@@ -30,13 +30,13 @@ def path(request, monkeypatch):
     """Both statistics paths on CPU tensors: the host one (priced at end_step) and the device one
     (host tensors then count as device tensors)."""
     if request.param == "device":
-        monkeypatch.setattr(tracker_module, "HOST_DEVICE_TYPES", frozenset())
+        monkeypatch.setattr(batch_checks, "HOST_DEVICE_TYPES", frozenset())
     return request.param
 
 
 @pytest.fixture
 def device_path(monkeypatch):
-    monkeypatch.setattr(tracker_module, "HOST_DEVICE_TYPES", frozenset())
+    monkeypatch.setattr(batch_checks, "HOST_DEVICE_TYPES", frozenset())
 
 
 def test_hand_derived_packed_row(path):
@@ -219,12 +219,12 @@ def test_record_is_sync_free_and_allocation_free(window, device_path):
     )
     dynamic = dict(tokens=_tok(3, 20), seq_lengths=torch.tensor([4, 20, 9]))
     tracker.record(**packed)  # the first call allocates the accumulator
-    acc_ptr = tracker._acc.data_ptr()
+    acc_ptr = tracker._device.tensor.data_ptr()
     for call in (packed, padded, dynamic, dict(tokens=_tok(2, 32))):
         with SyncGuard() as guard:
             tracker.record(**call)
         assert not any(op in ("zeros", "empty", "tensor") for op in guard.ops), guard.ops
-    assert tracker._acc.data_ptr() == acc_ptr
+    assert tracker._device.tensor.data_ptr() == acc_ptr
     assert tracker.end_step().ok
 
 
@@ -349,7 +349,7 @@ def test_host_micro_batches_run_no_tensor_op_until_end_step():
         with SyncGuard() as guard:
             tracker.record(**call)
         assert [op for op in guard.ops if op not in _VIEWS_AND_METADATA] == [], guard.ops
-    assert tracker._acc is None  # no device accumulator either
+    assert tracker._device.tensor is None  # no device accumulator either
     r = tracker.end_step()
     # Real: 5, 7, 18, 34 | 6, 8, 18 | 4, 20, 9 | 32, 32; padded: 5, 7, 18, 34 | 8, 8, 24 | 3 x 20 | 32, 32.
     rows = [[5, 7, 18, 34], {"seqlens": [6, 8, 18], "padded_seqlens": [8, 8, 24]},
@@ -429,6 +429,6 @@ def test_discard_step_forgets_everything():
 def test_observed_device_batches_are_deferred(device_path):
     tracker = FlopsTracker(_spec())
     tracker.observe(num_rows=1, row_length=16, cu_seqlens=torch.tensor([[0, 4, 16]]))
-    assert tracker._acc is None  # nothing runs until the step is priced
+    assert tracker._device.tensor is None  # nothing runs until the step is priced
     r = tracker.end_step()
     assert (r.num_tokens, r.sum_seqlen_squared, r.num_sequences) == (16, 160, 2)
