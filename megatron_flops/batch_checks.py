@@ -27,7 +27,10 @@ def on_host(value: Any) -> bool:
 
 def all_on_host(*values: Any) -> bool:
     """Whether every value that is not None is a host tensor."""
-    return all(value is None or on_host(value) for value in values)
+    for value in values:
+        if value is not None and not on_host(value):
+            return False
+    return True
 
 
 def host_int(value: Any, name: str) -> int:

@@ -132,63 +132,92 @@ def dit_training_passes(
     projection (``dit/lora/self_attn.q``, ...)."""
     peft = DiTPeftSpec.of(peft)
     adapted = frozenset(dit_adapted_modules(spec, peft))
-    checkpointed = _checkpointed_blocks(spec, recompute)
+    passes = _Passes(_checkpointed_blocks(spec, recompute))
     trainable = not peft.frozen
-    fwd: dict[str, int] = {}
-    dgrad: dict[str, int] = {}
-    wgrad: dict[str, int] = {}
-    redo: dict[str, int] = {}
-    values: dict[str, bool] = {"data": False, "base": trainable}
-
-    def value(name: str) -> bool:
-        if name == "e":
-            return trainable or values["time_projection.1"]
-        if name == "text":
-            return values["text_embedding.2"]
-        if name == "image":
-            return trainable or values["img_emb.proj.3"]
-        return values.get(name, False)
-
-    block: int | None = None
-    block_fwd: dict[str, int] = {}
-    block_backward = False
-
-    def end_block() -> None:
-        # A checkpointed block whose backward runs re-runs its forward once.
-        if block in checkpointed and block_backward:
-            for k, v in block_fwd.items():
-                redo[k] = redo.get(k, 0) + v
-
+    grads = _GradientFlow(trainable=trainable)
     for g in dit_forward_gemms(spec, stats):
-        if g.layer != block:
-            if block is None:
-                values["x"] = values["patch_embedding"]
-            else:
-                end_block()
-                values["x"] = any(value(v) for v in _BLOCK_OUTPUTS)
-            block, block_fwd, block_backward = g.layer, {}, False
-        operands = [any(value(v) for v in sources) for sources in _OPERANDS[g.name]]
+        if g.layer != passes.block:
+            grads.enter(first=passes.block is None)
+            passes.end_block(next_block=g.layer)
+        operands = grads.operands(g.name)
         weight = g.has_weight and trainable
+        passes.add(g.key, g.layer, g.flops, g.flops * sum(operands), g.flops if weight else 0)
         lora = g.layer is not None and g.name in adapted
-        passes = [(g.key, g.flops, g.flops * sum(operands), g.flops if weight else 0)]
         if lora:
             assert g.shape is not None and peft.lora_rank is not None
-            passes.append((f"dit/lora/{g.name}", *lora_passes(g.shape, peft.lora_rank, input_grad=operands[0])))
-        for key, f, d, w in passes:
-            fwd[key], dgrad[key], wgrad[key] = fwd.get(key, 0) + f, dgrad.get(key, 0) + d, wgrad.get(key, 0) + w
-            if g.layer is not None:
-                block_fwd[key] = block_fwd.get(key, 0) + f
-                block_backward = block_backward or bool(d or w)
-        values[g.name] = any(operands) or weight or lora
-    end_block()
-    return TrainingPasses(
-        forward=fwd,
-        input_grad=dgrad,
-        weight_grad=wgrad,
-        unneeded=dict.fromkeys(fwd, 0),
-        recompute={k: redo.get(k, 0) for k in fwd},
-        attention="full",
-    )
+            passes.add(f"dit/lora/{g.name}", g.layer, *lora_passes(g.shape, peft.lora_rank, input_grad=operands[0]))
+        grads.produced(g.name, any(operands) or weight or lora)
+    passes.end_block(next_block=None)
+    return passes.training_passes()
+
+
+class _GradientFlow:
+    """Which values need a gradient (named as in ``_OPERANDS``), as the forward GEMMs run in order."""
+
+    def __init__(self, *, trainable: bool) -> None:
+        self.trainable = trainable
+        self._needs: dict[str, bool] = {"data": False, "base": trainable}
+
+    def needs(self, name: str) -> bool:
+        if name == "e":
+            return self.trainable or self._needs["time_projection.1"]
+        if name == "text":
+            return self._needs["text_embedding.2"]
+        if name == "image":
+            return self.trainable or self._needs["img_emb.proj.3"]
+        return self._needs.get(name, False)
+
+    def operands(self, gemm: str) -> list[bool]:
+        """Per activation operand of ``gemm``: whether a gradient flows back through it."""
+        return [any(self.needs(v) for v in sources) for sources in _OPERANDS[gemm]]
+
+    def enter(self, *, first: bool) -> None:
+        """A block boundary: the residual stream ``x`` is the patch embedding's output before the
+        first block, the previous block's output after one."""
+        self._needs["x"] = self._needs["patch_embedding"] if first else any(self.needs(v) for v in _BLOCK_OUTPUTS)
+
+    def produced(self, gemm: str, needs: bool) -> None:
+        """``gemm``'s output needs a gradient (it depends on one that does, or on trained weights)."""
+        self._needs[gemm] = needs
+
+
+class _Passes:
+    """Forward, input-gradient, weight-gradient and recompute FLOPs by key. A checkpointed block
+    whose backward runs re-runs its forward GEMMs once."""
+
+    def __init__(self, checkpointed: frozenset[int]) -> None:
+        self.checkpointed = checkpointed
+        self.forward: dict[str, int] = {}
+        self.input_grad: dict[str, int] = {}
+        self.weight_grad: dict[str, int] = {}
+        self.recompute: dict[str, int] = {}
+        self.block: int | None = None  # the block of the latest GEMM (None: outside the blocks)
+        self._block_forward: dict[str, int] = {}
+        self._block_backward = False
+
+    def add(self, key: str, layer: int | None, forward: int, input_grad: int, weight_grad: int) -> None:
+        for totals, flops in ((self.forward, forward), (self.input_grad, input_grad),
+                              (self.weight_grad, weight_grad)):
+            totals[key] = totals.get(key, 0) + flops
+        if layer is not None:
+            self._block_forward[key] = self._block_forward.get(key, 0) + forward
+            self._block_backward = self._block_backward or bool(input_grad or weight_grad)
+
+    def end_block(self, *, next_block: int | None) -> None:
+        if self.block in self.checkpointed and self._block_backward:
+            for key, flops in self._block_forward.items():
+                self.recompute[key] = self.recompute.get(key, 0) + flops
+        self.block, self._block_forward, self._block_backward = next_block, {}, False
+
+    def training_passes(self) -> TrainingPasses:
+        return TrainingPasses(
+            forward=self.forward,
+            input_grad=self.input_grad,
+            weight_grad=self.weight_grad,
+            unneeded=dict.fromkeys(self.forward, 0),
+            recompute={k: self.recompute.get(k, 0) for k in self.forward},
+            attention="full",
+        )
 
 
 def price_dit(

@@ -379,53 +379,16 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
         raise f.error(f"experimental_attention_variant={show(fields['experimental_attention_variant'])} "
                       "is not supported")
     hidden = f.integer("hidden_size")
-    heads = f.integer("num_attention_heads")
-    groups = f.opt_integer("num_query_groups") or heads
-    if heads % groups:
-        raise f.error(f"{f.name('num_query_groups')}={groups} does not divide "
-                      f"{f.name('num_attention_heads')}={heads}")
-    kv_channels = f.opt_integer("kv_channels")
-    if kv_channels is None:
-        if hidden % heads:
-            raise f.error(f"{f.name('num_attention_heads')}={heads} does not divide {f.name('hidden_size')}="
-                          f"{hidden} and {f.name('kv_channels')} is not given")
-        kv_channels = hidden // heads
+    heads, groups, kv_channels = _attention_heads(f, hidden)
     ffn = f.opt_integer("ffn_hidden_size") or 4 * hidden
-
-    activation = fields.get("activation_func", "gelu")
-    if not isinstance(activation, str) or activation.lower() not in _ACTIVATIONS:
-        raise f.error(f"unknown {f.name('activation_func')} {show(activation)}; known: {', '.join(sorted(_ACTIVATIONS))}")
-    activation = activation.lower()
-    gated = f.boolean("gated_linear_unit") or _ACTIVATIONS[activation]
-
-    # Vocabulary: Megatron pads to a multiple of make_vocab_size_divisible_by x TP.
-    vocab = f.integer("vocab_size")
-    if fields.get("padded_vocab_size") is not None:
-        padded_vocab = f.integer("padded_vocab_size")
-        if padded_vocab < vocab:
-            raise f.error(f"{f.name('padded_vocab_size')}={padded_vocab} < {f.name('vocab_size')}={vocab}")
-    else:
-        multiple = f.integer("make_vocab_size_divisible_by", default=128) * f.integer("tensor_model_parallel_size", default=1)
-        padded_vocab = -(-vocab // multiple) * multiple
-
+    activation, gated = _activation(f)
+    vocab, padded_vocab = _vocabulary(f)
     moe = _moe_spec(f, ffn)
-    mla = None
-    if f.boolean("multi_latent_attention"):
-        mla = MLASpec(
-            q_lora_rank=f.opt_integer("q_lora_rank"),
-            kv_lora_rank=f.opt_integer("kv_lora_rank") or 512,
-            qk_head_dim=f.opt_integer("qk_head_dim") or 128,
-            qk_pos_emb_head_dim=f.integer("qk_pos_emb_head_dim", minimum=0, default=64),
-            v_head_dim=f.opt_integer("v_head_dim") or 128,
-        )
+    mla = _mla_spec(f)
     window = _window(f)
     layer_runs, mamba = _layers(f, hidden, moe, window)
-
     mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
-    if fields.get("share_embeddings_and_output_weights") is not None:
-        tied = f.boolean("share_embeddings_and_output_weights")
-    else:
-        tied = not f.boolean("untie_embeddings_and_output_weights")
+    tied = _tied_output(f)
     last_ffn = layer_runs[-1][0][1]
     return ModelSpec(
         hidden_size=hidden,
@@ -448,6 +411,62 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
         mtp_ffn=last_ffn if last_ffn != "none" else "mlp",
         tied_output=tied,
     )
+
+
+def _attention_heads(f: Fields, hidden: int) -> tuple[int, int, int]:
+    """(attention heads, query groups, channels per head)."""
+    heads = f.integer("num_attention_heads")
+    groups = f.opt_integer("num_query_groups") or heads
+    if heads % groups:
+        raise f.error(f"{f.name('num_query_groups')}={groups} does not divide "
+                      f"{f.name('num_attention_heads')}={heads}")
+    kv_channels = f.opt_integer("kv_channels")
+    if kv_channels is None:
+        if hidden % heads:
+            raise f.error(f"{f.name('num_attention_heads')}={heads} does not divide {f.name('hidden_size')}="
+                          f"{hidden} and {f.name('kv_channels')} is not given")
+        kv_channels = hidden // heads
+    return heads, groups, kv_channels
+
+
+def _activation(f: Fields) -> tuple[str, bool]:
+    """(the MLP's activation, whether it is gated)."""
+    activation = f.fields.get("activation_func", "gelu")
+    if not isinstance(activation, str) or activation.lower() not in _ACTIVATIONS:
+        raise f.error(f"unknown {f.name('activation_func')} {show(activation)}; known: {', '.join(sorted(_ACTIVATIONS))}")
+    activation = activation.lower()
+    return activation, f.boolean("gated_linear_unit") or _ACTIVATIONS[activation]
+
+
+def _vocabulary(f: Fields) -> tuple[int, int]:
+    """(the vocabulary, padded as Megatron pads it: to a multiple of make_vocab_size_divisible_by x TP)."""
+    vocab = f.integer("vocab_size")
+    if f.fields.get("padded_vocab_size") is not None:
+        padded_vocab = f.integer("padded_vocab_size")
+        if padded_vocab < vocab:
+            raise f.error(f"{f.name('padded_vocab_size')}={padded_vocab} < {f.name('vocab_size')}={vocab}")
+        return vocab, padded_vocab
+    multiple = f.integer("make_vocab_size_divisible_by", default=128) * f.integer("tensor_model_parallel_size", default=1)
+    return vocab, -(-vocab // multiple) * multiple
+
+
+def _mla_spec(f: Fields) -> MLASpec | None:
+    if not f.boolean("multi_latent_attention"):
+        return None
+    return MLASpec(
+        q_lora_rank=f.opt_integer("q_lora_rank"),
+        kv_lora_rank=f.opt_integer("kv_lora_rank") or 512,
+        qk_head_dim=f.opt_integer("qk_head_dim") or 128,
+        qk_pos_emb_head_dim=f.integer("qk_pos_emb_head_dim", minimum=0, default=64),
+        v_head_dim=f.opt_integer("v_head_dim") or 128,
+    )
+
+
+def _tied_output(f: Fields) -> bool:
+    """Whether the output layer shares the embedding's weights."""
+    if f.fields.get("share_embeddings_and_output_weights") is not None:
+        return f.boolean("share_embeddings_and_output_weights")
+    return not f.boolean("untie_embeddings_and_output_weights")
 
 
 def _moe_spec(f: Fields, ffn: int) -> MoESpec | None:
