@@ -84,7 +84,9 @@ class FlopsTracker(StepTracker):
         self._owners = ChunkOwners(context_parallel_size)
         self._intake = BatchIntake(self._device, vision=vision, validate=validate, warn_once=self._warn_once)
         self._index = {name: i for i, name in enumerate(self._device.slots)}
-        self._clear_pending()
+        # This step's host micro-batches, recorded and observed (None: none yet; see observe()).
+        self._explicit: HostBatches | None = None
+        self._observed: HostBatches | None = None
 
     # ---- per micro-batch ------------------------------------------------------------------
 
@@ -121,7 +123,9 @@ class FlopsTracker(StepTracker):
         Host (CPU) tensors cost no tensor operation here: they are priced together at
         ``end_step()``. Device tensors are added into the device accumulator without a sync.
         """
-        self._num_explicit += 1
+        step = self._explicit
+        if step is None:
+            step = self._explicit = self._host_batches()
         try:
             is_owner, cp = self._owners(model, vp_stage, owner)
             if not is_owner:
@@ -134,13 +138,13 @@ class FlopsTracker(StepTracker):
                 cu_seqlens = packed_seq_params.cu_seqlens_q if cu_seqlens is None else cu_seqlens
                 if cu_seqlens_padded is None:
                     cu_seqlens_padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
-            self._intake.add(self._explicit, tokens.shape[0], tokens.shape[1] * (cp if cp_sliced else 1),
-                      cu_seqlens, cu_seqlens_argmin, cu_seqlens_padded, cu_seqlens_padded_argmin,
-                      num_real_tokens, seq_lengths, grid_thw, defer_device=False)
+            self._intake.add(step, tokens.shape[0], tokens.shape[1] * (cp if cp_sliced else 1), cu_seqlens,
+                             cu_seqlens_argmin, cu_seqlens_padded, cu_seqlens_padded_argmin, num_real_tokens,
+                             seq_lengths, grid_thw, defer_device=False)
         except Exception as exc:
             if self.validate:
                 raise
-            self._explicit.failed = True
+            step.failed = True
             self._warn_once("record() failed; every rank reports the static FLOPs for this step", exc)
 
     def observe(
@@ -164,18 +168,23 @@ class FlopsTracker(StepTracker):
         recorded micro-batches only, so that a ``forward_step`` that records explicitly is not
         counted twice. Never raises (unless ``validate``); a failure makes the step fall back.
         """
+        step = self._observed
+        if step is None:
+            step = self._observed = self._host_batches()
         try:
-            self._intake.add(self._observed, num_rows, row_length, cu_seqlens, cu_seqlens_argmin, cu_seqlens_padded,
-                      cu_seqlens_padded_argmin, num_real_tokens, seq_lengths, grid_thw, defer_device=True)
+            self._intake.add(step, num_rows, row_length, cu_seqlens, cu_seqlens_argmin, cu_seqlens_padded,
+                             cu_seqlens_padded_argmin, num_real_tokens, seq_lengths, grid_thw, defer_device=True)
         except Exception as exc:
             if self.validate:
                 raise
-            self._observed.failed = True
+            step.failed = True
             self._warn_once("observing a micro-batch failed; every rank reports the static FLOPs for this step", exc)
 
     def observe_failed(self, exc: BaseException) -> None:
         """A micro-batch could not be observed (a batch in an unknown layout): unless the step
         records explicitly, it falls back on every rank; logged once."""
+        if self._observed is None:
+            self._observed = self._host_batches()
         self._observed.failed = True
         self._warn_once("a training batch is in a layout megatron-flops does not know; every rank reports the "
                         "static FLOPs for such steps", exc)
@@ -187,7 +196,7 @@ class FlopsTracker(StepTracker):
     def discard_step(self) -> None:
         """Drop everything recorded or observed since the last ``end_step()``, without a
         collective (for a step that raised: its micro-batches are not counted anywhere)."""
-        self._clear_pending()
+        self._explicit = self._observed = None
         super().discard_step()
 
     @classmethod
@@ -206,7 +215,10 @@ class FlopsTracker(StepTracker):
         """Fold this step's host micro-batches into the host slots: the recorded ones if
         ``record()`` was called this step, else the observed ones. Never raises; on a failure
         the shape counts still arrive (the static number stays known) and the step falls back."""
-        step = self._explicit if self._num_explicit else self._observed
+        step = self._explicit if self._explicit is not None else self._observed
+        self._explicit = self._observed = None
+        if step is None:
+            return
         failed = step.failed
         try:
             for batch in step.device_batches:
@@ -219,15 +231,11 @@ class FlopsTracker(StepTracker):
                             "for this step", exc)
         for name, value in totals.items():
             self._host[self._index[name]] += value
-        self._clear_pending()
         if failed:
             self._failed = True
 
-    def _clear_pending(self) -> None:
-        window = self.spec.window_size
-        self._explicit = HostBatches(window=window, vision=self.vision)
-        self._observed = HostBatches(window=window, vision=self.vision)
-        self._num_explicit = 0
+    def _host_batches(self) -> HostBatches:
+        return HostBatches(window=self.spec.window_size, vision=self.vision)
 
     def _token_slots(self) -> int:
         return self._host[self._index["num_padded_tokens"]]
