@@ -53,13 +53,6 @@ class HostBatches:
         self.lengths: list[torch.Tensor] = []
         self.grids: list[torch.Tensor] = []
 
-    def add_shape(self, num_rows: int, row_length: int) -> None:
-        """A micro-batch of ``num_rows`` rows of ``row_length`` token slots."""
-        counters = self.counters
-        counters["num_microbatches"] += 1
-        counters["num_rows"] += num_rows
-        counters["num_padded_tokens"] += num_rows * row_length
-
     def add_full_rows(self, num_rows: int, length: int, *, real: bool) -> None:
         """``num_rows`` sequences of ``length`` into the padded channel (and the real one)."""
         key = (length, real)

@@ -42,21 +42,24 @@ class BatchIntake:
                                             pad_argmin=pad_argmin, limit=limit, seq_lengths=seq_lengths,
                                             grids=grids))
             return
-        step.add_shape(rows, row_len)
+        counters = step.counters
+        counters["num_microbatches"] += 1
+        counters["num_rows"] += rows
+        counters["num_padded_tokens"] += rows * row_len
         if grids:
             self._grids(step, grids)
         if cu is not None:
             self._packed(step, rows * row_len, cu, argmin, cu_pad, pad_argmin, limit)
-        else:
-            self._rows(step, rows, row_len, seq_lengths)
-
-    def _rows(self, step: HostBatches, rows: int, row_len: int, seq_lengths: torch.Tensor | None) -> None:
-        """Unpacked rows: one sequence each, of the row's length or of its ``seq_lengths`` entry."""
-        step.counters["num_sequences"] += rows
-        if seq_lengths is None:
+        elif seq_lengths is None:
             # Full-length unpacked rows: everything is known from the shape.
+            counters["num_sequences"] += rows
             step.add_full_rows(rows, row_len, real=True)
-            return
+        else:
+            self._padded_rows(step, rows, row_len, seq_lengths)
+
+    def _padded_rows(self, step: HostBatches, rows: int, row_len: int, seq_lengths: torch.Tensor) -> None:
+        """Dynamically padded rows: one sequence each, of its ``seq_lengths`` entry."""
+        step.counters["num_sequences"] += rows
         if seq_lengths.numel() != rows:
             raise ValueError(f"seq_lengths must hold one length per row ({rows}), got shape {tuple(seq_lengths.shape)}")
         check_lengths(seq_lengths, "seq_lengths", row_len, validate=self.validate)
