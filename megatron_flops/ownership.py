@@ -26,7 +26,7 @@ class ChunkOwners:
         self.context_parallel_size = context_parallel_size
         self._chunks: dict[int, tuple[bool, int]] = {}
 
-    def __call__(self, model: Any, vp_stage: int | None = None, owner: bool | None = None) -> tuple[bool, int]:
+    def lookup(self, model: Any, vp_stage: int | None = None, owner: bool | None = None) -> tuple[bool, int]:
         """(whether a micro-batch given to ``model`` counts, the context-parallel size). ``owner``
         overrides the rule; without a model, the first virtual chunk (``vp_stage`` None or 0) owns."""
         if owner is not None or model is None:

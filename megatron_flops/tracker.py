@@ -127,7 +127,7 @@ class FlopsTracker(StepTracker):
         if step is None:
             step = self._explicit = self._host_batches()
         try:
-            is_owner, cp = self._owners(model, vp_stage, owner)
+            is_owner, cp = self._owners.lookup(model, vp_stage, owner)
             if not is_owner:
                 return
             if tokens is None:
@@ -191,7 +191,7 @@ class FlopsTracker(StepTracker):
 
     def owns(self, model: Any) -> bool:
         """Whether ``model`` (a model chunk) counts the micro-batches it is given."""
-        return self._owners(model)[0]
+        return self._owners.lookup(model)[0]
 
     def discard_step(self) -> None:
         """Drop everything recorded or observed since the last ``end_step()``, without a
