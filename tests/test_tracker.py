@@ -376,6 +376,28 @@ def test_host_offsets_real_token_limit_and_zero_length_segments():
     assert r.executed_flops == training_flops(_spec(), stats, include_padding=True).total
 
 
+def test_host_offsets_of_many_rows_in_one_pass(caplog):
+    # Whole rows of three sizes, [n] int64 and [1, n] int32, beside a trimmed row, in one step.
+    tracker = FlopsTracker(_spec())
+    tracker.record(tokens=_tok(1, 12), cu_seqlens=torch.tensor([0, 5, 12]))
+    tracker.record(tokens=_tok(1, 10), cu_seqlens=torch.tensor([[0, 0, 3, 3, 9]], dtype=torch.int32))
+    tracker.record(tokens=_tok(1, 16), cu_seqlens=torch.tensor([0, 16]))
+    tracker.record(tokens=_tok(1, 8), cu_seqlens=torch.tensor([0, 4, 8, -1]), cu_seqlens_argmin=3)
+    r = tracker.end_step()
+    # Lengths 5, 7 | 0, 3, 0, 6 | 16 | 4, 4: 7 sequences (empty segments are none), 45 tokens in
+    # 12 + 10 + 16 + 8 = 46 slots, sum s^2 = 25 + 49 + 9 + 36 + 256 + 16 + 16 = 407 in both channels.
+    assert (r.num_sequences, r.num_tokens, r.num_padded_tokens, r.sum_seqlen_squared) == (7, 45, 46, 407)
+    stats = SeqStats(num_rows=4, num_sequences=7, num_tokens=45, num_padded_tokens=46, sum_seqlen_squared=407,
+                     sum_padded_seqlen_squared=407)
+    assert r.ok and r.flops == training_flops(_spec(), stats).total
+    # A row that does not start at 0 is found after another row, too: the step falls back.
+    tracker.record(tokens=_tok(1, 9), cu_seqlens=torch.tensor([0, 9]))
+    tracker.record(tokens=_tok(1, 9), cu_seqlens=torch.tensor([2, 9]))
+    with caplog.at_level(logging.WARNING, logger="megatron_flops"):
+        assert not tracker.end_step().ok
+    assert any("start at 0" in m for m in caplog.messages)
+
+
 @pytest.mark.parametrize("call, message", [
     (dict(cu_seqlens=torch.tensor([0, 9, 4, 16])), "non-decreasing"),
     (dict(cu_seqlens=torch.tensor([2, 9, 16])), "start at 0"),
