@@ -64,10 +64,12 @@ class DeviceStats(DeviceAccumulator):
     def add_offsets(self, real: torch.Tensor | None, padded: torch.Tensor | None) -> None:
         """The lengths of trimmed 1-D offsets: ``real`` into the real channel, ``padded`` into the
         padded one (the same tensor for both: a packed row without sub-sequence padding)."""
-        self.on((padded if real is None else real).device)
+        first = padded if real is None else real
+        assert first is not None, "offsets for at least one channel"
+        self.on(first.device)
         if real is padded:
             # No sub-sequence padding: the real lengths count for both (broadcast into [2, 2]).
-            self._add_pairs(torch.diff(real), self._both, self._window_both)
+            self._add_pairs(torch.diff(first), self._both, self._window_both)
         elif real is not None and padded is not None and real.shape == padded.shape:
             self._add_pairs(torch.diff(torch.stack((real, padded))), self._both, self._window_both)
         else:

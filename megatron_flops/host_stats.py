@@ -72,11 +72,11 @@ class HostBatches:
         """The counters plus the sums over every kept tensor. Raises ``ValueError`` on values
         that no well-formed batch holds (decreasing offsets, negative lengths, bad grids)."""
         totals = dict.fromkeys(REAL_SLOTS + PADDED_SLOTS, 0) | self.counters
-        for (length, real), num_rows in self.full_rows.items():
+        for (length, counts_real), num_rows in self.full_rows.items():
             excess = 0 if self.window is None else max(length - self.window, 0)
             values = (length, length * length, excess, excess * excess)
-            for names in (REAL_SLOTS, PADDED_SLOTS) if real else (PADDED_SLOTS,):
-                for name, value in zip(names, values):
+            for slots in (REAL_SLOTS, PADDED_SLOTS) if counts_real else (PADDED_SLOTS,):
+                for name, value in zip(slots, values):
                     totals[name] += num_rows * value
         channels: list[tuple[np.ndarray, tuple[tuple[str, ...], ...]]] = []  # 1-D lengths, their slots
         if self.whole_offsets:
