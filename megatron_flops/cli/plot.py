@@ -47,14 +47,21 @@ def plot_runs(runs: Sequence[RunStats], path: str) -> None:
             if failed:
                 ax.scatter([s.iteration for s in failed], [s.rates["tflops_per_gpu"] for s in failed], color="C3",
                            marker="x", s=30, zorder=3, label="fell back (left out)" if first else None)
-        median = run.median("tflops_per_gpu")
+        median, static_median = run.median("tflops_per_gpu"), run.median("static_tflops_per_gpu")
         assert median is not None
-        ax.axhline(median, color="C0", ls=":", lw=1.0, label=f"corrected median {median:.4g}")
-        ax.set_title(f"{run.name}: {run.num_steps} steps used", fontsize=9, loc="left")
+        ax.axhline(median, color="C0", ls=":", lw=1.0, label="steady-state median (corrected)")
+        title = f"{run.name}: {run.num_steps} steps used, corrected median {median:.4g} TFLOP/s/GPU"
+        if static_median is not None:
+            title += f" (static {static_median:.4g})"
+        ax.set_title(title, fontsize=9, loc="left")
         ax.set_ylabel("TFLOP/s/GPU")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+    handles = {}
+    for ax in axes:  # one legend for the figure, every kind of mark once
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    figure.legend(handles.values(), handles.keys(), fontsize=7, loc="outside upper center", ncols=len(handles))
     axes[-1].set_xlabel("iteration")
     figure.savefig(path, dpi=110)
 
