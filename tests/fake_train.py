@@ -39,8 +39,17 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--trace", default=os.environ.get("MEGATRON_FLOPS_TRACE"))
+    parser.add_argument("--hang-once", metavar="MARKER", help="with --mode hang: hang only if MARKER does not exist")
+    parser.add_argument("--fail-in", nargs=2, metavar=("SUFFIX", "RUN_DIR"), help="fail if RUN_DIR ends with SUFFIX")
     args = parser.parse_args()
-    print("fake training starting", flush=True)
+    print(f"fake training starting, pid {os.getpid()}", flush=True)
+    if args.fail_in and args.fail_in[1].endswith(args.fail_in[0]):
+        args.mode = "fail"
+    if args.mode == "hang" and args.hang_once:
+        if os.path.exists(args.hang_once):
+            args.mode = "ok"
+        else:
+            open(args.hang_once, "w").close()
     if args.mode == "fail":
         print("Traceback (most recent call last):\nRuntimeError: something broke", file=sys.stderr)
         return 3
