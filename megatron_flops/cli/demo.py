@@ -17,6 +17,7 @@ def _have_megatron_core() -> bool:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from megatron_flops.demo.data import DataConfig
     from megatron_flops.demo.run import DemoOptions, main as run_demo
 
     options = DemoOptions(
@@ -30,6 +31,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         peak_tflops=args.peak_tflops,
         seed=args.seed,
         attention=args.attention,
+        data=DataConfig(seq_length=args.pack_length, num_padded_rows=args.padded_rows),
     )
     if not _have_megatron_core():
         raise ValueError("the demo trains a megatron-core model: pip install megatron-core")
@@ -44,6 +46,10 @@ def add_parser(sub: Any) -> None:
     demo.add_argument("--dp", type=int, help="data-parallel replicas (default 2 with --pp > 1, else 1)")
     demo.add_argument("--iterations", type=int, default=12, help="training iterations (default 12)")
     demo.add_argument("--micro-batches", type=int, default=4, help="micro-batches per iteration per replica")
+    demo.add_argument("--pack-length", type=int, default=256,
+                      help="tokens per packed row: the model's sequence length and the longest document (default 256)")
+    demo.add_argument("--padded-rows", type=int, default=4,
+                      help="rows per dynamically padded micro-batch (default 4)")
     demo.add_argument("--log-interval", type=int, default=1, help="iterations per log line")
     demo.add_argument("--warmup", type=int, default=2, help="iterations left out of the steady-state summary")
     demo.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one device, for MFU (a CPU has none)")
