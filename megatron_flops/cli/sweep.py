@@ -135,8 +135,9 @@ def execute(argv: Sequence[str], run_dir: Path, *, timeout_s: float | None) -> d
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
         except OSError as exc:
-            log.write(f"megatron-flops sweep: cannot start {argv[0]!r}: {exc}\n".encode())
-            return {"returncode": 127, "timed_out": False, "wall_s": 0.0}
+            error = f"cannot start {argv[0]!r}: {exc.strerror}"
+            log.write(f"megatron-flops sweep: {error}\n".encode())
+            return {"returncode": 127, "timed_out": False, "wall_s": 0.0, "error": error}
         timed_out = False
         try:
             proc.wait(timeout=timeout_s)

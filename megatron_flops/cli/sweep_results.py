@@ -58,6 +58,8 @@ def classify(run_dir: Path, record: Mapping[str, Any], *, warmup: int | None) ->
     code = record["returncode"]
     if record["timed_out"]:
         return Outcome(status="timeout", reason=f"stopped after {record['wall_s']:.0f} s", stats=stats)
+    if record.get("error"):
+        return Outcome(status="failed", reason=record["error"], stats=stats)
     if code != 0:
         oom = _oom_line(run_dir / "log.txt")
         if oom is not None:
