@@ -55,8 +55,10 @@ def plot_runs(runs: Sequence[RunStats], path: str) -> None:
             title += f" (static {static_median:.4g})"
         ax.set_title(title, fontsize=9, loc="left")
         ax.set_ylabel("TFLOP/s/GPU")
-        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
+    top = max(v for run in runs for s in run.steps
+              for v in (s.rates["tflops_per_gpu"], s.rates["static_tflops_per_gpu"]) if v is not None)
+    axes[0].set_ylim(0, 1.05 * top)  # shared by every panel
     handles = {}
     for ax in axes:  # one legend for the figure, every kind of mark once
         for handle, label in zip(*ax.get_legend_handles_labels()):

@@ -138,6 +138,10 @@ class SweepResults:
         return f"median {LABELS[self.metric]}"
 
     @property
+    def axis_label(self) -> str:
+        return "median TFLOP/s/GPU" if self.objective == "tflops" else f"median {LABELS[self.metric]}"
+
+    @property
     def threshold(self) -> float | None:
         if self.recommendation is None:
             return None
