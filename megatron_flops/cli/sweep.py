@@ -236,7 +236,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                 _run_one(run, args, command, out, f"[{number}/{len(runs)}]")
         except KeyboardInterrupt:
             interrupted = True
-    results = collect(out, runs, warmup=args.warmup, objective=args.objective, tolerance=args.tolerance / 100)
+    results = collect(out, runs, params=params, warmup=args.warmup, objective=args.objective, tolerance=args.tolerance / 100)
     results.write(out)
     print("\n".join(results.summary_lines()))
     for warning in results.warnings:

@@ -209,7 +209,8 @@ class SweepResults:
         ]
 
 
-def collect(out: Path, runs: Sequence[Run], *, warmup: int | None, objective: str, tolerance: float) -> SweepResults:
+def collect(out: Path, runs: Sequence[Run], *, params: Mapping[str, Sequence[str]], warmup: int | None,
+            objective: str, tolerance: float) -> SweepResults:
     """Read every finished run of the plan and decide the recommendation."""
     metric = OBJECTIVES[objective]
     records, outcomes = [], {}
@@ -240,18 +241,9 @@ def collect(out: Path, runs: Sequence[Run], *, warmup: int | None, objective: st
     recommendation = None if chosen is None else _recommendation(chosen, combos, objective, candidates)
     for combo in combos:
         combo["recommended"] = recommendation is not None and combo["index"] == recommendation["index"]
-    return SweepResults(params=_param_values(runs), repeats=repeats, objective=objective,
+    return SweepResults(params=params, repeats=repeats, objective=objective,
                         tolerance=tolerance, runs=records, combos=combos, recommendation=recommendation,
                         warnings=warnings, num_pending=len(runs) - len(records))
-
-
-def _param_values(runs: Sequence[Run]) -> dict[str, list[str]]:
-    values: dict[str, list[str]] = {}
-    for run in runs:
-        for name, value in run.params.items():
-            if value not in values.setdefault(name, []):
-                values[name].append(value)
-    return values
 
 
 def _combos(runs: Sequence[Run], outcomes: Mapping[tuple[int, int], Outcome]) -> list[dict[str, Any]]:
