@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 TRACE_FORMAT = "megatron-flops-trace/1"
 DEFAULT_WARMUP = 2
@@ -191,10 +191,10 @@ def _header(run: Any, where: str) -> dict[str, Any]:
     if fmt != TRACE_FORMAT:
         raise ValueError(f"{where}: trace format {fmt!r} is not {TRACE_FORMAT!r}; read it with the megatron-flops that wrote it")
     world = run.get("world_size")
-    if not _is_int(world) or world < 1:
+    if not (_is_int(world) and world >= 1):
         raise ValueError(f"{where}: world_size must be an integer >= 1, got {world!r}")
     warmup = run.get("warmup_iterations")
-    if warmup is not None and (not _is_int(warmup) or warmup < 0):
+    if warmup is not None and not (_is_int(warmup) and warmup >= 0):
         raise ValueError(f"{where}: warmup_iterations must be an integer >= 0, got {warmup!r}")
     peak = run.get("peak_flops_per_s")
     if peak is not None and (not _is_number(peak) or peak <= 0):
@@ -228,7 +228,7 @@ def _step(obj: Any, where: str) -> TraceStep:
     )
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

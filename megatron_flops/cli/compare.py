@@ -29,7 +29,8 @@ def load_runs(
     if peak_tflops is not None and not peak_tflops > 0:
         raise ValueError(f"--peak-tflops must be positive, got {peak_tflops}")
     peak = None if peak_tflops is None else peak_tflops * 1e12
-    runs, notes = [], []
+    runs: list[RunStats] = []
+    notes: list[str] = []
     for path in paths:
         trace = read_trace(path)
         notes.extend(trace.notes)

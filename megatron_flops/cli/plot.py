@@ -59,7 +59,7 @@ def plot_runs(runs: Sequence[RunStats], path: str) -> None:
     top = max(v for run in runs for s in run.steps
               for v in (s.rates["tflops_per_gpu"], s.rates["static_tflops_per_gpu"]) if v is not None)
     axes[0].set_ylim(0, 1.05 * top)  # shared by every panel
-    handles = {}
+    handles: dict[str, Any] = {}
     for ax in axes:  # one legend for the figure, every kind of mark once
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)

@@ -226,8 +226,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     claim_out(out, {"format": SWEEP_FORMAT, "command": list(command), "params": params}, write=not args.dry_run)
     if args.dry_run:
         for number, run in enumerate(runs, start=1):
-            finished = " (finished: skipped)" if (out / run.dir / "run.json").exists() else ""
-            print(f"[{number}/{len(runs)}] {run.dir}{finished}: {shlex.join(run.argv(command, out))}")
+            skipped = " (finished: skipped)" if (out / run.dir / "run.json").exists() else ""
+            print(f"[{number}/{len(runs)}] {run.dir}{skipped}: {shlex.join(run.argv(command, out))}")
         return 0
     interrupted = False
     with _sigterm_as_interrupt():
