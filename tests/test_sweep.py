@@ -36,7 +36,10 @@ def _sweep(capsys, *args: str) -> tuple[int, str, str]:
 
 def _hand_median(trace: Path, key: str = "flops") -> float:
     """Median TFLOP/s/GPU (or tokens/s/GPU with key="num_tokens") of a one-segment trace."""
-    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    text = trace.read_text()
+    if not text.endswith("\n"):  # a run killed while writing a line
+        text = text[:text.rfind("\n") + 1]
+    lines = [json.loads(line) for line in text.splitlines()]
     run, steps = lines[0]["run"], lines[1:]
     used = [s for s in steps[run["warmup_iterations"]:] if s["ok"]]
     scale = 1e12 if key == "flops" else 1.0
@@ -137,6 +140,9 @@ def test_no_recommendation_exits_1(tmp_path, capsys) -> None:
                              "--", sys.executable, FAKE, "--mode", "{mode}")
     assert code == 1
     assert "recommendation: none" in stdout
+    code, stdout, _ = _sweep(capsys, "--param", "a=1", "--out", str(tmp_path / "nx"), "--", "/nonexistent/train", "{a}")
+    assert code == 1
+    assert "failed: cannot start '/nonexistent/train': No such file or directory" in stdout
     assert json.loads((tmp_path / "sw" / "results.json").read_text())["recommendation"] is None
 
 
@@ -178,12 +184,15 @@ def test_dry_run_prints_and_writes_nothing(tmp_path, capsys) -> None:
     assert lines[1].startswith("[2/2] 001_a-2_b-x/r1: train --a 2 --b=x")
 
 
-def test_plan_order_is_first_param_slowest() -> None:
+def test_plan_order_is_first_param_slowest_and_repeats_interleaved() -> None:
     params = parse_params(["mb=1,2", "pp=4,2"])
     check_command(["t", "{mb}", "{pp}"], params)
     assert [(r.index, dict(r.params), r.repeat) for r in plan(params, 1)] == [
         (0, {"mb": "1", "pp": "4"}, 1), (1, {"mb": "1", "pp": "2"}, 1),
         (2, {"mb": "2", "pp": "4"}, 1), (3, {"mb": "2", "pp": "2"}, 1),
+    ]
+    assert [(r.index, r.repeat, r.dir) for r in plan(parse_params(["a=x,y"]), 2)] == [
+        (0, 1, "000_a-x/r1"), (1, 1, "001_a-y/r1"), (0, 2, "000_a-x/r2"), (1, 2, "001_a-y/r2"),
     ]
 
 
@@ -296,3 +305,4 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch)
     a = _write(tmp_path / "a.jsonl", header(warmup=0), step(1, flops=T, tokens=1, elapsed_s=1.0))
     assert cli.main(["compare", a, "--plot", str(tmp_path / "a.png")]) == 2
     assert "--plot needs matplotlib: pip install 'megatron-flops[plot]'" in capsys.readouterr().err
+

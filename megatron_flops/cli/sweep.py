@@ -89,13 +89,14 @@ def check_command(command: Sequence[str], params: Mapping[str, Sequence[str]]) -
 
 
 def plan(params: Mapping[str, Sequence[str]], repeats: int) -> list[Run]:
-    """Every run in sweep order: combinations with the first ``--param`` varying slowest and
-    values in the order given, each repeated ``repeats`` times."""
+    """Every run in the order they run: repeat 1 of every combination, then repeat 2, ...
+    (a slow drift of the machine then spreads over all combinations). Combinations are in sweep
+    order: the first ``--param`` varying slowest, values in the order given."""
+    combos = [dict(zip(params, values)) for values in itertools.product(*params.values())]
     runs = []
-    for index, values in enumerate(itertools.product(*params.values())):
-        combo = dict(zip(params, values))
-        slug = _UNSAFE.sub("_", "_".join(f"{k}-{v}" for k, v in combo.items()))[:80]
-        for repeat in range(1, repeats + 1):
+    for repeat in range(1, repeats + 1):
+        for index, combo in enumerate(combos):
+            slug = _UNSAFE.sub("_", "_".join(f"{k}-{v}" for k, v in combo.items()))[:80]
             runs.append(Run(index=index, params=combo, repeat=repeat, dir=f"{index:03d}_{slug}/r{repeat}"))
     return runs
 

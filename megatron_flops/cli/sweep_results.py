@@ -213,6 +213,7 @@ def collect(out: Path, runs: Sequence[Run], *, params: Mapping[str, Sequence[str
             objective: str, tolerance: float) -> SweepResults:
     """Read every finished run of the plan and decide the recommendation."""
     metric = OBJECTIVES[objective]
+    runs = sorted(runs, key=lambda r: (r.index, r.repeat))  # sweep order, whatever order they ran in
     records, outcomes = [], {}
     for run in runs:
         done = out / run.dir / "run.json"
