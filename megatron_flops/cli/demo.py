@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 from typing import Any
 
+from megatron_flops.adapters.env import TRACE
 from megatron_flops.formulas import ATTENTION_CONVENTIONS
 
 
@@ -32,6 +34,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         attention=args.attention,
         data=DataConfig(seq_length=args.pack_length, num_padded_rows=args.padded_rows),
+        trace=args.flops_trace or os.environ.get(TRACE) or None,
     )
     if not _have_megatron_core():
         raise ValueError("the demo trains a megatron-core model: pip install megatron-core")
@@ -57,4 +60,6 @@ def add_parser(sub: Any) -> None:
     demo.add_argument("--attention", choices=ATTENTION_CONVENTIONS, default="causal",
                       help="core-attention convention of the corrected number: causal halves the s^2 product "
                            "(Megatron-LM's, the default), full counts every query/key pair")
+    demo.add_argument("--flops-trace", metavar="FILE", help="append the per-step trace (JSON Lines) to FILE "
+                      f"(default: ${TRACE}); read it with megatron-flops compare")
     demo.set_defaults(func=_cmd_demo)

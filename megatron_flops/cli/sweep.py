@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_flops.adapters.env import TRACE
 from megatron_flops.cli.plot import require_matplotlib
 from megatron_flops.cli.sweep_results import OBJECTIVES, classify, collect, describe, write_json
 from megatron_flops.runs import DEFAULT_TOLERANCE
@@ -129,7 +130,7 @@ def claim_out(out: Path, identity: Mapping[str, Any], *, write: bool) -> None:
 def execute(argv: Sequence[str], run_dir: Path, *, timeout_s: float | None) -> dict[str, Any]:
     """Run one command in its own process group, output to ``log.txt``; kill the group on time-out
     (and on Ctrl-C, which is then re-raised). The outcome as ``run.json`` holds it."""
-    env = {**os.environ, "MEGATRON_FLOPS_TRACE": str((run_dir / "trace.jsonl").resolve())}
+    env = {**os.environ, TRACE: str((run_dir / "trace.jsonl").resolve())}
     started = time.monotonic()
     with open(run_dir / "log.txt", "wb") as log:
         try:

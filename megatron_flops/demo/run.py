@@ -56,7 +56,8 @@ FAILURE_GRACE_S = 5
 
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
-    """The demo's layout and run length. ``dp`` None: 2 with ``pp > 1``, else 1."""
+    """The demo's layout and run length. ``dp`` None: 2 with ``pp > 1``, else 1. ``trace``: a file
+    the per-step trace is appended to (``megatron_flops.trace``)."""
 
     pp: int = 1
     vpp: int | None = None
@@ -69,6 +70,7 @@ class DemoOptions:
     seed: int = 0
     attention: str = "causal"
     data: DataConfig = field(default_factory=DataConfig)
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("pp", "iterations", "num_microbatches", "log_interval"):
@@ -162,7 +164,8 @@ def train(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a missing peak is reported once, in the header
             session = install_session(tracker, peak_flops_per_s=peak, warmup_iterations=options.warmup,
-                                      world_size=options.world_size)
+                                      world_size=options.world_size, trace=options.trace, framework="demo",
+                                      framework_version=_megatron_core_version())
         loss_sums = torch.zeros(2, dtype=torch.float64)
         results = []
         try:
@@ -197,6 +200,12 @@ def train(
         finally:
             uninstall_session()
     return DemoRun(spec=spec, results=tuple(results))
+
+
+def _megatron_core_version() -> str | None:
+    from megatron import core
+
+    return getattr(core, "__version__", None)
 
 
 # ---- model and loss ----------------------------------------------------------------------------
