@@ -345,12 +345,12 @@ def comparability(runs: Sequence[RunStats]) -> list[str]:
         return []
     base = runs[0]
     warnings = []
-    for index, run in enumerate(runs[1:], start=2):
+    for run in runs[1:]:
         base_conv, conv = base.header.get("conventions") or {}, run.header.get("conventions") or {}
         units = [f"{k} {base_conv.get(k)!r} vs {conv.get(k)!r}" for k in UNIT_CONVENTIONS if base_conv.get(k) != conv.get(k)]
         if units:
             raise ValueError(
-                f"run {index} ({run.name}) counts FLOPs under other conventions than run 1 ({'; '.join(units)}): "
+                f"{run.name} counts FLOPs under other conventions than {base.name} ({'; '.join(units)}): "
                 "its TFLOP/s are not comparable; rerun with the same --flops-* conventions"
             )
         differences = differing(base.header, run.header)
@@ -358,7 +358,7 @@ def comparability(runs: Sequence[RunStats]) -> list[str]:
         if tokens:
             differences.append(tokens)
         if differences:
-            warnings.append(f"run {index} ({run.name}) differs from run 1: {'; '.join(differences)}")
+            warnings.append(f"{run.name} differs from {base.name}: {'; '.join(differences)}")
     return warnings
 
 

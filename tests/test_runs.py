@@ -135,13 +135,13 @@ def test_comparable_runs_give_no_warning() -> None:
 def test_differences_are_named() -> None:
     warnings = comparability([_stats(), _stats(num_layers=8, world_size=2, tokens=(100, 200), name="b")])
     assert warnings == [
-        "run 2 (b) differs from run 1: world_size 1 vs 2; model.num_layers 4 vs 8; "
+        "b differs from t: world_size 1 vs 2; model.num_layers 4 vs 8; "
         "tokens per step 100 vs 200 at iteration 2 (other data or global batch)"
     ]
 
 
 def test_other_flops_conventions_are_an_error() -> None:
-    with pytest.raises(ValueError, match=r"run 2 \(b\) counts FLOPs under other conventions than run 1 "
+    with pytest.raises(ValueError, match=r"b counts FLOPs under other conventions than t "
                                          r"\(attention 'causal' vs 'full'\)"):
         comparability([_stats(), _stats(attention="full", name="b")])
 

@@ -92,7 +92,8 @@ def test_medians_and_recommendation(tmp_path, capsys) -> None:
     assert [r["median_tflops_per_gpu"] for r in results["runs"] if r["status"] == "ok"] == [150, 147, 147, 151.5, 151.5]
     rec = results["recommendation"]
     assert rec["params"] == {"flops": str(98 * T)} and rec["value"] == 147
-    assert rec["fastest"] == {"params": {"flops": str(101 * T)}, "value": 151.5}
+    assert rec["fastest"] == {"index": 2, "params": {"flops": str(101 * T)}, "value": 151.5}
+    assert results["warnings"] == []
     assert rec["margin"] == pytest.approx(4.5 / 151.5) and rec["tolerance"] == 0.03
     assert "within 3% of the best" in rec["rule"]
     with open(out / "summary.csv") as f:
@@ -131,8 +132,12 @@ def test_tolerance_and_objective_options(tmp_path, capsys) -> None:
     # By tokens/s: 2000 > 1000 tokens per 1 s step.
     code, _, _ = _sweep(capsys, "--param", "tokens=1000,2000", "--objective", "tokens", "--out", str(tmp_path / "b"),
                         "--", sys.executable, FAKE, "--tokens", "{tokens}")
-    rec = json.loads((tmp_path / "b" / "results.json").read_text())["recommendation"]
-    assert rec["params"] == {"tokens": "2000"} and rec["value"] == 2000.0
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert results["recommendation"]["params"] == {"tokens": "2000"} and results["recommendation"]["value"] == 2000.0
+    # One warning per configuration, naming the traces (not one per pair of repeats).
+    a, b = (str(tmp_path / "b" / d / "r1" / "trace.jsonl") for d in ("000_tokens-1000", "001_tokens-2000"))
+    assert results["warnings"] == [f"{b} differs from {a}: tokens per step 1000 vs 2000 at iteration 1 "
+                                   "(other data or global batch)"]
 
 
 def test_no_recommendation_exits_1(tmp_path, capsys) -> None:
@@ -269,7 +274,7 @@ def test_compare_warns_about_differences(tmp_path, capsys) -> None:
     a = _write(tmp_path / "a.jsonl", header(warmup=0), step(1, flops=T, tokens=100, elapsed_s=1.0))
     b = _write(tmp_path / "b.jsonl", header(warmup=0, num_layers=8), step(1, flops=T, tokens=200, elapsed_s=1.0))
     assert cli.main(["compare", a, b]) == 0
-    assert (f"warning: run 2 ({b}) differs from run 1: model.num_layers 4 vs 8; tokens per step 100 vs 200 at "
+    assert (f"warning: {b} differs from {a}: model.num_layers 4 vs 8; tokens per step 100 vs 200 at "
             "iteration 1") in capsys.readouterr().err
 
 

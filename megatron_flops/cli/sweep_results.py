@@ -189,8 +189,9 @@ class SweepResults:
         else:
             chosen = " ".join(f"{k}={v}" for k, v in rec["params"].items())
             fastest = " ".join(f"{k}={v}" for k, v in rec["fastest"]["params"].items())
-            lines.append(f"recommendation (*): {chosen}: {self.objective_label} {rec['value']:.4g}, "
-                         f"{100 * rec['margin']:.1f}% below the fastest ({fastest}: {rec['fastest']['value']:.4g})")
+            margin = ("the fastest" if rec["index"] == rec["fastest"]["index"] else
+                      f"{100 * rec['margin']:.1f}% below the fastest, {fastest}: {rec['fastest']['value']:.4g}")
+            lines.append(f"recommendation (*): {chosen}: {self.objective_label} {rec['value']:.4g} ({margin})")
             lines.append(f"rule: {rec['rule']}")
             static = rec.get("fastest_by_static")
             if static is not None:
@@ -228,13 +229,7 @@ def collect(out: Path, runs: Sequence[Run], *, params: Mapping[str, Sequence[str
         entry.update({k: v for k, v in stats.items() if k != "trace"})
         records.append(entry)
     combos = _combos(runs, outcomes)
-    ok_stats = [o.stats for o in outcomes.values() if o.status == "ok" and o.stats is not None]
-    warnings: list[str] = []
-    units_differ = False
-    try:
-        warnings = comparability(ok_stats)
-    except ValueError as exc:
-        warnings, units_differ = [str(exc)], True
+    warnings, units_differ = _comparability(runs, outcomes)
     repeats = max(r.repeat for r in runs)
     candidates = [Candidate(index=c["index"], params=c["params"], all_ok=c["num_ok"] == repeats,
                             value=c[f"median_{metric}"]) for c in combos]
@@ -245,6 +240,25 @@ def collect(out: Path, runs: Sequence[Run], *, params: Mapping[str, Sequence[str
     return SweepResults(params=params, repeats=repeats, objective=objective,
                         tolerance=tolerance, runs=records, combos=combos, recommendation=recommendation,
                         warnings=warnings, num_pending=len(runs) - len(records))
+
+
+def _comparability(runs: Sequence[Run], outcomes: Mapping[tuple[int, int], Outcome]) -> tuple[list[str], bool]:
+    """Warnings for the first ok repeat of every configuration against the first configuration's,
+    and for the repeats of a configuration against its first; and whether the FLOPs conventions
+    differ (no TFLOP/s recommendation then)."""
+    by_combo: dict[int, list[RunStats]] = {}
+    for run in runs:
+        outcome = outcomes.get((run.index, run.repeat))
+        if outcome is not None and outcome.status == "ok" and outcome.stats is not None:
+            by_combo.setdefault(run.index, []).append(outcome.stats)
+    groups = [[repeats[0] for repeats in by_combo.values()], *(r for r in by_combo.values() if len(r) > 1)]
+    warnings: list[str] = []
+    for group in groups:
+        try:
+            warnings.extend(comparability(group))
+        except ValueError as exc:
+            return [str(exc)], True
+    return warnings, False
 
 
 def _combos(runs: Sequence[Run], outcomes: Mapping[tuple[int, int], Outcome]) -> list[dict[str, Any]]:
@@ -280,7 +294,7 @@ def _recommendation(chosen: Recommendation, combos: Sequence[Mapping[str, Any]],
         "margin": chosen.shortfall,
         "tolerance": chosen.tolerance,
         "rule": RULE.format(objective=LABELS[metric], tolerance=100 * chosen.tolerance),
-        "fastest": {"params": dict(chosen.fastest.params), "value": chosen.fastest.value},
+        "fastest": {"index": chosen.fastest.index, "params": dict(chosen.fastest.params), "value": chosen.fastest.value},
     }
     if objective == "tflops":
         static = [Candidate(index=c.index, params=c.params, all_ok=c.all_ok, value=combos[i]["median_static_tflops_per_gpu"])
