@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from megatron_flops import __version__
-from megatron_flops.cli import demo, estimate
+from megatron_flops.cli import compare, demo, estimate, sweep
 
-_COMMANDS = (estimate, demo)
+_COMMANDS = (estimate, demo, compare, sweep)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -41,6 +41,16 @@ class DataConfig:
     min_length: int = 8
     packed_fraction: float = 0.5
 
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "num_padded_rows", "pad_multiple", "min_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_length < self.min_length:
+            raise ValueError(f"seq_length (the packed row length) must be >= the shortest document "
+                             f"({self.min_length} tokens), got {self.seq_length}")
+        if not 0.0 <= self.packed_fraction <= 1.0:
+            raise ValueError(f"packed_fraction must be in [0, 1], got {self.packed_fraction}")
+
 
 @dataclass(frozen=True, kw_only=True)
 class MicroBatch:

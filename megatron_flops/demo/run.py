@@ -2,9 +2,9 @@
 
 The training loop is megatron-core's own: ``get_forward_backward_func()`` (no pipelining, 1F1B,
 or interleaved 1F1B), megatron ``DistributedDataParallel`` over gloo, and a ``forward_step``
-that calls ``tracker.record(...)`` once, exactly as a user's loop would. Every rank calls
-``tracker.end_step()`` after each step; the last pipeline stage of data-parallel rank 0 feeds a
-:class:`ThroughputMeter` and prints Megatron-style lines.
+that calls ``megatron_flops.session.record(...)`` once, exactly as a user's loop would. Every rank
+installs the accounting session and brackets each step with ``begin_step()``/``end_step()``;
+the last pipeline stage of data-parallel rank 0 prints Megatron-style lines from its reports.
 
 megatron-core is imported lazily, inside :func:`train`, and runs under
 :func:`~megatron_flops.demo.cpu_shim.cpu_shim`.
@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 from megatron_flops.demo.data import DataConfig, MicroBatch, microbatches
 from megatron_flops.formulas import ATTENTION_CONVENTIONS
-from megatron_flops.meter import ThroughputMeter, format_log_line, format_summary
+from megatron_flops.meter import format_log_line, format_summary
 from megatron_flops.peaks import resolve_peak
 from megatron_flops.result import StepResult
+from megatron_flops.session import install_session, record, uninstall_session
 from megatron_flops.spec import ModelSpec
 from megatron_flops.tracker import FlopsTracker
 
@@ -55,7 +56,8 @@ FAILURE_GRACE_S = 5
 
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
-    """The demo's layout and run length. ``dp`` None: 2 with ``pp > 1``, else 1."""
+    """The demo's layout and run length. ``dp`` None: 2 with ``pp > 1``, else 1. ``trace``: a file
+    the per-step trace is appended to (``megatron_flops.trace``)."""
 
     pp: int = 1
     vpp: int | None = None
@@ -68,6 +70,7 @@ class DemoOptions:
     seed: int = 0
     attention: str = "causal"
     data: DataConfig = field(default_factory=DataConfig)
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("pp", "iterations", "num_microbatches", "log_interval"):
@@ -146,7 +149,7 @@ def train(
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
             batch = next(data_iterator)
-            tracker.record(model=model, tokens=batch.tokens, cu_seqlens=batch.cu_seqlens, seq_lengths=batch.seq_lengths)
+            record(model=model, tokens=batch.tokens, cu_seqlens=batch.cu_seqlens, seq_lengths=batch.seq_lengths)
             output = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
             return output, partial(_loss, batch.loss_mask)
 
@@ -155,48 +158,54 @@ def train(
         params = [p for chunk in chunks for p in chunk.parameters()]
         optimizer = torch.optim.Adam(params, lr=LEARNING_RATE)
         forward_backward = get_forward_backward_func()
-        meter = None
+        peak = resolve_peak(None, "bf16", options.peak_tflops)
         if printing:
-            peak = resolve_peak(None, "bf16", options.peak_tflops)
             out(_header(options, peak))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a missing peak is reported once, in the header
-                meter = ThroughputMeter(world_size=options.world_size, peak_flops_per_s=peak,
-                                        warmup_iterations=options.warmup)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a missing peak is reported once, in the header
+            session = install_session(tracker, peak_flops_per_s=peak, warmup_iterations=options.warmup,
+                                      world_size=options.world_size, trace=options.trace, framework="demo",
+                                      framework_version=_megatron_core_version())
         loss_sums = torch.zeros(2, dtype=torch.float64)
         results = []
-        for iteration in range(1, options.iterations + 1):
-            started = time.perf_counter()
-            for chunk in chunks:
-                chunk.zero_grad_buffer()
-            losses = forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=streams if len(chunks) > 1 else streams[0],
-                model=chunks if len(chunks) > 1 else chunks[0],
-                num_microbatches=options.num_microbatches,
-                seq_length=options.data.seq_length,
-                micro_batch_size=1,  # shapes travel with the tensors (variable_seq_lengths)
-                forward_only=False,
-            )
-            for p in params:  # megatron DDP accumulates (and all-reduces) gradients in main_grad
-                p.grad = p.main_grad
-            optimizer.step()
-            result = tracker.end_step()
-            results.append(result)
-            if is_last_stage:
-                loss_sums += _global_loss(losses, ps.get_data_parallel_group())
-            if meter is None:
-                continue
-            meter.record(iteration=iteration, result=result, elapsed_s=time.perf_counter() - started)
-            if iteration % options.log_interval == 0 or iteration == options.iterations:
-                report = meter.interval()
-                line = format_log_line(report, iteration=iteration, train_iters=options.iterations,
-                                       elapsed_ms_per_iter=1000 * report.elapsed_s / report.num_iterations)
-                out(line + f" lm loss: {float(loss_sums[0] / loss_sums[1]):.4E} |")
-                loss_sums.zero_()
-        if meter is not None:
-            out(format_summary(meter.summary(), warmup_iterations=options.warmup))
+        try:
+            for iteration in range(1, options.iterations + 1):
+                session.begin_step()
+                for chunk in chunks:
+                    chunk.zero_grad_buffer()
+                losses = forward_backward(
+                    forward_step_func=forward_step,
+                    data_iterator=streams if len(chunks) > 1 else streams[0],
+                    model=chunks if len(chunks) > 1 else chunks[0],
+                    num_microbatches=options.num_microbatches,
+                    seq_length=options.data.seq_length,
+                    micro_batch_size=1,  # shapes travel with the tensors (variable_seq_lengths)
+                    forward_only=False,
+                )
+                for p in params:  # megatron DDP accumulates (and all-reduces) gradients in main_grad
+                    p.grad = p.main_grad
+                optimizer.step()
+                results.append(session.end_step(iteration=iteration))
+                if is_last_stage:
+                    loss_sums += _global_loss(losses, ps.get_data_parallel_group())
+                if printing and (iteration % options.log_interval == 0 or iteration == options.iterations):
+                    report = session.report()
+                    assert report is not None
+                    line = format_log_line(report, iteration=iteration, train_iters=options.iterations,
+                                           elapsed_ms_per_iter=1000 * report.elapsed_s / report.num_iterations)
+                    out(line + f" lm loss: {float(loss_sums[0] / loss_sums[1]):.4E} |")
+                    loss_sums.zero_()
+            if printing:
+                out(format_summary(session.summary(), warmup_iterations=options.warmup))
+        finally:
+            uninstall_session()
     return DemoRun(spec=spec, results=tuple(results))
+
+
+def _megatron_core_version() -> str | None:
+    from megatron import core
+
+    return getattr(core, "__version__", None)
 
 
 # ---- model and loss ----------------------------------------------------------------------------
