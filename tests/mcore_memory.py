@@ -66,7 +66,8 @@ def megatron_groups() -> List[Tuple[str, Any]]:
         ("dp", ps.get_data_parallel_group),
         ("ep", ps.get_expert_model_parallel_group),
         ("expt_dp", ps.get_expert_data_parallel_group),
-        ("tp_ep", ps.get_expert_tensor_and_model_parallel_group),
+        # The token counts the alltoall dispatcher gathers (expert TP = 1: the EP ranks).
+        ("ep", ps.get_expert_tensor_and_model_parallel_group),
         ("mp", ps.get_model_parallel_group),
     ]
     out = []
@@ -89,7 +90,11 @@ class CommMeter(TorchDispatchMode):
         self.bytes: Dict[str, int] = defaultdict(int)
         self.calls: Dict[str, int] = defaultdict(int)
 
-    def _name(self, group: Optional[dist.ProcessGroup]) -> str:
+    def _name(self, group: Optional[dist.ProcessGroup], kind: str) -> str:
+        if kind == "send_recv":
+            # megatron-core's point-to-point traffic is the pipeline's; with two pipeline ranks it
+            # sends half of it on the world group (p2p_communication._p2p_ops).
+            return "pp"
         if group is None or group is dist.group.WORLD:
             return "world"
         for name, g in self.groups:
@@ -106,7 +111,7 @@ class CommMeter(TorchDispatchMode):
                 tensors = [t for t in payload(args) if isinstance(t, torch.Tensor)]
                 size = group.size() if group is not None else dist.get_world_size()
                 if size > 1 and sum(t.numel() for t in tensors) > 1:
-                    key = f"{self._name(group)}/{kind}"
+                    key = f"{self._name(group, kind)}/{kind}"
                     self.bytes[key] += sum(t.numel() * t.element_size() for t in tensors)
                     self.calls[key] += 1
         return func(*args, **(kwargs or {}))
@@ -186,6 +191,37 @@ def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
         s = t.untyped_storage()
         seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+def patch_alltoall_dispatcher() -> None:
+    """Test-only: on CPU, give megatron-core's alltoall token dispatcher its split sizes as numpy
+    arrays, as its device-to-host step does on GPU (tests/mcore_cpu.py only skips that step)."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+
+    def to_host(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name, None)
+                if isinstance(value, torch.Tensor):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    cls._maybe_dtoh_and_synchronize = to_host
+
+
+def reinit_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, seed: int = 1234) -> None:
+    """(Re)create megatron's parallel groups (expert parallelism included) in one process group."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp,
+                                             expert_model_parallel_size=ep)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
 def _inner_optimizers(optimizer: Any) -> List[Any]:

@@ -103,34 +103,42 @@ def optimizer_keys(training: Training) -> tuple[str, ...]:
     return tuple(f"optimizer/{k}" for k in main + moments)
 
 
+def chunk_buffers(
+    params: Sequence[Param], *, dp: int, expert_dp: int, distributed_optimizer: bool, bucket_size: int | None
+) -> dict[str, tuple[Bucket, ...]]:
+    """The buckets of one model chunk's DDP buffers: ``dp`` (dense parameters) and ``expt_dp``
+    (expert-parallel ones). ``bucket_size`` is the DDP bucket size this chunk uses (None for
+    chunks after the first and for pipeline ranks after the first, as megatron-core sets it)."""
+    return {
+        group: buffer_buckets([p for p in params if p.trainable and p.expert == expert], dp=size,
+                              distributed_optimizer=distributed_optimizer, bucket_size=bucket_size)
+        for group, expert, size in (("dp", False, dp), ("expt_dp", True, expert_dp))
+    }
+
+
 def chunk_state_bytes(
     params: Sequence[Param],
+    buffers: dict[str, tuple[Bucket, ...]],
     training: Training,
     *,
-    dp: int,
-    expert_dp: int,
+    sizes: dict[str, int],
+    ranks: dict[str, int],
     distributed_optimizer: bool,
-    bucket_size: int | None,
-    dp_rank: int = 0,
-    expert_dp_rank: int = 0,
 ) -> StateBytes:
-    """State bytes of one model chunk (one megatron-core ``DistributedDataParallel``) on data-
-    parallel rank ``dp_rank`` (expert data-parallel rank ``expert_dp_rank``). ``bucket_size`` is the DDP bucket size this chunk uses (None for
-    chunks after the first and for pipeline ranks after the first, as megatron-core sets it)."""
+    """State bytes of one model chunk (one megatron-core ``DistributedDataParallel``) on the rank
+    with data-parallel ranks ``ranks`` (``dp``, ``expt_dp``) in groups of ``sizes``."""
     frozen = sum(p.numel for p in params if not p.trainable)
     weights = frozen * training.param_bytes
     grads = optimizer_numel = 0
-    for expert, size, rank in ((False, dp, dp_rank), (True, expert_dp, expert_dp_rank)):
-        group = [p for p in params if p.trainable and p.expert == expert]
-        buckets = buffer_buckets(group, dp=size, distributed_optimizer=distributed_optimizer, bucket_size=bucket_size)
+    for group, buckets in buffers.items():
         numel = sum(b.numel for b in buckets)
         grads += numel * training.grad_bytes
+        # NB: with the distributed optimizer the trainable weights live in a parameter buffer of
+        # the gradient buffer's layout, padding included; under DDP they are their own tensors.
+        weights += numel * training.param_bytes
         if distributed_optimizer:
-            # NB: the parameter buffer holds the trainable weights, padding included.
-            weights += numel * training.param_bytes
-            optimizer_numel += sum(shard_numel(b, size, rank) for b in buckets)
+            optimizer_numel += sum(shard_numel(b, sizes[group], ranks[group]) for b in buckets)
         else:
-            weights += numel * training.param_bytes
             optimizer_numel += numel
     components = {"weights": weights, "gradients": grads}
     for key in optimizer_keys(training):
