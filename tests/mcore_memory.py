@@ -137,7 +137,8 @@ class SavedTensorMeter:
         self.live: Dict[int, List[int]] = {}  # storage ptr -> [refcount, nbytes]
         self.current = 0
         self.peak = 0
-        self.forward: List[int] = []
+        self._forwards: List[Dict[int, int]] = []
+        self.forward_chunks: List[int] = []
         self._in_forward: Optional[Dict[int, int]] = None
 
     def _release(self, key: int) -> None:
@@ -173,14 +174,21 @@ class SavedTensorMeter:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self
 
+    @property
+    def forward(self) -> List[int]:
+        """Bytes of the distinct storages saved in each :meth:`one_forward` block."""
+        return [sum(f.values()) for f in self._forwards]
+
     @contextlib.contextmanager
-    def one_forward(self) -> Iterator[None]:
-        """Count the distinct storages saved inside this block as one forward."""
-        outer, self._in_forward = self._in_forward, {}
+    def one_forward(self, extend: bool = False) -> Iterator[None]:
+        """Count the distinct storages saved inside this block as one forward (``extend``: as
+        part of the previous one, e.g. the loss function the schedule calls after it)."""
+        if not extend:
+            self._forwards.append({})
+        outer, self._in_forward = self._in_forward, self._forwards[-1]
         try:
             yield
         finally:
-            self.forward.append(sum(self._in_forward.values()))
             self._in_forward = outer
 
 
@@ -367,3 +375,41 @@ def build_training(
     with on_cpu():
         opt = get_megatron_optimizer(opt_config, chunks)
     return chunks, opt, config
+
+
+def batches(num_microbatches: int, micro_batch_size: int, seq_length: int, vocab_size: int,
+            seed: int = 0) -> Iterator[Dict[str, torch.Tensor]]:
+    """Micro-batches as Megatron-LM's GPT dataset collates them: a bool causal mask
+    [b, 1, s, s] (True = masked), int64 tokens/labels/positions, an fp32 loss mask."""
+    gen = torch.Generator().manual_seed(seed)
+    b, s = micro_batch_size, seq_length
+    for _ in range(num_microbatches):
+        yield dict(
+            input_ids=torch.randint(0, vocab_size, (b, s), generator=gen),
+            labels=torch.randint(0, vocab_size, (b, s), generator=gen),
+            position_ids=torch.arange(s).expand(b, s).contiguous(),
+            attention_mask=torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).expand(b, 1, s, s).contiguous(),
+            loss_mask=torch.ones(b, s),
+        )
+
+
+def metered_forward_step(meter: SavedTensorMeter, chunks: List[torch.nn.Module]) -> Callable:
+    """A ``forward_step_func`` that runs each chunk's forward (and, on the last stage, the loss
+    function the schedule calls next) as one :meth:`SavedTensorMeter.one_forward`; the index of
+    the chunk of each forward is appended to ``meter.forward_chunks``."""
+
+    def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+        with meter.one_forward(extend=True):
+            losses = output.float().view(-1)
+            loss = torch.sum(losses * loss_mask.view(-1))
+        num_tokens = loss_mask.sum().to(torch.int)
+        return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        meter.forward_chunks.append(next(i for i, c in enumerate(chunks) if c is model))
+        with meter.one_forward():
+            output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        return output, lambda out: loss_func(batch["loss_mask"], out)
+
+    return forward_step

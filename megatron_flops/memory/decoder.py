@@ -14,7 +14,7 @@ distributed optimizer's 64-element alignment padding only).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_flops.memory.layout import Parallelism
@@ -253,8 +253,11 @@ def _mlp(spec: ModelSpec, peft: PeftSpec, prefix: str, ffn: int, bias: bool, *, 
 
 
 def parameter_counts(spec: ModelSpec, options: DecoderOptions, *, seq_length: int,
-                     peft: PeftSpec | None = None) -> dict[str, int]:
-    """``total`` and ``trainable`` parameters of the whole model (tied weights once)."""
+                     peft: PeftSpec | None = None, tp: int = 1) -> dict[str, int]:
+    """``total`` and ``trainable`` parameters of the whole model (tied weights once; the
+    vocabulary padded for ``tp`` ranks)."""
     whole = Parallelism()
+    if options.padded_vocab_size is None:
+        options = replace(options, padded_vocab_size=padded_vocab(spec, options, tp))
     params = chunk_parameters(spec, options, whole, pp_rank=0, chunk=0, seq_length=seq_length, peft=peft)
     return {"total": sum(p.numel for p in params), "trainable": sum(p.numel for p in params if p.trainable)}
