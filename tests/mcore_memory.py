@@ -95,11 +95,11 @@ class CommMeter(TorchDispatchMode):
             # megatron-core's point-to-point traffic is the pipeline's; with two pipeline ranks it
             # sends half of it on the world group (p2p_communication._p2p_ops).
             return "pp"
-        if group is None or group is dist.group.WORLD:
-            return "world"
         for name, g in self.groups:
             if g is group:
                 return name
+        if group is None or group is dist.group.WORLD:
+            return "world"
         return "other" + str(dist.get_process_group_ranks(group))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
