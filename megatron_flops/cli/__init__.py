@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from megatron_flops import __version__
-from megatron_flops.cli import demo, estimate
+from megatron_flops.cli import demo, estimate, memory
 
-_COMMANDS = (estimate, demo)
+_COMMANDS = (estimate, memory, demo)
 
 
 class _Parser(argparse.ArgumentParser):

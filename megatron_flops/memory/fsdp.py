@@ -156,3 +156,28 @@ def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 
     if dp == 1:
         comm = {}
     return FsdpRank(rank=rank, states=states, communication={k: v for k, v in comm.items() if v})
+
+
+def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftSpec | None = None) -> dict[str, object]:
+    """The JSON form of :func:`fsdp_rank_memory` for the most loaded rank (rank 0 holds the most
+    real rows), in the keys the decoder report uses."""
+    from megatron_flops.dit import dit_parameter_counts
+
+    top = fsdp_rank_memory(spec, training, dp=dp, rank=0, peft=peft)
+    counts = dit_parameter_counts(spec, peft)
+    optimizer = sum(v for k, v in top.states.items() if k.startswith("optimizer/"))
+    rank = {
+        "weights_bytes": top.states["weights"],
+        "gradients_bytes": top.states["gradients"],
+        "optimizer_bytes": optimizer,
+        "activations_bytes": None,
+        "total_bytes": top.total,
+        "components": dict(top.states),
+    }
+    return {
+        "parameters": {"total": counts.num_params, "trainable": counts.num_trainable_params,
+                       "per_block": counts.num_block_params, "adapters": counts.num_adapters},
+        "per_gpu": rank,
+        "communication_per_step": {**top.communication, "total_bytes": sum(top.communication.values())},
+        "not_modelled": ["activations: what a DiT block saves depends on its elementwise adaLN code"],
+    }
