@@ -37,6 +37,7 @@ def _columns(report: dict[str, Any]) -> tuple[dict[str, int | None], dict[str, i
     memory["total"] = gpu["total_bytes"]
     comm = dict(report["communication_per_step"])
     comm["total"] = comm.pop("total_bytes")
+    comm["total, bus bytes"] = report["bus_bytes_per_step"]["total_bytes"]
     return memory, comm
 
 
@@ -52,7 +53,13 @@ def format_reports(reports: dict[str, dict[str, Any]], assumptions: list[str]) -
     lines += ["", *_table(memory, "per GPU (GB), most loaded"), "",
               *_table(comm, "communication per step (GB)"), "",
               "payload = the tensor handed to the collective on this GPU (all-reduce tensor, reduce-scatter "
-              "input, all-gather output, all-to-all input, p2p sent + received)"]
+              "input, all-gather output, all-to-all input, p2p sent + received); bus bytes = what a ring moves "
+              "per GPU ((n-1)/n of the payload, 2(n-1)/n for all-reduce)"]
+    stages = first.get("per_stage") or []
+    if len(stages) > 1:
+        lines.append("per pipeline stage (" + next(iter(reports)) + "): " + ", ".join(
+            f"stage {s['pp_rank']} {_gb(s['total_bytes'])} GB ({s['microbatches_in_flight']} micro-batches in flight)"
+            for s in stages))
     for name, report in reports.items():
         for reason in report["not_modelled"]:
             lines.append(f"not modelled ({name}): {reason}")

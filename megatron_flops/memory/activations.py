@@ -150,8 +150,13 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, mask: bool, check
     if options.attention_backend == "flash":
         # q, k (after RoPE when used; views of the qkv output otherwise) and v (a view of it).
         w.keep("attention", qkv_out if not x.rot else T * (x.heads + x.groups) * d * a + qkv_out)
-        w.keep("attention", x.b * x.heads * x.s * 4)  # fp32 log-sum-exp [b, heads, s]
-        w.keep("attention", T * x.heads * d * a)  # output = linear_proj's input
+        lse = x.b * x.heads * x.s * 4  # fp32 log-sum-exp [b, heads, s]
+        out = T * x.heads * d * a  # the kernel's output = linear_proj's input
+        if checkpointed:
+            w.region(out + lse)  # re-run in backward: a second output and the log-sum-exp
+        else:
+            w.keep("attention", lse)
+        w.keep("attention", out)
         return
     # Unfused: storages behind q, k, v as the local DotProductAttention reads them.
     q = T * x.heads * d * a  # q after RoPE, or GQA's reshaped copy
@@ -198,7 +203,7 @@ def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:
 def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, first: bool,
            core_attn: bool) -> None:
     _norm(w, "norm", x, options)
-    _attention(w, x, options, mask=first, checkpointed=core_attn and options.attention_backend == "unfused")
+    _attention(w, x, options, mask=first, checkpointed=core_attn)
     _dropout_mask(w, x, options)
     _norm(w, "norm", x, options)
     _mlp(w, x, options, spec.gated_linear_unit)

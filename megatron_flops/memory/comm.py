@@ -120,3 +120,19 @@ def step_communication(
             add("ep/all_to_all", m * moe_layers * 2 * routed * act)
             add("ep/all_gather", m * moe_layers * par.ep * moe.num_experts * 8)
     return out
+
+
+def bus_bytes(payload: Mapping[str, int], group_sizes: Mapping[str, int]) -> dict[str, int]:
+    """What a ring algorithm moves per GPU for each ``group/kind`` payload (NCCL's "bus
+    bandwidth" bytes): ``(n - 1) / n`` of an all-gather output, reduce-scatter input or
+    all-to-all input, twice that for an all-reduce, and point-to-point bytes as they are."""
+    factors = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2}
+    out = {}
+    for key, value in payload.items():
+        group, kind = key.split("/")
+        if kind == "send_recv":
+            out[key] = value
+        else:
+            n = group_sizes[group]
+            out[key] = factors[kind] * value * (n - 1) // n
+    return out

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_flops.dit import DiTSpec, dit_adapted_modules
+from megatron_flops.memory.comm import bus_bytes
 from megatron_flops.memory.layout import Training
 from megatron_flops.memory.states import optimizer_keys
 from megatron_flops.passes import PeftSpec
@@ -166,6 +167,7 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
     top = fsdp_rank_memory(spec, training, dp=dp, rank=0, peft=peft)
     counts = dit_parameter_counts(spec, peft)
     optimizer = sum(v for k, v in top.states.items() if k.startswith("optimizer/"))
+    bus = bus_bytes(top.communication, {"fsdp": dp})
     rank = {
         "weights_bytes": top.states["weights"],
         "gradients_bytes": top.states["gradients"],
@@ -179,5 +181,6 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
                        "per_block": counts.num_block_params, "adapters": counts.num_adapters},
         "per_gpu": rank,
         "communication_per_step": {**top.communication, "total_bytes": sum(top.communication.values())},
+        "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
         "not_modelled": ["activations: what a DiT block saves depends on its elementwise adaLN code"],
     }

@@ -13,7 +13,7 @@ from megatron_flops.memory.activations import (
     in_flight,
     schedule_peak,
 )
-from megatron_flops.memory.comm import step_communication
+from megatron_flops.memory.comm import bus_bytes, step_communication
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
@@ -101,6 +101,7 @@ class MemoryReport:
 
     parameters: dict[str, int]
     stages: tuple[RankMemory, ...]
+    group_sizes: dict[str, int] = field(default_factory=dict)
     not_modelled: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -140,6 +141,7 @@ def decoder_memory(
     return MemoryReport(
         parameters=parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp),
         stages=tuple(stages),
+        group_sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2},
         not_modelled=(reason,) if reason else (),
     )
 
@@ -163,12 +165,16 @@ def report_dict(report: MemoryReport, *, extra: dict[str, Any] | None = None) ->
     def comm(r: RankMemory) -> dict[str, int]:
         return {**r.communication, "total_bytes": sum(r.communication.values())}
 
+    busiest = max(report.stages, key=lambda r: sum(r.communication.values()))
+    bus = bus_bytes(busiest.communication, report.group_sizes)
+
     top = report.per_gpu
     out: dict[str, Any] = {
         "parameters": dict(report.parameters),
         "per_gpu": rank(top),
         "per_stage": [rank(r) for r in report.stages],
-        "communication_per_step": comm(max(report.stages, key=lambda r: sum(r.communication.values()))),
+        "communication_per_step": comm(busiest),
+        "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
         "communication_per_stage": [comm(r) for r in report.stages],
         "not_modelled": list(report.not_modelled),
     }
