@@ -249,3 +249,20 @@ def test_cli_runs_as_a_program():
                           "--seq-length", "8192", "--tp", "2", "--dp", "4", "--distributed-optimizer"],
                          capture_output=True, text=True, check=True).stdout
     assert "per GPU (GB), most loaded" in out and "tp/all_reduce" in out
+
+
+def test_readme_memory_examples_are_the_commands_output(capsys, monkeypatch):
+    # Every `$ megatron-flops memory ...` block in the README shows lines the command prints, in
+    # order ("..." stands for lines left out).
+    import shlex
+
+    monkeypatch.chdir(EXAMPLES.parent)
+    text = (EXAMPLES.parent / "README.md").read_text()
+    blocks = [b.split("\n```")[0] for b in text.split("```\n$ megatron-flops memory ")[1:]]
+    assert len(blocks) == 2
+    for block in blocks:
+        command, *shown = block.splitlines()
+        assert main(["memory", *shlex.split(command)]) == 0
+        printed = iter(capsys.readouterr().out.splitlines())
+        for line in (s for s in shown if s != "..."):
+            assert line in printed, line

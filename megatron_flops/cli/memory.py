@@ -120,7 +120,6 @@ def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, 
     options = DecoderOptions.from_mapping(raw, hf=is_hf_config(raw))
     if args.attention_backend is not None:
         options = DecoderOptions(**{**vars(options), "attention_backend": backend_convention(args.attention_backend)})
-    args.recompute_modules = getattr(args, "recompute_modules", None)
     peft, recompute = _training_setup(args, raw, Path(args.model).name)
     if training.optimizer != "adam" and par.distributed_optimizer:
         raise ValueError("megatron-core's distributed optimizer supports Adam only")
@@ -173,32 +172,35 @@ def add_parser(sub: Any) -> None:
                           "or a DiT file with a 'dit' section)")
     mem.add_argument("--seq-length", type=int, required=True, metavar="S",
                      help="tokens per sequence (a DiT: video tokens per sample)")
-    mem.add_argument("--micro-batch-size", type=int, default=1, metavar="B")
+    mem.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="sequences per micro-batch")
     mem.add_argument("--num-microbatches", type=int, default=1, metavar="N", help="micro-batches per step per DP rank")
-    for flag in ("tp", "pp", "cp", "ep", "dp"):
-        mem.add_argument(f"--{flag}", type=int, default=1, metavar="N")
+    for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"), ("dp", "data")):
+        mem.add_argument(f"--{flag}", type=int, default=1, metavar="N", help=f"{what}-parallel size")
     mem.add_argument("--vpp", type=int, metavar="N", help="model chunks per pipeline rank (interleaved 1F1B)")
-    mem.add_argument("--sequence-parallel", action="store_true")
+    mem.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (not modelled: exits 2)")
     shard = mem.add_mutually_exclusive_group()
     shard.add_argument("--distributed-optimizer", action="store_true",
                        help="megatron-core's DistributedOptimizer (optimizer state sharded over DP)")
     shard.add_argument("--fsdp", action="store_true", help="torch FSDP2 (DiT model files)")
-    mem.add_argument("--params-dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    mem.add_argument("--params-dtype", choices=sorted(DTYPE_BYTES), default="bf16",
+                     help="weight dtype (16-bit: fp32 main copies; FSDP2: the compute dtype over fp32 shards)")
     mem.add_argument("--no-grad-reduce-in-fp32", action="store_true",
                      help="accumulate and reduce gradients in the parameter dtype")
-    mem.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    mem.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="Adam (two moments) or SGD (momentum)")
     mem.add_argument("--overlap-grad-reduce", action="store_true",
                      help="DDP buckets of --bucket-size parameters (default Megatron-LM's max(40M, 1M x DP))")
-    mem.add_argument("--bucket-size", type=int, metavar="N")
+    mem.add_argument("--bucket-size", type=int, metavar="N", help="DDP bucket size in parameters")
     mem.add_argument("--attention-backend", choices=sorted(ATTENTION_BACKENDS),
                      help="saved-activation convention: local/unfused (megatron-core's DotProductAttention) or "
                           "flash/fused/auto (default: the model file's attention_backend, else auto)")
-    mem.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES)
-    mem.add_argument("--recompute-method", choices=RECOMPUTE_METHODS)
-    mem.add_argument("--recompute-num-layers", type=int, metavar="N")
+    mem.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES,
+                     help="activation recompute granularity (default: the model file's)")
+    mem.add_argument("--recompute-method", choices=RECOMPUTE_METHODS,
+                     help="full recompute: uniform (groups of layers) or block (the first N layers per chunk)")
+    mem.add_argument("--recompute-num-layers", type=int, metavar="N", help="full recompute: layers per group or block")
     mem.add_argument("--recompute-modules", metavar="NAMES", help="selective recompute (modelled: core_attn)")
     mem.add_argument("--frozen", action="store_true", help="freeze every base weight")
-    mem.add_argument("--lora-rank", type=int, metavar="R")
+    mem.add_argument("--lora-rank", type=int, metavar="R", help="add rank-R LoRA adapters")
     mem.add_argument("--lora-targets", metavar="NAMES",
                      help=f"decoder: of {','.join(LORA_TARGETS)}; DiT: WAN module names (q,k,v,o,k_img,...)")
     mem.add_argument("--compare-full", action="store_true", help="also show full training (no LoRA, nothing frozen)")
