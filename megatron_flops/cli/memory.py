@@ -58,7 +58,7 @@ def format_reports(reports: dict[str, dict[str, Any]], assumptions: list[str]) -
     stages = first.get("per_stage") or []
     if len(stages) > 1:
         lines.append("per pipeline stage (" + next(iter(reports)) + "): " + ", ".join(
-            f"stage {s['pp_rank']} {_gb(s['total_bytes'])} GB ({s['microbatches_in_flight']} micro-batches in flight)"
+            f"stage {s['pp_rank']} {_gb(s['total_bytes'])} GB ({s['microbatches_in_flight']} forward passes in flight)"
             for s in stages))
     for name, report in reports.items():
         for reason in report["not_modelled"]:
@@ -127,6 +127,9 @@ def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, 
     reports = {name: report_dict(decoder_memory(spec, options, par, training, peft=peft, recompute=recompute))}
     if args.compare_full:
         reports["full"] = report_dict(decoder_memory(spec, options, par, training, recompute=recompute))
+    if "vision_config" in raw:
+        for report in reports.values():
+            report["not_modelled"].append("the vision tower: only the text decoder is counted")
     return reports
 
 

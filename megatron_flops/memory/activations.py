@@ -239,6 +239,7 @@ def chunk_activations(
     full = recompute is not None and recompute.granularity == "full"
     core_attn = recompute is not None and recompute.granularity == "selective" and "core_attn" in recompute.modules
     if full:
+        assert recompute is not None
         _full_recompute_layers(w, x, spec, options, recompute, len(layers))
     else:
         for i in range(len(layers)):

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from megatron_flops.hf_config import hf_text_config
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.passes import PeftSpec
 from megatron_flops.spec import ModelSpec
@@ -72,7 +73,9 @@ class DecoderOptions:
         (``hf=True``: no linear biases, RMSNorm, RoPE, the file's attention dropout, the fused
         SwiGLU that Megatron-Bridge's providers enable)."""
         if hf:
-            text = data.get("text_config") if isinstance(data.get("text_config"), Mapping) else data
+            text = hf_text_config(data)
+            if text is None:
+                raise ValueError("a Hugging Face config without a text decoder has no decoder to model")
             family = str(text.get("model_type", "llama"))
             classic = family in _HF_NO_BIAS_FAMILIES
             fields: dict[str, Any] = {
