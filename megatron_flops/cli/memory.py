@@ -58,7 +58,7 @@ def format_reports(reports: dict[str, dict[str, Any]], assumptions: list[str]) -
     stages = first.get("per_stage") or []
     if len(stages) > 1:
         lines.append("per pipeline stage (" + next(iter(reports)) + "): " + ", ".join(
-            f"stage {s['pp_rank']} {_gb(s['total_bytes'])} GB ({s['microbatches_in_flight']} forward passes in flight)"
+            f"stage {s['pp_rank']} {_gb(s['total_bytes'])} GB ({s['forward_passes_in_flight']} forward passes in flight)"
             for s in stages))
     for name, report in reports.items():
         for reason in report["not_modelled"]:

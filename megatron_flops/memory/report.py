@@ -158,7 +158,7 @@ def report_dict(report: MemoryReport, *, extra: dict[str, Any] | None = None) ->
             "activations_bytes": r.activations,
             "total_bytes": r.total,
             "components": {**r.states, **({"activations": r.activations} if r.activations is not None else {})},
-            "microbatches_in_flight": r.in_flight,
+            "forward_passes_in_flight": r.in_flight,
             "activations_per_microbatch": list(r.activations_per_microbatch) if r.activations_per_microbatch else None,
         }
 
