@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from megatron_flops import __version__
-from megatron_flops.cli import compare, demo, estimate, sweep
+from megatron_flops.cli import compare, demo, estimate, memory, sweep
 
-_COMMANDS = (estimate, demo, compare, sweep)
+_COMMANDS = (estimate, memory, demo, compare, sweep)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,211 @@
+"""``megatron-flops memory``: bytes per GPU (weights, gradients, optimizer state, activations) and
+bytes moved per training step, for a megatron-core GPT (DDP or distributed optimizer, TP/PP/VPP/EP)
+or a WAN-style DiT under FSDP2; LoRA and full training side by side with ``--compare-full``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from megatron_flops.memory.decoder import ATTENTION_BACKENDS, DecoderOptions, backend_convention
+from megatron_flops.memory.layout import DTYPE_BYTES, OPTIMIZERS, Parallelism, Training
+from megatron_flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, PeftSpec, RecomputeSpec
+
+NOT_COUNTED = ("allocator caching and fragmentation", "workspaces (cuBLAS, NCCL, kernels)", "the CUDA context",
+               "temporaries freed inside an op", "gradients of activations during backward")
+
+
+def _gb(value: int | None) -> str:
+    return "n/m" if value is None else f"{value / 1e9:,.3f}"
+
+
+def _table(columns: dict[str, dict[str, int | None]], title: str) -> list[str]:
+    keys = list(dict.fromkeys(k for col in columns.values() for k in col))
+    width = max(len(k) for k in keys + [title]) + 2
+    lines = [f"{title:<{width}}" + "".join(f"{name:>18}" for name in columns)]
+    for key in keys:
+        lines.append(f"{key:<{width}}" + "".join(f"{_gb(col.get(key)):>18}" for col in columns.values()))
+    return lines
+
+
+def _columns(report: dict[str, Any]) -> tuple[dict[str, int | None], dict[str, int | None]]:
+    gpu = report["per_gpu"]
+    memory: dict[str, int | None] = dict(gpu["components"])
+    memory.setdefault("activations", gpu["activations_bytes"])
+    memory["total"] = gpu["total_bytes"]
+    comm = dict(report["communication_per_step"])
+    comm["total"] = comm.pop("total_bytes")
+    comm["total, bus bytes"] = report["bus_bytes_per_step"]["total_bytes"]
+    return memory, comm
+
+
+def format_reports(reports: dict[str, dict[str, Any]], assumptions: list[str]) -> str:
+    """Human tables (GB = 10^9 bytes), one column per report."""
+    first = next(iter(reports.values()))
+    lines = [f"parameters: {first['parameters']['total']:,} total"]
+    for name, report in reports.items():
+        trainable = report["parameters"]["trainable"]
+        lines.append(f"  {name}: {trainable:,} trainable ({trainable / report['parameters']['total']:.2%})")
+    memory = {name: _columns(r)[0] for name, r in reports.items()}
+    comm = {name: _columns(r)[1] for name, r in reports.items()}
+    lines += ["", *_table(memory, "per GPU (GB), most loaded"), "",
+              *_table(comm, "communication per step (GB)"), "",
+              "payload = the tensor handed to the collective on this GPU (all-reduce tensor, reduce-scatter "
+              "input, all-gather output, all-to-all input, p2p sent + received); bus bytes = what a ring moves "
+              "per GPU ((n-1)/n of the payload, 2(n-1)/n for all-reduce)"]
+    stages = first.get("per_stage") or []
+    if len(stages) > 1:
+        lines.append("per pipeline stage (" + next(iter(reports)) + "): " + ", ".join(
+            f"stage {s['pp_rank']} {_gb(s['total_bytes'])} GB ({s['forward_passes_in_flight']} forward passes in flight)"
+            for s in stages))
+    for name, report in reports.items():
+        for reason in report["not_modelled"]:
+            lines.append(f"not modelled ({name}): {reason}")
+    lines.append("assumptions: " + "; ".join(assumptions))
+    lines.append("not counted: " + ", ".join(NOT_COUNTED))
+    return "\n".join(lines)
+
+
+def _training(args: argparse.Namespace) -> Training:
+    bucket = args.bucket_size
+    if args.overlap_grad_reduce and bucket is None:
+        from megatron_flops.memory.report import default_bucket_size
+
+        bucket = default_bucket_size(args.dp)
+    return Training(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                    num_microbatches=args.num_microbatches, params_dtype=args.params_dtype,
+                    grad_reduce_in_fp32=not args.no_grad_reduce_in_fp32, optimizer=args.optimizer,
+                    bucket_size=bucket)
+
+
+def _parallelism(args: argparse.Namespace) -> Parallelism:
+    return Parallelism(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, dp=args.dp,
+                       sequence_parallel=args.sequence_parallel,
+                       distributed_optimizer=args.distributed_optimizer, fsdp=args.fsdp)
+
+
+def _dit(args: argparse.Namespace, raw: dict[str, Any], training: Training, par: Parallelism) -> dict[str, dict]:
+    from megatron_flops.dit_passes import dit_setup
+    from megatron_flops.memory.fsdp import dit_memory_report
+
+    other = [f"--{k} {v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if v > 1]
+    if other or par.vpp or par.distributed_optimizer or par.sequence_parallel:
+        raise ValueError(f"a DiT model file is modelled under --fsdp (torch FSDP2 over --dp ranks) only; "
+                         f"{', '.join(other) or 'this layout'} is not modelled")
+    if not par.fsdp and par.dp > 1:
+        raise ValueError("a DiT model file with --dp > 1 needs --fsdp (torch FSDP2)")
+    if training.optimizer != "adam":
+        raise ValueError("a DiT under FSDP2 is modelled with Adam(W)")
+    setup = dit_setup(raw, frozen=args.frozen, lora_rank=args.lora_rank,
+                      lora_targets=None if args.lora_targets is None else args.lora_targets.split(","),
+                      source=Path(args.model).name)
+    name = "LoRA" if setup.peft is not None and setup.peft.lora_rank else "this setup"
+    reports = {name: dit_memory_report(setup.spec, training, dp=par.dp, peft=setup.peft)}
+    if args.compare_full:
+        reports["full"] = dit_memory_report(setup.spec, training, dp=par.dp)
+    return reports
+
+
+def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, par: Parallelism) -> dict[str, dict]:
+    from megatron_flops.cli.estimate import _training_setup
+    from megatron_flops.hf_config import is_hf_config
+    from megatron_flops.memory.report import decoder_memory, report_dict
+    from megatron_flops.spec import load_model_file
+
+    spec, _ = load_model_file(args.model)
+    if spec is None:
+        raise ValueError(f"{args.model}: holds no decoder (a vision tower alone is not modelled)")
+    options = DecoderOptions.from_mapping(raw, hf=is_hf_config(raw))
+    if args.attention_backend is not None:
+        options = DecoderOptions(**{**vars(options), "attention_backend": backend_convention(args.attention_backend)})
+    peft, recompute = _training_setup(args, raw, Path(args.model).name)
+    if training.optimizer != "adam" and par.distributed_optimizer:
+        raise ValueError("megatron-core's distributed optimizer supports Adam only")
+    name = "LoRA" if peft is not None and peft.lora_rank else "this setup"
+    reports = {name: report_dict(decoder_memory(spec, options, par, training, peft=peft, recompute=recompute))}
+    if args.compare_full:
+        reports["full"] = report_dict(decoder_memory(spec, options, par, training, recompute=recompute))
+    if "vision_config" in raw:
+        for report in reports.values():
+            report["not_modelled"].append("the vision tower: only the text decoder is counted")
+    return reports
+
+
+def _cmd_memory(args: argparse.Namespace) -> int:
+    from megatron_flops.spec import load_model_file
+
+    _, raw = load_model_file(args.model)
+    training, par = _training(args), _parallelism(args)
+    dit = "dit" in raw
+    reports = (_dit if dit else _decoder)(args, raw, training, par)
+    assumptions = [
+        f"{args.params_dtype} weights" + (" (fp32 shards cast for compute)" if dit and args.params_dtype != "fp32"
+                                          else " + fp32 main copies" if args.params_dtype != "fp32" else ""),
+        f"gradients reduced in {'fp32' if training.grad_bytes == 4 else args.params_dtype}",
+        f"{args.optimizer} ({'exp_avg, exp_avg_sq' if args.optimizer == 'adam' else 'momentum'}, fp32)",
+        f"{par.world_size} GPUs (TP {par.tp} x PP {par.pp} x DP {par.dp}"
+        + (f", VPP {par.vpp}" if par.vpp else "") + (f", EP {par.ep}" if par.ep > 1 else "") + ")",
+        "FSDP2" if par.fsdp else "distributed optimizer" if par.distributed_optimizer else "DDP",
+        f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {args.seq_length} tokens",
+    ]
+    if args.json:
+        out = dict(next(iter(reports.values())))
+        if len(reports) > 1:
+            out["compare"] = reports
+        out["assumptions"] = assumptions
+        out["not_counted"] = list(NOT_COUNTED)
+        print(json.dumps(out))
+    else:
+        print(format_reports(reports, assumptions))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``memory`` on the top-level subparsers."""
+    mem = sub.add_parser(
+        "memory", help="bytes per GPU and bytes moved per training step",
+        description="Weights, gradients, optimizer state and saved activations per GPU, and the payload of every "
+                    "collective per training step, as megatron-core (DDP, distributed optimizer) or torch FSDP2 "
+                    "allocate and send them.",
+    )
+    mem.add_argument("--model", required=True, metavar="FILE",
+                     help="a JSON/YAML model file (megatron-core TransformerConfig fields, a Hugging Face config.json, "
+                          "or a DiT file with a 'dit' section)")
+    mem.add_argument("--seq-length", type=int, required=True, metavar="S",
+                     help="tokens per sequence (a DiT: video tokens per sample)")
+    mem.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="sequences per micro-batch")
+    mem.add_argument("--num-microbatches", type=int, default=1, metavar="N", help="micro-batches per step per DP rank")
+    for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"), ("dp", "data")):
+        mem.add_argument(f"--{flag}", type=int, default=1, metavar="N", help=f"{what}-parallel size")
+    mem.add_argument("--vpp", type=int, metavar="N", help="model chunks per pipeline rank (interleaved 1F1B)")
+    mem.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (not modelled: exits 2)")
+    shard = mem.add_mutually_exclusive_group()
+    shard.add_argument("--distributed-optimizer", action="store_true",
+                       help="megatron-core's DistributedOptimizer (optimizer state sharded over DP)")
+    shard.add_argument("--fsdp", action="store_true", help="torch FSDP2 (DiT model files)")
+    mem.add_argument("--params-dtype", choices=sorted(DTYPE_BYTES), default="bf16",
+                     help="weight dtype (16-bit: fp32 main copies; FSDP2: the compute dtype over fp32 shards)")
+    mem.add_argument("--no-grad-reduce-in-fp32", action="store_true",
+                     help="accumulate and reduce gradients in the parameter dtype")
+    mem.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="Adam (two moments) or SGD (momentum)")
+    mem.add_argument("--overlap-grad-reduce", action="store_true",
+                     help="DDP buckets of --bucket-size parameters (default Megatron-LM's max(40M, 1M x DP))")
+    mem.add_argument("--bucket-size", type=int, metavar="N", help="DDP bucket size in parameters")
+    mem.add_argument("--attention-backend", choices=sorted(ATTENTION_BACKENDS),
+                     help="saved-activation convention: local/unfused (megatron-core's DotProductAttention) or "
+                          "flash/fused/auto (default: the model file's attention_backend, else auto)")
+    mem.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES,
+                     help="activation recompute granularity (default: the model file's)")
+    mem.add_argument("--recompute-method", choices=RECOMPUTE_METHODS,
+                     help="full recompute: uniform (groups of layers) or block (the first N layers per chunk)")
+    mem.add_argument("--recompute-num-layers", type=int, metavar="N", help="full recompute: layers per group or block")
+    mem.add_argument("--recompute-modules", metavar="NAMES", help="selective recompute (modelled: core_attn)")
+    mem.add_argument("--frozen", action="store_true", help="freeze every base weight")
+    mem.add_argument("--lora-rank", type=int, metavar="R", help="add rank-R LoRA adapters")
+    mem.add_argument("--lora-targets", metavar="NAMES",
+                     help=f"decoder: of {','.join(LORA_TARGETS)}; DiT: WAN module names (q,k,v,o,k_img,...)")
+    mem.add_argument("--compare-full", action="store_true", help="also show full training (no LoRA, nothing frozen)")
+    mem.add_argument("--json", action="store_true", help="print one JSON object")
+    mem.set_defaults(func=_cmd_memory)

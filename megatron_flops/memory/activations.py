@@ -1,0 +1,328 @@
+"""Bytes saved for backward by one micro-batch of a megatron-core GPT model chunk, and the
+micro-batches in flight at the pipeline schedule's peak (stdlib only).
+
+Counted: the distinct storages autograd keeps for backward (``saved_tensors_hooks`` sees them),
+as megatron-core 0.16's local layer spec saves them on CUDA. Not counted: parameters, gradients,
+one-element tensors (loss scalars), temporaries freed inside an op, the pipeline's output tensors
+(Megatron-LM sets ``deallocate_pipeline_outputs``), allocator caching and workspaces.
+
+Per micro-batch of ``b`` sequences of ``s`` tokens (``T = s x b``), per tensor-parallel rank
+(heads, ffn and vocabulary divided by TP; no sequence parallelism), ``a`` bytes per activation
+element (the parameter dtype):
+
+- embedding (first stage): token ids (and position ids with learned absolute positions), int64;
+  with TP > 1 the vocab-parallel lookup's shifted ids and a bool mask of the ids it does not hold.
+- each norm: its input, and fp32 statistics per token (LayerNorm mean and rstd, RMSNorm rstd).
+  NB: CUDA's kernels keep the statistics in fp32; torch's CPU LayerNorm keeps them in the input
+  dtype and its CPU RMSNorm is composite (it also saves ``x * rstd``).
+- attention, ``unfused`` (megatron-core's ``DotProductAttention``): q and k after RoPE (RoPE's
+  cos and sin [s, rot] in the activation dtype, twice each), the qkv projection's output where
+  q/k/v are views of it, GQA's repeated k and v, the mask handed in (bool [b, 1, s, s], as
+  Megatron-LM's GPT dataset builds it, once per model chunk), the softmax output [b, heads, s, s]
+  (fp32 with ``attention_softmax_in_fp32`` and 16-bit activations, which also keeps the 16-bit
+  probabilities the context GEMM reads), and ``linear_proj``'s input.
+  ``flash`` (FlashAttention/cuDNN-style kernels; not measured here: no Transformer Engine on
+  CPU): q, k, v as handed to the kernel, its output (``linear_proj``'s input) and an fp32
+  log-sum-exp per query and head.
+- dropout (p > 0): a bool mask per site (CUDA's ``native_dropout``; torch's CPU dropout keeps an
+  activation-dtype mask), and attention dropout's output.
+- MLP: ``linear_fc1``'s input and output and ``linear_fc2``'s input; unfused SwiGLU also keeps
+  ``silu(x1)`` and ``x2 + glu_linear_offset``.
+- output (last stage): the final norm, ``output_layer``'s input, vocab-parallel cross-entropy's
+  fp32 softmax [T, V/TP], target mask (bool) and masked targets (int64), and the loss mask
+  (fp32) that Megatron-LM's ``loss_func`` multiplies by.
+
+Recompute: a checkpointed region keeps its inputs (megatron-core's ``CheckpointFunction``) and
+re-saves its activations while its backward runs. Full recompute checkpoints groups of layers
+(hidden states, mask and the cached RoPE frequencies, fp32 [s, rot], shared by the micro-batches
+of a model chunk); selective ``core_attn`` checkpoints the core attention (q, k, the qkv output
+behind v, the mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.spec import ModelSpec
+
+NORM_STATS_BYTES = 4  # fp32 mean/rstd per token (CUDA kernels)
+INDEX_BYTES = 8  # int64 token ids, positions, targets
+SUPPORTED_SELECTIVE = ("core_attn",)
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """Per-rank sizes of one micro-batch."""
+
+    s: int
+    b: int
+    h: int
+    d: int
+    heads: int
+    groups: int
+    ffn: int
+    vocab: int
+    act: int
+    rot: int
+
+    @property
+    def tokens(self) -> int:
+        return self.s * self.b
+
+
+@dataclass
+class ChunkActivations:
+    """One micro-batch of one model chunk: ``components`` kept after its forward (bytes by
+    key), ``shared`` bytes kept once per chunk however many micro-batches are in flight (the
+    cached RoPE frequencies a checkpoint saves), and ``backward_peak``: the most held while a
+    recompute region re-runs in backward (0 without recompute)."""
+
+    components: dict[str, int] = field(default_factory=dict)
+    shared: int = 0
+    backward_peak: int = 0
+
+    @property
+    def forward(self) -> int:
+        return sum(self.components.values())
+
+
+class _Walk:
+    """Forward-order accumulation of kept bytes, and recompute regions' peaks."""
+
+    def __init__(self) -> None:
+        self.out = ChunkActivations()
+        self.kept = 0
+
+    def keep(self, key: str, nbytes: int) -> None:
+        if nbytes:
+            self.out.components[key] = self.out.components.get(key, 0) + nbytes
+            self.kept += nbytes
+
+    def region(self, transient: int) -> None:
+        # NB: when a region's backward runs, everything saved before it (in forward order) is
+        # still held, everything after it is already freed.
+        self.out.backward_peak = max(self.out.backward_peak, self.kept + transient)
+
+
+def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
+                                recompute: RecomputeSpec | None) -> str | None:
+    """Why activations are not modelled for this setup (None: they are)."""
+    if spec.moe is not None:
+        return "activations are modelled for dense GPT layers (no MoE)"
+    if options.qk_layernorm:
+        return "activations are modelled without qk_layernorm"
+    if par.sequence_parallel or par.cp > 1:
+        return "activations are modelled without sequence or context parallelism"
+    if recompute is not None and recompute.granularity == "selective":
+        other = [m for m in recompute.modules if m not in SUPPORTED_SELECTIVE]
+        if other:
+            return f"selective recompute of {other} is not modelled (only {SUPPORTED_SELECTIVE})"
+    return None
+
+
+def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training) -> _Dims:
+    rot = 0
+    if options.position_embedding_type == "rope":
+        rot = spec.kv_channels if options.rotary_percent >= 1 else int(spec.kv_channels * options.rotary_percent)
+    return _Dims(s=training.seq_length, b=training.micro_batch_size, h=spec.hidden_size, d=spec.kv_channels,
+                 heads=spec.num_attention_heads // par.tp, groups=spec.num_query_groups // par.tp,
+                 ffn=spec.ffn_hidden_size // par.tp, vocab=padded_vocab(spec, options, par.tp) // par.tp,
+                 act=training.param_bytes, rot=rot)
+
+
+def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions) -> None:
+    # Input [T, h] and fp32 statistics per token (LayerNorm: mean and rstd; RMSNorm: rstd).
+    w.keep(key, x.tokens * x.h * x.act)
+    w.keep(key, x.tokens * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1))
+
+
+def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, mask: bool, checkpointed: bool) -> None:
+    """Self-attention after the input norm: qkv input, q/k/v, core attention, proj input."""
+    T, a, d = x.tokens, x.act, x.d
+    gqa = x.heads > x.groups
+    w.keep("attention", T * x.h * a)  # linear_qkv input (the norm's output)
+    qkv_out = T * (x.heads + 2 * x.groups) * d * a
+    if x.rot:
+        w.keep("attention", 4 * x.s * x.rot * a)  # cos and sin, for q and for k
+    if options.attention_backend == "flash":
+        # q, k (after RoPE when used; views of the qkv output otherwise) and v (a view of it).
+        w.keep("attention", qkv_out if not x.rot else T * (x.heads + x.groups) * d * a + qkv_out)
+        lse = x.b * x.heads * x.s * 4  # fp32 log-sum-exp [b, heads, s]
+        out = T * x.heads * d * a  # the kernel's output = linear_proj's input
+        if checkpointed:
+            w.region(out + lse)  # re-run in backward: a second output and the log-sum-exp
+        else:
+            w.keep("attention", lse)
+        w.keep("attention", out)
+        return
+    # Unfused: storages behind q, k, v as the local DotProductAttention reads them.
+    q = T * x.heads * d * a  # q after RoPE, or GQA's reshaped copy
+    if checkpointed:
+        # The checkpoint keeps q, k (before GQA's repeat) and the qkv output behind v.
+        kept = (q + T * x.groups * d * a + qkv_out) if x.rot else (qkv_out + (q if gqa else 0))
+        transient = 2 * T * x.heads * d * a if gqa else 0
+    else:
+        kept = 3 * q if gqa else (2 * q + qkv_out if x.rot else qkv_out)
+        transient = 0
+    w.keep("attention", kept)
+    if mask:
+        w.keep("attention", x.b * x.s * x.s)  # bool [b, 1, s, s], once per model chunk
+    scores = x.b * x.heads * x.s * x.s
+    fp32_softmax = options.attention_softmax_in_fp32 and a < 4
+    core = scores * (4 if fp32_softmax else a)  # softmax output
+    if options.attention_dropout > 0:
+        core += scores + scores * a  # dropout mask (bool) and dropout output
+    elif fp32_softmax:
+        core += scores * a  # the 16-bit probabilities the context GEMM reads
+    if checkpointed:
+        w.region(transient + core)
+    else:
+        w.keep("attention", core)
+    w.keep("attention", T * x.heads * d * a)  # linear_proj input
+
+
+def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
+    T, a = x.tokens, x.act
+    w.keep("mlp", T * x.h * a)  # linear_fc1 input
+    if gated and not options.bias_activation_fusion:
+        # fc1 output [T, 2 ffn] (silu's input is a view), silu(x1), x2 + offset, and the product.
+        w.keep("mlp", T * x.ffn * a * (2 + 3))
+    else:
+        # fc1 output (the activation's input) and fc2's input.
+        w.keep("mlp", T * x.ffn * a * ((2 if gated else 1) + 1))
+
+
+def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:
+    if options.hidden_dropout > 0:
+        w.keep("dropout", x.tokens * x.h)  # bool [T, h]
+
+
+def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, first: bool,
+           core_attn: bool) -> None:
+    _norm(w, "norm", x, options)
+    _attention(w, x, options, mask=first, checkpointed=core_attn)
+    _dropout_mask(w, x, options)
+    _norm(w, "norm", x, options)
+    _mlp(w, x, options, spec.gated_linear_unit)
+    _dropout_mask(w, x, options)
+
+
+def chunk_activations(
+    spec: ModelSpec,
+    options: DecoderOptions,
+    par: Parallelism,
+    training: Training,
+    *,
+    pp_rank: int,
+    chunk: int,
+    recompute: RecomputeSpec | None = None,
+    peft: PeftSpec | None = None,
+) -> ChunkActivations:
+    """Saved-for-backward bytes of one micro-batch of one model chunk (see the module doc)."""
+    if peft is not None and (peft.frozen or peft.lora_rank is not None):
+        raise ValueError("activations are modelled for full training (no frozen weights or LoRA)")
+    reason = check_activations_supported(spec, options, par, recompute)
+    if reason is not None:
+        raise ValueError(reason)
+    x = _dims(spec, options, par, training)
+    w = _Walk()
+    layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
+    if par.is_first_stage(pp_rank, chunk):
+        positions = options.position_embedding_type == "learned_absolute"
+        w.keep("embedding", x.tokens * INDEX_BYTES * (2 if positions else 1))
+        if par.tp > 1:
+            w.keep("embedding", x.tokens)  # vocab-parallel lookup: bool mask of ids outside this rank's rows
+        _dropout_mask(w, x, options)
+    full = recompute is not None and recompute.granularity == "full"
+    core_attn = recompute is not None and recompute.granularity == "selective" and "core_attn" in recompute.modules
+    if full:
+        assert recompute is not None
+        _full_recompute_layers(w, x, spec, options, recompute, len(layers))
+    else:
+        for i in range(len(layers)):
+            _layer(w, x, spec, options, first=i == 0, core_attn=core_attn)
+    if par.is_last_stage(pp_rank, chunk):
+        _norm(w, "output", x, options)
+        w.keep("output", x.tokens * x.h * x.act)  # output_layer input
+        # Cross-entropy: fp32 softmax [T, V/TP], target mask (bool), masked targets (int64);
+        # loss_func's fp32 loss mask.
+        w.keep("output", x.tokens * (x.vocab * 4 + 1 + INDEX_BYTES + 4))
+    return w.out
+
+
+def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
+                           recompute: RecomputeSpec, num_layers: int) -> None:
+    """Full recompute: checkpointed groups keep their input (hidden states, the mask, the cached
+    RoPE frequencies); ``block`` checkpoints the first ``recompute_num_layers`` layers one by
+    one and runs the rest plainly."""
+    group = recompute.num_layers or 1
+    if recompute.method == "block":
+        starts = list(range(min(group, num_layers)))
+        sizes = [1] * len(starts)
+    else:
+        starts = list(range(0, num_layers, group))
+        sizes = [min(group, num_layers - s) for s in starts]
+    hidden = x.tokens * x.h * x.act
+    for i, (start, size) in enumerate(zip(starts, sizes)):
+        w.keep("recompute", hidden)
+        if i == 0:
+            w.keep("recompute", x.b * x.s * x.s if options.attention_backend == "unfused" else 0)
+        inner = _Walk()
+        for j in range(size):
+            _layer(inner, x, spec, options, first=False, core_attn=False)
+        w.region(inner.kept - hidden)  # the group input is the first norm's input
+    plain = num_layers - sum(sizes)
+    for j in range(plain):
+        _layer(w, x, spec, options, first=not starts and j == 0, core_attn=False)
+    if x.rot:
+        w.out.shared = x.s * x.rot * 4
+
+
+def in_flight(par: Parallelism, num_microbatches: int, pp_rank: int) -> list[tuple[str, int]]:
+    """The order in which pipeline rank ``pp_rank`` runs forward (``F``) and backward (``B``)
+    passes of its model chunks in megatron-core's schedules (1F1B; interleaved 1F1B with
+    ``microbatch_group_size_per_vp_stage = PP``; one micro-batch at a time without PP)."""
+    m, p = num_microbatches, par.pp
+    if p == 1:
+        return [e for _ in range(m) for e in (("F", 0), ("B", 0))]
+    chunks = par.num_chunks
+    if par.vpp is None:
+        warmup = min(p - pp_rank - 1, m)
+        table = [0] * m
+    else:
+        table = []
+        for lo in range(0, m, p):
+            hi = m if lo + p >= m else lo + p
+            table += [c for c in range(chunks) for _ in range(lo, hi)]
+        warmup = min((p - pp_rank - 1) * 2 + (chunks - 1) * p, m * chunks)
+    total = m * chunks
+    events = [("F", table[k]) for k in range(warmup)]
+    for k in range(total - warmup):
+        events += [("F", table[warmup + k]), ("B", chunks - 1 - table[k])]
+    events += [("B", chunks - 1 - table[k]) for k in range(total - warmup, total)]
+    return events
+
+
+def schedule_peak(per_chunk: list[ChunkActivations], events: list[tuple[str, int]]) -> tuple[int, int]:
+    """The most saved-for-backward bytes held at once over ``events``, and the most
+    micro-batches in flight then."""
+    live = [0] * len(per_chunk)
+
+    def held() -> int:
+        return sum(n * c.forward + (c.shared if n else 0) for n, c in zip(live, per_chunk))
+
+    peak = count = 0
+    for kind, chunk in events:
+        if kind == "F":
+            live[chunk] += 1
+            now = held()
+        else:
+            c = per_chunk[chunk]
+            live[chunk] -= 1
+            now = held() + (c.backward_peak + (c.shared if not live[chunk] else 0) if c.backward_peak else 0)
+        if now > peak:
+            peak, count = now, sum(live) + (kind == "B")
+    return peak, count

@@ -1,0 +1,138 @@
+"""Bytes each GPU hands to collectives in one training step of a megatron-core GPT (stdlib only).
+
+NB: payload = the bytes of the tensor handed to the collective on this rank: the all-reduce
+tensor, the reduce-scatter input, the all-gather output, the all-to-all input, and for pipeline
+point-to-point the bytes sent plus the bytes received. A bus-bandwidth figure (what a ring moves
+per GPU) is ``payload x (n - 1) / n`` for all-gather/reduce-scatter and twice that for
+all-reduce; it is not what these keys hold. Not counted: collectives on one-rank groups and
+one-element ones (loss averaging, grad norm, found-inf). Keys are ``<group>/<kind>``:
+
+- ``dp/all_reduce`` (DDP) or ``dp/reduce_scatter`` + ``dp/all_gather`` (distributed optimizer):
+  the gradient buffer (``grad_reduce_in_fp32``: fp32), and the parameter buffer after the step,
+  padding included, once per step (the all-gather twice with expert-parallel buffers: see
+  :func:`data_parallel_bytes`); ``expt_dp/...`` the same for expert-parallel buffers.
+- ``embd/all_reduce``: the tied embedding/output weight's gradient between the first and the
+  last pipeline stage (PP > 1).
+- ``tp/all_reduce`` (no sequence parallelism), per micro-batch: the embedding output, each
+  layer's ``linear_proj`` and ``linear_fc2`` outputs and ``linear_qkv`` and ``linear_fc1`` input
+  gradients ([s, b, h] each; full recompute runs the forward pair again), the output layer's
+  input gradient, and vocab-parallel cross-entropy's three fp32 [s, b] reductions.
+- ``pp/send_recv``, per micro-batch and model chunk: the [s, b, h] activation received from the
+  previous virtual stage and its gradient sent back, the activation sent to the next and its
+  gradient received.
+- ``ep/all_to_all`` (alltoall dispatcher), per MoE layer and micro-batch: the routed tokens
+  [s*b*topk, h] and their probabilities [s*b*topk] to the experts and back, forward and backward.
+  NB: the bytes a rank sends back depend on how many tokens it received; the figure assumes
+  balanced routing (every rank receives s*b*topk tokens), which the EP group's total always is.
+  ``ep/all_gather``: each rank's token count per expert (int64 [num_experts]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.states import Bucket
+from megatron_flops.passes import RecomputeSpec
+from megatron_flops.spec import ModelSpec
+
+CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials
+
+
+def fully_recomputed_layers(recompute: RecomputeSpec | None, num_layers: int) -> int:
+    """Layers of a model chunk that full recompute re-runs: all (``uniform``) or the first
+    ``recompute_num_layers`` (``block``)."""
+    if recompute is None or recompute.granularity != "full":
+        return 0
+    if recompute.method == "block":
+        return min(recompute.num_layers or 0, num_layers)
+    return num_layers
+
+
+def data_parallel_bytes(
+    buffers: Mapping[str, Sequence[Bucket]], par: Parallelism, training: Training, group_sizes: Mapping[str, int]
+) -> dict[str, int]:
+    """Once per step: ``buffers`` maps a group (``dp``, ``expt_dp``) to its buckets on this rank."""
+    out: dict[str, int] = {}
+    # NB: megatron-core builds one distributed optimizer for dense and one for expert-parallel
+    # parameters; without overlap_param_gather each one's step all-gathers every buffer of the
+    # model chunks (DistributedOptimizer.step_with_ready_grads), so with expert-parallel buffers
+    # every parameter buffer is gathered twice per step.
+    gathers = 2 if any(buffers.get("expt_dp", ())) else 1
+    for group, buckets in buffers.items():
+        numel = sum(b.numel for b in buckets)
+        if group_sizes[group] == 1 or numel == 0:
+            continue
+        if par.distributed_optimizer:
+            out[f"{group}/reduce_scatter"] = numel * training.grad_bytes
+            out[f"{group}/all_gather"] = gathers * numel * training.param_bytes
+        else:
+            out[f"{group}/all_reduce"] = numel * training.grad_bytes
+    return out
+
+
+def step_communication(
+    spec: ModelSpec,
+    options: DecoderOptions,
+    par: Parallelism,
+    training: Training,
+    *,
+    pp_rank: int,
+    buffers: Mapping[str, Sequence[Bucket]],
+    recompute: RecomputeSpec | None = None,
+) -> dict[str, int]:
+    """Payload bytes per ``group/kind`` on one GPU of pipeline rank ``pp_rank`` for one step."""
+    out = data_parallel_bytes(buffers, par, training, {"dp": par.dp * par.cp, "expt_dp": par.expert_dp})
+    act = training.param_bytes
+    tokens = training.seq_length * training.micro_batch_size
+    hidden = tokens * spec.hidden_size * act  # one [s, b, h] activation
+    m = training.num_microbatches
+    add = lambda key, value: out.__setitem__(key, out.get(key, 0) + value) if value else None  # noqa: E731
+    if par.pp > 1 and spec.tied_output:
+        for chunk in range(par.num_chunks):
+            if par.is_first_stage(pp_rank, chunk) or par.is_last_stage(pp_rank, chunk):
+                vocab = padded_vocab(spec, options, par.tp)
+                add("embd/all_reduce", vocab // par.tp * spec.hidden_size * training.grad_bytes)
+                break
+    for chunk in range(par.num_chunks):
+        layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
+        first, last = par.is_first_stage(pp_rank, chunk), par.is_last_stage(pp_rank, chunk)
+        if par.pp > 1:
+            # Activation in and its gradient out (not the first virtual stage), activation out
+            # and its gradient in (not the last).
+            add("pp/send_recv", m * hidden * 2 * ((not first) + (not last)))
+        if par.tp > 1:
+            if any(spec.layers[i][1] == "moe" for i in layers):
+                raise ValueError("communication of MoE layers is modelled without tensor parallelism (--tp 1)")
+            rerun = fully_recomputed_layers(recompute, len(layers))
+            add("tp/all_reduce", m * hidden * (4 * len(layers) + 2 * rerun + first + last))
+            if last:
+                add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
+        moe_layers = sum(spec.layers[i][1] == "moe" for i in layers)
+        if par.ep > 1 and moe_layers:
+            moe = spec.moe
+            assert moe is not None
+            if options.moe_token_dispatcher_type != "alltoall":
+                raise ValueError("expert parallelism is modelled with moe_token_dispatcher_type='alltoall'")
+            routed = tokens * moe.router_topk
+            add("ep/all_to_all", m * moe_layers * 4 * routed * (spec.hidden_size * act))
+            add("ep/all_to_all", m * moe_layers * 2 * routed * act)
+            add("ep/all_gather", m * moe_layers * par.ep * moe.num_experts * 8)
+    return out
+
+
+def bus_bytes(payload: Mapping[str, int], group_sizes: Mapping[str, int]) -> dict[str, int]:
+    """What a ring algorithm moves per GPU for each ``group/kind`` payload (NCCL's "bus
+    bandwidth" bytes): ``(n - 1) / n`` of an all-gather output, reduce-scatter input or
+    all-to-all input, twice that for an all-reduce, and point-to-point bytes as they are."""
+    factors = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2}
+    out = {}
+    for key, value in payload.items():
+        group, kind = key.split("/")
+        if kind == "send_recv":
+            out[key] = value
+        else:
+            n = group_sizes[group]
+            out[key] = factors[kind] * value * (n - 1) // n
+    return out

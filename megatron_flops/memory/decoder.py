@@ -1,0 +1,266 @@
+"""The parameters of a megatron-core ``GPTModel`` (local layer spec), per model chunk and tensor
+-parallel rank, in ``named_parameters()`` order (stdlib only).
+
+Only what bytes depend on beyond :class:`~megatron_flops.spec.ModelSpec` is read here, by its
+``TransformerConfig``/``GPTModel`` name and with megatron-core's defaults: biases, the norm,
+position embeddings, dropout, the fused bias-activation, the attention backend.
+
+NB: parameters as megatron-core's local spec registers them. The Transformer-Engine spec fuses
+each norm into the next linear layer (``layer_norm_weight``) and may group experts into one
+tensor per projection: the same numbers of elements, a different order (which moves the
+distributed optimizer's 64-element alignment padding only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megatron_flops.hf_config import hf_text_config
+from megatron_flops.memory.layout import Parallelism
+from megatron_flops.passes import PeftSpec
+from megatron_flops.spec import ModelSpec
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+# megatron-core's attention_backend values -> the saved-for-backward convention they follow.
+ATTENTION_BACKENDS = {"local": "unfused", "unfused": "unfused", "flash": "flash", "fused": "flash", "auto": "flash"}
+_HF_NO_BIAS_FAMILIES = ("gpt2", "gpt_neox", "opt", "bloom")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderOptions:
+    """Layer details that bytes depend on, named as ``TransformerConfig``/``GPTModel`` name them,
+    with their defaults. ``attention_backend`` is the saved-tensor convention: ``unfused``
+    (megatron-core's local ``DotProductAttention``) or ``flash`` (a fused/flash kernel)."""
+
+    normalization: str = "LayerNorm"
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    position_embedding_type: str = "learned_absolute"
+    max_position_embeddings: int | None = None
+    rotary_percent: float = 1.0
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    bias_activation_fusion: bool = False
+    attention_softmax_in_fp32: bool = True
+    attention_backend: str = "flash"
+    moe_token_dispatcher_type: str = "allgather"
+    make_vocab_size_divisible_by: int = 128
+    padded_vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"position_embedding_type must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding_type!r}"
+            )
+        if self.attention_backend not in ("unfused", "flash"):
+            raise ValueError(f"attention backend must be one of {sorted(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
+        if not 0 < self.rotary_percent <= 1:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent!r}")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, hf: bool = False) -> DecoderOptions:
+        """From a model file: ``TransformerConfig`` field names, or a Hugging Face ``config.json``
+        (``hf=True``: no linear biases, RMSNorm, RoPE, the file's attention dropout, the fused
+        SwiGLU that Megatron-Bridge's providers enable)."""
+        if hf:
+            text = hf_text_config(data)
+            if text is None:
+                raise ValueError("a Hugging Face config without a text decoder has no decoder to model")
+            family = str(text.get("model_type", "llama"))
+            classic = family in _HF_NO_BIAS_FAMILIES
+            fields: dict[str, Any] = {
+                "normalization": "LayerNorm" if classic else "RMSNorm",
+                "add_bias_linear": classic,
+                "add_qkv_bias": bool(text.get("attention_bias", family == "qwen2")),
+                "qk_layernorm": family in ("qwen3", "qwen3_moe"),
+                "position_embedding_type": "learned_absolute" if classic else "rope",
+                "max_position_embeddings": text.get("max_position_embeddings"),
+                "hidden_dropout": 0.0,
+                "attention_dropout": float(text.get("attention_dropout", 0.0) or 0.0),
+                "bias_activation_fusion": True,
+            }
+        else:
+            names = set(cls.__dataclass_fields__) - {"attention_backend"}
+            fields = {k: data[k] for k in names if data.get(k) is not None}
+            backend = data.get("attention_backend")
+            if backend is not None:
+                fields["attention_backend"] = backend_convention(str(backend))
+        return cls(**fields)
+
+
+def backend_convention(name: str) -> str:
+    """``local``/``unfused`` -> ``unfused``; ``flash``/``fused``/``auto`` -> ``flash``."""
+    key = name.rsplit(".", 1)[-1].lower()
+    if key not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention_backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[key]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter tensor on one rank: ``expert`` ones are reduced over the expert
+    data-parallel group (EP > 1); ``shared_embedding`` marks the tied embedding/output weight of
+    the first and last pipeline stage."""
+
+    name: str
+    numel: int
+    trainable: bool = True
+    expert: bool = False
+    shared_embedding: bool = False
+
+
+def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
+    """The vocabulary rows of the embedding and output layer: the file's ``padded_vocab_size``,
+    else ``vocab_size`` padded to a multiple of ``make_vocab_size_divisible_by x TP``."""
+    if options.padded_vocab_size is not None:
+        if options.padded_vocab_size % tp:
+            raise ValueError(f"padded_vocab_size={options.padded_vocab_size} is not divisible by --tp {tp}")
+        return options.padded_vocab_size
+    multiple = options.make_vocab_size_divisible_by * tp
+    return -(-spec.vocab_size // multiple) * multiple
+
+
+def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> None:
+    """ValueError for what these parameter lists do not model, or sizes that do not divide."""
+    if spec.mla is not None or spec.mamba is not None or spec.mtp_num_layers or spec.attention_output_gate:
+        raise ValueError("memory is modelled for GPT decoders (dense and MoE layers): no MLA, Mamba, MTP or gated attention")
+    if spec.window_size is not None:
+        raise ValueError("memory is not modelled for sliding-window attention")
+    tp = par.tp
+    for name, value in (("num_attention_heads", spec.num_attention_heads), ("num_query_groups", spec.num_query_groups),
+                        ("ffn_hidden_size", spec.ffn_hidden_size)):
+        if value % tp:
+            raise ValueError(f"{name}={value} is not divisible by --tp {tp}")
+    if spec.num_layers % (par.pp * par.num_chunks):
+        raise ValueError(f"num_layers={spec.num_layers} is not divisible by PP x VPP = {par.pp * par.num_chunks}")
+    if spec.moe is not None:
+        if spec.moe.num_experts % par.ep:
+            raise ValueError(f"num_moe_experts={spec.moe.num_experts} is not divisible by --ep {par.ep}")
+        for name, value in (("moe_ffn_hidden_size", spec.moe.ffn_hidden_size),
+                            ("moe_shared_expert_intermediate_size", spec.moe.shared_expert_ffn_hidden_size)):
+            if value % tp:
+                raise ValueError(f"{name}={value} is not divisible by --tp {tp}")
+    elif par.ep > 1:
+        raise ValueError(f"--ep {par.ep} needs a MoE model (num_moe_experts)")
+    if peft is not None and peft.lora_rank is not None and tp > 1:
+        raise ValueError("LoRA adapters are modelled without tensor parallelism (--tp 1)")
+
+
+def chunk_parameters(
+    spec: ModelSpec,
+    options: DecoderOptions,
+    par: Parallelism,
+    *,
+    pp_rank: int,
+    chunk: int,
+    seq_length: int,
+    peft: PeftSpec | None = None,
+) -> tuple[Param, ...]:
+    """The parameters of model chunk ``chunk`` on pipeline rank ``pp_rank`` and any TP rank, in
+    ``named_parameters()`` order, LoRA adapters (``to_wrap``/``adapter`` as Megatron-Bridge
+    names them) beside the projections they wrap."""
+    peft = peft or PeftSpec()
+    out: list[Param] = []
+    h, tp, vocab = spec.hidden_size, par.tp, padded_vocab(spec, options, par.tp)
+    first, last = par.is_first_stage(pp_rank, chunk), par.is_last_stage(pp_rank, chunk)
+    tied = spec.tied_output
+    base = not peft.frozen
+    if first:
+        out.append(Param("embedding.word_embeddings.weight", vocab // tp * h, base,
+                         shared_embedding=tied and par.pp > 1))
+        if options.position_embedding_type == "learned_absolute":
+            rows = options.max_position_embeddings or seq_length
+            out.append(Param("embedding.position_embeddings.weight", rows * h, base))
+    for layer in par.chunk_layers(spec.num_layers, pp_rank, chunk):
+        # NB: layer numbering is per chunk (megatron's local index).
+        local = layer - par.chunk_layers(spec.num_layers, pp_rank, chunk).start
+        out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", spec.layers[layer][1])
+    if last:
+        out += _norm(options, "decoder.final_layernorm.", h, base)
+        if not tied or not first:
+            out.append(Param("output_layer.weight", vocab // tp * h, base, shared_embedding=tied and par.pp > 1))
+    return tuple(out)
+
+
+def _norm(options: DecoderOptions, prefix: str, width: int, trainable: bool) -> list[Param]:
+    params = [Param(prefix + "weight", width, trainable)]
+    if options.normalization == "LayerNorm":
+        params.append(Param(prefix + "bias", width, trainable))
+    return params
+
+
+def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: PeftSpec,
+            *, expert: bool = False) -> list[Param]:
+    """A linear layer's weight [d_out, d_in] (+ bias [d_out]) on one TP rank, LoRA-wrapped when
+    ``name`` is a target: A [r, d_in] and B [d_out, r] train, the wrapped layer is frozen."""
+    base = not peft.frozen
+    adapted = peft.lora_rank is not None and name in peft.lora_targets
+    inner = f"{prefix}{name}.to_wrap." if adapted else f"{prefix}{name}."
+    params = [Param(inner + "weight", d_out * d_in, base, expert)]
+    if bias:
+        params.append(Param(inner + "bias", d_out, base, expert))
+    if adapted:
+        r = peft.lora_rank
+        assert r is not None
+        params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", r * d_in, True, expert))
+        params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", d_out * r, True, expert))
+    return params
+
+
+def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: PeftSpec, prefix: str,
+           ffn: str) -> list[Param]:
+    h, tp, d = spec.hidden_size, par.tp, spec.kv_channels
+    nq, ng = spec.num_attention_heads, spec.num_query_groups
+    base, bias = not peft.frozen, options.add_bias_linear
+    attn = prefix + "self_attention."
+    out = _norm(options, prefix + "input_layernorm.", h, base)
+    # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
+    out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft)
+    # linear_qkv: [(nq + 2*ng)*d/tp, h] (column parallel).
+    out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp, bias or options.add_qkv_bias, peft)
+    if options.qk_layernorm:
+        out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
+    out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
+    if ffn == "mlp":
+        out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias)
+        return out
+    moe = spec.moe
+    assert moe is not None
+    mlp = prefix + "mlp."
+    out.append(Param(mlp + "router.weight", moe.num_experts * h, base))
+    for j in range(moe.num_experts // par.ep):
+        out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // tp, bias,
+                    expert=par.ep > 1)
+    if moe.shared_expert_ffn_hidden_size:
+        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
+        if moe.shared_expert_gate:
+            out.append(Param(mlp + "shared_experts.gate_weight", h, base))
+    return out
+
+
+def _mlp(spec: ModelSpec, peft: PeftSpec, prefix: str, ffn: int, bias: bool, *, expert: bool = False) -> list[Param]:
+    h, gate = spec.hidden_size, 2 if spec.gated_linear_unit else 1
+    # linear_fc1: [ffn*(2 if gated)/tp, h]; linear_fc2: [h, ffn/tp].
+    return (_linear(prefix, "linear_fc1", h, gate * ffn, bias, peft, expert=expert)
+            + _linear(prefix, "linear_fc2", ffn, h, bias, peft, expert=expert))
+
+
+def parameter_counts(spec: ModelSpec, options: DecoderOptions, *, seq_length: int,
+                     peft: PeftSpec | None = None, tp: int = 1) -> dict[str, int]:
+    """``total`` and ``trainable`` parameters of the whole model (tied weights once; the
+    vocabulary padded for ``tp`` ranks)."""
+    whole = Parallelism()
+    if options.padded_vocab_size is None:
+        options = replace(options, padded_vocab_size=padded_vocab(spec, options, tp))
+    params = chunk_parameters(spec, options, whole, pp_rank=0, chunk=0, seq_length=seq_length, peft=peft)
+    return {"total": sum(p.numel for p in params), "trainable": sum(p.numel for p in params if p.trainable)}

@@ -1,0 +1,115 @@
+"""Parallel layout and training settings that memory and traffic depend on (stdlib only).
+
+Sizes follow megatron-core's ``initialize_model_parallel``: world = TP x PP x CP x DP; expert
+parallelism (EP) splits the DP x CP ranks, with expert tensor parallelism equal to TP, so the
+expert data-parallel size is ``DP x CP / EP``. Pipeline stages hold ``num_layers / (PP x VPP)``
+layers per model chunk; virtual stage ``v x PP + r`` is chunk ``v`` of pipeline rank ``r``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+OPTIMIZERS = ("adam", "sgd")
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallelism:
+    """Parallel sizes. ``vpp`` is the number of model chunks per pipeline rank (None: no
+    interleaving); ``distributed_optimizer`` shards optimizer state over DP (megatron-core's
+    ``DistributedOptimizer``); ``fsdp`` shards parameters, gradients and optimizer state over DP
+    (torch FSDP2, DiT models)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    fsdp: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "ep", "dp"):
+            _positive(f"--{name}", getattr(self, name))
+        if self.vpp is not None:
+            _positive("--vpp", self.vpp)
+            if self.pp == 1:
+                raise ValueError("--vpp needs --pp > 1 (interleaving splits each pipeline rank's layers)")
+        if self.distributed_optimizer and self.fsdp:
+            raise ValueError("--distributed-optimizer and --fsdp are two ways to shard over DP: choose one")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"--ep {self.ep} does not divide DP x CP = {self.dp * self.cp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def num_chunks(self) -> int:
+        return self.vpp or 1
+
+    @property
+    def expert_dp(self) -> int:
+        return self.dp * self.cp // self.ep
+
+    def chunk_layers(self, num_layers: int, pp_rank: int, chunk: int) -> range:
+        """Decoder layers of model chunk ``chunk`` on pipeline rank ``pp_rank``."""
+        per_chunk = num_layers // (self.pp * self.num_chunks)
+        first = (chunk * self.pp + pp_rank) * per_chunk
+        return range(first, first + per_chunk)
+
+    def is_first_stage(self, pp_rank: int, chunk: int) -> bool:
+        return pp_rank == 0 and chunk == 0
+
+    def is_last_stage(self, pp_rank: int, chunk: int) -> bool:
+        return pp_rank == self.pp - 1 and chunk == self.num_chunks - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    """What one training step runs: ``num_microbatches`` micro-batches of ``micro_batch_size``
+    sequences of ``seq_length`` tokens per data-parallel rank, ``params_dtype`` weights (bf16 and
+    fp16 keep fp32 main copies in the optimizer), gradients reduced in fp32 when
+    ``grad_reduce_in_fp32`` (Megatron-LM's default for bf16), ``optimizer`` Adam or SGD with
+    momentum. ``bucket_size``: megatron-core DDP's bucket size in parameters (None: one bucket
+    per buffer, as when ``overlap_grad_reduce`` is off)."""
+
+    seq_length: int
+    micro_batch_size: int
+    num_microbatches: int = 1
+    params_dtype: str = "bf16"
+    grad_reduce_in_fp32: bool = True
+    optimizer: str = "adam"
+    bucket_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("seq_length", "micro_batch_size", "num_microbatches"):
+            _positive(f"--{name.replace('_', '-')}", getattr(self, name))
+        if self.params_dtype not in DTYPE_BYTES:
+            raise ValueError(f"--params-dtype must be one of {sorted(DTYPE_BYTES)}, got {self.params_dtype!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.bucket_size is not None:
+            _positive("bucket size", self.bucket_size)
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.params_dtype]
+
+    @property
+    def grad_bytes(self) -> int:
+        # NB: megatron-core DDP accumulates and reduces gradients in fp32 with grad_reduce_in_fp32.
+        return 4 if self.grad_reduce_in_fp32 else self.param_bytes
+
+    @property
+    def needs_main_params(self) -> bool:
+        # NB: 16-bit weights train through fp32 main copies; fp32 weights are their own main copy.
+        return self.param_bytes < 4

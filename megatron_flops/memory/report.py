@@ -1,0 +1,182 @@
+"""Memory per GPU and bytes moved per step of a megatron-core GPT, per pipeline stage and for the
+most loaded GPU (stdlib only). See :mod:`megatron_flops.memory` for the conventions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_flops.memory.activations import (
+    ChunkActivations,
+    check_activations_supported,
+    chunk_activations,
+    in_flight,
+    schedule_peak,
+)
+from megatron_flops.memory.comm import bus_bytes, step_communication
+from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
+from megatron_flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.spec import ModelSpec
+
+# Megatron-LM's default DDP bucket size with overlap_grad_reduce: max(40M, 1M x DP) parameters.
+DEFAULT_BUCKET_SIZE = 40_000_000
+
+
+def default_bucket_size(dp: int) -> int:
+    return max(DEFAULT_BUCKET_SIZE, 1_000_000 * dp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """One GPU: state bytes (``weights``, ``gradients``, ``optimizer/...``), the saved-for-backward
+    peak (None where not modelled) with the micro-batches in flight then and one micro-batch's
+    breakdown per model chunk, and the step's communication payload per ``group/kind``."""
+
+    pp_rank: int
+    dp_rank: int
+    states: dict[str, int]
+    activations: int | None
+    in_flight: int | None
+    activations_per_microbatch: tuple[dict[str, int], ...] | None
+    communication: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.states.values()) + (self.activations or 0)
+
+
+def rank_memory(
+    spec: ModelSpec,
+    options: DecoderOptions,
+    par: Parallelism,
+    training: Training,
+    *,
+    pp_rank: int,
+    dp_rank: int = 0,
+    peft: PeftSpec | None = None,
+    recompute: RecomputeSpec | None = None,
+) -> RankMemory:
+    """Everything on the GPU of pipeline rank ``pp_rank`` and data-parallel rank ``dp_rank``."""
+    states: dict[str, int] = {}
+    buffers: dict[str, list[Bucket]] = {"dp": [], "expt_dp": []}
+    sizes = {"dp": par.dp * par.cp, "expt_dp": par.expert_dp}
+    ranks = {"dp": dp_rank, "expt_dp": dp_rank // par.ep}
+    for chunk in range(par.num_chunks):
+        params = chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk,
+                                  seq_length=training.seq_length, peft=peft)
+        # NB: megatron-core buckets only the first model chunk of the first pipeline rank.
+        bucket_size = training.bucket_size if chunk == 0 and pp_rank == 0 else None
+        chunk_buckets = chunk_buffers(params, dp=sizes["dp"], expert_dp=sizes["expt_dp"],
+                                      distributed_optimizer=par.distributed_optimizer, bucket_size=bucket_size)
+        for group, buckets in chunk_buckets.items():
+            buffers[group] += buckets
+        chunk_states = chunk_state_bytes(params, chunk_buckets, training, sizes=sizes, ranks=ranks,
+                                         distributed_optimizer=par.distributed_optimizer)
+        for key, value in chunk_states.components.items():
+            states[key] = states.get(key, 0) + value
+    comm = step_communication(spec, options, par, training, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
+    peak = count = None
+    per_mb = None
+    if _activation_reason(spec, options, par, recompute, peft) is None:
+        chunks = [chunk_activations(spec, options, par, training, pp_rank=pp_rank, chunk=c, recompute=recompute)
+                  for c in range(par.num_chunks)]
+        peak, count = schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank))
+        per_mb = tuple(dict(c.components) for c in chunks)
+    return RankMemory(pp_rank=pp_rank, dp_rank=dp_rank, states=states, activations=peak, in_flight=count,
+                      activations_per_microbatch=per_mb, communication=comm)
+
+
+def _activation_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
+                       recompute: RecomputeSpec | None, peft: PeftSpec | None) -> str | None:
+    if peft is not None and (peft.frozen or peft.lora_rank is not None):
+        return "activations are modelled for full training (no frozen weights or LoRA)"
+    return check_activations_supported(spec, options, par, recompute)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryReport:
+    """Per pipeline stage, the most loaded GPU of that stage; ``per_gpu`` the most loaded of all."""
+
+    parameters: dict[str, int]
+    stages: tuple[RankMemory, ...]
+    group_sizes: dict[str, int] = field(default_factory=dict)
+    not_modelled: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def per_gpu(self) -> RankMemory:
+        return max(self.stages, key=lambda r: (r.total, -r.pp_rank))
+
+
+def decoder_memory(
+    spec: ModelSpec,
+    options: DecoderOptions,
+    par: Parallelism,
+    training: Training,
+    *,
+    peft: PeftSpec | None = None,
+    recompute: RecomputeSpec | None = None,
+) -> MemoryReport:
+    """Memory and traffic of every pipeline stage (the data-parallel rank whose optimizer shard
+    is largest) of a megatron-core GPT trained as ``training`` says on ``par``."""
+    check_supported(spec, par, peft)
+    if par.fsdp:
+        raise ValueError("--fsdp is modelled for DiT model files (torch FSDP2); for a megatron-core "
+                         "decoder use --distributed-optimizer")
+    if par.cp > 1 or par.sequence_parallel:
+        raise ValueError("context and sequence parallelism are not modelled (neither runs on CPU, where "
+                         "these figures are checked)")
+    if recompute is not None and recompute.pipeline_model_parallel_size != par.pp:
+        recompute = RecomputeSpec(granularity=recompute.granularity, method=recompute.method,
+                                  num_layers=recompute.num_layers, modules=recompute.modules,
+                                  pipeline_model_parallel_size=par.pp,
+                                  virtual_pipeline_model_parallel_size=par.vpp)
+    stages = []
+    for pp_rank in range(par.pp):
+        ranks = [rank_memory(spec, options, par, training, pp_rank=pp_rank, dp_rank=d, peft=peft, recompute=recompute)
+                 for d in (range(par.dp) if par.distributed_optimizer else (0,))]
+        stages.append(max(ranks, key=lambda r: (r.total, -r.dp_rank)))
+    reason = _activation_reason(spec, options, par, recompute, peft)
+    return MemoryReport(
+        parameters=parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp),
+        stages=tuple(stages),
+        group_sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2},
+        not_modelled=(reason,) if reason else (),
+    )
+
+
+def report_dict(report: MemoryReport, *, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON form (see the CLI's ``--json``)."""
+    def rank(r: RankMemory) -> dict[str, Any]:
+        optimizer = sum(v for k, v in r.states.items() if k.startswith("optimizer/"))
+        return {
+            "pp_rank": r.pp_rank,
+            "weights_bytes": r.states["weights"],
+            "gradients_bytes": r.states["gradients"],
+            "optimizer_bytes": optimizer,
+            "activations_bytes": r.activations,
+            "total_bytes": r.total,
+            "components": {**r.states, **({"activations": r.activations} if r.activations is not None else {})},
+            "forward_passes_in_flight": r.in_flight,
+            "activations_per_microbatch": list(r.activations_per_microbatch) if r.activations_per_microbatch else None,
+        }
+
+    def comm(r: RankMemory) -> dict[str, int]:
+        return {**r.communication, "total_bytes": sum(r.communication.values())}
+
+    busiest = max(report.stages, key=lambda r: sum(r.communication.values()))
+    bus = bus_bytes(busiest.communication, report.group_sizes)
+
+    top = report.per_gpu
+    out: dict[str, Any] = {
+        "parameters": dict(report.parameters),
+        "per_gpu": rank(top),
+        "per_stage": [rank(r) for r in report.stages],
+        "communication_per_step": comm(busiest),
+        "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
+        "communication_per_stage": [comm(r) for r in report.stages],
+        "not_modelled": list(report.not_modelled),
+    }
+    out.update(extra or {})
+    return out

@@ -1,0 +1,415 @@
+"""Test-only meters for memory and communication of a real training step (CPU, gloo).
+
+- :class:`CommMeter`: a ``TorchDispatchMode`` that sees every ``c10d`` collective and
+  point-to-point op (however megatron-core or torch calls it) and adds the payload to
+  ``bytes["<group>/<kind>"]``. Payload: the tensor handed to the collective on this rank
+  (all-reduce tensor, reduce-scatter input, all-gather output, all-to-all input, send and
+  receive buffers). Ops on one-rank groups and one-element tensors (loss scalars, grad norm,
+  found-inf) are not counted.
+- :class:`SavedTensorMeter`: ``saved_tensors_hooks`` that track every storage autograd saves
+  for backward (parameters and one-element tensors excluded), per forward pass (``forward``)
+  and as a time-resolved peak of the storages alive (``peak``).
+- :func:`state_bytes`: weights, gradient buffers and optimizer state read from the real
+  model chunks and optimizer.
+
+Nothing here is imported by the ``megatron_flops`` package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d op name -> (kind, which argument(s) hold the payload)
+_OPS: Dict[str, Tuple[str, Callable[[tuple], Iterable[torch.Tensor]]]] = {
+    "allreduce_": ("all_reduce", lambda a: a[0]),
+    "allreduce_coalesced_": ("all_reduce", lambda a: a[0]),
+    "_allgather_base_": ("all_gather", lambda a: [a[0]]),
+    "allgather_": ("all_gather", lambda a: [t for ts in a[0] for t in ts]),
+    "allgather_into_tensor_coalesced_": ("all_gather", lambda a: a[0]),
+    "_reduce_scatter_base_": ("reduce_scatter", lambda a: [a[1]]),
+    "reduce_scatter_": ("reduce_scatter", lambda a: [t for ts in a[1] for t in ts]),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a: a[1]),
+    "alltoall_base_": ("all_to_all", lambda a: [a[1]]),
+    "alltoall_": ("all_to_all", lambda a: a[1]),
+    "broadcast_": ("broadcast", lambda a: a[0]),
+    "send": ("send_recv", lambda a: a[0]),
+    "recv_": ("send_recv", lambda a: a[0]),
+}
+
+
+def _process_group(args: tuple) -> Optional[dist.ProcessGroup]:
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a)
+            except RuntimeError:
+                continue
+    return None
+
+
+def megatron_groups() -> List[Tuple[str, Any]]:
+    """(name, group) for megatron-core's process groups, in matching precedence."""
+    from megatron.core import parallel_state as ps
+
+    getters = [
+        ("tp", ps.get_tensor_model_parallel_group),
+        ("pp", ps.get_pipeline_model_parallel_group),
+        ("embd", ps.get_embedding_group),
+        ("dp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+        ("dp", ps.get_data_parallel_group),
+        ("ep", ps.get_expert_model_parallel_group),
+        ("expt_dp", ps.get_expert_data_parallel_group),
+        # The token counts the alltoall dispatcher gathers (expert TP = 1: the EP ranks).
+        ("ep", ps.get_expert_tensor_and_model_parallel_group),
+        ("mp", ps.get_model_parallel_group),
+    ]
+    out = []
+    for name, get in getters:
+        try:
+            group = get()
+        except (AssertionError, RuntimeError, AttributeError):
+            continue
+        if group is not None:
+            out.append((name, group))
+    return out
+
+
+class CommMeter(TorchDispatchMode):
+    """Payload bytes per ``group/kind`` of every collective run under it (see module doc)."""
+
+    def __init__(self, groups: List[Tuple[str, Any]]) -> None:
+        super().__init__()
+        self.groups = groups
+        self.bytes: Dict[str, int] = defaultdict(int)
+        self.calls: Dict[str, int] = defaultdict(int)
+
+    def _name(self, group: Optional[dist.ProcessGroup], kind: str) -> str:
+        if kind == "send_recv":
+            # megatron-core's point-to-point traffic is the pipeline's; with two pipeline ranks it
+            # sends half of it on the world group (p2p_communication._p2p_ops).
+            return "pp"
+        for name, g in self.groups:
+            if g is group:
+                return name
+        if group is None or group is dist.group.WORLD:
+            return "world"
+        return "other" + str(dist.get_process_group_ranks(group))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            op = func._schema.name.split("::")[-1]
+            if op in _OPS:
+                kind, payload = _OPS[op]
+                group = _process_group(args)
+                tensors = [t for t in payload(args) if isinstance(t, torch.Tensor)]
+                size = group.size() if group is not None else dist.get_world_size()
+                if size > 1 and sum(t.numel() for t in tensors) > 1:
+                    key = f"{self._name(group, kind)}/{kind}"
+                    self.bytes[key] += sum(t.numel() * t.element_size() for t in tensors)
+                    self.calls[key] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Handle:
+    """What the pack hook stores in the graph; its release marks the saved storage released."""
+
+    __slots__ = ("tensor", "key", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, key: int) -> None:
+        self.tensor = tensor
+        self.key = key
+
+
+class SavedTensorMeter:
+    """Storages saved for backward: ``forward`` (bytes of distinct storages saved while inside
+    :meth:`forward`, one entry per call) and ``peak`` (largest total of distinct live saved
+    storages at any time). Parameters (their storages) and one-element tensors are skipped."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.live: Dict[int, List[int]] = {}  # storage ptr -> [refcount, nbytes]
+        self.current = 0
+        self.peak = 0
+        self._forwards: List[Dict[int, int]] = []
+        self.forward_chunks: List[int] = []
+        self._in_forward: Optional[Dict[int, int]] = None
+
+    def _release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[key]
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.param_storages or t.numel() <= 1:
+            return t
+        if self._in_forward is not None:
+            self._in_forward.setdefault(key, storage.nbytes())
+        if key in self.live:
+            self.live[key][0] += 1
+        else:
+            self.live[key] = [1, storage.nbytes()]
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        handle = _Handle(t, key)
+        weakref.finalize(handle, self._release, key)
+        return handle
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Handle) else packed
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator["SavedTensorMeter"]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+    @property
+    def forward(self) -> List[int]:
+        """Bytes of the distinct storages saved in each :meth:`one_forward` block."""
+        return [sum(f.values()) for f in self._forwards]
+
+    @contextlib.contextmanager
+    def one_forward(self, extend: bool = False) -> Iterator[None]:
+        """Count the distinct storages saved inside this block as one forward (``extend``: as
+        part of the previous one, e.g. the loss function the schedule calls after it)."""
+        if not extend:
+            self._forwards.append({})
+        outer, self._in_forward = self._in_forward, self._forwards[-1]
+        try:
+            yield
+        finally:
+            self._in_forward = outer
+
+
+def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen: Dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def patch_alltoall_dispatcher() -> None:
+    """Test-only: on CPU, give megatron-core's alltoall token dispatcher its split sizes as numpy
+    arrays, as its device-to-host step does on GPU (tests/mcore_cpu.py only skips that step)."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+
+    def to_host(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name, None)
+                if isinstance(value, torch.Tensor):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    cls._maybe_dtoh_and_synchronize = to_host
+
+
+def reinit_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, seed: int = 1234) -> None:
+    """(Re)create megatron's parallel groups (expert parallelism included) in one process group."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp,
+                                             expert_model_parallel_size=ep)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def _inner_optimizers(optimizer: Any) -> List[Any]:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def state_bytes(chunks: List[Any], optimizer: Any) -> Dict[str, int]:
+    """``weights`` (distinct parameter storages), ``gradients`` (DDP grad buffers),
+    ``optimizer/main_params`` (fp32 main copies) and one key per optimizer state tensor name
+    (``optimizer/exp_avg``, ...; one-element ``step`` tensors skipped)."""
+    params = [p for c in chunks for p in c.parameters()]
+    out = {"weights": unique_bytes(params)}
+    buffers = [b for c in chunks for b in list(c.buffers) + list(c.expert_parallel_buffers)]
+    out["gradients"] = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+    main: List[torch.Tensor] = []
+    for opt in _inner_optimizers(optimizer):
+        for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
+            for group in getattr(opt, attr, None) or []:
+                main += list(group)
+        for state in opt.optimizer.state.values():
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    key = f"optimizer/{name}"
+                    out[key] = out.get(key, 0) + value.numel() * value.element_size()
+    if main:
+        out["optimizer/main_params"] = unique_bytes(main)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# A real training step: megatron-core DDP (+ distributed optimizer) and its optimizer
+# ---------------------------------------------------------------------------
+
+
+class LoRA(torch.nn.Module):
+    """Megatron-Bridge's layout: ``to_wrap`` (the frozen layer) + ``adapter.linear_in`` [r, in]
+    and ``adapter.linear_out`` [out, r], both megatron ``ColumnParallelLinear`` (TP = 1)."""
+
+    def __init__(self, to_wrap: torch.nn.Module, rank: int) -> None:
+        super().__init__()
+        from megatron.core.tensor_parallel import ColumnParallelLinear
+
+        self.to_wrap = to_wrap
+        d_out, d_in = to_wrap.weight.shape
+        config = to_wrap.config
+        init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
+        self.adapter = torch.nn.Module()
+        self.adapter.linear_in = ColumnParallelLinear(d_in, rank, config=config, init_method=init, bias=False,
+                                                      gather_output=True)
+        self.adapter.linear_out = ColumnParallelLinear(rank, d_out, config=config, init_method=init, bias=False,
+                                                       gather_output=True)
+
+    def forward(self, x, *args, **kwargs):
+        out, bias = self.to_wrap(x, *args, **kwargs)
+        return out + self.adapter.linear_out(self.adapter.linear_in(x)[0])[0], bias
+
+
+def apply_lora(model: torch.nn.Module, targets: Tuple[str, ...], rank: int) -> None:
+    """Freeze every parameter, then wrap every module named in ``targets``."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in targets and not isinstance(parent, LoRA):
+                setattr(parent, name, LoRA(child, rank))
+
+
+class _CudaTypeNames(torch.overrides.TorchFunctionMode):
+    """``Tensor.type()`` answers ``torch.cuda.<X>Tensor`` for CPU tensors: megatron-core's
+    optimizers accept parameters by those names only (test-only, CPU)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and out.startswith("torch.") \
+                and not out.startswith("torch.cuda."):
+            return "torch.cuda." + out[len("torch."):]
+        return out
+
+
+@contextlib.contextmanager
+def on_cpu() -> Iterator[None]:
+    """CUDA device arguments mapped to CPU and CUDA tensor type names (for the optimizer)."""
+    try:
+        from . import mcore_cpu
+    except ImportError:
+        import mcore_cpu  # type: ignore[no-redef]
+
+    with mcore_cpu.cuda_to_cpu_mode(), _CudaTypeNames():
+        yield
+
+
+def build_training(
+    config_kwargs: Dict[str, Any],
+    *,
+    vocab_size: int,
+    seq_length: int,
+    params_dtype: str = "bf16",
+    distributed_optimizer: bool = False,
+    optimizer: str = "adam",
+    share_embeddings: bool = True,
+    position_embedding_type: str = "rope",
+    bucket_size: Optional[int] = None,
+    lora: Optional[Tuple[Tuple[str, ...], int]] = None,
+):
+    """Model chunks for the current parallel groups, as Megatron-LM's ``get_model`` builds them
+    (``Float16Module`` for bf16/fp16, megatron-core DDP with bucketing for chunk 0 only), and
+    ``get_megatron_optimizer``. Returns ``(chunks, optimizer, config)``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    try:
+        from . import mcore_cpu, mcore_dist
+    except ImportError:
+        import mcore_cpu  # type: ignore[no-redef]
+        import mcore_dist  # type: ignore[no-redef]
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[params_dtype]
+    kwargs = dict(config_kwargs, params_dtype=dtype, pipeline_dtype=dtype,
+                  bf16=params_dtype == "bf16", fp16=params_dtype == "fp16")
+    chunks, config = mcore_dist.build_model_chunks(kwargs, vocab_size, seq_length, share_embeddings=share_embeddings,
+                                                   position_embedding_type=position_embedding_type)
+    if lora is not None:
+        for chunk in chunks:
+            apply_lora(chunk, *lora)
+    if params_dtype != "fp32":
+        chunks = [Float16Module(config, c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=bucket_size is not None,
+        use_distributed_optimizer=distributed_optimizer,
+        bucket_size=bucket_size,
+    )
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+              for i, c in enumerate(chunks)]
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    if bucket_size is not None:
+        config.grad_sync_func = [c.start_grad_sync for c in chunks] if len(chunks) > 1 else chunks[0].start_grad_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_config = OptimizerConfig(optimizer=optimizer, lr=1e-4, bf16=params_dtype == "bf16",
+                                 fp16=params_dtype == "fp16", params_dtype=dtype,
+                                 use_distributed_optimizer=distributed_optimizer, clip_grad=1.0)
+    with on_cpu():
+        opt = get_megatron_optimizer(opt_config, chunks)
+    return chunks, opt, config
+
+
+def batches(num_microbatches: int, micro_batch_size: int, seq_length: int, vocab_size: int,
+            seed: int = 0) -> Iterator[Dict[str, torch.Tensor]]:
+    """Micro-batches as Megatron-LM's GPT dataset collates them: a bool causal mask
+    [b, 1, s, s] (True = masked), int64 tokens/labels/positions, an fp32 loss mask."""
+    gen = torch.Generator().manual_seed(seed)
+    b, s = micro_batch_size, seq_length
+    for _ in range(num_microbatches):
+        yield dict(
+            input_ids=torch.randint(0, vocab_size, (b, s), generator=gen),
+            labels=torch.randint(0, vocab_size, (b, s), generator=gen),
+            position_ids=torch.arange(s).expand(b, s).contiguous(),
+            attention_mask=torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).expand(b, 1, s, s).contiguous(),
+            loss_mask=torch.ones(b, s),
+        )
+
+
+def metered_forward_step(meter: SavedTensorMeter, chunks: List[torch.nn.Module]) -> Callable:
+    """A ``forward_step_func`` that runs each chunk's forward (and, on the last stage, the loss
+    function the schedule calls next) as one :meth:`SavedTensorMeter.one_forward`; the index of
+    the chunk of each forward is appended to ``meter.forward_chunks``."""
+
+    def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+        with meter.one_forward(extend=True):
+            losses = output.float().view(-1)
+            loss = torch.sum(losses * loss_mask.view(-1))
+        num_tokens = loss_mask.sum().to(torch.int)
+        return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        meter.forward_chunks.append(next(i for i, c in enumerate(chunks) if c is model))
+        with meter.one_forward():
+            output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        return output, lambda out: loss_func(batch["loss_mask"], out)
+
+    return forward_step

@@ -1,0 +1,268 @@
+"""The memory and communication formulas by hand (stdlib only): buffer padding, optimizer shards,
+schedules' in-flight counts, one-term deltas, FSDP2 shards, bad input, and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_flops.cli import main
+from megatron_flops.dit import DiTPeftSpec, DiTSpec
+from megatron_flops.memory.activations import ChunkActivations, in_flight, schedule_peak
+from megatron_flops.memory.comm import step_communication
+from megatron_flops.memory.decoder import DecoderOptions, Param, chunk_parameters, parameter_counts
+from megatron_flops.memory.fsdp import FsdpParam, fsdp_rank_memory
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.report import decoder_memory, rank_memory
+from megatron_flops.memory.states import buffer_buckets, chunk_buffers, chunk_state_bytes, shard_numel
+from megatron_flops.passes import PeftSpec
+from megatron_flops.spec import ModelSpec
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TINY_DIT = str(EXAMPLES / "wan_tiny_dit.json")
+LLAMA = str(EXAMPLES / "llama3_8b.json")
+TINY = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                   vocab_size=256))
+PLAIN = DecoderOptions(add_bias_linear=False, position_embedding_type="rope", hidden_dropout=0.0,
+                       attention_dropout=0.0, attention_backend="unfused")
+
+
+# ---- buffers and optimizer shards ------------------------------------------------------------
+
+
+def test_distributed_optimizer_buffer_padding_by_hand():
+    params = [Param("a", 100), Param("b", 30), Param("c", 64)]
+    # Reversed order: c at [0, 64), b at [64, 94); a starts at the next multiple of 64: [128, 228);
+    # the bucket is padded to lcm(DP=2, 128) = 128: 256 elements.
+    (bucket,) = buffer_buckets(params, dp=2, distributed_optimizer=True, bucket_size=None)
+    assert (bucket.start, bucket.end) == (0, 256)
+    assert [(p.name, s, e) for p, s, e in bucket.params] == [("c", 0, 64), ("b", 64, 94), ("a", 128, 228)]
+    # DDP: no padding at all.
+    (ddp,) = buffer_buckets(params, dp=2, distributed_optimizer=False, bucket_size=None)
+    assert ddp.numel == 194
+    # Shards of 128: rank 0 holds c and b (94 real elements), rank 1 holds a (100).
+    assert [shard_numel(bucket, 2, r) for r in (0, 1)] == [94, 100]
+
+
+def test_buckets_and_the_shared_embedding():
+    params = [Param("embedding", 300, shared_embedding=True), Param("x", 10), Param("y", 10)]
+    # bucket_size 15: y + x close a bucket at 20 (padded to 128); the tied embedding gets its own.
+    buckets = buffer_buckets(params, dp=4, distributed_optimizer=True, bucket_size=15)
+    assert [(b.start, b.end) for b in buckets] == [(0, 128), (128, 512)]
+    # Without the distributed optimizer the embedding is no special case.
+    assert [b.numel for b in buffer_buckets(params, dp=4, distributed_optimizer=False, bucket_size=15)] == [20, 300]
+
+
+def test_state_bytes_adam_sgd_fp32():
+    params = [Param("w", 1000), Param("frozen", 500, trainable=False)]
+    training = Training(seq_length=8, micro_batch_size=1, params_dtype="bf16")
+    buffers = chunk_buffers(params, dp=1, expert_dp=1, distributed_optimizer=False, bucket_size=None)
+    states = chunk_state_bytes(params, buffers, training, sizes={"dp": 1, "expt_dp": 1}, ranks={"dp": 0, "expt_dp": 0},
+                               distributed_optimizer=False).components
+    # bf16 weights (1500 x 2), fp32 gradients and main copies and Adam moments of the 1000 trained.
+    assert states == {"weights": 3000, "gradients": 4000, "optimizer/main_params": 4000,
+                      "optimizer/exp_avg": 4000, "optimizer/exp_avg_sq": 4000}
+    sgd = chunk_state_bytes(params, buffers, dataclasses.replace(training, optimizer="sgd", params_dtype="fp32"),
+                            sizes={"dp": 1, "expt_dp": 1}, ranks={"dp": 0, "expt_dp": 0},
+                            distributed_optimizer=False).components
+    # fp32: no main copy; SGD keeps one momentum buffer.
+    assert sgd == {"weights": 6000, "gradients": 4000, "optimizer/momentum_buffer": 4000}
+
+
+# ---- parameters ------------------------------------------------------------------------------
+
+
+def test_parameter_counts_by_hand():
+    # Embedding 256 x 64 (tied); per layer: 2 LayerNorms (2 x 128), qkv 192 x 64, proj 64 x 64,
+    # fc1 128 x 64, fc2 64 x 128; final LayerNorm 128.
+    layer = 2 * 128 + 192 * 64 + 64 * 64 + 2 * 128 * 64
+    assert parameter_counts(TINY, PLAIN, seq_length=8) == {"total": 256 * 64 + 2 * layer + 128,
+                                                           "trainable": 256 * 64 + 2 * layer + 128}
+    lora = PeftSpec(frozen=True, lora_rank=2, lora_targets=("linear_qkv",))
+    # One adapter per layer: A [2, 64] + B [192, 2].
+    counts = parameter_counts(TINY, PLAIN, seq_length=8, peft=lora)
+    assert counts["trainable"] == 2 * (2 * 64 + 192 * 2)
+
+
+def test_pipeline_split_and_tied_embedding():
+    par = Parallelism(pp=2, dp=1)
+    first = chunk_parameters(TINY, PLAIN, par, pp_rank=0, chunk=0, seq_length=8)
+    last = chunk_parameters(TINY, PLAIN, par, pp_rank=1, chunk=0, seq_length=8)
+    assert first[0] == Param("embedding.word_embeddings.weight", 256 * 64, shared_embedding=True)
+    assert last[-1] == Param("output_layer.weight", 256 * 64, shared_embedding=True)
+    assert [p.name for p in first[1:3]] == ["decoder.layers.0.input_layernorm.weight",
+                                            "decoder.layers.0.input_layernorm.bias"]
+
+
+# ---- schedules -------------------------------------------------------------------------------
+
+
+def _peak_count(par: Parallelism, m: int, rank: int) -> int:
+    unit = [ChunkActivations(components={"x": 1}) for _ in range(par.num_chunks)]
+    return schedule_peak(unit, in_flight(par, m, rank))[0]
+
+
+def test_in_flight_1f1b_and_interleaved():
+    pp4 = Parallelism(pp=4)
+    # 1F1B: min(M, PP - rank) micro-batches in flight.
+    assert [_peak_count(pp4, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert [_peak_count(pp4, 2, r) for r in range(4)] == [2, 2, 2, 1]
+    assert _peak_count(Parallelism(), 8, 0) == 1
+    # Interleaved (PP 2 x VPP 2, M = 4): warm-up (PP - rank - 1) x 2 + (VPP - 1) x PP chunks,
+    # then one more forward before the first backward: 5 on rank 0, 3 on rank 1.
+    vpp = Parallelism(pp=2, vpp=2)
+    assert [_peak_count(vpp, 4, r) for r in range(2)] == [5, 3]
+    # Everything in warm-up when M x VPP is small: all 4 chunk passes of M = 2.
+    assert _peak_count(vpp, 2, 0) == 4
+
+
+def test_backward_recompute_peak():
+    # One micro-batch holds 10; re-running a region holds 7 + 9: the peak is 16.
+    act = ChunkActivations(components={"x": 10}, backward_peak=16)
+    assert schedule_peak([act], in_flight(Parallelism(), 2, 0)) == (16, 1)
+
+
+# ---- communication ---------------------------------------------------------------------------
+
+
+def test_tensor_parallel_all_reduce_by_hand():
+    par = Parallelism(tp=2, dp=1)
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=3, params_dtype="bf16")
+    comm = step_communication(TINY, PLAIN, par, training, pp_rank=0, buffers={})
+    # Per micro-batch: [s, b, h] bf16 = 16 x 2 x 64 x 2 = 4096 B, 4 per layer x 2 layers +
+    # embedding + output layer; cross-entropy 3 x 32 tokens x 4 B.
+    assert comm == {"tp/all_reduce": 3 * (10 * 4096 + 3 * 32 * 4)}
+
+
+def test_one_term_deltas():
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=4, params_dtype="bf16")
+    ddp = rank_memory(TINY, PLAIN, Parallelism(dp=4), training, pp_rank=0)
+    dist = rank_memory(TINY, PLAIN, Parallelism(dp=4, distributed_optimizer=True), training, pp_rank=0)
+    # 82,560 parameters (see test_parameter_counts_by_hand), every one a multiple of 64 elements
+    # and the sum a multiple of lcm(4, 128): the distributed optimizer pads nothing here and
+    # shards the fp32 state in 4 (20,640 elements per rank).
+    assert ddp.states["gradients"] == dist.states["gradients"] == 82560 * 4
+    assert (ddp.states["optimizer/exp_avg"], dist.states["optimizer/exp_avg"]) == (82560 * 4, 20640 * 4)
+    assert ddp.communication == {"dp/all_reduce": ddp.states["gradients"]}
+    assert dist.communication == {"dp/reduce_scatter": dist.states["gradients"], "dp/all_gather": dist.states["weights"]}
+    assert dist.activations == ddp.activations
+    # Doubling the micro-batches doubles the pipeline traffic, not the 1F1B peak on the last stage.
+    pp = Parallelism(pp=2)
+    one = rank_memory(TINY, PLAIN, pp, training, pp_rank=1)
+    two = rank_memory(TINY, PLAIN, pp, dataclasses.replace(training, num_microbatches=8), pp_rank=1)
+    assert two.communication["pp/send_recv"] == 2 * one.communication["pp/send_recv"]
+    assert two.activations == one.activations
+
+
+# ---- FSDP2 -----------------------------------------------------------------------------------
+
+
+def test_fsdp_shards_by_hand():
+    p = FsdpParam("modulation", (1, 6, 8), True)
+    # One row over 4 ranks: every rank allocates 1 row (48 elements), rank 0 holds it.
+    assert (p.shard_rows(4), [p.real_rows(4, r) for r in range(4)]) == (1, [1, 0, 0, 0])
+    q = FsdpParam("w", (10, 3), True)
+    assert (q.shard_rows(4), [q.real_rows(4, r) for r in range(4)]) == (3, [3, 3, 3, 1])
+
+
+def test_fsdp_lora_vs_full_tiny():
+    spec = DiTSpec(num_layers=1, hidden_size=8, num_heads=2, ffn_hidden_size=16, in_channels=2, out_channels=2,
+                   freq_dim=4, text_dim=4, text_len=3, qk_norm=False, cross_attn_norm=False)
+    training = Training(seq_length=1, micro_batch_size=1, num_microbatches=1, params_dtype="fp32")
+    lora = fsdp_rank_memory(spec, training, dp=2, peft=DiTPeftSpec(frozen=True, lora_rank=2, lora_targets=("self_attn.q",)))
+    # One adapter: A [2, 8] (1 row each) + B [8, 2] (4 rows each): 2 x 8 + 8 x 2 = 32 elements, 16 per rank.
+    assert lora.states["gradients"] == 16 * 4
+    assert lora.communication["fsdp/reduce_scatter"] == 32 * 4
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout, message", [
+    (dict(tp=3), "num_attention_heads=4 is not divisible by --tp 3"),
+    (dict(pp=3), r"num_layers=2 is not divisible by PP x VPP = 3"),
+    (dict(pp=2, vpp=2), r"num_layers=2 is not divisible by PP x VPP = 4"),
+    (dict(ep=2, dp=2), "--ep 2 needs a MoE model"),
+    (dict(fsdp=True, dp=2), "--fsdp is modelled for DiT model files"),
+    (dict(cp=2), "context and sequence parallelism are not modelled"),
+])
+def test_bad_layouts(layout, message):
+    with pytest.raises(ValueError, match=message):
+        decoder_memory(TINY, PLAIN, Parallelism(**layout), Training(seq_length=8, micro_batch_size=1))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(ep=3, dp=4), r"--ep 3 does not divide DP x CP = 4"),
+    (dict(vpp=2), "--vpp needs --pp > 1"),
+    (dict(distributed_optimizer=True, fsdp=True), "choose one"),
+    (dict(tp=0), "--tp must be a positive integer"),
+])
+def test_bad_parallelism(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Parallelism(**kwargs)
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+
+
+def test_cli_json_keys(capsys, tmp_path):
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps(dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                     vocab_size=256, add_bias_linear=False, position_embedding_type="rope")))
+    assert main(["memory", "--model", str(model), "--seq-length", "32", "--micro-batch-size", "2",
+                 "--num-microbatches", "4", "--pp", "2", "--dp", "2", "--distributed-optimizer", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["per_gpu"]) >= {"weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes",
+                                   "total_bytes"}
+    assert len(out["per_stage"]) == 2
+    comm = out["communication_per_step"]
+    assert comm["total_bytes"] == sum(v for k, v in comm.items() if k != "total_bytes")
+    assert set(comm) >= {"dp/reduce_scatter", "dp/all_gather", "pp/send_recv", "embd/all_reduce"}
+
+
+def test_cli_dit_compare_full(capsys):
+    assert main(["memory", "--model", TINY_DIT, "--seq-length", "16", "--dp", "4", "--fsdp",
+                 "--compare-full"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA" in out and "full" in out and "fsdp/reduce_scatter" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", TINY_DIT, "--seq-length", "16", "--tp", "2", "--dp", "2", "--fsdp"],
+     "a DiT model file is modelled under --fsdp"),
+    (["--model", LLAMA, "--seq-length", "16", "--tp", "3"], "not divisible by --tp 3"),
+    (["--model", LLAMA, "--seq-length", "16", "--dp", "2", "--distributed-optimizer",
+      "--optimizer", "sgd"], "distributed optimizer supports Adam only"),
+])
+def test_cli_bad_input_exits_2(argv, message, capsys):
+    assert main(["memory", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_runs_as_a_program():
+    out = subprocess.run([sys.executable, "-m", "megatron_flops", "memory", "--model", LLAMA,
+                          "--seq-length", "8192", "--tp", "2", "--dp", "4", "--distributed-optimizer"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "per GPU (GB), most loaded" in out and "tp/all_reduce" in out
+
+
+def test_readme_memory_examples_are_the_commands_output(capsys, monkeypatch):
+    # Every `$ megatron-flops memory ...` block in the README shows lines the command prints, in
+    # order ("..." stands for lines left out).
+    import shlex
+
+    monkeypatch.chdir(EXAMPLES.parent)
+    text = (EXAMPLES.parent / "README.md").read_text()
+    blocks = [b.split("\n```")[0] for b in text.split("```\n$ megatron-flops memory ")[1:]]
+    assert len(blocks) == 2
+    for block in blocks:
+        command, *shown = block.splitlines()
+        assert main(["memory", *shlex.split(command)]) == 0
+        printed = iter(capsys.readouterr().out.splitlines())
+        for line in (s for s in shown if s != "..."):
+            assert line in printed, line

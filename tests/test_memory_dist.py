@@ -1,0 +1,206 @@
+"""Memory and communication per GPU of one real training step, measured on megatron-core in 4
+gloo processes and compared with :mod:`megatron_flops.memory` to the byte.
+
+Every layout below runs one step inside one process group: megatron-core's schedule (1F1B,
+interleaved 1F1B, or no pipelining) over its ``DistributedDataParallel`` (+ distributed
+optimizer) and ``get_megatron_optimizer``'s optimizer step. Measured per rank (tests/mcore_memory):
+weights (distinct parameter storages), gradient buffers, optimizer state (main copies and the
+torch optimizer's state tensors), the payload of every collective (a ``TorchDispatchMode`` over
+the c10d ops), the bytes each forward saves for backward and the time-resolved peak of saved
+storages (``saved_tensors_hooks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import mcore_cpu
+import mcore_dist
+from megatron_flops.memory.activations import chunk_activations, in_flight, schedule_peak
+from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.report import rank_memory
+from megatron_flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.spec import ModelSpec
+
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)]
+
+WORLD = 4
+VOCAB = 96
+SEQ = 16
+MBS = 2
+# Widths that are not multiples of 64 exercise the distributed optimizer's alignment padding.
+BASE = dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
+            hidden_dropout=0.0, attention_dropout=0.0)
+
+# name -> layout (tp, pp, vpp, ep), model, training, build options
+RUNS = {
+    "DP4, distributed optimizer, bf16, biases, learned positions, 3 buckets, Adam": dict(
+        layout=dict(), model=dict(BASE, add_bias_linear=True), m=2,
+        build=dict(distributed_optimizer=True, position_embedding_type="learned_absolute", bucket_size=6000)),
+    "DP2 x TP2, DDP, bf16, GQA, fused SwiGLU, RoPE, full recompute (block 1)": dict(
+        layout=dict(tp=2), model=dict(BASE, num_query_groups=2, gated_linear_unit=True, bias_activation_fusion=True,
+                                      recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+        m=2, build=dict(params_dtype="fp32")),
+    "DP2 x PP2 (1F1B), distributed optimizer, bf16, tied embeddings, M=3": dict(
+        layout=dict(pp=2), model=dict(BASE), m=3, build=dict(distributed_optimizer=True)),
+    "DP2 x PP2 x VPP2 (interleaved), distributed optimizer, fp32, selective core_attn, M=4": dict(
+        layout=dict(pp=2, vpp=2), model=dict(BASE, num_layers=4, recompute_granularity="selective"), m=4,
+        build=dict(distributed_optimizer=True, params_dtype="fp32")),
+    "DP2 x PP2 (1F1B), DDP, fp32, full recompute (uniform 2), M=3": dict(
+        layout=dict(pp=2), model=dict(BASE, num_layers=4, recompute_granularity="full", recompute_method="uniform",
+                                      recompute_num_layers=2), m=3, build=dict(params_dtype="fp32")),
+    "DP4 x EP2, MoE (alltoall), distributed optimizer, bf16": dict(
+        layout=dict(ep=2), model=dict(BASE, num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                                      moe_layer_freq=[0, 1]), m=2, build=dict(distributed_optimizer=True)),
+    "DP4, LoRA rank 4 on linear_qkv/linear_fc2, frozen base, DDP, bf16, SGD": dict(
+        layout=dict(), model=dict(BASE), m=2, build=dict(optimizer="sgd", lora=(("linear_qkv", "linear_fc2"), 4))),
+}
+
+
+def memory_worker(rank: int, world_size: int, runs: dict) -> dict:
+    import torch
+
+    import mcore_memory
+
+    mcore_dist.init_worker()
+    mcore_memory.patch_alltoall_dispatcher()
+    out = {}
+    for name, run in runs.items():
+        layout = run["layout"]
+        ep = layout.get("ep", 1)
+        mcore_memory.reinit_parallel(tp=layout.get("tp", 1), pp=layout.get("pp", 1), vpp=layout.get("vpp"), ep=ep)
+        model = dict(run["model"])
+        if ep > 1:
+            model["expert_model_parallel_size"] = ep
+        chunks, optimizer, config = mcore_memory.build_training(model, vocab_size=VOCAB, seq_length=SEQ, **run["build"])
+        groups = mcore_memory.megatron_groups()
+        comm = mcore_memory.CommMeter(groups)
+        saved = mcore_memory.SavedTensorMeter([p for c in chunks for p in c.parameters()])
+        m = run["m"]
+        with comm, saved.tracking():
+            mcore_dist.run_schedule(
+                chunks, num_microbatches=m, micro_batch_size=MBS, seq_length=SEQ, vocab_size=VOCAB,
+                forward_step_func=mcore_memory.metered_forward_step(saved, chunks),
+                data_iterators=[mcore_memory.batches(m, MBS, SEQ, VOCAB, seed=rank) for _ in chunks],
+                count_flops=False)
+            with mcore_memory.on_cpu():
+                optimizer.step()
+
+        def inner(c):
+            while hasattr(c, "module"):
+                c = c.module
+            return c
+
+        from megatron.core import parallel_state as ps
+
+        out[name] = dict(
+            sizes=mcore_dist.parallel_sizes(),
+            expert_dp_rank=ps.get_expert_data_parallel_rank(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            names=[[(n, p.numel()) for n, p in inner(c).named_parameters()] for c in chunks],
+            states=mcore_memory.state_bytes(chunks, optimizer),
+            comm=dict(comm.bytes),
+            forward=list(zip(saved.forward_chunks, saved.forward)),
+            peak=saved.peak,
+        )
+        del chunks, optimizer
+        torch.manual_seed(0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    results = mcore_dist.run_distributed(memory_worker, WORLD, RUNS, timeout=600)
+    return {name: [r[name] for r in results] for name in RUNS}
+
+
+def setup(name: str):
+    """The pure description of run ``name``: spec, options, layout, training, PEFT, recompute."""
+    run = RUNS[name]
+    model, build, layout = run["model"], run["build"], run["layout"]
+    fields = {k: v for k, v in model.items() if k != "moe_token_dispatcher_type"}
+    spec = ModelSpec.from_mapping(dict(fields, vocab_size=VOCAB))
+    options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
+                                               position_embedding_type=build.get("position_embedding_type", "rope"),
+                                               add_bias_linear=model.get("add_bias_linear", False)))
+    tp, pp = layout.get("tp", 1), layout.get("pp", 1)
+    par = Parallelism(tp=tp, pp=pp, vpp=layout.get("vpp"), ep=layout.get("ep", 1), dp=WORLD // (tp * pp),
+                      distributed_optimizer=build.get("distributed_optimizer", False))
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=run["m"],
+                        params_dtype=build.get("params_dtype", "bf16"), optimizer=build.get("optimizer", "adam"),
+                        bucket_size=build.get("bucket_size"))
+    lora = build.get("lora")
+    peft = PeftSpec(frozen=True, lora_rank=lora[1], lora_targets=lora[0]) if lora else None
+    recompute = RecomputeSpec.from_mapping(dict(model, pipeline_model_parallel_size=pp,
+                                                virtual_pipeline_model_parallel_size=layout.get("vpp")))
+    return spec, options, par, training, peft, recompute
+
+
+def expected(name: str, result: dict):
+    spec, options, par, training, peft, recompute = setup(name)
+    sizes = result["sizes"]
+    return rank_memory(spec, options, par, training, pp_rank=sizes["pp_rank"], dp_rank=sizes["dp_rank"],
+                       peft=peft, recompute=recompute)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_parameters_in_megatron_order(measured, name):
+    from megatron_flops.memory.decoder import chunk_parameters
+
+    spec, options, par, training, peft, _ = setup(name)
+    for result in measured[name]:
+        for chunk, names in enumerate(result["names"]):
+            params = chunk_parameters(spec, options, par, pp_rank=result["sizes"]["pp_rank"], chunk=chunk,
+                                      seq_length=SEQ, peft=peft)
+            assert [(p.name, p.numel) for p in params] == [tuple(n) for n in names]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_weights_gradients_optimizer_state(measured, name):
+    for result in measured[name]:
+        assert expected(name, result).states == result["states"], result["sizes"]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_communication_per_step(measured, name):
+    # Every key equal per rank, but the expert all-to-all, whose per-rank bytes follow the
+    # routing: its total over each EP group equals the group size x the per-rank figure.
+    per_group: dict = {}
+    for result in measured[name]:
+        want = expected(name, result).communication
+        got = dict(result["comm"])
+        a2a = got.pop("ep/all_to_all", None)
+        if a2a is not None:
+            group = (result["sizes"]["pp_rank"], result["expert_dp_rank"])
+            per_group.setdefault(group, []).append((a2a, want.pop("ep/all_to_all")))
+        assert want == got, result["sizes"]
+    for pairs in per_group.values():
+        assert sum(a for a, _ in pairs) == sum(w for _, w in pairs)
+
+
+def cpu_delta(name: str, options: DecoderOptions, training: Training, num_norms: int) -> int:
+    """Bytes torch's CPU kernels save beyond the CUDA convention: LayerNorm statistics in the
+    input dtype (CUDA: fp32), per norm and token."""
+    return num_norms * SEQ * MBS * 2 * (training.param_bytes - 4)
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if "MoE" not in n and "LoRA" not in n])
+def test_activations_per_forward_and_schedule_peak(measured, name):
+    spec, options, par, training, peft, recompute = setup(name)
+    for result in measured[name]:
+        pp_rank = result["sizes"]["pp_rank"]
+        chunks = []
+        for c in range(par.num_chunks):
+            act = chunk_activations(spec, options, par, training, pp_rank=pp_rank, chunk=c, recompute=recompute)
+            layers = len(par.chunk_layers(spec.num_layers, pp_rank, c))
+            norms = 2 * layers + par.is_last_stage(pp_rank, c)
+            delta = cpu_delta(name, options, training, norms)
+            act = dataclasses.replace(act, components={**act.components, "cpu": delta})
+            chunks.append(act)
+            measured_forwards = {b for chunk, b in result["forward"] if chunk == c}
+            assert measured_forwards == {act.forward + act.shared}, (result["sizes"], c)
+        peak, _ = schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank))
+        assert peak == result["peak"], result["sizes"]

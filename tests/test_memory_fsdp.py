@@ -1,0 +1,155 @@
+"""A WAN-like DiT (``examples/wan_dit_fsdp2.py``) under torch FSDP2 in 4 gloo processes, LoRA and
+full training: parameter shards, gradients, Adam state and the all-gather/reduce-scatter payload
+of one real step (two micro-batches, gradient sync on the last) against
+:func:`megatron_flops.memory.fsdp.fsdp_rank_memory`, to the byte on every rank."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+import mcore_dist
+from megatron_flops.dit import DiTPeftSpec, DiTSpec, dit_parameter_counts
+from megatron_flops.memory.fsdp import dit_fsdp_units, fsdp_rank_memory
+from megatron_flops.memory.layout import Training
+
+pytestmark = pytest.mark.dist
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+WORLD = 4
+RAW = json.loads((EXAMPLES / "wan_tiny_dit.json").read_text())
+I2V = {"image_dim": 20, "image_len": 5}
+
+# name -> (dit overrides, lora section or None, params dtype, micro-batches)
+RUNS = {
+    "LoRA q,k,v,o rank 4, frozen base, bf16 compute (MixedPrecisionPolicy), blocks checkpointed": (
+        {}, {"dim": 4, "target_modules": ["q", "k", "v", "o"]}, "bf16", 2),
+    "full training, image-to-video, fp32": (I2V, None, "fp32", 2),
+    "LoRA rank 3 (uneven shards) on q,k,v,o,k_img,v_img,ffn.0, image-to-video, bf16": (
+        I2V, {"dim": 3, "target_modules": ["q", "k", "v", "o", "k_img", "v_img", "ffn.0"]}, "bf16", 1),
+}
+
+
+def _raw(name: str) -> dict:
+    dit, lora, _, _ = RUNS[name]
+    raw = copy.deepcopy(RAW)
+    raw["dit"].update(dit)
+    raw.pop("lora")
+    if lora is not None:
+        raw["lora"] = lora
+    return raw
+
+
+def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import mcore_memory
+
+    sys.path.insert(0, str(EXAMPLES))
+    import wan_dit_fsdp2 as example
+
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for name, (raw, dtype, num_mb) in runs.items():
+        model = example.build_model(raw)
+        bf16 = dtype == "bf16"
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+            else MixedPrecisionPolicy()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-3)
+        spec = DiTSpec.from_mapping(raw["dit"])
+        stream = example.microbatches(spec, example.Options(), rank)
+        comm = mcore_memory.CommMeter([("fsdp", mesh.get_group())])
+        with comm:
+            for m in range(num_mb):
+                batch, t = next(stream)
+                model.set_requires_gradient_sync(m == num_mb - 1)
+                # bf16: the example computes its timestep sinusoid in fp32; autocast runs it in bf16.
+                with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+                    pred = model([c.latent for c in batch], t, [c.text for c in batch],
+                                 None if spec.image_dim is None else [c.image for c in batch])
+                torch.nn.functional.mse_loss(pred.float(), torch.cat([c.target for c in batch])).backward()
+            grads = mcore_memory.unique_bytes([p.grad.to_local() for p in params if p.grad is not None])
+            optimizer.step()
+        state = {}
+        for s in optimizer.state.values():
+            for key, value in s.items():
+                if key != "step":
+                    local = value.to_local()
+                    state[f"optimizer/{key}"] = state.get(f"optimizer/{key}", 0) + local.numel() * local.element_size()
+        out[name] = dict(
+            names=[(n, tuple(p.shape)) for n, p in model.named_parameters()],
+            states={"weights": mcore_memory.unique_bytes([p.to_local() for p in params]), "gradients": grads, **state},
+            comm=dict(comm.bytes),
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    runs = {name: (_raw(name), RUNS[name][2], RUNS[name][3]) for name in RUNS}
+    results = mcore_dist.run_distributed(fsdp_worker, WORLD, runs, timeout=600)
+    return {name: [r[name] for r in results] for name in RUNS}
+
+
+def _setup(name: str):
+    raw = _raw(name)
+    spec = DiTSpec.from_mapping(raw["dit"])
+    lora = raw.get("lora")
+    peft = DiTPeftSpec(frozen=True, lora_rank=lora["dim"], lora_targets=tuple(lora["target_modules"])) if lora else None
+    _, _, dtype, num_mb = RUNS[name]
+    return spec, peft, Training(seq_length=1, micro_batch_size=1, num_microbatches=num_mb, params_dtype=dtype)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_parameters_and_units(measured, name):
+    spec, peft, _ = _setup(name)
+    units = dit_fsdp_units(spec, peft)
+    blocks = [p for unit, ps in units.items() if unit != "root" for p in ps]
+    root = list(units["root"])
+    # named_parameters(): the root's embeddings, the blocks, then the head (and img_emb).
+    late = [p for p in root if p.name.startswith(("head.", "img_emb."))]
+    order = [p for p in root if p not in late] + blocks + late
+    assert [(p.name, p.shape) for p in order] == [(n, tuple(s)) for n, s in measured[name][0]["names"]]
+    counts = dit_parameter_counts(spec, peft)
+    assert sum(math.prod(p.shape) for p in order) == counts.num_params
+    assert sum(math.prod(p.shape) for p in order if p.trainable) == counts.num_trainable_params
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_states_and_communication_every_rank(measured, name):
+    spec, peft, training = _setup(name)
+    for rank, result in enumerate(measured[name]):
+        want = fsdp_rank_memory(spec, training, dp=WORLD, rank=rank, peft=peft)
+        assert want.states == result["states"], rank
+        assert want.communication == result["comm"], rank
+
+
+def test_lora_against_full_training():
+    # Same model, one step of 2 micro-batches on 4 ranks: LoRA keeps the base shards but has
+    # almost no gradients, optimizer state or reduce-scatter; the all-gathers are the same plus
+    # the adapters.
+    spec = DiTSpec.from_mapping(RAW["dit"])
+    training = Training(seq_length=1, micro_batch_size=1, num_microbatches=2, params_dtype="bf16")
+    lora = fsdp_rank_memory(spec, training, dp=WORLD, peft=DiTPeftSpec(frozen=True, lora_rank=4))
+    full = fsdp_rank_memory(spec, training, dp=WORLD)
+    adapters = dit_parameter_counts(spec, DiTPeftSpec(frozen=True, lora_rank=4)).num_adapter_params  # 4096
+    # Adapters: A [4, 32] and B [32, 4]: 1 and 8 rows per rank, 256 elements per adapter over 4 ranks.
+    assert lora.states["weights"] - full.states["weights"] == adapters * 4 // WORLD
+    assert lora.states["gradients"] == adapters * 4 // WORLD
+    assert lora.communication["fsdp/reduce_scatter"] == adapters * 4
+    assert lora.communication["fsdp/all_gather"] - full.communication["fsdp/all_gather"] == 2 * 2 * adapters * 2
