@@ -30,6 +30,8 @@ from megatron_flops.result import StepResult
 FORMAT = "megatron-flops-trace/1"
 FRAMEWORKS = ("megatron-lm", "megatron-bridge", "custom", "demo")
 RANK_FIELD = "{rank}"
+# The environment variable that names the trace file (adapters, launcher, demo, sweep).
+TRACE_ENV = "MEGATRON_FLOPS_TRACE"
 
 
 class TraceWriter:

@@ -22,7 +22,7 @@ def _modules_after(code: str) -> set[str]:
                                     "megatron_flops.passes", "megatron_flops.dit", "megatron_flops.dit_passes",
                                     "megatron_flops.hf_config", "megatron_flops.megatron_args",
                                     "megatron_flops.trace", "megatron_flops.runs", "megatron_flops.memory",
-                                    "megatron_flops.cli.memory"])
+                                    "megatron_flops.cli.memory", "megatron_flops.cli"])
 def test_pure_layers_import_without_torch(module):
     loaded = _modules_after(f"import {module}")
     assert "torch" not in loaded and not any(m.startswith("megatron.") for m in loaded)

@@ -20,7 +20,7 @@ def test_sweep_over_the_demo(tmp_path) -> None:
     cannot finish before the time-out (timeout). Medians equal those computed from the traces,
     and ``compare`` on the two traces gives the same ones."""
     out = tmp_path / "sw"
-    command = [sys.executable, "-m", "megatron_flops", "sweep", "--param", "iters=3,0,100000", "--timeout", "90",
+    command = [sys.executable, "-m", "megatron_flops", "sweep", "--param", "iters=3,0,100000", "--timeout", "45",
                "--out", str(out), "--plot", str(tmp_path / "sweep.png"), "--",
                sys.executable, "-m", "megatron_flops", "demo", "--iterations", "{iters}", "--warmup", "1",
                "--pack-length", "64", "--micro-batches", "2"]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 
 from megatron_flops.adapters import megatron_bridge, megatron_lm
 from megatron_flops.formulas import ATTENTION_CONVENTIONS
+from megatron_flops.trace import TRACE_ENV
 
 logger = logging.getLogger("megatron_flops")
 
@@ -30,7 +31,7 @@ ACCOUNTING = "MEGATRON_FLOPS"
 PEAK_TFLOPS = "MEGATRON_FLOPS_PEAK_TFLOPS"
 ATTENTION = "MEGATRON_FLOPS_ATTENTION"
 FRAMEWORK = "MEGATRON_FLOPS_FRAMEWORK"
-TRACE = "MEGATRON_FLOPS_TRACE"
+TRACE = TRACE_ENV
 
 # Framework name -> (the package whose presence selects it under "auto", its install()).
 _FRAMEWORKS: dict[str, tuple[str, Callable[..., bool]]] = {

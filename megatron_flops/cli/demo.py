@@ -7,7 +7,7 @@ import importlib.util
 import os
 from typing import Any
 
-from megatron_flops.adapters.env import TRACE
+from megatron_flops.trace import TRACE_ENV as TRACE
 from megatron_flops.formulas import ATTENTION_CONVENTIONS
 
 

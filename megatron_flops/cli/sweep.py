@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_flops.adapters.env import TRACE
+from megatron_flops.trace import TRACE_ENV as TRACE
 from megatron_flops.cli.plot import require_matplotlib
 from megatron_flops.cli.sweep_results import OBJECTIVES, classify, collect, describe, write_json
 from megatron_flops.runs import DEFAULT_TOLERANCE

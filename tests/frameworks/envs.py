@@ -125,3 +125,27 @@ def ensure(name: str) -> Path:
                                       f"log {log}):\n" + "\n".join(tail))
         stamp.write_text(stamp_text)
         return python
+
+
+def prebuild() -> None:
+    """Start creating the missing venvs in a background thread (Bridge first: its tests run first),
+    so that pip's minutes overlap the tests that run before the framework tests. A test that
+    needs a venv still calls ``ensure()``, which waits on the same file lock; a failure here is
+    reported there (``ensure()`` tries again and raises)."""
+    import threading
+
+    names = ["megatron-bridge-0.3.1"]
+    try:
+        snapshot("0.14.0")
+        names.append("megatron-lm-0.14.0")
+    except Unavailable:
+        pass
+
+    def build() -> None:
+        for name in names:
+            try:
+                ensure(name)
+            except Exception:  # noqa: BLE001 - reported by the test's own ensure()
+                pass
+
+    threading.Thread(target=build, name="prebuild-venvs", daemon=True).start()
