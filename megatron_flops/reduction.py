@@ -82,19 +82,20 @@ class StepReducer:
         as zeros (Python and numpy integers are read exactly).
         """
         error: BaseException | None = None
+        index: int | None
         try:
-            step = operator.index(step)
+            index = operator.index(step)
         except TypeError as exc:  # no step index: the vector cannot add up, every rank falls back
-            step, error, failed = None, exc, True
+            index, error, failed = None, exc, True
         try:
             device = self._collective_device()
             try:
-                vec = self._local_vector(acc, host, device, step=step, failed=failed, token_slots=token_slots)
+                vec = self._local_vector(acc, host, device, step=index, failed=failed, token_slots=token_slots)
             except Exception as exc:  # whatever failed locally, this rank still joins the collective
                 error = exc
-                vec = self._host_vector(host, device, step=step, failed=True)
+                vec = self._host_vector(host, device, step=index, failed=True)
             summed = self._all_reduce(vec)
-            return self._decide(summed, step, device, error)
+            return self._decide(summed, index, device, error)
         except Exception as exc:
             self._in_step = False
             return Reduction(problem=f"the all-reduce failed ({type(exc).__name__}: {exc})", local_error=error)
@@ -154,7 +155,7 @@ class StepReducer:
         if control["num_fillers"] or len(occupied) > 1 or (
                 stepping * control["step_sum_squares"] != control["step_sum"] ** 2):  # all equal iff equality
             lag = _lag(residues, control["step_sum"], control["step_sum_squares"], step) if (
-                self._in_step and not control["num_fillers"]) else None
+                step is not None and self._in_step and not control["num_fillers"]) else None
             self._in_step = False
             for _ in range(lag or 0):
                 self._all_reduce(self._host_vector((), device, step=None, filler=True))

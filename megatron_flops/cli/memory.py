@@ -11,7 +11,7 @@ from typing import Any
 
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, DecoderOptions, backend_convention
 from megatron_flops.memory.layout import DTYPE_BYTES, OPTIMIZERS, Parallelism, Training
-from megatron_flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, PeftSpec, RecomputeSpec
+from megatron_flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
 NOT_COUNTED = ("allocator caching and fragmentation", "workspaces (cuBLAS, NCCL, kernels)", "the CUDA context",
                "temporaries freed inside an op", "gradients of activations during backward")

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_flops.memory.activations import (
-    ChunkActivations,
     check_activations_supported,
     chunk_activations,
     in_flight,
