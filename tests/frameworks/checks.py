@@ -3,6 +3,7 @@ and the trace assertions (test-only)."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import TypeVar
@@ -10,6 +11,7 @@ from typing import TypeVar
 import pytest
 
 from frameworks import envs
+from frameworks.megatron_lm import log_lines
 from frameworks.procs import Rank
 
 T = TypeVar("T")
@@ -47,3 +49,14 @@ def assert_trace(lines: list[dict], expected: list[dict[str, int]], *, framework
     assert got == expected
     assert all(step["ok"] is True for step in steps)
     assert all(isinstance(step["elapsed_s"], float) and step["elapsed_s"] > 0 for step in steps)
+
+
+def assert_log_lines(output: str, num_iterations: int) -> None:
+    """The rank that prints the log has one line per iteration with a finite loss, the stock
+    throughput field and, beside it, the adapter's corrected one."""
+    lines = log_lines(output)
+    assert sorted(lines) == list(range(1, num_iterations + 1))
+    for fields in lines.values():
+        assert math.isfinite(float(fields["lm loss"]))
+        assert "throughput per GPU (TFLOP/s/GPU)" in fields
+        assert "corrected throughput per GPU (TFLOP/s/GPU)" in fields
