@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_flops.cli.estimate import _format_components, _json_list_arg
+from megatron_flops.cli._common import format_components, json_list_arg
 from megatron_flops.formulas import Row, parse_rows
 
 
@@ -45,7 +45,7 @@ def _format_dit(report: dict[str, Any]) -> str:
               f"per block" + (f", {report['num_adapter_params']:,} in adapters" if report["num_adapters"] else ""))
     return "\n".join([
         head, training, params, f"attention: full; model FLOPs convention: {report['model_flops_convention']}", "",
-        *_format_components(report["components"], report["total_flops"]), "",
+        *format_components(report["components"], report["total_flops"]), "",
         f"executed: {report['executed_flops']:,}"
         + (f"  (of which recompute {report['recompute_flops']:,})" if report["recompute_flops"] else ""),
         f"static (every sample priced as {report['static_seq_length']:,} video tokens, every weight trained): "
@@ -57,7 +57,7 @@ def _lengths(flag: str, value: str | None) -> list[int] | None:
     if value is None:
         return None
     try:
-        return [s for row in parse_rows(_json_list_arg(flag, value)) for s in row.seqlens]
+        return [s for row in parse_rows(json_list_arg(flag, value)) for s in row.seqlens]
     except ValueError as exc:
         raise ValueError(f"{flag}: {exc}") from None
 

@@ -20,7 +20,8 @@ from megatron_flops.passes import (
     RecomputeSpec,
     price,
 )
-from megatron_flops._inputs import MAX_FILE_BYTES, parse_document, read_document, show
+from megatron_flops.cli._common import format_components, json_list_arg
+from megatron_flops.cli._dit import add_arguments as add_dit_arguments, estimate_dit
 from megatron_flops.hf_config import HF_FAMILIES, hf_text_config, is_hf_config
 from megatron_flops.spec import ModelOptions, ModelSpec, load_model_file
 
@@ -28,21 +29,9 @@ from megatron_flops.spec import ModelOptions, ModelSpec, load_model_file
 MAX_BATCH_SIZE = 1 << 20
 
 
-def _json_list_arg(flag: str, value: str) -> Any:
-    """A JSON list given inline, or a JSON/YAML file holding one."""
-    text = value.strip()
-    if text.startswith(("[", "{")):
-        if len(text) > MAX_FILE_BYTES:
-            raise ValueError(f"{flag}: longer than {MAX_FILE_BYTES // 2**20} MiB")
-        return parse_document(text, name=flag)
-    if not Path(value).is_file():
-        raise ValueError(f"{flag}: {show(value)} is neither a JSON list nor a readable file")
-    return read_document(value, what=f"{flag} file")
-
-
 def _parse_rows_arg(flag: str, value: str) -> tuple[Row, ...]:
     try:
-        return parse_rows(_json_list_arg(flag, value))
+        return parse_rows(json_list_arg(flag, value))
     except ValueError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith(flag) else f"{flag}: {message}") from None
@@ -104,19 +93,11 @@ def _report(
     }
 
 
-def _format_components(components: dict[str, int], total: int) -> list[str]:
-    lines = [f"{'component':<24}{'FLOPs (fwd+bwd)':>26}{'share':>9}"]
-    for name, value in components.items():
-        lines.append(f"{name:<24}{value:>26,}{value / total:>9.1%}")
-    lines.append(f"{'total':<24}{total:>26,}")
-    return lines
-
-
 def _format_vision(report: dict[str, Any]) -> str:
     head = (f"vision tower: {report['num_images']} grids, {report['num_frames']} frames, "
             f"{report['num_patches']:,} patches -> {report['num_visual_tokens']:,} visual tokens")
     return "\n".join([head, "attention: full (within each frame or window)", "",
-                      *_format_components(report["components"], report["total_flops"])])
+                      *format_components(report["components"], report["total_flops"])])
 
 
 def _format_report(report: dict[str, Any]) -> str:
@@ -126,7 +107,7 @@ def _format_report(report: dict[str, Any]) -> str:
         f"tokens: {report['num_tokens']:,} real / {report['num_padded_tokens']:,} padded",
         f"attention convention: {report['attention']}",
         "",
-        *_format_components(report["components"], total),
+        *format_components(report["components"], total),
         "",
         f"executed (padding included): {report['executed_flops']:,}",
         *([f"  of which recompute {report['recompute_flops']:,}, unneeded GEMMs {report['unneeded_flops']:,}"]
@@ -243,8 +224,6 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     spec, raw, source, seq_length = _load(args)
     rows = _rows_from_args(args, seq_length)
     if "dit" in raw:
-        from megatron_flops.cli._dit import estimate_dit
-
         return estimate_dit(args, raw, rows)
     for flag, value in (("--kv-seqlens", args.kv_seqlens), ("--image-seqlens", args.image_seqlens)):
         if value is not None:
@@ -257,7 +236,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         if "vision_config" not in raw:
             raise ValueError(f"--grid-thw prices a vision tower, but {source} has no 'vision_config' "
                              "(a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config.json)")
-        vision = vision_report(raw, _json_list_arg("--grid-thw", args.grid_thw))
+        vision = vision_report(raw, json_list_arg("--grid-thw", args.grid_thw))
     if rows is None and vision is None:
         raise ValueError("give --seqlens ROWS, --seq-length N with --batch-size B, or --grid-thw GRIDS")
     if rows is None:
@@ -352,7 +331,5 @@ def add_parser(sub: Any) -> None:
     est.add_argument("--convention", choices=MODEL_FLOPS_CONVENTIONS, default="needed",
                      help="model FLOPs: GEMMs training needs (default) or TRAIN_PASSES x every forward GEMM")
     est.add_argument("--json", action="store_true", help="print one JSON object")
-    from megatron_flops.cli._dit import add_arguments as add_dit_arguments
-
     add_dit_arguments(est)
     est.set_defaults(func=_cmd_estimate)
