@@ -17,24 +17,24 @@ replicas, so every rank, the last pipeline stage included, gets the global total
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from megatron_flops.device_stats import SHAPE_SLOTS, DeviceStats
+from megatron_flops.dit_passes import dit_setup
+from megatron_flops.dit_tracker import DiTFlopsTracker
 from megatron_flops.host_stats import HostBatches
 from megatron_flops.intake import BatchIntake
 from megatron_flops.ownership import ChunkOwners
 from megatron_flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.pricing import DecoderPricing
-from megatron_flops.spec import ModelSpec
+from megatron_flops.spec import ModelSpec, load_model_file
 from megatron_flops.step_tracker import StepTracker
-from megatron_flops.vision import VisionSpec
-
-if TYPE_CHECKING:
-    from megatron_flops.dit_tracker import DiTFlopsTracker
+from megatron_flops.vision import VisionSpec, vision_spec_from_model_mapping
 
 
 class FlopsTracker(StepTracker):
@@ -205,8 +205,6 @@ class FlopsTracker(StepTracker):
         ``vision_config``; ``lora`` and ``recompute_*`` set up PEFT and recompute), or a DiT (a
         ``"dit"`` section: a :class:`~megatron_flops.dit_tracker.DiTFlopsTracker`). ``options``
         are the tracker's keyword arguments; they override the file."""
-        from megatron_flops.model_file import tracker_from_model_file
-
         return tracker_from_model_file(path, **options)
 
     # ---- per step ----------------------------------------------------------------------------
@@ -239,3 +237,31 @@ class FlopsTracker(StepTracker):
 
     def _token_slots(self) -> int:
         return self._host[self._index["num_padded_tokens"]]
+
+
+def tracker_from_model_file(path: str | Path, **options: Any) -> FlopsTracker | DiTFlopsTracker:
+    """A :class:`FlopsTracker` or, for a DiT model file, a :class:`DiTFlopsTracker`; ``options``
+    are the tracker's keyword arguments and override the file's setup."""
+    spec, raw = load_model_file(path)
+    source = Path(path).name
+    if "dit" in raw:
+        _check_options(DiTFlopsTracker, options, source, "a DiT")
+        setup = dit_setup(raw, source=source)
+        return DiTFlopsTracker(setup.spec, **{"peft": setup.peft, "recompute": setup.recompute, **options})
+    _check_options(FlopsTracker, options, source, "a decoder")
+    if spec is None:
+        raise ValueError(f"{source}: holds no decoder to track (a vision tower alone is priced by the CLI)")
+    defaults = {
+        "peft": PeftSpec.from_lora_mapping(raw["lora"], source=source) if raw.get("lora") is not None else None,
+        "recompute": RecomputeSpec.from_mapping(raw, source=source),
+        "vision": vision_spec_from_model_mapping(raw) if "vision_config" in raw else None,
+    }
+    return FlopsTracker(spec, **{**defaults, **options})
+
+
+def _check_options(cls: type, options: dict[str, Any], source: str, what: str) -> None:
+    known = [name for name in inspect.signature(cls).parameters if name != "spec"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"{source} describes {what}: option(s) {', '.join(unknown)} do not apply "
+                         f"(options: {', '.join(known)})")

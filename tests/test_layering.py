@@ -30,6 +30,6 @@ def test_pure_layers_import_without_torch(module):
 
 def test_tracker_and_adapters_import_no_framework():
     loaded = _modules_after("import megatron_flops, megatron_flops.tracker, megatron_flops.session, "
-                            "megatron_flops.dit_tracker, megatron_flops.model_file, "
+                            "megatron_flops.dit_tracker, "
                             "megatron_flops.adapters.megatron_lm, megatron_flops.adapters.megatron_bridge")
     assert not any(m.startswith("megatron.") or m == "transformers" for m in loaded)
