@@ -110,13 +110,13 @@ class Session:
     def observing(self, model: Any) -> bool:
         """Whether a micro-batch given to ``model`` (a model chunk) now counts: a step is open and
         the chunk owns its micro-batches (see ``FlopsTracker.owns``)."""
-        owns = getattr(self.tracker, "owns", None)  # a DiT tracker observes nothing
-        if not self._open or owns is None:
+        tracker = self.tracker
+        if not self._open or not isinstance(tracker, FlopsTracker):  # a DiT tracker observes nothing
             return False
         try:
-            return owns(model)
+            return tracker.owns(model)
         except Exception as exc:
-            self.tracker.observe_failed(exc)
+            tracker.observe_failed(exc)
             return False
 
     def observe(self, read: Callable[[Any], dict[str, Any]], batch: Any) -> None:
@@ -125,14 +125,16 @@ class Session:
         ``read`` cannot understand makes the step fall back on every rank, logged once."""
         if not self._open:
             return
+        tracker = self.tracker
+        assert isinstance(tracker, FlopsTracker)  # only a session observing() a chunk is handed its batches
         try:
             fields = read(batch)
         except Exception as exc:
-            if self.tracker.validate:
+            if tracker.validate:
                 raise
-            self.tracker.observe_failed(exc)
+            tracker.observe_failed(exc)
         else:
-            self.tracker.observe(**fields)
+            tracker.observe(**fields)
 
     def abort_step(self) -> None:
         """Close the open step without counting it (its train step raised): no collective, and

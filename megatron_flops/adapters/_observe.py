@@ -40,7 +40,7 @@ class ObservedIterator:
     __slots__ = ("_iterator", "_session", "_read", "_replays")
 
     def __init__(self, iterator: Iterator[Any], session: Session, read: Callable[[Any], dict[str, Any]]) -> None:
-        self._iterator = iterator
+        self._iterator: Any = iterator  # may be a RerunDataIterator, with its replaying flag
         self._session = session
         self._read = read
         self._replays = hasattr(iterator, "replaying")

@@ -144,7 +144,7 @@ class VlmStepReader(BatchReader):
 
     def __call__(self, batch: Any) -> dict[str, Any]:
         tokens = self.tokens(batch)
-        fields = self.packed(tokens) if self.packing else {
+        fields: dict[str, Any] = self.packed(tokens) if self.packing else {
             "num_rows": tokens.shape[0], "row_length": self.row_length(tokens.shape[1])}
         grids = self.grids(batch)
         if grids:

@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from megatron_flops.result import StepResult
 from megatron_flops.session import install_session, record, uninstall_session
 from megatron_flops.spec import ModelSpec
 from megatron_flops.tracker import FlopsTracker
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
 
 # TransformerConfig fields of the demo model (Llama-like: GQA, SwiGLU, RMSNorm, RoPE, untied).
 MODEL_FIELDS: dict[str, Any] = dict(
@@ -211,7 +214,7 @@ def _megatron_core_version() -> str | None:
 # ---- model and loss ----------------------------------------------------------------------------
 
 
-def _build_model(options: DemoOptions) -> tuple[list[torch.nn.Module], Any]:
+def _build_model(options: DemoOptions) -> tuple[list[DistributedDataParallel], Any]:
     """One GPTModel per virtual stage of this rank, each wrapped in megatron DDP."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
