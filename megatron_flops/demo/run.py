@@ -33,7 +33,7 @@ from megatron_flops.formulas import ATTENTION_CONVENTIONS
 from megatron_flops.meter import format_log_line, format_summary
 from megatron_flops.peaks import resolve_peak
 from megatron_flops.result import StepResult
-from megatron_flops.session import install_session, record, uninstall_session
+from megatron_flops.session import Session, install_session, record, uninstall_session
 from megatron_flops.spec import ModelSpec
 from megatron_flops.tracker import FlopsTracker
 
@@ -158,9 +158,7 @@ def train(
 
         # Every chunk of a rank reads the same stream, one micro-batch per forward_step call.
         streams = [microbatches(options.data, seed=options.seed, dp_rank=dp_rank) for _ in chunks]
-        params = [p for chunk in chunks for p in chunk.parameters()]
-        optimizer = torch.optim.Adam(params, lr=LEARNING_RATE)
-        forward_backward = get_forward_backward_func()
+        optimizer = torch.optim.Adam([p for chunk in chunks for p in chunk.parameters()], lr=LEARNING_RATE)
         peak = resolve_peak(None, "bf16", options.peak_tflops)
         if printing:
             out(_header(options, peak))
@@ -174,35 +172,50 @@ def train(
         try:
             for iteration in range(1, options.iterations + 1):
                 session.begin_step()
-                for chunk in chunks:
-                    chunk.zero_grad_buffer()
-                losses = forward_backward(
-                    forward_step_func=forward_step,
-                    data_iterator=streams if len(chunks) > 1 else streams[0],
-                    model=chunks if len(chunks) > 1 else chunks[0],
-                    num_microbatches=options.num_microbatches,
-                    seq_length=options.data.seq_length,
-                    micro_batch_size=1,  # shapes travel with the tensors (variable_seq_lengths)
-                    forward_only=False,
-                )
-                for p in params:  # megatron DDP accumulates (and all-reduces) gradients in main_grad
-                    p.grad = p.main_grad
-                optimizer.step()
+                losses = _train_step(options, chunks, streams, forward_step, optimizer, get_forward_backward_func())
                 results.append(session.end_step(iteration=iteration))
                 if is_last_stage:
                     loss_sums += _global_loss(losses, ps.get_data_parallel_group())
                 if printing and (iteration % options.log_interval == 0 or iteration == options.iterations):
-                    report = session.report()
-                    assert report is not None
-                    line = format_log_line(report, iteration=iteration, train_iters=options.iterations,
-                                           elapsed_ms_per_iter=1000 * report.elapsed_s / report.num_iterations)
-                    out(line + f" lm loss: {float(loss_sums[0] / loss_sums[1]):.4E} |")
+                    out(_log_line(session, iteration, options.iterations, loss_sums))
                     loss_sums.zero_()
             if printing:
                 out(format_summary(session.summary(), warmup_iterations=options.warmup))
         finally:
             uninstall_session()
     return DemoRun(spec=spec, results=tuple(results))
+
+
+def _train_step(options: DemoOptions, chunks: list[DistributedDataParallel], streams: list[Iterator[MicroBatch]],
+                forward_step: Callable[..., Any], optimizer: torch.optim.Optimizer,
+                forward_backward: Callable[..., Any]) -> list[dict[str, torch.Tensor]]:
+    """One iteration: megatron-core's forward-backward schedule over every micro-batch, then the
+    optimizer step; the last stage's per-micro-batch losses."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    losses = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=streams if len(chunks) > 1 else streams[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=options.num_microbatches,
+        seq_length=options.data.seq_length,
+        micro_batch_size=1,  # shapes travel with the tensors (variable_seq_lengths)
+        forward_only=False,
+    )
+    for group in optimizer.param_groups:  # megatron DDP accumulates (and all-reduces) gradients in main_grad
+        for p in group["params"]:
+            p.grad = p.main_grad
+    optimizer.step()
+    return losses
+
+
+def _log_line(session: Session, iteration: int, train_iters: int, loss_sums: torch.Tensor) -> str:
+    """Megatron's log line for the interval ending at ``iteration``, with the corrected fields and the loss."""
+    report = session.report()
+    assert report is not None  # the session has closed at least one step
+    line = format_log_line(report, iteration=iteration, train_iters=train_iters,
+                           elapsed_ms_per_iter=1000 * report.elapsed_s / report.num_iterations)
+    return line + f" lm loss: {float(loss_sums[0] / loss_sums[1]):.4E} |"
 
 
 def _megatron_core_version() -> str | None:
@@ -214,16 +227,12 @@ def _megatron_core_version() -> str | None:
 # ---- model and loss ----------------------------------------------------------------------------
 
 
-def _build_model(options: DemoOptions) -> tuple[list[DistributedDataParallel], Any]:
-    """One GPTModel per virtual stage of this rank, each wrapped in megatron DDP."""
+def _config(options: DemoOptions) -> Any:
+    """The model's megatron-core ``TransformerConfig``: fp32 on CPU, no fused kernels."""
     import torch.nn.functional as F
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(
+    return TransformerConfig(
         **MODEL_FIELDS,
         activation_func=F.silu,
         pipeline_model_parallel_size=options.pp,
@@ -250,6 +259,16 @@ def _build_model(options: DemoOptions) -> tuple[list[DistributedDataParallel], A
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
     )
+
+
+def _build_model(options: DemoOptions) -> tuple[list[DistributedDataParallel], Any]:
+    """One GPTModel per virtual stage of this rank, each wrapped in megatron DDP."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = _config(options)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     torch.manual_seed(options.seed)
     chunks = []
