@@ -36,7 +36,7 @@ class IntervalReport:
     static_flops: int | None
     num_tokens: int
     world_size: int
-    peak_flops_per_s: int | None
+    peak_flops_per_s: float | None
 
     @property
     def fell_back(self) -> bool:

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-TRACE_FORMAT = "megatron-flops-trace/1"
+from megatron_flops.meter import IntervalReport
+from megatron_flops.trace import FORMAT as TRACE_FORMAT
+
 DEFAULT_WARMUP = 2
 DEFAULT_TOLERANCE = 0.03
 SEGMENT_CHOICES = ("all", "last")
@@ -258,15 +260,21 @@ def spread(values: Iterable[float]) -> Spread | None:
 
 
 def step_rates(step: TraceStep, *, world_size: int, peak_flops_per_s: float | None) -> dict[str, float | None]:
-    """One step's per-GPU rates, keyed by :data:`METRICS`; None where unknown."""
-    per_gpu_s = step.elapsed_s * world_size
+    """One step's per-GPU rates, keyed by :data:`METRICS` (the meter's, over a window of this one
+    step); None where unknown."""
+    report = IntervalReport(
+        first_iteration=step.iteration, last_iteration=step.iteration, num_iterations=1,
+        num_fallback_iterations=0 if step.ok else 1, elapsed_s=step.elapsed_s, flops=step.flops,
+        executed_flops=step.executed_flops, static_flops=step.static_flops, num_tokens=step.num_tokens,
+        world_size=world_size, peak_flops_per_s=peak_flops_per_s,
+    )
     return {
-        "tflops_per_gpu": step.flops / per_gpu_s / 1e12,
-        "static_tflops_per_gpu": None if step.static_flops is None else step.static_flops / per_gpu_s / 1e12,
-        "tokens_per_s_per_gpu": step.num_tokens / per_gpu_s,
+        "tflops_per_gpu": report.tflops_per_s_per_gpu,
+        "static_tflops_per_gpu": report.static_tflops_per_s_per_gpu,
+        "tokens_per_s_per_gpu": report.tokens_per_s_per_gpu,
         "step_time_s": step.elapsed_s,
-        "mfu_percent": None if peak_flops_per_s is None else 100.0 * step.flops / per_gpu_s / peak_flops_per_s,
-        "hfu_percent": None if peak_flops_per_s is None else 100.0 * step.executed_flops / per_gpu_s / peak_flops_per_s,
+        "mfu_percent": report.mfu_percent,
+        "hfu_percent": report.hfu_percent,
     }
 
 
