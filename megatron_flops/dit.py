@@ -216,62 +216,81 @@ class DiTStats:
         )
 
 
-def dit_forward_gemms(spec: DiTSpec, stats: DiTStats) -> tuple[Gemm, ...]:
-    """Every forward GEMM over ``stats``, named after ``WanModel``'s modules (block GEMMs without
-    the ``blocks.{i}.`` prefix, ``layer`` = block index; core attention is ``*.scores`` and
-    ``*.context``), embeddings first, then the blocks, then the head."""
+@dataclass(frozen=True, kw_only=True)
+class DiTForward:
+    """Every forward GEMM of a DiT over some samples: the embeddings, one block (every block runs
+    the same GEMMs, ``num_blocks`` times), then the head."""
+
+    embeddings: tuple[Gemm, ...]
+    block: tuple[Gemm, ...]
+    head: tuple[Gemm, ...]
+    num_blocks: int
+
+    def flops(self) -> dict[str, int]:
+        """Forward FLOPs per component."""
+        out: dict[str, int] = {}
+        for gemms, times in ((self.embeddings, 1), (self.block, self.num_blocks), (self.head, 1)):
+            for g in gemms:
+                out[g.key] = out.get(g.key, 0) + times * g.flops
+        return out
+
+
+def dit_forward_gemms(spec: DiTSpec, stats: DiTStats) -> DiTForward:
+    """The forward GEMMs over ``stats``, named after ``WanModel``'s modules (block GEMMs without
+    the ``blocks.{i}.`` prefix; core attention is ``*.scores`` and ``*.context``)."""
     h, n, d = spec.hidden_size, spec.num_heads, spec.head_dim
     B, S, C, M = stats.num_samples, stats.num_video_tokens, stats.num_text_tokens, stats.num_image_tokens
     patch = math.prod(spec.patch_size)
     out: list[Gemm] = []
 
-    def linear(key: str, name: str, layer: int | None, rows: int, d_in: int, d_out: int) -> None:
-        out.append(Gemm(key=key, name=name, layer=layer, flops=gemm(rows, d_in, d_out), shape=(rows, d_in, d_out)))
+    def linear(key: str, name: str, rows: int, d_in: int, d_out: int) -> None:
+        out.append(Gemm(key=key, name=name, flops=gemm(rows, d_in, d_out), shape=(rows, d_in, d_out)))
 
-    def core(key: str, name: str, layer: int, pairs: int) -> None:
+    def core(key: str, name: str, pairs: int) -> None:
         # Per head and (query, key) pair: scores q.k, then context p*v: d MACs each, every pair of
         # each sample (no mask).
         for part in ("scores", "context"):
-            out.append(Gemm(key=key, name=f"{name}{part}", layer=layer, flops=attention_gemm(n, d, pairs)))
+            out.append(Gemm(key=key, name=f"{name}{part}", flops=attention_gemm(n, d, pairs)))
 
     # patch_embedding: Conv3d, stride = kernel: [S, C_in*pt*ph*pw] @ [C_in*pt*ph*pw, h].
-    linear("dit/patch_embed", "patch_embedding", None, S, spec.in_channels * patch, h)
+    linear("dit/patch_embed", "patch_embedding", S, spec.in_channels * patch, h)
     # text_embedding: [C, text_dim] @ [text_dim, h], then [C, h] @ [h, h].
-    linear("dit/text_embed", "text_embedding.0", None, C, spec.text_dim, h)
-    linear("dit/text_embed", "text_embedding.2", None, C, h, h)
+    linear("dit/text_embed", "text_embedding.0", C, spec.text_dim, h)
+    linear("dit/text_embed", "text_embedding.2", C, h, h)
     # time_embedding: [B, freq_dim] @ [freq_dim, h], then [B, h] @ [h, h] (one timestep per sample).
-    linear("dit/time_embed", "time_embedding.0", None, B, spec.freq_dim, h)
-    linear("dit/time_embed", "time_embedding.2", None, B, h, h)
+    linear("dit/time_embed", "time_embedding.0", B, spec.freq_dim, h)
+    linear("dit/time_embed", "time_embedding.2", B, h, h)
     # time_projection: [B, h] @ [h, 6h], shared by every block (see the module NB).
-    linear("dit/modulation", "time_projection.1", None, B, h, 6 * h)
+    linear("dit/modulation", "time_projection.1", B, h, 6 * h)
     if spec.image_dim is not None:
         # img_emb: [M, 1280] @ [1280, 1280], then [M, 1280] @ [1280, h].
-        linear("dit/image_embed", "img_emb.proj.1", None, M, spec.image_dim, spec.image_dim)
-        linear("dit/image_embed", "img_emb.proj.3", None, M, spec.image_dim, h)
-    for layer in range(spec.num_layers):
-        # Self-attention: q, k, v [S, h] @ [h, h]; full attention within each sample; o [S, h] @ [h, h].
-        for name in ("self_attn.q", "self_attn.k", "self_attn.v"):
-            linear("dit/self_attn/qkv", name, layer, S, h, h)
-        core("dit/self_attn/core", "self_attn.", layer, stats.sum_video_seqlen_squared)
-        linear("dit/self_attn/out", "self_attn.o", layer, S, h, h)
-        # Cross-attention: q on the video tokens; k, v on the text tokens (already h wide).
-        linear("dit/cross_attn/q", "cross_attn.q", layer, S, h, h)
-        linear("dit/cross_attn/kv", "cross_attn.k", layer, C, h, h)
-        linear("dit/cross_attn/kv", "cross_attn.v", layer, C, h, h)
-        core("dit/cross_attn/core", "cross_attn.", layer, stats.sum_text_pairs)
-        if spec.image_dim is not None:
-            # k_img, v_img on the CLIP tokens, attended by the same queries; the two results are
-            # summed before o.
-            linear("dit/cross_attn/image_kv", "cross_attn.k_img", layer, M, h, h)
-            linear("dit/cross_attn/image_kv", "cross_attn.v_img", layer, M, h, h)
-            core("dit/cross_attn/image_core", "cross_attn.image_", layer, stats.sum_image_pairs)
-        linear("dit/cross_attn/out", "cross_attn.o", layer, S, h, h)
-        # FFN: [S, h] @ [h, ffn], [S, ffn] @ [ffn, h].
-        linear("dit/mlp", "ffn.0", layer, S, h, spec.ffn_hidden_size)
-        linear("dit/mlp", "ffn.2", layer, S, spec.ffn_hidden_size, h)
+        linear("dit/image_embed", "img_emb.proj.1", M, spec.image_dim, spec.image_dim)
+        linear("dit/image_embed", "img_emb.proj.3", M, spec.image_dim, h)
+    embeddings, out = tuple(out), []
+    # Self-attention: q, k, v [S, h] @ [h, h]; full attention within each sample; o [S, h] @ [h, h].
+    for name in ("self_attn.q", "self_attn.k", "self_attn.v"):
+        linear("dit/self_attn/qkv", name, S, h, h)
+    core("dit/self_attn/core", "self_attn.", stats.sum_video_seqlen_squared)
+    linear("dit/self_attn/out", "self_attn.o", S, h, h)
+    # Cross-attention: q on the video tokens; k, v on the text tokens (already h wide).
+    linear("dit/cross_attn/q", "cross_attn.q", S, h, h)
+    linear("dit/cross_attn/kv", "cross_attn.k", C, h, h)
+    linear("dit/cross_attn/kv", "cross_attn.v", C, h, h)
+    core("dit/cross_attn/core", "cross_attn.", stats.sum_text_pairs)
+    if spec.image_dim is not None:
+        # k_img, v_img on the CLIP tokens, attended by the same queries; the two results are
+        # summed before o.
+        linear("dit/cross_attn/image_kv", "cross_attn.k_img", M, h, h)
+        linear("dit/cross_attn/image_kv", "cross_attn.v_img", M, h, h)
+        core("dit/cross_attn/image_core", "cross_attn.image_", stats.sum_image_pairs)
+    linear("dit/cross_attn/out", "cross_attn.o", S, h, h)
+    # FFN: [S, h] @ [h, ffn], [S, ffn] @ [ffn, h].
+    linear("dit/mlp", "ffn.0", S, h, spec.ffn_hidden_size)
+    linear("dit/mlp", "ffn.2", S, spec.ffn_hidden_size, h)
+    block, out = tuple(out), []
     # head: [S, h] @ [h, C_out*pt*ph*pw].
-    linear("dit/head", "head.head", None, S, h, spec.out_channels * patch)
-    return tuple(out)
+    linear("dit/head", "head.head", S, h, spec.out_channels * patch)
+    return DiTForward(embeddings=embeddings, block=block, head=tuple(out), num_blocks=spec.num_layers)
 
 
 def dit_forward_flops(
@@ -283,10 +302,7 @@ def dit_forward_flops(
     """Forward FLOPs per component over samples of ``video_seqlens[i]`` video tokens (after
     patchifying), ``text_seqlens[i]`` text tokens (default ``text_len``) and, image-to-video,
     ``image_seqlens[i]`` CLIP tokens (default ``image_len``)."""
-    out: dict[str, int] = {}
-    for g in dit_forward_gemms(spec, DiTStats.from_seqlens(spec, video_seqlens, text_seqlens, image_seqlens)):
-        out[g.key] = out.get(g.key, 0) + g.flops
-    return out
+    return dit_forward_gemms(spec, DiTStats.from_seqlens(spec, video_seqlens, text_seqlens, image_seqlens)).flops()
 
 
 # ---- LoRA targets and parameter counts -------------------------------------------------------

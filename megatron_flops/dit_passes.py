@@ -28,7 +28,7 @@ not train); it is not modelled.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ from megatron_flops.dit import (
     dit_forward_gemms,
     dit_parameter_counts,
 )
-from megatron_flops.formulas import FlopsBreakdown
+from megatron_flops.formulas import FlopsBreakdown, Gemm
 from megatron_flops.passes import (
     MODEL_FLOPS_CONVENTIONS,
     PeftSpec,
@@ -48,7 +48,7 @@ from megatron_flops.passes import (
     RecomputeSpec,
     TrainingPasses,
     lora_passes,
-    recomputed_layers,
+    recomputed_counter,
 )
 
 # Activation operands of each GEMM, each given as the values it is computed from. ``data``: an input
@@ -109,15 +109,16 @@ def _full_only(granularity: str) -> None:
                          "(selective recompute is megatron-core's per-module scheme, not modelled for a DiT)")
 
 
-def _checkpointed_blocks(spec: DiTSpec, recompute: RecomputeSpec | None) -> frozenset[int]:
+def _checkpointed_blocks(spec: DiTSpec, recompute: RecomputeSpec | None) -> Callable[[int, int], int]:
+    """``count(first, n)``: how many of the blocks ``first .. first + n - 1`` are checkpointed."""
     if recompute is None:
-        return frozenset()
+        return lambda first, n: 0
     _full_only(recompute.granularity)
     if recompute.pipeline_model_parallel_size != 1 or (recompute.virtual_pipeline_model_parallel_size or 1) != 1:
         raise ValueError("pipeline parallelism is not modelled for a DiT")
     if recompute.method == "block" and recompute.num_layers is not None and recompute.num_layers > spec.num_layers:
         raise ValueError(f"checkpointing {recompute.num_layers} blocks, but the DiT has {spec.num_layers}")
-    return recomputed_layers(spec.num_layers, recompute)
+    return recomputed_counter(spec.num_layers, recompute)
 
 
 def dit_training_passes(
@@ -129,32 +130,43 @@ def dit_training_passes(
 ) -> TrainingPasses:
     """Forward, input-gradient, weight-gradient and recompute FLOPs over ``stats``; keys are
     :func:`~megatron_flops.dit.dit_forward_flops`'s plus ``dit/lora/<module>`` per adapted
-    projection (``dit/lora/self_attn.q``, ...)."""
+    projection (``dit/lora/self_attn.q``, ...).
+
+    Blocks are priced as runs, not one by one: the residual stream needs a gradient into the first
+    block or not, and from the second block on it does whenever any block output does, so the
+    first block and the rest each run one set of passes (the checkpointed ones add their forward).
+    """
     peft = DiTPeftSpec.of(peft)
-    adapted = frozenset(dit_adapted_modules(spec, peft))
-    passes = _Passes(_checkpointed_blocks(spec, recompute))
-    trainable = not peft.frozen
-    grads = _GradientFlow(trainable=trainable)
-    for g in dit_forward_gemms(spec, stats):
-        if g.layer != passes.block:
-            grads.enter(first=passes.block is None)
-            passes.end_block(next_block=g.layer)
-        operands = grads.operands(g.name)
-        weight = g.has_weight and trainable
-        passes.add(g.key, g.layer, g.flops, g.flops * sum(operands), g.flops if weight else 0)
-        lora = g.layer is not None and g.name in adapted
-        if lora:
-            assert g.shape is not None and peft.lora_rank is not None
-            passes.add(f"dit/lora/{g.name}", g.layer, *lora_passes(g.shape, peft.lora_rank, input_grad=operands[0]))
-        grads.produced(g.name, any(operands) or weight or lora)
-    passes.end_block(next_block=None)
+    checkpointed = _checkpointed_blocks(spec, recompute)
+    forward = dit_forward_gemms(spec, stats)
+    walker = _Walker(adapted=frozenset(dit_adapted_modules(spec, peft)), lora_rank=peft.lora_rank,
+                     trainable=not peft.frozen)
+    passes = _Passes()
+    passes.add(walker.walk(forward.embeddings))
+    walker.enter(first=True)
+    passes.add(walker.walk(forward.block), recomputed=checkpointed(0, 1))
+    walker.enter(first=False)
+    rest = spec.num_layers - 1
+    if rest:
+        stream = walker.needs("x")
+        passes.add(walker.walk(forward.block), times=rest, recomputed=checkpointed(1, rest))
+        walker.enter(first=False)
+        assert walker.needs("x") == stream, "every block after the first sees the same gradient flow"
+    passes.add(walker.walk(forward.head))
     return passes.training_passes()
 
 
-class _GradientFlow:
-    """Which values need a gradient (named as in ``_OPERANDS``), as the forward GEMMs run in order."""
+# Per GEMM of a walked list: (key, forward, input-gradient, weight-gradient FLOPs).
+_Entries = list[tuple[str, int, int, int]]
 
-    def __init__(self, *, trainable: bool) -> None:
+
+class _Walker:
+    """Which values need a gradient (named as in ``_OPERANDS``), as the forward GEMMs run in
+    order, and the passes of each GEMM (and of its adapter) that this implies."""
+
+    def __init__(self, *, adapted: frozenset[str], lora_rank: int | None, trainable: bool) -> None:
+        self.adapted = adapted
+        self.lora_rank = lora_rank
         self.trainable = trainable
         self._needs: dict[str, bool] = {"data": False, "base": trainable}
 
@@ -167,47 +179,46 @@ class _GradientFlow:
             return self.trainable or self._needs["img_emb.proj.3"]
         return self._needs.get(name, False)
 
-    def operands(self, gemm: str) -> list[bool]:
-        """Per activation operand of ``gemm``: whether a gradient flows back through it."""
-        return [any(self.needs(v) for v in sources) for sources in _OPERANDS[gemm]]
-
     def enter(self, *, first: bool) -> None:
         """A block boundary: the residual stream ``x`` is the patch embedding's output before the
         first block, the previous block's output after one."""
         self._needs["x"] = self._needs["patch_embedding"] if first else any(self.needs(v) for v in _BLOCK_OUTPUTS)
 
-    def produced(self, gemm: str, needs: bool) -> None:
-        """``gemm``'s output needs a gradient (it depends on one that does, or on trained weights)."""
-        self._needs[gemm] = needs
+    def walk(self, gemms: Sequence[Gemm]) -> _Entries:
+        """The passes of ``gemms`` run in order (adapters after the GEMM they wrap)."""
+        entries: _Entries = []
+        for g in gemms:
+            # Per activation operand: whether a gradient flows back through it.
+            operands = [any(self.needs(v) for v in sources) for sources in _OPERANDS[g.name]]
+            weight = g.has_weight and self.trainable
+            entries.append((g.key, g.flops, g.flops * sum(operands), g.flops if weight else 0))
+            lora = g.name in self.adapted
+            if lora:
+                assert g.shape is not None and self.lora_rank is not None
+                entries.append((f"dit/lora/{g.name}", *lora_passes(g.shape, self.lora_rank, input_grad=operands[0])))
+            # The output needs a gradient when an operand does, or trained weights produced it.
+            self._needs[g.name] = any(operands) or weight or lora
+        return entries
 
 
 class _Passes:
-    """Forward, input-gradient, weight-gradient and recompute FLOPs by key. A checkpointed block
-    whose backward runs re-runs its forward GEMMs once."""
+    """Forward, input-gradient, weight-gradient and recompute FLOPs by key."""
 
-    def __init__(self, checkpointed: frozenset[int]) -> None:
-        self.checkpointed = checkpointed
+    def __init__(self) -> None:
         self.forward: dict[str, int] = {}
         self.input_grad: dict[str, int] = {}
         self.weight_grad: dict[str, int] = {}
         self.recompute: dict[str, int] = {}
-        self.block: int | None = None  # the block of the latest GEMM (None: outside the blocks)
-        self._block_forward: dict[str, int] = {}
-        self._block_backward = False
 
-    def add(self, key: str, layer: int | None, forward: int, input_grad: int, weight_grad: int) -> None:
-        for totals, flops in ((self.forward, forward), (self.input_grad, input_grad),
-                              (self.weight_grad, weight_grad)):
-            totals[key] = totals.get(key, 0) + flops
-        if layer is not None:
-            self._block_forward[key] = self._block_forward.get(key, 0) + forward
-            self._block_backward = self._block_backward or bool(input_grad or weight_grad)
-
-    def end_block(self, *, next_block: int | None) -> None:
-        if self.block in self.checkpointed and self._block_backward:
-            for key, flops in self._block_forward.items():
-                self.recompute[key] = self.recompute.get(key, 0) + flops
-        self.block, self._block_forward, self._block_backward = next_block, {}, False
+    def add(self, entries: _Entries, *, times: int = 1, recomputed: int = 0) -> None:
+        """``entries`` run ``times`` times; ``recomputed`` of those runs are checkpointed blocks, whose
+        backward (when one runs) re-runs their forward GEMMs, adapters included, once."""
+        backward = any(d or w for _, _, d, w in entries)
+        redo = recomputed if backward else 0
+        for key, f, d, w in entries:
+            for totals, flops in ((self.forward, times * f), (self.input_grad, times * d),
+                                  (self.weight_grad, times * w), (self.recompute, redo * f)):
+                totals[key] = totals.get(key, 0) + flops
 
     def training_passes(self) -> TrainingPasses:
         return TrainingPasses(
@@ -215,7 +226,7 @@ class _Passes:
             input_grad=self.input_grad,
             weight_grad=self.weight_grad,
             unneeded=dict.fromkeys(self.forward, 0),
-            recompute={k: self.recompute.get(k, 0) for k in self.forward},
+            recompute=self.recompute,
             attention="full",
         )
 
@@ -343,7 +354,7 @@ def dit_report(
                                          sum_video_seqlen_squared=n * longest * longest)
     static = price_dit(spec, static_stats, convention=convention).model.total
     params = dit_parameter_counts(spec, setup.peft)
-    checkpointed = _checkpointed_blocks(spec, setup.recompute)
+    checkpointed = _checkpointed_blocks(spec, setup.recompute)(0, spec.num_layers)
     return {
         "total_flops": priced.model.total,
         "components": dict(priced.model.components),
@@ -367,7 +378,7 @@ def dit_report(
         "lora_rank": setup.peft.lora_rank if setup.peft else None,
         "lora_targets": list(setup.peft.lora_targets) if setup.peft and setup.peft.lora_rank else [],
         "lora_modules": list(dit_adapted_modules(spec, setup.peft)),
-        "checkpointed_blocks": len(checkpointed),
+        "checkpointed_blocks": checkpointed,
         "num_params": params.num_params,
         "num_trainable_params": params.num_trainable_params,
         "num_block_params": params.num_block_params,

@@ -266,16 +266,14 @@ class Gemm:
     ``name`` is the megatron-core module that runs it (``linear_qkv``, ``experts.linear_fc1``,
     ``output_layer``, ...; core attention is ``core_attention.scores`` and
     ``core_attention.context``). ``shape`` is ``(rows, in_features, out_features)`` of a linear
-    layer, ``None`` for a GEMM of two activations (core attention) or Mamba's scan. ``layer`` is
-    the 0-based block of a per-block GEMM list (the DiT's); the decoder's GEMMs come in
-    :class:`LayerRun` s instead and leave it ``None``.
+    layer, ``None`` for a GEMM of two activations (core attention) or Mamba's scan. A model's
+    identical layers share one list (the decoder's :class:`LayerRun`, the DiT's block).
     """
 
     key: str
     name: str
     flops: int
     shape: tuple[int, int, int] | None = None
-    layer: int | None = None
 
     @property
     def has_weight(self) -> bool:

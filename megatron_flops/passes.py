@@ -353,14 +353,6 @@ def lora_passes(shape: tuple[int, int, int], rank: int, *, input_grad: bool) -> 
     return a + b, (a if input_grad else 0) + b, a + b
 
 
-def recomputed_layers(num_layers: int, recompute: RecomputeSpec | None, *, mtp_num_layers: int = 0) -> frozenset[int]:
-    """Layers (0-based: decoder layers or DiT blocks, then MTP depths) that full recompute re-runs
-    (one entry per layer: for small models; the decoder walk counts them with
-    :func:`recomputed_counter`)."""
-    count = recomputed_counter(num_layers, recompute, mtp_num_layers=mtp_num_layers)
-    return frozenset(i for i in range(num_layers + mtp_num_layers) if count(i, 1))
-
-
 def recomputed_counter(
     num_layers: int, recompute: RecomputeSpec | None, *, mtp_num_layers: int = 0
 ) -> Callable[[int | None, int], int]:

@@ -109,6 +109,28 @@ def test_no_peft_is_every_pass_but_data_dgrads():
     assert dit_training_passes(TINY, TINY_STATS).model().total == TRAIN_PASSES * 22464 - 96 - 256 - 128
 
 
+def test_blocks_after_the_first_priced_alike_a_million_blocks():
+    # Every block after the first sees the same gradient flow (frozen base, LoRA on q: block 0's
+    # input needs no gradient, every later one's does), so a DiT of L >= 2 blocks is the 2-block
+    # DiT plus (L - 2) times the third block's passes, per component and pass; checkpointing the
+    # first 3 blocks re-runs block 0 and two later blocks. Priced without a loop over the blocks.
+    def passes(num_layers: int) -> dict[str, dict[str, int]]:
+        spec = dataclasses.replace(TINY, num_layers=num_layers)
+        out = dit_training_passes(spec, DiTStats.from_seqlens(spec, [4, 2], [3, 1]), peft=LORA_Q,
+                                  recompute=dit_recompute(spec, 3))
+        return {"forward": out.forward, "input_grad": out.input_grad, "weight_grad": out.weight_grad,
+                "recompute": out.recompute}
+
+    three, four, million = passes(3), passes(4), passes(10**6)
+    for kind, by_key in million.items():
+        for key, value in by_key.items():
+            later = four[kind][key] - three[kind][key]
+            if kind == "recompute":  # blocks 3 .. L-1 are not checkpointed
+                assert value == three[kind][key] and later == 0, key
+            else:
+                assert value == three[kind][key] + (10**6 - 3) * later, (kind, key)
+
+
 # ---- LoRA targets and parameter counts -------------------------------------------------------
 
 T2V = DiTSpec(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=48, in_channels=4, out_channels=3,
