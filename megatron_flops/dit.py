@@ -374,37 +374,106 @@ class DiTParameters:
         return self.num_params - self.num_adapter_params
 
 
-def dit_parameter_counts(spec: DiTSpec, peft: PeftSpec | None = None) -> DiTParameters:
-    """Parameters of the model ``spec`` describes, with ``peft``'s adapters."""
-    h = spec.hidden_size
-    patch = math.prod(spec.patch_size)
-    shapes = _block_projections(spec)
-    block = sum(d_in * d_out + d_out for d_in, d_out in shapes.values())
-    # norm_q, norm_k of both attentions (+ norm_k_img): RMSNorm weights; norm3: LayerNorm weight
-    # and bias; the block's adaLN table [1, 6, h]. norm1 and norm2 have no weights.
-    norms = 4 + (spec.image_dim is not None) if spec.qk_norm else 0
-    block += norms * h + (2 * h if spec.cross_attn_norm else 0) + 6 * h
-    embed = (
-        spec.in_channels * patch * h + h  # patch_embedding (Conv3d weight and bias)
-        + spec.text_dim * h + h + h * h + h  # text_embedding
-        + spec.freq_dim * h + h + h * h + h  # time_embedding
-        + h * 6 * h + 6 * h  # time_projection
-        + h * spec.out_channels * patch + spec.out_channels * patch + 2 * h  # head (+ its adaLN table)
-    )
+@dataclass(frozen=True)
+class DiTParam:
+    """One parameter of a ``WanModel`` as ``named_parameters()`` gives it (a block's without its
+    ``blocks.{i}.`` prefix), LoRA-wrapped projections named as PEFT names them."""
+
+    name: str
+    shape: tuple[int, ...]
+    trainable: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_adapter(self) -> bool:
+        return ".lora_" in self.name
+
+
+def dit_block_parameters(spec: DiTSpec, peft: PeftSpec | None = None) -> tuple[DiTParam, ...]:
+    """The parameters of one block (every block has the same), in ``named_parameters()`` order:
+    the adaLN table [1, 6, h], the attentions' projections and norms (q/k RMSNorm weights,
+    ``norm3``'s LayerNorm weight and bias; ``norm1``/``norm2`` have none), the FFN."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    params = _ParamList(spec, peft)
+    params.add("modulation", (1, 6, h))
+    for m in ("q", "k", "v", "o"):
+        params.linear(f"self_attn.{m}", h, h)
+    if spec.qk_norm:
+        params.add("self_attn.norm_q.weight", (h,)).add("self_attn.norm_k.weight", (h,))
+    if spec.cross_attn_norm:
+        params.add("norm3.weight", (h,)).add("norm3.bias", (h,))
+    for m in ("q", "k", "v", "o"):
+        params.linear(f"cross_attn.{m}", h, h)
+    if spec.qk_norm:
+        params.add("cross_attn.norm_q.weight", (h,)).add("cross_attn.norm_k.weight", (h,))
+    if spec.image_dim is not None:
+        params.linear("cross_attn.k_img", h, h).linear("cross_attn.v_img", h, h)
+        if spec.qk_norm:
+            params.add("cross_attn.norm_k_img.weight", (h,))
+    params.linear("ffn.0", h, f).linear("ffn.2", f, h)
+    return tuple(params.out)
+
+
+def dit_root_parameters(spec: DiTSpec, peft: PeftSpec | None = None) -> tuple[DiTParam, ...]:
+    """The parameters outside the blocks: the embeddings, the time projection, the head (with its
+    adaLN table [1, 2, h]) and, image-to-video, ``img_emb`` (LayerNorm, Linear, GELU, Linear,
+    LayerNorm)."""
+    h, patch = spec.hidden_size, math.prod(spec.patch_size)
+    params = _ParamList(spec, peft)
+    params.add("patch_embedding.weight", (h, spec.in_channels, *spec.patch_size)).add("patch_embedding.bias", (h,))
+    params.linear("text_embedding.0", spec.text_dim, h).linear("text_embedding.2", h, h)
+    params.linear("time_embedding.0", spec.freq_dim, h).linear("time_embedding.2", h, h)
+    params.linear("time_projection.1", h, 6 * h)
+    params.add("head.modulation", (1, 2, h)).linear("head.head", h, spec.out_channels * patch)
     if spec.image_dim is not None:
         w = spec.image_dim
-        # img_emb.proj: LayerNorm(w), Linear(w, w), Linear(w, h), LayerNorm(h).
-        embed += 2 * w + w * w + w + w * h + h + 2 * h
-    adapted = dit_adapted_modules(spec, peft)
-    rank = 0 if peft is None or peft.lora_rank is None else peft.lora_rank
-    adapter = spec.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in adapted)
-    base = embed + spec.num_layers * block
+        params.add("img_emb.proj.0.weight", (w,)).add("img_emb.proj.0.bias", (w,))
+        params.linear("img_emb.proj.1", w, w).linear("img_emb.proj.3", w, h)
+        params.add("img_emb.proj.4.weight", (h,)).add("img_emb.proj.4.bias", (h,))
+    return tuple(params.out)
+
+
+class _ParamList:
+    """Parameters in order: base ones train unless the base is frozen; adapted block projections
+    get PEFT's ``base_layer`` plus ``lora_A`` [r, in] and ``lora_B`` [out, r] (no bias)."""
+
+    def __init__(self, spec: DiTSpec, peft: PeftSpec | None) -> None:
+        self.adapted = frozenset(dit_adapted_modules(spec, peft))
+        self.rank = None if peft is None else peft.lora_rank
+        self.base = not (peft is not None and peft.frozen)
+        self.out: list[DiTParam] = []
+
+    def add(self, name: str, shape: tuple[int, ...]) -> _ParamList:
+        self.out.append(DiTParam(name, shape, self.base))
+        return self
+
+    def linear(self, name: str, d_in: int, d_out: int) -> _ParamList:
+        """``nn.Linear(d_in, d_out)`` with its bias."""
+        if name not in self.adapted:
+            return self.add(f"{name}.weight", (d_out, d_in)).add(f"{name}.bias", (d_out,))
+        assert self.rank is not None  # only a LoRA rank adapts a module
+        self.add(f"{name}.base_layer.weight", (d_out, d_in)).add(f"{name}.base_layer.bias", (d_out,))
+        self.out += [DiTParam(f"{name}.lora_A.weight", (self.rank, d_in), True),
+                     DiTParam(f"{name}.lora_B.weight", (d_out, self.rank), True)]
+        return self
+
+
+def dit_parameter_counts(spec: DiTSpec, peft: PeftSpec | None = None) -> DiTParameters:
+    """Parameters of the model ``spec`` describes, with ``peft``'s adapters (from
+    :func:`dit_block_parameters` and :func:`dit_root_parameters`: no loop over the blocks)."""
+    layers, block = spec.num_layers, dit_block_parameters(spec, peft)
+    block_base = sum(p.numel for p in block if not p.is_adapter)
+    adapter = layers * sum(p.numel for p in block if p.is_adapter)
+    base = sum(p.numel for p in dit_root_parameters(spec, peft)) + layers * block_base
     frozen = peft is not None and peft.frozen
     return DiTParameters(
         num_params=base + adapter,
         num_trainable_params=adapter + (0 if frozen else base),
-        num_block_params=block,
-        num_adapters=spec.num_layers * len(adapted),
+        num_block_params=block_base,
+        num_adapters=layers * len(dit_adapted_modules(spec, peft)),
         num_adapter_params=adapter,
     )
 

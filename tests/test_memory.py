@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from megatron_flops.cli import main
-from megatron_flops.dit import DiTPeftSpec, DiTSpec
+from megatron_flops.dit import DiTParam, DiTPeftSpec, DiTSpec
 from megatron_flops.memory.activations import ChunkActivations, in_flight, schedule_peak
 from megatron_flops.memory.comm import step_communication
 from megatron_flops.memory.decoder import DecoderOptions, Param, chunk_parameters, parameter_counts
-from megatron_flops.memory.fsdp import FsdpParam, fsdp_rank_memory
+from megatron_flops.memory.fsdp import fsdp_rank_memory, real_rows, shard_rows
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.report import decoder_memory, rank_memory
 from megatron_flops.memory.states import buffer_buckets, chunk_buffers, chunk_state_bytes, shard_numel
@@ -163,11 +163,11 @@ def test_one_term_deltas():
 
 
 def test_fsdp_shards_by_hand():
-    p = FsdpParam("modulation", (1, 6, 8), True)
+    p = DiTParam("modulation", (1, 6, 8), True)
     # One row over 4 ranks: every rank allocates 1 row (48 elements), rank 0 holds it.
-    assert (p.shard_rows(4), [p.real_rows(4, r) for r in range(4)]) == (1, [1, 0, 0, 0])
-    q = FsdpParam("w", (10, 3), True)
-    assert (q.shard_rows(4), [q.real_rows(4, r) for r in range(4)]) == (3, [3, 3, 3, 1])
+    assert (shard_rows(p, 4), [real_rows(p, 4, r) for r in range(4)]) == (1, [1, 0, 0, 0])
+    q = DiTParam("w", (10, 3), True)
+    assert (shard_rows(q, 4), [real_rows(q, 4, r) for r in range(4)]) == (3, [3, 3, 3, 1])
 
 
 def test_fsdp_lora_vs_full_tiny():

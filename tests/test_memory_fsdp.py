@@ -6,6 +6,7 @@ of one real step (two micro-batches, gradient sync on the last) against
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import sys
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import mcore_dist
-from megatron_flops.dit import DiTPeftSpec, DiTSpec, dit_parameter_counts
-from megatron_flops.memory.fsdp import dit_fsdp_units, fsdp_rank_memory
+from megatron_flops.dit import DiTPeftSpec, DiTSpec, dit_block_parameters, dit_parameter_counts, dit_root_parameters
+from megatron_flops.memory.fsdp import fsdp_rank_memory
 from megatron_flops.memory.layout import Training
 
 pytestmark = pytest.mark.dist
@@ -118,9 +119,9 @@ def _setup(name: str):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_parameters_and_units(measured, name):
     spec, peft, _ = _setup(name)
-    units = dit_fsdp_units(spec, peft)
-    blocks = [p for unit, ps in units.items() if unit != "root" for p in ps]
-    root = list(units["root"])
+    blocks = [dataclasses.replace(p, name=f"blocks.{i}.{p.name}")
+              for i in range(spec.num_layers) for p in dit_block_parameters(spec, peft)]
+    root = list(dit_root_parameters(spec, peft))
     # named_parameters(): the root's embeddings, the blocks, then the head (and img_emb).
     late = [p for p in root if p.name.startswith(("head.", "img_emb."))]
     order = [p for p in root if p not in late] + blocks + late
