@@ -196,6 +196,19 @@ def test_bad_layouts(layout, message):
         decoder_memory(TINY, PLAIN, Parallelism(**layout), Training(seq_length=8, micro_batch_size=1))
 
 
+def test_work_is_bounded():
+    # At most 2^16 layer listings (layers x DP ranks compared: every rank under the distributed
+    # optimizer, else one) and 2^16 forward passes (micro-batches x VPP) per report.
+    huge = dataclasses.replace(TINY, layer_runs=((TINY.layer_runs[0][0], 2**70),))
+    with pytest.raises(ValueError, match=r"at most 65,536, got 1,180,591,620,717,411,303,424 x 1"):
+        decoder_memory(huge, PLAIN, Parallelism(), Training(seq_length=8, micro_batch_size=1))
+    with pytest.raises(ValueError, match=r"got 2 x 65,538"):
+        decoder_memory(TINY, PLAIN, Parallelism(dp=65538, distributed_optimizer=True),
+                       Training(seq_length=8, micro_batch_size=1))
+    with pytest.raises(ValueError, match=r"--num-microbatches x VPP must be at most 65,536, got 65,538"):
+        decoder_memory(TINY, PLAIN, Parallelism(), Training(seq_length=8, micro_batch_size=1, num_microbatches=65538))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(ep=3, dp=4), r"--ep 3 does not divide DP x CP = 4"),
     (dict(vpp=2), "--vpp needs --pp > 1"),

@@ -95,6 +95,7 @@ def step_communication(
                 vocab = padded_vocab(spec, options, par.tp)
                 add("embd/all_reduce", vocab // par.tp * spec.hidden_size * training.grad_bytes)
                 break
+    kinds = spec.layers  # (mixer, ffn) per layer, expanded once
     for chunk in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
         first, last = par.is_first_stage(pp_rank, chunk), par.is_last_stage(pp_rank, chunk)
@@ -103,13 +104,13 @@ def step_communication(
             # and its gradient in (not the last).
             add("pp/send_recv", m * hidden * 2 * ((not first) + (not last)))
         if par.tp > 1:
-            if any(spec.layers[i][1] == "moe" for i in layers):
+            if any(kinds[i][1] == "moe" for i in layers):
                 raise ValueError("communication of MoE layers is modelled without tensor parallelism (--tp 1)")
             rerun = fully_recomputed_layers(recompute, len(layers))
             add("tp/all_reduce", m * hidden * (4 * len(layers) + 2 * rerun + first + last))
             if last:
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
-        moe_layers = sum(spec.layers[i][1] == "moe" for i in layers)
+        moe_layers = sum(kinds[i][1] == "moe" for i in layers)
         if par.ep > 1 and moe_layers:
             moe = spec.moe
             assert moe is not None

@@ -181,10 +181,9 @@ def chunk_parameters(
         if options.position_embedding_type == "learned_absolute":
             rows = options.max_position_embeddings or seq_length
             out.append(Param("embedding.position_embeddings.weight", rows * h, base))
-    for layer in par.chunk_layers(spec.num_layers, pp_rank, chunk):
-        # NB: layer numbering is per chunk (megatron's local index).
-        local = layer - par.chunk_layers(spec.num_layers, pp_rank, chunk).start
-        out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", spec.layers[layer][1])
+    layers, kinds = par.chunk_layers(spec.num_layers, pp_rank, chunk), spec.layers
+    for local, layer in enumerate(layers):  # NB: layer numbering is per chunk (megatron's local index)
+        out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1])
     if last:
         out += _norm(options, "decoder.final_layernorm.", h, base)
         if not tied or not first:

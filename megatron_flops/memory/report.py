@@ -87,6 +87,25 @@ def rank_memory(
                       activations_per_microbatch=per_mb, communication=comm)
 
 
+# Bounds on the work of one report (each is about a second here at its limit): every layer's
+# parameters are listed on each data-parallel rank compared (all of them under the distributed
+# optimizer), and the pipeline schedule is stepped through forward pass by forward pass.
+MAX_LAYER_RANKS = 1 << 16
+MAX_FORWARD_PASSES = 1 << 16
+
+
+def _check_size(spec: ModelSpec, par: Parallelism, training: Training) -> None:
+    ranks = par.dp if par.distributed_optimizer else 1
+    if spec.num_layers * ranks > MAX_LAYER_RANKS:
+        raise ValueError(f"the memory model lists every layer for each data-parallel rank it compares (every one "
+                         f"under --distributed-optimizer, else one): num_layers x those ranks must be at most "
+                         f"{MAX_LAYER_RANKS:,}, got {spec.num_layers:,} x {ranks:,}")
+    passes = training.num_microbatches * par.num_chunks
+    if passes > MAX_FORWARD_PASSES:
+        raise ValueError(f"the memory model steps through the schedule's forward passes: --num-microbatches x VPP "
+                         f"must be at most {MAX_FORWARD_PASSES:,}, got {passes:,}")
+
+
 def _activation_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                        recompute: RecomputeSpec | None, peft: PeftSpec | None) -> str | None:
     if peft is not None and (peft.frozen or peft.lora_rank is not None):
@@ -120,6 +139,7 @@ def decoder_memory(
     """Memory and traffic of every pipeline stage (the data-parallel rank whose optimizer shard
     is largest) of a megatron-core GPT trained as ``training`` says on ``par``."""
     check_supported(spec, par, peft)
+    _check_size(spec, par, training)
     if par.fsdp:
         raise ValueError("--fsdp is modelled for DiT model files (torch FSDP2); for a megatron-core "
                          "decoder use --distributed-optimizer")
