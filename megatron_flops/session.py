@@ -75,7 +75,6 @@ class Session:
         self._open = False
         self._num_begun = 0  # the step index the tracker's reduction compares across ranks
         self._started = 0.0
-        self._record_failed = False
         self._pending: _Step | None = None
         self._last_iteration = 0
         self._num_unreported = 0
@@ -87,7 +86,6 @@ class Session:
             self.abort_step()
         self._open = True
         self._num_begun += 1
-        self._record_failed = False
         self._started = self._clock()
         self._flush()
 
@@ -104,7 +102,7 @@ class Session:
         except Exception as exc:
             if self.tracker.validate:
                 raise
-            self._record_failed = True
+            self.tracker.fail_step()  # every rank falls back: the failure travels in the reduction
             self.warn_once("record() failed", exc)
 
     def observing(self, model: Any) -> bool:
@@ -156,8 +154,6 @@ class Session:
         result = self.tracker.end_step(step=self._num_begun)
         if elapsed_s is None:
             elapsed_s = self._clock() - self._started
-        if self._record_failed:
-            result = replace(result, ok=False)
         if result.ok and result.num_microbatches == 0:
             # NB: no rank counted anything: the step fell back (observation missed the batches).
             self.warn_once("no micro-batch was recorded or observed in a training step", ValueError(

@@ -113,6 +113,11 @@ class StepTracker(ABC):
             self._warn_once("this rank could not build its statistics vector", reduction.local_error)
         return self._price(reduction, failed_here=failed)
 
+    def fail_step(self) -> None:
+        """Make this step fall back on every rank (a micro-batch could not be handed over): the
+        failure travels in the step's reduction."""
+        self._failed = True
+
     def discard_step(self) -> None:
         """Drop everything recorded or observed since the last ``end_step()``, without a
         collective (for a step that raised, see ``Session.abort_step``: its micro-batches are

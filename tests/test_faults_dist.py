@@ -204,6 +204,22 @@ def scenario_session_skip(tracker, rank):
     return out
 
 
+def scenario_session_record_raises(tracker, rank):
+    # Through the session: rank 1's record() at step 2 raises before the tracker sees it (a typo'd
+    # keyword); the session never raises, and the step must fall back on every rank, not only there.
+    from megatron_flops.session import Session
+
+    session = Session(tracker, peak_flops_per_s=None, warmup_iterations=0, world_size=WORLD, clock=time.monotonic)
+    out = []
+    for step in range(1, STEPS + 1):
+        session.begin_step()
+        _record(session, rank, step)
+        if rank == 1 and step == 2:
+            session.record(tokens=torch.zeros(1, SEQ, dtype=torch.long), cu_seqlen=None)
+        out.append((step, _fields(session.end_step())))
+    return out
+
+
 def scenario_dying(tracker, rank):
     # Rank 2 dies at step 3 before its end_step; the others go on with steps 3 and 4.
     out = []
@@ -401,6 +417,13 @@ def test_the_session_supplies_the_step_index(runs):
     per_rank = _steps(runs, "session_skip")
     _check_agreement(per_rank, TRUTH)
     assert _oks(per_rank) == [[(1, True), (2, True), (4, False), (5, True)]] + [_step_falls_back({3, 4})] * 2
+
+
+def test_a_record_that_raises_in_the_session_falls_back_on_every_rank(runs):
+    per_rank = _steps(runs, "session_record_raises")
+    _check_agreement(per_rank, TRUTH)
+    assert _oks(per_rank) == [_step_falls_back({2})] * WORLD
+    assert any("record() failed (TypeError" in m for m in runs[1]["session_record_raises"]["warnings"])
 
 
 def test_a_dying_rank_never_yields_an_ok_number():
