@@ -7,8 +7,11 @@ one-element tensors (loss scalars), temporaries freed inside an op, the pipeline
 (Megatron-LM sets ``deallocate_pipeline_outputs``), allocator caching and workspaces.
 
 Per micro-batch of ``b`` sequences of ``s`` tokens (``T = s x b``), per tensor-parallel rank
-(heads, ffn and vocabulary divided by TP; no sequence parallelism), ``a`` bytes per activation
-element (the parameter dtype):
+(heads, ffn and vocabulary divided by TP), ``a`` bytes per activation element (the parameter
+dtype). Sequence parallelism splits the [s, b, h] activations between layers over TP: what the
+norms, dropouts and the column-parallel layers' inputs (``linear_qkv``, ``linear_fc1``,
+``output_layer``: each saves its slice and all-gathers it again in backward) keep is divided by
+TP; the rest is not.
 
 - embedding (first stage): token ids (and position ids with learned absolute positions), int64;
   with TP > 1 the vocab-parallel lookup's shifted ids and a bool mask of the ids it does not hold.
@@ -67,10 +70,16 @@ class _Dims:
     vocab: int
     act: int
     rot: int
+    sp: int = 1  # TP with sequence parallelism (the [s, b, h] activations between layers are split), else 1
 
     @property
     def tokens(self) -> int:
         return self.s * self.b
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of this rank's slice of the [s, b, h] activations between layers."""
+        return self.tokens // self.sp
 
 
 @dataclass
@@ -114,8 +123,8 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
         return "activations are modelled for dense GPT layers (no MoE)"
     if options.qk_layernorm:
         return "activations are modelled without qk_layernorm"
-    if par.sequence_parallel or par.cp > 1:
-        return "activations are modelled without sequence or context parallelism"
+    if par.cp > 1:
+        return "activations are modelled without context parallelism"
     if recompute is not None and recompute.granularity == "selective":
         other = [m for m in recompute.modules if m not in SUPPORTED_SELECTIVE]
         if other:
@@ -127,23 +136,29 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
     rot = 0
     if options.position_embedding_type == "rope":
         rot = spec.kv_channels if options.rotary_percent >= 1 else int(spec.kv_channels * options.rotary_percent)
+    sp = par.tp if par.sequence_parallel else 1
+    if training.seq_length % sp:
+        raise ValueError(f"--sequence-parallel splits the sequence over TP: --seq-length {training.seq_length} "
+                         f"is not divisible by --tp {par.tp}")
     return _Dims(s=training.seq_length, b=training.micro_batch_size, h=spec.hidden_size, d=spec.kv_channels,
                  heads=spec.num_attention_heads // par.tp, groups=spec.num_query_groups // par.tp,
                  ffn=spec.ffn_hidden_size // par.tp, vocab=padded_vocab(spec, options, par.tp) // par.tp,
-                 act=training.param_bytes, rot=rot)
+                 act=training.param_bytes, rot=rot, sp=sp)
 
 
 def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions) -> None:
-    # Input [T, h] and fp32 statistics per token (LayerNorm: mean and rstd; RMSNorm: rstd).
-    w.keep(key, x.tokens * x.h * x.act)
-    w.keep(key, x.tokens * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1))
+    # Input [T/sp, h] and fp32 statistics per token (LayerNorm: mean and rstd; RMSNorm: rstd).
+    w.keep(key, x.local_tokens * x.h * x.act)
+    w.keep(key, x.local_tokens * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1))
 
 
 def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, mask: bool, checkpointed: bool) -> None:
     """Self-attention after the input norm: qkv input, q/k/v, core attention, proj input."""
     T, a, d = x.tokens, x.act, x.d
     gqa = x.heads > x.groups
-    w.keep("attention", T * x.h * a)  # linear_qkv input (the norm's output)
+    # linear_qkv input (the norm's output; under sequence parallelism this rank's slice: the
+    # layer saves it and all-gathers it again in backward).
+    w.keep("attention", x.local_tokens * x.h * a)
     qkv_out = T * (x.heads + 2 * x.groups) * d * a
     if x.rot:
         w.keep("attention", 4 * x.s * x.rot * a)  # cos and sin, for q and for k
@@ -186,7 +201,7 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, mask: bool, check
 
 def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
     T, a = x.tokens, x.act
-    w.keep("mlp", T * x.h * a)  # linear_fc1 input
+    w.keep("mlp", x.local_tokens * x.h * a)  # linear_fc1 input (this rank's slice under sequence parallelism)
     if gated and not options.bias_activation_fusion:
         # fc1 output [T, 2 ffn] (silu's input is a view), silu(x1), x2 + offset, and the product.
         w.keep("mlp", T * x.ffn * a * (2 + 3))
@@ -197,7 +212,7 @@ def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
 
 def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:
     if options.hidden_dropout > 0:
-        w.keep("dropout", x.tokens * x.h)  # bool [T, h]
+        w.keep("dropout", x.local_tokens * x.h)  # bool [T/sp, h]
 
 
 def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, first: bool,
@@ -246,7 +261,7 @@ def chunk_activations(
             _layer(w, x, spec, options, first=i == 0, core_attn=core_attn)
     if par.is_last_stage(pp_rank, chunk):
         _norm(w, "output", x, options)
-        w.keep("output", x.tokens * x.h * x.act)  # output_layer input
+        w.keep("output", x.local_tokens * x.h * x.act)  # output_layer input (a slice under sequence parallelism)
         # Cross-entropy: fp32 softmax [T, V/TP], target mask (bool), masked targets (int64);
         # loss_func's fp32 loss mask.
         w.keep("output", x.tokens * (x.vocab * 4 + 1 + INDEX_BYTES + 4))
@@ -265,7 +280,7 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
     else:
         starts = list(range(0, num_layers, group))
         sizes = [min(group, num_layers - s) for s in starts]
-    hidden = x.tokens * x.h * x.act
+    hidden = x.local_tokens * x.h * x.act
     for i, (start, size) in enumerate(zip(starts, sizes)):
         w.keep("recompute", hidden)
         if i == 0:

@@ -13,13 +13,14 @@ one-element ones (loss averaging, grad norm, found-inf). Keys are ``<group>/<kin
   :func:`data_parallel_bytes`); ``expt_dp/...`` the same for expert-parallel buffers.
 - ``embd/all_reduce``: the tied embedding/output weight's gradient between the first and the
   last pipeline stage (PP > 1).
-- ``tp/all_reduce`` (no sequence parallelism), per micro-batch: the embedding output, each
-  layer's ``linear_proj`` and ``linear_fc2`` outputs and ``linear_qkv`` and ``linear_fc1`` input
-  gradients ([s, b, h] each; full recompute runs the forward pair again), the output layer's
-  input gradient, and vocab-parallel cross-entropy's three fp32 [s, b] reductions.
-- ``pp/send_recv``, per micro-batch and model chunk: the [s, b, h] activation received from the
-  previous virtual stage and its gradient sent back, the activation sent to the next and its
-  gradient received.
+- ``tp/all_reduce``, ``tp/all_gather``, ``tp/reduce_scatter``, per micro-batch: [s, b, h]
+  activations and their gradients (:func:`tensor_parallel_activations`; full recompute runs the
+  forward's collectives again) and vocab-parallel cross-entropy's three fp32 [s, b] reductions;
+  once per step the gradients of the weights every TP rank holds whole, under sequence
+  parallelism (:func:`tp_replicated_numel`).
+- ``pp/send_recv``, per micro-batch and model chunk: the [s, b, h] activation ([s/TP, b, h] under
+  sequence parallelism) received from the previous virtual stage and its gradient sent back, the
+  activation sent to the next and its gradient received.
 - ``ep/all_to_all`` (alltoall dispatcher), per MoE layer and micro-batch: the routed tokens
   [s*b*topk, h] and their probabilities [s*b*topk] to the experts and back, forward and backward.
   NB: the bytes a rank sends back depend on how many tokens it received; the figure assumes
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
+from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import Bucket
 from megatron_flops.passes import RecomputeSpec
@@ -72,6 +73,46 @@ def data_parallel_bytes(
     return out
 
 
+def tensor_parallel_activations(options: DecoderOptions, par: Parallelism, num_layers: int, rerun: int,
+                                 first: bool, last: bool) -> dict[str, int]:
+    """[s, b, h] activations (or their gradients) per micro-batch that one model chunk hands to
+    the TP group's collectives, by ``tp/<kind>``. ``rerun`` layers run their forward twice (full
+    recompute).
+
+    Without sequence parallelism: ``all_reduce`` of ``linear_proj`` and ``linear_fc2`` outputs
+    (forward) and of ``linear_qkv`` and ``linear_fc1`` input gradients (backward), the embedding
+    output (forward) and the output layer's input gradient (backward).
+
+    With sequence parallelism (megatron-core's ``LinearWithGradAccumulationAndAsyncCommunication``):
+    each column-parallel layer (``linear_qkv``, ``linear_fc1``, ``output_layer``) all-gathers
+    its input in forward, all-gathers it again for the weight gradient and reduce-scatters its
+    input gradient in backward; each row-parallel layer (``linear_proj``, ``linear_fc2``)
+    reduce-scatters its output in forward and all-gathers its output gradient in backward. The
+    embedding reduce-scatters its output (RoPE or no positions; learned positions: all-reduce the
+    word embeddings, then keep this rank's slice) and all-gathers the gradient in backward.
+    """
+    if not par.sequence_parallel:
+        return {"tp/all_reduce": 4 * num_layers + 2 * rerun + first + last}
+    learned = options.position_embedding_type == "learned_absolute"
+    return {
+        "tp/all_gather": 6 * num_layers + 2 * rerun + 2 * last + first,
+        "tp/reduce_scatter": 4 * num_layers + 2 * rerun + last + (first and not learned),
+        "tp/all_reduce": int(first and learned),
+    }
+
+
+def tp_replicated_numel(buffers: Mapping[str, Sequence[Bucket]], par: Parallelism, options: DecoderOptions) -> int:
+    """Gradient elements megatron-core's ``finalize_model_grads`` all-reduces over TP once per
+    step, in one coalesced tensor: weights every TP rank holds whole (norms, row-parallel
+    biases, router, shared-expert gate) under sequence parallelism, and the q/k norms with
+    ``qk_layernorm`` (always). NB: counted from the gradient buffers (trainable parameters)."""
+    def reduced(p: Param) -> bool:
+        qk = options.qk_layernorm and ("q_layernorm" in p.name or "k_layernorm" in p.name)
+        return qk or (par.sequence_parallel and p.tp_replicated)
+
+    return sum(p.numel for buckets in buffers.values() for b in buckets for p, _, _ in b.params if reduced(p))
+
+
 def step_communication(
     spec: ModelSpec,
     options: DecoderOptions,
@@ -84,6 +125,9 @@ def step_communication(
 ) -> dict[str, int]:
     """Payload bytes per ``group/kind`` on one GPU of pipeline rank ``pp_rank`` for one step."""
     out = data_parallel_bytes(buffers, par, training, {"dp": par.dp * par.cp, "expt_dp": par.expert_dp})
+    replicated = tp_replicated_numel(buffers, par, options)
+    if par.tp > 1 and replicated > 1:
+        out["tp/all_reduce"] = replicated * training.grad_bytes
     act = training.param_bytes
     tokens = training.seq_length * training.micro_batch_size
     hidden = tokens * spec.hidden_size * act  # one [s, b, h] activation
@@ -102,12 +146,15 @@ def step_communication(
         if par.pp > 1:
             # Activation in and its gradient out (not the first virtual stage), activation out
             # and its gradient in (not the last).
-            add("pp/send_recv", m * hidden * 2 * ((not first) + (not last)))
+            # NB: under sequence parallelism each TP rank sends its slice [s/TP, b, h].
+            sp = par.tp if par.sequence_parallel else 1
+            add("pp/send_recv", m * hidden // sp * 2 * ((not first) + (not last)))
         if par.tp > 1:
             if any(kinds[i][1] == "moe" for i in layers):
                 raise ValueError("communication of MoE layers is modelled without tensor parallelism (--tp 1)")
             rerun = fully_recomputed_layers(recompute, len(layers))
-            add("tp/all_reduce", m * hidden * (4 * len(layers) + 2 * rerun + first + last))
+            for key, count in tensor_parallel_activations(options, par, len(layers), rerun, first, last).items():
+                add(key, m * hidden * count)
             if last:
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
         moe_layers = sum(kinds[i][1] == "moe" for i in layers)

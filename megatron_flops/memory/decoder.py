@@ -26,6 +26,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 # megatron-core's attention_backend values -> the saved-for-backward convention they follow.
 ATTENTION_BACKENDS = {"local": "unfused", "unfused": "unfused", "flash": "flash", "fused": "flash", "auto": "flash"}
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
 _HF_NO_BIAS_FAMILIES = ("gpt2", "gpt_neox", "opt", "bloom")
 
 
@@ -110,13 +111,17 @@ def backend_convention(name: str) -> str:
 class Param:
     """One parameter tensor on one rank: ``expert`` ones are reduced over the expert
     data-parallel group (EP > 1); ``shared_embedding`` marks the tied embedding/output weight of
-    the first and last pipeline stage."""
+    the first and last pipeline stage; ``tp_replicated`` a weight every tensor-parallel rank holds
+    whole whose gradient megatron-core all-reduces over TP under sequence parallelism (norms,
+    row-parallel biases, the router, the shared-expert gate: their ``sequence_parallel``
+    attribute)."""
 
     name: str
     numel: int
     trainable: bool = True
     expert: bool = False
     shared_embedding: bool = False
+    tp_replicated: bool = False
 
 
 def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
@@ -192,22 +197,23 @@ def chunk_parameters(
 
 
 def _norm(options: DecoderOptions, prefix: str, width: int, trainable: bool) -> list[Param]:
-    params = [Param(prefix + "weight", width, trainable)]
+    params = [Param(prefix + "weight", width, trainable, tp_replicated=True)]
     if options.normalization == "LayerNorm":
-        params.append(Param(prefix + "bias", width, trainable))
+        params.append(Param(prefix + "bias", width, trainable, tp_replicated=True))
     return params
 
 
 def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: PeftSpec,
             *, expert: bool = False) -> list[Param]:
     """A linear layer's weight [d_out, d_in] (+ bias [d_out]) on one TP rank, LoRA-wrapped when
-    ``name`` is a target: A [r, d_in] and B [d_out, r] train, the wrapped layer is frozen."""
+    ``name`` is a target: A [r, d_in] and B [d_out, r] train, the wrapped layer is frozen.
+    NB: a row-parallel layer's (``linear_proj``, ``linear_fc2``) bias is whole on every TP rank."""
     base = not peft.frozen
     adapted = peft.lora_rank is not None and name in peft.lora_targets
     inner = f"{prefix}{name}.to_wrap." if adapted else f"{prefix}{name}."
     params = [Param(inner + "weight", d_out * d_in, base, expert)]
     if bias:
-        params.append(Param(inner + "bias", d_out, base, expert))
+        params.append(Param(inner + "bias", d_out, base, expert, tp_replicated=name in ROW_PARALLEL))
     if adapted:
         r = peft.lora_rank
         assert r is not None
@@ -236,14 +242,14 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     moe = spec.moe
     assert moe is not None
     mlp = prefix + "mlp."
-    out.append(Param(mlp + "router.weight", moe.num_experts * h, base))
+    out.append(Param(mlp + "router.weight", moe.num_experts * h, base, tp_replicated=True))
     for j in range(moe.num_experts // par.ep):
         out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // tp, bias,
                     expert=par.ep > 1)
     if moe.shared_expert_ffn_hidden_size:
         out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
         if moe.shared_expert_gate:
-            out.append(Param(mlp + "shared_experts.gate_weight", h, base))
+            out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True))
     return out
 
 

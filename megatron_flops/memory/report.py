@@ -143,9 +143,9 @@ def decoder_memory(
     if par.fsdp:
         raise ValueError("--fsdp is modelled for DiT model files (torch FSDP2); for a megatron-core "
                          "decoder use --distributed-optimizer")
-    if par.cp > 1 or par.sequence_parallel:
-        raise ValueError("context and sequence parallelism are not modelled (neither runs on CPU, where "
-                         "these figures are checked)")
+    if par.cp > 1:
+        raise ValueError("context parallelism is not modelled (it does not run on CPU, where these figures are "
+                         "checked)")
     if recompute is not None and recompute.pipeline_model_parallel_size != par.pp:
         recompute = RecomputeSpec(granularity=recompute.granularity, method=recompute.method,
                                   num_layers=recompute.num_layers, modules=recompute.modules,
