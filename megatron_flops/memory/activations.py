@@ -123,8 +123,6 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
         return "activations are modelled for dense GPT layers (no MoE)"
     if options.qk_layernorm:
         return "activations are modelled without qk_layernorm"
-    if par.cp > 1:
-        return "activations are modelled without context parallelism"
     if recompute is not None and recompute.granularity == "selective":
         other = [m for m in recompute.modules if m not in SUPPORTED_SELECTIVE]
         if other:

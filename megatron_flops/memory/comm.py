@@ -24,8 +24,10 @@ one-element ones (loss averaging, grad norm, found-inf). Keys are ``<group>/<kin
 - ``ep/all_to_all`` (alltoall dispatcher), per MoE layer and micro-batch: the routed tokens
   [s*b*topk, h] and their probabilities [s*b*topk] to the experts and back, forward and backward.
   NB: the bytes a rank sends back depend on how many tokens it received; the figure assumes
-  balanced routing (every rank receives s*b*topk tokens), which the EP group's total always is.
+  balanced routing (every rank receives s*b*topk tokens), which the EP group's total always is;
+  :func:`all_to_all_range` bounds it per rank.
   ``ep/all_gather``: each rank's token count per expert (int64 [num_experts]).
+- ``cp/send_recv`` (CP > 1): a formula, not measured (see :func:`step_communication`).
 """
 
 from __future__ import annotations
@@ -157,17 +159,49 @@ def step_communication(
                 add(key, m * hidden * count)
             if last:
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
+        if par.cp > 1:
+            # NB: a formula, not measured (no context-parallel attention on CPU): Transformer
+            # Engine's ring attention passes each layer's K and V [s/CP, b, groups/TP, d] round
+            # the CP ring, CP-1 steps forward, and K, V and their gradients backward.
+            kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
+            add("cp/send_recv", m * len(layers) * (par.cp - 1) * 2 * (kv + 2 * kv))
         moe_layers = sum(kinds[i][1] == "moe" for i in layers)
         if par.ep > 1 and moe_layers:
+            all_to_all_range(spec, options, par, training, moe_layers)  # (checks the dispatcher)
+            add("ep/all_to_all", m * balanced_all_to_all(spec, training, moe_layers))
             moe = spec.moe
             assert moe is not None
-            if options.moe_token_dispatcher_type != "alltoall":
-                raise ValueError("expert parallelism is modelled with moe_token_dispatcher_type='alltoall'")
-            routed = tokens * moe.router_topk
-            add("ep/all_to_all", m * moe_layers * 4 * routed * (spec.hidden_size * act))
-            add("ep/all_to_all", m * moe_layers * 2 * routed * act)
             add("ep/all_gather", m * moe_layers * par.ep * moe.num_experts * 8)
     return out
+
+
+def balanced_all_to_all(spec: ModelSpec, training: Training, moe_layers: int) -> int:
+    """``ep/all_to_all`` payload of one micro-batch when every EP rank receives as many routed
+    tokens as it sends (balanced routing): the routed tokens [s*b*topk, h] and their
+    probabilities [s*b*topk] to the experts and back, forward and backward."""
+    assert spec.moe is not None
+    act = training.param_bytes
+    routed = training.seq_length * training.micro_batch_size * spec.moe.router_topk
+    return moe_layers * (4 * routed * spec.hidden_size * act + 2 * routed * act)
+
+
+def all_to_all_range(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
+                     moe_layers: int) -> tuple[int, int]:
+    """The least and the most ``ep/all_to_all`` payload one GPU can hand over per micro-batch,
+    whatever the routing. NB: what a rank sends of its own tokens (dispatch forward, combine
+    backward) is fixed; what it sends of the tokens it received (combine forward, dispatch
+    backward) runs from none to ``EP x s*b x min(topk, local experts)`` (every token of the EP
+    group routed here), with no token dropped."""
+    moe = spec.moe
+    assert moe is not None
+    if options.moe_token_dispatcher_type != "alltoall":
+        raise ValueError("expert parallelism is modelled with moe_token_dispatcher_type='alltoall'")
+    act = training.param_bytes
+    tokens = training.seq_length * training.micro_batch_size
+    own = tokens * moe.router_topk
+    most = par.ep * tokens * min(moe.router_topk, moe.num_experts // par.ep)
+    fixed = moe_layers * (2 * own * spec.hidden_size * act + own * act)
+    return fixed, fixed + moe_layers * (2 * most * spec.hidden_size * act + most * act)
 
 
 def bus_bytes(payload: Mapping[str, int], group_sizes: Mapping[str, int]) -> dict[str, int]:
