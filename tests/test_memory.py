@@ -358,13 +358,13 @@ def test_cli_runs_as_a_program():
     assert "per GPU (GB), most loaded" in out and "tp/all_reduce" in out
 
 
-def test_readme_memory_examples_are_the_commands_output(capsys, monkeypatch):
-    # Every `$ megatron-flops memory ...` block in the README shows lines the command prints, in
-    # order ("..." stands for lines left out).
+def test_docs_memory_examples_are_the_commands_output(capsys, monkeypatch):
+    # Every `$ megatron-flops memory ...` block in docs/memory.md shows lines the command prints,
+    # in order ("..." stands for lines left out).
     import shlex
 
     monkeypatch.chdir(EXAMPLES.parent)
-    text = (EXAMPLES.parent / "README.md").read_text()
+    text = (EXAMPLES.parent / "docs" / "memory.md").read_text()
     blocks = [b.split("\n```")[0] for b in text.split("```\n$ megatron-flops memory ")[1:]]
     assert len(blocks) == 2
     for block in blocks:
