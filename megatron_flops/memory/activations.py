@@ -44,6 +44,7 @@ behind v, the mask).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
@@ -120,7 +121,9 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
                                 recompute: RecomputeSpec | None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
     if spec.moe is not None:
-        return "activations are modelled for dense GPT layers (no MoE)"
+        reason = _moe_reason(spec, options, par, recompute)
+        if reason is not None:
+            return reason
     if options.qk_layernorm:
         return "activations are modelled without qk_layernorm"
     if recompute is not None and recompute.granularity == "selective":
@@ -214,13 +217,75 @@ def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:
 
 
 def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, first: bool,
-           core_attn: bool) -> None:
+           core_attn: bool, moe: bool = False) -> None:
     _norm(w, "norm", x, options)
     _attention(w, x, options, mask=first, checkpointed=core_attn)
     _dropout_mask(w, x, options)
     _norm(w, "norm", x, options)
-    _mlp(w, x, options, spec.gated_linear_unit)
+    if moe:
+        _moe(w, x, spec, options)
+    else:
+        _mlp(w, x, options, spec.gated_linear_unit)
     _dropout_mask(w, x, options)
+
+
+def _moe_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
+                recompute: RecomputeSpec | None) -> str | None:
+    moe = spec.moe
+    assert moe is not None
+    if par.tp > 1:
+        return "MoE activations are modelled with --tp 1"
+    if par.ep > 1 and options.moe_token_dispatcher_type != "alltoall":
+        return "MoE activations under expert parallelism are modelled with the alltoall dispatcher"
+    if moe.shared_expert_gate or moe.latent_size:
+        return "MoE activations are modelled without a shared-expert gate or latent projections"
+    if not spec.gated_linear_unit and options.bias_activation_fusion:
+        return "MoE activations are modelled for gated (SwiGLU) or unfused experts"
+    if recompute is not None and recompute.granularity == "full":
+        return "MoE activations are modelled without full recompute"
+    return None
+
+
+def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
+    """A MoE layer (megatron-core's router, token dispatcher and ``SequentialMLP`` experts) after
+    its norm, with ``n = T x topk`` routed tokens reaching this rank's experts.
+
+    NB: ``n`` assumes balanced routing under EP > 1 (a rank's experts receive as many routed
+    tokens as it sends); the expert-side bytes of one rank move with the router."""
+    moe = spec.moe
+    assert moe is not None
+    T, a, h, E, k = x.tokens, x.act, x.h, moe.num_experts, moe.router_topk
+    n = T * k
+    # Router: its input [T, h] (the norm's output; the shared experts' fc1 reads the same
+    # storage), top-k indices (int64) and fp32 scores: softmax over the top-k logits, or over
+    # all experts before the top-k (pre-softmax), or sigmoid over all experts, normalised over
+    # the top-k when topk > 1.
+    w.keep("moe/router", T * h * a + n * INDEX_BYTES)
+    if options.moe_router_score_function == "sigmoid":
+        w.keep("moe/router", T * E * 4 + ((T * 4 + n * 4) if k > 1 else 0))
+    elif options.moe_router_pre_softmax:
+        w.keep("moe/router", T * E * 4)
+    else:
+        w.keep("moe/router", n * 4)
+    # Dispatcher: the routing map (bool [E, T]), the probabilities scattered to it [E, T] and
+    # the permutation's sorted indices (int64 [n]).
+    w.keep("moe/dispatcher", T * E + T * E * a + n * INDEX_BYTES)
+    # Routed experts: the permuted tokens [n, h] and their probabilities [n], then per token
+    # the expert MLP (fc1 output, activation, fc2 input) and the activation's output, which
+    # the probabilities multiply.
+    ffn = moe.ffn_hidden_size
+    if spec.gated_linear_unit and options.bias_activation_fusion:
+        per = 2 + 1  # fc1 output [n, 2 ffn], fc2 input
+    elif spec.gated_linear_unit:
+        per = 2 + 4  # fc1 output, silu(x1), x2 + offset, their product, the weighted product
+    else:
+        per = 3  # fc1 output, activation output, fc2 input
+    w.keep("moe/experts", n * h * a + n * a + n * ffn * a * per)
+    shared = moe.shared_expert_ffn_hidden_size
+    if shared:
+        sub = _Walk()
+        _mlp(sub, dataclasses.replace(x, ffn=shared), options, spec.gated_linear_unit)
+        w.keep("moe/shared_experts", sub.kept - T * h * a)  # fc1's input is the router's
 
 
 def chunk_activations(
@@ -255,8 +320,9 @@ def chunk_activations(
         assert recompute is not None
         _full_recompute_layers(w, x, spec, options, recompute, len(layers))
     else:
-        for i in range(len(layers)):
-            _layer(w, x, spec, options, first=i == 0, core_attn=core_attn)
+        kinds = spec.layers
+        for i, layer in enumerate(layers):
+            _layer(w, x, spec, options, first=i == 0, core_attn=core_attn, moe=kinds[layer][1] == "moe")
     if par.is_last_stage(pp_rank, chunk):
         _norm(w, "output", x, options)
         w.keep("output", x.local_tokens * x.h * x.act)  # output_layer input (a slice under sequence parallelism)

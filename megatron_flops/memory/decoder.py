@@ -49,6 +49,8 @@ class DecoderOptions:
     attention_softmax_in_fp32: bool = True
     attention_backend: str = "flash"
     moe_token_dispatcher_type: str = "allgather"
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int | None = None
 
