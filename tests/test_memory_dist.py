@@ -71,6 +71,11 @@ RUNS = {
     "DP4, 3 layers, LayerNorm + biases, tied, learned positions, fp32, seq 24": dict(
         layout=dict(), seq=24, model=dict(BASE, num_layers=3, add_bias_linear=True), m=2,
         build=dict(params_dtype="fp32", position_embedding_type="learned_absolute")),
+    "DP4 x EP4, MoE top-2 of 8 (alltoall), fused SwiGLU experts, shared experts, DDP, fp32": dict(
+        layout=dict(ep=4), model=dict(BASE, num_moe_experts=8, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                                      moe_ffn_hidden_size=56, moe_shared_expert_intermediate_size=40,
+                                      gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True),
+        m=2, build=dict(params_dtype="fp32")),
     "DP4, LoRA rank 4 on linear_qkv/linear_fc2, frozen base, DDP, bf16, SGD": dict(
         layout=dict(), model=dict(BASE), m=2, build=dict(optimizer="sgd", lora=(("linear_qkv", "linear_fc2"), 4))),
 }
@@ -94,6 +99,8 @@ def memory_worker(rank: int, world_size: int, runs: dict) -> dict:
             model["expert_model_parallel_size"] = ep
         if layout.get("sp"):
             model["sequence_parallel"] = True
+        if model.get("activation_func") == "silu":
+            model["activation_func"] = torch.nn.functional.silu
         seq = run.get("seq", SEQ)
         chunks, optimizer, config = mcore_memory.build_training(model, vocab_size=VOCAB, seq_length=seq, **run["build"])
         groups = mcore_memory.megatron_groups()
@@ -226,3 +233,21 @@ def test_activations_per_forward_and_schedule_peak(measured, name):
             assert measured_forwards == {act.forward + act.shared}, (result["sizes"], c)
         peak, _ = schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank))
         assert peak == result["peak"], result["sizes"]
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if "MoE" in n])
+def test_moe_activations_balanced_in_total_bounded_per_rank(measured, name):
+    # What one rank's experts save follows the routing; over all ranks every routed token is
+    # saved once, so the measured sum equals the balanced figure times the ranks, and each rank
+    # lies within the bounds over every routing.
+    spec, options, par, training, peft, recompute = setup(name)
+    total_measured = total_formula = 0
+    for result in measured[name]:
+        act = chunk_activations(spec, options, par, training, pp_rank=0, chunk=0, recompute=recompute)
+        delta = cpu_delta(par, training, 2 * spec.num_layers + 1)
+        forwards = [b for _, b in result["forward"]]
+        total_measured += sum(forwards)
+        total_formula += (act.forward + delta) * len(forwards)
+        lo, hi = expected(name, result).activations_range
+        assert all(lo + delta <= b <= hi + delta for b in forwards), result["sizes"]
+    assert total_measured == total_formula

@@ -59,6 +59,10 @@ def format_reports(reports: dict[str, dict[str, Any]], assumptions: list[str]) -
     if len(stages) > 1:
         lines.append("per pipeline stage (" + next(iter(reports)) + "): " + ", ".join(
             f"stage {s['pp_rank']} {_gb(s['total_bytes'])} GB ({_in_flight(s)})" for s in stages))
+    span = first["per_gpu"].get("activations_range_bytes")
+    if span:
+        lines.append(f"activations per GPU with unbalanced routing: {_gb(span[0])} to {_gb(span[1])} GB "
+                     "(table: balanced)")
     for key, (lo, hi) in first.get("communication_ranges_per_step", {}).items():
         lines.append(f"{key} per GPU with unbalanced routing: {_gb(lo)} to {_gb(hi)} GB (table: balanced)")
     for name, report in reports.items():

@@ -72,6 +72,7 @@ class _Dims:
     act: int
     rot: int
     sp: int = 1  # TP with sequence parallelism (the [s, b, h] activations between layers are split), else 1
+    received: int | None = None  # routed tokens reaching this rank's experts (None: balanced, T x topk)
 
     @property
     def tokens(self) -> int:
@@ -280,7 +281,8 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
         per = 2 + 4  # fc1 output, silu(x1), x2 + offset, their product, the weighted product
     else:
         per = 3  # fc1 output, activation output, fc2 input
-    w.keep("moe/experts", n * h * a + n * a + n * ffn * a * per)
+    got = n if x.received is None else x.received
+    w.keep("moe/experts", got * h * a + got * a + got * ffn * a * per)
     shared = moe.shared_expert_ffn_hidden_size
     if shared:
         sub = _Walk()
@@ -298,14 +300,16 @@ def chunk_activations(
     chunk: int,
     recompute: RecomputeSpec | None = None,
     peft: PeftSpec | None = None,
+    received: int | None = None,
 ) -> ChunkActivations:
-    """Saved-for-backward bytes of one micro-batch of one model chunk (see the module doc)."""
+    """Saved-for-backward bytes of one micro-batch of one model chunk (see the module doc);
+    ``received``: routed tokens per MoE layer reaching this rank's experts (None: balanced)."""
     if peft is not None and (peft.frozen or peft.lora_rank is not None):
         raise ValueError("activations are modelled for full training (no frozen weights or LoRA)")
     reason = check_activations_supported(spec, options, par, recompute)
     if reason is not None:
         raise ValueError(reason)
-    x = _dims(spec, options, par, training)
+    x = dataclasses.replace(_dims(spec, options, par, training), received=received)
     w = _Walk()
     layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
     if par.is_first_stage(pp_rank, chunk):
@@ -358,6 +362,16 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
         _layer(w, x, spec, options, first=not starts and j == 0, core_attn=False)
     if x.rot:
         w.out.shared = x.s * x.rot * 4
+
+
+def received_bounds(spec: ModelSpec, par: Parallelism, training: Training) -> tuple[int, int]:
+    """The fewest and the most routed tokens per MoE layer and micro-batch that one rank's
+    experts can receive under EP (no token dropped): none, or every token of the EP group that
+    picks one of its ``E / EP`` experts (each token picks ``topk`` distinct experts)."""
+    moe = spec.moe
+    assert moe is not None
+    tokens = training.seq_length * training.micro_batch_size
+    return 0, par.ep * tokens * min(moe.router_topk, moe.num_experts // par.ep)
 
 
 def in_flight(par: Parallelism, num_microbatches: int, pp_rank: int) -> list[tuple[str, int]]:
