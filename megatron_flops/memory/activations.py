@@ -121,6 +121,8 @@ class _Walk:
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
+    if spec.mla is not None or spec.mtp_num_layers:
+        return "activations are modelled without multi-latent attention or multi-token prediction"
     if spec.moe is not None:
         reason = _moe_reason(spec, options, par, recompute)
         if reason is not None:

@@ -165,7 +165,7 @@ def step_communication(
             # the CP ring, CP-1 steps forward, and K, V and their gradients backward.
             kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
             add("cp/send_recv", m * len(layers) * (par.cp - 1) * 2 * (kv + 2 * kv))
-        moe_layers = sum(kinds[i][1] == "moe" for i in layers)
+        moe_layers = sum(kinds[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
         if par.ep > 1 and moe_layers:
             all_to_all_range(spec, options, par, training, moe_layers)  # (checks the dispatcher)
             add("ep/all_to_all", m * balanced_all_to_all(spec, training, moe_layers))
@@ -173,6 +173,11 @@ def step_communication(
             assert moe is not None
             add("ep/all_gather", m * moe_layers * par.ep * moe.num_experts * 8)
     return out
+
+
+def mtp_moe_layers(spec: ModelSpec, last: bool) -> int:
+    """MoE layers inside the multi-token-prediction block (on the last stage)."""
+    return spec.mtp_num_layers if last and spec.mtp_ffn == "moe" else 0
 
 
 def balanced_all_to_all(spec: ModelSpec, training: Training, moe_layers: int) -> int:

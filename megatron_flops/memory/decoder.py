@@ -139,8 +139,14 @@ def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
 
 def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> None:
     """ValueError for what these parameter lists do not model, or sizes that do not divide."""
-    if spec.mla is not None or spec.mamba is not None or spec.mtp_num_layers or spec.attention_output_gate:
-        raise ValueError("memory is modelled for GPT decoders (dense and MoE layers): no MLA, Mamba, MTP or gated attention")
+    if spec.mamba is not None or spec.attention_output_gate:
+        raise ValueError("memory is modelled for GPT decoders (dense and MoE layers, MLA, MTP): no Mamba or gated "
+                         "attention")
+    if spec.mla is not None and par.tp > 1:
+        raise ValueError("multi-latent attention is modelled with --tp 1")
+    if spec.mtp_num_layers and par.pp > 1:
+        raise ValueError("multi-token prediction is modelled with --pp 1 (megatron-core adds an embedding to the "
+                         "last stage for it)")
     if spec.window_size is not None:
         raise ValueError("memory is not modelled for sliding-window attention")
     tp = par.tp
@@ -193,6 +199,14 @@ def chunk_parameters(
         out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1])
     if last:
         out += _norm(options, "decoder.final_layernorm.", h, base)
+        for i in range(spec.mtp_num_layers):
+            # NB: an MTP layer: norms of the embedding and of the hidden state, eh_proj [h, 2h], a
+            # decoder layer of the last layer's kind, and its own final norm.
+            mtp = f"mtp.layers.{i}."
+            out += _norm(options, mtp + "enorm.", h, base) + _norm(options, mtp + "hnorm.", h, base)
+            out += _linear(mtp, "eh_proj", 2 * h, h, False, peft)
+            out += _layer(spec, options, par, peft, mtp + "transformer_layer.", spec.mtp_ffn)
+            out += _norm(options, mtp + "final_layernorm.", h, base)
         if not tied or not first:
             out.append(Param("output_layer.weight", vocab // tp * h, base, shared_embedding=tied and par.pp > 1))
     return tuple(out)
@@ -231,12 +245,15 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     base, bias = not peft.frozen, options.add_bias_linear
     attn = prefix + "self_attention."
     out = _norm(options, prefix + "input_layernorm.", h, base)
-    # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
-    out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft)
-    # linear_qkv: [(nq + 2*ng)*d/tp, h] (column parallel).
-    out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp, bias or options.add_qkv_bias, peft)
-    if options.qk_layernorm:
-        out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
+    if spec.mla is not None:
+        out += _mla(spec, options, peft, attn, bias)
+    else:
+        # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
+        out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft)
+        # linear_qkv: [(nq + 2*ng)*d/tp, h] (column parallel).
+        out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp, bias or options.add_qkv_bias, peft)
+        if options.qk_layernorm:
+            out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
     out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
     if ffn == "mlp":
         out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias)
@@ -252,6 +269,30 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
         out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
         if moe.shared_expert_gate:
             out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True))
+    return out
+
+
+def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bias: bool) -> list[Param]:
+    """Multi-latent attention (TP 1), as megatron-core registers it: linear_proj [h, heads*v],
+    the query projection (direct [heads*(qk+rope), h], or down [q_lora, h] and up
+    [heads*(qk+rope), q_lora]), kv down [kv_lora + rope, h] and up [heads*(qk+v), kv_lora], then
+    with ``qk_layernorm`` the norms of the query and key/value latents."""
+    mla = spec.mla
+    assert mla is not None
+    h, heads, base = spec.hidden_size, spec.num_attention_heads, not peft.frozen
+    q_out = heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim)
+    out = _linear(attn, "linear_proj", heads * mla.v_head_dim, h, bias, peft)
+    if mla.q_lora_rank is None:
+        out += _linear(attn, "linear_q_proj", h, q_out, bias, peft)
+    else:
+        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank, bias, peft)
+        out += _linear(attn, "linear_q_up_proj", mla.q_lora_rank, q_out, bias, peft)
+    out += _linear(attn, "linear_kv_down_proj", h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim, bias, peft)
+    out += _linear(attn, "linear_kv_up_proj", mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim), bias, peft)
+    if options.qk_layernorm:
+        if mla.q_lora_rank is not None:
+            out += _norm(options, attn + "q_layernorm.", mla.q_lora_rank, base)
+        out += _norm(options, attn + "kv_layernorm.", mla.kv_lora_rank, base)
     return out
 
 

@@ -14,7 +14,7 @@ from megatron_flops.memory.activations import (
     received_bounds,
     schedule_peak,
 )
-from megatron_flops.memory.comm import all_to_all_range, bus_bytes, step_communication
+from megatron_flops.memory.comm import all_to_all_range, bus_bytes, mtp_moe_layers, step_communication
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
@@ -120,8 +120,8 @@ def _all_to_all_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelis
     if par.ep == 1 or spec.moe is None:
         return {}
     kinds = spec.layers
-    moe_layers = sum(kinds[i][1] == "moe" for c in range(par.num_chunks)
-                     for i in par.chunk_layers(spec.num_layers, pp_rank, c))
+    moe_layers = sum(sum(kinds[i][1] == "moe" for i in par.chunk_layers(spec.num_layers, pp_rank, c))
+                     + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c)) for c in range(par.num_chunks))
     if not moe_layers:
         return {}
     lo, hi = all_to_all_range(spec, options, par, training, moe_layers)
