@@ -137,3 +137,22 @@ def test_saved_bytes_match_megatron_core(mcore, name):
     act = dataclasses.replace(act, components={**act.components, "cpu": delta})
     assert measured_forward == [act.forward + act.shared] * NUM_MB
     assert measured_peak == schedule_peak([act], in_flight(par, NUM_MB, 0))[0]
+
+
+MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, multi_latent_attention=True,
+           kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, normalization="RMSNorm",
+           add_bias_linear=False, mtp_num_layers=1, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+           moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32)
+
+
+@pytest.mark.parametrize("fields", [dict(MLA, q_lora_rank=24, qk_layernorm=True), dict(MLA, q_lora_rank=None)],
+                         ids=["q_lora, qk_layernorm", "direct q"])
+def test_mla_mtp_parameters_in_megatron_order(mcore, fields):
+    from megatron_flops.memory.decoder import chunk_parameters
+
+    torch.manual_seed(0)
+    model = mcore_cpu.build_gpt(fields, vocab_size=VOCAB, max_seq_len=SEQ, share_embeddings=False)
+    spec = ModelSpec.from_mapping(dict(fields, vocab_size=VOCAB, share_embeddings_and_output_weights=False))
+    options = DecoderOptions.from_mapping(dict(fields, padded_vocab_size=VOCAB, position_embedding_type="rope"))
+    params = chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0, seq_length=SEQ)
+    assert [(p.name, p.numel) for p in params] == [(n, p.numel()) for n, p in model.named_parameters()]
