@@ -132,6 +132,8 @@ def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, 
     options = DecoderOptions.from_mapping(raw, hf=is_hf_config(raw))
     if args.attention_backend is not None:
         options = DecoderOptions(**{**vars(options), "attention_backend": backend_convention(args.attention_backend)})
+    if args.moe_token_dispatcher is not None:
+        options = DecoderOptions(**{**vars(options), "moe_token_dispatcher_type": args.moe_token_dispatcher})
     peft, recompute = _training_setup(args, raw, Path(args.model).name)
     if training.optimizer != "adam" and par.distributed_optimizer:
         raise ValueError("megatron-core's distributed optimizer supports Adam only")
@@ -209,6 +211,9 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--attention-backend", choices=sorted(ATTENTION_BACKENDS),
                      help="saved-activation convention: local/unfused (megatron-core's DotProductAttention) or "
                           "flash/fused/auto (default: the model file's attention_backend, else auto)")
+    mem.add_argument("--moe-token-dispatcher", choices=("alltoall", "allgather"),
+                     help="megatron-core's moe_token_dispatcher_type (default: the model file's; Hugging Face MoE "
+                          "configs: alltoall, as Megatron-Bridge sets it)")
     mem.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES,
                      help="activation recompute granularity (default: the model file's)")
     mem.add_argument("--recompute-method", choices=RECOMPUTE_METHODS,

@@ -27,6 +27,7 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 # megatron-core's attention_backend values -> the saved-for-backward convention they follow.
 ATTENTION_BACKENDS = {"local": "unfused", "unfused": "unfused", "flash": "flash", "fused": "flash", "auto": "flash"}
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
+_HF_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
 _HF_NO_BIAS_FAMILIES = ("gpt2", "gpt_neox", "opt", "bloom")
 
 
@@ -92,6 +93,14 @@ class DecoderOptions:
                 "attention_dropout": float(text.get("attention_dropout", 0.0) or 0.0),
                 "bias_activation_fusion": True,
             }
+            if any(text.get(k) for k in _HF_EXPERT_KEYS):
+                # NB: Megatron-Bridge's MoE providers use the alltoall dispatcher; DeepSeek-V3 routes
+                # with sigmoid scores and normalises its q/kv latents (qk_layernorm).
+                fields["moe_token_dispatcher_type"] = "alltoall"
+                if text.get("scoring_func") == "sigmoid":
+                    fields["moe_router_score_function"] = "sigmoid"
+            if family.startswith("deepseek"):
+                fields["qk_layernorm"] = True
         else:
             names = set(cls.__dataclass_fields__) - {"attention_backend"}
             fields = {k: data[k] for k in names if data.get(k) is not None}
