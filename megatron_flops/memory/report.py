@@ -230,6 +230,9 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
         if options.hidden_dropout > 0 or options.attention_dropout > 0:
             assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
                                "activation-dtype mask)")
+    if activations and spec.moe is not None:
+        assumptions.append("routed experts save as megatron-core's SequentialMLP (local spec); grouped-GEMM experts "
+                           "(moe_grouped_gemm, Transformer Engine) are not measured")
     if par.ep > 1 and spec.moe is not None:
         assumptions.append("ep/all_to_all and the routed experts' activations assume balanced routing (each EP "
                            "rank receives as many routed tokens as it sends): a rank's figures move with the "
