@@ -95,7 +95,7 @@ def cpu_kernel_delta(fields: dict, act: int, num_norms: int, tokens: int, hidden
     return delta
 
 
-def _measure(fields: dict, position: str, dtype: str):
+def _measure(fields: dict, position: str, dtype: str, lora=None):
     import mcore_dist
     import mcore_memory
     from megatron.core.transformer.module import Float16Module
@@ -107,6 +107,12 @@ def _measure(fields: dict, position: str, dtype: str):
         config.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     torch.manual_seed(0)
     model = mcore_cpu.build_gpt(config, vocab_size=VOCAB, max_seq_len=SEQ, position_embedding_type=position)
+    if lora is not None:
+        targets, rank, frozen = lora
+        base = list(model.parameters())
+        mcore_memory.apply_lora(model, targets, rank)
+        for p in base:
+            p.requires_grad_(not frozen)
     if dtype == "bf16":
         model = Float16Module(model.config, model)
     meter = mcore_memory.SavedTensorMeter(model.parameters())
@@ -156,3 +162,51 @@ def test_mla_mtp_parameters_in_megatron_order(mcore, fields):
     options = DecoderOptions.from_mapping(dict(fields, padded_vocab_size=VOCAB, position_embedding_type="rope"))
     params = chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0, seq_length=SEQ)
     assert [(p.name, p.numel) for p in params] == [(n, p.numel()) for n, p in model.named_parameters()]
+
+
+# LoRA (Megatron-Bridge's adapter layout, tests/mcore_memory.LoRA) on a frozen base or beside a
+# trained one: name -> (TransformerConfig fields, position embedding, dtype, targets, frozen,
+# norms that save (of 2 x layers + 1), hidden-dropout sites that save, attention-dropout sites).
+LORA_RANK = 4
+ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+PEFT_CASES = {
+    # Layer 0's input norm runs before the first adapter (linear_qkv): 4 norms save.
+    "frozen, all four targets": ({}, "rope", "fp32", ALL, True, 4, 0, 0),
+    # Nothing requires grad before layer 0's fc2 adapter: layer 1 saves the mask.
+    "frozen, linear_fc2 only, learned positions": ({}, "learned_absolute", "fp32", ("linear_fc2",), True, 3, 0, 0),
+    "frozen, linear_proj only, GQA, SwiGLU unfused": (dict(num_query_groups=2, gated_linear_unit=True,
+                                                           activation_func="silu"), "rope", "fp32",
+                                                      ("linear_proj",), True, 4, 0, 0),
+    "base trains, linear_qkv + linear_fc1, biases, fused bias-GELU": (
+        dict(add_bias_linear=True, bias_activation_fusion=True), "rope", "fp32", ("linear_qkv", "linear_fc1"),
+        False, 5, 0, 0),
+    "frozen, all four targets, bf16": ({}, "rope", "bf16", ALL, True, 4, 0, 0),
+    # From layer 0's fc1 adapter: its post-MLP dropout, then layer 1's three sites.
+    "frozen, linear_fc1 only, dropout": (dict(hidden_dropout=0.1, attention_dropout=0.1), "rope", "fp32",
+                                         ("linear_fc1",), True, 3, 3, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(PEFT_CASES))
+def test_lora_saved_bytes_match_megatron_core(mcore, name):
+    from megatron_flops.flops.passes import PeftSpec
+
+    fields, position, dtype, targets, frozen, norms, hidden_sites, attn_sites = PEFT_CASES[name]
+    measured_forward, measured_peak = _measure(fields, position, dtype, lora=(targets, LORA_RANK, frozen))
+    model = dict(BASE, **fields, vocab_size=VOCAB)
+    spec = ModelSpec.from_mapping(model)
+    options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
+                                               position_embedding_type=position,
+                                               add_bias_linear=fields.get("add_bias_linear", False)))
+    par = Parallelism()
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype=dtype)
+    peft = PeftSpec(frozen=frozen, lora_rank=LORA_RANK, lora_targets=targets)
+    act = chunk_activations(spec, options, par, training, pp_rank=0, chunk=0, peft=peft)
+    a, tokens, h = training.param_bytes, SEQ * MBS, BASE["hidden_size"]
+    # The CPU kernels' extra bytes (see cpu_kernel_delta), for the sites that save.
+    delta = norms * tokens * 2 * (a - 4) + hidden_sites * tokens * h * (a - 1)
+    delta += attn_sites * MBS * BASE["num_attention_heads"] * SEQ * SEQ * (a - 1)
+    # Every adapter's [T, r] intermediate, in each layer.
+    assert act.components["lora"] == BASE["num_layers"] * len(targets) * tokens * LORA_RANK * a
+    assert measured_forward == [act.forward + delta] * NUM_MB
+    assert measured_peak == schedule_peak([act], in_flight(par, NUM_MB, 0))[0] + delta

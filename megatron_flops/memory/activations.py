@@ -100,17 +100,51 @@ class ChunkActivations:
         return sum(self.components.values())
 
 
+@dataclass
+class _Grad:
+    """What autograd records under PEFT. ``base``: the base weights train (every linear layer
+    saves its input for the weight gradient); ``adapted``: LoRA targets of rank ``rank``;
+    ``started``: the hidden states require grad (past the first adapter of a frozen model, or
+    on a chunk fed by an earlier pipeline stage, whose received tensor requires grad);
+    ``mask_saved``: the attention mask is saved already (once per chunk)."""
+
+    base: bool = True
+    adapted: tuple[str, ...] = ()
+    rank: int = 0
+    started: bool = True
+    mask_saved: bool = False
+
+
 class _Walk:
     """Forward-order accumulation of kept bytes, and recompute regions' peaks."""
 
-    def __init__(self) -> None:
+    def __init__(self, grad: _Grad | None = None) -> None:
         self.out = ChunkActivations()
         self.kept = 0
+        self.grad = grad or _Grad()
 
     def keep(self, key: str, nbytes: int) -> None:
         if nbytes:
             self.out.components[key] = self.out.components.get(key, 0) + nbytes
             self.kept += nbytes
+
+    def act(self, key: str, nbytes: int) -> None:
+        """Saved by an op on the hidden states: only once they require grad."""
+        if self.grad.started:
+            self.keep(key, nbytes)
+
+    def linear(self, key: str, name: str, input_bytes: int, tokens: int, act: int) -> None:
+        """A linear layer ``name`` reading ``input_bytes``: a trainable weight saves its input
+        (megatron-core's frozen-weight path saves only the weight); a LoRA adapter's
+        ``linear_in`` saves the same input and its ``linear_out`` the [T, r] intermediate,
+        after which the hidden states require grad."""
+        g = self.grad
+        adapted = name in g.adapted
+        if g.base or adapted:
+            self.keep(key, input_bytes)
+        if adapted:
+            self.keep("lora", tokens * g.rank * act)
+            g.started = True
 
     def region(self, transient: int) -> None:
         # NB: when a region's backward runs, everything saved before it (in forward order) is
@@ -119,8 +153,13 @@ class _Walk:
 
 
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
-                                recompute: RecomputeSpec | None) -> str | None:
+                                recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
+    if peft is not None and (peft.frozen or peft.lora_rank is not None):
+        if spec.moe is not None or spec.mla is not None or spec.mtp_num_layers:
+            return "activations of LoRA/frozen decoders are modelled for dense layers (no MoE, MLA or MTP)"
+        if recompute is not None:
+            return "activations of LoRA/frozen decoders are modelled without recompute"
     if spec.mla is not None or spec.mtp_num_layers:
         return "activations are modelled without multi-latent attention or multi-token prediction"
     if spec.moe is not None:
@@ -152,30 +191,31 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
 
 def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions) -> None:
     # Input [T/sp, h] and fp32 statistics per token (LayerNorm: mean and rstd; RMSNorm: rstd).
-    w.keep(key, x.local_tokens * x.h * x.act)
-    w.keep(key, x.local_tokens * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1))
+    w.act(key, x.local_tokens * x.h * x.act)
+    w.act(key, x.local_tokens * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1))
 
 
-def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, mask: bool, checkpointed: bool) -> None:
+def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool) -> None:
     """Self-attention after the input norm: qkv input, q/k/v, core attention, proj input."""
     T, a, d = x.tokens, x.act, x.d
     gqa = x.heads > x.groups
     # linear_qkv input (the norm's output; under sequence parallelism this rank's slice: the
     # layer saves it and all-gathers it again in backward).
-    w.keep("attention", x.local_tokens * x.h * a)
+    w.linear("attention", "linear_qkv", x.local_tokens * x.h * a, T, a)
     qkv_out = T * (x.heads + 2 * x.groups) * d * a
     if x.rot:
-        w.keep("attention", 4 * x.s * x.rot * a)  # cos and sin, for q and for k
+        w.act("attention", 4 * x.s * x.rot * a)  # cos and sin, for q and for k
     if options.attention_backend == "flash":
         # q, k (after RoPE when used; views of the qkv output otherwise) and v (a view of it).
-        w.keep("attention", qkv_out if not x.rot else T * (x.heads + x.groups) * d * a + qkv_out)
+        w.act("attention", qkv_out if not x.rot else T * (x.heads + x.groups) * d * a + qkv_out)
         lse = x.b * x.heads * x.s * 4  # fp32 log-sum-exp [b, heads, s]
         out = T * x.heads * d * a  # the kernel's output = linear_proj's input
         if checkpointed:
             w.region(out + lse)  # re-run in backward: a second output and the log-sum-exp
         else:
-            w.keep("attention", lse)
-        w.keep("attention", out)
+            w.act("attention", lse)
+        w.act("attention", out)
+        w.linear("attention", "linear_proj", 0, T, a)  # (its input is the kernel's output, kept above)
         return
     # Unfused: storages behind q, k, v as the local DotProductAttention reads them.
     q = T * x.heads * d * a  # q after RoPE, or GQA's reshaped copy
@@ -186,9 +226,10 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, mask: bool, check
     else:
         kept = 3 * q if gqa else (2 * q + qkv_out if x.rot else qkv_out)
         transient = 0
-    w.keep("attention", kept)
-    if mask:
+    w.act("attention", kept)
+    if w.grad.started and not w.grad.mask_saved:
         w.keep("attention", x.b * x.s * x.s)  # bool [b, 1, s, s], once per model chunk
+        w.grad.mask_saved = True
     scores = x.b * x.heads * x.s * x.s
     fp32_softmax = options.attention_softmax_in_fp32 and a < 4
     core = scores * (4 if fp32_softmax else a)  # softmax output
@@ -199,30 +240,32 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, mask: bool, check
     if checkpointed:
         w.region(transient + core)
     else:
-        w.keep("attention", core)
-    w.keep("attention", T * x.heads * d * a)  # linear_proj input
+        w.act("attention", core)
+    w.linear("attention", "linear_proj", T * x.heads * d * a, T, a)
 
 
 def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
     T, a = x.tokens, x.act
-    w.keep("mlp", x.local_tokens * x.h * a)  # linear_fc1 input (this rank's slice under sequence parallelism)
+    # linear_fc1 input (this rank's slice under sequence parallelism).
+    w.linear("mlp", "linear_fc1", x.local_tokens * x.h * a, T, a)
     if gated and not options.bias_activation_fusion:
-        # fc1 output [T, 2 ffn] (silu's input is a view), silu(x1), x2 + offset, and the product.
-        w.keep("mlp", T * x.ffn * a * (2 + 3))
+        # fc1 output [T, 2 ffn] (silu's input is a view), silu(x1), x2 + offset.
+        w.act("mlp", T * x.ffn * a * (2 + 2))
     else:
-        # fc1 output (the activation's input) and fc2's input.
-        w.keep("mlp", T * x.ffn * a * ((2 if gated else 1) + 1))
+        # fc1 output (the activation's input).
+        w.act("mlp", T * x.ffn * a * (2 if gated else 1))
+    w.linear("mlp", "linear_fc2", T * x.ffn * a, T, a)  # fc2's input (the activation's output)
 
 
 def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:
     if options.hidden_dropout > 0:
-        w.keep("dropout", x.local_tokens * x.h)  # bool [T/sp, h]
+        w.act("dropout", x.local_tokens * x.h)  # bool [T/sp, h]
 
 
-def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, first: bool,
-           core_attn: bool, moe: bool = False) -> None:
+def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core_attn: bool,
+           moe: bool = False) -> None:
     _norm(w, "norm", x, options)
-    _attention(w, x, options, mask=first, checkpointed=core_attn)
+    _attention(w, x, options, checkpointed=core_attn)
     _dropout_mask(w, x, options)
     _norm(w, "norm", x, options)
     if moe:
@@ -306,17 +349,17 @@ def chunk_activations(
 ) -> ChunkActivations:
     """Saved-for-backward bytes of one micro-batch of one model chunk (see the module doc);
     ``received``: routed tokens per MoE layer reaching this rank's experts (None: balanced)."""
-    if peft is not None and (peft.frozen or peft.lora_rank is not None):
-        raise ValueError("activations are modelled for full training (no frozen weights or LoRA)")
-    reason = check_activations_supported(spec, options, par, recompute)
+    reason = check_activations_supported(spec, options, par, recompute, peft)
     if reason is not None:
         raise ValueError(reason)
     x = dataclasses.replace(_dims(spec, options, par, training), received=received)
-    w = _Walk()
+    first = par.is_first_stage(pp_rank, chunk)
+    w = _Walk(_peft_grad(peft, first_stage=first))
     layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
-    if par.is_first_stage(pp_rank, chunk):
+    if first:
         positions = options.position_embedding_type == "learned_absolute"
-        w.keep("embedding", x.tokens * INDEX_BYTES * (2 if positions else 1))
+        if w.grad.base:  # the lookup saves the ids for the embedding's weight gradient
+            w.keep("embedding", x.tokens * INDEX_BYTES * (2 if positions else 1))
         if par.tp > 1:
             w.keep("embedding", x.tokens)  # vocab-parallel lookup: bool mask of ids outside this rank's rows
         _dropout_mask(w, x, options)
@@ -328,14 +371,25 @@ def chunk_activations(
     else:
         kinds = spec.layers
         for i, layer in enumerate(layers):
-            _layer(w, x, spec, options, first=i == 0, core_attn=core_attn, moe=kinds[layer][1] == "moe")
+            _layer(w, x, spec, options, core_attn=core_attn, moe=kinds[layer][1] == "moe")
     if par.is_last_stage(pp_rank, chunk):
         _norm(w, "output", x, options)
-        w.keep("output", x.local_tokens * x.h * x.act)  # output_layer input (a slice under sequence parallelism)
+        # output_layer input (a slice under sequence parallelism).
+        w.linear("output", "output_layer", x.local_tokens * x.h * x.act, x.tokens, x.act)
         # Cross-entropy: fp32 softmax [T, V/TP], target mask (bool), masked targets (int64);
         # loss_func's fp32 loss mask.
-        w.keep("output", x.tokens * (x.vocab * 4 + 1 + INDEX_BYTES + 4))
+        w.act("output", x.tokens * (x.vocab * 4 + 1 + INDEX_BYTES + 4))
     return w.out
+
+
+def _peft_grad(peft: PeftSpec | None, *, first_stage: bool) -> _Grad:
+    """Full training, or a LoRA/frozen model: a frozen base saves nothing before the first
+    adapter of the first stage (no input requires grad there)."""
+    if peft is None or (not peft.frozen and peft.lora_rank is None):
+        return _Grad()
+    base = not peft.frozen
+    return _Grad(base=base, adapted=peft.lora_targets if peft.lora_rank else (), rank=peft.lora_rank or 0,
+                 started=base or not first_stage)
 
 
 def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
@@ -355,13 +409,14 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
         w.keep("recompute", hidden)
         if i == 0:
             w.keep("recompute", x.b * x.s * x.s if options.attention_backend == "unfused" else 0)
-        inner = _Walk()
+            w.grad.mask_saved = True
+        inner = _Walk(_Grad(mask_saved=True))
         for j in range(size):
-            _layer(inner, x, spec, options, first=False, core_attn=False)
+            _layer(inner, x, spec, options, core_attn=False)
         w.region(inner.kept - hidden)  # the group input is the first norm's input
     plain = num_layers - sum(sizes)
     for j in range(plain):
-        _layer(w, x, spec, options, first=not starts and j == 0, core_attn=False)
+        _layer(w, x, spec, options, core_attn=False)
     if x.rot:
         w.out.shared = x.s * x.rot * 4
 

@@ -87,7 +87,7 @@ def rank_memory(
     if _activation_reason(spec, options, par, recompute, peft) is None:
         def peak_of(received: int | None) -> tuple[int, int, list[ChunkActivations]]:
             chunks = [chunk_activations(spec, options, par, local, pp_rank=pp_rank, chunk=c, recompute=recompute,
-                                        received=received) for c in range(par.num_chunks)]
+                                        peft=peft, received=received) for c in range(par.num_chunks)]
             return (*schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank)), chunks)
 
         peak, count, chunks = peak_of(None)
@@ -150,9 +150,7 @@ def _check_size(spec: ModelSpec, par: Parallelism, training: Training) -> None:
 
 def _activation_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                        recompute: RecomputeSpec | None, peft: PeftSpec | None) -> str | None:
-    if peft is not None and (peft.frozen or peft.lora_rank is not None):
-        return "activations are modelled for full training (no frozen weights or LoRA)"
-    return check_activations_supported(spec, options, par, recompute)
+    return check_activations_supported(spec, options, par, recompute, peft)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,7 +196,8 @@ def decoder_memory(
                  for d in (range(par.dp) if par.distributed_optimizer else (0,))]
         stages.append(max(ranks, key=lambda r: (r.total, -r.dp_rank)))
     reason = _activation_reason(spec, options, par, recompute, peft)
-    assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None)
+    assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
+                                              lora=peft is not None and peft.lora_rank is not None)
     return MemoryReport(
         parameters=parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp),
         stages=tuple(stages),
@@ -211,7 +210,7 @@ def decoder_memory(
 
 
 def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
-                    *, activations: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+                    *, activations: bool, lora: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """What can make a figure differ from a real run (``assumptions``), and which figures are
     formulas that could not be measured on CPU (``unmeasured``)."""
     assumptions: list[str] = []
@@ -230,6 +229,9 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
         if options.hidden_dropout > 0 or options.attention_dropout > 0:
             assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
                                "activation-dtype mask)")
+    if activations and lora:
+        assumptions.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each "
+                           "saves the projection's input and the [tokens, rank] intermediate")
     if activations and spec.moe is not None:
         assumptions.append("routed experts save as megatron-core's SequentialMLP (local spec); grouped-GEMM experts "
                            "(moe_grouped_gemm, Transformer Engine) are not measured")
