@@ -12,7 +12,7 @@ one-element ones (loss averaging, grad norm, found-inf). Keys are ``<group>/<kin
   padding included, once per step (the all-gather twice with expert-parallel buffers: see
   :func:`data_parallel_bytes`); ``expt_dp/...`` the same for expert-parallel buffers.
 - ``embd/all_reduce``: the tied embedding/output weight's gradient between the first and the
-  last pipeline stage (PP > 1).
+  last pipeline stage (PP > 1; none when that weight is frozen).
 - ``tp/all_reduce``, ``tp/all_gather``, ``tp/reduce_scatter``, per micro-batch: [s, b, h]
   activations and their gradients (:func:`tensor_parallel_activations`; full recompute runs the
   forward's collectives again) and vocab-parallel cross-entropy's three fp32 [s, b] reductions;
@@ -135,7 +135,8 @@ def step_communication(
     hidden = tokens * spec.hidden_size * act  # one [s, b, h] activation
     m = training.num_microbatches
     add = lambda key, value: out.__setitem__(key, out.get(key, 0) + value) if value else None  # noqa: E731
-    if par.pp > 1 and spec.tied_output:
+    tied_trains = any(p.shared_embedding for group in buffers.values() for b in group for p, _, _ in b.params)
+    if par.pp > 1 and spec.tied_output and tied_trains:  # (a frozen tied weight has no gradient to reduce)
         for chunk in range(par.num_chunks):
             if par.is_first_stage(pp_rank, chunk) or par.is_last_stage(pp_rank, chunk):
                 vocab = padded_vocab(spec, options, par.tp)
