@@ -237,6 +237,57 @@ def test_expert_all_to_all_range_by_hand():
     assert any("balanced routing" in a for a in report.assumptions)
 
 
+def test_moe_tensor_and_expert_parallel_traffic_by_hand():
+    # TP 2 x EP 2 with sequence parallelism (megatron-core needs it), expert TP = TP 2.
+    moe = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                      vocab_size=256, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32))
+    options = dataclasses.replace(PLAIN, moe_token_dispatcher_type="alltoall")
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=1, params_dtype="bf16")
+    par = Parallelism(tp=2, ep=2, dp=2, sequence_parallel=True)
+    comm = step_communication(moe, options, par, training, pp_rank=0, buffers={})
+    hidden = 32 * 64 * 2  # one [s, b, h] bf16 activation
+    # Attention per layer: 3 all-gathers and 2 reduce-scatters of [s, b, h] (x 2 layers), the
+    # output layer's input twice and the embedding gradient (3), its output and the output
+    # layer's input gradient (2). Each MoE layer's dispatcher: the routed tokens 32 x 2 with
+    # their probabilities all-gathered (forward) and reduce-scattered (backward), the experts'
+    # output reduce-scattered (forward) and all-gathered (backward): 64 x (2 x 64 + 1) bf16.
+    routed = 64 * (2 * 64 + 1) * 2
+    assert comm["tp/all_gather"] == (3 * 2 + 3) * hidden + 2 * routed
+    assert comm["tp/reduce_scatter"] == (2 * 2 + 2) * hidden + 2 * routed
+    # Each TP rank routes its 16 x 2 / 2 = 16 tokens: the all-to-all of 32 routed tokens (bf16)
+    # and probabilities, to the experts and back, forward and backward; token counts int64 [4]
+    # gathered over TP x EP = 4 ranks.
+    assert comm["ep/all_to_all"] == 2 * (4 * 32 * 64 * 2 + 2 * 32 * 2)
+    assert comm["ep/all_gather"] == 2 * 4 * 4 * 8
+    report = decoder_memory(moe, options, par, training)
+    assert any("TP 2 x EP 2" in u for u in report.unmeasured)
+    assert report.not_modelled == ("MoE activations are modelled with --tp 1",)
+    with pytest.raises(ValueError, match="--sequence-parallel"):
+        decoder_memory(moe, options, Parallelism(tp=2, ep=2, dp=2), training)
+
+
+def test_lora_activations_by_hand():
+    # Frozen base, LoRA rank 4 on linear_fc2 only, one stage: nothing requires grad before layer
+    # 0's fc2 adapter, which saves fc2's input [T, ffn] and the [T, 4] intermediate.
+    training = Training(seq_length=16, micro_batch_size=2, params_dtype="fp32")
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc2",))
+    full = rank_memory(TINY, PLAIN, Parallelism(), training, pp_rank=0).activations_per_microbatch[0]
+    lora = rank_memory(TINY, PLAIN, Parallelism(), training, pp_rank=0, peft=peft).activations_per_microbatch[0]
+    T, h, ffn = 32, 64, 128
+    assert lora["lora"] == 2 * T * 4 * 4
+    assert "embedding" not in lora  # the frozen lookup keeps no ids
+    # Layer 0's two norms; the output layer's input.
+    assert full["norm"] - lora["norm"] == 2 * T * (h * 4 + 8)
+    assert full["output"] - lora["output"] == T * h * 4
+    # Full, per layer: qkv input 8192, cos/sin 4 x 16 x 16 x 4 = 4096, q and k after RoPE and the
+    # qkv output 40960, softmax [2, 4, 16, 16] fp32 8192, proj input 8192 (69632), and the bool
+    # mask [2, 1, 16, 16] once (512). LoRA: all of layer 0 (the mask moves to layer 1) and layer
+    # 1's frozen qkv and proj inputs.
+    assert full["attention"] == 2 * 69632 + 512
+    assert full["attention"] - lora["attention"] == 69632 + 2 * 8192
+    assert full["mlp"] - lora["mlp"] == T * ffn * 4 + 2 * T * h * 4
+
+
 def test_cli_moe_stage_line_and_assumptions(capsys, tmp_path):
     model = tmp_path / "moe.json"
     model.write_text(json.dumps(dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,

@@ -14,7 +14,13 @@ from megatron_flops.memory.activations import (
     received_bounds,
     schedule_peak,
 )
-from megatron_flops.memory.comm import all_to_all_range, bus_bytes, mtp_moe_layers, step_communication
+from megatron_flops.memory.comm import (
+    all_to_all_range,
+    bus_bytes,
+    mtp_moe_layers,
+    sequence_parallel_slice,
+    step_communication,
+)
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
@@ -124,7 +130,7 @@ def _all_to_all_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelis
                      + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c)) for c in range(par.num_chunks))
     if not moe_layers:
         return {}
-    lo, hi = all_to_all_range(spec, options, par, training, moe_layers)
+    lo, hi = all_to_all_range(spec, options, par, sequence_parallel_slice(training, par), moe_layers)
     m = training.num_microbatches
     return {"ep/all_to_all": (m * lo, m * hi)}
 
@@ -240,6 +246,10 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                            "rank receives as many routed tokens as it sends): a rank's figures move with the "
                            "router (measured: within +/-4.3% per rank on 4-rank tests), the EP group's total "
                            "is exact; the per-rank range over all routings is shown")
+    if par.tp > 1 and par.ep > 1 and spec.moe is not None:
+        unmeasured.append(f"MoE layers under TP {par.tp} x EP {par.ep} (expert TP = TP): the experts' TP-split "
+                          "states and the dispatcher's tp/all_gather of routed tokens and tp/reduce_scatter of the "
+                          "experts' output (gloo cannot all-gather the uneven per-rank token counts: no CPU run)")
     if par.cp > 1:
         unmeasured.append(f"context parallelism (CP {par.cp}): activations and collectives as s/CP tokens per rank "
                           "through a fused attention, and the cp/send_recv ring of K/V (no context-parallel "
