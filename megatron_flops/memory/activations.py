@@ -35,6 +35,13 @@ TP; the rest is not.
   fp32 softmax [T, V/TP], target mask (bool) and masked targets (int64), and the loss mask
   (fp32) that Megatron-LM's ``loss_func`` multiplies by.
 
+LoRA and frozen bases (:class:`~megatron_flops.flops.passes.PeftSpec`): autograd saves only for
+ops whose inputs require grad. With a frozen base nothing does before the first adapter of the
+first pipeline stage (a later stage's received hidden states do); a frozen linear layer keeps no
+input (megatron-core's frozen-weight path saves only the weight), a frozen embedding no ids; a
+LoRA adapter (Megatron-Bridge's ``linear_in``, ``linear_out``, no adapter dropout) keeps the
+projection's input and the [T, r] intermediate.
+
 Recompute: a checkpointed region keeps its inputs (megatron-core's ``CheckpointFunction``) and
 re-saves its activations while its backward runs. Full recompute checkpoints groups of layers
 (hidden states, mask and the cached RoPE frequencies, fp32 [s, rot], shared by the micro-batches
