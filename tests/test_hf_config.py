@@ -32,6 +32,40 @@ FAMILIES = {
     "mixtral": dict(DENSE, num_local_experts=4, num_experts_per_tok=2),
     "deepseek_v2": dict(DENSE, **MLA, q_lora_rank=None),
     "deepseek_v3": dict(DENSE, **MLA, q_lora_rank=24, n_group=1, topk_group=1),
+    # head_dim != hidden / heads; key/value heads and head_dim have fixed defaults (given).
+    "gemma": dict(DENSE, head_dim=24),
+    # Alternating sliding/global layers (default layer_types), windows longer than the rows, logit
+    # soft-capping (elementwise: not counted, as FlopCounterMode does not count it).
+    "gemma2": dict(DENSE, num_hidden_layers=3, head_dim=16, sliding_window=16, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0),
+    "gemma3_text": dict(DENSE, num_hidden_layers=3, head_dim=16, sliding_window=16, sliding_window_pattern=2),
+    # Fused qkv_proj / gate_up_proj, partial rotary, a window on every layer.
+    "phi3": dict(DENSE, partial_rotary_factor=0.5, sliding_window=16, pad_token_id=0),
+    "olmo2": dict(DENSE),
+    "granite": dict(DENSE, embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.2,
+                    attention_multiplier=0.1),
+    "glm": dict(DENSE, head_dim=16, pad_token_id=0),
+    "glm4": dict(DENSE, head_dim=24, pad_token_id=0),
+    # A plain (non-gated) GELU MLP with biases.
+    "starcoder2": dict(DENSE, use_bias=True),
+    # Attention and MLP in parallel from one norm; q/k layer norms.
+    "cohere": dict(DENSE, use_qk_norm=True),
+    # A plain relu^2 MLP, partial rotary.
+    "nemotron": dict(DENSE),
+    # Fused query_key_value, multi-head, plain GELU MLP, parallel residual, partial rotary.
+    "gpt_neox": dict(DENSE),
+    # Multi-query attention (the default): one key/value head; ffn_hidden_size defaults to 4h.
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100),
+}
+# Further variants of a family: (model_type, config keywords).
+VARIANTS = {
+    "falcon new decoder": ("falcon", dict(FAMILIES["falcon"], new_decoder_architecture=True, num_kv_heads=2,
+                                          ffn_hidden_size=96)),
+    "falcon MHA alibi serial": ("falcon", dict(FAMILIES["falcon"], multi_query=False, alibi=True, parallel_attn=False,
+                                               bias=True)),
+    "gpt_neox serial": ("gpt_neox", dict(DENSE, use_parallel_residual=False, rotary_pct=1.0)),
+    "gemma3 layer_types": ("gemma3_text", dict(FAMILIES["gemma3_text"], layer_types=[
+        "full_attention", "sliding_attention", "sliding_attention"])),
 }
 
 
@@ -46,20 +80,28 @@ def _hf_model(model_type: str, **kw):
 
 
 def _measure(model, seqlens: list[int]) -> int:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     total = 0
     for s in seqlens:
         ids = torch.randint(0, 100, (1, s))
-        with FlopCounterMode(display=False) as counter:
+        # Falcon runs SDPA whatever the config says: its math backend is bmm that FlopCounterMode sees.
+        with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
             model(input_ids=ids).logits.float().sum().backward()
         total += counter.get_total_flops()
     return total
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_transformers_model_flops_equal_estimate(model_type, tmp_path, capsys):
-    config, model = _hf_model(model_type, **FAMILIES[model_type])
+CASES = {**{t: (t, kw) for t, kw in FAMILIES.items()}, **VARIANTS}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_transformers_model_flops_equal_estimate(case, tmp_path, capsys):
+    model_type, kw = CASES[case]
+    config, model = _hf_model(model_type, **kw)
+    # Rows shorter than every window here: eager attention computes the full square on windowed
+    # layers too (test_sliding_window_layers_follow_transformers checks which layers slide).
     seqlens = [12, 7]
     measured = _measure(model, seqlens)
     # The config.json as save_pretrained writes it, through the CLI.
