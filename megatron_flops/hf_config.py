@@ -191,10 +191,12 @@ def _check_override(hf: Mapping[str, Any], family: str) -> None:
                              f"differently ({own}'s rules price it exactly): drop --hf-family")
         return
     reads = _reads(rules)
-    for key, value in hf.items():
-        if value is not None and isinstance(key, str) and key not in reads and _is_tell(key):
-            raise ValueError(f"{where}: the file's {key!r} marks another architecture, which {family}'s rules "
-                             "would ignore (a wrong estimate); describe the model in megatron-core fields")
+    tells = [k for k, v in hf.items() if v is not None and isinstance(k, str) and k not in reads and _is_tell(k)]
+    if tells:
+        more = f" and {len(tells) - 4} more" if len(tells) > 4 else ""
+        raise ValueError(f"{where}: the file's {', '.join(map(repr, tells[:4]))}{more} {'mark' if len(tells) > 1 else 'marks'} another architecture, "
+                         f"which {family}'s rules would ignore (a wrong estimate); describe the model in "
+                         "megatron-core fields")
     key, default = rules.activation
     if hf.get(key) is not None and hf[key] != default:
         raise ValueError(f"{where}: the file's {key}={show(hf[key])} differs from {family}'s {default!r}: "

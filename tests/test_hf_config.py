@@ -6,6 +6,7 @@ is refused rather than guessed."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -185,3 +186,80 @@ def test_deepseek_v3_mtp_is_counted_only_on_request():
     rows = parse_rows([12])
     delta = estimate(with_mtp, rows).components
     assert {k for k in delta if k.startswith("mtp/")} and estimate(plain, rows).components.keys() < delta.keys()
+
+
+@pytest.mark.parametrize(
+    "model_type, kw",
+    [
+        ("gemma2", dict(FAMILIES["gemma2"], num_hidden_layers=5, sliding_window=5)),
+        ("gemma3_text", dict(FAMILIES["gemma3_text"], num_hidden_layers=7, sliding_window=5, sliding_window_pattern=3)),
+        ("gemma3_text", dict(FAMILIES["gemma3_text"], num_hidden_layers=3, sliding_window=5,
+                             layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+        ("phi3", dict(FAMILIES["phi3"], sliding_window=5)),
+        ("starcoder2", dict(FAMILIES["starcoder2"], sliding_window=5)),
+    ],
+)
+def test_alternating_and_every_layer_windows_follow_transformers(model_type, kw):
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    # Gemma 2/3 keep each attention's window on the module; phi3 and starcoder2 window every layer.
+    expected = [getattr(layer.self_attn, "sliding_window", config.sliding_window) is not None
+                for layer in model.model.layers]
+    raw = config.to_dict()
+    for data in (raw, {k: v for k, v in raw.items() if k != "layer_types"} if "layer_types" not in kw else raw):
+        spec = ModelSpec.from_hf_config(data)
+        assert [mixer == "window" for mixer, _ in spec.layers] == expected
+        assert spec.window_size == 4  # a window of 5 tokens including the query: megatron's (4, 0)
+    assert any(expected)
+    if model_type.startswith("gemma"):
+        assert not all(expected)
+
+
+def test_gemma3_vlm_prices_its_text_decoder():
+    text = dict(FAMILIES["gemma3_text"])
+    config = transformers.AutoConfig.for_model("gemma3", text_config=text).to_dict()
+    direct = transformers.AutoConfig.for_model("gemma3_text", **text).to_dict()
+    assert ModelSpec.from_hf_config(config["text_config"]) == ModelSpec.from_hf_config(direct)
+
+
+def _cli_error(tmp_path, capsys, raw: dict, family: str) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    assert main(["estimate", "--model", str(path), "--seqlens", "[[12]]", "--hf-family", family]) == 2
+    return capsys.readouterr().err
+
+
+# The issue's cases: each priced silently wrong with --hf-family before (nemotron as llama +15.2%,
+# gpt_neox +16.0%, starcoder2 as mistral +18.2%, gemma2/3 -0.63%, qwen3_next as qwen3_moe -69.7%).
+OVERRIDES = [
+    ("nemotron", FAMILIES["nemotron"], "llama", "'hidden_act'=|hidden_act='relu2'|partial_rotary"),
+    ("gpt_neox", FAMILIES["gpt_neox"], "llama", "'use_parallel_residual'|partial_rotary"),
+    ("starcoder2", FAMILIES["starcoder2"], "mistral", "hidden_act='gelu_pytorch_tanh'"),
+    ("gemma2", FAMILIES["gemma2"], "gemma", "'(layer_types|attn_logit_softcapping|final_logit_softcapping)'"),
+    ("gemma3_text", FAMILIES["gemma3_text"], "mistral", "'(layer_types|hidden_activation|head_dim)'"),
+    ("qwen3_next", dict(DENSE, head_dim=16), "qwen3_moe", "'(linear_[a-z_]+|layer_types|full_attention_interval)'"),
+]
+
+
+@pytest.mark.parametrize("model_type, kw, family, tell", OVERRIDES, ids=[o[0] for o in OVERRIDES])
+def test_hf_family_override_refuses_another_architecture(model_type, kw, family, tell, tmp_path, capsys):
+    raw = transformers.AutoConfig.for_model(model_type, **kw).to_dict()
+    # Under its own (supported) model_type: the family's own rules price it, the override is refused.
+    if model_type != "qwen3_next":
+        err = _cli_error(tmp_path, capsys, raw, family)
+        assert f"model_type {model_type!r} is supported" in err
+    # Renamed to a model_type we do not know: the key that shows the other architecture is named.
+    err = _cli_error(tmp_path, capsys, {**raw, "model_type": "my_" + model_type}, family)
+    assert re.search(tell, err), err
+
+
+def test_hf_family_override_prices_an_identical_architecture_exactly(tmp_path, capsys):
+    # OLMo-2 builds llama's GEMMs: under another name, --hf-family llama prices it exactly.
+    config, model = _hf_model("olmo2", **FAMILIES["olmo2"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config.to_dict(), "model_type": "my_olmo"}))
+    argv = ["estimate", "--model", str(path), "--seqlens", "[[12, 7]]", "--attention", "full", "--json"]
+    assert main(argv) == 2  # unknown model_type: named, with the supported list
+    assert "'my_olmo' is not supported (supported: " in capsys.readouterr().err
+    assert main([*argv, "--hf-family", "llama"]) == 0
+    assert json.loads(capsys.readouterr().out)["total_flops"] == _measure(model, [12, 7])

@@ -302,8 +302,8 @@ def add_parser(sub: Any) -> None:
     est.add_argument("--kv-seqlens", metavar="ROWS",
                      help="DiT model file: JSON list of text (key/value) tokens per sample, paired with --seqlens")
     est.add_argument("--hf-family", choices=HF_FAMILIES,
-                     help="price a Hugging Face config.json with this family's rules whatever its model_type "
-                          "(for a model_type we do not support: whatever else differs is not priced)")
+                     help="price a Hugging Face config.json of a model_type we do not know with this family's "
+                          "rules; refused (exit 2, the key named) when the file shows another architecture")
     est.add_argument("--pad-vocab-to-multiple", type=int, metavar="N",
                      help="pad the vocabulary to a multiple of N, as Megatron-LM does with "
                           "make_vocab_size_divisible_by x TP (1: no padding). Default: the file's "
