@@ -44,7 +44,8 @@ class _Rules:
     is a fixed size, so the file must give it), ``none`` (multi-head attention), ``falcon``.
     ``head_dim``: ``derived`` (optional, default hidden / heads), ``fixed`` (must be given),
     ``none`` (always hidden / heads). ``window``: which layers slide (:func:`_hf_window`);
-    ``window_period``: the default ``layer_types`` period (every ``period``-th layer is global).
+    ``window_period``: the default ``layer_types`` period (every ``period``-th layer is global),
+    read from ``window_pattern_key`` where the family has one.
     ``moe``: how experts are placed. ``elementwise``: keys the family reads that shape no GEMM
     (partial rotary, parallel residual, logit soft-capping, multipliers).
     """
@@ -57,6 +58,7 @@ class _Rules:
     tied: bool = False
     window: str = "none"
     window_period: int = 0
+    window_pattern_key: str | None = None
     moe: str = "none"
     elementwise: frozenset[str] = frozenset()
 
@@ -67,7 +69,7 @@ _GEMMA = _Rules(activation=("hidden_act", "gelu_pytorch_tanh"), kv_heads="fixed"
 # counted, as FlopCounterMode does not count it.
 _GEMMA2 = replace(_GEMMA, activation=("hidden_activation", "gelu_pytorch_tanh"), window="layer_types", window_period=2,
                   elementwise=frozenset({"hidden_act", "attn_logit_softcapping", "final_logit_softcapping",
-                                         "query_pre_attn_scalar", "sliding_window_pattern"}))
+                                         "query_pre_attn_scalar"}))
 _RULES: dict[str, _Rules] = {
     "llama": _Rules(),
     "mistral": _Rules(kv_heads="fixed", window="every_required"),
@@ -80,7 +82,7 @@ _RULES: dict[str, _Rules] = {
     "deepseek_v3": _Rules(moe="deepseek"),
     "gemma": _GEMMA,
     "gemma2": _GEMMA2,
-    "gemma3_text": replace(_GEMMA2, window_period=6),
+    "gemma3_text": replace(_GEMMA2, window_period=6, window_pattern_key="sliding_window_pattern"),
     "phi3": _Rules(window="every", elementwise=_PARTIAL_ROTARY),
     "olmo2": _Rules(),
     "granite": _Rules(elementwise=frozenset({"embedding_multiplier", "logits_scaling", "residual_multiplier",
@@ -94,6 +96,17 @@ _RULES: dict[str, _Rules] = {
     "nemotron": _Rules(gated=False, activation=("hidden_act", "relu2"), elementwise=_PARTIAL_ROTARY),
     "gpt_neox": _Rules(gated=False, activation=("hidden_act", "gelu"), kv_heads="none", head_dim="none",
                        elementwise=frozenset({"rotary_pct", "partial_rotary_factor", "use_parallel_residual"})),
+    # Further families transformers builds with the same layer kinds.
+    "helium": _Rules(kv_heads="fixed", head_dim="fixed"),
+    "olmo": _Rules(),
+    "olmo3": _Rules(window="layer_types", window_period=4),
+    "seed_oss": _Rules(kv_heads="fixed", head_dim="fixed"),
+    "hunyuan_v1_dense": _Rules(elementwise=frozenset({"use_qk_norm"})),
+    "ernie4_5": _Rules(kv_heads="fixed", head_dim="fixed", tied=True),
+    "stablelm": _Rules(kv_heads="fixed", elementwise=frozenset({"partial_rotary_factor", "use_parallel_residual",
+                                                                "qk_layernorm", "use_qkv_bias"})),
+    "arcee": _Rules(gated=False, activation=("hidden_act", "relu2")),
+    "apertus": _Rules(gated=False, activation=("hidden_act", "xielu")),
     "falcon": _Rules(gated=False, activation=("activation", "gelu"), ffn="ffn_hidden_size", kv_heads="falcon",
                      head_dim="none", tied=True,
                      elementwise=frozenset({"parallel_attn", "alibi", "num_ln_in_parallel_attn"})),
@@ -122,7 +135,7 @@ _WINDOW_KEYS = {"none": (), "every": ("sliding_window",), "every_required": ("sl
                 "qwen": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                 "qwen2_moe": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
                 "qwen3_moe": ("use_sliding_window", "sliding_window"),
-                "layer_types": ("sliding_window", "layer_types")}
+                "layer_types": ("sliding_window", "layer_types", "sliding_window_pattern")}
 _MOE_KEYS = {"none": (), "mixtral": ("num_local_experts", "num_experts", "num_experts_per_tok"),
              "qwen": ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
                       "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"),
@@ -396,13 +409,15 @@ def _hf_window(f: Fields, out: dict[str, Any], rules: _Rules, num_layers: int) -
 
 
 def _hf_layer_types_window(f: Fields, out: dict[str, Any], rules: _Rules, num_layers: int) -> None:
-    """Gemma 2/3: ``layer_types``, by default every ``period``-th layer global and the others
-    sliding (Gemma 3's period is ``sliding_window_pattern``, default 6)."""
+    """Gemma 2/3, OLMo 3: ``layer_types``, by default every ``period``-th layer global and the
+    others sliding (Gemma 3's period is ``sliding_window_pattern``, default 6)."""
     hf = f.fields
     if hf.get("layer_types") is not None:
         flags = _layer_type_flags(f, num_layers)
     else:
-        period = f.integer("sliding_window_pattern", default=rules.window_period)
+        period = rules.window_period
+        if rules.window_pattern_key is not None:
+            period = f.integer(rules.window_pattern_key, default=period)
         flags = cycle(((True, period - 1), (False, 1)), num_layers, f"{f.source}: 'sliding_window_pattern'")
     if not any(flag for flag, _ in flags):
         return

@@ -5,13 +5,20 @@ is refused rather than guessed."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
+import io
 import json
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from megatron_flops.cli import main
 from megatron_flops.formulas import estimate, parse_rows
+from megatron_flops.hf_config import HF_FAMILIES
 from megatron_flops.spec import ModelOptions, ModelSpec
 
 transformers = pytest.importorskip("transformers")
@@ -57,6 +64,16 @@ FAMILIES = {
     "gpt_neox": dict(DENSE),
     # Multi-query attention (the default): one key/value head; ffn_hidden_size defaults to 4h.
     "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100),
+    # Further families with the same layer kinds.
+    "helium": dict(DENSE, head_dim=24),
+    "olmo": dict(DENSE),
+    "olmo3": dict(DENSE, num_hidden_layers=4, sliding_window=16),  # layers 0-2 slide, 3 is global
+    "seed_oss": dict(DENSE, head_dim=24),
+    "hunyuan_v1_dense": dict(DENSE, use_qk_norm=True),
+    "ernie4_5": dict(DENSE, head_dim=16),
+    "stablelm": dict(DENSE, partial_rotary_factor=0.25, use_parallel_residual=True, use_qkv_bias=True),
+    "arcee": dict(DENSE),  # a plain relu^2 MLP
+    "apertus": dict(DENSE),  # a plain xIELU MLP
 }
 # Further variants of a family: (model_type, config keywords).
 VARIANTS = {
@@ -95,24 +112,48 @@ def _measure(model, seqlens: list[int]) -> int:
 
 
 CASES = {**{t: (t, kw) for t, kw in FAMILIES.items()}, **VARIANTS}
+# Rows shorter than every window here: eager attention computes the full square on windowed layers
+# too (test_alternating_and_every_layer_windows_follow_transformers checks which layers slide).
+SEQLENS = [12, 7]
+
+
+@functools.cache
+def measured_and_estimated(case: str) -> tuple[int, int]:
+    """FLOPs of ``CASES[case]`` over SEQLENS: measured on the transformers model, and ``estimate
+    --attention full`` of the config.json as save_pretrained writes it, through the CLI."""
+    model_type, kw = CASES[case]
+    config, model = _hf_model(model_type, **kw)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(config.to_json_string())
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["estimate", "--model", str(path), "--seqlens", json.dumps([SEQLENS]), "--attention", "full",
+                         "--json"]) == 0
+    report = json.loads(out.getvalue())
+    assert report["padded_vocab_size"] == 100  # the embedding as built: no padding
+    return _measure(model, SEQLENS), report["total_flops"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_transformers_model_flops_equal_estimate(case, tmp_path, capsys):
-    model_type, kw = CASES[case]
-    config, model = _hf_model(model_type, **kw)
-    # Rows shorter than every window here: eager attention computes the full square on windowed
-    # layers too (test_sliding_window_layers_follow_transformers checks which layers slide).
-    seqlens = [12, 7]
-    measured = _measure(model, seqlens)
-    # The config.json as save_pretrained writes it, through the CLI.
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json_string())
-    assert main(["estimate", "--model", str(path), "--seqlens", json.dumps([seqlens]), "--attention", "full",
-                 "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["total_flops"] == measured
-    assert report["padded_vocab_size"] == 100  # the embedding as built: no padding
+def test_transformers_model_flops_equal_estimate(case):
+    measured, estimated = measured_and_estimated(case)
+    assert measured == estimated
+
+
+def test_every_supported_family_is_verified_and_the_docs_table_is_the_scripts_output():
+    # Supported means measured here: every family the reader knows has a case, and the table in
+    # docs/conventions.md is exactly what scripts/conformance_table.py prints for these cases.
+    assert {model_type for model_type, _ in CASES.values()} == set(HF_FAMILIES)
+    root = Path(__file__).resolve().parents[1]
+    script = importlib.util.spec_from_file_location("conformance_table", root / "scripts" / "conformance_table.py")
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    lines = module.hf_table_lines({case: (CASES[case][0], *measured_and_estimated(case)) for case in sorted(CASES)})
+    docs = (root / "docs" / "conventions.md").read_text().splitlines()
+    start = docs.index(lines[0])
+    assert docs[start:start + len(lines) + 1] == [*lines, ""]
+    assert f"`{json.dumps(SEQLENS)}`" in "\n".join(docs)
 
 
 @pytest.mark.parametrize(
@@ -197,6 +238,7 @@ def test_deepseek_v3_mtp_is_counted_only_on_request():
                              layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
         ("phi3", dict(FAMILIES["phi3"], sliding_window=5)),
         ("starcoder2", dict(FAMILIES["starcoder2"], sliding_window=5)),
+        ("olmo3", dict(FAMILIES["olmo3"], num_hidden_layers=6, sliding_window=5)),
     ],
 )
 def test_alternating_and_every_layer_windows_follow_transformers(model_type, kw):
