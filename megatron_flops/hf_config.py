@@ -101,7 +101,7 @@ _RULES: dict[str, _Rules] = {
     "olmo": _Rules(),
     "olmo3": _Rules(window="layer_types", window_period=4),
     "seed_oss": _Rules(kv_heads="fixed", head_dim="fixed"),
-    "hunyuan_v1_dense": _Rules(elementwise=frozenset({"use_qk_norm"})),
+    "hunyuan_v1_dense": _Rules(head_dim="fixed", elementwise=frozenset({"use_qk_norm"})),
     "ernie4_5": _Rules(kv_heads="fixed", head_dim="fixed", tied=True),
     "stablelm": _Rules(kv_heads="fixed", elementwise=frozenset({"partial_rotary_factor", "use_parallel_residual",
                                                                 "qk_layernorm", "use_qkv_bias"})),

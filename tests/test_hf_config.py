@@ -65,11 +65,11 @@ FAMILIES = {
     # Multi-query attention (the default): one key/value head; ffn_hidden_size defaults to 4h.
     "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100),
     # Further families with the same layer kinds.
-    "helium": dict(DENSE, head_dim=24),
+    "helium": dict(DENSE, head_dim=16),  # its o_proj assumes head_dim = hidden / heads
     "olmo": dict(DENSE),
     "olmo3": dict(DENSE, num_hidden_layers=4, sliding_window=16),  # layers 0-2 slide, 3 is global
     "seed_oss": dict(DENSE, head_dim=24),
-    "hunyuan_v1_dense": dict(DENSE, use_qk_norm=True),
+    "hunyuan_v1_dense": dict(DENSE, head_dim=16, use_qk_norm=True),  # head_dim must be given
     "ernie4_5": dict(DENSE, head_dim=16),
     "stablelm": dict(DENSE, partial_rotary_factor=0.25, use_parallel_residual=True, use_qkv_bias=True),
     "arcee": dict(DENSE),  # a plain relu^2 MLP
