@@ -20,7 +20,7 @@ def is_hf_config(data: Mapping[str, Any]) -> bool:
 
 def hf_text_config(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The text decoder's keys of a Hugging Face config (``text_config`` of a VLM, inheriting the
-    outer ``model_type``), or None for a vision-only file."""
+    outer ``model_type``), or None for a vision-only file (or Qwen3-Omni's, whose vision tower only is read)."""
     text = data.get("text_config")
     if text is not None:
         if not isinstance(text, Mapping):
@@ -28,7 +28,8 @@ def hf_text_config(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
         if "model_type" not in text and "model_type" in data:
             text = {**text, "model_type": data["model_type"]}
         return text
-    if "num_hidden_layers" not in data and "vision_config" in data:
+    if "num_hidden_layers" not in data and ("vision_config" in data or "thinker_config" in data):
+        # NB: Qwen3-Omni's thinker decoder (thinker_config.text_config) is not read: its vision tower is.
         return None
     return data
 

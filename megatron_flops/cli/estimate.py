@@ -231,11 +231,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     peft, recompute = _training_setup(args, raw, source)
     vision = None
     if args.grid_thw is not None:
-        from megatron_flops.vision import vision_report
+        from megatron_flops.vision import hf_vision_sections, vision_report
 
-        if "vision_config" not in raw:
+        if hf_vision_sections(raw) is None:
             raise ValueError(f"--grid-thw prices a vision tower, but {source} has no 'vision_config' "
-                             "(a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config.json)")
+                             "(a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-Omni config.json)")
         vision = vision_report(raw, json_list_arg("--grid-thw", args.grid_thw))
     if rows is None and vision is None:
         raise ValueError("give --seqlens ROWS, --seq-length N with --batch-size B, or --grid-thw GRIDS")
