@@ -32,6 +32,8 @@ MLA = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, 
 # model_type -> config keywords: each family's distinctive keys, small enough to run on CPU.
 FAMILIES = {
     "llama": dict(DENSE),
+    "mistral": dict(DENSE, sliding_window=16),  # a window on every layer, longer than the rows
+    "qwen2": dict(DENSE),
     "qwen3": dict(DENSE, head_dim=24, tie_word_embeddings=True),
     "qwen2_moe": dict(DENSE, num_hidden_layers=3, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2),
