@@ -249,10 +249,14 @@ def test_required_hf_fields_are_named_with_typo_hints(tmp_path, capsys):
 
 
 def test_unsupported_model_type_lists_families_and_can_be_overridden(tmp_path, capsys):
-    path = _file(tmp_path, dict(HF_LLAMA, model_type="gemma2"))
+    path = _file(tmp_path, dict(HF_LLAMA, model_type="my_llama"))
     err = _error(capsys, "estimate", "--model", path, "--seqlens", "[8]")
-    assert "model_type 'gemma2' is not supported (supported: deepseek_v2, deepseek_v3, llama," in err
+    assert "model_type 'my_llama' is not supported (supported: apertus, arcee, cohere, deepseek_v2," in err
     assert "--hf-family" in err
+    # A supported model_type built otherwise: its own rules price it, the override is refused.
+    gemma2 = _file(tmp_path, dict(HF_LLAMA, model_type="gemma2", head_dim=32), "gemma2.json")
+    assert "model_type 'gemma2' is supported" in _error(
+        capsys, "estimate", "--model", gemma2, "--seqlens", "[8]", "--hf-family", "llama")
     llama = _json(capsys, "estimate", "--model", _file(tmp_path, HF_LLAMA, "llama.json"), "--seqlens", "[8]")
     assert _json(capsys, "estimate", "--model", path, "--seqlens", "[8]", "--hf-family", "llama") == llama
     assert "applies to a Hugging Face config.json" in _error(
