@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 UPSTREAM = REPO.parent / "shared" / "upstream" / "megatron-lm"
 TORCH = "torch==2.13.0"
 # What Megatron-LM's training package imports beyond megatron-core (both snapshots).
-MEGATRON_LM_DEPS = ("six", "regex", "einops", "tqdm", "pyyaml", "pydantic", "triton==3.9.0")
+MEGATRON_LM_DEPS = ("six", "regex", "einops", "tqdm", "pyyaml", "pydantic", "triton")
 
 
 @dataclass(frozen=True, kw_only=True)
