@@ -70,3 +70,59 @@ def test_test_extra_resolves_with_pypi_cuda_torch(tmp_path: Path) -> None:
     chosen = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in report["install"]}
     assert chosen["torch"] == version  # PyPI's build, no local label
     assert "megatron-core" in chosen and "triton" in chosen, sorted(chosen)
+
+
+# ---- the Megatron-LM snapshots ------------------------------------------------------------------
+
+
+SCRIPT = ROOT / "scripts" / "get_megatron_lm_snapshots.sh"
+TAGS = {"core_v0.16.1": ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py", "megatron/training/__init__.py"),
+        "core_v0.14.0": ("pretrain_gpt.py", "megatron/legacy/__init__.py", "megatron/inference/__init__.py"),
+        "core_v0.19.0": ("pretrain_gpt.py", "hybrid_builders.py", "megatron/elastification/__init__.py")}
+
+
+def _git(*args: str, cwd: Path) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+def test_snapshot_script_extracts_every_tag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The script on a stand-in for NVIDIA/Megatron-LM (a local repository with the three tags):
+    each folder gets its listed files and the LICENSE, nothing else of the tree, and the tests
+    find them through MEGATRON_FLOPS_MLM_SNAPSHOTS."""
+    upstream = tmp_path / "Megatron-LM"
+    for path in ["LICENSE", "README.md", "megatron/core/__init__.py", "tests/unit_tests/x.py", "mamba_builders.py",
+                 "megatron/post_training/__init__.py", "megatron/rl/__init__.py",
+                 *(p for files in TAGS.values() for p in files)]:
+        (upstream / path).parent.mkdir(parents=True, exist_ok=True)
+        (upstream / path).write_text(f"# {path}\n")
+    _git("init", "-q", ".", cwd=upstream)
+    _git("add", "-A", cwd=upstream)
+    _git("commit", "-qm", "stand-in", cwd=upstream)
+    for tag in TAGS:
+        _git("tag", tag, cwd=upstream)
+    dest = tmp_path / "snapshots"
+    done = subprocess.run(["bash", str(SCRIPT), str(dest)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "MEGATRON_LM_GIT_URL": upstream.as_uri()})
+    assert done.returncode == 0, done.stderr
+    for tag, files in TAGS.items():
+        assert (dest / tag / "LICENSE").is_file() and all((dest / tag / f).is_file() for f in files), tag
+        assert not (dest / tag / "megatron" / "core").exists() and not (dest / tag / "README.md").exists()
+    assert sorted(p.name for p in dest.iterdir()) == sorted(TAGS)  # no partial folder left behind
+    from frameworks import envs
+
+    monkeypatch.setenv(envs.SNAPSHOTS_ENV, str(dest))
+    assert envs.snapshot("0.16.1") == dest / "core_v0.16.1"
+    monkeypatch.setenv(envs.SNAPSHOTS_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(envs.Unavailable, match="scripts/get_megatron_lm_snapshots.sh"):
+        envs.snapshot("0.16.1")
+
+
+def test_snapshot_script_names_the_documented_commits() -> None:
+    # The commits the script checks are those of the snapshots' README (where the developers have it).
+    readme = ROOT.parent / "shared" / "upstream" / "megatron-lm" / "README.md"
+    if not readme.is_file():
+        pytest.skip(f"{readme} is not here")
+    rows = dict(re.findall(r"^\| (core_v[\d.]+) \| core_v[\d.]+ \| ([0-9a-f]{40}) \|", readme.read_text(), re.M))
+    script = SCRIPT.read_text()
+    assert rows and all(f'"{tag} {commit} ' in script for tag, commit in rows.items()), rows
