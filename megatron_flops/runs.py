@@ -396,6 +396,18 @@ class Candidate:
     params: Mapping[str, str]
     all_ok: bool
     value: float | None
+    repeat_values: tuple[float, ...] = ()  # the objective of each ok repeat (its steady-state median)
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.params.items())
+
+    @property
+    def spread(self) -> float | None:
+        """(max - min) / median of the repeats' values, a fraction; None without values."""
+        if not self.repeat_values or not self.value:
+            return None
+        return (max(self.repeat_values) - min(self.repeat_values)) / self.value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -430,3 +442,32 @@ def recommend(candidates: Sequence[Candidate], *, tolerance: float = DEFAULT_TOL
     assert fastest.value is not None
     chosen = next(c for c in eligible if c.value >= (1.0 - tolerance) * fastest.value)  # type: ignore[operator]
     return Recommendation(chosen=chosen, fastest=fastest, tolerance=tolerance)
+
+
+def doubts(candidates: Sequence[Candidate], recommendation: Recommendation) -> list[str]:
+    """Why noise could have changed the choice (empty: it could not): an ok configuration outside
+    the tolerance band whose range of repeat values overlaps the fastest's, or a configuration
+    inside the band whose repeats spread more than the tolerance."""
+    fastest, tolerance = recommendation.fastest, recommendation.tolerance
+    assert fastest.value is not None
+    low, high = _range(fastest)
+    reasons = []
+    for c in sorted(candidates, key=lambda c: c.index):
+        if not c.all_ok or c.value is None:
+            continue
+        spread = c.spread
+        if c.value >= (1.0 - tolerance) * fastest.value:
+            if spread is not None and spread > tolerance:
+                reasons.append(f"{c.label}: its repeats spread {100 * spread:.1f}% (more than the "
+                               f"{100 * tolerance:g}% tolerance)")
+            continue
+        c_low, c_high = _range(c)
+        if c_low <= high and low <= c_high:
+            reasons.append(f"{c.label}: its repeats ({c_low:.4g}-{c_high:.4g}) overlap the fastest's, "
+                           f"{fastest.label} ({low:.4g}-{high:.4g}), though its median is outside the tolerance")
+    return reasons
+
+
+def _range(candidate: Candidate) -> tuple[float, float]:
+    values = candidate.repeat_values or ((candidate.value,) if candidate.value is not None else ())
+    return min(values), max(values)

@@ -311,3 +311,56 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch)
     assert cli.main(["compare", a, "--plot", str(tmp_path / "a.png")]) == 2
     assert "--plot needs matplotlib: pip install 'megatron-flops[plot]'" in capsys.readouterr().err
 
+
+
+def test_noise_is_reported_and_the_recommendation_not_confident(tmp_path, capsys) -> None:
+    """The issue's case: two repeats of one configuration 4x apart. flops=100e12 runs at 100
+    TFLOP/s/GPU twice; flops=101e12 at 101, then at 25.25 (step times x4). Medians: 100 and
+    63.125; the fastest, 100, is chosen, but 101's repeats (25.25-101) overlap its range (100-100)
+    though 63.125 is outside the 3% band: noise could have changed the choice."""
+    out = tmp_path / "sw"
+    code, stdout, err = _sweep(capsys, "--param", f"flops={100 * T},{101 * T}", "--repeats", "2", "--out", str(out),
+                               "--", sys.executable, FAKE, "--flops", "{flops}",
+                               "--slow-in", f"001_flops-{101 * T}/r2", "4", "{run_dir}")
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    quiet, noisy = results["configurations"]
+    assert quiet["repeat_medians_tflops_per_gpu"] == [100, 100] and quiet["spread_percent"] == 0
+    assert noisy["repeat_medians_tflops_per_gpu"] == [101, 25.25]
+    assert noisy["spread_percent"] == pytest.approx(100 * 75.75 / 63.125)  # (max - min) / median: 120%
+    assert noisy["repeat_medians_tokens_per_s_per_gpu"] == [1000, 250]
+    rec = results["recommendation"]
+    assert rec["params"] == {"flops": str(100 * T)} and rec["confident"] is False
+    assert len(rec["doubts"]) == 1 and rec["doubts"][0].startswith(f"flops={101 * T}: its repeats (25.25-101) overlap")
+    assert [w for w in results["warnings"] if "spread" in w] == [
+        f"flops={101 * T}: the medians of its 2 repeats spread 120.0% (25.25-101 corrected TFLOP/s/GPU), more than "
+        "the 3% tolerance: noise, not the setting, may decide; add repeats"]
+    assert "not confident: noise could have changed the choice" in stdout and "--repeats 4 with the same --out" in stdout
+    assert re.search(r"^flops +ok +spread \(%\)", stdout, re.M) and "120.0 !" in stdout
+    assert "120.0%" in err
+    with open(out / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["spread_percent"], r["repeat_medians_tflops_per_gpu"]) for r in rows] == [
+        ("0.0", "100 100"), (str(noisy["spread_percent"]), "101 25.25")]
+
+
+def test_confidence_rules() -> None:
+    from megatron_flops.runs import Candidate, doubts, recommend
+
+    def c(index: int, *values: float) -> Candidate:
+        return Candidate(index=index, params={"x": str(index)}, all_ok=True, value=statistics.median(values),
+                         repeat_values=values)
+
+    # Quiet: every range apart from the fastest's, every in-band spread within 3%.
+    quiet = [c(0, 100, 101), c(1, 90, 92), c(2, 99, 100.5)]
+    rec = recommend(quiet, tolerance=0.03)
+    assert rec is not None and rec.chosen.index == 0 and doubts(quiet, rec) == []
+    # In the band but spreading 10.5% (101 and 112.2, median 106.6): noise could decide.
+    noisy = [c(0, 100, 100), c(1, 101, 112.2)]
+    rec = recommend(noisy, tolerance=0.03)
+    assert rec is not None and rec.fastest.index == 1
+    assert doubts(noisy, rec) == ["x=1: its repeats spread 10.5% (more than the 3% tolerance)"]
+    # One repeat each: spread 0 (noise unmeasured; the text output says so), no doubt.
+    single = [c(0, 100), c(1, 90)]
+    rec = recommend(single, tolerance=0.03)
+    assert rec is not None and single[0].spread == 0 and doubts(single, rec) == []
