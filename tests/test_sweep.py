@@ -264,10 +264,19 @@ def test_compare_prints_medians_spreads_and_ratios(tmp_path, capsys) -> None:
     assert err == ""
     # a: 2e12 / [1, 2, 4] s -> [2, 1, 0.5], median 1; b: [4, 2, 1], median 2 (2x a); static: twice.
     assert f"run 1: {a} (custom, 1 GPU; 3 steps used, 1 warm-up, 0 fell back)" in out
-    assert "corrected TFLOP/s/GPU    median         1   IQR 0.75-1.5   min-max 0.5-2" in out
-    assert "corrected TFLOP/s/GPU    median         2   IQR 1.5-3   min-max 1-4   2.000x run 1" in out
+    # Overall: a 6e12 FLOPs over 7 s = 0.8571, b over 3.5 s = 1.714; mean step 2333.3 and 1166.7 ms.
+    # The IQRs touch (a 0.75-1.5, b 1.5-3): the doubling is within the steps' noise.
+    assert "corrected TFLOP/s/GPU    median         1   IQR 0.75-1.5   min-max 0.5-2   overall 0.8571\n" in out
+    assert ("corrected TFLOP/s/GPU    median         2   IQR 1.5-3   min-max 1-4   overall 1.714   2.000x run 1 "
+            "(IQRs overlap: within the steps' noise)") in out
     assert "static TFLOP/s/GPU       median         4" in out
-    assert "step time (ms)           median    1000.0   IQR 750.0-1500.0   min-max 500.0-2000.0   0.500x run 1" in out
+    assert ("step time (ms)           median    1000.0   IQR 750.0-1500.0   min-max 500.0-2000.0   mean 1166.7   "
+            "0.500x run 1 (IQRs overlap") in out
+    assert cli.main(["compare", "--json", a, b]) == 0
+    first, second = json.loads(capsys.readouterr().out)["runs"]
+    assert (first["overall_tflops_per_gpu"], second["overall_tflops_per_gpu"]) == (6e12 / 7 / 1e12, 6e12 / 3.5 / 1e12)
+    assert second["overall_tokens_per_s_per_gpu"] == 300 / 3.5 and second["overall_step_time_s"] == 3.5 / 3
+    assert second["iqr_overlap_tflops_per_gpu"] is True and "iqr_overlap_tflops_per_gpu" in first
 
 
 def test_compare_warns_about_differences(tmp_path, capsys) -> None:
