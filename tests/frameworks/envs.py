@@ -28,7 +28,7 @@ SNAPSHOTS_ENV = "MEGATRON_FLOPS_MLM_SNAPSHOTS"
 DEFAULT_UPSTREAM = REPO.parent / "shared" / "upstream" / "megatron-lm"
 TORCH = "torch==2.13.0"
 # What Megatron-LM's training package imports beyond megatron-core (both snapshots).
-MEGATRON_LM_DEPS = ("six", "regex", "einops", "tqdm", "pyyaml", "pydantic", "triton")
+MEGATRON_LM_DEPS = ("six", "regex", "einops", "tqdm", "pyyaml", "pydantic", "triton==3.9.0")
 
 
 @dataclass(frozen=True, kw_only=True)
