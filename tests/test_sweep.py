@@ -2,7 +2,7 @@
 command (it writes a trace with given numbers, or fails, hangs, runs out of memory, writes none).
 
 Expected medians are computed here from the trace files directly (json + statistics), not with
-``megatron_flops.runs``.
+``megatron_flops.reporting.runs``.
 """
 
 from __future__ import annotations
@@ -354,7 +354,7 @@ def test_noise_is_reported_and_the_recommendation_not_confident(tmp_path, capsys
 
 
 def test_confidence_rules() -> None:
-    from megatron_flops.runs import Candidate, doubts, recommend
+    from megatron_flops.reporting.runs import Candidate, doubts, recommend
 
     def c(index: int, *values: float) -> Candidate:
         return Candidate(index=index, params={"x": str(index)}, all_ok=True, value=statistics.median(values),

@@ -9,7 +9,7 @@ repeats' medians; the statistics of runs that are not ``ok`` are reported but ne
 
 Noise: each configuration lists its repeats' medians and their spread, (max - min) / median of
 the objective; a spread above the tolerance is a warning, and the recommendation is not
-``confident`` when noise could have changed the choice (:func:`megatron_flops.runs.doubts`).
+``confident`` when noise could have changed the choice (:func:`megatron_flops.reporting.runs.doubts`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_flops.cli.compare import LABELS, run_record
 from megatron_flops.cli.plot import SweepBar
-from megatron_flops.runs import (
+from megatron_flops.reporting.runs import (
     RULE, Candidate, Recommendation, RunStats, comparability, doubts, read_trace, recommend, run_stats,
 )
 
