@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from megatron_flops.cli.compare import LABELS, run_record
 from megatron_flops.cli.plot import SweepBar
@@ -31,8 +31,20 @@ from megatron_flops.reporting.runs import (
     RULE, Candidate, Recommendation, RunStats, comparability, doubts, read_trace, recommend, run_stats,
 )
 
-if TYPE_CHECKING:
-    from megatron_flops.cli.sweep import Run
+
+class Run(Protocol):
+    """One planned run as the results read it (``megatron_flops.cli.sweep.Run``; a protocol, so
+    that this module does not import the one that imports it)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def params(self) -> Mapping[str, str]: ...
+    @property
+    def repeat(self) -> int: ...
+    @property
+    def dir(self) -> str: ...
+
 
 OBJECTIVES = {"tflops": "tflops_per_gpu", "tokens": "tokens_per_s_per_gpu"}
 STATUSES = ("ok", "failed", "timeout", "oom", "no-trace")
