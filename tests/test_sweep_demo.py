@@ -29,7 +29,7 @@ def test_sweep_over_the_demo(tmp_path) -> None:
     results = json.loads((out / "results.json").read_text())
     runs = {r["params"]["iters"]: r for r in results["runs"]}
     assert {k: r["status"] for k, r in runs.items()} == {"3": "ok", "0": "failed"}
-    assert "--iterations must be >= 1" in (out / runs["0"]["dir"] / "log.txt").read_text()
+    assert "argument --iterations: must be >= 1, got 0" in (out / runs["0"]["dir"] / "log.txt").read_text()
     assert runs["3"]["num_steps"] == 2  # 3 iterations, 1 warm-up
     trace = out / runs["3"]["dir"] / "trace.jsonl"
     assert runs["3"]["median_tflops_per_gpu"] == _hand_median(trace)
