@@ -37,7 +37,14 @@ def hf_table_lines(results: Mapping[str, tuple[str, int, int]]) -> list[str]:
 
 
 def main() -> None:
+    import argparse
     import warnings
+
+    argparse.ArgumentParser(
+        description="Print the README's conformance table: for every architecture of tests/test_conformance.py, "
+        "the FLOPs torch.utils.flop_counter.FlopCounterMode measures on the real megatron-core module and "
+        "estimate --attention full's. Needs megatron-core; about 20 s on 2 cores. tests/test_conformance.py "
+        "checks that README.md holds exactly this output.").parse_args()
 
     warnings.filterwarnings("ignore")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

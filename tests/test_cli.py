@@ -469,3 +469,12 @@ def test_yaml_is_mentioned_with_the_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "yaml", None)
     err = _error(capsys, "estimate", "--model", _file(tmp_path, "num_layers: 2\n", "m.yaml"), "--seqlens", "[8]")
     assert "pip install 'megatron-flops[yaml]'" in err
+
+
+def test_seq_length_alone_is_one_row_and_text_shows_the_priced_vocabulary(tmp_path, capsys):
+    path = _file(tmp_path, TC)  # vocab_size 100, padded to 128 (make_vocab_size_divisible_by 128)
+    one = _json(capsys, "estimate", "--model", path, "--seq-length", "8")
+    assert one == _json(capsys, "estimate", "--model", path, "--seq-length", "8", "--batch-size", "1")
+    assert one["num_rows"] == 1 and one["vocab_size"] == 100 and one["padded_vocab_size"] == 128
+    assert main(["estimate", "--model", path, "--seq-length", "8"]) == 0
+    assert "vocabulary as priced: 128 (padded from 100)\n" in capsys.readouterr().out

@@ -89,6 +89,7 @@ def _report(
         "num_tokens": stats.num_tokens,
         "num_padded_tokens": stats.num_padded_tokens,
         "sum_seqlen_squared": stats.sum_seqlen_squared,
+        "vocab_size": spec.vocab_size,
         "padded_vocab_size": spec.padded_vocab_size,
     }
 
@@ -106,6 +107,8 @@ def _format_report(report: dict[str, Any]) -> str:
         f"rows: {report['num_rows']}  sequences: {report['num_sequences']}  "
         f"tokens: {report['num_tokens']:,} real / {report['num_padded_tokens']:,} padded",
         f"attention convention: {report['attention']}",
+        f"vocabulary as priced: {report['padded_vocab_size']:,}" + (
+            f" (padded from {report['vocab_size']:,})" if report["padded_vocab_size"] != report["vocab_size"] else ""),
         "",
         *format_components(report["components"], total),
         "",
@@ -133,15 +136,16 @@ def _rows_from_args(args: argparse.Namespace, seq_length: int | None) -> tuple[R
                     raise ValueError(f"--seqlens rows[{i}] holds {row.num_padded_tokens:,} tokens, more than "
                                      f"--seq-length {seq_length:,}")
         return rows
-    if args.batch_size is None:
-        if args.seq_length is not None:
-            raise ValueError("--seq-length N needs --batch-size B (or --seqlens ROWS, priced against N)")
-        return None
+    batch_size = args.batch_size
+    if batch_size is None:
+        if args.seq_length is None:
+            return None
+        batch_size = 1  # --seq-length N alone: one row
     if seq_length is None:
         raise ValueError("--batch-size B needs --seq-length N")
-    if not 0 < args.batch_size <= MAX_BATCH_SIZE:
-        raise ValueError(f"--batch-size must be between 1 and {MAX_BATCH_SIZE:,}, got {args.batch_size}")
-    return (Row(seqlens=(seq_length,), padded_seqlens=(seq_length,), num_padded_tokens=seq_length),) * args.batch_size
+    if not 0 < batch_size <= MAX_BATCH_SIZE:
+        raise ValueError(f"--batch-size must be between 1 and {MAX_BATCH_SIZE:,}, got {batch_size}")
+    return (Row(seqlens=(seq_length,), padded_seqlens=(seq_length,), num_padded_tokens=seq_length),) * batch_size
 
 
 def _add_vision(report: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
@@ -293,7 +297,7 @@ def add_parser(sub: Any) -> None:
     est.add_argument("--seq-length", type=int, metavar="N",
                      help="the training sequence length: with --batch-size, B rows of one N-token sequence; "
                           "with --seqlens, the length the static number prices each row at")
-    est.add_argument("--batch-size", type=int, metavar="B", help="number of rows (with --seq-length)")
+    est.add_argument("--batch-size", type=int, metavar="B", help="number of rows (with --seq-length; default 1)")
     est.add_argument("--grid-thw", metavar="GRIDS",
                      help="JSON list of [t, h, w] vision grids (inline or a file): prices the vision tower")
     est.add_argument("--attention", choices=ATTENTION_CONVENTIONS, default="causal",
