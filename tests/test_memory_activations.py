@@ -210,3 +210,34 @@ def test_lora_saved_bytes_match_megatron_core(mcore, name):
     assert act.components["lora"] == BASE["num_layers"] * len(targets) * tokens * LORA_RANK * a
     assert measured_forward == [act.forward + delta] * NUM_MB
     assert measured_peak == schedule_peak([act], in_flight(par, NUM_MB, 0))[0] + delta
+
+
+MLA_DENSE = {k: v for k, v in MLA.items() if not k.startswith(("mtp_", "moe_", "num_moe"))}
+MLA_CASES = {
+    "q_lora, no latent norms": dict(MLA_DENSE, q_lora_rank=24),
+    "q_lora, qk_layernorm (the latent norms)": dict(MLA_DENSE, q_lora_rank=24, qk_layernorm=True),
+    "direct q, qk_layernorm": dict(MLA_DENSE, q_lora_rank=None, qk_layernorm=True),
+    "q_lora, MoE every other layer, shared experts, alltoall": dict(
+        MLA, q_lora_rank=24, mtp_num_layers=None, moe_token_dispatcher_type="alltoall"),
+}
+
+
+@pytest.mark.parametrize("name", list(MLA_CASES))
+def test_mla_saved_bytes_match_megatron_core(mcore, name):
+    fields = dict(MLA_CASES[name], hidden_dropout=0.0, attention_dropout=0.0)
+    measured_forward, measured_peak = _measure(fields, "rope", "fp32")
+    model = dict(fields, vocab_size=VOCAB)
+    spec = ModelSpec.from_mapping(model)
+    options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
+                                               position_embedding_type="rope"))
+    par = Parallelism()
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype="fp32")
+    act = chunk_activations(spec, options, par, training, pp_rank=0, chunk=0)
+    # torch's CPU RMSNorm is composite and also keeps x * rstd: [T, h] per main norm (2 per
+    # layer + final), [T, q_lora] and [T, kv_lora] per layer for the latent norms.
+    tokens, layers = SEQ * MBS, fields["num_layers"]
+    delta = (2 * layers + 1) * tokens * fields["hidden_size"] * 4
+    if fields.get("qk_layernorm"):
+        delta += layers * tokens * ((fields.get("q_lora_rank") or 0) + fields["kv_lora_rank"]) * 4
+    assert measured_forward == [act.forward + delta] * NUM_MB
+    assert measured_peak == schedule_peak([act], in_flight(par, NUM_MB, 0))[0] + delta

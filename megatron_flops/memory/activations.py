@@ -167,14 +167,16 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
             return "activations of LoRA/frozen decoders are modelled for dense layers (no MoE, MLA or MTP)"
         if recompute is not None:
             return "activations of LoRA/frozen decoders are modelled without recompute"
-    if spec.mla is not None or spec.mtp_num_layers:
-        return "activations are modelled without multi-latent attention or multi-token prediction"
+    if spec.mtp_num_layers:
+        return "activations are modelled without multi-token prediction"
+    if spec.mla is not None and recompute is not None:
+        return "activations of multi-latent attention are modelled without recompute"
     if spec.moe is not None:
         reason = _moe_reason(spec, options, par, recompute)
         if reason is not None:
             return reason
-    if options.qk_layernorm:
-        return "activations are modelled without qk_layernorm"
+    if options.qk_layernorm and spec.mla is None:
+        return "activations are modelled without qk_layernorm (but for multi-latent attention's latent norms)"
     if recompute is not None and recompute.granularity == "selective":
         other = [m for m in recompute.modules if m not in SUPPORTED_SELECTIVE]
         if other:
@@ -234,6 +236,13 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
         kept = 3 * q if gqa else (2 * q + qkv_out if x.rot else qkv_out)
         transient = 0
     w.act("attention", kept)
+    _softmax(w, x, options, checkpointed=checkpointed, transient=transient)
+    w.linear("attention", "linear_proj", T * x.heads * d * a, T, a)
+
+
+def _softmax(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool, transient: int = 0) -> None:
+    """The local attention's mask (once per chunk), softmax output and dropout."""
+    a = x.act
     if w.grad.started and not w.grad.mask_saved:
         w.keep("attention", x.b * x.s * x.s)  # bool [b, 1, s, s], once per model chunk
         w.grad.mask_saved = True
@@ -248,7 +257,34 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
         w.region(transient + core)
     else:
         w.act("attention", core)
-    w.linear("attention", "linear_proj", T * x.heads * d * a, T, a)
+
+
+def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
+    """Multi-latent attention (TP 1) after the input norm: the norm's output (read by the query
+    and the kv down projections), the latents (with ``qk_layernorm``: their norms' inputs and
+    fp32 statistics, and outputs), RoPE's cos and sin, the concatenated query and key [T, heads,
+    qk + rope] and a contiguous value [T, heads, v], the core attention, ``linear_proj``'s input."""
+    mla = spec.mla
+    assert mla is not None
+    T, a, heads = x.tokens, x.act, x.heads
+    norm = options.qk_layernorm
+    w.keep("attention", T * x.h * a)
+    if mla.q_lora_rank is not None:
+        latent = T * mla.q_lora_rank * a  # q_down's output = q_up's input, or the q norm's input
+        w.keep("attention", latent + ((T * NORM_STATS_BYTES + latent) if norm else 0))
+    # kv_down's output [T, kv_lora + rope] (kv_up's input is a view of it, or the kv norm's).
+    w.keep("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a)
+    if norm:
+        w.keep("attention", T * NORM_STATS_BYTES + T * mla.kv_lora_rank * a)
+    w.keep("attention", 4 * x.s * mla.qk_pos_emb_head_dim * a)  # cos and sin, for q and for k
+    qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
+    v = T * heads * mla.v_head_dim * a
+    w.keep("attention", 2 * qk + v)
+    if options.attention_backend == "flash":
+        w.keep("attention", x.b * heads * x.s * 4 + v)  # fp32 log-sum-exp, the output
+        return
+    _softmax(w, x, options, checkpointed=False)
+    w.keep("attention", v)  # linear_proj input
 
 
 def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
@@ -272,7 +308,10 @@ def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:
 def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core_attn: bool,
            moe: bool = False) -> None:
     _norm(w, "norm", x, options)
-    _attention(w, x, options, checkpointed=core_attn)
+    if spec.mla is not None:
+        _mla_attention(w, x, spec, options)
+    else:
+        _attention(w, x, options, checkpointed=core_attn)
     _dropout_mask(w, x, options)
     _norm(w, "norm", x, options)
     if moe:
