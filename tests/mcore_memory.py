@@ -436,7 +436,9 @@ def metered_forward_step(meter: SavedTensorMeter, chunks: List[torch.nn.Module])
         batch = next(data_iterator)
         meter.forward_chunks.append(next(i for i, c in enumerate(chunks) if c is model))
         with meter.one_forward():
-            output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+            # (As Megatron-LM's forward_step: the loss mask too, which multi-token prediction reads.)
+            output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                           loss_mask=batch["loss_mask"])
         return output, lambda out: loss_func(batch["loss_mask"], out)
 
     return forward_step

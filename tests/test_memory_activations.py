@@ -219,11 +219,16 @@ MLA_CASES = {
     "direct q, qk_layernorm": dict(MLA_DENSE, q_lora_rank=None, qk_layernorm=True),
     "q_lora, MoE every other layer, shared experts, alltoall": dict(
         MLA, q_lora_rank=24, mtp_num_layers=None, moe_token_dispatcher_type="alltoall"),
+    # Multi-token prediction (its layer: the last layer's kind, here MoE).
+    "q_lora, qk_layernorm, MoE every other layer, 1 MTP layer": dict(
+        MLA, q_lora_rank=24, qk_layernorm=True, moe_token_dispatcher_type="alltoall"),
+    "dense GPT, 2 MTP layers": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                    normalization="RMSNorm", add_bias_linear=False, mtp_num_layers=2),
 }
 
 
 @pytest.mark.parametrize("name", list(MLA_CASES))
-def test_mla_saved_bytes_match_megatron_core(mcore, name):
+def test_mla_mtp_saved_bytes_match_megatron_core(mcore, name):
     fields = dict(MLA_CASES[name], hidden_dropout=0.0, attention_dropout=0.0)
     measured_forward, measured_peak = _measure(fields, "rope", "fp32")
     model = dict(fields, vocab_size=VOCAB)
@@ -235,8 +240,10 @@ def test_mla_saved_bytes_match_megatron_core(mcore, name):
     act = chunk_activations(spec, options, par, training, pp_rank=0, chunk=0)
     # torch's CPU RMSNorm is composite and also keeps x * rstd: [T, h] per main norm (2 per
     # layer + final), [T, q_lora] and [T, kv_lora] per layer for the latent norms.
-    tokens, layers = SEQ * MBS, fields["num_layers"]
-    delta = (2 * layers + 1) * tokens * fields["hidden_size"] * 4
+    # An MTP layer adds 5 norms (enorm, hnorm, its layer's two, its final norm).
+    tokens, mtp = SEQ * MBS, fields.get("mtp_num_layers") or 0
+    layers = fields["num_layers"] + mtp
+    delta = (2 * layers + 1 + 3 * mtp) * tokens * fields["hidden_size"] * 4
     if fields.get("qk_layernorm"):
         delta += layers * tokens * ((fields.get("q_lora_rank") or 0) + fields["kv_lora_rank"]) * 4
     assert measured_forward == [act.forward + delta] * NUM_MB

@@ -167,8 +167,8 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
             return "activations of LoRA/frozen decoders are modelled for dense layers (no MoE, MLA or MTP)"
         if recompute is not None:
             return "activations of LoRA/frozen decoders are modelled without recompute"
-    if spec.mtp_num_layers:
-        return "activations are modelled without multi-token prediction"
+    if spec.mtp_num_layers and (par.tp > 1 or recompute is not None):
+        return "activations of multi-token prediction are modelled with --tp 1 and without recompute"
     if spec.mla is not None and recompute is not None:
         return "activations of multi-latent attention are modelled without recompute"
     if spec.moe is not None:
@@ -420,12 +420,33 @@ def chunk_activations(
             _layer(w, x, spec, options, core_attn=core_attn, moe=kinds[layer][1] == "moe")
     if par.is_last_stage(pp_rank, chunk):
         _norm(w, "output", x, options)
-        # output_layer input (a slice under sequence parallelism).
-        w.linear("output", "output_layer", x.local_tokens * x.h * x.act, x.tokens, x.act)
+        for _ in range(spec.mtp_num_layers):
+            _mtp_layer(w, x, spec, options)
+        # output_layer input (a slice under sequence parallelism): with MTP, one storage holding
+        # the main and every MTP layer's hidden states, which megatron-core chunks.
+        w.linear("output", "output_layer", (1 + spec.mtp_num_layers) * x.local_tokens * x.h * x.act, x.tokens,
+                 x.act)
         # Cross-entropy: fp32 softmax [T, V/TP], target mask (bool), masked targets (int64);
         # loss_func's fp32 loss mask.
         w.act("output", x.tokens * (x.vocab * 4 + 1 + INDEX_BYTES + 4))
     return w.out
+
+
+def _mtp_layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
+    """One multi-token-prediction layer (TP 1): the embedding's rolled ids (and positions), its
+    ``enorm`` and ``hnorm`` (of the previous hidden states), ``eh_proj``'s input [T, 2h], a
+    decoder layer of the last layer's kind, its final norm, and its loss: cross-entropy, the
+    rolled fp32 loss mask and the scaled per-token loss ``MTPLossAutoScaler`` keeps."""
+    T, a = x.tokens, x.act
+    positions = options.position_embedding_type == "learned_absolute"
+    w.keep("mtp", T * INDEX_BYTES * (2 if positions else 1))
+    _dropout_mask(w, x, options)
+    _norm(w, "mtp", x, options)
+    _norm(w, "mtp", x, options)
+    w.keep("mtp", T * 2 * x.h * a)
+    _layer(w, x, spec, options, core_attn=False, moe=spec.mtp_ffn == "moe")
+    _norm(w, "mtp", x, options)
+    w.keep("mtp", T * (x.vocab * 4 + 1 + INDEX_BYTES) + T * 4 + T * 4)
 
 
 def _peft_grad(peft: PeftSpec | None, *, first_stage: bool) -> _Grad:
