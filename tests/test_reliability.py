@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,3 +110,77 @@ def test_the_trace_line_is_written_before_the_step_clock_starts():
         session.end_step()
     session.close()
     assert trace.lines == [1.0, 1.0, 1.0, 1.0]
+
+
+# ---- model files -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [1e308, float("inf"), float("nan"), -1.0])
+def test_a_vision_mlp_ratio_out_of_range_names_the_field(ratio):
+    from megatron_flops.vision import VisionSpec
+
+    config = dict(depth=2, embed_dim=32, hidden_size=48, num_heads=4, patch_size=2, mlp_ratio=ratio)
+    with pytest.raises(ValueError, match="mlp_ratio"):
+        VisionSpec.from_hf_vision_config("qwen2_vl", config)
+
+
+# 342 bytes: 9 levels of 9 aliases, 9^9 (387 million) strings once expanded.
+ALIAS_BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=100)
+
+
+def _cli(*argv: str, stdin: int | None = subprocess.DEVNULL) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess, so that a hang fails the test (a generous bound) instead of the run."""
+    return subprocess.run([sys.executable, "-m", "megatron_flops", *argv], capture_output=True, text=True,
+                          timeout=180, stdin=stdin)
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, *names: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    err = proc.stderr
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for name in names:
+        assert name in err, err
+    return err
+
+
+def test_a_yaml_alias_bomb_is_refused_without_expanding(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(ALIAS_BOMB)
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(LLAMA))
+    _one_line_error(_cli("estimate", "--model", str(bomb), "--seq-length", "16"), "bomb.yaml", "alias")
+    _one_line_error(_cli("memory", "--model", str(bomb), "--seq-length", "16"), "bomb.yaml", "alias")
+    _one_line_error(_cli("estimate", "--model", str(model), "--seqlens", str(bomb)), "bomb.yaml", "alias")
+    with pytest.raises(ValueError, match="alias"):
+        FlopsTracker.from_model_file(bomb)
+
+
+def test_a_self_referencing_yaml_alias_is_refused(tmp_path):
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("a: &a [*a]\n")
+    _one_line_error(_cli("estimate", "--model", str(loop), "--seq-length", "16"), "loop.yaml", "nested")
+
+
+def test_yaml_anchors_that_do_not_multiply_still_load(tmp_path):
+    model = tmp_path / "model.yaml"
+    model.write_text("num_layers: 2\nhidden_size: &h 64\nnum_attention_heads: 4\nffn_hidden_size: *h\n"
+                     "vocab_size: 100\n")
+    assert FlopsTracker.from_model_file(model).spec.ffn_hidden_size == 64
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom", "fifo", "directory"])
+def test_a_model_file_that_is_not_a_regular_file_is_refused_before_reading(tmp_path, device):
+    if device == "fifo":
+        path = str(tmp_path / "model.json")
+        os.mkfifo(path)  # nobody writes it: opening it for reading the usual way waits forever
+    elif device == "directory":
+        path = str(tmp_path)
+    else:
+        path = device
+        if not os.path.exists(path):
+            pytest.skip(f"no {path}")
+    _one_line_error(_cli("estimate", "--model", path, "--seq-length", "16"), path, "not a regular file")
+    _one_line_error(_cli("memory", "--model", path, "--seq-length", "16"), path, "not a regular file")
+    _one_line_error(_cli("estimate", "--megatron-args", path), path, "not a regular file")
