@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_train import header, step
 
 from megatron_flops.result import StepResult
 from megatron_flops.session import Session, install_session, uninstall_session
@@ -184,3 +185,122 @@ def test_a_model_file_that_is_not_a_regular_file_is_refused_before_reading(tmp_p
     _one_line_error(_cli("estimate", "--model", path, "--seq-length", "16"), path, "not a regular file")
     _one_line_error(_cli("memory", "--model", path, "--seq-length", "16"), path, "not a regular file")
     _one_line_error(_cli("estimate", "--megatron-args", path), path, "not a regular file")
+
+
+# ---- compare ---------------------------------------------------------------------------------------
+
+
+def _lines(*objs: dict) -> str:
+    return "".join(json.dumps(o) + "\n" for o in objs)
+
+
+def _compare(capsys, tmp_path: Path, text: str | bytes, *flags: str) -> tuple[int, str, str]:
+    from megatron_flops.cli import main
+
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    rc = main(["compare", str(path), *flags])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _compare_error(capsys, tmp_path: Path, text: str | bytes, *flags: str) -> str:
+    rc, _, err = _compare(capsys, tmp_path, text, *flags)
+    assert rc == 2 and err.count("\n") == 1 and "t.jsonl" in err, err
+    return err
+
+
+def test_two_runs_interleaved_in_one_trace_are_refused_not_pooled(capsys, tmp_path):
+    # Run A (1 s/step) and run B (4 s/step) append to one file at once. Before: one segment with
+    # every iteration twice, median 2.5 s.
+    a, b = header(warmup=0), header(warmup=0)
+    text = _lines(a, b, *[step(i, flops=10**12, tokens=1, elapsed_s=e) for i in range(1, 6) for e in (1.0, 4.0)])
+    assert "iteration 1 after 1" in _compare_error(capsys, tmp_path, text)
+
+
+@pytest.mark.parametrize("iterations", [(1, 2, 2, 3), (1, 3, 2, 4)])
+def test_repeated_or_backwards_iterations_in_one_segment_are_refused(capsys, tmp_path, iterations):
+    text = _lines(header(warmup=0), *[step(i, flops=1, tokens=1, elapsed_s=1.0) for i in iterations])
+    assert "line 4" in _compare_error(capsys, tmp_path, text)
+
+
+def test_a_restart_still_pools_its_segments(capsys, tmp_path):
+    text = _lines(header(warmup=0), *[step(i, flops=1, tokens=1, elapsed_s=1.0) for i in (1, 2)],
+                  header(warmup=0), *[step(i, flops=1, tokens=1, elapsed_s=1.0) for i in (2, 3)])
+    assert _compare(capsys, tmp_path, text)[0] == 0
+
+
+OK_STEP = step(1, flops=10**12, tokens=1, elapsed_s=1.0)
+BAD_LINES = {
+    "integer past float range": _lines(header(warmup=0), {**OK_STEP, "flops": 10**400}),
+    "integer past int64": _lines(header(warmup=0), {**OK_STEP, "num_tokens": 2**63}),
+    "integer past the digit limit": _lines(header(warmup=0)) + '{"iteration": 1, "flops": ' + "9" * 5000 + "}\n",
+    "deeply nested": _lines(header(warmup=0)) + "[" * 100_000 + "]" * 100_000 + "\n",
+    "NaN elapsed": _lines(header(warmup=0)) + json.dumps({**OK_STEP, "elapsed_s": float("nan")}) + "\n",
+    "Infinity elapsed": _lines(header(warmup=0)) + json.dumps({**OK_STEP, "elapsed_s": float("inf")}) + "\n",
+    "denormal elapsed": _lines(header(warmup=0), {**OK_STEP, "elapsed_s": 5e-324}),
+    "NaN peak": json.dumps({"run": {**header(warmup=0)["run"], "peak_flops_per_s": float("nan")}}) + "\n" + _lines(OK_STEP),
+    "Infinity peak": json.dumps({"run": {**header(warmup=0)["run"], "peak_flops_per_s": float("inf")}}) + "\n"
+                     + _lines(OK_STEP),
+    "denormal peak": _lines({"run": {**header(warmup=0)["run"], "peak_flops_per_s": 5e-324}}, OK_STEP),
+    "not UTF-8": _lines(header(warmup=0)).encode() + b"\xff\xfe\n",
+}
+
+
+@pytest.mark.parametrize("case", BAD_LINES)
+@pytest.mark.parametrize("as_json", [False, True])
+def test_compare_refuses_numbers_that_are_not_measurements(capsys, tmp_path, case, as_json):
+    _compare_error(capsys, tmp_path, BAD_LINES[case], *(["--json"] if as_json else []))
+
+
+@pytest.mark.parametrize("peak", ["nan", "inf", "1e300", "-1", "0"])
+def test_compare_refuses_a_peak_that_is_not_finite(capsys, tmp_path, peak):
+    rc, _, err = _compare(capsys, tmp_path, _lines(header(warmup=0), OK_STEP), "--peak-tflops", peak)
+    assert rc == 2 and "--peak-tflops" in err
+
+
+def test_compare_output_is_finite_json(capsys, tmp_path):
+    text = _lines({"run": {**header(warmup=0)["run"], "peak_flops_per_s": 10**15}},
+                  *[step(i, flops=10**12, tokens=1, elapsed_s=1e-290) for i in (1, 2)])
+    rc, out, err = _compare(capsys, tmp_path, text, "--json")
+    assert rc == 0, err
+    json.loads(out, parse_constant=lambda token: pytest.fail(f"{token} in the JSON"))
+
+
+def test_compare_bounds_what_it_reads(capsys, tmp_path):
+    from megatron_flops.cli import main
+    from megatron_flops.runs import MAX_TRACE_BYTES
+
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(MAX_TRACE_BYTES + 1)  # sparse: nothing is written
+    assert main(["compare", str(big)]) == 2
+    assert "big.jsonl" in capsys.readouterr().err
+    half = tmp_path / "half.jsonl"
+    with open(half, "wb") as f:
+        f.truncate(MAX_TRACE_BYTES // 2 + 1)
+    assert main(["compare", str(half), str(half)]) == 2
+    assert "compare reads at most" in capsys.readouterr().err
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    proc = _cli("compare", str(fifo))
+    _one_line_error(proc, "fifo.jsonl", "not a regular file")
+
+
+@pytest.mark.parametrize("argv", [["compare", "{trace}", "--json"], ["memory", "--model", "{model}", "--seq-length", "16"],
+                                  ["estimate", "--model", "{model}", "--seq-length", "16", "--batch-size", "1"]])
+def test_a_closed_stdout_ends_quietly(tmp_path, argv):
+    # `... | head -1`: the reader is gone before the output is written. Before: a BrokenPipeError traceback.
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(_lines(header(warmup=0), *[step(i, flops=10**12, tokens=1, elapsed_s=1.0) for i in (1, 2)]))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(LLAMA))
+    argv = [a.format(trace=trace, model=model) for a in argv]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "megatron_flops", *argv], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=180)
+    finally:
+        os.close(write)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
