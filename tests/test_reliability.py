@@ -304,3 +304,160 @@ def test_a_closed_stdout_ends_quietly(tmp_path, argv):
     finally:
         os.close(write)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+# ---- sweep -----------------------------------------------------------------------------------------
+
+FAKE = str(Path(__file__).with_name("fake_train.py"))
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _sweep(capsys, *args: str) -> tuple[int, str, str]:
+    from megatron_flops.cli import main
+
+    code = main(["sweep", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def test_sweep_modules_import_one_way():
+    import ast
+
+    for name in ("sweep_results", "sweep_files", "sweep_plan", "plot", "compare"):
+        tree = ast.parse((ROOT / "megatron_flops" / "cli" / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert "megatron_flops.cli.sweep" not in imported, name
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_second_sweep_on_a_running_sweeps_out_is_refused(tmp_path, capsys):
+    import signal
+
+    out = tmp_path / "sw"
+    args = ["--param", "mode=hang", "--timeout", "600", "--out", str(out), "--", sys.executable, FAKE, "--mode", "{mode}"]
+    first = subprocess.Popen([sys.executable, "-m", "megatron_flops", "sweep", *args], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        log = out / "000_mode-hang" / "r1" / "log.txt"
+        _wait_for(lambda: log.exists() and "hanging" in log.read_text(), "the first sweep's run to hang")
+        code, _, err = _sweep(capsys, *args)
+        assert code == 2 and "is in use by another sweep" in err and str(out) in err, err
+        assert "hanging" in log.read_text()  # before: the second sweep deleted the running run's folder
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=120)
+    assert first.returncode == 130
+
+
+def test_sweep_out_problems_are_one_line_naming_the_file(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    cmd = ["--", sys.executable, FAKE, "--mode", "{mode}"]
+    code, _, err = _sweep(capsys, "--param", "mode=ok", "--out", str(tmp_path / "file" / "sw"), *cmd)
+    assert code == 2 and err.count("\n") == 1 and "--out" in err, err
+    out = tmp_path / "sw"
+    assert _sweep(capsys, "--param", "mode=ok", "--out", str(out), *cmd)[0] == 0
+    record = out / "000_mode-ok" / "r1" / "run.json"
+    for bad in ("{not json", "[]", json.dumps({"returncode": "0", "timed_out": False, "wall_s": 1.0})):
+        record.write_text(bad)
+        code, _, err = _sweep(capsys, "--param", "mode=ok", "--out", str(out), *cmd)
+        assert code == 2 and err.count("\n") == 1 and "run.json" in err, err
+    record.unlink()
+    for bad in ("{not json", "[1]", "NaN"):
+        (out / "sweep.json").write_text(bad)
+        code, _, err = _sweep(capsys, "--param", "mode=ok", "--out", str(out), *cmd)
+        assert code == 2 and err.count("\n") == 1 and "sweep.json" in err, err
+
+
+@pytest.mark.parametrize("plot, message", [("missing/p.png", "does not exist"), ("p", "name a file ending in"),
+                                           (".", "is a directory"), ("p.nope", "name a file ending in")])
+def test_the_plot_destination_is_checked_before_any_run(tmp_path, capsys, monkeypatch, plot, message):
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _sweep(capsys, "--param", "mode=ok", "--out", "sw", "--plot", plot,
+                          "--", sys.executable, FAKE, "--mode", "{mode}")
+    assert code == 2 and message in err and "--plot" in err, err
+    assert not (tmp_path / "sw").exists()  # no run started
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(_lines(header(warmup=0), OK_STEP))
+    from megatron_flops.cli import main
+
+    assert main(["compare", str(trace), "--plot", plot]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [(["--timeout", "nan"], "--timeout"), (["--timeout", "inf"], "--timeout"),
+                                            (["--repeats", str(10**9)], "--repeats"),
+                                            (["--param", "b=" + ",".join(map(str, range(20_000)))], "combinations")])
+def test_sweep_bounds_its_inputs(tmp_path, capsys, flags, message):
+    command = ["--", "x", "{a}"] + (["{b}"] if "b=0,1" in " ".join(flags) else [])
+    code, _, err = _sweep(capsys, "--param", "a=1", *flags, "--out", str(tmp_path / "sw"), *command)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_brace_is_escaped_by_doubling_it():
+    from megatron_flops.cli.sweep import check_command, plan
+
+    command = ["echo", "{{a}", "{a}", "${HOME}", "{{", "}}"]
+    check_command(command, {"a": ["1"]})
+    assert plan({"a": ["1"]}, 1)[0].argv(command, Path("."))[1:] == ["{a}", "1", "${HOME}", "{", "}}"]
+
+
+def test_oom_needs_a_real_out_of_memory_signature(tmp_path, capsys, monkeypatch):
+    from megatron_flops.cli import sweep
+
+    out = tmp_path / "sw"
+    code, _, _ = _sweep(capsys, "--param", "mode=banner,killed,oom", "--out", str(out),
+                        "--", sys.executable, FAKE, "--mode", "{mode}")
+    statuses = {r["params"]["mode"]: (r["status"], r["reason"])
+                for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert statuses["banner"] == ("failed", "exit code 1")  # before: oom, from the hint's words
+    assert statuses["killed"] == ("failed", "killed by SIGKILL")
+    assert statuses["oom"][0] == "oom"
+    # A SIGKILL while the kernel's out-of-memory killer counted a kill: oom.
+    counts = iter(range(100))
+    monkeypatch.setattr(sweep, "oom_kill_count", lambda: next(counts))
+    code, _, _ = _sweep(capsys, "--param", "mode=killed", "--out", str(tmp_path / "sw2"),
+                        "--", sys.executable, FAKE, "--mode", "{mode}")
+    run = json.loads((tmp_path / "sw2" / "results.json").read_text())["runs"][0]
+    assert (run["status"], run["reason"]) == ("oom", "killed by SIGKILL by the kernel's out-of-memory killer")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_second_ctrl_c_kills_a_run_that_ignores_sigterm(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "sw"
+    sweep = subprocess.Popen([sys.executable, "-m", "megatron_flops", "sweep", "--param", "mode=stubborn",
+                              "--timeout", "600", "--out", str(out), "--", sys.executable, FAKE, "--mode", "{mode}"],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        log = out / "000_mode-stubborn" / "r1" / "log.txt"
+        _wait_for(lambda: log.exists() and "stubborn " in log.read_text(), "the run to start its child")
+        pids = [int(p) for p in log.read_text().split("stubborn ")[1].split()[:2]]
+        sweep.send_signal(signal.SIGINT)
+        time.sleep(1.0)  # the sweep is now in the SIGTERM grace period, which the run ignores
+        sweep.send_signal(signal.SIGINT)
+        sweep.communicate(timeout=120)
+    finally:
+        sweep.kill()
+    assert sweep.returncode == 130
+    for pid in pids:  # before: both outlived the sweep
+        _wait_for(lambda: not _alive(pid), f"pid {pid} to be gone", timeout_s=60)

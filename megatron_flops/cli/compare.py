@@ -107,9 +107,9 @@ def format_run(index: int, run: RunStats, base: RunStats) -> list[str]:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     if args.plot:
-        from megatron_flops.cli.plot import require_matplotlib
+        from megatron_flops.cli.plot import check_plot_path
 
-        require_matplotlib("--plot")
+        check_plot_path(args.plot, "--plot")
     runs, warnings = load_runs(args.traces, warmup=args.warmup, segments=args.segments, peak_tflops=args.peak_tflops)
     if args.json:
         records = [run_record(run, runs[0]) for run in runs]
