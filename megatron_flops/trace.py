@@ -23,6 +23,7 @@ else the tracker's), ``num_tokens``, ``num_padded_tokens``, ``num_sequences``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -82,8 +83,17 @@ class TraceWriter:
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             raise ValueError(f"trace {self.path} is closed")
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+        except BaseException:
+            # NB: a failed write may leave half a line: writing on after it (a disk that frees up)
+            # would put a torn line mid-file. Stop here: the file stays readable, the torn last
+            # line skipped.
+            with contextlib.suppress(OSError):
+                self.close()
+            self._file = None
+            raise
 
 
 def _lock(file: IO[str], path: str) -> None:
