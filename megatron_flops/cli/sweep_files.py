@@ -44,9 +44,9 @@ def read_record(path: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     record = _read_json(path, "run record")
-    fields = {"returncode": int, "timed_out": bool, "wall_s": (int, float)}
+    fields: dict[str, type | tuple[type, ...]] = {"returncode": int, "timed_out": bool, "wall_s": (int, float)}
     bad = [key for key, kind in fields.items() if not isinstance(record, dict) or not isinstance(record.get(key), kind)]
-    if bad or (record["wall_s"] is not None and not math.isfinite(record["wall_s"])):
+    if bad or not math.isfinite(record["wall_s"]):
         raise ValueError(f"run record {str(path)!r} is malformed ({', '.join(bad) or 'wall_s'}); "
                          "delete it to run that run again")
     return record
