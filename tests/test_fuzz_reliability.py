@@ -19,12 +19,12 @@ import pytest
 from fake_train import header, step
 
 from megatron_flops.cli import main
-from megatron_flops.result import StepResult
-from megatron_flops.runs import read_trace
-from megatron_flops.session import Session
-from megatron_flops.spec import ModelSpec
-from megatron_flops.trace import TraceWriter
-from megatron_flops.tracker import FlopsTracker
+from megatron_flops.tracking.result import StepResult
+from megatron_flops.reporting.runs import read_trace
+from megatron_flops.reporting.session import Session
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.reporting.trace import TraceWriter
+from megatron_flops.tracking.tracker import FlopsTracker
 
 FAKE = str(Path(__file__).with_name("fake_train.py"))
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=100)

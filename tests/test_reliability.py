@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from fake_train import header, step
 
-from megatron_flops.result import StepResult
-from megatron_flops.session import Session, install_session, uninstall_session
-from megatron_flops.spec import ModelSpec
-from megatron_flops.trace import TraceWriter
-from megatron_flops.tracker import FlopsTracker
+from megatron_flops.tracking.result import StepResult
+from megatron_flops.reporting.session import Session, install_session, uninstall_session
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.reporting.trace import TraceWriter
+from megatron_flops.tracking.tracker import FlopsTracker
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128)
 
@@ -118,7 +118,7 @@ def test_the_trace_line_is_written_before_the_step_clock_starts():
 
 @pytest.mark.parametrize("ratio", [1e308, float("inf"), float("nan"), -1.0])
 def test_a_vision_mlp_ratio_out_of_range_names_the_field(ratio):
-    from megatron_flops.vision import VisionSpec
+    from megatron_flops.flops.vision import VisionSpec
 
     config = dict(depth=2, embed_dim=32, hidden_size=48, num_heads=4, patch_size=2, mlp_ratio=ratio)
     with pytest.raises(ValueError, match="mlp_ratio"):
@@ -269,7 +269,7 @@ def test_compare_output_is_finite_json(capsys, tmp_path):
 
 def test_compare_bounds_what_it_reads(capsys, tmp_path):
     from megatron_flops.cli import main
-    from megatron_flops.runs import MAX_TRACE_BYTES
+    from megatron_flops.reporting.runs import MAX_TRACE_BYTES
 
     big = tmp_path / "big.jsonl"
     with open(big, "wb") as f:

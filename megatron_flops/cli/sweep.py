@@ -26,12 +26,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_flops.trace import TRACE_ENV as TRACE
+from megatron_flops.reporting.trace import TRACE_ENV as TRACE
 from megatron_flops.cli.plot import check_plot_path
 from megatron_flops.cli.sweep_plan import BUILTINS, Run, placeholders
 from megatron_flops.cli.sweep_files import claim_out, hold_out, read_record, write_json
 from megatron_flops.cli.sweep_results import OBJECTIVES, classify, collect, describe
-from megatron_flops.runs import DEFAULT_TOLERANCE
+from megatron_flops.reporting.runs import DEFAULT_TOLERANCE
 
 SWEEP_FORMAT = "megatron-flops-sweep/1"
 DEFAULT_TIMEOUT_S = 3600.0

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_flops._inputs import read_text
+from megatron_flops.model.inputs import read_text
 
 LOCK = ".lock"
 MAX_RECORD_BYTES = 2**20

@@ -24,7 +24,7 @@ from megatron_flops.cli.compare import LABELS, run_record
 from megatron_flops.cli.plot import SweepBar
 from megatron_flops.cli.sweep_files import read_record, write_json
 from megatron_flops.cli.sweep_plan import Run
-from megatron_flops.runs import RULE, Candidate, Recommendation, RunStats, comparability, read_trace, recommend, run_stats
+from megatron_flops.reporting.runs import RULE, Candidate, Recommendation, RunStats, comparability, read_trace, recommend, run_stats
 
 OBJECTIVES = {"tflops": "tflops_per_gpu", "tokens": "tokens_per_s_per_gpu"}
 STATUSES = ("ok", "failed", "timeout", "oom", "no-trace")
