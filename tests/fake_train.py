@@ -85,9 +85,10 @@ def main() -> int:
 
 
 def _stubborn() -> int:
-    """Ignore SIGTERM here and in a child (which inherits it); print both pids; wait forever."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    """Ignore SIGTERM here (saying so) and in a child; print both pids; wait forever."""
+    signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM ignored", flush=True))
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print('child ready', flush=True); time.sleep(3600)"])
     print(f"stubborn {os.getpid()} {child.pid}", flush=True)
     time.sleep(3600)
     return 0

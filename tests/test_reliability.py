@@ -442,7 +442,6 @@ def test_oom_needs_a_real_out_of_memory_signature(tmp_path, capsys, monkeypatch)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_second_ctrl_c_kills_a_run_that_ignores_sigterm(tmp_path):
     import signal
-    import time
 
     out = tmp_path / "sw"
     sweep = subprocess.Popen([sys.executable, "-m", "megatron_flops", "sweep", "--param", "mode=stubborn",
@@ -450,10 +449,11 @@ def test_a_second_ctrl_c_kills_a_run_that_ignores_sigterm(tmp_path):
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         log = out / "000_mode-stubborn" / "r1" / "log.txt"
-        _wait_for(lambda: log.exists() and "stubborn " in log.read_text(), "the run to start its child")
+        _wait_for(lambda: log.exists() and "child ready" in log.read_text(), "the run to start its child")
         pids = [int(p) for p in log.read_text().split("stubborn ")[1].split()[:2]]
         sweep.send_signal(signal.SIGINT)
-        time.sleep(1.0)  # the sweep is now in the SIGTERM grace period, which the run ignores
+        # The sweep is now in its 10 s SIGTERM grace period, which the run ignores.
+        _wait_for(lambda: "SIGTERM ignored" in log.read_text(), "the run to ignore SIGTERM")
         sweep.send_signal(signal.SIGINT)
         sweep.communicate(timeout=120)
     finally:
