@@ -38,12 +38,15 @@ def _header() -> dict:
 # ---- the trace writer ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["directory", "under a file", "disk full"])
+@pytest.mark.parametrize("where", ["directory", "under a file", "disk full", "fifo"])
 def test_a_trace_that_cannot_be_written_installs_the_session_anyway(tmp_path, caplog, where):
     # Before: install_session raised on the writing rank only (the other ranks then met the
-    # framework's collective with their reduction). Now it warns and installs the session.
+    # framework's collective with their reduction), or waited forever for a FIFO's reader. Now it
+    # warns and installs the session.
     (tmp_path / "file").write_text("x")
-    path = {"directory": tmp_path, "under a file": tmp_path / "file" / "trace.jsonl", "disk full": "/dev/full"}[where]
+    os.mkfifo(tmp_path / "fifo")
+    path = {"directory": tmp_path, "under a file": tmp_path / "file" / "trace.jsonl", "disk full": "/dev/full",
+            "fifo": tmp_path / "fifo"}[where]
     if where == "disk full" and not Path("/dev/full").exists():
         pytest.skip("no /dev/full")
     with caplog.at_level(logging.WARNING, logger="megatron_flops"):

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import stat
 import uuid
 from datetime import datetime, timezone
 from typing import IO, Any
@@ -51,7 +52,7 @@ class TraceWriter:
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
+        self._file: IO[str] | None = _open_regular(self.path)
         try:
             _lock(self._file, self.path)
             self._write({"run": {**header, "run_id": uuid.uuid4().hex[:16]}})
@@ -94,6 +95,19 @@ class TraceWriter:
                 self.close()
             self._file = None
             raise
+
+
+def _open_regular(path: str) -> IO[str]:
+    """``path`` opened to append, never waiting: a FIFO without a reader fails at once, and
+    anything but a regular file (a FIFO, a device) is refused."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"trace {path} is not a regular file")
+        return os.fdopen(fd, "a", encoding="utf-8")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _lock(file: IO[str], path: str) -> None:
