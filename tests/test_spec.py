@@ -189,7 +189,7 @@ def _model_file(tmp_path, **extra) -> str:
         (["--seqlens", "[8, 0]"], "--seqlens: rows[1]: length must be positive"),
         (["--seqlens", "[8, [3, 1.5]]"], "rows[1]"),
         (["--seqlens", "not-json-or-file"], "neither a JSON list nor a readable file"),
-        (["--seq-length", "8"], "--batch-size"),
+        (["--batch-size", "2"], "--batch-size B needs --seq-length N"),
         (["--seq-length", "-8", "--batch-size", "1"], "must be positive"),
     ],
 )

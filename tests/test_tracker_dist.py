@@ -148,7 +148,7 @@ def _expected(name: str, spec: ModelSpec) -> dict:
 
 @pytest.fixture(scope="module")
 def dist_results():
-    return mcore_dist.run_distributed(tracker_worker, WORLD, 2, timeout=240)
+    return mcore_dist.run_distributed(tracker_worker, WORLD, 2, timeout=900)
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "DP2xTP2"])

@@ -243,7 +243,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.plot:
         from megatron_flops.cli.plot import plot_sweep
 
-        plot_sweep(results.bars(), args.plot, metric=results.axis_label, threshold=results.threshold)
+        plot_sweep(results.bars(), args.plot, metric=results.axis_label, threshold=results.threshold,
+                   title=results.plot_title)
         print(f"plot written to {args.plot}")
     if interrupted:
         finished = sum(1 for run in runs if (out / run.dir / "run.json").exists())

@@ -36,6 +36,7 @@ _ACTIVATIONS: dict[str, bool] = {
     "squared_relu": False,
     "relu2": False,
     "tanh": False,
+    "xielu": False,
     "swiglu": True,
     "geglu": True,
     "reglu": True,

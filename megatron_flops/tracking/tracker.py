@@ -34,7 +34,7 @@ from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.tracking.pricing import DecoderPricing
 from megatron_flops.model.spec import ModelSpec, load_model_file
 from megatron_flops.tracking.step_tracker import StepTracker
-from megatron_flops.flops.vision import VisionSpec, vision_spec_from_model_mapping
+from megatron_flops.flops.vision import VisionSpec, hf_vision_sections, vision_spec_from_model_mapping
 
 
 class FlopsTracker(StepTracker):
@@ -254,7 +254,7 @@ def tracker_from_model_file(path: str | Path, **options: Any) -> FlopsTracker | 
     defaults = {
         "peft": PeftSpec.from_lora_mapping(raw["lora"], source=source) if raw.get("lora") is not None else None,
         "recompute": RecomputeSpec.from_mapping(raw, source=source),
-        "vision": vision_spec_from_model_mapping(raw) if "vision_config" in raw else None,
+        "vision": vision_spec_from_model_mapping(raw) if hf_vision_sections(raw) is not None else None,
     }
     return FlopsTracker(spec, **{**defaults, **options})
 
