@@ -260,7 +260,7 @@ def test_moe_tensor_and_expert_parallel_traffic_by_hand():
     assert comm["ep/all_to_all"] == 2 * (4 * 32 * 64 * 2 + 2 * 32 * 2)
     assert comm["ep/all_gather"] == 2 * 4 * 4 * 8
     report = decoder_memory(moe, options, par, training)
-    assert any("TP 2 x EP 2" in u for u in report.unmeasured)
+    assert any("TP traffic under TP 2 x EP 2" in u for u in report.unmeasured)
     assert report.not_modelled == ("MoE activations are modelled with --tp 1",)
     with pytest.raises(ValueError, match="--sequence-parallel"):
         decoder_memory(moe, options, Parallelism(tp=2, ep=2, dp=2), training)

@@ -247,9 +247,9 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                            "router (measured: within +/-4.3% per rank on 4-rank tests), the EP group's total "
                            "is exact; the per-rank range over all routings is shown")
     if par.tp > 1 and par.ep > 1 and spec.moe is not None:
-        unmeasured.append(f"MoE layers under TP {par.tp} x EP {par.ep} (expert TP = TP): the experts' TP-split "
-                          "states and the dispatcher's tp/all_gather of routed tokens and tp/reduce_scatter of the "
-                          "experts' output (gloo cannot all-gather the uneven per-rank token counts: no CPU run)")
+        unmeasured.append(f"MoE layers' TP traffic under TP {par.tp} x EP {par.ep} (expert TP = TP): the "
+                          "dispatcher's tp/all_gather of routed tokens and tp/reduce_scatter of the experts' output "
+                          "(gloo cannot all-gather the uneven per-rank token counts: no CPU step runs)")
     if par.cp > 1:
         unmeasured.append(f"context parallelism (CP {par.cp}): activations and collectives as s/CP tokens per rank "
                           "through a fused attention, and the cp/send_recv ring of K/V (no context-parallel "
