@@ -3,8 +3,9 @@
 Counted: every matrix multiply that megatron-core runs for the decoder (projections, core
 attention, MLP, MoE router/experts, logits, MTP), as ``torch.utils.flop_counter`` counts them.
 Not counted: norms, softmax, activations, RoPE, embedding lookups, the loss, optimizer steps,
-communication. The one deliberate exception is Mamba's scan, which Megatron-LM estimates and
-we keep under its own key.
+communication. The deliberate exceptions, each under its own key: Mamba's scan (Megatron-LM's
+estimate), and Gated DeltaNet's short convolution (exact MACs) and recurrence (a named
+convention, :func:`gdn_core_flops`; docs/attention-variants.md).
 
 Conventions (each named, each selectable):
 
@@ -304,24 +305,8 @@ def forward_runs(
     tokens = stats.num_padded_tokens if include_padding else stats.num_tokens
     full_pairs = stats.sum_padded_seqlen_squared if include_padding else stats.sum_seqlen_squared
     band = stats.padded_window_pairs if include_padding else stats.window_pairs
-    kinds: dict[tuple[str, str], tuple[Gemm, ...]] = {}
-    runs: list[LayerRun] = []
-    first = 0
-    for kind, count in spec.layer_runs:
-        if kind not in kinds:
-            mixer, ffn = kind
-            out = _Gemms()
-            if mixer in ("attention", "window"):
-                _attention(out, spec, tokens, band if mixer == "window" else full_pairs, attention, "")
-            elif mixer == "mamba":
-                _mamba(out, spec, tokens)
-            if ffn == "mlp":
-                _mlp(out, spec, tokens, "")
-            elif ffn == "moe":
-                _moe(out, spec, tokens, "")
-            kinds[kind] = tuple(out)
-        runs.append(LayerRun(first=first, count=count, gemms=kinds[kind]))
-        first += count
+    layer = _LayerGemms(spec, tokens, full_pairs, band, attention)
+    runs = [LayerRun(first=first, count=count, gemms=layer(kind, "")) for kind, count, first in _firsts(spec.layer_runs)]
     # Output layer: [T, h] @ [h, V_padded].
     logits = _Gemms()
     _linear(logits, "logits", "output_layer", tokens, spec.hidden_size, spec.padded_vocab_size)
@@ -331,17 +316,51 @@ def forward_runs(
         # MTP eh_proj: concat(embedding, hidden) [T, 2h] @ [2h, h].
         # NB: the enorm/hnorm/final norms that Megatron-LM prices (3h per token) run no GEMM.
         _linear(depth, "mtp/eh_proj", "eh_proj", tokens, 2 * spec.hidden_size, spec.hidden_size)
-        _attention(depth, spec, tokens, full_pairs, attention, "mtp/")
-        if spec.mtp_ffn == "moe":
-            _moe(depth, spec, tokens, "mtp/")
-        else:
-            _mlp(depth, spec, tokens, "mtp/")
+        for kind, count in spec.mtp_layer_runs:
+            depth.extend(layer(kind, "mtp/") * count)
         runs.append(LayerRun(first=spec.num_layers, count=spec.mtp_num_layers, gemms=tuple(depth)))
         # The shared output layer runs again on every MTP depth.
         mtp_logits = _Gemms()
         _linear(mtp_logits, "mtp/logits", "output_layer", tokens, spec.hidden_size, spec.padded_vocab_size)
         runs.append(LayerRun(first=None, count=spec.mtp_num_layers, gemms=tuple(mtp_logits)))
     return tuple(runs)
+
+
+def _firsts(layer_runs: Sequence[tuple[tuple[str, str], int]]) -> Iterable[tuple[tuple[str, str], int, int]]:
+    first = 0
+    for kind, count in layer_runs:
+        yield kind, count, first
+        first += count
+
+
+class _LayerGemms:
+    """The forward GEMMs of one layer kind ``(mixer, ffn)``, each kind built once."""
+
+    def __init__(self, spec: ModelSpec, tokens: int, full_pairs: int, band: int, attention: str) -> None:
+        self.spec, self.tokens, self.full_pairs, self.band, self.attention = spec, tokens, full_pairs, band, attention
+        self.cache: dict[tuple[str, str, str], tuple[Gemm, ...]] = {}
+
+    def __call__(self, kind: tuple[str, str], prefix: str) -> tuple[Gemm, ...]:
+        if (prefix, *kind) not in self.cache:
+            self.cache[(prefix, *kind)] = self._build(kind, prefix)
+        return self.cache[(prefix, *kind)]
+
+    def _build(self, kind: tuple[str, str], prefix: str) -> tuple[Gemm, ...]:
+        spec, tokens = self.spec, self.tokens
+        mixer, ffn = kind
+        out = _Gemms()
+        if mixer in ("attention", "window"):
+            pairs = self.band if mixer == "window" else self.full_pairs
+            _attention(out, spec, tokens, pairs, self.attention, prefix)
+        elif mixer == "mamba":
+            _mamba(out, spec, tokens, prefix)
+        elif mixer == "gdn":
+            _gdn(out, spec, tokens, prefix)
+        if ffn == "mlp":
+            _mlp(out, spec, tokens, prefix)
+        elif ffn == "moe":
+            _moe(out, spec, tokens, prefix)
+        return tuple(out)
 
 
 def forward_flops(
@@ -452,14 +471,50 @@ def _moe(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:
             _linear(add, f"{prefix}moe/shared", "shared_experts.gate_weight", tokens, h, 1)
 
 
-def _mamba(add: _Gemms, spec: ModelSpec, tokens: int) -> None:
+def _mamba(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:
     m = spec.mamba
     assert m is not None
     h = spec.hidden_size
     d_inner = 2 * h
     # in_proj: [T, h] @ [h, 2*d_inner + 2*groups*state + heads] (z, x, B, C, dt).
-    _linear(add, "mamba/in_proj", "in_proj", tokens, h, 2 * d_inner + 2 * m.num_groups * m.state_dim + m.num_heads)
+    _linear(add, f"{prefix}mamba/in_proj", "in_proj", tokens, h, 2 * d_inner + 2 * m.num_groups * m.state_dim + m.num_heads)
     # NB: not a GEMM; Megatron-LM's estimate of the SSD scan, 7 FLOPs per (token, channel, state).
-    add("mamba/scan", "scan", 7 * tokens * d_inner * m.state_dim)
+    add(f"{prefix}mamba/scan", "scan", 7 * tokens * d_inner * m.state_dim)
     # out_proj: [T, d_inner] @ [d_inner, h].
-    _linear(add, "mamba/out_proj", "out_proj", tokens, d_inner, h)
+    _linear(add, f"{prefix}mamba/out_proj", "out_proj", tokens, d_inner, h)
+
+
+# The Gated DeltaNet core's convention: MACs per (token, value head) per key x value state entry.
+GDN_CORE_MACS_PER_STATE_ENTRY = 4
+
+
+def gdn_core_flops(tokens: int, num_value_heads: int, key_head_dim: int, value_head_dim: int) -> int:
+    """Forward FLOPs of the gated delta rule under this project's convention (``gdn/core``).
+
+    NB: a convention, not a measurement (the recurrence has no agreed count). Per token and value
+    head, 4 MACs per entry of the ``[d_k, d_v]`` state: Megatron-LM's and Megatron-Bridge's "KK^T,
+    VK^T, S(a(I-bKK^T)), SQ", with ``d_k * d_v`` where they write ``d_v ** 2`` (equal when
+    ``d_k == d_v``, as in every released GDN model). Token-linear: chunking and the triangular
+    solve of a chunked kernel are not counted. docs/attention-variants.md compares it with what
+    the chunked torch kernel executes.
+    """
+    return FLOPS_PER_MAC * GDN_CORE_MACS_PER_STATE_ENTRY * tokens * num_value_heads * key_head_dim * value_head_dim
+
+
+def _gdn(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:
+    g = spec.gdn
+    assert g is not None
+    h = spec.hidden_size
+    qk_dim, v_dim = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim
+    # in_proj: [T, h] @ [h, 2*qk + 2*v + 2*nv] (q, k, v, the output gate z, beta, alpha); HF splits it
+    # into in_proj_qkvz and in_proj_ba, the same FLOPs.
+    _linear(add, f"{prefix}gdn/in_proj", "in_proj", tokens, h, 2 * qk_dim + 2 * v_dim + 2 * g.num_value_heads)
+    # conv1d: a depthwise causal convolution of width K over the 2*qk + v channels of q, k, v:
+    # K MACs per (token, channel).
+    # NB: not a GEMM. torch's F.conv1d with padding K - 1 (HF's fallback, megatron's deterministic mode)
+    # also computes K - 1 discarded outputs per sequence; FlopCounterMode's wgrad formula ignores groups.
+    add(f"{prefix}gdn/conv", "conv1d", FLOPS_PER_MAC * tokens * (2 * qk_dim + v_dim) * g.conv_kernel_dim)
+    add(f"{prefix}gdn/core", "gated_delta_rule", gdn_core_flops(tokens, g.num_value_heads, g.key_head_dim,
+                                                                 g.value_head_dim))
+    # out_proj: [T, v] @ [v, h] after the gated RMSNorm (elementwise).
+    _linear(add, f"{prefix}gdn/out_proj", "out_proj", tokens, v_dim, h)

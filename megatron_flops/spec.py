@@ -63,7 +63,15 @@ _EXTRA_KEYS = frozenset(
     }
 )
 
-_HYBRID_SYMBOLS = {"M": ("mamba", "none"), "*": ("attention", "none"), "-": ("none", "mlp"), "E": ("none", "moe")}
+# megatron-core 0.19's hybrid layer symbols (``hybrid_layer_allocation.Symbols``): symbol -> layer kind.
+# ``*`` is a sliding-window layer where ``window_size``/``window_attn_skip_freq`` make that layer number slide.
+_HYBRID_SYMBOLS = {"M": ("mamba", "none"), "G": ("gdn", "none"), "*": ("attention", "none"), "+": ("attention", "none"),
+                   "-": ("none", "mlp"), "E": ("none", "moe")}
+# Known to megatron-core but not priced here: refused by name.
+_HYBRID_UNSUPPORTED = {"D": "DeepSeek sparse attention (DSA)"}
+_HYBRID_PIPE, _HYBRID_MTP = "|", "/"
+# experimental_attention_variant values priced here (megatron-core spells GDN both ways).
+LINEAR_ATTENTION_VARIANTS = ("gated_delta_net", "gdn")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,13 +108,25 @@ class MambaSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GDNSpec:
+    """Gated DeltaNet mixer sizes (megatron-core's ``linear_*`` fields; Qwen3-Next's ``linear_attn``)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_dim: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A decoder-only megatron-core model, as far as GEMM FLOPs are concerned.
 
     ``layer_runs`` lists the decoder sub-layers in order as runs ``((mixer, ffn), count)`` of
-    consecutive layers of one kind, with mixer in ``attention``/``window``/``mamba``/``none`` and
-    ffn in ``mlp``/``moe``/``none``: a 32-layer GPT is ``((("attention", "mlp"), 32),)``, a hybrid
-    ``M`` symbol is ``("mamba", "none")``.
+    consecutive layers of one kind, with mixer in ``attention``/``window``/``mamba``/``gdn``/``none``
+    and ffn in ``mlp``/``moe``/``none``: a 32-layer GPT is ``((("attention", "mlp"), 32),)``, a
+    hybrid ``M`` symbol is ``("mamba", "none")``. ``mtp_layer_runs`` are the layers of one MTP
+    depth (a GPT's MTP layer copies its last decoder layer; a hybrid pattern's part after ``/``).
     """
 
     hidden_size: int
@@ -124,9 +144,16 @@ class ModelSpec:
     moe: MoESpec | None = None
     mla: MLASpec | None = None
     mamba: MambaSpec | None = None
+    gdn: GDNSpec | None = None
     mtp_num_layers: int = 0
-    mtp_ffn: str = "mlp"
+    mtp_layer_runs: tuple[tuple[tuple[str, str], int], ...] = ((("attention", "mlp"), 1),)
     tied_output: bool = True
+
+    @property
+    def mtp_ffn(self) -> str:
+        """The feed-forward kind of a (GPT) MTP layer: that of its last sub-layer with one."""
+        ffns = [ffn for (_, ffn), _ in self.mtp_layer_runs if ffn != "none"]
+        return ffns[-1] if ffns else "none"
 
     @property
     def num_layers(self) -> int:
@@ -322,6 +349,12 @@ _CONFIG_FIELDS_READ = (
     "mamba_num_groups",
     "mamba_num_heads",
     "experimental_attention_variant",
+    "linear_attention_freq",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
 )
 _ALL_FIELD_NAMES = _CONFIG_FIELDS_READ + (
     "activation_func", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
@@ -375,9 +408,7 @@ def _with_options(fields: dict[str, Any], options: ModelOptions | None) -> dict[
 
 def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | None = None) -> ModelSpec:
     f = Fields(fields, source, names or {})
-    if fields.get("experimental_attention_variant"):
-        raise f.error(f"experimental_attention_variant={show(fields['experimental_attention_variant'])} "
-                      "is not supported")
+    variant = _attention_variant(f)
     hidden = f.integer("hidden_size")
     heads, groups, kv_channels = _attention_heads(f, hidden)
     ffn = f.opt_integer("ffn_hidden_size") or 4 * hidden
@@ -386,10 +417,13 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
     moe = _moe_spec(f, ffn)
     mla = _mla_spec(f)
     window = _window(f)
-    layer_runs, mamba = _layers(f, hidden, moe, window)
-    mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
-    tied = _tied_output(f)
-    last_ffn = layer_runs[-1][0][1]
+    pattern = f.fields.get("hybrid_override_pattern") or f.fields.get("hybrid_layer_pattern")
+    if pattern:
+        layers = _hybrid_layers(f, pattern, moe, mla)
+    else:
+        layers = _gpt_layers(f, moe, window, variant)
+    mamba = _mamba_spec(f, hidden) if _uses(layers, "mamba") else None
+    gdn = _gdn_spec(f) if _uses(layers, "gdn") else None
     return ModelSpec(
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -400,17 +434,28 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
         activation=activation,
         vocab_size=vocab,
         padded_vocab_size=padded_vocab,
-        layer_runs=layer_runs,
+        layer_runs=layers.main,
         attention_output_gate=f.boolean("attention_output_gate"),
         window_size=window,
         moe=moe,
         mla=mla,
         mamba=mamba,
-        mtp_num_layers=mtp,
-        # MTP layers copy the last decoder layer's kind, as Megatron-LM counts them.
-        mtp_ffn=last_ffn if last_ffn != "none" else "mlp",
-        tied_output=tied,
+        gdn=gdn,
+        mtp_num_layers=layers.mtp_num_layers,
+        mtp_layer_runs=layers.mtp,
+        tied_output=_tied_output(f),
     )
+
+
+def _attention_variant(f: Fields) -> str | None:
+    """``experimental_attention_variant``: None, or ``"gdn"`` for Gated DeltaNet layers."""
+    variant = f.fields.get("experimental_attention_variant")
+    if variant is None:
+        return None
+    if variant in LINEAR_ATTENTION_VARIANTS:
+        return "gdn"
+    raise f.error(f"{f.name('experimental_attention_variant')}={show(variant)} is not supported; supported: "
+                  f"{', '.join(LINEAR_ATTENTION_VARIANTS)} (Gated DeltaNet). See docs/attention-variants.md")
 
 
 def _attention_heads(f: Fields, hidden: int) -> tuple[int, int, int]:
@@ -506,40 +551,136 @@ def _window(f: Fields) -> int | None:
     return None if left == -1 else left
 
 
-def _layers(
-    f: Fields, hidden: int, moe: MoESpec | None, window: int | None
-) -> tuple[tuple[tuple[tuple[str, str], int], ...], MambaSpec | None]:
-    pattern = f.fields.get("hybrid_override_pattern") or f.fields.get("hybrid_layer_pattern")
-    if not pattern:
-        num_layers = f.integer("num_layers")
-        ffn_runs: Runs = ((False, num_layers),)
-        if moe is not None:
-            ffn_runs = layer_flags(f, "moe_layer_freq", f.fields.get("moe_layer_freq", 1), num_layers, every=True)
-        windowed: Runs = ((False, num_layers),)
-        if window is not None:
-            skip = f.fields.get("window_attn_skip_freq")
-            windowed = ((True, num_layers),) if skip is None else layer_flags(
-                f, "window_attn_skip_freq", skip, num_layers, every=False)
-        runs = zip_runs(windowed, ffn_runs)
-        return tuple((("window" if w else "attention", "moe" if m else "mlp"), n) for (w, m), n in runs), None
+LayerRuns = tuple[tuple[tuple[str, str], int], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Layers:
+    main: LayerRuns
+    mtp_num_layers: int
+    mtp: LayerRuns
+
+
+def _uses(layers: _Layers, mixer: str) -> bool:
+    return any(kind[0] == mixer for kind, _ in layers.main + (layers.mtp if layers.mtp_num_layers else ()))
+
+
+def _gpt_layers(f: Fields, moe: MoESpec | None, window: int | None, variant: str | None) -> _Layers:
+    """A GPT decoder's layers: attention or windowed attention (``window_attn_skip_freq``), Gated
+    DeltaNet where ``linear_attention_freq`` says so, dense or MoE MLPs (``moe_layer_freq``)."""
+    num_layers = f.integer("num_layers")
+    ffn_runs: Runs = ((False, num_layers),)
+    if moe is not None:
+        ffn_runs = layer_flags(f, "moe_layer_freq", f.fields.get("moe_layer_freq", 1), num_layers, every=True)
+    windowed: Runs = ((False, num_layers),)
+    if window is not None:
+        skip = f.fields.get("window_attn_skip_freq")
+        windowed = ((True, num_layers),) if skip is None else layer_flags(
+            f, "window_attn_skip_freq", skip, num_layers, every=False)
+    linear: Runs = ((False, num_layers),)
+    freq = f.fields.get("linear_attention_freq")
+    if variant == "gdn":
+        if freq is None:
+            raise f.error(f"{f.name('experimental_attention_variant')} is Gated DeltaNet but "
+                          f"{f.name('linear_attention_freq')!r} is not set (which layers are linear)")
+        # megatron-core: an int N makes every N-th layer (1-based) softmax attention, the rest linear.
+        linear = layer_flags(f, "linear_attention_freq", freq, num_layers, every=False)
+    elif freq is not None:
+        raise f.error(f"{f.name('linear_attention_freq')!r} needs {f.name('experimental_attention_variant')}"
+                      f" (one of {', '.join(LINEAR_ATTENTION_VARIANTS)})")
+    runs = zip_runs(zip_runs(linear, windowed), ffn_runs)
+    main = tuple(((_mixer(lin, win), "moe" if m else "mlp"), n) for ((lin, win), m), n in runs)
+    # MTP layers copy the last decoder layer's spec (megatron-core's MTP block spec), attention unwindowed.
+    (last_mixer, last_ffn), _ = main[-1]
+    mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
+    return _Layers(main=main, mtp_num_layers=mtp, mtp=(((last_mixer if last_mixer == "gdn" else "attention", last_ffn), 1),))
+
+
+def _mixer(linear: bool, windowed: bool) -> str:
+    return "gdn" if linear else "window" if windowed else "attention"
+
+
+def _hybrid_layers(f: Fields, pattern: Any, moe: MoESpec | None, mla: MLASpec | None) -> _Layers:
+    """megatron-core 0.19's unified hybrid pattern ``main|main/mtp/mtp``: ``|`` marks pipeline
+    stages, each part after ``/`` is one MTP depth (all identical)."""
     name = f.name("hybrid_override_pattern")
-    if not isinstance(pattern, str) or set(pattern) - set(_HYBRID_SYMBOLS):
-        raise f.error(f"{name} {show(pattern)} may only use the symbols {''.join(_HYBRID_SYMBOLS)}")
+    supported = "".join(_HYBRID_SYMBOLS) + _HYBRID_PIPE + _HYBRID_MTP
+    if not isinstance(pattern, str):
+        raise f.error(f"{name} must be a string of the symbols {supported}, got {show(pattern)}")
+    for c in dict.fromkeys(pattern):
+        if c in _HYBRID_UNSUPPORTED:
+            raise f.error(f"{name} {show(pattern)}: {c!r} ({_HYBRID_UNSUPPORTED[c]}) is not supported; "
+                          f"the pattern may only use the symbols {supported}")
+        if c not in supported:
+            raise f.error(f"{name} {show(pattern)} may only use the symbols {supported}; {c!r} is unknown")
+    main, *mtp_parts = pattern.split(_HYBRID_MTP)
+    mtp_parts = [p for p in mtp_parts if p] if all(not p for p in mtp_parts) else mtp_parts
+    if len(set(mtp_parts)) > 1 or _HYBRID_PIPE in "".join(mtp_parts):
+        raise f.error(f"{name} {show(pattern)}: every MTP part after '/' must be the same (no '|')")
+    main = main.replace(_HYBRID_PIPE, "")
+    if not main:
+        raise f.error(f"{name} {show(pattern)} has no decoder layers")
     given = f.fields.get("num_layers")
-    if given is not None and given != len(pattern):
-        raise f.error(f"{f.name('num_layers')}={show(given)} but {name} has {len(pattern)} layers")
-    if "E" in pattern and moe is None:
+    if given is not None and given != len(main):
+        raise f.error(f"{f.name('num_layers')}={show(given)} but {name} has {len(main)} layers")
+    used = set(main + "".join(mtp_parts))
+    if "E" in used and moe is None:
         raise f.error(f"{name} has MoE layers ('E') but {f.name('num_moe_experts')} is unset")
-    layer_runs = merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(pattern)),
-                         f"{f.source}: {name}")
-    mamba = None
-    if "M" in pattern:
-        d_inner = 2 * hidden
-        head_dim = f.opt_integer("mamba_head_dim") or 64
-        mamba = MambaSpec(
-            state_dim=f.opt_integer("mamba_state_dim") or 128,
-            head_dim=head_dim,
-            num_groups=f.opt_integer("mamba_num_groups") or 8,
-            num_heads=f.opt_integer("mamba_num_heads") or max(d_inner // head_dim, 1),
-        )
-    return layer_runs, mamba
+    if "*" in used and ("+" in used or mla is not None):
+        raise f.error(f"{name}: '*' builds standard attention, '+' multi-latent attention; megatron-core allows "
+                      f"one kind per model (and '+' with {f.name('multi_latent_attention')})")
+    if "+" in used and mla is None:
+        raise f.error(f"{name} has MLA layers ('+') but {f.name('multi_latent_attention')} is not set")
+    what = f"{f.source}: {name}"
+    runs = merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(main)), what)
+    runs = _hybrid_windows(f, runs)
+    mtp_runs = merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(mtp_parts[0])), what) \
+        if mtp_parts else ()
+    mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
+    if mtp_parts:
+        if mtp not in (0, len(mtp_parts)):
+            raise f.error(f"{f.name('mtp_num_layers')}={mtp} but {name} has {len(mtp_parts)} MTP depths")
+        return _Layers(main=runs, mtp_num_layers=len(mtp_parts), mtp=mtp_runs)
+    # NB: a pattern without '/' and mtp_num_layers: one attention layer with the last FFN kind (Megatron-LM's count).
+    ffns = [ffn for (_, ffn), _ in runs if ffn != "none"]
+    return _Layers(main=runs, mtp_num_layers=mtp, mtp=((("attention", ffns[-1] if ffns else "mlp"), 1),))
+
+
+def _hybrid_windows(f: Fields, runs: LayerRuns) -> LayerRuns:
+    """Attention layers ``*`` slide where ``window_size`` and ``window_attn_skip_freq`` make their
+    (1-based, whole-pattern) layer number slide, as megatron-core's attention reads them."""
+    window = _window(f)
+    if window is None:
+        return runs
+    num_layers = sum(n for _, n in runs)
+    skip = f.fields.get("window_attn_skip_freq")
+    windowed: Runs = ((True, num_layers),) if skip is None else layer_flags(
+        f, "window_attn_skip_freq", skip, num_layers, every=False)
+    return tuple(((("window", ffn) if w and mixer == "attention" else (mixer, ffn)), n)
+                 for ((mixer, ffn), w), n in zip_runs(runs, windowed))
+
+
+def _mamba_spec(f: Fields, hidden: int) -> MambaSpec:
+    d_inner = 2 * hidden
+    head_dim = f.opt_integer("mamba_head_dim") or 64
+    return MambaSpec(
+        state_dim=f.opt_integer("mamba_state_dim") or 128,
+        head_dim=head_dim,
+        num_groups=f.opt_integer("mamba_num_groups") or 8,
+        num_heads=f.opt_integer("mamba_num_heads") or max(d_inner // head_dim, 1),
+    )
+
+
+def _gdn_spec(f: Fields) -> GDNSpec:
+    """Gated DeltaNet sizes with megatron-core's defaults (TransformerConfig ``linear_*``)."""
+    spec = GDNSpec(
+        num_key_heads=f.opt_integer("linear_num_key_heads") or 16,
+        num_value_heads=f.opt_integer("linear_num_value_heads") or 32,
+        key_head_dim=f.opt_integer("linear_key_head_dim") or 128,
+        value_head_dim=f.opt_integer("linear_value_head_dim") or 128,
+        conv_kernel_dim=f.opt_integer("linear_conv_kernel_dim") or 4,
+    )
+    if spec.num_value_heads % spec.num_key_heads:
+        raise f.error(f"{f.name('linear_num_key_heads')}={spec.num_key_heads} does not divide "
+                      f"{f.name('linear_num_value_heads')}={spec.num_value_heads}")
+    return spec
