@@ -32,7 +32,8 @@ def hf_text_config(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return data
 
 
-HF_FAMILIES = ("deepseek_v2", "deepseek_v3", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+HF_FAMILIES = ("deepseek_v2", "deepseek_v3", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+               "qwen3_next")
 # VLM text decoders priced with their text family's rules.
 _HF_TEXT_MODEL_TYPES = {
     "qwen2_vl": "qwen2", "qwen2_vl_text": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_5_vl_text": "qwen2",
@@ -48,7 +49,11 @@ HF_NAMES = {
     "qk_pos_emb_head_dim": "qk_rope_head_dim",
 }
 # Keys whose Hugging Face default is a fixed size rather than derived, so a file must give them.
-_HF_FIXED_KV_HEADS = ("mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+_HF_FIXED_KV_HEADS = ("mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")
+# Qwen3-Next's Gated DeltaNet sizes, HF name -> TransformerConfig field.
+_HF_LINEAR_KEYS = {"linear_num_key_heads": "linear_num_key_heads", "linear_num_value_heads": "linear_num_value_heads",
+                   "linear_key_head_dim": "linear_key_head_dim", "linear_value_head_dim": "linear_value_head_dim",
+                   "linear_conv_kernel_dim": "linear_conv_kernel_dim"}
 
 
 def _hf_family(hf: Mapping[str, Any], family: str | None) -> str:
@@ -79,7 +84,7 @@ def hf_to_mcore(hf: Mapping[str, Any], *, family: str | None = None) -> dict[str
     required = ["num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"]
     if family in _HF_FIXED_KV_HEADS:
         required.append("num_key_value_heads")
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_next"):
         required.append("head_dim")
     missing = [k for k in required if hf.get(k) is None]
     if missing:
@@ -105,10 +110,34 @@ def hf_to_mcore(hf: Mapping[str, Any], *, family: str | None = None) -> dict[str
         out["kv_channels"] = f.integer("head_dim")
     if family.startswith("deepseek"):
         _hf_deepseek(f, out, num_layers)
-    elif family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    elif family in ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next"):
         _hf_moe(f, out, family, num_layers)
-    _hf_window(f, out, family, num_layers)
+    if family == "qwen3_next":
+        _hf_qwen3_next(f, out, num_layers)
+    else:
+        _hf_window(f, out, family, num_layers)
     return out
+
+
+def _hf_qwen3_next(f: Fields, out: dict[str, Any], num_layers: int) -> None:
+    """Qwen3-Next: Gated DeltaNet layers where ``layer_types`` says ``linear_attention``, gated
+    softmax attention (q_proj doubled for the output gate) elsewhere; no sliding window."""
+    hf = f.fields
+    missing = [k for k in (*_HF_LINEAR_KEYS, "layer_types") if hf.get(k) is None]
+    if missing:
+        raise f.missing(missing)
+    for key, field in _HF_LINEAR_KEYS.items():
+        out[field] = f.integer(key)
+    layer_types = hf["layer_types"]
+    kinds = ("linear_attention", "full_attention")
+    if not isinstance(layer_types, list) or any(not isinstance(t, str) or t not in kinds for t in layer_types):
+        raise f.error(f"'layer_types' must be a list of {' or '.join(map(repr, kinds))}, got {show(layer_types)}")
+    if len(layer_types) != num_layers:
+        raise f.error(f"'layer_types' has {len(layer_types)} entries but num_hidden_layers={num_layers}")
+    out["experimental_attention_variant"] = "gated_delta_net"
+    out["linear_attention_freq"] = FlagRuns(merged(
+        ((t == "linear_attention", len(list(g))) for t, g in itertools.groupby(layer_types)), f"{f.source}: 'layer_types'"))
+    out["attention_output_gate"] = True
 
 
 def _experts_key(hf: Mapping[str, Any], keys: tuple[str, ...]) -> str:
@@ -120,7 +149,7 @@ def _hf_moe(f: Fields, out: dict[str, Any], family: str, num_layers: int) -> Non
     hf = f.fields
     experts_key = _experts_key(hf, ("num_experts", "num_local_experts"))
     required = [experts_key, "num_experts_per_tok"] + (["moe_intermediate_size"] if family != "mixtral" else [])
-    if family == "qwen2_moe":
+    if family in ("qwen2_moe", "qwen3_next"):
         required.append("shared_expert_intermediate_size")
     missing = [k for k in required if hf.get(k) is None]
     if missing:
@@ -136,9 +165,9 @@ def _hf_moe(f: Fields, out: dict[str, Any], family: str, num_layers: int) -> Non
     out["moe_ffn_hidden_size"] = f.integer("intermediate_size" if family == "mixtral" else "moe_intermediate_size")
     if family == "mixtral":
         return
-    if family == "qwen2_moe":
+    if family in ("qwen2_moe", "qwen3_next"):
         out["moe_shared_expert_intermediate_size"] = f.integer("shared_expert_intermediate_size")
-        # Qwen2-MoE scales the shared expert by a sigmoid gate: one [T, h] @ [h, 1] GEMM.
+        # Qwen2-MoE and Qwen3-Next scale the shared expert by a sigmoid gate: one [T, h] @ [h, 1] GEMM.
         out["moe_shared_expert_gate"] = True
     # Qwen: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
     step = f.integer("decoder_sparse_step", default=1)
