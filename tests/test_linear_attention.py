@@ -231,3 +231,15 @@ def test_cli_exits_2_naming_the_variant(tmp_path, capsys):
     path.write_text(json.dumps(dict(BASE, num_layers=2, experimental_attention_variant="kda")))
     assert main(["estimate", "--model", str(path), "--seqlens", "[[8]]"]) == 2
     assert "'kda' is not supported; supported: gated_delta_net, gdn" in capsys.readouterr().err
+
+
+def test_megatron_lm_command_line_with_gated_delta_net():
+    from megatron_flops.megatron_args import load_megatron_args
+
+    args, source = load_megatron_args(
+        "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --swiglu "
+        "--experimental-attention-variant gated_delta_net --linear-attention-freq ([1]*3+[0]*1)*2 "
+        "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 8 --linear-value-head-dim 8")
+    spec = ModelSpec.from_megatron_args(args, source=source)
+    assert [m for m, _ in spec.layers] == ["gdn", "gdn", "gdn", "attention"] * 2
+    assert spec.gdn is not None and (spec.gdn.num_value_heads, spec.gdn.conv_kernel_dim) == (4, 4)
