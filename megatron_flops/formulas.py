@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import difflib
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,12 +269,17 @@ class Gemm:
     ``core_attention.context``). ``shape`` is ``(rows, in_features, out_features)`` of a linear
     layer, ``None`` for a GEMM of two activations (core attention) or Mamba's scan. A model's
     identical layers share one list (the decoder's :class:`LayerRun`, the DiT's block).
+    ``forward_passes``/``backward_passes``: how often training runs a GEMM of ``flops`` forward and
+    backward: 1 + 2 (TRAIN_PASSES) for every GEMM of a trained model, except DSA's indexer, whose
+    inputs megatron-core detaches.
     """
 
     key: str
     name: str
     flops: int
     shape: tuple[int, int, int] | None = None
+    forward_passes: int = 1
+    backward_passes: int = TRAIN_PASSES - 1
 
     @property
     def has_weight(self) -> bool:
@@ -356,6 +361,8 @@ class _LayerGemms:
             _mamba(out, spec, tokens, prefix)
         elif mixer == "gdn":
             _gdn(out, spec, tokens, prefix)
+        elif mixer == "dsa":
+            _dsa(out, spec, tokens, self.full_pairs, self.band, self.attention, prefix)
         if ffn == "mlp":
             _mlp(out, spec, tokens, prefix)
         elif ffn == "moe":
@@ -367,20 +374,25 @@ def forward_flops(
     spec: ModelSpec, stats: SeqStats, *, attention: str = "causal", include_padding: bool = False
 ) -> dict[str, int]:
     """Forward-pass FLOPs per component over ``stats``: :func:`forward_runs` summed by key."""
+    return _summed(spec, stats, attention, include_padding, lambda g: g.forward_passes)
+
+
+def _summed(spec: ModelSpec, stats: SeqStats, attention: str, include_padding: bool,
+            passes: Callable[[Gemm], int]) -> dict[str, int]:
     out: dict[str, int] = {}
     for run in forward_runs(spec, stats, attention=attention, include_padding=include_padding):
         for g in run.gemms:
-            out[g.key] = out.get(g.key, 0) + run.count * g.flops
+            out[g.key] = out.get(g.key, 0) + run.count * g.flops * passes(g)
     return out
 
 
 def training_flops(
     spec: ModelSpec, stats: SeqStats, *, attention: str = "causal", include_padding: bool = False
 ) -> FlopsBreakdown:
-    """Forward + backward FLOPs per component: TRAIN_PASSES x the forward GEMMs."""
-    fwd = forward_flops(spec, stats, attention=attention, include_padding=include_padding)
+    """Forward + backward FLOPs per component: TRAIN_PASSES x the forward GEMMs (each GEMM's
+    ``forward_passes + backward_passes``)."""
     return FlopsBreakdown(
-        components={k: TRAIN_PASSES * v for k, v in fwd.items()},
+        components=_summed(spec, stats, attention, include_padding, lambda g: g.forward_passes + g.backward_passes),
         attention=attention,
         include_padding=include_padding,
     )
@@ -390,51 +402,101 @@ def estimate(
     spec: ModelSpec, rows: Sequence[Row], *, attention: str = "causal", include_padding: bool = False
 ) -> FlopsBreakdown:
     """Training FLOPs of one pass over parsed ``rows``."""
-    stats = SeqStats.from_rows(rows, window=spec.window_size)
+    stats = SeqStats.from_rows(rows, window=spec.pair_window)
     return training_flops(spec, stats, attention=attention, include_padding=include_padding)
 
 
 class _Gemms(list[Gemm]):
     """The forward GEMMs of one layer, in execution order."""
 
-    def __call__(self, key: str, name: str, flops: int, shape: tuple[int, int, int] | None = None) -> None:
+    def __call__(self, key: str, name: str, flops: int, shape: tuple[int, int, int] | None = None,
+                 passes: tuple[int, int] = (1, TRAIN_PASSES - 1)) -> None:
         assert shape is None or flops == gemm(*shape)
-        self.append(Gemm(key=key, name=name, flops=flops, shape=shape))
+        self.append(Gemm(key=key, name=name, flops=flops, shape=shape, forward_passes=passes[0],
+                         backward_passes=passes[1]))
 
 
-def _linear(add: _Gemms, key: str, name: str, rows: int, d_in: int, d_out: int) -> None:
-    add(key, name, gemm(rows, d_in, d_out), (rows, d_in, d_out))
+def _linear(add: _Gemms, key: str, name: str, rows: int, d_in: int, d_out: int,
+            passes: tuple[int, int] = (1, TRAIN_PASSES - 1)) -> None:
+    add(key, name, gemm(rows, d_in, d_out), (rows, d_in, d_out), passes)
 
 
 def _attention(add: _Gemms, spec: ModelSpec, tokens: int, pairs: int, attention: str, prefix: str) -> None:
     h, nq = spec.hidden_size, spec.num_attention_heads
     key = f"{prefix}attn/qkv"
-    mla = spec.mla
-    if mla is None:
+    if spec.mla is None:
         d, ng = spec.kv_channels, spec.num_query_groups
         gate = nq * d if spec.attention_output_gate else 0
         # linear_qkv: [T, h] @ [h, (nq + 2*ng)*d (+ nq*d output gate)].
         _linear(add, key, "linear_qkv", tokens, h, (nq + 2 * ng) * d + gate)
         qk_dim, v_dim = d, d
     else:
-        qk_dim, v_dim = mla.qk_head_dim + mla.qk_pos_emb_head_dim, mla.v_head_dim
-        if mla.q_lora_rank is None:
-            # linear_q_proj: [T, h] @ [h, nq*(qk + rope)].
-            _linear(add, key, "linear_q_proj", tokens, h, nq * qk_dim)
-        else:
-            # linear_q_down_proj [T, h] @ [h, q_lora]; linear_q_up_proj [T, q_lora] @ [q_lora, nq*(qk + rope)].
-            # NB: the q/kv layernorms that Megatron-LM prices (+1 per rank) run no GEMM.
-            _linear(add, key, "linear_q_down_proj", tokens, h, mla.q_lora_rank)
-            _linear(add, key, "linear_q_up_proj", tokens, mla.q_lora_rank, nq * qk_dim)
-        # linear_kv_down_proj [T, h] @ [h, kv_lora + rope]; linear_kv_up_proj [T, kv_lora] @ [kv_lora, nq*(qk + v)].
-        _linear(add, key, "linear_kv_down_proj", tokens, h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
-        _linear(add, key, "linear_kv_up_proj", tokens, mla.kv_lora_rank, nq * (mla.qk_head_dim + v_dim))
+        _mla_projections(add, spec, tokens, key)
+        qk_dim, v_dim = spec.mla.qk_head_dim + spec.mla.qk_pos_emb_head_dim, spec.mla.v_head_dim
     # Per head: scores [s, qk] @ [qk, s] and context [s, s] @ [s, v], summed over sequences as
     # pair counts: FLOPS_PER_MAC * nq * qk * pairs and FLOPS_PER_MAC * nq * v * pairs.
     for name, dim in (("core_attention.scores", qk_dim), ("core_attention.context", v_dim)):
         add(f"{prefix}attn/core", name, apply_attention_convention(attention_gemm(nq, dim, pairs), attention))
     # linear_proj: [T, nq*v] @ [nq*v, h].
     _linear(add, f"{prefix}attn/out", "linear_proj", tokens, nq * v_dim, h)
+
+
+def _mla_projections(add: _Gemms, spec: ModelSpec, tokens: int, key: str) -> None:
+    mla = spec.mla
+    assert mla is not None
+    h, nq = spec.hidden_size, spec.num_attention_heads
+    qk_dim = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+    if mla.q_lora_rank is None:
+        # linear_q_proj: [T, h] @ [h, nq*(qk + rope)].
+        _linear(add, key, "linear_q_proj", tokens, h, nq * qk_dim)
+    else:
+        # linear_q_down_proj [T, h] @ [h, q_lora]; linear_q_up_proj [T, q_lora] @ [q_lora, nq*(qk + rope)].
+        # NB: the q/kv layernorms that Megatron-LM prices (+1 per rank) run no GEMM.
+        _linear(add, key, "linear_q_down_proj", tokens, h, mla.q_lora_rank)
+        _linear(add, key, "linear_q_up_proj", tokens, mla.q_lora_rank, nq * qk_dim)
+    # linear_kv_down_proj [T, h] @ [h, kv_lora + rope]; linear_kv_up_proj [T, kv_lora] @ [kv_lora, nq*(qk + v)].
+    _linear(add, key, "linear_kv_down_proj", tokens, h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
+    _linear(add, key, "linear_kv_up_proj", tokens, mla.kv_lora_rank, nq * (mla.qk_head_dim + mla.v_head_dim))
+
+
+def _dsa(add: _Gemms, spec: ModelSpec, tokens: int, full_pairs: int, band: int, attention: str, prefix: str) -> None:
+    """DeepSeek sparse attention as megatron-core 0.19 runs it (absorbed MLA + lightning indexer)."""
+    mla, dsa = spec.mla, spec.dsa
+    assert mla is not None and dsa is not None
+    h, nq = spec.hidden_size, spec.num_attention_heads
+    # NB: absorbed MLA runs the kv up-projection as two einsums (q_nope @ W_UK, context @ W_UV) of the
+    # same MACs as linear_kv_up_proj over every token: priced under that name.
+    _mla_projections(add, spec, tokens, f"{prefix}attn/qkv")
+    # Sparse core over the latent: scores [s, kv_lora + rope] @ [., topk keys], context over kv_lora;
+    # ``band`` counts min(i, topk) keys per query as a causal band of topk - 1 (the attention convention).
+    # NB: megatron-core's unfused path computes every score and masks; a sparse kernel runs these pairs.
+    for name, dim in (("core_attention.scores", mla.kv_lora_rank + mla.qk_pos_emb_head_dim),
+                      ("core_attention.context", mla.kv_lora_rank)):
+        add(f"{prefix}dsa/core", name, apply_attention_convention(attention_gemm(nq, dim, band), attention))
+    _linear(add, f"{prefix}attn/out", "linear_proj", tokens, nq * mla.v_head_dim, h)
+    # Indexer: linear_wq_b [T, q_lora (h without q_lora)] @ [., nh*d]; linear_wk [T, h] @ [h, d];
+    # linear_weights_proj [T, h] @ [h, nh].
+    # NB: megatron-core detaches the indexer's inputs: forward, plus the weight gradient only when the
+    # indexer loss trains it (dsa_indexer_loss_coeff > 0); top-k is under no_grad otherwise.
+    trained = (1, 1 if dsa.trains_indexer else 0)
+    key = f"{prefix}dsa/indexer"
+    _linear(add, key, "indexer.linear_wq_b", tokens, mla.q_lora_rank or h, dsa.num_heads * dsa.head_dim, trained)
+    _linear(add, key, "indexer.linear_wk", tokens, h, dsa.head_dim, trained)
+    _linear(add, key, "indexer.linear_weights_proj", tokens, h, dsa.num_heads, trained)
+    # Index scores over every causal pair: nh q.k dot products of d and the weighted sum over heads,
+    # nh * (d + 1) MACs per pair; forward only, unless the loss trains it: then its backward (2 GEMMs)
+    # over the pairs the KL loss touches (every pair, or the selected ones with the sparse loss).
+    # NB: ReLU, the Hadamard rotation, top-k selection and the softmax/KL run no GEMM.
+    loss_pairs = band if dsa.sparse_loss else full_pairs
+    per_pair = dsa.num_heads * (dsa.head_dim + 1)
+    add(f"{prefix}dsa/indexer_scores", "indexer.scores",
+        apply_attention_convention(attention_gemm(1, per_pair, full_pairs), attention), None, (1, 0))
+    if dsa.trains_indexer:
+        add(f"{prefix}dsa/indexer_scores", "indexer.scores_grad",
+            apply_attention_convention(attention_gemm(1, per_pair, loss_pairs), attention), None, (0, 2))
+        # The loss's target: main-model scores from detached q and k, [s, kv_lora + rope] per head, forward only.
+        add(f"{prefix}dsa/indexer_loss", "indexer_loss.scores", apply_attention_convention(
+            attention_gemm(nq, mla.kv_lora_rank + mla.qk_pos_emb_head_dim, loss_pairs), attention), None, (1, 0))
 
 
 def _mlp(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:

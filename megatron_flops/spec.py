@@ -66,12 +66,11 @@ _EXTRA_KEYS = frozenset(
 # megatron-core 0.19's hybrid layer symbols (``hybrid_layer_allocation.Symbols``): symbol -> layer kind.
 # ``*`` is a sliding-window layer where ``window_size``/``window_attn_skip_freq`` make that layer number slide.
 _HYBRID_SYMBOLS = {"M": ("mamba", "none"), "G": ("gdn", "none"), "*": ("attention", "none"), "+": ("attention", "none"),
-                   "-": ("none", "mlp"), "E": ("none", "moe")}
-# Known to megatron-core but not priced here: refused by name.
-_HYBRID_UNSUPPORTED = {"D": "DeepSeek sparse attention (DSA)"}
+                   "D": ("dsa", "none"), "-": ("none", "mlp"), "E": ("none", "moe")}
 _HYBRID_PIPE, _HYBRID_MTP = "|", "/"
-# experimental_attention_variant values priced here (megatron-core spells GDN both ways).
+# experimental_attention_variant values priced here (megatron-core spells GDN both ways) -> mixer.
 LINEAR_ATTENTION_VARIANTS = ("gated_delta_net", "gdn")
+ATTENTION_VARIANTS = {"gated_delta_net": "gdn", "gdn": "gdn", "dsa": "dsa"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +118,20 @@ class GDNSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DSASpec:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): a lightning indexer of ``num_heads`` heads
+    of ``head_dim`` scores every causal pair; MLA attends to the ``topk`` best keys per query.
+    ``trains_indexer``: ``dsa_indexer_loss_coeff > 0`` (the indexer's KL loss trains it);
+    ``sparse_loss``: that loss over the selected pairs only."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+    trains_indexer: bool = False
+    sparse_loss: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A decoder-only megatron-core model, as far as GEMM FLOPs are concerned.
 
@@ -145,9 +158,16 @@ class ModelSpec:
     mla: MLASpec | None = None
     mamba: MambaSpec | None = None
     gdn: GDNSpec | None = None
+    dsa: DSASpec | None = None
     mtp_num_layers: int = 0
     mtp_layer_runs: tuple[tuple[tuple[str, str], int], ...] = ((("attention", "mlp"), 1),)
     tied_output: bool = True
+
+    @property
+    def pair_window(self) -> int | None:
+        """The band of :class:`~megatron_flops.formulas.SeqStats`' window statistic: the sliding
+        window, or DSA's top-k keys per query, counted as a causal band of ``topk - 1``."""
+        return self.dsa.topk - 1 if self.dsa is not None else self.window_size
 
     @property
     def mtp_ffn(self) -> str:
@@ -355,6 +375,11 @@ _CONFIG_FIELDS_READ = (
     "linear_value_head_dim",
     "linear_num_key_heads",
     "linear_num_value_heads",
+    "dsa_indexer_n_heads",
+    "dsa_indexer_head_dim",
+    "dsa_indexer_topk",
+    "dsa_indexer_loss_coeff",
+    "dsa_indexer_use_sparse_loss",
 )
 _ALL_FIELD_NAMES = _CONFIG_FIELDS_READ + (
     "activation_func", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
@@ -424,6 +449,7 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
         layers = _gpt_layers(f, moe, window, variant)
     mamba = _mamba_spec(f, hidden) if _uses(layers, "mamba") else None
     gdn = _gdn_spec(f) if _uses(layers, "gdn") else None
+    dsa = _dsa_spec(f, mla, window) if _uses(layers, "dsa") else None
     return ModelSpec(
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -441,6 +467,7 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
         mla=mla,
         mamba=mamba,
         gdn=gdn,
+        dsa=dsa,
         mtp_num_layers=layers.mtp_num_layers,
         mtp_layer_runs=layers.mtp,
         tied_output=_tied_output(f),
@@ -448,14 +475,14 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
 
 
 def _attention_variant(f: Fields) -> str | None:
-    """``experimental_attention_variant``: None, or ``"gdn"`` for Gated DeltaNet layers."""
+    """``experimental_attention_variant``: None, ``"gdn"`` (Gated DeltaNet) or ``"dsa"``."""
     variant = f.fields.get("experimental_attention_variant")
     if variant is None:
         return None
-    if variant in LINEAR_ATTENTION_VARIANTS:
-        return "gdn"
+    if isinstance(variant, str) and variant in ATTENTION_VARIANTS:
+        return ATTENTION_VARIANTS[variant]
     raise f.error(f"{f.name('experimental_attention_variant')}={show(variant)} is not supported; supported: "
-                  f"{', '.join(LINEAR_ATTENTION_VARIANTS)} (Gated DeltaNet). See docs/attention-variants.md")
+                  f"{', '.join(ATTENTION_VARIANTS)}. See docs/attention-variants.md")
 
 
 def _attention_heads(f: Fields, hidden: int) -> tuple[int, int, int]:
@@ -589,15 +616,18 @@ def _gpt_layers(f: Fields, moe: MoESpec | None, window: int | None, variant: str
         raise f.error(f"{f.name('linear_attention_freq')!r} needs {f.name('experimental_attention_variant')}"
                       f" (one of {', '.join(LINEAR_ATTENTION_VARIANTS)})")
     runs = zip_runs(zip_runs(linear, windowed), ffn_runs)
-    main = tuple(((_mixer(lin, win), "moe" if m else "mlp"), n) for ((lin, win), m), n in runs)
+    # megatron-core: a non-linear variant (dsa) replaces the attention of every layer.
+    softmax = "dsa" if variant == "dsa" else None
+    main = tuple(((_mixer(lin, win, softmax), "moe" if m else "mlp"), n) for ((lin, win), m), n in runs)
     # MTP layers copy the last decoder layer's spec (megatron-core's MTP block spec), attention unwindowed.
     (last_mixer, last_ffn), _ = main[-1]
     mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
-    return _Layers(main=main, mtp_num_layers=mtp, mtp=(((last_mixer if last_mixer == "gdn" else "attention", last_ffn), 1),))
+    mtp_mixer = last_mixer if last_mixer in ("gdn", "dsa") else "attention"
+    return _Layers(main=main, mtp_num_layers=mtp, mtp=(((mtp_mixer, last_ffn), 1),))
 
 
-def _mixer(linear: bool, windowed: bool) -> str:
-    return "gdn" if linear else "window" if windowed else "attention"
+def _mixer(linear: bool, windowed: bool, softmax: str | None) -> str:
+    return "gdn" if linear else softmax or ("window" if windowed else "attention")
 
 
 def _hybrid_layers(f: Fields, pattern: Any, moe: MoESpec | None, mla: MLASpec | None) -> _Layers:
@@ -608,9 +638,6 @@ def _hybrid_layers(f: Fields, pattern: Any, moe: MoESpec | None, mla: MLASpec | 
     if not isinstance(pattern, str):
         raise f.error(f"{name} must be a string of the symbols {supported}, got {show(pattern)}")
     for c in dict.fromkeys(pattern):
-        if c in _HYBRID_UNSUPPORTED:
-            raise f.error(f"{name} {show(pattern)}: {c!r} ({_HYBRID_UNSUPPORTED[c]}) is not supported; "
-                          f"the pattern may only use the symbols {supported}")
         if c not in supported:
             raise f.error(f"{name} {show(pattern)} may only use the symbols {supported}; {c!r} is unknown")
     main, *mtp_parts = pattern.split(_HYBRID_MTP)
@@ -626,11 +653,11 @@ def _hybrid_layers(f: Fields, pattern: Any, moe: MoESpec | None, mla: MLASpec | 
     used = set(main + "".join(mtp_parts))
     if "E" in used and moe is None:
         raise f.error(f"{name} has MoE layers ('E') but {f.name('num_moe_experts')} is unset")
-    if "*" in used and ("+" in used or mla is not None):
-        raise f.error(f"{name}: '*' builds standard attention, '+' multi-latent attention; megatron-core allows "
-                      f"one kind per model (and '+' with {f.name('multi_latent_attention')})")
-    if "+" in used and mla is None:
-        raise f.error(f"{name} has MLA layers ('+') but {f.name('multi_latent_attention')} is not set")
+    if "*" in used and (used & {"+", "D"} or mla is not None):
+        raise f.error(f"{name}: '*' builds standard attention, '+' and 'D' multi-latent attention; megatron-core "
+                      f"allows one kind per model (and '+'/'D' with {f.name('multi_latent_attention')})")
+    if used & {"+", "D"} and mla is None:
+        raise f.error(f"{name} has MLA or DSA layers ('+', 'D') but {f.name('multi_latent_attention')} is not set")
     what = f"{f.source}: {name}"
     runs = merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(main)), what)
     runs = _hybrid_windows(f, runs)
@@ -668,6 +695,29 @@ def _mamba_spec(f: Fields, hidden: int) -> MambaSpec:
         head_dim=head_dim,
         num_groups=f.opt_integer("mamba_num_groups") or 8,
         num_heads=f.opt_integer("mamba_num_heads") or max(d_inner // head_dim, 1),
+    )
+
+
+def _dsa_spec(f: Fields, mla: MLASpec | None, window: int | None) -> DSASpec:
+    """DSA's indexer from megatron-core's ``dsa_*`` fields (MLA layers with a top-k core)."""
+    variant = f.name("experimental_attention_variant")
+    if mla is None:
+        raise f.error(f"DSA layers need multi-latent attention: set {f.name('multi_latent_attention')} ({variant})")
+    if window is not None:
+        raise f.error(f"DSA layers and {f.name('window_size')} together are not supported")
+    missing = [f.name(k) for k in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+               if f.fields.get(k) is None]
+    if missing:
+        raise f.error(f"DSA layers need {', '.join(map(repr, missing))}")
+    coeff = f.fields.get("dsa_indexer_loss_coeff")
+    if coeff is not None and (isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0):
+        raise f.error(f"{f.name('dsa_indexer_loss_coeff')} must be a number >= 0, got {show(coeff)}")
+    return DSASpec(
+        num_heads=f.integer("dsa_indexer_n_heads"),
+        head_dim=f.integer("dsa_indexer_head_dim"),
+        topk=f.integer("dsa_indexer_topk"),
+        trains_indexer=bool(coeff),
+        sparse_loss=f.boolean("dsa_indexer_use_sparse_loss"),
     )
 
 

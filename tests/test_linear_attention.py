@@ -207,16 +207,16 @@ def test_mla_symbol_needs_multi_latent_attention():
     mla = dict(BASE, multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
     spec = ModelSpec.from_mapping(dict(mla, hybrid_layer_pattern="+-M+-"))
     assert spec.mla is not None and [m for m, _ in spec.layers] == ["attention", "none", "mamba", "attention", "none"]
-    with pytest.raises(ValueError, match="'\\+' multi-latent attention"):
+    with pytest.raises(ValueError, match="'\\*' builds standard attention"):
         ModelSpec.from_mapping(dict(mla, hybrid_layer_pattern="*-"))
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(BASE, num_layers=2, experimental_attention_variant="dsa"), "'dsa' is not supported; supported: gated_delta_net"),
+    (dict(BASE, num_layers=2, experimental_attention_variant="lightning"), "'lightning' is not supported; supported: gated_delta_net, gdn, dsa"),
     (dict(BASE, num_layers=2, experimental_attention_variant="gated_delta_net"), "linear_attention_freq' is not set"),
     (dict(BASE, num_layers=2, linear_attention_freq=2), "needs experimental_attention_variant"),
-    (dict(BASE, hybrid_layer_pattern="M*D-"), "'D' \\(DeepSeek sparse attention \\(DSA\\)\\) is not supported"),
-    (dict(BASE, hybrid_layer_pattern="M*Q-"), "may only use the symbols MG\\*\\+-E\\|/; 'Q' is unknown"),
+    (dict(BASE, hybrid_layer_pattern="M*D-"), "'\\*' builds standard attention, '\\+' and 'D'"),
+    (dict(BASE, hybrid_layer_pattern="M*Q-"), "may only use the symbols MG\\*\\+D-E\\|/; 'Q' is unknown"),
     (dict(BASE, hybrid_layer_pattern="M*/G/M"), "every MTP part after '/' must be the same"),
     (dict(BASE, hybrid_layer_pattern="M*/G", mtp_num_layers=3), "mtp_num_layers=3 but .* has 1 MTP depths"),
     (dict(BASE, hybrid_layer_pattern="G-", linear_num_key_heads=3), "linear_num_key_heads=3 does not divide"),
@@ -230,7 +230,7 @@ def test_cli_exits_2_naming_the_variant(tmp_path, capsys):
     path = tmp_path / "model.json"
     path.write_text(json.dumps(dict(BASE, num_layers=2, experimental_attention_variant="kda")))
     assert main(["estimate", "--model", str(path), "--seqlens", "[[8]]"]) == 2
-    assert "'kda' is not supported; supported: gated_delta_net, gdn" in capsys.readouterr().err
+    assert "'kda' is not supported; supported: gated_delta_net, gdn, dsa" in capsys.readouterr().err
 
 
 def test_megatron_lm_command_line_with_gated_delta_net():
