@@ -108,3 +108,19 @@ def test_dsa_hybrid_symbol_and_mtp():
 def test_dsa_refusals(fields, message):
     with pytest.raises(ValueError, match=message):
         ModelSpec.from_mapping(fields)
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_tracker_prices_dsa_as_the_estimate(device, monkeypatch):
+    # The top-k band travels as the window statistic, on the host and on the device path alike.
+    torch = pytest.importorskip("torch")
+    from megatron_flops import batch_checks
+    from megatron_flops.tracker import FlopsTracker
+
+    if device:
+        monkeypatch.setattr(batch_checks, "HOST_DEVICE_TYPES", frozenset())
+    spec = ModelSpec.from_mapping(dict(DSA, dsa_indexer_loss_coeff=0.01, dsa_indexer_use_sparse_loss=True))
+    tracker = FlopsTracker(spec, seq_length=32)
+    tracker.record(tokens=torch.zeros(1, 32, dtype=torch.long), cu_seqlens=torch.tensor([0, 3, 12, 30]))
+    result = tracker.end_step()
+    assert result.flops == estimate(spec, parse_rows([[3, 9, 18]])).total
