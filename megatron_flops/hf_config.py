@@ -32,7 +32,7 @@ def hf_text_config(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return data
 
 
-HF_FAMILIES = ("deepseek_v2", "deepseek_v3", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+HF_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                "qwen3_next")
 # VLM text decoders priced with their text family's rules.
 _HF_TEXT_MODEL_TYPES = {
@@ -114,9 +114,35 @@ def hf_to_mcore(hf: Mapping[str, Any], *, family: str | None = None) -> dict[str
         _hf_moe(f, out, family, num_layers)
     if family == "qwen3_next":
         _hf_qwen3_next(f, out, num_layers)
+    elif family == "deepseek_v32":
+        _hf_dsa(f, out, num_layers)
     else:
         _hf_window(f, out, family, num_layers)
     return out
+
+
+def _hf_dsa(f: Fields, out: dict[str, Any], num_layers: int) -> None:
+    """DeepSeek-V3.2: DeepSeek-V3's MLA and MoE with DSA in every layer (``index_*`` keys), MoE
+    layers from ``mlp_layer_types``. NB: transformers runs the indexer under ``no_grad`` (no
+    indexer loss), as a model whose indexer does not train."""
+    hf = f.fields
+    missing = [k for k in ("index_n_heads", "index_head_dim", "index_topk", "q_lora_rank") if hf.get(k) is None]
+    if missing:
+        raise f.missing(missing)
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and layer_types != ["indexed_attention"] * num_layers:
+        raise f.error(f"'layer_types' must be 'indexed_attention' for each of the {num_layers} layers, "
+                      f"got {show(layer_types)}")
+    mlp_types = hf.get("mlp_layer_types")
+    if mlp_types is not None:
+        kinds = ("dense", "sparse")
+        if not isinstance(mlp_types, list) or len(mlp_types) != num_layers or any(t not in kinds for t in mlp_types):
+            raise f.error(f"'mlp_layer_types' must list 'dense' or 'sparse' for each of the {num_layers} layers, "
+                          f"got {show(mlp_types)}")
+        out["moe_layer_freq"] = FlagRuns(merged(((t == "sparse", len(list(g))) for t, g in itertools.groupby(mlp_types)),
+                                                f"{f.source}: 'mlp_layer_types'"))
+    out.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=f.integer("index_n_heads"),
+               dsa_indexer_head_dim=f.integer("index_head_dim"), dsa_indexer_topk=f.integer("index_topk"))
 
 
 def _hf_qwen3_next(f: Fields, out: dict[str, Any], num_layers: int) -> None:

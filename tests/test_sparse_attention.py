@@ -124,3 +124,47 @@ def test_tracker_prices_dsa_as_the_estimate(device, monkeypatch):
     tracker.record(tokens=torch.zeros(1, 32, dtype=torch.long), cu_seqlens=torch.tensor([0, 3, 12, 30]))
     result = tracker.end_step()
     assert result.flops == estimate(spec, parse_rows([[3, 9, 18]])).total
+
+
+# ---- Hugging Face deepseek_v32 ---------------------------------------------------------------------
+
+V32 = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+           vocab_size=100, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+           first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=16, n_group=1, topk_group=1, index_n_heads=2, index_head_dim=16, index_topk=5)
+
+
+def test_deepseek_v32_measured_is_the_estimate_with_the_dense_core(tmp_path, capsys):
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_flops.cli import main
+
+    config = transformers.AutoConfig.for_model("deepseek_v32", **V32)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.set_experts_implementation("eager")
+    seqlens = [12, 7, 3]
+    measured = 0
+    for s in seqlens:
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=torch.randint(0, 100, (1, s)), use_cache=False).logits.float().sum().backward()
+        measured += counter.get_total_flops()
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json_string())
+    assert main(["estimate", "--model", str(path), "--seqlens", json.dumps([[s] for s in seqlens]), "--attention",
+                 "full", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    parts = report["components"]
+    # The indexer runs under no_grad in transformers: forward only, scores over every (masked) pair; its
+    # projections and scores equal the estimate. transformers' eager attention masks a dense MLA core
+    # (not absorbed: q.k over nope + rope, context over v, every pair, 3 passes) where we price the
+    # top-k pairs over the latent dims (dsa/core).
+    dense_core = sum(3 * 2 * 4 * (16 + 8 + 16) * s * s for s in seqlens)
+    assert measured == report["total_flops"] - parts["dsa/core"] + 3 * dense_core
+    # 3 DSA layers; under "full", dsa/core = 3 passes x 2 x 4 heads x (16 + 8 + 16) latent dims x the band.
+    assert parts["dsa/core"] == 3 * 3 * 2 * 4 * (16 + 8 + 16) * sum(band_pairs(s, 4) for s in seqlens)
