@@ -361,8 +361,8 @@ class _LayerGemms:
             _mamba(out, spec, tokens, prefix)
         elif mixer == "gdn":
             _gdn(out, spec, tokens, prefix)
-        elif mixer == "dsa":
-            _dsa(out, spec, tokens, self.full_pairs, self.band, self.attention, prefix)
+        elif mixer in ("dsa", "dsa_shared"):
+            _dsa(out, spec, tokens, (self.full_pairs, self.band), self.attention, prefix, indexer=mixer == "dsa")
         if ffn == "mlp":
             _mlp(out, spec, tokens, prefix)
         elif ffn == "moe":
@@ -459,10 +459,13 @@ def _mla_projections(add: _Gemms, spec: ModelSpec, tokens: int, key: str) -> Non
     _linear(add, key, "linear_kv_up_proj", tokens, mla.kv_lora_rank, nq * (mla.qk_head_dim + mla.v_head_dim))
 
 
-def _dsa(add: _Gemms, spec: ModelSpec, tokens: int, full_pairs: int, band: int, attention: str, prefix: str) -> None:
-    """DeepSeek sparse attention as megatron-core 0.19 runs it (absorbed MLA + lightning indexer)."""
+def _dsa(add: _Gemms, spec: ModelSpec, tokens: int, pairs: tuple[int, int], attention: str, prefix: str, *,
+         indexer: bool) -> None:
+    """DeepSeek sparse attention as megatron-core 0.19 runs it (absorbed MLA + lightning indexer);
+    ``indexer=False``: a layer that reuses an earlier layer's top-k (and its loss)."""
     mla, dsa = spec.mla, spec.dsa
     assert mla is not None and dsa is not None
+    full_pairs, band = pairs
     h, nq = spec.hidden_size, spec.num_attention_heads
     # NB: absorbed MLA runs the kv up-projection as two einsums (q_nope @ W_UK, context @ W_UV) of the
     # same MACs as linear_kv_up_proj over every token: priced under that name.
@@ -474,6 +477,15 @@ def _dsa(add: _Gemms, spec: ModelSpec, tokens: int, full_pairs: int, band: int, 
                       ("core_attention.context", mla.kv_lora_rank)):
         add(f"{prefix}dsa/core", name, apply_attention_convention(attention_gemm(nq, dim, band), attention))
     _linear(add, f"{prefix}attn/out", "linear_proj", tokens, nq * mla.v_head_dim, h)
+    if indexer:
+        _dsa_indexer(add, spec, tokens, pairs, attention, prefix)
+
+
+def _dsa_indexer(add: _Gemms, spec: ModelSpec, tokens: int, pairs: tuple[int, int], attention: str, prefix: str) -> None:
+    mla, dsa = spec.mla, spec.dsa
+    assert mla is not None and dsa is not None
+    h, nq = spec.hidden_size, spec.num_attention_heads
+    full_pairs, band = pairs
     # Indexer: linear_wq_b [T, q_lora (h without q_lora)] @ [., nh*d]; linear_wk [T, h] @ [h, d];
     # linear_weights_proj [T, h] @ [h, nh].
     # NB: megatron-core detaches the indexer's inputs: forward, plus the weight gradient only when the

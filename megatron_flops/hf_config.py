@@ -32,8 +32,8 @@ def hf_text_config(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return data
 
 
-HF_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-               "qwen3_next")
+HF_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "llama", "mistral", "mixtral", "qwen2",
+               "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")
 # VLM text decoders priced with their text family's rules.
 _HF_TEXT_MODEL_TYPES = {
     "qwen2_vl": "qwen2", "qwen2_vl_text": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_5_vl_text": "qwen2",
@@ -108,13 +108,13 @@ def hf_to_mcore(hf: Mapping[str, Any], *, family: str | None = None) -> dict[str
     }
     if hf.get("head_dim") is not None:
         out["kv_channels"] = f.integer("head_dim")
-    if family.startswith("deepseek"):
+    if family.startswith("deepseek") or family == "glm_moe_dsa":
         _hf_deepseek(f, out, num_layers)
     elif family in ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next"):
         _hf_moe(f, out, family, num_layers)
     if family == "qwen3_next":
         _hf_qwen3_next(f, out, num_layers)
-    elif family == "deepseek_v32":
+    elif family in ("deepseek_v32", "glm_moe_dsa"):
         _hf_dsa(f, out, num_layers)
     else:
         _hf_window(f, out, family, num_layers)
@@ -122,8 +122,8 @@ def hf_to_mcore(hf: Mapping[str, Any], *, family: str | None = None) -> dict[str
 
 
 def _hf_dsa(f: Fields, out: dict[str, Any], num_layers: int) -> None:
-    """DeepSeek-V3.2: DeepSeek-V3's MLA and MoE with DSA in every layer (``index_*`` keys), MoE
-    layers from ``mlp_layer_types``. NB: transformers runs the indexer under ``no_grad`` (no
+    """DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``): DeepSeek-V3's MLA and MoE with DSA in every layer
+    (``index_*`` keys), MoE layers from ``mlp_layer_types``, GLM-5's index sharing from ``indexer_types``. NB: transformers runs the indexer under ``no_grad`` (no
     indexer loss), as a model whose indexer does not train."""
     hf = f.fields
     missing = [k for k in ("index_n_heads", "index_head_dim", "index_topk", "q_lora_rank") if hf.get(k) is None]
@@ -141,6 +141,15 @@ def _hf_dsa(f: Fields, out: dict[str, Any], num_layers: int) -> None:
                           f"got {show(mlp_types)}")
         out["moe_layer_freq"] = FlagRuns(merged(((t == "sparse", len(list(g))) for t, g in itertools.groupby(mlp_types)),
                                                 f"{f.source}: 'mlp_layer_types'"))
+    indexer_types = hf.get("indexer_types")
+    if indexer_types is not None:  # GLM-5: "shared" layers reuse the previous "full" layer's top-k.
+        kinds = ("full", "shared")
+        if (not isinstance(indexer_types, list) or len(indexer_types) != num_layers
+                or any(t not in kinds for t in indexer_types) or indexer_types[0] != "full"):
+            raise f.error(f"'indexer_types' must list 'full' or 'shared' for each of the {num_layers} layers, the "
+                          f"first 'full', got {show(indexer_types)}")
+        out["dsa_indexer_layers"] = FlagRuns(merged(((t == "full", len(list(g))) for t, g in itertools.groupby(indexer_types)),
+                                                    f"{f.source}: 'indexer_types'"))
     out.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=f.integer("index_n_heads"),
                dsa_indexer_head_dim=f.integer("index_head_dim"), dsa_indexer_topk=f.integer("index_topk"))
 

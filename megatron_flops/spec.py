@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_flops._inputs import Fields, read_document, show
-from megatron_flops._layout import Runs, layer_flags, merged, zip_runs
+from megatron_flops._layout import Runs, cycle, layer_flags, merged, zip_runs
 from megatron_flops._mcore_fields import TRANSFORMER_CONFIG_FIELDS
 from megatron_flops.hf_config import HF_FAMILIES, HF_NAMES, HF_SOURCE, hf_text_config, hf_to_mcore, is_hf_config
 
@@ -60,6 +60,9 @@ _EXTRA_KEYS = frozenset(
         "vision",
         "lora",
         "dit",
+        # megatron-core 0.19 TransformerConfig fields (DSA index sharing) beyond the 0.16.1 list.
+        "dsa_indexer_topk_freq",
+        "dsa_indexer_skip_topk_offset",
     }
 )
 
@@ -136,7 +139,8 @@ class ModelSpec:
     """A decoder-only megatron-core model, as far as GEMM FLOPs are concerned.
 
     ``layer_runs`` lists the decoder sub-layers in order as runs ``((mixer, ffn), count)`` of
-    consecutive layers of one kind, with mixer in ``attention``/``window``/``mamba``/``gdn``/``none``
+    consecutive layers of one kind, with mixer in ``attention``/``window``/``mamba``/``gdn``/``dsa``/
+    ``dsa_shared`` (a DSA layer reusing an earlier layer's top-k)/``none``
     and ffn in ``mlp``/``moe``/``none``: a 32-layer GPT is ``((("attention", "mlp"), 32),)``, a
     hybrid ``M`` symbol is ``("mamba", "none")``. ``mtp_layer_runs`` are the layers of one MTP
     depth (a GPT's MTP layer copies its last decoder layer; a hybrid pattern's part after ``/``).
@@ -380,6 +384,8 @@ _CONFIG_FIELDS_READ = (
     "dsa_indexer_topk",
     "dsa_indexer_loss_coeff",
     "dsa_indexer_use_sparse_loss",
+    "dsa_indexer_topk_freq",
+    "dsa_indexer_skip_topk_offset",
 )
 _ALL_FIELD_NAMES = _CONFIG_FIELDS_READ + (
     "activation_func", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
@@ -449,7 +455,7 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
         layers = _gpt_layers(f, moe, window, variant)
     mamba = _mamba_spec(f, hidden) if _uses(layers, "mamba") else None
     gdn = _gdn_spec(f) if _uses(layers, "gdn") else None
-    dsa = _dsa_spec(f, mla, window) if _uses(layers, "dsa") else None
+    dsa = _dsa_spec(f, mla, window) if _uses(layers, "dsa", "dsa_shared") else None
     return ModelSpec(
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -588,8 +594,8 @@ class _Layers:
     mtp: LayerRuns
 
 
-def _uses(layers: _Layers, mixer: str) -> bool:
-    return any(kind[0] == mixer for kind, _ in layers.main + (layers.mtp if layers.mtp_num_layers else ()))
+def _uses(layers: _Layers, *mixers: str) -> bool:
+    return any(kind[0] in mixers for kind, _ in layers.main + (layers.mtp if layers.mtp_num_layers else ()))
 
 
 def _gpt_layers(f: Fields, moe: MoESpec | None, window: int | None, variant: str | None) -> _Layers:
@@ -618,11 +624,11 @@ def _gpt_layers(f: Fields, moe: MoESpec | None, window: int | None, variant: str
     runs = zip_runs(zip_runs(linear, windowed), ffn_runs)
     # megatron-core: a non-linear variant (dsa) replaces the attention of every layer.
     softmax = "dsa" if variant == "dsa" else None
-    main = tuple(((_mixer(lin, win, softmax), "moe" if m else "mlp"), n) for ((lin, win), m), n in runs)
+    main = _dsa_sharing(f, tuple(((_mixer(lin, win, softmax), "moe" if m else "mlp"), n) for ((lin, win), m), n in runs))
     # MTP layers copy the last decoder layer's spec (megatron-core's MTP block spec), attention unwindowed.
     (last_mixer, last_ffn), _ = main[-1]
     mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
-    mtp_mixer = last_mixer if last_mixer in ("gdn", "dsa") else "attention"
+    mtp_mixer = {"gdn": "gdn", "dsa": "dsa", "dsa_shared": "dsa"}.get(last_mixer, "attention")
     return _Layers(main=main, mtp_num_layers=mtp, mtp=(((mtp_mixer, last_ffn), 1),))
 
 
@@ -660,7 +666,7 @@ def _hybrid_layers(f: Fields, pattern: Any, moe: MoESpec | None, mla: MLASpec | 
         raise f.error(f"{name} has MLA or DSA layers ('+', 'D') but {f.name('multi_latent_attention')} is not set")
     what = f"{f.source}: {name}"
     runs = merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(main)), what)
-    runs = _hybrid_windows(f, runs)
+    runs = _dsa_sharing(f, _hybrid_windows(f, runs))
     mtp_runs = merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(mtp_parts[0])), what) \
         if mtp_parts else ()
     mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
@@ -685,6 +691,26 @@ def _hybrid_windows(f: Fields, runs: LayerRuns) -> LayerRuns:
         f, "window_attn_skip_freq", skip, num_layers, every=False)
     return tuple(((("window", ffn) if w and mixer == "attention" else (mixer, ffn)), n)
                  for ((mixer, ffn), w), n in zip_runs(runs, windowed))
+
+
+def _dsa_sharing(f: Fields, runs: LayerRuns) -> LayerRuns:
+    """DSA layers that reuse an earlier layer's top-k run no indexer (``dsa_shared``): megatron-core
+    0.19's ``dsa_indexer_topk_freq``/``dsa_indexer_skip_topk_offset`` (layer ``n``, 1-based, runs
+    its indexer when ``max(n - max(offset, 1), 0) % freq == 0``), or a Hugging Face file's
+    ``indexer_types`` (``dsa_indexer_layers``). MTP layers number their own layers: they run theirs."""
+    num_layers = sum(n for _, n in runs)
+    what = f"{f.source}: the DSA indexer layout"
+    given = f.fields.get("dsa_indexer_layers")
+    if given is not None:
+        own: Runs = tuple(given)
+    else:
+        freq = f.integer("dsa_indexer_topk_freq", default=1)
+        if freq == 1:
+            return runs
+        first = min(max(f.integer("dsa_indexer_skip_topk_offset", minimum=0, default=0), 1), num_layers)
+        own = merged(((True, first),) + cycle(((False, freq - 1), (True, 1)), num_layers - first, what), what)
+    return tuple(((("dsa_shared", ffn) if mixer == "dsa" and not runs_indexer else (mixer, ffn)), n)
+                 for ((mixer, ffn), runs_indexer), n in zip_runs(runs, own))
 
 
 def _mamba_spec(f: Fields, hidden: int) -> MambaSpec:

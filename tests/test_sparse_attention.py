@@ -168,3 +168,51 @@ def test_deepseek_v32_measured_is_the_estimate_with_the_dense_core(tmp_path, cap
     assert measured == report["total_flops"] - parts["dsa/core"] + 3 * dense_core
     # 3 DSA layers; under "full", dsa/core = 3 passes x 2 x 4 heads x (16 + 8 + 16) latent dims x the band.
     assert parts["dsa/core"] == 3 * 3 * 2 * 4 * (16 + 8 + 16) * sum(band_pairs(s, 4) for s in seqlens)
+
+
+def test_glm_moe_dsa_shares_top_k_and_is_measured(tmp_path, capsys):
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_flops.cli import main
+
+    config = transformers.AutoConfig.for_model("glm_moe_dsa", **dict(V32, num_hidden_layers=4),
+                                               index_topk_freq=2, index_skip_topk_offset=2)
+    config._attn_implementation = "eager"
+    assert config.indexer_types == ["full", "full", "shared", "full"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.set_experts_implementation("eager")
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    assert [m for m, _ in spec.layers] == ["dsa", "dsa", "dsa_shared", "dsa"]
+    seqlens = [12, 7]
+    measured = 0
+    for s in seqlens:
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=torch.randint(0, 100, (1, s)), use_cache=False).logits.float().sum().backward()
+        measured += counter.get_total_flops()
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json_string())
+    assert main(["estimate", "--model", str(path), "--seqlens", json.dumps([[s] for s in seqlens]), "--attention",
+                 "full", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    dense_core = sum(3 * 2 * 4 * (16 + 8 + 16) * s * s for s in seqlens)
+    assert measured == report["total_flops"] - report["components"]["dsa/core"] + 4 * dense_core
+    # The shared layer prices no indexer: 3 of the 4 layers run one, forward only, every pair under "full":
+    # 2 x 2 heads x (16 + 1) MACs per pair.
+    assert report["components"]["dsa/indexer_scores"] == 3 * sum(2 * 2 * 17 * s * s for s in seqlens)
+
+
+def test_megatron_core_index_sharing():
+    spec = ModelSpec.from_mapping(dict(DSA, num_layers=7, dsa_indexer_topk_freq=3, dsa_indexer_skip_topk_offset=2,
+                                       mtp_num_layers=1))
+    # Layer n runs its indexer when max(n - 2, 0) % 3 == 0: layers 1, 2, 5 (n = 5: 3 % 3).
+    assert [m for m, _ in spec.layers] == ["dsa", "dsa", "dsa_shared", "dsa_shared", "dsa", "dsa_shared", "dsa_shared"]
+    assert spec.mtp_layer_runs == ((("dsa", "mlp"), 1),)  # MTP layers number their own: the first runs one
+    parts = estimate(spec, parse_rows([10])).components
+    single = estimate(ModelSpec.from_mapping(dict(DSA, num_layers=1)), parse_rows([10])).components
+    assert parts["dsa/indexer"] == 3 * single["dsa/indexer"] and parts["mtp/dsa/indexer"] == single["dsa/indexer"]
+    assert parts["dsa/core"] == 7 * single["dsa/core"]
