@@ -361,6 +361,8 @@ class _LayerGemms:
             _mamba(out, spec, tokens, prefix)
         elif mixer == "gdn":
             _gdn(out, spec, tokens, prefix)
+        elif mixer == "kda":
+            _kda(out, spec, tokens, prefix)
         elif mixer in ("dsa", "dsa_shared"):
             _dsa(out, spec, tokens, (self.full_pairs, self.band), self.attention, prefix, indexer=mixer == "dsa")
         if ffn == "mlp":
@@ -457,6 +459,27 @@ def _mla_projections(add: _Gemms, spec: ModelSpec, tokens: int, key: str) -> Non
     # linear_kv_down_proj [T, h] @ [h, kv_lora + rope]; linear_kv_up_proj [T, kv_lora] @ [kv_lora, nq*(qk + v)].
     _linear(add, key, "linear_kv_down_proj", tokens, h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
     _linear(add, key, "linear_kv_up_proj", tokens, mla.kv_lora_rank, nq * (mla.qk_head_dim + mla.v_head_dim))
+
+
+def _kda(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:
+    """Kimi Delta Attention as transformers' Kimi Linear runs it: GDN with a per-channel decay."""
+    k = spec.kda
+    assert k is not None
+    h, d, dim = spec.hidden_size, k.head_dim, k.num_heads * k.head_dim
+    # q_proj, k_proj, v_proj: [T, h] @ [h, H*d] each; b_proj (beta): [T, h] @ [h, H].
+    for name in ("q_proj", "k_proj", "v_proj"):
+        _linear(add, f"{prefix}kda/in_proj", name, tokens, h, dim)
+    _linear(add, f"{prefix}kda/in_proj", "b_proj", tokens, h, k.num_heads)
+    # Low-rank forget gate and output gate: [T, h] @ [h, d] then [T, d] @ [d, H*d], each.
+    for a, b in (("forget_gate.f_a_proj", "forget_gate.f_b_proj"), ("g_a_proj", "g_b_proj")):
+        _linear(add, f"{prefix}kda/gates", a, tokens, h, d)
+        _linear(add, f"{prefix}kda/gates", b, tokens, d, dim)
+    # Depthwise causal convolution over the 3*H*d channels of q, k, v (see _gdn).
+    add(f"{prefix}kda/conv", "conv1d", FLOPS_PER_MAC * tokens * 3 * dim * k.conv_kernel_dim)
+    # NB: the delta rule's convention of gdn/core, with a [d, d] state per head.
+    add(f"{prefix}kda/core", "delta_rule", gdn_core_flops(tokens, k.num_heads, d, d))
+    # o_proj: [T, H*d] @ [H*d, h] after the gated RMSNorm.
+    _linear(add, f"{prefix}kda/out_proj", "o_proj", tokens, dim, h)
 
 
 def _dsa(add: _Gemms, spec: ModelSpec, tokens: int, pairs: tuple[int, int], attention: str, prefix: str, *,

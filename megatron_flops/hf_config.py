@@ -32,7 +32,7 @@ def hf_text_config(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return data
 
 
-HF_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "llama", "mistral", "mixtral", "qwen2",
+HF_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "llama", "mistral", "mixtral", "qwen2",
                "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")
 # VLM text decoders priced with their text family's rules.
 _HF_TEXT_MODEL_TYPES = {
@@ -116,9 +116,52 @@ def hf_to_mcore(hf: Mapping[str, Any], *, family: str | None = None) -> dict[str
         _hf_qwen3_next(f, out, num_layers)
     elif family in ("deepseek_v32", "glm_moe_dsa"):
         _hf_dsa(f, out, num_layers)
+    elif family == "kimi_linear":
+        _hf_kimi_linear(f, out, num_layers)
     else:
         _hf_window(f, out, family, num_layers)
     return out
+
+
+def _hf_kimi_linear(f: Fields, out: dict[str, Any], num_layers: int) -> None:
+    """Kimi Linear: Kimi Delta Attention where ``layer_types`` says ``linear_attention``, MLA (as
+    DeepSeek's keys give it) elsewhere; MoE where ``mlp_layer_types`` says ``sparse``, with
+    ``n_shared_experts`` shared experts of ``moe_intermediate_size``, no shared gate."""
+    hf = f.fields
+    # transformers' attribute_map: the file may spell each of these either way.
+    experts, topk_key, shared = (_experts_key(hf, keys) for keys in (
+        ("num_experts", "num_local_experts"), ("num_experts_per_token", "num_experts_per_tok"),
+        ("num_shared_experts", "n_shared_experts")))
+    required = ["layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
+                experts, topk_key, "moe_intermediate_size", shared, "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim"]
+    missing = [k for k in required if hf.get(k) is None]
+    if "q_lora_rank" not in hf:
+        missing.append("q_lora_rank")  # null is allowed: a plain q_proj.
+    if missing:
+        raise f.missing(missing)
+    flags = {}
+    for key, kinds in (("layer_types", ("linear_attention", "full_attention")), ("mlp_layer_types", ("sparse", "dense"))):
+        types = hf[key]
+        if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
+            raise f.error(f"{key!r} must list {' or '.join(map(repr, kinds))} for each of the {num_layers} layers, "
+                          f"got {show(types)}")
+        flags[key] = FlagRuns(merged(((t == kinds[0], len(list(g))) for t, g in itertools.groupby(types)),
+                                     f"{f.source}: {key!r}"))
+    num_experts, topk, moe_ffn = f.integer(experts), f.integer(topk_key), f.integer("moe_intermediate_size")
+    if topk > num_experts:
+        raise f.error(f"{topk_key}={topk} > {experts}={num_experts}")
+    out.update(
+        kda_layers=flags["layer_types"], kda_num_heads=f.integer("linear_num_heads"),
+        kda_head_dim=f.integer("linear_head_dim"), kda_conv_kernel_dim=f.integer("linear_conv_kernel_dim"),
+        num_moe_experts=num_experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
+        moe_layer_freq=flags["mlp_layer_types"],
+        moe_shared_expert_intermediate_size=f.integer(shared, minimum=0) * moe_ffn,
+        multi_latent_attention=True, q_lora_rank=f.opt_integer("q_lora_rank"), kv_lora_rank=f.integer("kv_lora_rank"),
+        qk_head_dim=f.integer("qk_nope_head_dim"), qk_pos_emb_head_dim=f.integer("qk_rope_head_dim", minimum=0),
+        v_head_dim=f.integer("v_head_dim"), num_query_groups=out["num_attention_heads"],
+    )
+    out.pop("kv_channels", None)
 
 
 def _hf_dsa(f: Fields, out: dict[str, Any], num_layers: int) -> None:

@@ -121,6 +121,15 @@ class GDNSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class KDASpec:
+    """Kimi Delta Attention (Kimi Linear) sizes: ``num_heads`` heads of ``head_dim`` for q, k, v."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel_dim: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class DSASpec:
     """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): a lightning indexer of ``num_heads`` heads
     of ``head_dim`` scores every causal pair; MLA attends to the ``topk`` best keys per query.
@@ -139,7 +148,7 @@ class ModelSpec:
     """A decoder-only megatron-core model, as far as GEMM FLOPs are concerned.
 
     ``layer_runs`` lists the decoder sub-layers in order as runs ``((mixer, ffn), count)`` of
-    consecutive layers of one kind, with mixer in ``attention``/``window``/``mamba``/``gdn``/``dsa``/
+    consecutive layers of one kind, with mixer in ``attention``/``window``/``mamba``/``gdn``/``kda``/``dsa``/
     ``dsa_shared`` (a DSA layer reusing an earlier layer's top-k)/``none``
     and ffn in ``mlp``/``moe``/``none``: a 32-layer GPT is ``((("attention", "mlp"), 32),)``, a
     hybrid ``M`` symbol is ``("mamba", "none")``. ``mtp_layer_runs`` are the layers of one MTP
@@ -162,6 +171,7 @@ class ModelSpec:
     mla: MLASpec | None = None
     mamba: MambaSpec | None = None
     gdn: GDNSpec | None = None
+    kda: KDASpec | None = None
     dsa: DSASpec | None = None
     mtp_num_layers: int = 0
     mtp_layer_runs: tuple[tuple[tuple[str, str], int], ...] = ((("attention", "mlp"), 1),)
@@ -455,6 +465,8 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
         layers = _gpt_layers(f, moe, window, variant)
     mamba = _mamba_spec(f, hidden) if _uses(layers, "mamba") else None
     gdn = _gdn_spec(f) if _uses(layers, "gdn") else None
+    kda = KDASpec(num_heads=f.integer("kda_num_heads"), head_dim=f.integer("kda_head_dim"),
+                  conv_kernel_dim=f.integer("kda_conv_kernel_dim")) if _uses(layers, "kda") else None
     dsa = _dsa_spec(f, mla, window) if _uses(layers, "dsa", "dsa_shared") else None
     return ModelSpec(
         hidden_size=hidden,
@@ -473,6 +485,7 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
         mla=mla,
         mamba=mamba,
         gdn=gdn,
+        kda=kda,
         dsa=dsa,
         mtp_num_layers=layers.mtp_num_layers,
         mtp_layer_runs=layers.mtp,
@@ -621,14 +634,18 @@ def _gpt_layers(f: Fields, moe: MoESpec | None, window: int | None, variant: str
     elif freq is not None:
         raise f.error(f"{f.name('linear_attention_freq')!r} needs {f.name('experimental_attention_variant')}"
                       f" (one of {', '.join(LINEAR_ATTENTION_VARIANTS)})")
+    linear_kind = "gdn"
+    if f.fields.get("kda_layers") is not None:  # Kimi Linear (Hugging Face files only)
+        linear, linear_kind = tuple(f.fields["kda_layers"]), "kda"
     runs = zip_runs(zip_runs(linear, windowed), ffn_runs)
     # megatron-core: a non-linear variant (dsa) replaces the attention of every layer.
     softmax = "dsa" if variant == "dsa" else None
-    main = _dsa_sharing(f, tuple(((_mixer(lin, win, softmax), "moe" if m else "mlp"), n) for ((lin, win), m), n in runs))
+    main = _dsa_sharing(f, tuple(((linear_kind if lin else _mixer(False, win, softmax), "moe" if m else "mlp"), n)
+                                 for ((lin, win), m), n in runs))
     # MTP layers copy the last decoder layer's spec (megatron-core's MTP block spec), attention unwindowed.
     (last_mixer, last_ffn), _ = main[-1]
     mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
-    mtp_mixer = {"gdn": "gdn", "dsa": "dsa", "dsa_shared": "dsa"}.get(last_mixer, "attention")
+    mtp_mixer = {"gdn": "gdn", "kda": "kda", "dsa": "dsa", "dsa_shared": "dsa"}.get(last_mixer, "attention")
     return _Layers(main=main, mtp_num_layers=mtp, mtp=(((mtp_mixer, last_ffn), 1),))
 
 

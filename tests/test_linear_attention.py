@@ -243,3 +243,64 @@ def test_megatron_lm_command_line_with_gated_delta_net():
     spec = ModelSpec.from_megatron_args(args, source=source)
     assert [m for m, _ in spec.layers] == ["gdn", "gdn", "gdn", "attention"] * 2
     assert spec.gdn is not None and (spec.gdn.num_value_heads, spec.gdn.conv_kernel_dim) == (4, 4)
+
+
+# ---- Kimi Delta Attention (Kimi Linear) ----------------------------------------------------------
+
+KIMI = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+            vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2, moe_intermediate_size=32,
+            num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, linear_num_heads=2, linear_head_dim=8,
+            linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"])
+
+
+def torch_chunked_kda_flops(s: int, heads: int, d: int) -> int:
+    """FlopCounterMode's count of transformers' ``chunk_kimi_delta_attention`` over one sequence,
+    forward and backward, per head (n chunks of C = 64): attn @ v_beta, attn @ (k_beta * decay) and
+    attn_intra @ v_new (C^2 d each) 3x per chunk (the intra-chunk scores are elementwise products
+    and sums: no matmul); the state matmuls as in the GDN fallback, C d^2 (9n - 4)."""
+    n = -(-s // CHUNK)
+    return 2 * heads * (9 * n * CHUNK * CHUNK * d + (9 * n - 4) * CHUNK * d * d)
+
+
+def test_kimi_linear_measured_is_the_estimate_plus_the_named_remainders(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.AutoConfig.for_model("kimi_linear", **KIMI)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.set_experts_implementation("eager")
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    assert spec.layers == (("kda", "mlp"), ("attention", "moe"), ("kda", "moe"))
+    seqlens = [12, 70]
+    measured = _measure(model, seqlens)
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json_string())
+    assert main(["estimate", "--model", str(path), "--seqlens", json.dumps([[s] for s in seqlens]), "--attention",
+                 "full", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    parts = report["components"]
+    heads, d, k, channels, tokens = 2, 8, 4, 3 * 16, sum(seqlens)
+    assert parts["kda/core"] == 2 * TRAIN_PASSES * gdn_core_flops(tokens, heads, d, d)
+    rest = report["total_flops"] - parts["kda/conv"] - parts["kda/core"]
+    conv = sum(torch_conv_flops(s, channels, k) for s in seqlens)
+    core = sum(torch_chunked_kda_flops(s, heads, d) for s in seqlens)
+    assert measured == rest + 2 * (conv + core)
+
+
+def test_kda_relation_to_megatron_bridge():
+    # Kimi-Linear-48B's KDA sizes: h 2304, 32 heads of 128, kernel 4.
+    h, heads, d, k, tokens = 2304, 32, 128, 4, 4096
+    layer_types = ["linear_attention"]
+    spec = ModelSpec.from_hf_config(dict(KIMI, model_type="kimi_linear", hidden_size=h, num_hidden_layers=1,
+                                         linear_num_heads=heads, linear_head_dim=d, linear_conv_kernel_dim=k,
+                                         layer_types=layer_types, mlp_layer_types=["dense"]))
+    parts = training_flops(spec, SeqStats.full_length(1, tokens)).components
+    ours = sum(v for key, v in parts.items() if key.startswith("kda/"))
+    dim = heads * d
+    # Megatron-Bridge main's kda_self_attn_per_layer (flop_utils.py, Kimi's kimi_kda_layers), per token x3 x2.
+    bridge = 3 * 2 * tokens * (h * dim * 5 + h * heads + h * d + d * dim + k * 3 * dim + heads * d * d * 4)
+    # Bridge prices the output gate as a full h -> H*d projection; Kimi Linear's is low rank, h -> d -> H*d.
+    assert bridge - ours == 3 * 2 * tokens * (h * dim - (h * d + d * dim))

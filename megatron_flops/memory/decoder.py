@@ -132,11 +132,10 @@ def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
 
 def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> None:
     """ValueError for what these parameter lists do not model, or sizes that do not divide."""
-    if (spec.mla is not None or spec.mamba is not None or spec.gdn is not None or spec.dsa is not None
-            or spec.mtp_num_layers
-            or spec.attention_output_gate):
+    mixers = (spec.mla, spec.mamba, spec.gdn, spec.kda, spec.dsa)
+    if any(m is not None for m in mixers) or spec.mtp_num_layers or spec.attention_output_gate:
         raise ValueError("memory is modelled for GPT decoders (dense and MoE layers): no MLA, Mamba, Gated DeltaNet, "
-                         "MTP or gated attention")
+                         "KDA, DSA, MTP or gated attention")
     if spec.window_size is not None:
         raise ValueError("memory is not modelled for sliding-window attention")
     tp = par.tp
