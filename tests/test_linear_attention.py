@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from megatron_flops.cli import main
-from megatron_flops.formulas import TRAIN_PASSES, SeqStats, estimate, gdn_core_flops, parse_rows, training_flops
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.formulas import (TRAIN_PASSES, SeqStats, estimate, gdn_core_flops, parse_rows,
+                                           training_flops)
+from megatron_flops.model.spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
 MLM_TRAINING = REPO.parent / "shared" / "upstream" / "megatron-lm" / "core_v0.19.0" / "megatron" / "training" / "training.py"
@@ -234,7 +235,7 @@ def test_cli_exits_2_naming_the_variant(tmp_path, capsys):
 
 
 def test_megatron_lm_command_line_with_gated_delta_net():
-    from megatron_flops.megatron_args import load_megatron_args
+    from megatron_flops.model.megatron_args import load_megatron_args
 
     args, source = load_megatron_args(
         "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --swiglu "

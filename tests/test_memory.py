@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_flops.cli import main
-from megatron_flops.dit import DiTParam, DiTPeftSpec, DiTSpec
+from megatron_flops.flops.dit import DiTParam, DiTPeftSpec, DiTSpec
 from megatron_flops.memory.activations import ChunkActivations, in_flight, schedule_peak
 from megatron_flops.memory.comm import step_communication
 from megatron_flops.memory.decoder import DecoderOptions, Param, chunk_parameters, parameter_counts
@@ -20,8 +20,8 @@ from megatron_flops.memory.fsdp import fsdp_rank_memory, real_rows, shard_rows
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.report import decoder_memory, rank_memory
 from megatron_flops.memory.states import buffer_buckets, chunk_buffers, chunk_state_bytes, shard_numel
-from megatron_flops.passes import PeftSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.model.spec import ModelSpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY_DIT = str(EXAMPLES / "wan_tiny_dit.json")

@@ -18,8 +18,8 @@ import mcore_cpu
 from megatron_flops.memory.activations import chunk_activations, in_flight, schedule_peak
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.passes import RecomputeSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.model.spec import ModelSpec
 
 VOCAB, SEQ, MBS, NUM_MB = 256, 16, 2, 2
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,

@@ -22,8 +22,8 @@ from megatron_flops.memory.activations import chunk_activations, in_flight, sche
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.report import rank_memory
-from megatron_flops.passes import PeftSpec, RecomputeSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.model.spec import ModelSpec
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)]
 

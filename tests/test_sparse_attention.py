@@ -9,8 +9,8 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_flops.formulas import band_pairs, estimate, parse_rows
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.formulas import band_pairs, estimate, parse_rows
+from megatron_flops.model.spec import ModelSpec
 
 # A tiny DeepSeek-V3.2-like model: MLA with q_lora, the indexer, every layer DSA.
 H, NQ, Q_LORA, KV_LORA, QK, ROPE, V = 64, 4, 24, 16, 8, 4, 8
@@ -114,8 +114,8 @@ def test_dsa_refusals(fields, message):
 def test_tracker_prices_dsa_as_the_estimate(device, monkeypatch):
     # The top-k band travels as the window statistic, on the host and on the device path alike.
     torch = pytest.importorskip("torch")
-    from megatron_flops import batch_checks
-    from megatron_flops.tracker import FlopsTracker
+    from megatron_flops.tracking import batch_checks
+    from megatron_flops.tracking.tracker import FlopsTracker
 
     if device:
         monkeypatch.setattr(batch_checks, "HOST_DEVICE_TYPES", frozenset())

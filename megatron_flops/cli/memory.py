@@ -11,7 +11,7 @@ from typing import Any
 
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, DecoderOptions, backend_convention
 from megatron_flops.memory.layout import DTYPE_BYTES, OPTIMIZERS, Parallelism, Training
-from megatron_flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
+from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
 NOT_COUNTED = ("allocator caching and fragmentation", "workspaces (cuBLAS, NCCL, kernels)", "the CUDA context",
                "temporaries freed inside an op", "gradients of activations during backward")
@@ -87,7 +87,7 @@ def _parallelism(args: argparse.Namespace) -> Parallelism:
 
 
 def _dit(args: argparse.Namespace, raw: dict[str, Any], training: Training, par: Parallelism) -> dict[str, dict]:
-    from megatron_flops.dit_passes import dit_setup
+    from megatron_flops.flops.dit_passes import dit_setup
     from megatron_flops.memory.fsdp import dit_memory_report
 
     other = [f"--{k} {v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if v > 1]
@@ -110,9 +110,9 @@ def _dit(args: argparse.Namespace, raw: dict[str, Any], training: Training, par:
 
 def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, par: Parallelism) -> dict[str, dict]:
     from megatron_flops.cli.estimate import _training_setup
-    from megatron_flops.hf_config import is_hf_config
+    from megatron_flops.model.hf_config import is_hf_config
     from megatron_flops.memory.report import decoder_memory, report_dict
-    from megatron_flops.spec import load_model_file
+    from megatron_flops.model.spec import load_model_file
 
     spec, _ = load_model_file(args.model)
     if spec is None:
@@ -134,7 +134,7 @@ def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, 
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    from megatron_flops.spec import load_model_file
+    from megatron_flops.model.spec import load_model_file
 
     _, raw = load_model_file(args.model)
     training, par = _training(args), _parallelism(args)

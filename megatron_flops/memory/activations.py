@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.passes import PeftSpec, RecomputeSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.model.spec import ModelSpec
 
 NORM_STATS_BYTES = 4  # fp32 mean/rstd per token (CUDA kernels)
 INDEX_BYTES = 8  # int64 token ids, positions, targets

@@ -34,8 +34,8 @@ from collections.abc import Mapping, Sequence
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import Bucket
-from megatron_flops.passes import RecomputeSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.model.spec import ModelSpec
 
 CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials
 

@@ -1,7 +1,7 @@
 """The parameters of a megatron-core ``GPTModel`` (local layer spec), per model chunk and tensor
 -parallel rank, in ``named_parameters()`` order (stdlib only).
 
-Only what bytes depend on beyond :class:`~megatron_flops.spec.ModelSpec` is read here, by its
+Only what bytes depend on beyond :class:`~megatron_flops.model.spec.ModelSpec` is read here, by its
 ``TransformerConfig``/``GPTModel`` name and with megatron-core's defaults: biases, the norm,
 position embeddings, dropout, the fused bias-activation, the attention backend.
 
@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_flops.hf_config import hf_text_config
+from megatron_flops.model.hf_config import hf_text_config
 from megatron_flops.memory.layout import Parallelism
-from megatron_flops.passes import PeftSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.model.spec import ModelSpec
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")

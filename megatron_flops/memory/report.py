@@ -16,8 +16,8 @@ from megatron_flops.memory.comm import bus_bytes, step_communication
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
-from megatron_flops.passes import PeftSpec, RecomputeSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.model.spec import ModelSpec
 
 # Megatron-LM's default DDP bucket size with overlap_grad_reduce: max(40M, 1M x DP) parameters.
 DEFAULT_BUCKET_SIZE = 40_000_000

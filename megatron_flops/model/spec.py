@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_flops._inputs import Fields, read_document, show
-from megatron_flops._layout import Runs, cycle, layer_flags, merged, zip_runs
-from megatron_flops._mcore_fields import TRANSFORMER_CONFIG_FIELDS
-from megatron_flops.hf_config import HF_FAMILIES, HF_NAMES, HF_SOURCE, hf_text_config, hf_to_mcore, is_hf_config
+from megatron_flops.model.inputs import Fields, read_document, show
+from megatron_flops.model._layout import Runs, cycle, layer_flags, merged, zip_runs
+from megatron_flops.model._mcore_fields import TRANSFORMER_CONFIG_FIELDS
+from megatron_flops.model.hf_config import HF_FAMILIES, HF_NAMES, HF_SOURCE, hf_text_config, hf_to_mcore, is_hf_config
 
 # Activation name -> whether the name itself implies a gated linear unit.
 _ACTIVATIONS: dict[str, bool] = {
@@ -179,7 +179,7 @@ class ModelSpec:
 
     @property
     def pair_window(self) -> int | None:
-        """The band of :class:`~megatron_flops.formulas.SeqStats`' window statistic: the sliding
+        """The band of :class:`~megatron_flops.flops.formulas.SeqStats`' window statistic: the sliding
         window, or DSA's top-k keys per query, counted as a causal band of ``topk - 1``."""
         return self.dsa.topk - 1 if self.dsa is not None else self.window_size
 
@@ -407,7 +407,7 @@ _MLM_NAMES = {"num_moe_experts": "num_experts", "gated_linear_unit": "swiglu", "
 
 
 def _unknown_keys_message(unknown: list[str]) -> str:
-    from megatron_flops import _mlm_args
+    from megatron_flops.model import _mlm_args
 
     mlm = [k for k in unknown if k in _mlm_args.DESTS]
     if mlm:
