@@ -640,17 +640,13 @@ def _gpt_layers(f: Fields, moe: MoESpec | None, window: int | None, variant: str
     runs = zip_runs(zip_runs(linear, windowed), ffn_runs)
     # megatron-core: a non-linear variant (dsa) replaces the attention of every layer.
     softmax = "dsa" if variant == "dsa" else None
-    main = _dsa_sharing(f, tuple(((linear_kind if lin else _mixer(False, win, softmax), "moe" if m else "mlp"), n)
-                                 for ((lin, win), m), n in runs))
+    main = _dsa_sharing(f, tuple(((linear_kind if lin else softmax or ("window" if win else "attention"),
+                                   "moe" if m else "mlp"), n) for ((lin, win), m), n in runs))
     # MTP layers copy the last decoder layer's spec (megatron-core's MTP block spec), attention unwindowed.
     (last_mixer, last_ffn), _ = main[-1]
     mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
     mtp_mixer = {"gdn": "gdn", "kda": "kda", "dsa": "dsa", "dsa_shared": "dsa"}.get(last_mixer, "attention")
     return _Layers(main=main, mtp_num_layers=mtp, mtp=(((mtp_mixer, last_ffn), 1),))
-
-
-def _mixer(linear: bool, windowed: bool, softmax: str | None) -> str:
-    return "gdn" if linear else softmax or ("window" if windowed else "attention")
 
 
 def _hybrid_layers(f: Fields, pattern: Any, moe: MoESpec | None, mla: MLASpec | None) -> _Layers:
