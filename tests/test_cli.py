@@ -251,7 +251,8 @@ def test_required_hf_fields_are_named_with_typo_hints(tmp_path, capsys):
 def test_unsupported_model_type_lists_families_and_can_be_overridden(tmp_path, capsys):
     path = _file(tmp_path, dict(HF_LLAMA, model_type="gemma2"))
     err = _error(capsys, "estimate", "--model", path, "--seqlens", "[8]")
-    assert "model_type 'gemma2' is not supported (supported: deepseek_v2, deepseek_v3, llama," in err
+    assert ("model_type 'gemma2' is not supported (supported: deepseek_v2, deepseek_v3, deepseek_v32, glm_moe_dsa, "
+            "kimi_linear, llama,") in err
     assert "--hf-family" in err
     llama = _json(capsys, "estimate", "--model", _file(tmp_path, HF_LLAMA, "llama.json"), "--seqlens", "[8]")
     assert _json(capsys, "estimate", "--model", path, "--seqlens", "[8]", "--hf-family", "llama") == llama
