@@ -52,7 +52,7 @@ def estimate_report(
     row), as the stock formula does. With ``peft`` or ``recompute``, model FLOPs follow
     ``convention`` and executed FLOPs add recompute and the GEMMs megatron-core runs unneeded
     (:mod:`megatron_flops.flops.passes`)."""
-    stats = SeqStats.from_rows(rows, window=spec.window_size)
+    stats = SeqStats.from_rows(rows, window=spec.pair_window)
     static_len = seq_length or max(r.num_padded_tokens for r in rows)
     return _report(spec, stats, static_len, attention=attention, peft=peft, recompute=recompute,
                    convention=convention)
@@ -70,7 +70,7 @@ def _report(
 ) -> dict[str, Any]:
     priced = price(spec, stats, attention=attention, peft=peft, recompute=recompute, convention=convention)
     model, executed = priced.model, priced.executed
-    static = training_flops(spec, SeqStats.full_length(stats.num_rows, static_len, window=spec.window_size),
+    static = training_flops(spec, SeqStats.full_length(stats.num_rows, static_len, window=spec.pair_window),
                             attention=attention)
     return {
         "total_flops": model.total,
@@ -251,7 +251,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             raise ValueError(f"{source}: holds no decoder model to price --seqlens with")
         if args.seqlens is None:  # --seq-length N --batch-size B: identical rows, priced in O(1)
             assert seq_length is not None
-            stats = SeqStats.full_length(len(rows), seq_length, window=spec.window_size)
+            stats = SeqStats.full_length(len(rows), seq_length, window=spec.pair_window)
             report = _report(spec, stats, seq_length, attention=args.attention, peft=peft, recompute=recompute,
                              convention=args.convention)
         else:

@@ -24,7 +24,8 @@ READ = (
     "moe_shared_expert_gate", "moe_layer_freq", "moe_latent_size", "multi_latent_attention", "q_lora_rank",
     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers", "window_size",
     "window_attn_skip_freq", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
-    "experimental_attention_variant", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
+    "experimental_attention_variant", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
     "tensor_model_parallel_size", "untie_embeddings_and_output_weights", "hybrid_override_pattern",
     "seq_length", "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
     "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
@@ -181,7 +182,7 @@ def _convert(option: str, type_name: str, value: Any, source: str) -> Any:
             return float(value)
         if type_name == "tuple_type":
             return tuple(int(v) for v in value.strip("()").split(","))
-        if type_name == "moe_freq_type":
+        if type_name in ("moe_freq_type", "la_freq_type"):
             # An integer, or a pattern string such as "([0]*3+[1]*58)" (read by the spec, no eval).
             return value if "[" in value else int(value)
     except ValueError:
@@ -191,4 +192,5 @@ def _convert(option: str, type_name: str, value: Any, source: str) -> Any:
 
 
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "tuple_type": "integers such as 4096,0",
-               "moe_freq_type": "an integer or a pattern such as ([0]*3+[1]*29)"}
+               "moe_freq_type": "an integer or a pattern such as ([0]*3+[1]*29)",
+               "la_freq_type": "an integer or a pattern such as ([1]*3+[0]*1)*12"}

@@ -76,7 +76,7 @@ class FlopsTracker(StepTracker):
                                  recompute=recompute, convention=convention)
         if context_parallel_size is not None and context_parallel_size <= 0:
             raise ValueError(f"context_parallel_size must be positive, got {context_parallel_size}")
-        super().__init__(DeviceStats(window=spec.window_size, vision=vision), pricing, shape_slots=SHAPE_SLOTS,
+        super().__init__(DeviceStats(window=spec.pair_window, vision=vision), pricing, shape_slots=SHAPE_SLOTS,
                          validate=validate, group=group)
         self.spec, self.attention, self.seq_length, self.vision = spec, attention, seq_length, vision
         self.peft, self.recompute, self.convention = peft, recompute, convention
@@ -233,7 +233,7 @@ class FlopsTracker(StepTracker):
             self._failed = True
 
     def _host_batches(self) -> HostBatches:
-        return HostBatches(window=self.spec.window_size, vision=self.vision)
+        return HostBatches(window=self.spec.pair_window, vision=self.vision)
 
     def _token_slots(self) -> int:
         return self._host[self._index["num_padded_tokens"]]
