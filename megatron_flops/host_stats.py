@@ -106,7 +106,12 @@ class HostBatches:
     def _trimmed_lengths(self) -> tuple[np.ndarray, np.ndarray]:
         """The real and the padded lengths of every trimmed, clipped or one-channel row, as two
         1-D arrays of one length (a length dropped from a channel is 0 there)."""
-        tensors, sizes, valid, limits, flags, pending = [], [], [], [], ([], []), []
+        tensors: list[torch.Tensor] = []
+        sizes: list[int] = []
+        valid: list[int] = []
+        limits: list[int] = []
+        flags: tuple[list[bool], list[bool]] = ([], [])
+        pending: list[tuple[int, torch.Tensor]] = []
         limited = False
         for cu, argmin, limit, real, padded in self.offsets:
             rows, size = (cu.shape[0], cu.shape[1]) if cu.dim() == 2 else (1, cu.shape[0])
@@ -114,9 +119,11 @@ class HostBatches:
             if isinstance(argmin, torch.Tensor):
                 pending.append((len(valid), argmin))
             n = argmin if isinstance(argmin, int) else size  # row-local offsets ([b, n]) carry no argmin
-            for values, value in ((sizes, size), (valid, n), (limits, _NO_LIMIT if limit is None else limit),
-                                  (flags[0], real), (flags[1], padded)):
-                values.extend([value] * rows)
+            sizes += [size] * rows
+            valid += [n] * rows
+            limits += [_NO_LIMIT if limit is None else limit] * rows
+            flags[0].extend([real] * rows)
+            flags[1].extend([padded] * rows)
             limited = limited or limit is not None
         if pending:  # CPU argmin tensors, read in one go
             for (i, _), value in zip(pending, _flat([a for _, a in pending]).tolist()):

@@ -177,6 +177,8 @@ def parse_command_line(text: str, *, source: str, release: str | None = None) ->
         if option not in _mlm_args.OPTIONS or (index is not None and index not in _mlm_args.OPTIONS[option][2]):
             raise ValueError(f"{source}: {_unknown_option(token, index)}")
         dest, kind, releases = _mlm_args.OPTIONS[option]
+        if index is not None:  # the named release's number of values, where it differs from the newest's
+            kind = _mlm_args.OLDER_KINDS.get(option, {}).get(index, kind)
         having = set(releases) if having is None else having & set(releases)
         i += 1
         if kind in ("true", "false"):

@@ -265,6 +265,8 @@ def test_record_has_no_cuda_sync():
              cu_seqlens=torch.tensor([0, 5, 12, 30, 64], dtype=torch.int32, device=dev)),
         dict(tokens=torch.zeros(3, 20, dtype=torch.long, device=dev), seq_lengths=torch.tensor([4, 20, 9], device=dev)),
         dict(tokens=torch.zeros(2, 32, dtype=torch.long, device=dev)),
+        # Row-local offsets [mbs, S + 1] (Megatron-LM core_v0.19.0 packed, micro-batch size 2).
+        dict(tokens=torch.zeros(2, 8, dtype=torch.long, device=dev), cu_seqlens=_row_local([3, 5], [8]).to(dev)),
     ]
     tracker.record(**calls[0])
     torch.cuda.synchronize()

@@ -136,7 +136,8 @@ def ensure(name: str) -> Path:
     cannot be made."""
     spec = VENVS[name]
     base = interpreter(spec.python)
-    stamp_text = f"{base}\n{spec.steps!r}"
+    # The running Python's venvs keep the stamp they had before interpreters were named (no rebuild).
+    stamp_text = repr(spec.steps) if spec.python is None else f"{base}\n{spec.steps!r}"
     venv = root() / name
     python = venv / "bin" / "python"
     stamp = venv / ".megatron-flops-requirements"
