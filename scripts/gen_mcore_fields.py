@@ -1,4 +1,4 @@
-"""Regenerate megatron_flops/_mcore_fields.py from megatron-core 0.14.0, 0.16.1 and 0.19.0.
+"""Regenerate megatron_flops/model/_mcore_fields.py from megatron-core 0.14.0, 0.16.1 and 0.19.0.
 
 Run: MEGATRON_FLOPS_TEST_VENVS=~/.cache/megatron-flops/venvs python scripts/gen_mcore_fields.py
 Each release's field names are read in the framework tests' environment for it
@@ -54,7 +54,7 @@ TRANSFORMER_CONFIG_FIELDS: frozenset[str] = frozenset(
     )
 )
 '''
-    out = REPO / "megatron_flops" / "_mcore_fields.py"
+    out = REPO / "megatron_flops" / "model" / "_mcore_fields.py"
     out.write_text(text)
     print(f"wrote {len(names)} names to {out}")
 

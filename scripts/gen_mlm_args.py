@@ -1,4 +1,4 @@
-"""Regenerate megatron_flops/_mlm_args.py from Megatron-LM's argument parser at every release tag.
+"""Regenerate megatron_flops/model/_mlm_args.py from Megatron-LM's argument parser at every release tag.
 
 Run: MEGATRON_FLOPS_TEST_VENVS=~/.cache/megatron-flops/venvs python scripts/gen_mlm_args.py
 It reads each snapshot's ``megatron/training/arguments.py`` (``../shared/upstream/megatron-lm``) in
@@ -26,7 +26,7 @@ def dump() -> dict:
     warnings.filterwarnings("ignore")
     from megatron.training.arguments import add_megatron_arguments
 
-    from megatron_flops.megatron_args import READ
+    from megatron_flops.model.megatron_args import READ
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     options: dict[str, tuple[str, str]] = {}
@@ -88,7 +88,7 @@ def _dict(items: dict, indent: str = "    ") -> str:
 
 
 def write(tables: dict[str, dict]) -> None:
-    from megatron_flops.megatron_args import READ
+    from megatron_flops.model.megatron_args import READ
 
     tags = [f"core_v{v}" for v in RELEASES]
     options: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # the newest release's dest and kind
@@ -147,7 +147,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {{
 {"".join(f"    {tag!r}: {_dict(values, '        ')},{chr(10)}" for tag, values in defaults.items())}}}
 TYPES: dict[str, str] = {_dict(types)}
 '''
-    out = REPO / "megatron_flops" / "_mlm_args.py"
+    out = REPO / "megatron_flops" / "model" / "_mlm_args.py"
     out.write_text(text)
     print(f"wrote {len(options)} options of {len(RELEASES)} releases to {out}")
 

@@ -41,7 +41,7 @@ def _run(version: str, name: str, tmp_path_factory) -> list[procs.Rank]:
         _DONE[version, name] = procs.launch(
             env.python, mlm.rank_args(scenario, envs.snapshot(version), version, framework_flops=scenario.evaluate),
             world_size=scenario.world_size, workdir=tmp_path_factory.mktemp(f"megatron-lm-{version}-{name}"),
-            timeout_s=420, pythonpath=list(env.pythonpath),
+            timeout_s=1800, pythonpath=list(env.pythonpath),
         )
     return _DONE[version, name]
 

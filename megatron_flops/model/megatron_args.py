@@ -1,6 +1,6 @@
 """Megatron-LM arguments as users launch them (stdlib only): a pasted command line, a file holding
 one (a launch script's arguments), or an args dump (JSON/YAML of ``vars(args)``), read with
-Megatron-LM's own option tables (:mod:`megatron_flops._mlm_args`: core_v0.14.0, core_v0.16.1 and
+Megatron-LM's own option tables (:mod:`megatron_flops.model._mlm_args`: core_v0.14.0, core_v0.16.1 and
 core_v0.19.0) and defaults, then priced by :meth:`ModelSpec.from_megatron_args`.
 
 Which release: the one named (``release``, ``--megatron-release``), whose options alone are
@@ -17,8 +17,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from megatron_flops._inputs import MAX_FILE_BYTES, read_document, show
-from megatron_flops.spec import ModelOptions, ModelSpec
+from megatron_flops.model.inputs import MAX_FILE_BYTES, read_document, show
+from megatron_flops.model.spec import ModelOptions, ModelSpec
 
 # Megatron-LM dests that megatron-flops reads (the model, recompute, pipeline split, seq_length).
 READ = (
@@ -66,7 +66,7 @@ def load_megatron_args(value: str, *, release: str | None = None) -> tuple[Simpl
 
 def release_index(release: str | None) -> int | None:
     """The index into ``_mlm_args.RELEASES`` of ``release`` (None: any release)."""
-    from megatron_flops import _mlm_args
+    from megatron_flops.model import _mlm_args
 
     if release is None:
         return None
@@ -77,7 +77,7 @@ def release_index(release: str | None) -> int | None:
 
 
 def _releases_text(indices: Any) -> str:
-    from megatron_flops import _mlm_args
+    from megatron_flops.model import _mlm_args
 
     return ", ".join(_mlm_args.RELEASES[i] for i in indices)
 
@@ -85,7 +85,7 @@ def _releases_text(indices: Any) -> str:
 def _defaults(index: int | None, having: set[int] | None, source: str) -> dict[str, Any]:
     """The defaults of release ``index`` or, for any release, of the newest one in ``having`` (the
     releases that have every option given; None: no option restricts them)."""
-    from megatron_flops import _mlm_args
+    from megatron_flops.model import _mlm_args
 
     if index is None:
         if having is not None and not having:
@@ -138,7 +138,7 @@ def args_from_dump(dump: Mapping[str, Any], *, source: str, release: str | None 
     """An args dump (``vars(args)`` as JSON/YAML): the keys megatron-flops reads, over Megatron-LM's
     defaults (``release``'s, else the newest release's). Other keys are Megatron-LM state and are
     ignored, except near-misses of a key we read (a typo), which are an error with the suggestion."""
-    from megatron_flops import _mlm_args
+    from megatron_flops.model import _mlm_args
 
     index = release_index(release)
     for key in dump:
@@ -157,7 +157,7 @@ def parse_command_line(text: str, *, source: str, release: str | None = None) ->
     """Megatron-LM options as ``pretrain_gpt.py`` parses them (no abbreviations), of ``release``
     (default: any release, see the module). A launcher prefix (``torchrun ... pretrain_gpt.py``) is
     skipped; ``#`` comments and ``\\`` line breaks are allowed."""
-    from megatron_flops import _mlm_args
+    from megatron_flops.model import _mlm_args
 
     index = release_index(release)
     having: set[int] | None = None  # the releases that have every option so far
@@ -205,7 +205,7 @@ def parse_command_line(text: str, *, source: str, release: str | None = None) ->
 
 
 def _unknown_option(token: str, index: int | None) -> str:
-    from megatron_flops import _mlm_args
+    from megatron_flops.model import _mlm_args
 
     if not token.startswith("-"):
         return f"unexpected {show(token)}: expected an --option (a value must follow its option)"
