@@ -1,6 +1,7 @@
 """A stand-in training command for the sweep tests: writes a megatron-flops trace with given
 numbers to ``$MEGATRON_FLOPS_TRACE`` (or ``--trace``), or fails, hangs, runs out of memory or
-writes no trace, as asked. Step ``i`` (1-based) takes ``elapsed[(i - 1) % len(elapsed)]`` seconds
+writes no trace, as asked; ``banner`` prints a hint that mentions memory and fails,
+``killed`` dies of SIGKILL, ``stubborn`` ignores SIGTERM and starts a child that does too. Step ``i`` (1-based) takes ``elapsed[(i - 1) % len(elapsed)]`` seconds
 (written, not slept)."""
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -30,7 +33,8 @@ def step(iteration: int, *, flops: int, tokens: int, elapsed_s: float, ok: bool 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("ok", "fail", "hang", "oom", "no-trace"), default="ok")
+    parser.add_argument("--mode", choices=("ok", "fail", "hang", "oom", "no-trace", "banner", "killed", "stubborn"),
+                        default="ok")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--flops", type=int, default=10**12)
     parser.add_argument("--static-flops", type=int)
@@ -60,6 +64,14 @@ def main() -> int:
         return 1
     if args.mode == "no-trace":
         return 0
+    if args.mode == "banner":
+        print("NOTE: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid out of memory errors", flush=True)
+        print("Traceback (most recent call last):\nValueError: bad config", file=sys.stderr)
+        return 1
+    if args.mode == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.mode == "stubborn":
+        return _stubborn()
     elapsed = [float(x) for x in args.elapsed.split(",")]
     if args.slow_in and args.slow_in[2].endswith(args.slow_in[0]):
         elapsed = [float(args.slow_in[1]) * x for x in elapsed]
@@ -73,6 +85,16 @@ def main() -> int:
                 print("hanging", flush=True)
                 time.sleep(3600)
     print("fake training done", flush=True)
+    return 0
+
+
+def _stubborn() -> int:
+    """Ignore SIGTERM here (saying so) and in a child; print both pids; wait forever."""
+    signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM ignored", flush=True))
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print('child ready', flush=True); time.sleep(3600)"])
+    print(f"stubborn {os.getpid()} {child.pid}", flush=True)
+    time.sleep(3600)
     return 0
 
 

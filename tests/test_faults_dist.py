@@ -220,6 +220,37 @@ def scenario_session_record_raises(tracker, rank):
     return out
 
 
+def scenario_trace_unwritable(tracker, rank):
+    # Through the adapters' train_step wrapper: the trace path is a directory, so the last rank
+    # (the one that writes it) cannot open it. Every rank must still install its session and
+    # join every step's reduction, which alternates with the framework's own collective.
+    import tempfile
+
+    import torch.distributed as dist
+
+    from megatron_flops.adapters._hooks import Adapter, wrap_train_step
+    from megatron_flops.reporting.session import get_session, install_session, uninstall_session
+
+    class _Adapter(Adapter):
+        def new_session(self, bound):
+            return install_session(tracker, world_size=WORLD, warmup_iterations=0, peak_flops_per_s=10**15,
+                                   trace=tempfile.gettempdir())
+
+    def train_step(step):
+        _record(get_session(), rank, step)
+        dist.all_reduce(torch.ones(7))  # the framework's own collective, another shape
+
+    wrapped = wrap_train_step(train_step, _Adapter())
+    out = []
+    for step in range(1, STEPS + 1):
+        wrapped(step)
+        session = get_session()
+        report = None if session is None else session.report()
+        out.append((step, None if report is None else dict(ok=report.num_fallback_iterations == 0, flops=report.flops)))
+    uninstall_session()
+    return out
+
+
 def scenario_dying(tracker, rank):
     # Rank 2 dies at step 3 before its end_step; the others go on with steps 3 and 4.
     out = []
@@ -424,6 +455,15 @@ def test_a_record_that_raises_in_the_session_falls_back_on_every_rank(runs):
     _check_agreement(per_rank, TRUTH)
     assert _oks(per_rank) == [_step_falls_back({2})] * WORLD
     assert any("record() failed (TypeError" in m for m in runs[1]["session_record_raises"]["warnings"])
+
+
+def test_an_unwritable_trace_on_the_writing_rank_never_desynchronises(runs):
+    # Only rank 2 (the last) opens the trace and fails: it warns, and every rank still counts
+    # every step exactly (before: rank 2 had no session and gloo aborted on mismatched collectives).
+    for rank, r in enumerate(runs):
+        assert r["trace_unwritable"]["steps"] == [(s, dict(ok=True, flops=_truth(s))) for s in range(1, STEPS + 1)]
+        warned = [m for m in r["trace_unwritable"]["warnings"] if "no per-step trace" in m]
+        assert len(warned) == (1 if rank == WORLD - 1 else 0)
 
 
 def test_a_dying_rank_never_yields_an_ok_number():

@@ -168,7 +168,7 @@ def test_no_recommendation_exits_1(tmp_path, capsys) -> None:
     (["--param", "mb=1", "--", "x", "--mb", "1"], r"placeholder \{mb\} is not in COMMAND"),
     (["--param", "mb=1", "--", "x", "{mb}", "{pp}"], r"placeholder \{pp\} in COMMAND has no --param pp"),
     (["--param", "mb=1"], "no command to sweep"),
-    (["--param", "mb=1", "--repeats", "0", "--", "x", "{mb}"], "--repeats must be >= 1"),
+    (["--param", "mb=1", "--repeats", "0", "--", "x", "{mb}"], r"--repeats must be in \[1, 10000\]"),
 ])
 def test_bad_arguments_exit_2(tmp_path, capsys, args, message) -> None:
     code, _, err = _sweep(capsys, "--out", str(tmp_path / "sw"), *args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -42,10 +43,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         return args.func(args)
+    except BrokenPipeError:  # `... | head -1`: the reader has what it wanted
+        _quiet_stdout()
+        return 0
     except ValueError as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"megatron-flops: error: {message}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file the command writes (an --out, a --plot) that the system refuses
+        where = " ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
+        print(f"megatron-flops: error: {where or 'a file'}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at the null device, so that flushing it at exit raises nothing again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file descriptor (captured)
+        pass
 
 
 if __name__ == "__main__":

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_flops.reporting.runs import METRICS, SEGMENT_CHOICES, RunStats, Spread, comparability, read_trace, run_stats
+from megatron_flops.reporting.runs import (
+    MAX_TRACE_BYTES, METRICS, SEGMENT_CHOICES, RunStats, Spread, comparability, read_trace, run_stats,
+)
 
 LABELS = {
     "step_time_s": "step time (ms)",
@@ -26,9 +30,13 @@ def load_runs(
     paths: Sequence[str], *, warmup: int | None, segments: str, peak_tflops: float | None
 ) -> tuple[list[RunStats], list[str]]:
     """Statistics of every trace, in order, and the notes and comparability warnings."""
-    if peak_tflops is not None and not peak_tflops > 0:
-        raise ValueError(f"--peak-tflops must be positive, got {peak_tflops}")
+    if peak_tflops is not None and not 0 < peak_tflops * 1e12 < math.inf:
+        raise ValueError(f"--peak-tflops must be a positive finite number, got {peak_tflops}")
     peak = None if peak_tflops is None else peak_tflops * 1e12
+    total = sum(_size(path) for path in paths)
+    if len(paths) > 1 and total > MAX_TRACE_BYTES:  # one trace: reading it names it
+        raise ValueError(f"the traces hold {total / 2**20:.1f} MiB; compare reads at most {MAX_TRACE_BYTES // 2**20} MiB "
+                         "(about 65,000 steps) at once: compare fewer or shorter traces (e.g. their last lines)")
     runs: list[RunStats] = []
     notes: list[str] = []
     for path in paths:
@@ -36,6 +44,13 @@ def load_runs(
         notes.extend(trace.notes)
         runs.append(run_stats(trace, warmup=warmup, segments=segments, peak_flops_per_s=peak))
     return runs, notes + comparability(runs)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except (OSError, ValueError):
+        return 0  # reading it names the problem
 
 
 def run_record(run: RunStats, base: RunStats | None = None) -> dict[str, Any]:
@@ -108,13 +123,13 @@ def format_run(index: int, run: RunStats, base: RunStats) -> list[str]:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     if args.plot:
-        from megatron_flops.cli.plot import require_matplotlib
+        from megatron_flops.cli.plot import check_plot_path
 
-        require_matplotlib("--plot")
+        check_plot_path(args.plot, "--plot")
     runs, warnings = load_runs(args.traces, warmup=args.warmup, segments=args.segments, peak_tflops=args.peak_tflops)
     if args.json:
         records = [run_record(run, runs[0]) for run in runs]
-        print(json.dumps({"runs": records, "warnings": warnings}, indent=2))
+        print(json.dumps({"runs": records, "warnings": warnings}, indent=2, allow_nan=False))
     else:
         for index, run in enumerate(runs, start=1):
             print("\n".join(format_run(index, run, runs[0])))

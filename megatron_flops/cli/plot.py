@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,26 @@ def require_matplotlib(flag: str) -> None:
     """``ValueError`` naming the extra to install when matplotlib is missing."""
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError(f"{flag} needs matplotlib: pip install 'megatron-flops[plot]' (or pip install matplotlib)")
+
+
+def check_plot_path(path: str, flag: str) -> None:
+    """Before any work: matplotlib is installed, ``path`` names a file of a format it writes (by
+    its extension: matplotlib would add ``.png`` to a name without one), and its folder exists and
+    is writable. ``ValueError`` naming ``flag`` otherwise."""
+    require_matplotlib(flag)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in formats:
+        raise ValueError(f"{flag} {path!r}: name a file ending in one of {', '.join('.' + f for f in sorted(formats))}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path!r}: the folder {folder!r} is not writable")
 
 
 def _figure(width: float, height: float) -> Any:

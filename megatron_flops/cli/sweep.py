@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
+import math
 import os
 import re
 import shlex
@@ -23,37 +23,22 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_flops.reporting.trace import TRACE_ENV as TRACE
-from megatron_flops.cli.plot import require_matplotlib
-from megatron_flops.cli.sweep_results import OBJECTIVES, classify, collect, describe, write_json
+from megatron_flops.cli.plot import check_plot_path
+from megatron_flops.cli.sweep_plan import BUILTINS, Run, placeholders
+from megatron_flops.cli.sweep_files import claim_out, hold_out, read_record, write_json
+from megatron_flops.cli.sweep_results import OBJECTIVES, classify, collect, describe
 from megatron_flops.reporting.runs import DEFAULT_TOLERANCE
 
 SWEEP_FORMAT = "megatron-flops-sweep/1"
-BUILTINS = ("run_dir", "trace")  # placeholders the sweep fills in itself
 DEFAULT_TIMEOUT_S = 3600.0
+MAX_RUNS = 10_000  # combinations times repeats
 KILL_GRACE_S = 10.0
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}")  # "${HOME}" is left to the shell
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Run:
-    """One command to run: the combination's position in sweep order, its values, the repeat."""
-
-    index: int
-    params: Mapping[str, str]
-    repeat: int
-    dir: str  # relative to --out
-
-    def argv(self, template: Sequence[str], out: Path) -> list[str]:
-        values = {**self.params, "run_dir": str((out / self.dir).resolve()),
-                  "trace": str((out / self.dir / "trace.jsonl").resolve())}
-        return [_PLACEHOLDER.sub(lambda m: values[m[1]], arg) for arg in template]
 
 
 def parse_params(specs: Sequence[str]) -> dict[str, list[str]]:
@@ -80,7 +65,7 @@ def check_command(command: Sequence[str], params: Mapping[str, Sequence[str]]) -
     """Every ``--param`` appears as ``{NAME}`` in the command and every placeholder is known."""
     if not command:
         raise ValueError("no command to sweep: put it after '--', e.g. sweep --param mb=1,2 -- train.sh --mb {mb}")
-    used = {name for arg in command for name in _PLACEHOLDER.findall(arg)}
+    used = {name for arg in command for name in placeholders(arg)}
     unknown = sorted(used - set(params) - set(BUILTINS))
     if unknown:
         raise ValueError(f"placeholder {{{unknown[0]}}} in COMMAND has no --param {unknown[0]}=...")
@@ -102,28 +87,6 @@ def plan(params: Mapping[str, Sequence[str]], repeats: int) -> list[Run]:
     return runs
 
 
-def claim_out(out: Path, identity: Mapping[str, Any], *, write: bool) -> None:
-    """Make ``out`` this sweep's directory; ``ValueError`` if it holds anything else."""
-    marker = out / "sweep.json"
-    if marker.exists():
-        try:
-            theirs = json.loads(marker.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"--out {out}: unreadable {marker.name} ({exc})") from None
-        for key in ("command", "params"):
-            if theirs.get(key) != identity[key]:
-                raise ValueError(
-                    f"--out {out} holds another sweep's results ({key}: {json.dumps(theirs.get(key))}); "
-                    "choose another --out"
-                )
-        return
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out} exists and is not a sweep directory (no sweep.json); choose another --out")
-    if write:
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(marker, identity)
-
-
 # ---- running -------------------------------------------------------------------------------------
 
 
@@ -131,6 +94,7 @@ def execute(argv: Sequence[str], run_dir: Path, *, timeout_s: float | None) -> d
     """Run one command in its own process group, output to ``log.txt``; kill the group on time-out
     (and on Ctrl-C, which is then re-raised). The outcome as ``run.json`` holds it."""
     env = {**os.environ, TRACE: str((run_dir / "trace.jsonl").resolve())}
+    oom_kills = oom_kill_count()
     started = time.monotonic()
     with open(run_dir / "log.txt", "wb") as log:
         try:
@@ -147,20 +111,42 @@ def execute(argv: Sequence[str], run_dir: Path, *, timeout_s: float | None) -> d
             timed_out = True
         finally:  # also on KeyboardInterrupt: nothing of the run survives it
             _kill_group(proc)
-    return {"returncode": proc.returncode, "timed_out": timed_out, "wall_s": round(time.monotonic() - started, 3)}
+    after = oom_kill_count()
+    return {"returncode": proc.returncode, "timed_out": timed_out, "wall_s": round(time.monotonic() - started, 3),
+            "oom_kills": None if oom_kills is None or after is None else after - oom_kills}
+
+
+def oom_kill_count() -> int | None:
+    """Processes the kernel's out-of-memory killer has killed since boot (Linux), else None."""
+    try:
+        with open("/proc/vmstat") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), None)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the run's process group if its leader is alive, SIGKILL it after a grace period;
-    then SIGKILL whatever of the group is left (ranks orphaned by a launcher that exited)."""
+    """SIGTERM the run's process group if its leader is alive, SIGKILL it after a grace period (at
+    once on a second Ctrl-C); then SIGKILL whatever of the group is left (ranks orphaned by a
+    launcher that exited)."""
+    interrupted = False
     if proc.poll() is None:
         _signal_group(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=KILL_GRACE_S)
         except subprocess.TimeoutExpired:
             pass
+        except KeyboardInterrupt:  # a second Ctrl-C during the grace period: kill now
+            interrupted = True
     _signal_group(proc.pid, signal.SIGKILL)
-    proc.wait()
+    while True:
+        try:
+            proc.wait()
+            break
+        except KeyboardInterrupt:  # the group is already killed: only its reaping is left
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -190,8 +176,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def _run_one(run: Run, args: argparse.Namespace, command: Sequence[str], out: Path, label: str) -> None:
     run_dir = out / run.dir
     done = run_dir / "run.json"
-    if done.exists():
-        previous = json.loads(done.read_text())
+    previous = read_record(done)
+    if previous is not None:
         status = classify(run_dir, previous, warmup=args.warmup).status
         if not (args.rerun_failed and status != "ok"):
             print(f"{label} {run.dir}: {status} (finished before; skipped)", flush=True)
@@ -209,20 +195,35 @@ def _run_one(run: Run, args: argparse.Namespace, command: Sequence[str], out: Pa
           f"({outcome['wall_s']:.1f} s)", flush=True)
 
 
+def _run_all(runs: Sequence[Run], args: argparse.Namespace, command: Sequence[str], out: Path) -> bool:
+    """Run every run not finished before; whether Ctrl-C (or SIGTERM) stopped them."""
+    with _sigterm_as_interrupt():
+        try:
+            for number, run in enumerate(runs, start=1):
+                _run_one(run, args, command, out, f"[{number}/{len(runs)}]")
+        except KeyboardInterrupt:
+            return True
+    return False
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
     params = parse_params(args.param)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     check_command(command, params)
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.timeout < 0:
-        raise ValueError(f"--timeout must be >= 0 seconds (0: none), got {args.timeout}")
+    num_combos = math.prod(len(values) for values in params.values())
+    if num_combos > MAX_RUNS:
+        raise ValueError(f"--param: {num_combos:,} combinations; a sweep runs at most {MAX_RUNS:,}")
+    if not 1 <= args.repeats <= MAX_RUNS // num_combos:
+        raise ValueError(f"--repeats must be in [1, {MAX_RUNS // num_combos}] (at most {MAX_RUNS:,} runs; "
+                         f"{num_combos:,} combinations), got {args.repeats}")
+    if not 0 <= args.timeout < math.inf:
+        raise ValueError(f"--timeout must be a finite number of seconds >= 0 (0: none), got {args.timeout}")
     if not 0 <= args.tolerance < 100:
         raise ValueError(f"--tolerance must be a percentage in [0, 100), got {args.tolerance}")
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.plot:
-        require_matplotlib("--plot")
+        check_plot_path(args.plot, "--plot")
     out = Path(args.out)
     runs = plan(params, args.repeats)
     claim_out(out, {"format": SWEEP_FORMAT, "command": list(command), "params": params}, write=not args.dry_run)
@@ -231,15 +232,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             skipped = " (finished: skipped)" if (out / run.dir / "run.json").exists() else ""
             print(f"[{number}/{len(runs)}] {run.dir}{skipped}: {shlex.join(run.argv(command, out))}")
         return 0
-    interrupted = False
-    with _sigterm_as_interrupt():
-        try:
-            for number, run in enumerate(runs, start=1):
-                _run_one(run, args, command, out, f"[{number}/{len(runs)}]")
-        except KeyboardInterrupt:
-            interrupted = True
-    results = collect(out, runs, params=params, warmup=args.warmup, objective=args.objective, tolerance=args.tolerance / 100)
-    results.write(out)
+    with hold_out(out):
+        interrupted = _run_all(runs, args, command, out)
+        results = collect(out, runs, params=params, warmup=args.warmup, objective=args.objective,
+                          tolerance=args.tolerance / 100)
+        results.write(out)
     print("\n".join(results.summary_lines()))
     for warning in results.warnings:
         print(f"megatron-flops: warning: {warning}", file=sys.stderr)

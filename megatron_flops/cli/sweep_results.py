@@ -3,7 +3,8 @@ recommendation, and the files ``results.json`` and ``summary.csv``.
 
 A run's status comes from its ``run.json`` (exit code, time-out), its log and its trace, in this
 order: ``timeout`` (stopped at ``--timeout``), ``oom`` (a non-zero exit whose log tail holds an
-out-of-memory message), ``failed`` (any other non-zero exit), ``no-trace`` (exit 0 but no trace
+out-of-memory error line, or a SIGKILL while the kernel's out-of-memory killer killed a process:
+``/proc/vmstat``'s ``oom_kill`` grew during the run), ``failed`` (any other non-zero exit), ``no-trace`` (exit 0 but no trace
 with a steady-state step), ``ok``. A configuration's medians are the medians of its ``ok``
 repeats' medians; the statistics of runs that are not ``ok`` are reported but never used.
 
@@ -15,44 +16,33 @@ the objective; a spread above the tolerance is a warning, and the recommendation
 from __future__ import annotations
 
 import csv
-import json
-import os
 import re
 import signal
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from megatron_flops.cli.compare import LABELS, run_record
 from megatron_flops.cli.plot import SweepBar
+from megatron_flops.cli.sweep_files import read_record, write_json
+from megatron_flops.cli.sweep_plan import Run
 from megatron_flops.reporting.runs import (
     RULE, Candidate, Recommendation, RunStats, comparability, doubts, read_trace, recommend, run_stats,
 )
-
-
-class Run(Protocol):
-    """One planned run as the results read it (``megatron_flops.cli.sweep.Run``; a protocol, so
-    that this module does not import the one that imports it)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def params(self) -> Mapping[str, str]: ...
-    @property
-    def repeat(self) -> int: ...
-    @property
-    def dir(self) -> str: ...
-
 
 OBJECTIVES = {"tflops": "tflops_per_gpu", "tokens": "tokens_per_s_per_gpu"}
 STATUSES = ("ok", "failed", "timeout", "oom", "no-trace")
 SUMMARY_METRICS = ("tflops_per_gpu", "static_tflops_per_gpu", "tokens_per_s_per_gpu", "step_time_s", "mfu_percent")
 REPEAT_METRICS = ("tflops_per_gpu", "tokens_per_s_per_gpu")  # repeat_medians_<metric>: one per ok repeat
 LOG_TAIL_BYTES = 1 << 20
-_OOM = re.compile(r"out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory|std::bad_alloc|"
-                  r"RESOURCE_EXHAUSTED", re.IGNORECASE)
+# An out-of-memory error as the last line of a traceback prints it (a torchrun "[rank0]:" prefix
+# allowed), or C++'s: a banner or a hint that only mentions memory is none.
+_OOM = re.compile(r"^(?:\[(?:default)?rank\d+\]:\s*)?(?:(?:[\w.]+\.)?OutOfMemoryError\b|MemoryError\b|"
+                  r"RuntimeError: (?:CUDA|HIP|XPU|MPS) (?:error: )?out of memory|"
+                  r"terminate called after throwing an instance of 'std::bad_alloc')")
+KILLED = (-9, 137)  # SIGKILL, as the process or a shell or launcher in front of it reports it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,13 +52,6 @@ class Outcome:
     status: str
     reason: str
     stats: RunStats | None
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write atomically: a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def classify(run_dir: Path, record: Mapping[str, Any], *, warmup: int | None) -> Outcome:
@@ -83,6 +66,8 @@ def classify(run_dir: Path, record: Mapping[str, Any], *, warmup: int | None) ->
         oom = _oom_line(run_dir / "log.txt")
         if oom is not None:
             return Outcome(status="oom", reason=oom, stats=stats)
+        if code in KILLED and record.get("oom_kills"):
+            return Outcome(status="oom", reason=f"{_exit_reason(code)} by the kernel's out-of-memory killer", stats=stats)
         return Outcome(status="failed", reason=_exit_reason(code), stats=stats)
     if stats is None:
         return Outcome(status="no-trace", reason=trace_problem, stats=None)
@@ -115,7 +100,7 @@ def _oom_line(log: Path) -> str | None:
     except OSError:
         return None
     for line in reversed(tail.splitlines()):
-        if _OOM.search(line):
+        if _OOM.match(line.strip()):
             return line.strip()[:200]
     return None
 
@@ -263,10 +248,9 @@ def collect(out: Path, runs: Sequence[Run], *, params: Mapping[str, Sequence[str
     runs = sorted(runs, key=lambda r: (r.index, r.repeat))  # sweep order, whatever order they ran in
     records, outcomes = [], {}
     for run in runs:
-        done = out / run.dir / "run.json"
-        if not done.exists():
+        finished = read_record(out / run.dir / "run.json")
+        if finished is None:
             continue
-        finished = json.loads(done.read_text())
         outcome = classify(out / run.dir, finished, warmup=warmup)
         outcomes[(run.index, run.repeat)] = outcome
         entry = {"params": dict(run.params), "repeat": run.repeat, "status": outcome.status, "reason": outcome.reason,

@@ -21,6 +21,7 @@ Megatron ``"causal"`` halving describes masked decoder attention and has no mean
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -163,11 +164,14 @@ def _qwen2_vl_mlp_size(config: Mapping[str, Any], width: Any, source: str) -> in
         if size is None:
             raise ValueError(f"{source}: missing 'mlp_ratio' or 'intermediate_size'")
         return size
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio <= 0:
-        raise ValueError(f"{source}: 'mlp_ratio' must be a positive number, got {ratio!r}")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < math.inf:
+        raise ValueError(f"{source}: 'mlp_ratio' must be a positive finite number, got {ratio!r}")
     if not _is_int(width):
         raise ValueError(f"{source}: 'embed_dim' must be a positive integer, got {width!r}")
-    from_ratio = int(width * ratio)
+    try:
+        from_ratio = int(width * ratio)
+    except OverflowError:  # past a float's range
+        raise ValueError(f"{source}: 'embed_dim' * 'mlp_ratio' is too large, got mlp_ratio={ratio!r}") from None
     if size is not None and size != from_ratio:
         raise ValueError(f"{source}: intermediate_size={size!r} disagrees with embed_dim * mlp_ratio = {from_ratio}")
     return from_ratio

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import reprlib
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,11 @@ from typing import Any
 # Nesting deeper than this in a model or rows file is malformed (and would exhaust recursion).
 MAX_NESTING = 32
 MAX_FILE_BYTES = 16 * 2**20
+# PyYAML parses ~0.1-1 MiB/s: a larger YAML file would take longer than a user waits.
+MAX_YAML_BYTES = 2**20
+# Nodes of a YAML document counted with every alias expanded, beyond the text's length: aliases
+# that multiply the document past this (an alias bomb) are refused before it is built.
+MAX_YAML_EXPANSION = 2**16
 
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 40
@@ -41,7 +48,7 @@ def parse_document(text: str, *, name: str, yaml_format: bool = False) -> Any:
         except ImportError:
             raise ValueError(f"{name}: YAML files need PyYAML: pip install 'megatron-flops[yaml]'") from None
         try:
-            data = yaml.safe_load(text)
+            data = _load_yaml(yaml, text, name)
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -50,6 +57,8 @@ def parse_document(text: str, *, name: str, yaml_format: bool = False) -> Any:
             raise ValueError(f"{name}: invalid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
         except RecursionError:
             raise ValueError(f"{name}: nested deeper than {MAX_NESTING} levels") from None
+        except _Refused:
+            raise
         except ValueError as exc:  # an integer past Python's digit limit
             raise ValueError(f"{name}: invalid YAML: {str(exc).splitlines()[0]}") from None
     else:
@@ -65,20 +74,79 @@ def parse_document(text: str, *, name: str, yaml_format: bool = False) -> Any:
     return data
 
 
-def read_document(path: str | Path, *, what: str) -> Any:
-    """Read a JSON or YAML (``.yaml``/``.yml``) file of at most :data:`MAX_FILE_BYTES`."""
-    path = Path(path)
+class _Refused(ValueError):
+    """A document refused before it is built (its message names the file)."""
+
+
+def _load_yaml(yaml: Any, text: str, name: str) -> Any:
+    """``yaml.safe_load(text)``, but the node graph is checked before any object is built: nesting
+    past :data:`MAX_NESTING` and aliases that expand it past :data:`MAX_YAML_EXPANSION` nodes
+    more than the text's length are refused without expanding them."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
     try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise ValueError(f"{what} {str(path)!r} is {size / 2**20:.0f} MiB; the limit is "
-                             f"{MAX_FILE_BYTES // 2**20} MiB")
-        text = path.read_text()
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(yaml, node, name, limit=len(text) + MAX_YAML_EXPANSION)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_nodes(yaml: Any, root: Any, name: str, *, limit: int) -> None:
+    stack, count = [(root, 0)], 0
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > limit:
+            raise _Refused(f"{name}: YAML aliases expand to more than {limit:,} nodes (an alias bomb?)")
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            continue
+        if depth >= MAX_NESTING:
+            raise _Refused(f"{name}: nested deeper than {MAX_NESTING} levels")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def read_text(path: str | Path, *, what: str, limit: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of a regular file of at most ``limit`` bytes; one ``ValueError`` line naming
+    the file otherwise. A FIFO, a device (``/dev/zero``) or a directory is refused before anything
+    is read (a FIFO is opened without waiting for a writer)."""
+    shown = repr(str(path))
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the name
+        raise ValueError(f"cannot read {what} {shown}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{what} {shown} is not a regular file")
+        if info.st_size > limit:
+            raise ValueError(f"{what} {shown} is {info.st_size / 2**20:.1f} MiB; the limit is {limit / 2**20:g} MiB")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
     except OSError as exc:
-        raise ValueError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text") from None
-    return parse_document(text, name=path.name, yaml_format=path.suffix in (".yaml", ".yml"))
+        raise ValueError(f"cannot read {what} {shown}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"{what} {shown} is larger than the limit of {limit / 2**20:g} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} {shown} is not UTF-8 text (byte {exc.start})") from None
+
+
+def read_document(path: str | Path, *, what: str) -> Any:
+    """Read a JSON or YAML (``.yaml``/``.yml``) file of at most :data:`MAX_FILE_BYTES`
+    (:data:`MAX_YAML_BYTES` for YAML)."""
+    path = Path(path)
+    yaml_format = path.suffix in (".yaml", ".yml")
+    text = read_text(path, what=what, limit=MAX_YAML_BYTES if yaml_format else MAX_FILE_BYTES)
+    return parse_document(text, name=path.name, yaml_format=yaml_format)
 
 
 def check_nesting(data: Any, name: str) -> None:

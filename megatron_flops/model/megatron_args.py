@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from megatron_flops.model.inputs import MAX_FILE_BYTES, read_document, show
+from megatron_flops.model.inputs import read_document, read_text, show
 from megatron_flops.model.spec import ModelOptions, ModelSpec
 
 # Megatron-LM dests that megatron-flops reads (the model, recompute, pipeline split, seq_length).
@@ -52,15 +52,10 @@ def load_megatron_args(value: str, *, release: str | None = None) -> tuple[Simpl
         if not isinstance(dump, Mapping):
             raise ValueError(f"{path.name}: an args dump must be a mapping of Megatron-LM argument names")
         return args_from_dump(dump, source=path.name, release=release), path.name
-    try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise ValueError(f"--megatron-args file {value!r} is larger than {MAX_FILE_BYTES // 2**20} MiB")
-        text = path.read_text()
-    except OSError as exc:
+    if not _exists(path):
         raise ValueError(f"--megatron-args: {show(value)} is neither a command line (--num-layers ...) "
-                         f"nor a readable file ({exc.strerror or exc})") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"--megatron-args file {value!r} is not UTF-8 text") from None
+                         "nor a readable file")
+    text = read_text(path, what="--megatron-args file")
     return parse_command_line(text, source=path.name, release=release), path.name
 
 
@@ -93,6 +88,13 @@ def _defaults(index: int | None, having: set[int] | None, source: str) -> dict[s
                              f"({_releases_text(range(len(_mlm_args.RELEASES)))} were searched)")
         index = max(range(len(_mlm_args.RELEASES)) if having is None else having)
     return dict(_mlm_args.DEFAULTS[_mlm_args.RELEASES[index]])
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        return False
 
 
 def _is_file(path: Path) -> bool:

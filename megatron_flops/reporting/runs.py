@@ -23,6 +23,11 @@ Two names for two steady-state numbers, the same in the demo, ``compare`` and th
 *median* (of the steady-state steps' rates; what ``compare`` and ``sweep`` rank by, robust to a
 slow step) and the *overall* rate (total FLOPs or tokens over total time of the steady-state
 steps; what the meter's summary and the demo's print). They differ when step times vary.
+
+Reading is bounded and strict: a trace larger than :data:`MAX_TRACE_BYTES` is refused; a segment's
+iterations must increase (two runs interleaving their lines in one file, or a file edited by hand,
+is refused, never pooled); NaN and infinite numbers, integers past int64, and steps whose rates are
+not finite numbers (a denormal step time) are errors naming the file and line.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from megatron_flops.model.inputs import read_text, show
 from megatron_flops.reporting.meter import IntervalReport
 from megatron_flops.reporting.trace import FORMAT as TRACE_FORMAT
 
@@ -47,6 +53,9 @@ UNIT_CONVENTIONS = ("attention", "model_flops")
 METRICS = ("tflops_per_gpu", "static_tflops_per_gpu", "tokens_per_s_per_gpu", "step_time_s", "mfu_percent", "hfu_percent")
 
 _INT_FIELDS = ("iteration", "flops", "executed_flops", "num_tokens")
+# The trace bytes one call reads: about 65,000 steps, parsed in seconds.
+MAX_TRACE_BYTES = 16 * 2**20
+_MAX_INT = 2**63 - 1  # the tracker's counters are int64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +69,7 @@ class TraceStep:
     num_tokens: int
     elapsed_s: float
     ok: bool
+    line: int = 0  # in the file, 1-based
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,14 +154,10 @@ class RunStats:
 # ---- reading ------------------------------------------------------------------------------------
 
 
-def read_trace(path: str | Path) -> Trace:
-    """Parse a trace file; ``ValueError`` naming the file and line on anything malformed."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ValueError(f"cannot read trace {str(path)!r}: {exc.strerror}") from None
-    return parse_trace(text, name=str(path))
+def read_trace(path: str | Path, *, limit: int = MAX_TRACE_BYTES) -> Trace:
+    """Parse a trace file of at most ``limit`` bytes; ``ValueError`` naming the file (and line) on
+    anything malformed."""
+    return parse_trace(read_text(path, what="trace", limit=limit), name=str(path))
 
 
 def parse_trace(text: str, *, name: str) -> Trace:
@@ -167,14 +173,18 @@ def parse_trace(text: str, *, name: str) -> Trace:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
+        where = f"{name} line {number}"
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, parse_constant=_no_constant)
         except json.JSONDecodeError as exc:
             if torn and number == len(lines):
                 notes.append(f"{name}: line {number} is cut short (the run was stopped while writing it); skipped")
                 break
-            raise ValueError(f"{name} line {number}: not JSON ({exc.msg})") from None
-        where = f"{name} line {number}"
+            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{where}: nested too deeply") from None
+        except ValueError as exc:  # NaN/Infinity, an integer past Python's digit limit
+            raise ValueError(f"{where}: {str(exc).split(';')[0]}") from None
         if isinstance(obj, dict) and "run" in obj:
             if header is not None:
                 segments.append(TraceSegment(header=header, line=header_line, steps=tuple(steps)))
@@ -182,12 +192,22 @@ def parse_trace(text: str, *, name: str) -> Trace:
         elif header is None:
             raise ValueError(f"{where}: a step before any {{\"run\": ...}} header; is this a megatron-flops trace?")
         else:
-            steps.append(_step(obj, where))
+            step = _step(obj, where, number)
+            if steps and step.iteration <= steps[-1].iteration:
+                raise ValueError(
+                    f"{where}: iteration {step.iteration} after {steps[-1].iteration} in the run whose header is at "
+                    f"line {header_line}: two runs writing one file, or lines out of order; give each run its own trace"
+                )
+            steps.append(step)
     if header is not None:
         segments.append(TraceSegment(header=header, line=header_line, steps=tuple(steps)))
     if not segments:
         raise ValueError(f"{name}: empty trace (no header, no steps)")
     return Trace(name=name, segments=tuple(segments), notes=tuple(notes))
+
+
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not a number a trace may hold")
 
 
 def _header(run: Any, where: str) -> dict[str, Any]:
@@ -205,34 +225,34 @@ def _header(run: Any, where: str) -> dict[str, Any]:
     if warmup is not None and not (_is_int(warmup) and warmup >= 0):
         raise ValueError(f"{where}: warmup_iterations must be an integer >= 0, got {warmup!r}")
     peak = run.get("peak_flops_per_s")
-    if peak is not None and (not _is_number(peak) or peak <= 0):
-        raise ValueError(f"{where}: peak_flops_per_s must be positive or null, got {peak!r}")
+    if peak is not None and not (_is_number(peak) and 0 < peak <= _MAX_INT):
+        raise ValueError(f"{where}: peak_flops_per_s must be positive (at most 2^63) or null, got {show(peak)}")
     for key in ("model", "conventions"):
         if not isinstance(run.get(key, {}), dict):
             raise ValueError(f"{where}: {key} must be an object")
     return run
 
 
-def _step(obj: Any, where: str) -> TraceStep:
+def _step(obj: Any, where: str, line: int) -> TraceStep:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: a step must be a JSON object")
     missing = [k for k in (*_INT_FIELDS, "static_flops", "elapsed_s", "ok") if k not in obj]
     if missing:
         raise ValueError(f"{where}: step lacks {', '.join(missing)}")
     for key in _INT_FIELDS:
-        if not _is_int(obj[key]) or obj[key] < 0:
-            raise ValueError(f"{where}: {key} must be an integer >= 0, got {obj[key]!r}")
+        if not (_is_int(obj[key]) and 0 <= obj[key] <= _MAX_INT):
+            raise ValueError(f"{where}: {key} must be an integer in [0, 2^63), got {show(obj[key])}")
     static = obj["static_flops"]
-    if static is not None and (not _is_int(static) or static < 0):
-        raise ValueError(f"{where}: static_flops must be an integer >= 0 or null, got {static!r}")
+    if static is not None and not (_is_int(static) and 0 <= static <= _MAX_INT):
+        raise ValueError(f"{where}: static_flops must be an integer in [0, 2^63) or null, got {show(static)}")
     elapsed = obj["elapsed_s"]
-    if not _is_number(elapsed) or not (math.isfinite(elapsed) and elapsed > 0):
-        raise ValueError(f"{where}: elapsed_s must be a positive number, got {elapsed!r}")
+    if not (_is_number(elapsed) and 0 < elapsed < math.inf):
+        raise ValueError(f"{where}: elapsed_s must be a positive number, got {show(elapsed)}")
     if not isinstance(obj["ok"], bool):
         raise ValueError(f"{where}: ok must be true or false, got {obj['ok']!r}")
     return TraceStep(
         iteration=obj["iteration"], flops=obj["flops"], executed_flops=obj["executed_flops"],
-        static_flops=static, num_tokens=obj["num_tokens"], elapsed_s=float(elapsed), ok=obj["ok"],
+        static_flops=static, num_tokens=obj["num_tokens"], elapsed_s=float(elapsed), ok=obj["ok"], line=line,
     )
 
 
@@ -318,8 +338,7 @@ def run_stats(
         for position, step in enumerate(segment.steps):
             rates.append(StepRates(
                 segment=index, iteration=step.iteration, warmup=position < skip, ok=step.ok,
-                num_tokens=step.num_tokens,
-                rates=step_rates(step, world_size=segment.world_size, peak_flops_per_s=peak),
+                num_tokens=step.num_tokens, rates=_finite_rates(trace.name, step, segment.world_size, peak),
             ))
     steady = [r for r in rates if not r.warmup and r.ok]
     num_warmup = sum(r.warmup for r in rates)
@@ -358,6 +377,16 @@ def overall_rates(steps: Sequence[TraceStep], *, world_size: int, peak_flops_per
         "mfu_percent": report.mfu_percent,
         "hfu_percent": report.hfu_percent,
     }
+
+
+def _finite_rates(name: str, step: TraceStep, world_size: int, peak: float | None) -> dict[str, float | None]:
+    """:func:`step_rates`, each a finite number (a denormal step time or peak gives infinities)."""
+    rates = step_rates(step, world_size=world_size, peak_flops_per_s=peak)
+    for key, value in rates.items():
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{name} line {step.line}: {key} is {value} (elapsed_s {step.elapsed_s!r}); "
+                             "not a measurement")
+    return rates
 
 
 # ---- comparability ------------------------------------------------------------------------------

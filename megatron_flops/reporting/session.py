@@ -84,10 +84,10 @@ class Session:
         """Open a step: start its clock and let micro-batches through. Call it on every rank."""
         if self._open:  # the previous step was neither ended nor aborted: none of it counts
             self.abort_step()
+        self._flush()  # the previous step's trace line, before this step's clock starts
         self._open = True
         self._num_begun += 1
         self._started = self._clock()
-        self._flush()
 
     def record(self, **kwargs: Any) -> None:
         """Forward one micro-batch to the tracker if a step is open; otherwise ignore it.
@@ -242,21 +242,24 @@ def install_session(
     dense peak (None: no MFU/HFU). ``clock``: seconds, monotonic. ``trace``: a file that the rank
     printing the log (the last rank) appends the per-step trace to (``megatron_flops.reporting.trace``; a
     ``{rank}`` in the path: every rank writes its own); ``framework`` and ``framework_version``
-    go into its header. The trace's last step is written by ``close()``, at the latest at exit.
+    go into its header. The trace's last step is written by ``close()``, at the latest at exit. A
+    trace that cannot be written (an unwritable path, a full disk, another run writing it) is
+    skipped with a warning: the session is installed on every rank all the same.
     """
     global _session
     initialised = dist.is_available() and dist.is_initialized()
     if world_size is None:
         world_size = dist.get_world_size() if initialised else 1
-    writer = None
+    header: dict[str, Any] | None = None
+    path: str | None = None
     if trace is not None:
         header = run_header(tracker=tracker, framework=framework, framework_version=framework_version,
                             world_size=world_size, warmup_iterations=warmup_iterations,
                             peak_flops_per_s=peak_flops_per_s, megatron_flops_version=__version__)
         path = trace_path(trace, rank=dist.get_rank() if initialised else 0,
                           world_size=dist.get_world_size() if initialised else 1)
-        writer = None if path is None else TraceWriter(path, header)
-    uninstall_session()
+    uninstall_session()  # first: its trace writer may hold the same file
+    writer = None if path is None or header is None else _open_trace(path, header)
     _session = Session(
         tracker,
         peak_flops_per_s=peak_flops_per_s,
@@ -266,6 +269,18 @@ def install_session(
         trace=writer,
     )
     return _session
+
+
+def _open_trace(path: str, header: dict[str, Any]) -> TraceWriter | None:
+    """The trace writer, or None with a warning when the file cannot be opened, is held by
+    another run, or its header cannot be written: the session is installed all the same, so
+    every rank takes the same path (only the writing rank knows of the failure)."""
+    try:
+        return TraceWriter(path, header)
+    except (OSError, ValueError) as exc:
+        logger.warning("megatron-flops: no per-step trace: cannot write %s (%s: %s); training and its "
+                       "accounting continue", path, type(exc).__name__, exc)
+        return None
 
 
 def get_session() -> Session | None:

@@ -8,7 +8,11 @@ Header (``"format": "megatron-flops-trace/1"``): ``megatron_flops_version``, ``f
 (``megatron-lm``, ``megatron-bridge``, ``custom`` or ``demo``), ``framework_version``,
 ``world_size``, ``model`` (the ``ModelSpec`` fields, nested ones flattened as ``moe.num_experts``),
 ``conventions`` (``attention``, ``model_flops``, ``recompute``, ``peft``), ``warmup_iterations``,
-``peak_flops_per_s`` and ``started_at`` (ISO 8601, UTC).
+``peak_flops_per_s``, ``started_at`` (ISO 8601, UTC) and ``run_id`` (random hex, one per writer).
+
+One writer at a time: a writer holds an exclusive lock on the file (``flock``, released when it
+closes or its process ends) and a second writer on the same path is refused, so two runs never
+interleave their lines in one file.
 
 Iteration: ``iteration``, ``flops`` and ``executed_flops`` (what the meter counts: the static
 number when the step fell back), ``static_flops`` (the framework's own number when it gave one,
@@ -19,9 +23,12 @@ else the tracker's), ``num_tokens``, ``num_padded_tokens``, ``num_sequences``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import stat
+import uuid
 from datetime import datetime, timezone
 from typing import IO, Any
 
@@ -35,15 +42,23 @@ TRACE_ENV = "MEGATRON_FLOPS_TRACE"
 
 
 class TraceWriter:
-    """Appends a header line at creation, then one line per ``write_step()``, flushed each time."""
+    """Appends a header line at creation, then one line per ``write_step()``, flushed each time.
+
+    ``OSError`` when the file cannot be opened or its header written; ``ValueError`` when another
+    writer holds it (the file is then left as it was)."""
 
     def __init__(self, path: str | os.PathLike[str], header: dict[str, Any]) -> None:
         self.path = os.fspath(path)
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
-        self._write({"run": header})
+        self._file: IO[str] | None = _open_regular(self.path)
+        try:
+            _lock(self._file, self.path)
+            self._write({"run": {**header, "run_id": uuid.uuid4().hex[:16]}})
+        except BaseException:
+            self.close()
+            raise
 
     def write_step(self, *, iteration: int, result: StepResult, elapsed_s: float, static_flops: int | None) -> None:
         """One iteration's line (``static_flops``: the number the meter used for it, if any)."""
@@ -69,8 +84,42 @@ class TraceWriter:
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             raise ValueError(f"trace {self.path} is closed")
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+        except BaseException:
+            # NB: a failed write may leave half a line: writing on after it (a disk that frees up)
+            # would put a torn line mid-file. Stop here: the file stays readable, the torn last
+            # line skipped.
+            with contextlib.suppress(OSError):
+                self.close()
+            self._file = None
+            raise
+
+
+def _open_regular(path: str) -> IO[str]:
+    """``path`` opened to append, never waiting: a FIFO without a reader fails at once, and
+    anything but a regular file (a FIFO, a device) is refused."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0), 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"trace {path} is not a regular file")
+        return os.fdopen(fd, "a", encoding="utf-8")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _lock(file: IO[str], path: str) -> None:
+    """An exclusive, non-blocking advisory lock on ``file`` (none where ``fcntl`` is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"trace {path} is being written by another run; give each run its own file") from None
 
 
 def trace_path(path: str | os.PathLike[str], *, rank: int, world_size: int) -> str | None:
