@@ -106,9 +106,11 @@ def install_pipeline_sends() -> None:
 
 
 def install_megatron_lm() -> None:
-    """S6-S7: Megatron-LM's start-up on a machine without CUDA (core_v0.14.0 and core_v0.16.1)."""
+    """S6-S7: Megatron-LM's start-up on a machine without CUDA (core_v0.14.0, core_v0.16.1 and
+    core_v0.19.0; the last has no ``megatron.legacy``, and builds no fused kernels)."""
+    import importlib.util
+
     import megatron.core.datasets.utils as dataset_utils
-    import megatron.legacy.fused_kernels as fused_kernels
     import megatron.training.arguments as arguments
     import megatron.training.training as training
 
@@ -121,7 +123,10 @@ def install_megatron_lm() -> None:
     # The argument checks read the GPU architecture when TP > 1: 9 (Hopper), whose
     # CUDA_DEVICE_MAX_CONNECTIONS=1 requirement procs.launch meets.
     arguments.get_device_arch_version = lambda: 9
-    fused_kernels.load = _noop  # S7: no CUDA kernels to build;
+    if importlib.util.find_spec("megatron.legacy") is not None:
+        import megatron.legacy.fused_kernels as fused_kernels
+
+        fused_kernels.load = _noop  # S7: no CUDA kernels to build;
     dataset_utils.compile_helpers = _noop  # the wheel ships the built dataset helpers (no Makefile)
 
 
@@ -160,6 +165,8 @@ def install_thd_attention() -> None:
 
     import megatron.core.utils as mutils
 
+    if not hasattr(mutils, "get_thd_batch_on_this_cp_rank"):  # megatron-core 0.19: gone (get_batch_on_this_cp_rank)
+        return
     stock_thd_batch = mutils.get_thd_batch_on_this_cp_rank
 
     def get_thd_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, *args, **kwargs):
