@@ -46,7 +46,17 @@ VENVS: dict[str, tuple[tuple[str, ...], ...]] = {
          "tensorboard", "rich", "accelerate", "nvidia-modelopt==0.47.0",
          "nvidia-resiliency-ext==0.4.1", *MEGATRON_LM_DEPS),
     ),
+    "megatron-bridge-0.6.2": (
+        (TORCH,),  # torch picks its own triton
+        ("--no-deps", "megatron-bridge==0.6.2"),
+        ("megatron-core==0.19.2", "transformers>=5.8,<=5.12.1", "datasets", "omegaconf", "hydra-core>=1.3,<1.4",
+         "tensorboard", "rich", "accelerate", "nvidia-resiliency-ext", "six", "regex", "einops", "tqdm", "pyyaml",
+         "pydantic"),
+    ),
 }
+# Venvs made from another Python than the running one (pyenv version); megatron-core >= 0.17 and
+# Megatron-Bridge >= 0.4 need Python >= 3.12.
+PYTHONS: dict[str, str] = {"megatron-bridge-0.6.2": "3.12.1"}
 
 
 class Unavailable(Exception):
@@ -70,8 +80,24 @@ def megatron_lm(version: str) -> Env:
     return Env(python=ensure(f"megatron-lm-{version}"), pythonpath=(tree,))
 
 
-def megatron_bridge() -> Env:
-    return Env(python=ensure("megatron-bridge-0.3.1"))
+def megatron_bridge(version: str = "0.3.1") -> Env:
+    return Env(python=ensure(f"megatron-bridge-{version}"))
+
+
+def interpreter(name: str) -> str:
+    """The Python that creates venv ``name``: the running one, or the pyenv version it needs."""
+    version = PYTHONS.get(name)
+    if version is None:
+        return sys.executable
+    try:
+        prefix = subprocess.run(["pyenv", "prefix", version], capture_output=True, text=True, timeout=60,
+                                env=dict(os.environ, PYENV_VERSION=version)).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise Unavailable(f"the {name} venv needs Python {version} (pyenv): {exc}") from exc
+    python = Path(prefix) / "bin" / "python"
+    if not prefix or not python.is_file():
+        raise Unavailable(f"the {name} venv needs Python {version}, which pyenv does not have here")
+    return str(python)
 
 
 def _check_here(core: tuple[str, str], *requirements: str) -> None:
@@ -112,7 +138,7 @@ def ensure(name: str) -> Path:
             return python
         log = root() / f"{name}.log"
         with open(log, "w") as out:
-            commands = [[sys.executable, "-m", "venv", "--clear", str(venv)]]
+            commands = [[interpreter(name), "-m", "venv", "--clear", str(venv)]]
             commands += [[str(python), "-m", "pip", "install", "-q", *step] for step in steps]
             for command in commands:
                 out.write("$ " + " ".join(command) + "\n")
