@@ -50,8 +50,8 @@ VENVS: dict[str, tuple[tuple[str, ...], ...]] = {
         (TORCH,),  # torch picks its own triton
         ("--no-deps", "megatron-bridge==0.6.2"),
         ("megatron-core==0.19.2", "transformers>=5.8,<=5.12.1", "datasets", "omegaconf", "hydra-core>=1.3,<1.4",
-         "tensorboard", "rich", "accelerate", "nvidia-resiliency-ext", "six", "regex", "einops", "tqdm", "pyyaml",
-         "pydantic"),
+         "tensorboard", "rich", "accelerate", "nvidia-resiliency-ext", "megatron-energon~=7.0",
+         "nvidia-modelopt==0.47.0", "requests", "six", "regex", "einops", "tqdm", "pyyaml", "pydantic"),
     ),
 }
 # Venvs made from another Python than the running one (pyenv version); megatron-core >= 0.17 and
