@@ -34,7 +34,7 @@ def run(request, tmp_path_factory):
     """(scenario, ranks) of one training run; each run happens once per session."""
     scenario = bridge.SCENARIOS[request.param]
     if scenario.name not in _DONE:
-        env = checks.require(envs.megatron_bridge)
+        env = checks.require(lambda: envs.megatron_bridge(scenario.release))
         script = [str(SCRIPT), scenario.name]
         flag = [*script, "--config-flag"] if scenario.config_flag else ["--flops-accounting", "corrected", *script]
         _DONE[scenario.name] = procs.launch(
@@ -61,7 +61,25 @@ def test_trace_has_the_exact_flops_and_tokens(run):
         if scenario.vlm:  # the static number of a VLM is Megatron-Bridge's own (vision pricing), not derived here
             lines = [lines[0]] + [{**line, "static_flops": None} for line in lines[1:]]
             want = [{**step, "static_flops": None} for step in want]
+        elif scenario.release != "0.3.1":  # the static number is Megatron-Bridge's own packed-aware one
+            want = [{**step, "static_flops": bridge.framework_flops(scenario, step["iteration"])} for step in want]
+        assert lines[0]["run"]["framework_version"] == scenario.release
         checks.assert_trace(lines, want, framework="megatron-bridge", world_size=scenario.world_size)
+
+
+def test_bridge_062_packed_pipeline_prices_full_rows(run):
+    # Measured fault of Megatron-Bridge 0.6.2's own accounting: on a packed run with PP, the last
+    # stage (the one that logs) has no tokens in its forward step and prices every row as one
+    # full-length sequence; one stage (packed, PP1) prices real attention over padded rows.
+    scenario, ranks = run
+    if not (scenario.release == "0.6.2" and scenario.packed):
+        pytest.skip("Megatron-Bridge 0.6.2 packed scenarios only")
+    lines = checks.traces(ranks)[scenario.world_size - 1][1:]
+    full_rows = [bridge.expected_step(scenario, i)["static_flops"] for i in range(1, bridge.ITERATIONS + 1)]
+    theirs = [line["static_flops"] for line in lines]
+    ours = [line["flops"] for line in lines]
+    assert ours == [bridge.expected_step(scenario, i)["flops"] for i in range(1, bridge.ITERATIONS + 1)]
+    assert (theirs == full_rows) is (scenario.pp > 1)
 
 
 # Collates the packed file's rows with Megatron-Bridge's own dataset class and prints their metadata.
@@ -82,17 +100,20 @@ for i in range(8):
 """
 
 
-@pytest.mark.parametrize("name", ["packed", "packed-pp2"])
+@pytest.mark.parametrize("name", ["packed", "packed-pp2", "0.6.2-packed", "0.6.2-packed-pp2"])
 def test_packed_file_carries_the_known_lengths(name, tmp_path):
     # The expected numbers rest on the file meaning what packed_rows() says: Megatron-Bridge's collate
     # function must give cu_seqlens (up to the -1 sentinel at argmin) over the padded documents and the
     # empty tail, and cu_seqlens_unpadded over the real documents (the tail as an empty segment).
-    env = checks.require(envs.megatron_bridge)
     scenario = bridge.SCENARIOS[name]
-    out = subprocess.run([str(env.python), "-c", _COLLATE, name, str(tmp_path / "rows.npy")], capture_output=True,
+    env = checks.require(lambda: envs.megatron_bridge(scenario.release))
+    out = subprocess.run([str(env.python), "-c", _COLLATE if scenario.release == "0.3.1" else _COLLATE_06, name, str(tmp_path / "rows.npy")], capture_output=True,
                          text=True, timeout=300, cwd=tmp_path, env=procs.child_env([])).stdout
     for docs, line in zip(bridge.packed_rows(scenario, 8), out.splitlines(), strict=True):
         batch = json.loads(line)
+        if scenario.release != "0.3.1":
+            _check_06_offsets(scenario, docs, batch)
+            continue
         (argmin,) = batch["cu_seqlens_argmin"]
         cu = batch["cu_seqlens"]
         assert cu[argmin:] == [-1] and min(cu) == -1
@@ -104,6 +125,45 @@ def test_packed_file_carries_the_known_lengths(name, tmp_path):
             assert [b - a for a, b in zip(unpadded, unpadded[1:]) if b >= 0] == docs + [0] * len(tail)
         else:
             assert "cu_seqlens_unpadded" not in batch
+
+
+# The same with Megatron-Bridge 0.6's collate function (two rows at a time: their offsets are extended
+# with zero-length segments to a common length).
+_COLLATE_06 = """
+import json, sys
+from frameworks import bridge, cpu_shims
+cpu_shims.install_nvrx_version()
+cpu_shims.import_megatron_bridge()
+from megatron.bridge.data.packing.gpt_sft import GPTSFTPackedDataset
+s = bridge.SCENARIOS[sys.argv[1]]
+bridge.write_packed_file(s, sys.argv[2], 8)
+tokenizer = type("T", (), {"eos_id": bridge.EOS})()
+ds = GPTSFTPackedDataset(sys.argv[2], tokenizer, max_seq_length=bridge.SEQ, pad_to_max_length=True,
+                         pad_seq_to_mult=s.pad_to_mult, prompt_template="{input} {output}", label_key="output",
+                         truncation_field="input")
+for i in range(0, 8, 2):
+    b = ds.collate_fn([ds[i], ds[i + 1]])
+    for row in range(2):
+        print(json.dumps({k: (v[row].tolist() if hasattr(v, "tolist") else v[row]) for k, v in b.items()
+                          if k.startswith(("cu_seqlens", "token_count"))}))
+"""
+
+
+def _check_06_offsets(scenario: bridge.Scenario, docs: list[int], batch: dict) -> None:
+    # cu_seqlens_q: the real offsets, cu_seqlens_q_padded the physical ones (with sub-sequence padding
+    # only), no -1 sentinel and no argmin: zero-length segments instead; token_count a list.
+    assert set(batch) == {"cu_seqlens_q", "cu_seqlens_kv", "token_count"} | (
+        {"cu_seqlens_q_padded", "cu_seqlens_kv_padded"} if scenario.pad_to_mult > 1 else set())
+    real = [b - a for a, b in zip(batch["cu_seqlens_q"], batch["cu_seqlens_q"][1:])]
+    padded = [bridge.padded(scenario, n) for n in docs]
+    tail = [bridge.SEQ - sum(padded)] if sum(padded) < bridge.SEQ else []
+    assert batch["token_count"] == sum(padded)
+    if scenario.pad_to_mult > 1:
+        physical = [b - a for a, b in zip(batch["cu_seqlens_q_padded"], batch["cu_seqlens_q_padded"][1:])]
+        assert [n for n in physical if n] == padded + tail
+        assert [n for n in real if n] == docs and 0 in real  # the tail: a zero-length real segment
+    else:
+        assert [n for n in real if n] == padded + tail
 
 
 def test_vision_closed_form_on_hand_countable_grids():

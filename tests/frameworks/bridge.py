@@ -222,3 +222,16 @@ def expected_step(s: Scenario, iteration: int) -> dict[str, int]:
         "num_sequences": len(real),
         "num_microbatches": s.num_microbatches,
     }
+
+
+def framework_flops(s: Scenario, iteration: int) -> int:
+    """Megatron-Bridge 0.6.2's own number for one step (``flop_utils.accumulate_flops_metadata``):
+    the linear terms over every row slot, the attention over the real sub-sequence lengths, on
+    the stage that runs the first layers. On the last pipeline stage, which logs, its forward
+    step has no tokens and every row counts as one full-length sequence: the stock static number."""
+    step = expected_step(s, iteration)
+    if not s.packed or s.pp > 1:
+        return step["static_flops"]
+    first = (iteration - 1) * s.global_batch
+    real = [n for row in packed_rows(s, first + s.global_batch)[first:] for n in row]
+    return s.global_batch * SEQ * mlm.per_token_flops() + mlm.attention_flops(sum(n * n for n in real))
