@@ -237,6 +237,13 @@ def test_vlm_grids_are_counted(bridge, where):
 
 
 VLM_STEP = '''
+def pack_batch_sequences(*args, **kwargs):  # 0.3.1 to 0.5.x: vlm_step pads and packs rows itself
+    raise NotImplementedError
+
+def forward_step(state, data_iterator, model, return_schedule_plan=False):
+    next(data_iterator)
+'''
+STEP_06 = '''
 def forward_step(state, data_iterator, model, return_schedule_plan=False):
     next(data_iterator)
 '''
@@ -266,6 +273,52 @@ def test_bridge_vlm_step_reshapes_rows(bridge, monkeypatch, packing, pipelined, 
                        itertools.repeat({"input_ids": tokens, "visual_inputs": None}), bridge.state, 1)
     result = session._pending.result
     assert {k: getattr(result, k) for k in expected} == {k: 2 * v for k, v in expected.items()}
+
+
+def _train_step_module(bridge, monkeypatch, name, batch):
+    step = _module(name, STEP_06)
+    monkeypatch.setitem(sys.modules, step.__name__, step)
+    megatron_bridge.install()
+    session = _session()
+    bridge.train.train(functools.partial(step.forward_step, bridge.state), CHUNK, itertools.repeat(batch),
+                       bridge.state, 1)
+    return session._pending.result
+
+
+def test_bridge_06_vlm_step_runs_rows_as_delivered(bridge, monkeypatch):
+    # Megatron-Bridge 0.6's vlm_step pads nothing: rows of 48 slots (its collate pads to a multiple of
+    # 16) run as 48 tokens each, not re-padded to 128 (capped at seq_length 200) as 0.3.1 did.
+    bridge.state.cfg.model.seq_length = 200
+    bridge.state.cfg.dataset = SimpleNamespace(enable_in_batch_packing=False)
+    result = _train_step_module(bridge, monkeypatch, "megatron.bridge.training.vlm_step",
+                                {"input_ids": torch.zeros(2, 48, dtype=torch.long), "visual_inputs": None})
+    assert (result.num_tokens, result.num_padded_tokens, result.num_sequences) == (2 * 96, 2 * 96, 2 * 2)
+
+
+def test_bridge_06_vlm_step_collate_time_packing(bridge, monkeypatch):
+    # enable_in_batch_packing (0.6): the collate function packs the rows into one and gives
+    # cu_seqlens_q (real 7 and 30, each padded to a multiple of 16: 16 and 32) and cu_seqlens_q_padded.
+    bridge.state.cfg.dataset = SimpleNamespace(enable_in_batch_packing=True)
+    q, q_padded = torch.tensor([[0, 7, 37]], dtype=torch.int32), torch.tensor([[0, 16, 48]], dtype=torch.int32)
+    result = _train_step_module(bridge, monkeypatch, "megatron.bridge.training.vlm_step", {
+        "input_ids": torch.zeros(1, 48, dtype=torch.long), "visual_inputs": None, "cu_seqlens_q": q,
+        "cu_seqlens_kv": q, "cu_seqlens_q_padded": q_padded, "cu_seqlens_kv_padded": q_padded})
+    assert (result.num_tokens, result.num_padded_tokens, result.num_sequences) == (2 * 37, 2 * 48, 2 * 2)
+    assert result.flops == 2 * _flops(37, 7 * 7 + 30 * 30)
+    assert result.executed_flops == 2 * _flops(48, 16 * 16 + 32 * 32)
+
+
+@pytest.mark.parametrize("pipelined, expected_length", [(False, 48), (True, 200)])
+def test_bridge_qwen3_vl_step_pads_rows_to_16_or_seq_length(bridge, monkeypatch, pipelined, expected_length):
+    # qwen3_vl_step pads each row to a multiple of lcm(TP, 16) (TP 1: 16), or to seq_length under PP;
+    # each row runs as one sequence of that length.
+    cfg = bridge.state.cfg
+    cfg.model.seq_length, cfg.model.pipeline_model_parallel_size = 200, 2 if pipelined else 1
+    cfg.dataset = SimpleNamespace(enable_in_batch_packing=False)
+    result = _train_step_module(bridge, monkeypatch, "megatron.bridge.models.qwen_vl.qwen3_vl_step",
+                                {"input_ids": torch.zeros(2, 40, dtype=torch.long), "visual_inputs": None})
+    assert (result.num_tokens, result.num_sequences) == (2 * 2 * expected_length, 2 * 2)
+    assert result.flops == 2 * _flops(2 * expected_length, 2 * expected_length ** 2)
 
 
 def test_vpp_lists_of_iterators_count_each_batch_once(mlm):
