@@ -104,16 +104,18 @@ class _MegatronBridge(Adapter):
         ``vlm_step`` of 0.3.1 to 0.5.x (``VlmStepReader``); else (``gpt_step``, 0.6's ``vlm_step``,
         which runs the rows as the collate function delivers them) the batch as it is."""
         module = _step_module(forward_step_func)
+        make: type[VlmStepReader] | type[Qwen3VLStepReader]
         if module == QWEN3_VL_STEP_MODULE:
-            make: type[BatchReader] = Qwen3VLStepReader
+            make = Qwen3VLStepReader
         elif module == VLM_STEP_MODULE and _reshapes_rows(module):
             make = VlmStepReader
         else:
             return super().reader(bound, forward_step_func)
         cfg = bound.arguments["global_state"].cfg
-        if not isinstance(self._vlm_reader, make) or self._vlm_reader.cfg is not cfg:
-            self._vlm_reader = make(cfg)  # type: ignore[call-arg]
-        return self._vlm_reader
+        reader = self._vlm_reader
+        if not isinstance(reader, make) or reader.cfg is not cfg:
+            reader = self._vlm_reader = make(cfg)
+        return reader
 
     def on_step_begin(self, bound: inspect.BoundArguments, session: Session) -> None:
         self._flops_before_step = _flops_so_far(bound)
