@@ -56,6 +56,7 @@ SCENARIOS = {
         Scenario(name="0.6.2-pp2", world_size=2, pp=2, config_flag=True, release="0.6.2"),
         Scenario(name="0.6.2-pp2-vpp2", world_size=2, pp=2, vpp=2, release="0.6.2"),
         Scenario(name="0.6.2-packed", micro_batch=1, global_batch=4, packed=True, pad_to_mult=4, release="0.6.2"),
+        Scenario(name="0.6.2-vlm", global_batch=4, vlm=True, release="0.6.2"),
         Scenario(name="0.6.2-packed-pp2", world_size=2, pp=2, micro_batch=1, global_batch=4, packed=True,
                  release="0.6.2"),
     )
