@@ -6,7 +6,8 @@ looks them up as module globals (``training_log`` is imported there by name from
 
 - ``train_step``: opens and closes the session's step (see ``_hooks`` for why this hook), and
   observes the micro-batches the forward step pulls from its data iterator (``_observe``; for
-  ``vlm_step``, ``VlmStepReader``): the stock ``gpt_step``/``vlm_step`` need no edit;
+  0.3.1-0.5's ``vlm_step``, ``VlmStepReader``; for ``qwen3_vl_step``, ``Qwen3VLStepReader``):
+  the stock forward steps need no edit;
 - ``training_log``: unchanged, except that its log line gains the corrected fields after the
   stock ``throughput per GPU (TFLOP/s/GPU)`` and each log interval writes
   ``IntervalReport.scalars()`` to ``global_state.tensorboard_logger`` / ``wandb_logger``
@@ -21,7 +22,7 @@ differently (v0.4.0 prices one sample once; main adds the vision term separately
 Enable it with ``install(cfg)``, or ``maybe_install_from_config(cfg)`` and
 ``cfg.logger.flops_accounting = "corrected"`` (read with ``getattr``: absent means off). The
 session is built at the first train step from ``global_state.cfg`` unless one was installed.
-Run in tests: 0.3.1 (PyPI). Read, not run: v0.2.0 (7af9601), v0.4.0 (0fbfe7d), v0.5.0 (fcbb603),
+Run in tests: 0.6.2 and 0.3.1 (PyPI). Read, not run: v0.2.0 (7af9601), v0.4.0 (0fbfe7d), v0.5.0 (fcbb603),
 v0.6.0 (51885cf) and main 067f987 (2026-08-22).
 """
 

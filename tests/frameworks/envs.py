@@ -2,8 +2,9 @@
 
 - ``megatron-lm-0.16.1``: the test environment itself (``pip install -e ".[test]"`` brings
   megatron-core 0.16.1 and what Megatron-LM's training package imports).
-- ``megatron-lm-0.14.0`` and ``megatron-bridge-0.3.1``: virtual environments of their own (their
-  pins clash with the test extra: megatron-core 0.14.0; ``transformers<5``), created by
+- ``megatron-lm-0.14.0``, ``megatron-bridge-0.3.1`` and ``megatron-bridge-0.6.2``: virtual
+  environments of their own (their pins clash with the test extra: megatron-core 0.14.0;
+  ``transformers<5``; Python 3.12 and megatron-core 0.19.2 for 0.6.2, ``PYTHONS``), created by
   ``ensure()`` under ``.venvs/`` in the repository (git-ignored; ``MEGATRON_FLOPS_TEST_VENVS``
   moves it) and reused while their requirement list is unchanged. ``megatron_flops`` itself is
   not installed there: the ranks import it from the repository (``PYTHONPATH``).
@@ -160,7 +161,7 @@ def prebuild() -> None:
     reported there (``ensure()`` tries again and raises)."""
     import threading
 
-    names = ["megatron-bridge-0.3.1"]
+    names = ["megatron-bridge-0.6.2", "megatron-bridge-0.3.1"]
     try:
         snapshot("0.14.0")
         names.append("megatron-lm-0.14.0")
