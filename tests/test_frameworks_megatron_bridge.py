@@ -67,13 +67,12 @@ def test_trace_has_the_exact_flops_and_tokens(run):
         checks.assert_trace(lines, want, framework="megatron-bridge", world_size=scenario.world_size)
 
 
+@pytest.mark.parametrize("run", ["0.6.2-packed", "0.6.2-packed-pp2"], indirect=True)
 def test_bridge_062_packed_pipeline_prices_full_rows(run):
     # Measured fault of Megatron-Bridge 0.6.2's own accounting: on a packed run with PP, the last
     # stage (the one that logs) has no tokens in its forward step and prices every row as one
     # full-length sequence; one stage (packed, PP1) prices real attention over padded rows.
     scenario, ranks = run
-    if not (scenario.release == "0.6.2" and scenario.packed):
-        pytest.skip("Megatron-Bridge 0.6.2 packed scenarios only")
     lines = checks.traces(ranks)[scenario.world_size - 1][1:]
     full_rows = [bridge.expected_step(scenario, i)["static_flops"] for i in range(1, bridge.ITERATIONS + 1)]
     theirs = [line["static_flops"] for line in lines]
@@ -88,26 +87,27 @@ import json, sys
 from frameworks import bridge, cpu_shims
 cpu_shims.import_megatron_bridge()
 from megatron.bridge.data.datasets.sft import GPTSFTPackedDataset
-s = bridge.SCENARIOS[sys.argv[1]]
-bridge.write_packed_file(s, sys.argv[2], 8)
-tokenizer = type("T", (), {"eos_id": bridge.EOS})()
-ds = GPTSFTPackedDataset(sys.argv[2], tokenizer, max_seq_length=bridge.SEQ, pad_to_max_length=True,
-                         pad_seq_to_mult=s.pad_to_mult, prompt_template="{input} {output}", label_key="output",
-                         truncation_field="input")
-for i in range(8):
-    b = ds.collate_fn([ds[i]])
-    print(json.dumps({k: b[k][0].tolist() for k in ("cu_seqlens", "cu_seqlens_argmin", "cu_seqlens_unpadded") if k in b}))
+for name in sys.argv[1:]:
+    s = bridge.SCENARIOS[name]
+    bridge.write_packed_file(s, name + ".npy", 8)
+    tokenizer = type("T", (), {"eos_id": bridge.EOS})()
+    ds = GPTSFTPackedDataset(name + ".npy", tokenizer, max_seq_length=bridge.SEQ, pad_to_max_length=True,
+                             pad_seq_to_mult=s.pad_to_mult, prompt_template="{input} {output}", label_key="output",
+                             truncation_field="input")
+    for i in range(8):
+        b = ds.collate_fn([ds[i]])
+        keys = ("cu_seqlens", "cu_seqlens_argmin", "cu_seqlens_unpadded")
+        print("ROW", name, json.dumps({k: b[k][0].tolist() for k in keys if k in b}))
 """
 
 
+@pytest.mark.parametrize("run", ["0.6.2-vlm"], indirect=True)
 def test_bridge_062_vit_prices_a_smaller_tower(run):
     # Measured fault of Megatron-Bridge 0.6.2's own accounting: its ViT term (flop_utils.vit_flops) has
     # no patch embedding, a two-GEMM MLP for the gated one and every image at the mean patch count.
     # Ours is vlm.vision_flops (the closed form that tests/test_vision.py checks against
     # FlopCounterMode on the Hugging Face towers); the language model's part is the same in both.
     scenario, ranks = run
-    if not (scenario.release == "0.6.2" and scenario.vlm):
-        pytest.skip("Megatron-Bridge 0.6.2 VLM only")
     for line in checks.traces(ranks)[scenario.world_size - 1][1:]:
         first = (line["iteration"] - 1) * scenario.global_batch
         grids = [vlm.grid(i) for i in range(first, first + scenario.global_batch)]
@@ -117,18 +117,22 @@ def test_bridge_062_vit_prices_a_smaller_tower(run):
         assert 0.8 < theirs / ours < 0.85  # measured: 0.82x to 0.84x on this tower
 
 
-@pytest.mark.parametrize("name", ["packed", "packed-pp2", "0.6.2-packed", "0.6.2-packed-pp2"])
-def test_packed_file_carries_the_known_lengths(name, tmp_path):
+@pytest.mark.parametrize("release", ["0.3.1", "0.6.2"])
+def test_packed_file_carries_the_known_lengths(release, tmp_path):
     # The expected numbers rest on the file meaning what packed_rows() says: Megatron-Bridge's collate
     # function must give cu_seqlens (up to the -1 sentinel at argmin) over the padded documents and the
-    # empty tail, and cu_seqlens_unpadded over the real documents (the tail as an empty segment).
-    scenario = bridge.SCENARIOS[name]
-    env = checks.require(lambda: envs.megatron_bridge(scenario.release))
-    out = subprocess.run([str(env.python), "-c", _COLLATE if scenario.release == "0.3.1" else _COLLATE_06, name, str(tmp_path / "rows.npy")], capture_output=True,
-                         text=True, timeout=300, cwd=tmp_path, env=procs.child_env([])).stdout
-    for docs, line in zip(bridge.packed_rows(scenario, 8), out.splitlines(), strict=True):
-        batch = json.loads(line)
-        if scenario.release != "0.3.1":
+    # empty tail, and cu_seqlens_unpadded over the real documents (the tail as an empty segment); 0.6:
+    # _check_06_offsets. Both packed scenarios of a release are collated in one process.
+    names = [s.name for s in bridge.SCENARIOS.values() if s.packed and not s.vlm and s.release == release]
+    env = checks.require(lambda: envs.megatron_bridge(release))
+    out = subprocess.run([str(env.python), "-c", _COLLATE if release == "0.3.1" else _COLLATE_06, *names],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=procs.child_env([])).stdout
+    rows = [line.split(" ", 2)[1:] for line in out.splitlines() if line.startswith("ROW ")]
+    expected = [(name, docs) for name in names for docs in bridge.packed_rows(bridge.SCENARIOS[name], 8)]
+    assert [name for name, _ in rows] == [name for name, _ in expected], out[-2000:]
+    for (name, docs), (_, line) in zip(expected, rows, strict=True):
+        scenario, batch = bridge.SCENARIOS[name], json.loads(line)
+        if release != "0.3.1":
             _check_06_offsets(scenario, docs, batch)
             continue
         (argmin,) = batch["cu_seqlens_argmin"]
@@ -152,17 +156,18 @@ from frameworks import bridge, cpu_shims
 cpu_shims.install_nvrx_version()
 cpu_shims.import_megatron_bridge()
 from megatron.bridge.data.packing.gpt_sft import GPTSFTPackedDataset
-s = bridge.SCENARIOS[sys.argv[1]]
-bridge.write_packed_file(s, sys.argv[2], 8)
-tokenizer = type("T", (), {"eos_id": bridge.EOS})()
-ds = GPTSFTPackedDataset(sys.argv[2], tokenizer, max_seq_length=bridge.SEQ, pad_to_max_length=True,
-                         pad_seq_to_mult=s.pad_to_mult, prompt_template="{input} {output}", label_key="output",
-                         truncation_field="input")
-for i in range(0, 8, 2):
-    b = ds.collate_fn([ds[i], ds[i + 1]])
-    for row in range(2):
-        print(json.dumps({k: (v[row].tolist() if hasattr(v, "tolist") else v[row]) for k, v in b.items()
-                          if k.startswith(("cu_seqlens", "token_count"))}))
+for name in sys.argv[1:]:
+    s = bridge.SCENARIOS[name]
+    bridge.write_packed_file(s, name + ".npy", 8)
+    tokenizer = type("T", (), {"eos_id": bridge.EOS})()
+    ds = GPTSFTPackedDataset(name + ".npy", tokenizer, max_seq_length=bridge.SEQ, pad_to_max_length=True,
+                             pad_seq_to_mult=s.pad_to_mult, prompt_template="{input} {output}", label_key="output",
+                             truncation_field="input")
+    for i in range(0, 8, 2):
+        b = ds.collate_fn([ds[i], ds[i + 1]])
+        for row in range(2):
+            print("ROW", name, json.dumps({k: (v[row].tolist() if hasattr(v, "tolist") else v[row])
+                                           for k, v in b.items() if k.startswith(("cu_seqlens", "token_count"))}))
 """
 
 
