@@ -41,6 +41,8 @@ def main() -> int:
     parser.add_argument("--trace", default=os.environ.get("MEGATRON_FLOPS_TRACE"))
     parser.add_argument("--hang-once", metavar="MARKER", help="with --mode hang: hang only if MARKER does not exist")
     parser.add_argument("--fail-in", nargs=2, metavar=("SUFFIX", "RUN_DIR"), help="fail if RUN_DIR ends with SUFFIX")
+    parser.add_argument("--slow-in", nargs=3, metavar=("SUFFIX", "FACTOR", "RUN_DIR"),
+                        help="multiply the step times by FACTOR if RUN_DIR ends with SUFFIX (a noisy repeat)")
     args = parser.parse_args()
     print(f"fake training starting, pid {os.getpid()}", flush=True)
     if args.fail_in and args.fail_in[1].endswith(args.fail_in[0]):
@@ -59,6 +61,8 @@ def main() -> int:
     if args.mode == "no-trace":
         return 0
     elapsed = [float(x) for x in args.elapsed.split(",")]
+    if args.slow_in and args.slow_in[2].endswith(args.slow_in[0]):
+        elapsed = [float(args.slow_in[1]) * x for x in elapsed]
     with open(args.trace, "a") as f:
         f.write(json.dumps(header(world_size=args.world_size, warmup=args.warmup)) + "\n")
         for i in range(1, args.steps + 1):

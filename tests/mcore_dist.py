@@ -2,7 +2,7 @@
 
 Parent side::
 
-    results = mcore_dist.run_distributed(my_worker, 4, arg1, timeout=90)
+    results = mcore_dist.run_distributed(my_worker, 4, arg1, timeout=900)
 
 ``my_worker`` must be a top-level (picklable by reference) function
 ``my_worker(rank, world_size, *args)`` returning something picklable. Every worker runs in
@@ -150,7 +150,7 @@ def run_distributed(
     fn: Callable,
     world_size: int,
     *args: Any,
-    timeout: float = 120.0,
+    timeout: float = 900.0,
     grace_after_failure: float = 5.0,
 ) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned local processes.

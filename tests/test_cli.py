@@ -12,8 +12,8 @@ import pytest
 
 from megatron_flops import __version__
 from megatron_flops.cli import build_parser, main
-from megatron_flops.formulas import estimate, parse_rows
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.formulas import estimate, parse_rows
+from megatron_flops.model.spec import ModelSpec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TC = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
@@ -249,10 +249,14 @@ def test_required_hf_fields_are_named_with_typo_hints(tmp_path, capsys):
 
 
 def test_unsupported_model_type_lists_families_and_can_be_overridden(tmp_path, capsys):
-    path = _file(tmp_path, dict(HF_LLAMA, model_type="gemma2"))
+    path = _file(tmp_path, dict(HF_LLAMA, model_type="my_llama"))
     err = _error(capsys, "estimate", "--model", path, "--seqlens", "[8]")
-    assert "model_type 'gemma2' is not supported (supported: deepseek_v2, deepseek_v3, llama," in err
+    assert "model_type 'my_llama' is not supported (supported: apertus, arcee, cohere, deepseek_v2," in err
     assert "--hf-family" in err
+    # A supported model_type built otherwise: its own rules price it, the override is refused.
+    gemma2 = _file(tmp_path, dict(HF_LLAMA, model_type="gemma2", head_dim=32), "gemma2.json")
+    assert "model_type 'gemma2' is supported" in _error(
+        capsys, "estimate", "--model", gemma2, "--seqlens", "[8]", "--hf-family", "llama")
     llama = _json(capsys, "estimate", "--model", _file(tmp_path, HF_LLAMA, "llama.json"), "--seqlens", "[8]")
     assert _json(capsys, "estimate", "--model", path, "--seqlens", "[8]", "--hf-family", "llama") == llama
     assert "applies to a Hugging Face config.json" in _error(
@@ -465,3 +469,12 @@ def test_yaml_is_mentioned_with_the_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "yaml", None)
     err = _error(capsys, "estimate", "--model", _file(tmp_path, "num_layers: 2\n", "m.yaml"), "--seqlens", "[8]")
     assert "pip install 'megatron-flops[yaml]'" in err
+
+
+def test_seq_length_alone_is_one_row_and_text_shows_the_priced_vocabulary(tmp_path, capsys):
+    path = _file(tmp_path, TC)  # vocab_size 100, padded to 128 (make_vocab_size_divisible_by 128)
+    one = _json(capsys, "estimate", "--model", path, "--seq-length", "8")
+    assert one == _json(capsys, "estimate", "--model", path, "--seq-length", "8", "--batch-size", "1")
+    assert one["num_rows"] == 1 and one["vocab_size"] == 100 and one["padded_vocab_size"] == 128
+    assert main(["estimate", "--model", path, "--seq-length", "8"]) == 0
+    assert "vocabulary as priced: 128 (padded from 100)\n" in capsys.readouterr().out

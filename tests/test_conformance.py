@@ -20,8 +20,8 @@ import pytest
 import torch.nn.functional as F
 
 import mcore_cpu
-from megatron_flops.formulas import estimate, parse_rows
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.formulas import estimate, parse_rows
+from megatron_flops.model.spec import ModelSpec
 
 pytestmark = pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)
 
@@ -91,14 +91,14 @@ def test_measured_equals_estimate(name):
     assert measured == expected
 
 
-def test_readme_table_is_the_scripts_output():
-    # The README's table must be exactly what scripts/conformance_table.py prints (no drift).
+def test_conventions_table_is_the_scripts_output():
+    # The table in docs/conventions.md must be exactly what scripts/conformance_table.py prints (no drift).
     root = Path(__file__).resolve().parents[1]
     script = importlib.util.spec_from_file_location("conformance_table", root / "scripts" / "conformance_table.py")
     module = importlib.util.module_from_spec(script)
     script.loader.exec_module(module)
     lines = module.table_lines({name: measured_and_estimated(name) for name in MATRIX})
-    readme = (root / "README.md").read_text().splitlines()
+    readme = (root / "docs" / "conventions.md").read_text().splitlines()
     start = readme.index(lines[0])
     assert readme[start:start + len(lines) + 1] == [*lines, ""]
     assert f"`{json.dumps(ROWS)}`" in "\n".join(readme)

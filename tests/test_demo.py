@@ -17,7 +17,7 @@ import pytest
 
 from megatron_flops import cli
 from megatron_flops.demo.data import DataConfig, microbatches
-from megatron_flops.formulas import Row, SeqStats, training_flops
+from megatron_flops.flops.formulas import Row, SeqStats, training_flops
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 needs_mcore = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed")
@@ -61,7 +61,7 @@ def _check_lines(stdout: str, iterations: int) -> list[re.Match]:
 
 @needs_mcore
 def test_demo_command_single_process() -> None:
-    done = _run_cli("--iterations", "4", timeout=240)
+    done = _run_cli("--iterations", "4", timeout=900)
     assert done.returncode == 0, done.stderr
     _check_lines(done.stdout, 4)
     assert "Traceback" not in done.stderr
@@ -124,7 +124,7 @@ def test_cpu_executes_every_row_unpacked() -> None:
 @needs_mcore
 @pytest.mark.dist
 def test_demo_command_interleaved_pipeline_with_data_parallel() -> None:
-    done = _run_cli("--pp", "2", "--vpp", "2", "--iterations", "4", timeout=240)
+    done = _run_cli("--pp", "2", "--vpp", "2", "--iterations", "4", timeout=900)
     assert done.returncode == 0, done.stderr
     _check_lines(done.stdout, 4)
     assert "4 processes (PP=2 x VPP=2 x DP=2)" in done.stdout

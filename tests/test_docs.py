@@ -94,9 +94,9 @@ def test_markers_are_well_formed() -> None:
 
 
 def test_blocks_are_found() -> None:
-    # The parser sees the blocks: the README's two fresh-machine commands and the custom loop.
+    # The parser sees the blocks: the README's set-up commands and the custom loop.
     assert len(BLOCKS) >= 20
-    assert sum(b.document == "README.md" and b.lang == "bash" for b in BLOCKS) >= 2
+    assert sum(b.document == "README.md" and b.lang == "bash" for b in BLOCKS) >= 4
     assert any(b.document == "docs/adapters.md" and "tracker.end_step(step=iteration)" in b.text for b in BLOCKS)
 
 
@@ -125,9 +125,20 @@ def test_block_runs_as_written(block: Block, tmp_path: Path) -> None:
 
 
 def test_ci_runs_the_readme_test_command() -> None:
-    # The README's second fresh-machine command is what .ci/run runs, verbatim.
+    # The README's test command is what .ci/run runs, verbatim, and only that.
     commands = [b.text.strip() for b in BLOCKS if b.document == "README.md" and b.lang == "bash"]
-    assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()
+    (test,) = [c for c in commands if "pytest" in c]
+    run = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert [line for line in run if "pip install" in line or "pytest" in line] == [test]
+
+
+def test_readme_set_up_comes_in_order() -> None:
+    # Read top-down, the set-up works: the virtual environment first (an externally managed
+    # Python refuses pip outside one), the optional CPU build of torch, then the two commands.
+    commands = [b.text.strip() for b in BLOCKS if b.document == "README.md" and b.lang == "bash"]
+    assert commands[0].startswith("python3 -m venv .venv && . .venv/bin/activate")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in commands[1]
+    assert commands[2].endswith("megatron-flops demo") and commands[3].endswith("python -m pytest -q")
 
 
 # ---- helpers -------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def run(request, tmp_path_factory):
         flag = [*script, "--config-flag"] if scenario.config_flag else ["--flops-accounting", "corrected", *script]
         _DONE[scenario.name] = procs.launch(
             env.python, ["megatron-bridge", "--", *flag], world_size=scenario.world_size,
-            workdir=tmp_path_factory.mktemp(f"megatron-bridge-{scenario.name}"), timeout_s=420,
+            workdir=tmp_path_factory.mktemp(f"megatron-bridge-{scenario.name}"), timeout_s=1800,
         )
     return scenario, _DONE[scenario.name]
 

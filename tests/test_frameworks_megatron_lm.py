@@ -36,7 +36,7 @@ def run(request, tmp_path_factory):
         env = checks.require(lambda: envs.megatron_lm(version))
         _DONE[version, name] = procs.launch(
             env.python, mlm.rank_args(scenario, envs.snapshot(version)), world_size=scenario.world_size,
-            workdir=tmp_path_factory.mktemp(f"megatron-lm-{version}-{name}"), timeout_s=420,
+            workdir=tmp_path_factory.mktemp(f"megatron-lm-{version}-{name}"), timeout_s=1800,
             pythonpath=list(env.pythonpath),
         )
     return scenario, _DONE[version, name]

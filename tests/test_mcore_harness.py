@@ -139,7 +139,7 @@ DIST_RUNS = [
 def test_pipeline_schedules_four_processes(mcore):
     world = 4
     results = mcore_dist.run_distributed(
-        mcore_dist.schedule_flops_worker, world, DIST_RUNS, DIST_MODEL, timeout=90
+        mcore_dist.schedule_flops_worker, world, DIST_RUNS, DIST_MODEL, timeout=900
     )
     # Reference: the same model, single process, one micro-batch.
     ref_model = mcore.build_gpt(DIST_MODEL["config_kwargs"], V, S)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron_flops.cli import main
-from megatron_flops.formulas import parse_rows
-from megatron_flops.spec import ModelOptions, ModelSpec, load_model_file
+from megatron_flops.flops.formulas import parse_rows
+from megatron_flops.model.spec import ModelOptions, ModelSpec, load_model_file
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128)
@@ -189,7 +189,7 @@ def _model_file(tmp_path, **extra) -> str:
         (["--seqlens", "[8, 0]"], "--seqlens: rows[1]: length must be positive"),
         (["--seqlens", "[8, [3, 1.5]]"], "rows[1]"),
         (["--seqlens", "not-json-or-file"], "neither a JSON list nor a readable file"),
-        (["--seq-length", "8"], "--batch-size"),
+        (["--batch-size", "2"], "--batch-size B needs --seq-length N"),
         (["--seq-length", "-8", "--batch-size", "1"], "must be positive"),
     ],
 )

@@ -2,7 +2,7 @@
 command (it writes a trace with given numbers, or fails, hangs, runs out of memory, writes none).
 
 Expected medians are computed here from the trace files directly (json + statistics), not with
-``megatron_flops.runs``.
+``megatron_flops.reporting.runs``.
 """
 
 from __future__ import annotations
@@ -47,13 +47,15 @@ def _hand_median(trace: Path, key: str = "flops") -> float:
 
 
 def test_every_status_is_recorded(tmp_path, capsys) -> None:
+    # No time limit for the runs that end by themselves (a busy machine may start them slowly);
+    # the run that hangs gets a sweep of its own with a short one, which it always exceeds.
     out = tmp_path / "sw"
-    code, stdout, _ = _sweep(capsys, "--param", "mode=ok,fail,oom,hang,no-trace", "--timeout", "5", "--out", str(out),
+    code, stdout, _ = _sweep(capsys, "--param", "mode=ok,fail,oom,no-trace", "--timeout", "0", "--out", str(out),
                              "--", sys.executable, FAKE, "--mode", "{mode}")
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     statuses = {r["params"]["mode"]: r["status"] for r in results["runs"]}
-    assert statuses == {"ok": "ok", "fail": "failed", "oom": "oom", "hang": "timeout", "no-trace": "no-trace"}
+    assert statuses == {"ok": "ok", "fail": "failed", "oom": "oom", "no-trace": "no-trace"}
     reasons = {r["params"]["mode"]: r["reason"] for r in results["runs"]}
     assert reasons["fail"] == "exit code 3"
     assert "CUDA out of memory" in reasons["oom"]
@@ -64,6 +66,12 @@ def test_every_status_is_recorded(tmp_path, capsys) -> None:
         assert (run_dir / "command.txt").read_text().startswith(sys.executable)
         assert "fake training starting" in (run_dir / "log.txt").read_text()
     assert (out / "001_mode-fail" / "r1" / "trace.jsonl").exists() is False
+    hung = tmp_path / "hung"
+    code, stdout, _ = _sweep(capsys, "--param", "mode=hang", "--timeout", "2", "--out", str(hung),
+                             "--", sys.executable, FAKE, "--mode", "{mode}")
+    assert code == 1  # no configuration with every repeat ok: no recommendation
+    (run,) = json.loads((hung / "results.json").read_text())["runs"]
+    assert run["status"] == "timeout" and run["reason"].startswith("stopped after")
     assert "timeout: stopped after" in stdout
 
 
@@ -201,7 +209,7 @@ def test_plan_order_is_first_param_slowest_and_repeats_interleaved() -> None:
     ]
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
+def _wait_for(predicate, what: str, timeout_s: float = 600.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -229,12 +237,12 @@ def test_ctrl_c_keeps_finished_runs_and_a_rerun_resumes(tmp_path) -> None:
         _wait_for(lambda: log.exists() and "hanging" in log.read_text(), "the second run to hang")
         pid = int(log.read_text().split("pid ")[1].split()[0])
         sweep.send_signal(signal.SIGINT)
-        _, stderr = sweep.communicate(timeout=120)
+        _, stderr = sweep.communicate(timeout=600)
     finally:
         sweep.kill()
     assert sweep.returncode == 130, stderr
     assert "interrupted; 1 of 3 runs finished" in stderr
-    _wait_for(lambda: not _alive(pid), "the hung run to be gone", timeout_s=60)
+    _wait_for(lambda: not _alive(pid), "the hung run to be gone", timeout_s=300)
     results = json.loads((out / "results.json").read_text())
     assert [(r["params"], r["status"]) for r in results["runs"]] == [({"mode": "ok"}, "ok")]
     assert results["sweep"]["num_pending"] == 2
@@ -264,10 +272,19 @@ def test_compare_prints_medians_spreads_and_ratios(tmp_path, capsys) -> None:
     assert err == ""
     # a: 2e12 / [1, 2, 4] s -> [2, 1, 0.5], median 1; b: [4, 2, 1], median 2 (2x a); static: twice.
     assert f"run 1: {a} (custom, 1 GPU; 3 steps used, 1 warm-up, 0 fell back)" in out
-    assert "corrected TFLOP/s/GPU    median         1   IQR 0.75-1.5   min-max 0.5-2" in out
-    assert "corrected TFLOP/s/GPU    median         2   IQR 1.5-3   min-max 1-4   2.000x run 1" in out
+    # Overall: a 6e12 FLOPs over 7 s = 0.8571, b over 3.5 s = 1.714; mean step 2333.3 and 1166.7 ms.
+    # The IQRs touch (a 0.75-1.5, b 1.5-3): the doubling is within the steps' noise.
+    assert "corrected TFLOP/s/GPU    median         1   IQR 0.75-1.5   min-max 0.5-2   overall 0.8571\n" in out
+    assert ("corrected TFLOP/s/GPU    median         2   IQR 1.5-3   min-max 1-4   overall 1.714   2.000x run 1 "
+            "(IQRs overlap: within the steps' noise)") in out
     assert "static TFLOP/s/GPU       median         4" in out
-    assert "step time (ms)           median    1000.0   IQR 750.0-1500.0   min-max 500.0-2000.0   0.500x run 1" in out
+    assert ("step time (ms)           median    1000.0   IQR 750.0-1500.0   min-max 500.0-2000.0   mean 1166.7   "
+            "0.500x run 1 (IQRs overlap") in out
+    assert cli.main(["compare", "--json", a, b]) == 0
+    first, second = json.loads(capsys.readouterr().out)["runs"]
+    assert (first["overall_tflops_per_gpu"], second["overall_tflops_per_gpu"]) == (6e12 / 7 / 1e12, 6e12 / 3.5 / 1e12)
+    assert second["overall_tokens_per_s_per_gpu"] == 300 / 3.5 and second["overall_step_time_s"] == 3.5 / 3
+    assert second["iqr_overlap_tflops_per_gpu"] is True and "iqr_overlap_tflops_per_gpu" in first
 
 
 def test_compare_warns_about_differences(tmp_path, capsys) -> None:
@@ -311,3 +328,56 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch)
     assert cli.main(["compare", a, "--plot", str(tmp_path / "a.png")]) == 2
     assert "--plot needs matplotlib: pip install 'megatron-flops[plot]'" in capsys.readouterr().err
 
+
+
+def test_noise_is_reported_and_the_recommendation_not_confident(tmp_path, capsys) -> None:
+    """The issue's case: two repeats of one configuration 4x apart. flops=100e12 runs at 100
+    TFLOP/s/GPU twice; flops=101e12 at 101, then at 25.25 (step times x4). Medians: 100 and
+    63.125; the fastest, 100, is chosen, but 101's repeats (25.25-101) overlap its range (100-100)
+    though 63.125 is outside the 3% band: noise could have changed the choice."""
+    out = tmp_path / "sw"
+    code, stdout, err = _sweep(capsys, "--param", f"flops={100 * T},{101 * T}", "--repeats", "2", "--out", str(out),
+                               "--", sys.executable, FAKE, "--flops", "{flops}",
+                               "--slow-in", f"001_flops-{101 * T}/r2", "4", "{run_dir}")
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    quiet, noisy = results["configurations"]
+    assert quiet["repeat_medians_tflops_per_gpu"] == [100, 100] and quiet["spread_percent"] == 0
+    assert noisy["repeat_medians_tflops_per_gpu"] == [101, 25.25]
+    assert noisy["spread_percent"] == pytest.approx(100 * 75.75 / 63.125)  # (max - min) / median: 120%
+    assert noisy["repeat_medians_tokens_per_s_per_gpu"] == [1000, 250]
+    rec = results["recommendation"]
+    assert rec["params"] == {"flops": str(100 * T)} and rec["confident"] is False
+    assert len(rec["doubts"]) == 1 and rec["doubts"][0].startswith(f"flops={101 * T}: its repeats (25.25-101) overlap")
+    assert [w for w in results["warnings"] if "spread" in w] == [
+        f"flops={101 * T}: the medians of its 2 repeats spread 120.0% (25.25-101 corrected TFLOP/s/GPU), more than "
+        "the 3% tolerance: noise, not the setting, may decide; add repeats"]
+    assert "not confident: noise could have changed the choice" in stdout and "--repeats 4 with the same --out" in stdout
+    assert re.search(r"^flops +ok +spread \(%\)", stdout, re.M) and "120.0 !" in stdout
+    assert "120.0%" in err
+    with open(out / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["spread_percent"], r["repeat_medians_tflops_per_gpu"]) for r in rows] == [
+        ("0.0", "100 100"), (str(noisy["spread_percent"]), "101 25.25")]
+
+
+def test_confidence_rules() -> None:
+    from megatron_flops.reporting.runs import Candidate, doubts, recommend
+
+    def c(index: int, *values: float) -> Candidate:
+        return Candidate(index=index, params={"x": str(index)}, all_ok=True, value=statistics.median(values),
+                         repeat_values=values)
+
+    # Quiet: every range apart from the fastest's, every in-band spread within 3%.
+    quiet = [c(0, 100, 101), c(1, 90, 92), c(2, 99, 100.5)]
+    rec = recommend(quiet, tolerance=0.03)
+    assert rec is not None and rec.chosen.index == 0 and doubts(quiet, rec) == []
+    # In the band but spreading 10.5% (101 and 112.2, median 106.6): noise could decide.
+    noisy = [c(0, 100, 100), c(1, 101, 112.2)]
+    rec = recommend(noisy, tolerance=0.03)
+    assert rec is not None and rec.fastest.index == 1
+    assert doubts(noisy, rec) == ["x=1: its repeats spread 10.5% (more than the 3% tolerance)"]
+    # One repeat each: spread 0 (noise unmeasured; the text output says so), no doubt.
+    single = [c(0, 100), c(1, 90)]
+    rec = recommend(single, tolerance=0.03)
+    assert rec is not None and single[0].spread == 0 and doubts(single, rec) == []

@@ -1,4 +1,4 @@
-"""Vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): formulas vs FlopCounterMode on the real Hugging
+"""Vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-Omni): formulas vs FlopCounterMode on the real Hugging
 Face towers, hand-derived cases, one-term deltas, bad inputs, device statistics vs pure."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_flops.formulas import FLOPS_PER_MAC, TRAIN_PASSES, gemm
-from megatron_flops.vision import (
+from megatron_flops.flops.formulas import FLOPS_PER_MAC, TRAIN_PASSES, gemm
+from megatron_flops.flops.vision import (
     VisionSpec,
     VisionStats,
     parse_grids,
@@ -21,7 +21,7 @@ from megatron_flops.vision import (
     vision_report,
     vision_training_flops,
 )
-from megatron_flops.vision_torch import VISION_SLOTS, vision_stats_from_vector, vision_stats_tensor
+from megatron_flops.tracking.vision_torch import VISION_SLOTS, vision_stats_from_vector, vision_stats_tensor
 
 try:
     import transformers
@@ -58,14 +58,28 @@ HF_CASES = {
              deepstack_visual_indexes=[0, 2], num_position_embeddings=16),
         [[1, 4, 6], [1, 2, 2], [3, 6, 4]],
     ),
+    # Qwen3-Omni's tower, read through thinker_config: Qwen3-VL's blocks and deep-stack mergers.
+    "qwen3_omni_moe": (
+        dict(depth=3, hidden_size=32, intermediate_size=40, num_heads=2, patch_size=2, out_hidden_size=48,
+             deepstack_visual_indexes=[1, 2], num_position_embeddings=16),
+        [[1, 4, 6], [2, 2, 2], [1, 6, 4]],
+    ),
 }
 TEXT_CONFIG = dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                    intermediate_size=64, vocab_size=100)
 
 
 def _hf_config(model_type: str, vision_config: dict):
+    if model_type == "qwen3_omni_moe":
+        return transformers.Qwen3OmniMoeConfig(thinker_config=dict(vision_config=vision_config,
+                                                                   text_config=TEXT_CONFIG))
     configs = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "qwen3_vl": "Qwen3VLConfig"}
     return getattr(transformers, configs[model_type])(vision_config=vision_config, text_config=TEXT_CONFIG)
+
+
+def _vision_config(model_type: str, config):
+    """The vision config (Qwen3-Omni's sits in its thinker_config)."""
+    return config.thinker_config.vision_config if model_type == "qwen3_omni_moe" else config.vision_config
 
 
 def _hf_tower(model_type: str, config):
@@ -73,10 +87,12 @@ def _hf_tower(model_type: str, config):
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as cls
     elif model_type == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as cls
+    elif model_type == "qwen3_omni_moe":
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder as cls
     else:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as cls
     torch.manual_seed(0)
-    return cls(config.vision_config).float()
+    return cls(_vision_config(model_type, config)).float()
 
 
 # Forward GEMMs of each component, from FlopCounterMode's per-module counts (module names below
@@ -88,7 +104,7 @@ _MODULES = {
     "attn": r"blocks\.\d+\.attn",
     "vit/mlp": r"blocks\.\d+\.mlp",
     "vit/merger": r"merger",
-    "vit/deepstack_merger": r"deepstack_merger_list\.\d+",
+    "vit/deepstack_merger": r"(deepstack_merger_list|merger_list)\.\d+",
 }
 
 
@@ -127,7 +143,8 @@ def test_formula_equals_flop_counter_on_hf_tower(model_type, impl):
     measured, fwd_total, bwd_total = _measure(model, grids)
 
     raw = config.to_dict()
-    spec = VisionSpec.from_hf_vision_config(model_type, raw["vision_config"])
+    sections = raw["thinker_config"] if model_type == "qwen3_omni_moe" else raw
+    spec = VisionSpec.from_hf_vision_config(model_type, sections["vision_config"])
     stats = VisionStats.from_grids(spec, grids)
     fwd = vision_forward_flops(spec, stats)
     assert measured == fwd  # every forward GEMM, component by component
@@ -455,3 +472,20 @@ def test_cli_bad_grid_exits_2(tmp_path, capsys):
     model_file.write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": HF_CASES["qwen2_5_vl"][0]}))
     assert main(["estimate", "--model", str(model_file), "--grid-thw", "[[1, 4]]"]) == 2
     assert "grid row 0" in capsys.readouterr().err
+
+
+@needs_hf
+def test_qwen3_omni_cli_prices_the_tower_and_refuses_the_thinker_decoder(tmp_path, capsys):
+    import json
+
+    from megatron_flops.cli import main
+
+    vision_config, grids = HF_CASES["qwen3_omni_moe"]
+    raw = _hf_config("qwen3_omni_moe", vision_config).to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    assert main(["estimate", "--model", str(path), "--grid-thw", json.dumps(grids), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total_flops"] == vision_report(raw, grids)["total_flops"]
+    # The thinker's text decoder is not read: --seqlens exits 2 rather than pricing the tower alone.
+    assert main(["estimate", "--model", str(path), "--grid-thw", json.dumps(grids), "--seqlens", "[12]"]) == 2
+    assert "no decoder model" in capsys.readouterr().err

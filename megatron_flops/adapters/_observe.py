@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from megatron_flops.session import Session
+from megatron_flops.reporting.session import Session
 
 logger = logging.getLogger("megatron_flops")
 

@@ -43,10 +43,10 @@ import torch.distributed as dist
 from megatron_flops.adapters._hooks import PRINTER, Adapter, wrap_train_step, wrap_training_log
 from megatron_flops.adapters._observe import BatchReader
 from megatron_flops.adapters._setup import check_options, import_target, is_corrected, new_session, patch
-from megatron_flops.passes import RecomputeSpec
-from megatron_flops.session import Session
-from megatron_flops.spec import ModelSpec
-from megatron_flops.vision import VisionSpec
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.reporting.session import Session
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.flops.vision import VisionSpec
 
 logger = logging.getLogger("megatron_flops")
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_flops.runs import METRICS, SEGMENT_CHOICES, RunStats, comparability, read_trace, run_stats
+from megatron_flops.reporting.runs import METRICS, SEGMENT_CHOICES, RunStats, Spread, comparability, read_trace, run_stats
 
 LABELS = {
     "step_time_s": "step time (ms)",
@@ -56,11 +56,21 @@ def run_record(run: RunStats, base: RunStats | None = None) -> dict[str, Any]:
         spread = run.metrics.get(metric)
         for stat in ("median", "q1", "q3", "min", "max"):
             record[f"{stat}_{metric}"] = None if spread is None else getattr(spread, stat)
+        record[f"overall_{metric}"] = run.overall.get(metric)
     if base is not None:
         for metric in RATIO_METRICS:
             ours, theirs = run.median(metric), base.median(metric)
             record[f"ratio_{metric}"] = None if ours is None or not theirs else ours / theirs
+            record[f"iqr_overlap_{metric}"] = _overlap(run.metrics.get(metric), base.metrics.get(metric))
     return record
+
+
+def _overlap(a: Spread | None, b: Spread | None) -> bool | None:
+    """Whether two runs' interquartile ranges overlap: then the steps' own noise covers the
+    difference of the medians (not a clear difference); None where unknown."""
+    if a is None or b is None:
+        return None
+    return a.q1 <= b.q3 and b.q1 <= a.q3
 
 
 def _fmt(metric: str, value: float) -> str:
@@ -83,11 +93,15 @@ def format_run(index: int, run: RunStats, base: RunStats) -> list[str]:
         spread = run.metrics.get(metric)
         if spread is None:
             continue
+        overall = run.overall.get(metric)
         text = (f"  {LABELS[metric]:<24} median {_fmt(metric, spread.median):>9}   IQR {_fmt(metric, spread.q1)}-"
-                f"{_fmt(metric, spread.q3)}   min-max {_fmt(metric, spread.min)}-{_fmt(metric, spread.max)}")
+                f"{_fmt(metric, spread.q3)}   min-max {_fmt(metric, spread.min)}-{_fmt(metric, spread.max)}"
+                + ("" if overall is None else f"   {'mean' if metric == 'step_time_s' else 'overall'} "
+                                              f"{_fmt(metric, overall)}"))
         ratio = record.get(f"ratio_{metric}")
         if index > 1 and ratio is not None:
-            text += f"   {ratio:.3f}x run 1"
+            text += f"   {ratio:.3f}x run 1" + (" (IQRs overlap: within the steps' noise)"
+                                               if record[f"iqr_overlap_{metric}"] else "")
         lines.append(text)
     return lines
 
@@ -120,7 +134,9 @@ def add_parser(sub: Any) -> None:
         "compare",
         help="steady-state TFLOP/s/GPU, tokens/s/GPU and step time of runs from their --flops-trace files",
         description="Median and spread of each run's per-step throughput after warm-up, without the steps "
-        "that fell back; ratios against the first run; warns when runs are not comparable.",
+        "that fell back, and the overall rate (total FLOPs or tokens over total time of those steps); ratios of "
+        "the medians against the first run, flagged when the interquartile ranges overlap (within the steps' "
+        "noise); warns when runs are not comparable.",
     )
     compare.add_argument("traces", nargs="+", metavar="TRACE", help="a trace file written by --flops-trace")
     compare.add_argument("--warmup", type=int, help="steps left out at the start of every run or restart "

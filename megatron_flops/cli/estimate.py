@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_flops.formulas import ATTENTION_CONVENTIONS, Row, SeqStats, parse_rows, training_flops
-from megatron_flops.passes import (
+from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS, Row, SeqStats, parse_rows, training_flops
+from megatron_flops.flops.passes import (
     LORA_TARGETS,
     MODEL_FLOPS_CONVENTIONS,
     RECOMPUTE_GRANULARITIES,
@@ -22,8 +22,8 @@ from megatron_flops.passes import (
 )
 from megatron_flops.cli._common import format_components, json_list_arg
 from megatron_flops.cli._dit import add_arguments as add_dit_arguments, estimate_dit
-from megatron_flops.hf_config import HF_FAMILIES, hf_text_config, is_hf_config
-from megatron_flops.spec import ModelOptions, ModelSpec, load_model_file
+from megatron_flops.model.hf_config import HF_FAMILIES, hf_text_config, is_hf_config
+from megatron_flops.model.spec import ModelOptions, ModelSpec, load_model_file
 
 # --batch-size builds one row per sample only for a DiT file; the decoder prices it in O(1).
 MAX_BATCH_SIZE = 1 << 20
@@ -51,7 +51,7 @@ def estimate_report(
     number that prices every row as one ``seq_length``-token sequence (default: the longest
     row), as the stock formula does. With ``peft`` or ``recompute``, model FLOPs follow
     ``convention`` and executed FLOPs add recompute and the GEMMs megatron-core runs unneeded
-    (:mod:`megatron_flops.passes`)."""
+    (:mod:`megatron_flops.flops.passes`)."""
     stats = SeqStats.from_rows(rows, window=spec.window_size)
     static_len = seq_length or max(r.num_padded_tokens for r in rows)
     return _report(spec, stats, static_len, attention=attention, peft=peft, recompute=recompute,
@@ -89,6 +89,7 @@ def _report(
         "num_tokens": stats.num_tokens,
         "num_padded_tokens": stats.num_padded_tokens,
         "sum_seqlen_squared": stats.sum_seqlen_squared,
+        "vocab_size": spec.vocab_size,
         "padded_vocab_size": spec.padded_vocab_size,
     }
 
@@ -106,6 +107,8 @@ def _format_report(report: dict[str, Any]) -> str:
         f"rows: {report['num_rows']}  sequences: {report['num_sequences']}  "
         f"tokens: {report['num_tokens']:,} real / {report['num_padded_tokens']:,} padded",
         f"attention convention: {report['attention']}",
+        f"vocabulary as priced: {report['padded_vocab_size']:,}" + (
+            f" (padded from {report['vocab_size']:,})" if report["padded_vocab_size"] != report["vocab_size"] else ""),
         "",
         *format_components(report["components"], total),
         "",
@@ -133,15 +136,16 @@ def _rows_from_args(args: argparse.Namespace, seq_length: int | None) -> tuple[R
                     raise ValueError(f"--seqlens rows[{i}] holds {row.num_padded_tokens:,} tokens, more than "
                                      f"--seq-length {seq_length:,}")
         return rows
-    if args.batch_size is None:
-        if args.seq_length is not None:
-            raise ValueError("--seq-length N needs --batch-size B (or --seqlens ROWS, priced against N)")
-        return None
+    batch_size = args.batch_size
+    if batch_size is None:
+        if args.seq_length is None:
+            return None
+        batch_size = 1  # --seq-length N alone: one row
     if seq_length is None:
         raise ValueError("--batch-size B needs --seq-length N")
-    if not 0 < args.batch_size <= MAX_BATCH_SIZE:
-        raise ValueError(f"--batch-size must be between 1 and {MAX_BATCH_SIZE:,}, got {args.batch_size}")
-    return (Row(seqlens=(seq_length,), padded_seqlens=(seq_length,), num_padded_tokens=seq_length),) * args.batch_size
+    if not 0 < batch_size <= MAX_BATCH_SIZE:
+        raise ValueError(f"--batch-size must be between 1 and {MAX_BATCH_SIZE:,}, got {batch_size}")
+    return (Row(seqlens=(seq_length,), padded_seqlens=(seq_length,), num_padded_tokens=seq_length),) * batch_size
 
 
 def _add_vision(report: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
@@ -193,7 +197,7 @@ def _load(args: argparse.Namespace) -> tuple[ModelSpec | None, dict[str, Any], s
     options = ModelOptions(hf_family=args.hf_family, vocab_multiple=args.pad_vocab_to_multiple,
                            mtp_num_layers=args.mtp_num_layers)
     if args.megatron_args is not None:
-        from megatron_flops.megatron_args import load_megatron_args, model_spec, training_fields
+        from megatron_flops.model.megatron_args import load_megatron_args, model_spec, training_fields
 
         if args.hf_family is not None:
             raise ValueError("--hf-family applies to a Hugging Face config.json (--model), not to --megatron-args")
@@ -231,11 +235,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     peft, recompute = _training_setup(args, raw, source)
     vision = None
     if args.grid_thw is not None:
-        from megatron_flops.vision import vision_report
+        from megatron_flops.flops.vision import hf_vision_sections, vision_report
 
-        if "vision_config" not in raw:
+        if hf_vision_sections(raw) is None:
             raise ValueError(f"--grid-thw prices a vision tower, but {source} has no 'vision_config' "
-                             "(a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config.json)")
+                             "(a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-Omni config.json)")
         vision = vision_report(raw, json_list_arg("--grid-thw", args.grid_thw))
     if rows is None and vision is None:
         raise ValueError("give --seqlens ROWS, --seq-length N with --batch-size B, or --grid-thw GRIDS")
@@ -293,7 +297,7 @@ def add_parser(sub: Any) -> None:
     est.add_argument("--seq-length", type=int, metavar="N",
                      help="the training sequence length: with --batch-size, B rows of one N-token sequence; "
                           "with --seqlens, the length the static number prices each row at")
-    est.add_argument("--batch-size", type=int, metavar="B", help="number of rows (with --seq-length)")
+    est.add_argument("--batch-size", type=int, metavar="B", help="number of rows (with --seq-length; default 1)")
     est.add_argument("--grid-thw", metavar="GRIDS",
                      help="JSON list of [t, h, w] vision grids (inline or a file): prices the vision tower")
     est.add_argument("--attention", choices=ATTENTION_CONVENTIONS, default="causal",
@@ -302,8 +306,8 @@ def add_parser(sub: Any) -> None:
     est.add_argument("--kv-seqlens", metavar="ROWS",
                      help="DiT model file: JSON list of text (key/value) tokens per sample, paired with --seqlens")
     est.add_argument("--hf-family", choices=HF_FAMILIES,
-                     help="price a Hugging Face config.json with this family's rules whatever its model_type "
-                          "(for a model_type we do not support: whatever else differs is not priced)")
+                     help="price a Hugging Face config.json of a model_type we do not know with this family's "
+                          "rules; refused (exit 2, the key named) when the file shows another architecture")
     est.add_argument("--pad-vocab-to-multiple", type=int, metavar="N",
                      help="pad the vocabulary to a multiple of N, as Megatron-LM does with "
                           "make_vocab_size_divisible_by x TP (1: no padding). Default: the file's "

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_flops.runs import RunStats
+from megatron_flops.reporting.runs import RunStats
 
 
 def require_matplotlib(flag: str) -> None:
@@ -74,35 +74,41 @@ class SweepBar:
 
     label: str
     value: float | None
+    repeats: tuple[float, ...]  # one median per ok repeat
     static: float | None
     status: str
     chosen: bool
 
 
-def plot_sweep(bars: Sequence[SweepBar], path: str, *, metric: str, threshold: float | None) -> None:
+def plot_sweep(bars: Sequence[SweepBar], path: str, *, metric: str, threshold: float | None, title: str) -> None:
     """Horizontal bars of every configuration's median ``metric`` (corrected, with the stock
-    formula's number beside it when known), the recommended one highlighted, the tolerance
-    threshold as a dashed line; configurations without a number are labelled with their status."""
+    formula's number beside it when known) and a dot for each repeat's median, the recommended one
+    highlighted, the tolerance threshold as a dashed line; the numbers in a column right of every
+    bar and dot (clear of the threshold line); configurations without a number labelled with
+    their status."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    figure = _figure(9.0, 1.4 + 0.45 * len(bars))
+    figure = _figure(9.0, 1.8 + 0.45 * len(bars))
     ax = figure.subplots()
     with_static = any(b.static is not None for b in bars)
     height = 0.38 if with_static else 0.6
     rows = list(range(len(bars)))[::-1]  # first configuration on top
+    right = max([0.0, *(v for b in bars for v in (b.value, b.static, *b.repeats) if v is not None)]) or 1.0
+    column = 1.03 * right  # where the numbers go
     for y, bar in zip(rows, bars):
         if bar.value is None:
             ax.text(0, y, f" {bar.status}", va="center", fontsize=8, color="C3")
             continue
         y_corrected = y + height / 2 if with_static else y
         ax.barh(y_corrected, bar.value, height, color="C2" if bar.chosen else "C0")
-        ax.text(bar.value, y_corrected, f" {bar.value:.4g}" + ("  recommended" if bar.chosen else ""),
-                va="center", fontsize=8)
+        ax.scatter(bar.repeats, [y_corrected] * len(bar.repeats), color="black", s=12, zorder=3)
+        text = f"{bar.value:.4g}" + (f" (static {bar.static:.4g})" if bar.static is not None else "")
+        ax.text(column, y, text + ("  recommended" if bar.chosen else ""), va="center", fontsize=8)
         if bar.static is not None:
             ax.barh(y - height / 2, bar.static, height, color="C1", alpha=0.55)
-            ax.text(bar.static, y - height / 2, f" {bar.static:.4g}", va="center", fontsize=7, color="0.35")
-    handles: list[Any] = [Patch(color="C0", label="corrected median"), Patch(color="C2", label="recommended")]
+    handles: list[Any] = [Patch(color="C0", label="corrected median"), Patch(color="C2", label="recommended"),
+                          Line2D([], [], color="black", marker="o", ls="", markersize=3, label="each repeat's median")]
     if with_static:
         handles.append(Patch(color="C1", alpha=0.55, label="static (stock formula) median"))
     if threshold is not None:
@@ -110,9 +116,8 @@ def plot_sweep(bars: Sequence[SweepBar], path: str, *, metric: str, threshold: f
         handles.append(Line2D([], [], color="0.3", ls="--", lw=1.0, label="tolerance below the fastest"))
     ax.set_yticks(rows, [b.label for b in bars], fontsize=8)
     ax.set_xlabel(metric)
-    ax.set_xlim(left=0)
-    ax.margins(x=0.2)
-    ax.set_xlim(left=0)
+    ax.set_xlim(0, 1.45 * right)  # room for the column of numbers
     ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title, fontsize=9, loc="left")
     figure.legend(handles=handles, fontsize=7, loc="outside upper center", ncols=len(handles))
     figure.savefig(path, dpi=110)

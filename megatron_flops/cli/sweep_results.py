@@ -6,6 +6,10 @@ order: ``timeout`` (stopped at ``--timeout``), ``oom`` (a non-zero exit whose lo
 out-of-memory message), ``failed`` (any other non-zero exit), ``no-trace`` (exit 0 but no trace
 with a steady-state step), ``ok``. A configuration's medians are the medians of its ``ok``
 repeats' medians; the statistics of runs that are not ``ok`` are reported but never used.
+
+Noise: each configuration lists its repeats' medians and their spread, (max - min) / median of
+the objective; a spread above the tolerance is a warning, and the recommendation is not
+``confident`` when noise could have changed the choice (:func:`megatron_flops.reporting.runs.doubts`).
 """
 
 from __future__ import annotations
@@ -19,18 +23,33 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from megatron_flops.cli.compare import LABELS, run_record
 from megatron_flops.cli.plot import SweepBar
-from megatron_flops.runs import RULE, Candidate, Recommendation, RunStats, comparability, read_trace, recommend, run_stats
+from megatron_flops.reporting.runs import (
+    RULE, Candidate, Recommendation, RunStats, comparability, doubts, read_trace, recommend, run_stats,
+)
 
-if TYPE_CHECKING:
-    from megatron_flops.cli.sweep import Run
+
+class Run(Protocol):
+    """One planned run as the results read it (``megatron_flops.cli.sweep.Run``; a protocol, so
+    that this module does not import the one that imports it)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def params(self) -> Mapping[str, str]: ...
+    @property
+    def repeat(self) -> int: ...
+    @property
+    def dir(self) -> str: ...
+
 
 OBJECTIVES = {"tflops": "tflops_per_gpu", "tokens": "tokens_per_s_per_gpu"}
 STATUSES = ("ok", "failed", "timeout", "oom", "no-trace")
 SUMMARY_METRICS = ("tflops_per_gpu", "static_tflops_per_gpu", "tokens_per_s_per_gpu", "step_time_s", "mfu_percent")
+REPEAT_METRICS = ("tflops_per_gpu", "tokens_per_s_per_gpu")  # repeat_medians_<metric>: one per ok repeat
 LOG_TAIL_BYTES = 1 << 20
 _OOM = re.compile(r"out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory|std::bad_alloc|"
                   r"RESOURCE_EXHAUSTED", re.IGNORECASE)
@@ -142,6 +161,13 @@ class SweepResults:
         return "median TFLOP/s/GPU" if self.objective == "tflops" else f"median {LABELS[self.metric]}"
 
     @property
+    def plot_title(self) -> str:
+        rec = self.recommendation
+        noise = "" if rec is None or rec["confident"] else "\nnot confident: noise could have changed the choice"
+        return (f"sweep: {self.objective_label}, {self.repeats} repeat{'s' if self.repeats > 1 else ''} each, "
+                f"tolerance {100 * self.tolerance:g}%{noise}")
+
+    @property
     def threshold(self) -> float | None:
         if self.recommendation is None:
             return None
@@ -157,24 +183,29 @@ class SweepResults:
             "warnings": self.warnings,
         })
         columns = [*self.params, "num_repeats", "num_ok", "statuses",
-                   *(f"median_{m}" for m in SUMMARY_METRICS), "recommended"]
+                   *(f"median_{m}" for m in SUMMARY_METRICS), "spread_percent",
+                   *(f"repeat_medians_{m}" for m in REPEAT_METRICS), "recommended"]
         with open(out / "summary.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
             writer.writeheader()
             for combo in self.combos:
-                writer.writerow({**combo["params"], **combo, "statuses": " ".join(combo["statuses"]),
+                repeats = {f"repeat_medians_{m}": " ".join(f"{v:.6g}" for v in combo[f"repeat_medians_{m}"])
+                           for m in REPEAT_METRICS}
+                writer.writerow({**combo["params"], **combo, **repeats, "statuses": " ".join(combo["statuses"]),
                                  "recommended": "yes" if combo["recommended"] else ""})
 
     def summary_lines(self) -> list[str]:
         """The table of configurations and the recommendation, as the sweep prints them."""
         names = list(self.params)
-        header = [*names, "ok", LABELS["tflops_per_gpu"], LABELS["static_tflops_per_gpu"], LABELS["tokens_per_s_per_gpu"],
+        header = [*names, "ok", "spread (%)", LABELS["tflops_per_gpu"], LABELS["static_tflops_per_gpu"], LABELS["tokens_per_s_per_gpu"],
                   LABELS["step_time_s"]]
         rows = [header]
         for combo in self.combos:
             cells = [combo["params"][n] for n in names]
             cells.append(f"{combo['num_ok']}/{self.repeats}" + ("" if combo["num_ok"] == self.repeats
                                                                 else f" ({' '.join(combo['statuses']) or 'pending'})"))
+            spread = combo["spread_percent"]
+            cells.append("-" if spread is None else f"{spread:.1f}" + (" !" if spread > 100 * self.tolerance else ""))
             for metric in ("tflops_per_gpu", "static_tflops_per_gpu", "tokens_per_s_per_gpu"):
                 value = combo[f"median_{metric}"]
                 cells.append("-" if value is None else f"{value:.4g}")
@@ -197,12 +228,27 @@ class SweepResults:
             if static is not None:
                 lines.append("by the stock formula's TFLOP/s/GPU the fastest would be "
                              + " ".join(f"{k}={v}" for k, v in static["params"].items()) + f" ({static['value']:.4g})")
+            lines.extend(self._noise_lines())
         return lines
+
+    def _noise_lines(self) -> list[str]:
+        rec = self.recommendation
+        assert rec is not None
+        more = f"--repeats {max(3, 2 * self.repeats)} with the same --out adds repeats"
+        if not rec["confident"]:
+            return ["not confident: noise could have changed the choice (spread: min-max of the repeats' "
+                    "medians over their median):", *(f"  {reason}" for reason in rec["doubts"]),
+                    f"  {more}; or measure on a quieter machine"]
+        if self.repeats == 1:
+            return [f"noise: not measured (one repeat per configuration); {more} to tell noise from a difference"]
+        return [f"noise: every configuration's repeats agree within {100 * self.tolerance:g}% or stay apart "
+                "from the fastest's: the choice stands"]
 
     def bars(self) -> list[SweepBar]:
         chosen = None if self.recommendation is None else self.recommendation["index"]
         return [
             SweepBar(label=" ".join(f"{k}={v}" for k, v in c["params"].items()), value=c[f"median_{self.metric}"],
+                     repeats=tuple(c[f"repeat_medians_{self.metric}"]),
                      static=c["median_static_tflops_per_gpu"] if self.objective == "tflops" else None,
                      status="ok" if c["num_ok"] == self.repeats else " ".join(c["statuses"]) or "pending",
                      chosen=c["index"] == chosen)
@@ -228,11 +274,13 @@ def collect(out: Path, runs: Sequence[Run], *, params: Mapping[str, Sequence[str
         stats = run_record(outcome.stats) if outcome.stats is not None else {"num_steps": 0}
         entry.update({k: v for k, v in stats.items() if k != "trace"})
         records.append(entry)
-    combos = _combos(runs, outcomes)
+    combos = _combos(runs, outcomes, metric)
     warnings, units_differ = _comparability(runs, outcomes)
     repeats = max(r.repeat for r in runs)
     candidates = [Candidate(index=c["index"], params=c["params"], all_ok=c["num_ok"] == repeats,
-                            value=c[f"median_{metric}"]) for c in combos]
+                            value=c[f"median_{metric}"], repeat_values=tuple(c[f"repeat_medians_{metric}"]))
+                  for c in combos]
+    warnings.extend(_noise_warnings(candidates, tolerance, LABELS[metric]))
     chosen = None if units_differ and objective == "tflops" else recommend(candidates, tolerance=tolerance)
     recommendation = None if chosen is None else _recommendation(chosen, combos, objective, candidates)
     for combo in combos:
@@ -261,8 +309,16 @@ def _comparability(runs: Sequence[Run], outcomes: Mapping[tuple[int, int], Outco
     return warnings, False
 
 
-def _combos(runs: Sequence[Run], outcomes: Mapping[tuple[int, int], Outcome]) -> list[dict[str, Any]]:
-    """One row per configuration: statuses of its finished repeats, medians of its ok ones."""
+def _noise_warnings(candidates: Sequence[Candidate], tolerance: float, label: str) -> list[str]:
+    return [f"{c.label}: the medians of its {len(c.repeat_values)} repeats spread {100 * spread:.1f}% "
+            f"({min(c.repeat_values):.4g}-{max(c.repeat_values):.4g} {label}), more than the "
+            f"{100 * tolerance:g}% tolerance: noise, not the setting, may decide; add repeats"
+            for c in candidates if (spread := c.spread) is not None and spread > tolerance]
+
+
+def _combos(runs: Sequence[Run], outcomes: Mapping[tuple[int, int], Outcome], metric: str) -> list[dict[str, Any]]:
+    """One row per configuration: statuses of its finished repeats, medians of its ok ones, one
+    median per ok repeat (in repeat order) and their spread in ``metric``."""
     combos: dict[int, dict[str, Any]] = {}
     for run in runs:
         combo = combos.setdefault(run.index, {"index": run.index, "params": dict(run.params), "statuses": [], "ok": []})
@@ -276,8 +332,12 @@ def _combos(runs: Sequence[Run], outcomes: Mapping[tuple[int, int], Outcome]) ->
         ok: list[RunStats] = combo.pop("ok")
         combo["num_repeats"] = len(combo["statuses"])
         combo["num_ok"] = len(ok)
-        for metric in SUMMARY_METRICS:
-            combo[f"median_{metric}"] = _median([s.median(metric) for s in ok])
+        for name in SUMMARY_METRICS:
+            combo[f"median_{name}"] = _median([s.median(name) for s in ok])
+        for name in REPEAT_METRICS:
+            combo[f"repeat_medians_{name}"] = [v for v in (s.median(name) for s in ok) if v is not None]
+        values, median = combo[f"repeat_medians_{metric}"], combo[f"median_{metric}"]
+        combo["spread_percent"] = 100 * (max(values) - min(values)) / median if values and median else None
         rows.append(combo)
     return rows
 
@@ -296,6 +356,9 @@ def _recommendation(chosen: Recommendation, combos: Sequence[Mapping[str, Any]],
         "rule": RULE.format(objective=LABELS[metric], tolerance=100 * chosen.tolerance),
         "fastest": {"index": chosen.fastest.index, "params": dict(chosen.fastest.params), "value": chosen.fastest.value},
     }
+    reasons = doubts(candidates, chosen)
+    rec["confident"] = not reasons
+    rec["doubts"] = reasons
     if objective == "tflops":
         static = [Candidate(index=c.index, params=c.params, all_ok=c.all_ok, value=combos[i]["median_static_tflops_per_gpu"])
                   for i, c in enumerate(candidates)]

@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-UPSTREAM = REPO.parent / "shared" / "upstream" / "megatron-lm"
+# The Megatron-LM snapshots: scripts/get_megatron_lm_snapshots.sh puts them here (or anywhere,
+# then named by MEGATRON_FLOPS_MLM_SNAPSHOTS).
+SNAPSHOTS_ENV = "MEGATRON_FLOPS_MLM_SNAPSHOTS"
+DEFAULT_UPSTREAM = REPO.parent / "shared" / "upstream" / "megatron-lm"
 TORCH = "torch==2.13.0"
 # What Megatron-LM's training package imports beyond megatron-core (both snapshots).
 MEGATRON_LM_DEPS = ("six", "regex", "einops", "tqdm", "pyyaml", "pydantic", "triton==3.9.0")
@@ -64,11 +67,18 @@ class Unavailable(Exception):
     """The environment cannot be had here; the message says why (a test skips with it)."""
 
 
+def upstream() -> Path:
+    """Where the snapshots are: ``$MEGATRON_FLOPS_MLM_SNAPSHOTS``, else ``../shared/upstream/megatron-lm``."""
+    return Path(os.environ.get(SNAPSHOTS_ENV) or DEFAULT_UPSTREAM)
+
+
 def snapshot(version: str) -> Path:
-    """The unmodified Megatron-LM training package at ``core_v{version}`` (``../shared``)."""
-    path = UPSTREAM / f"core_v{version}"
+    """The unmodified Megatron-LM training package at ``core_v{version}``."""
+    path = upstream() / f"core_v{version}"
     if not (path / "pretrain_gpt.py").is_file():
-        raise Unavailable(f"the Megatron-LM snapshot {path} is not here (CI and the developers have ../shared)")
+        raise Unavailable(f"the Megatron-LM snapshot {path} is not here: get it with "
+                          f"scripts/get_megatron_lm_snapshots.sh [DIR] (git clone of NVIDIA/Megatron-LM; "
+                          f"then {SNAPSHOTS_ENV}=DIR if DIR is not {DEFAULT_UPSTREAM})")
     return path
 
 

@@ -18,6 +18,11 @@ executed FLOP/s/GPU over the header's peak. Steady state: every segment's steps 
 header has none), without the steps that fell back to the static number (``ok: false``), which
 are counted. The statistics are the median, the quartiles (linear interpolation between closest
 ranks, numpy's default) and the extremes over those steps.
+
+Two names for two steady-state numbers, the same in the demo, ``compare`` and the docs: the
+*median* (of the steady-state steps' rates; what ``compare`` and ``sweep`` rank by, robust to a
+slow step) and the *overall* rate (total FLOPs or tokens over total time of the steady-state
+steps; what the meter's summary and the demo's print). They differ when step times vary.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from megatron_flops.meter import IntervalReport
-from megatron_flops.trace import FORMAT as TRACE_FORMAT
+from megatron_flops.reporting.meter import IntervalReport
+from megatron_flops.reporting.trace import FORMAT as TRACE_FORMAT
 
 DEFAULT_WARMUP = 2
 DEFAULT_TOLERANCE = 0.03
@@ -125,6 +130,7 @@ class RunStats:
     num_failed_steps: int
     steps: tuple[StepRates, ...]
     metrics: Mapping[str, Spread | None] = field(default_factory=dict)
+    overall: Mapping[str, float | None] = field(default_factory=dict)  # METRICS key -> overall rate
 
     @property
     def world_size(self) -> int:
@@ -304,9 +310,11 @@ def run_stats(
                 f"({'; '.join(differences)}); split the file, or pass --segments last to use the newest run only"
             )
     rates: list[StepRates] = []
+    used: list[TraceStep] = []
     for index, segment in enumerate(chosen, start=1):
         skip = segment.warmup_iterations if warmup is None else warmup
         peak = peak_flops_per_s if peak_flops_per_s is not None else segment.peak_flops_per_s
+        used.extend(step for position, step in enumerate(segment.steps) if position >= skip and step.ok)
         for position, step in enumerate(segment.steps):
             rates.append(StepRates(
                 segment=index, iteration=step.iteration, warmup=position < skip, ok=step.ok,
@@ -325,8 +333,31 @@ def run_stats(
     metrics = {
         key: spread(v for v in (r.rates[key] for r in steady) if v is not None) for key in METRICS
     }
+    peak = peak_flops_per_s if peak_flops_per_s is not None else first.peak_flops_per_s
     return RunStats(name=trace.name, header=first.header, num_segments=len(chosen), num_steps=len(steady),
-                    num_warmup_steps=num_warmup, num_failed_steps=num_failed, steps=tuple(rates), metrics=metrics)
+                    num_warmup_steps=num_warmup, num_failed_steps=num_failed, steps=tuple(rates), metrics=metrics,
+                    overall=overall_rates(used, world_size=first.world_size, peak_flops_per_s=peak))
+
+
+def overall_rates(steps: Sequence[TraceStep], *, world_size: int, peak_flops_per_s: float | None) -> dict[str, float | None]:
+    """The overall rates of steady-state steps, keyed by :data:`METRICS`: the meter's, over one
+    window of all of them (total FLOPs and tokens over total time; the mean step time)."""
+    statics = [s.static_flops for s in steps]
+    report = IntervalReport(
+        first_iteration=steps[0].iteration, last_iteration=steps[-1].iteration, num_iterations=len(steps),
+        num_fallback_iterations=0, elapsed_s=math.fsum(s.elapsed_s for s in steps),
+        flops=sum(s.flops for s in steps), executed_flops=sum(s.executed_flops for s in steps),
+        static_flops=None if None in statics else sum(s for s in statics if s is not None),
+        num_tokens=sum(s.num_tokens for s in steps), world_size=world_size, peak_flops_per_s=peak_flops_per_s,
+    )
+    return {
+        "tflops_per_gpu": report.tflops_per_s_per_gpu,
+        "static_tflops_per_gpu": report.static_tflops_per_s_per_gpu,
+        "tokens_per_s_per_gpu": report.tokens_per_s_per_gpu,
+        "step_time_s": report.elapsed_s / len(steps),
+        "mfu_percent": report.mfu_percent,
+        "hfu_percent": report.hfu_percent,
+    }
 
 
 # ---- comparability ------------------------------------------------------------------------------
@@ -396,6 +427,18 @@ class Candidate:
     params: Mapping[str, str]
     all_ok: bool
     value: float | None
+    repeat_values: tuple[float, ...] = ()  # the objective of each ok repeat (its steady-state median)
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.params.items())
+
+    @property
+    def spread(self) -> float | None:
+        """(max - min) / median of the repeats' values, a fraction; None without values."""
+        if not self.repeat_values or not self.value:
+            return None
+        return (max(self.repeat_values) - min(self.repeat_values)) / self.value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -430,3 +473,32 @@ def recommend(candidates: Sequence[Candidate], *, tolerance: float = DEFAULT_TOL
     assert fastest.value is not None
     chosen = next(c for c in eligible if c.value >= (1.0 - tolerance) * fastest.value)  # type: ignore[operator]
     return Recommendation(chosen=chosen, fastest=fastest, tolerance=tolerance)
+
+
+def doubts(candidates: Sequence[Candidate], recommendation: Recommendation) -> list[str]:
+    """Why noise could have changed the choice (empty: it could not): an ok configuration outside
+    the tolerance band whose range of repeat values overlaps the fastest's, or a configuration
+    inside the band whose repeats spread more than the tolerance."""
+    fastest, tolerance = recommendation.fastest, recommendation.tolerance
+    assert fastest.value is not None
+    low, high = _range(fastest)
+    reasons = []
+    for c in sorted(candidates, key=lambda c: c.index):
+        if not c.all_ok or c.value is None:
+            continue
+        spread = c.spread
+        if c.value >= (1.0 - tolerance) * fastest.value:
+            if spread is not None and spread > tolerance:
+                reasons.append(f"{c.label}: its repeats spread {100 * spread:.1f}% (more than the "
+                               f"{100 * tolerance:g}% tolerance)")
+            continue
+        c_low, c_high = _range(c)
+        if c_low <= high and low <= c_high:
+            reasons.append(f"{c.label}: its repeats ({c_low:.4g}-{c_high:.4g}) overlap the fastest's, "
+                           f"{fastest.label} ({low:.4g}-{high:.4g}), though its median is outside the tolerance")
+    return reasons
+
+
+def _range(candidate: Candidate) -> tuple[float, float]:
+    values = candidate.repeat_values or ((candidate.value,) if candidate.value is not None else ())
+    return min(values), max(values)

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from megatron_flops.result import StepResult
+from megatron_flops.tracking.result import StepResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,5 +291,6 @@ def format_summary(report: IntervalReport | None, *, warmup_iterations: int) -> 
     if report.fell_back:
         rows.append(("iterations priced with the static fallback", f"{report.num_fallback_iterations}"))
     head = (f"steady state: iterations {report.first_iteration}-{report.last_iteration} "
-            f"({report.num_iterations} iterations, the first {warmup_iterations} left out as warm-up)")
+            f"({report.num_iterations} iterations, the first {warmup_iterations} left out as warm-up); "
+            "overall rates: totals over total time (megatron-flops compare also gives the median step)")
     return "\n".join([head, *(f"  {name + ':':<46}{value}" for name, value in rows)])

@@ -1,10 +1,11 @@
-"""Exact GEMM FLOPs of Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision towers from ``grid_thw`` rows
+"""Exact GEMM FLOPs of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-Omni vision towers from ``grid_thw`` rows
 (stdlib only: ints in, ints out).
 
 Counted: every matrix multiply the Hugging Face vision tower runs, as
 ``torch.utils.flop_counter`` counts them: the Conv3d patch embedding (a stride-equals-kernel
 convolution, i.e. one GEMM per patch), per block the fused QKV projection, core attention,
-output projection and MLP, then the patch merger (and Qwen3-VL's deep-stack mergers).
+output projection and MLP, then the patch merger (and Qwen3-VL's and Qwen3-Omni's deep-stack
+mergers). Qwen3-Omni's tower (``thinker_config.vision_config``) is built as Qwen3-VL's.
 Not counted: norms, activations, softmax, 2D RoPE, Qwen3-VL's interpolated position
 embedding (an embedding lookup and weighted sum), bias adds, the window reordering.
 
@@ -24,9 +25,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from megatron_flops.formulas import TRAIN_PASSES, FlopsBreakdown, attention_gemm, gemm
+from megatron_flops.flops.formulas import TRAIN_PASSES, FlopsBreakdown, attention_gemm, gemm
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe")
+# Towers built as another's: Qwen3-Omni's vision encoder is Qwen3-VL's (deep-stack mergers included).
+_SAME_TOWER = {"qwen3_vl_moe": "qwen3_vl", "qwen3_omni_moe": "qwen3_vl"}
 VISION_ATTENTION_CONVENTIONS = ("full",)
 
 
@@ -111,12 +114,14 @@ class VisionSpec:
         ``intermediate_size``. ``in_channels``, ``temporal_patch_size`` and ``spatial_merge_size``
         default to 3, 2, 2 as in every Hugging Face Qwen-VL vision config.
         """
-        kind = model_type.removesuffix("_vision") if isinstance(model_type, str) else model_type
+        kind = (model_type.removesuffix("_vision_encoder").removesuffix("_vision") if isinstance(model_type, str)
+                else model_type)
         if kind not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"vision model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
         if not isinstance(vision_config, Mapping):
             raise ValueError(f"vision_config must be a mapping, got {type(vision_config).__name__}")
         source = f"{kind} vision_config"
+        kind = _SAME_TOWER.get(kind, kind)
         get = lambda names, default=None: _field(vision_config, names, default, source)  # noqa: E731
         out: dict[str, Any] = {
             "depth": get(("depth", "num_hidden_layers")),
@@ -141,7 +146,7 @@ class VisionSpec:
         if kind == "qwen2_5_vl":
             out["window_size"] = get(("window_size",))
             out["fullatt_block_indexes"] = _indexes(get(("fullatt_block_indexes",)), "fullatt_block_indexes", source)
-        if kind in ("qwen3_vl", "qwen3_vl_moe"):
+        if kind == "qwen3_vl":
             out["deepstack_visual_indexes"] = _indexes(
                 get(("deepstack_visual_indexes",)), "deepstack_visual_indexes", source
             )
@@ -346,12 +351,23 @@ def _check_attention(attention: str) -> None:
 # ---- model files -----------------------------------------------------------------------------
 
 
+def hf_vision_sections(data: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The mapping holding a Hugging Face model's ``vision_config`` (the file itself, or Qwen3-Omni's
+    ``thinker_config``, inheriting the outer ``model_type``), or None when it has no vision tower."""
+    thinker = data.get("thinker_config")
+    if isinstance(thinker, Mapping) and "vision_config" in thinker:
+        return {**thinker, "model_type": data.get("model_type", thinker.get("model_type"))}
+    return data if "vision_config" in data else None
+
+
 def vision_spec_from_model_mapping(data: Mapping[str, Any]) -> VisionSpec:
-    """The vision tower of a Hugging Face style model mapping (``model_type`` + ``vision_config``)."""
+    """The vision tower of a Hugging Face style model mapping (``model_type`` + ``vision_config``,
+    or ``thinker_config.vision_config``)."""
     if not isinstance(data, Mapping):
         raise ValueError(f"model file: the top level must be a mapping, got {type(data).__name__}")
     if "model_type" not in data:
         raise ValueError(f"model file: a vision tower needs 'model_type' (one of {SUPPORTED_MODEL_TYPES})")
+    data = hf_vision_sections(data) or data
     vision = data.get("vision_config")
     if not isinstance(vision, Mapping):
         raise ValueError("model file: 'vision_config' must be a mapping")
