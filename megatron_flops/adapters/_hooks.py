@@ -37,6 +37,19 @@ _STOCK_FIELD = re.compile(r" throughput per GPU \(TFLOP/s/GPU\): [^|]*\|")
 _LOG_LINE_MARK = "elapsed time per iteration (ms)"
 
 
+def unmute_warnings() -> None:
+    """Let this package's warnings (a fallback's reason) reach the framework's log.
+
+    Megatron-LM's ``setup_logging`` (which Megatron-Bridge calls at set-up) adds a
+    ``warning_filter`` that drops every WARNING record to each logger that exists then, this
+    package's included. That one filter is removed from this package's logger only; any other
+    filter (a user's ``modules_to_filter``) stays."""
+    package_logger = logging.getLogger("megatron_flops")
+    for found in list(package_logger.filters):
+        if getattr(found, "__name__", None) == "warning_filter":
+            package_logger.removeFilter(found)
+
+
 class Adapter:
     """What differs between frameworks: how a session is built and where the log's iteration
     and writers are. Subclasses override the hooks; ``bound`` holds the wrapped call's arguments."""
@@ -44,9 +57,13 @@ class Adapter:
     name = "framework"
     failed = False  # building the session failed: not retried
     _reader: BatchReader | None = None
+    _unmuted = False  # unmute_warnings() ran (at the first train step: after the framework's logging set-up)
 
     def session(self, bound: inspect.BoundArguments) -> Session | None:
         """The installed session, else a new one from the framework's configuration, else None."""
+        if not self._unmuted:
+            self._unmuted = True
+            unmute_warnings()
         session = get_session()
         if session is not None or self.failed:
             return session

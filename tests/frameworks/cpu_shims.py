@@ -69,8 +69,36 @@ def install_torch_cuda() -> None:
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
 
+def install_nvrx_version() -> None:
+    """S13 (megatron-core >= 0.19): ``nvidia_resiliency_ext.__version__`` (PyPI's releases, 0.4.1
+    at most, lack it; megatron-core reads it at import), from the distribution's metadata; and
+    while megatron-core imports, nvrx's async checkpointing module hidden, so megatron-core's probe
+    of it (which asserts nvrx >= 0.6.0 once the module imports) finds it unavailable and keeps its
+    own checkpoint path. Megatron-Bridge's ``pretrain`` imports nvrx unconditionally; no test
+    saves a checkpoint."""
+    import sys
+    from importlib import metadata
+
+    try:
+        import nvidia_resiliency_ext as nvrx
+    except ImportError:
+        return
+    if not hasattr(nvrx, "__version__"):
+        nvrx.__version__ = metadata.version("nvidia-resiliency-ext")
+    core = tuple(int(part) for part in metadata.version("megatron-core").split(".")[:2])
+    hidden = "nvidia_resiliency_ext.checkpointing.async_ckpt.core"
+    if core < (0, 19) or "megatron.core" in sys.modules or hidden in sys.modules:
+        return
+    sys.modules[hidden] = None  # type: ignore[assignment]  (import raises ImportError)
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        del sys.modules[hidden]
+
+
 def install_megatron_core() -> None:
-    """S4-S5: megatron-core's CUDA-only helpers (both 0.14.0 and 0.16.1)."""
+    """S4-S5 (S13 first): megatron-core's CUDA-only helpers (0.14.0 to 0.19.2)."""
+    install_nvrx_version()
     import megatron.core.utils as mutils
     from megatron.core.tensor_parallel import random as tp_random
 
@@ -189,13 +217,23 @@ def import_megatron_bridge() -> None:
     import megatron.core.extensions.transformer_engine  # noqa: F401  (decides HAVE_TE=False)
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
 
+    try:  # megatron-core >= 0.19 ships megatron.training, which Megatron-Bridge 0.6 imports: without TE too
+        import megatron.training.utils.common_utils  # noqa: F401
+    except ImportError:
+        pass
+
     class _Missing(torch.nn.Module):
         """A Transformer Engine class that the stand-in names but cannot provide."""
 
     def stub(name: str) -> types.ModuleType:
         module = types.ModuleType(name)
-        module.__getattr__ = lambda attr: _Missing if attr[:1].isupper() else stub(f"{name}.{attr}")
+        module.__getattr__ = lambda attr: _stub_attr(name, attr)
         return module
+
+    def _stub_attr(name: str, attr: str) -> Any:
+        if attr.startswith("__"):  # no __path__: a submodule import fails as without TE (0.6.2's fallbacks)
+            raise AttributeError(attr)
+        return _Missing if attr[:1].isupper() else stub(f"{name}.{attr}")
 
     names = ("transformer_engine", "transformer_engine.pytorch")
     sys.modules.update({name: stub(name) for name in names})

@@ -66,6 +66,13 @@ VENVS: dict[str, Venv] = {
          "tensorboard", "rich", "accelerate", "nvidia-modelopt==0.47.0",
          "nvidia-resiliency-ext==0.4.1", *MEGATRON_LM_DEPS, TRITON_311),
     )),
+    "megatron-bridge-0.6.2": Venv(python=PY312, steps=(
+        (TORCH,),  # torch picks its own triton
+        ("--no-deps", "megatron-bridge==0.6.2"),
+        ("megatron-core==0.19.2", "transformers>=5.8,<=5.12.1", "datasets", "omegaconf", "hydra-core>=1.3,<1.4",
+         "tensorboard", "rich", "accelerate", "nvidia-resiliency-ext", "megatron-energon~=7.0",
+         "nvidia-modelopt==0.47.0", "requests", *MEGATRON_LM_DEPS),
+    )),
 }
 
 
@@ -97,8 +104,9 @@ def megatron_lm(version: str) -> Env:
     return Env(python=ensure(f"megatron-lm-{version}"), pythonpath=(tree,))
 
 
-def megatron_bridge() -> Env:
-    return Env(python=ensure("megatron-bridge-0.3.1"))
+def megatron_bridge(version: str = "0.3.1") -> Env:
+    return Env(python=ensure(f"megatron-bridge-{version}"))
+
 
 
 def _check_here(core: tuple[str, str], *requirements: str) -> None:
