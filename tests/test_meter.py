@@ -56,7 +56,7 @@ def test_interval_rates_are_ratios_of_totals() -> None:
     assert report.scalars() == {
         "throughput/tflops_per_s_per_gpu": 1000.0,
         "throughput/static_tflops_per_s_per_gpu": 3000.0,
-        "throughput/over_report_factor": 3.0,
+        "throughput/over_report_factor_vs_static": 3.0,
         "throughput/tokens_per_s_per_gpu": 500.0,
         "throughput/mfu_percent": 50.0,
         "throughput/hfu_percent": 75.0,
@@ -84,7 +84,7 @@ def test_interval_resets_after_each_call() -> None:
     assert report.scalars() == {
         "throughput/tflops_per_s_per_gpu": 1000.0,
         "throughput/static_tflops_per_s_per_gpu": 2000.0,
-        "throughput/over_report_factor": 2.0,
+        "throughput/over_report_factor_vs_static": 2.0,
         "throughput/tokens_per_s_per_gpu": 500.0,
         "throughput/mfu_percent": 50.0,
         "throughput/hfu_percent": 50.0,
@@ -163,7 +163,7 @@ def test_failed_tracker_counts_static_flops_and_is_flagged() -> None:
     assert report.scalars() == {
         "throughput/tflops_per_s_per_gpu": 3000.0,
         "throughput/static_tflops_per_s_per_gpu": 4000.0,
-        "throughput/over_report_factor": 4 / 3,
+        "throughput/over_report_factor_vs_static": 4 / 3,
         "throughput/tokens_per_s_per_gpu": 1000.0,
         "throughput/mfu_percent": 30.0,
         "throughput/hfu_percent": 35.0,
@@ -204,7 +204,7 @@ def test_partial_static_flops_omits_static_rates_and_warns_once() -> None:
         report = meter.interval()
     assert report.static_flops is None
     assert "throughput/static_tflops_per_s_per_gpu" not in report.scalars()
-    assert "throughput/over_report_factor" not in report.scalars()
+    assert "throughput/over_report_factor_vs_static" not in report.scalars()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         meter.summary()  # same mix, no second warning
@@ -224,7 +224,8 @@ def test_format_log_line_megatron_style() -> None:
         " elapsed time per iteration (ms): 1000.0 |"
         " throughput per GPU (TFLOP/s/GPU): 3000.0 |"
         " corrected throughput per GPU (TFLOP/s/GPU): 1000.0 |"
-        " over-report factor: 3.00x |"
+        " static throughput per GPU (TFLOP/s/GPU): 3000.0 |"
+        " over-report factor vs static: 3.00x |"
         " tokens per GPU (tokens/s/GPU): 500.0 |"
         " MFU (%): 50.0 |"
         " HFU (%): 75.0 |"

@@ -156,7 +156,7 @@ def wrap_static_flops(original: Callable[..., Any], adapter: Adapter) -> Callabl
         session = get_session()
         if session is not None:
             try:
-                session.set_static_flops(value)
+                session.set_framework_flops(value)
             except Exception as exc:
                 session.warn_once(f"{adapter.name} stock FLOPs hook failed", exc)
         return value

@@ -110,7 +110,7 @@ class _MegatronBridge(Adapter):
     def on_log(self, bound: inspect.BoundArguments, session: Session) -> None:
         before, self._flops_before_step = self._flops_before_step, None
         if before is not None:
-            session.set_static_flops(_flops_so_far(bound) - before)
+            session.set_framework_flops(_flops_so_far(bound) - before)
 
     def log_iteration(self, bound: inspect.BoundArguments) -> int:
         return bound.arguments["global_state"].train_state.step
