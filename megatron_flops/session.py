@@ -117,12 +117,13 @@ class Session:
             tracker.observe_failed(exc)
             return False
 
-    def observe(self, read: Callable[[Any], dict[str, Any]], batch: Any) -> None:
+    def observe(self, read: Callable[[Any], dict[str, Any]], batch: Any) -> dict[str, Any] | None:
         """Observe one micro-batch as a data iterator handed it over, if a step is open:
-        ``read(batch)`` gives ``FlopsTracker.observe`` arguments. Never raises: a batch that
-        ``read`` cannot understand makes the step fall back on every rank, logged once."""
+        ``read(batch)`` gives ``FlopsTracker.observe`` arguments, which are returned (None: no
+        step is open, or ``read`` failed). Never raises: a batch that ``read`` cannot understand
+        makes the step fall back on every rank, logged once."""
         if not self._open:
-            return
+            return None
         tracker = self.tracker
         assert isinstance(tracker, FlopsTracker)  # only a session observing() a chunk is handed its batches
         try:
@@ -131,8 +132,9 @@ class Session:
             if tracker.validate:
                 raise
             tracker.observe_failed(exc)
-        else:
-            tracker.observe(**fields)
+            return None
+        tracker.observe(**fields)
+        return fields
 
     def abort_step(self) -> None:
         """Close the open step without counting it (its train step raised): no collective, and

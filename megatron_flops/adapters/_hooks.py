@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
+from megatron_flops.adapters._crosscheck import ModelInputCheck
 from megatron_flops.adapters._observe import BatchReader, observe_forward_step
 from megatron_flops.meter import IntervalReport, format_log_fields
 from megatron_flops.session import Session, get_session
@@ -44,6 +45,7 @@ class Adapter:
     name = "framework"
     failed = False  # building the session failed: not retried
     _reader: BatchReader | None = None
+    _check: ModelInputCheck | None = None
 
     def session(self, bound: inspect.BoundArguments) -> Session | None:
         """The installed session, else a new one from the framework's configuration, else None."""
@@ -67,6 +69,12 @@ class Adapter:
         if self._reader is None:
             self._reader = BatchReader()
         return self._reader
+
+    def check(self) -> ModelInputCheck:
+        """The cross-check of what the model chunks receive (``_crosscheck``), made once."""
+        if self._check is None:
+            self._check = ModelInputCheck()
+        return self._check
 
     def on_step_begin(self, bound: inspect.BoundArguments, session: Session) -> None:
         """Called before the original train step, after ``session.begin_step()``."""
@@ -142,7 +150,8 @@ def _observed_call(bound: inspect.BoundArguments, adapter: Adapter, session: Ses
     if forward is None:
         return bound.args, bound.kwargs
     observed = inspect.BoundArguments(bound.signature, dict(bound.arguments))
-    observed.arguments["forward_step_func"] = observe_forward_step(forward, session, adapter.reader(bound, forward))
+    observed.arguments["forward_step_func"] = observe_forward_step(forward, session, adapter.reader(bound, forward),
+                                                                   adapter.check())
     return observed.args, observed.kwargs
 
 

@@ -73,6 +73,21 @@ def new_session(
     )
 
 
+def keep_warnings_visible() -> None:
+    """Take Megatron's ``warning_filter`` off the ``megatron_flops`` logger.
+
+    ``setup_logging(filter_warning=True)`` (Megatron-Bridge's default, ``cfg.logger.filter_warnings``;
+    its ``megatron.training.utils.log_utils`` in core 0.19) adds a filter that drops every WARNING
+    record to every logger existing at that time, this package's included: its few warnings, each
+    logged once (a step that falls back, and why), would never reach the framework's log. A
+    ``modules_to_filter`` that names ``megatron_flops`` is left in place.
+    """
+    for log_filter in list(logger.filters):
+        if (getattr(log_filter, "__name__", None) == "warning_filter"
+                and str(getattr(log_filter, "__module__", "")).startswith("megatron.")):
+            logger.removeFilter(log_filter)
+
+
 def framework_version(distribution: str) -> str:
     """The installed version of a distribution, for warnings; ``"unknown"`` if not installed."""
     try:

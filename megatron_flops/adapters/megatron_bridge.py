@@ -39,7 +39,14 @@ import torch.distributed as dist
 
 from megatron_flops.adapters._hooks import PRINTER, Adapter, wrap_train_step, wrap_training_log
 from megatron_flops.adapters._observe import BatchReader
-from megatron_flops.adapters._setup import check_options, import_target, is_corrected, new_session, patch
+from megatron_flops.adapters._setup import (
+    check_options,
+    import_target,
+    is_corrected,
+    keep_warnings_visible,
+    new_session,
+    patch,
+)
 from megatron_flops.passes import RecomputeSpec
 from megatron_flops.session import Session
 from megatron_flops.spec import ModelSpec
@@ -66,6 +73,10 @@ class _MegatronBridge(Adapter):
         self.failed = False
         self._flops_before_step: float | None = None
         self._vlm_reader: VlmStepReader | None = None
+
+    def session(self, bound: inspect.BoundArguments) -> Session | None:
+        keep_warnings_visible()  # after Megatron-Bridge's setup_logging, which ran before the first step
+        return super().session(bound)
 
     def new_session(self, bound: inspect.BoundArguments) -> Session:
         cfg = self.cfg if self.cfg is not None else bound.arguments["global_state"].cfg
