@@ -20,6 +20,17 @@ from megatron_flops.adapters import megatron_bridge, megatron_lm
 from megatron_flops.adapters._crosscheck import Shapes, batch_shapes, disagreement, model_shapes
 
 
+@pytest.fixture(autouse=True)
+def _fresh_adapters():
+    """Each test gets fresh batch readers (their warn-once) and cross-checks, and leaves none behind."""
+    adapters = (megatron_lm._ADAPTER, megatron_bridge._ADAPTER)
+    for adapter in adapters:
+        adapter._reader = adapter._check = None
+    yield
+    for adapter in adapters:
+        adapter._reader = adapter._check = None
+
+
 class Chunk(torch.nn.Module):
     """The first pipeline stage's model chunk: it owns its micro-batches and records its calls."""
 
@@ -67,7 +78,6 @@ def _train(mlm, forward_step, batches, chunk, num_iterations=1, eval_interval=No
 
 
 def test_agreeing_inputs_are_checked_once_per_micro_batch_and_stay_exact(mlm):
-    megatron_lm._ADAPTER._check = None  # a fresh count
     megatron_lm.install()
     session = _session()
     chunk = Chunk()
@@ -171,7 +181,6 @@ def test_disagreement_accepts_trimmed_and_merged_offsets():
 
 
 def test_a_chunk_that_cannot_be_hooked_is_said_once(mlm, caplog):
-    megatron_lm._ADAPTER._check = None
     megatron_lm.install()
     _session()
     with caplog.at_level(logging.WARNING, logger="megatron_flops"):
