@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_adapters import SEQ_LENGTH, STOCK_FLOPS_PER_SAMPLE, _no_session, _session, bridge, mlm  # noqa: F401
 
-from megatron_flops.adapters import megatron_bridge, megatron_lm
+from megatron_flops.adapters import _setup, megatron_bridge, megatron_lm
 from megatron_flops.adapters._crosscheck import Shapes, batch_shapes, disagreement, model_shapes
 
 
@@ -187,3 +187,33 @@ def test_a_chunk_that_cannot_be_hooked_is_said_once(mlm, caplog):
         _train(mlm, lambda it, model: next(it), _packed_batches(), SimpleNamespace(pre_process=True), 2)
     assert sum("cannot be hooked" in m for m in caplog.messages) == 1
     assert megatron_lm._ADAPTER.check().num_checked == 0
+
+
+# ---- a release outside the tested list ---------------------------------------------------------
+
+
+def test_an_untested_release_warns_once_and_still_installs(mlm, monkeypatch, caplog):
+    monkeypatch.setattr(_setup, "framework_version", lambda distribution: "0.17.0")
+    monkeypatch.setattr(_setup, "_warned_releases", set())
+    with caplog.at_level(logging.WARNING, logger="megatron_flops"):
+        assert megatron_lm.install() is True
+        assert megatron_lm.install() is True  # a second install: no second warning
+    assert [m for m in caplog.messages if "not a tested release" in m] == [
+        "megatron-flops: Megatron-LM with megatron-core 0.17.0 is not a tested release (tested: megatron-core "
+        "0.14.0, 0.16.1, 0.19.0); accounting is installed with the same guarantees: what each model chunk "
+        "receives is cross-checked against the batch read, and a step that cannot be priced exactly reports "
+        "the framework's own number, logged once"]
+    # The same guarantees: a batch the reader misreads still falls back, training goes on.
+    session = _session()
+    _train(mlm, mlm_forward_step(params=lambda b: psp([0, 4, 12, 16])), _bridge_062_batches(), Chunk())
+    assert not session._pending.result.ok
+
+
+@pytest.mark.parametrize(("version", "warns"), [("0.6.2", False), ("0.6.2+cu12", False), ("0.6.3", True),
+                                                ("unknown", True)])
+def test_bridge_releases_tested_or_not(monkeypatch, caplog, version, warns):
+    monkeypatch.setattr(_setup, "framework_version", lambda distribution: version)
+    monkeypatch.setattr(_setup, "_warned_releases", set())
+    with caplog.at_level(logging.WARNING, logger="megatron_flops"):
+        _setup.warn_untested_release("Megatron-Bridge", "megatron-bridge")
+    assert any("(tested: megatron-bridge 0.3.1, 0.6.2)" in m for m in caplog.messages) is warns
