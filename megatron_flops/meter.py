@@ -257,17 +257,19 @@ def format_tflops(value: float) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
-def format_log_fields(report: IntervalReport) -> str:
+def format_log_fields(report: IntervalReport, *, stock: str | None = None) -> str:
     """The fields this package adds to a Megatron log line, each as `` name: value |``: the three
     numbers, named (``corrected``: ours; ``static``: the stock full-row formula; ``framework``:
     the framework's own, when it has one), the over-report factor vs static, tokens, MFU, HFU.
 
-    The framework's stock "throughput per GPU" field stays as it is (its own averaging).
+    ``stock``: the one of ``static``/``framework`` that the line's stock "throughput per GPU"
+    field already shows over the same window (left out here). A framework's own stock field
+    (its own averaging) is not one of them.
     """
     fields = [f" corrected throughput per GPU (TFLOP/s/GPU): {format_tflops(report.tflops_per_s_per_gpu)} |"]
     for name, value in (("static", report.static_tflops_per_s_per_gpu),
                         ("framework", report.framework_tflops_per_s_per_gpu)):
-        if value is not None:
+        if value is not None and name != stock:
             fields.append(f" {name} throughput per GPU (TFLOP/s/GPU): {format_tflops(value)} |")
     if report.over_report_factor is not None:
         fields.append(f" over-report factor vs static: {report.over_report_factor:.2f}x |")
@@ -299,11 +301,12 @@ def format_log_line(
     if train_iters is not None:
         line += f"/{train_iters:8d}"
     line += f" | elapsed time per iteration (ms): {elapsed_ms_per_iter:.1f} |"
-    stock = report.framework_tflops_per_s_per_gpu
-    stock = report.static_tflops_per_s_per_gpu if stock is None else stock
-    if stock is not None:
-        line += f" throughput per GPU (TFLOP/s/GPU): {format_tflops(stock)} |"
-    return line + format_log_fields(report)
+    stock, value = "framework", report.framework_tflops_per_s_per_gpu
+    if value is None:
+        stock, value = "static", report.static_tflops_per_s_per_gpu
+    if value is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {format_tflops(value)} |"
+    return line + format_log_fields(report, stock=stock)
 
 
 def format_summary(report: IntervalReport | None, *, warmup_iterations: int) -> str:
@@ -314,14 +317,14 @@ def format_summary(report: IntervalReport | None, *, warmup_iterations: int) -> 
         ("elapsed time per iteration (ms)", f"{1000 * report.elapsed_s / report.num_iterations:.1f}"),
         ("static throughput per GPU (TFLOP/s/GPU)",
          "n/a" if report.static_tflops_per_s_per_gpu is None else format_tflops(report.static_tflops_per_s_per_gpu)),
-        ("framework throughput per GPU (TFLOP/s/GPU)",
-         "n/a" if report.framework_tflops_per_s_per_gpu is None else format_tflops(report.framework_tflops_per_s_per_gpu)),
         ("corrected throughput per GPU (TFLOP/s/GPU)", format_tflops(report.tflops_per_s_per_gpu)),
-        ("over-report factor vs static (static / corrected)",
+        ("over-report factor (static / corrected)",
          "n/a" if report.over_report_factor is None else f"{report.over_report_factor:.2f}x"),
         ("tokens per GPU (tokens/s/GPU)", f"{report.tokens_per_s_per_gpu:.1f}"),
         ("real tokens, all GPUs", f"{report.num_tokens}"),
     ]
+    if report.framework_tflops_per_s_per_gpu is not None:
+        rows.insert(2, ("framework throughput per GPU (TFLOP/s/GPU)", format_tflops(report.framework_tflops_per_s_per_gpu)))
     if report.mfu_percent is not None:
         rows.append(("MFU (%)", f"{report.mfu_percent:.2f}"))
     if report.hfu_percent is not None:
