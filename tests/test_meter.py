@@ -298,3 +298,28 @@ def test_small_rates_keep_three_significant_digits_and_summary() -> None:
     assert summary.splitlines()[0] == "steady state: iterations 10-11 (2 iterations, the first 0 left out as warm-up)"
     assert "  corrected throughput per GPU (TFLOP/s/GPU):   1000.0" in summary
     assert format_summary(None, warmup_iterations=5) == "steady state: no iteration after the 5 warm-up iterations"
+
+
+def test_three_numbers_named_and_a_fallback_counts_the_frameworks() -> None:
+    meter = ThroughputMeter(world_size=2, peak_flops_per_s=8 * PF, warmup_iterations=0)
+    # Iteration 1 exact: corrected 2 PF, static 4 PF, framework 3 PF. Iteration 2 fell back: its
+    # tracker's own fallback holds the static 4 PF, but the framework's 3 PF is what is counted.
+    meter.record(iteration=1, result=_result(flops=2 * PF, executed_flops=2 * PF, num_tokens=8), elapsed_s=1.0,
+                 static_flops=4 * PF, framework_flops=3 * PF)
+    fallback = _result(flops=4 * PF, executed_flops=4 * PF, num_tokens=8, ok=False)
+    meter.record(iteration=2, result=fallback, elapsed_s=1.0, static_flops=4 * PF, framework_flops=3 * PF)
+    report = meter.interval()
+    assert (report.flops, report.static_flops, report.framework_flops) == (5 * PF, 8 * PF, 6 * PF)
+    # Over 2.0 s and 2 GPUs: corrected 5e15 / 4 = 1250 TFLOP/s/GPU, static 2000, framework 1500;
+    # over-report vs static 8 / 5 = 1.6.
+    scalars = report.scalars()
+    assert {k: scalars[k] for k in ("throughput/tflops_per_s_per_gpu", "throughput/static_tflops_per_s_per_gpu",
+                                    "throughput/framework_tflops_per_s_per_gpu",
+                                    "throughput/over_report_factor_vs_static")} == {
+        "throughput/tflops_per_s_per_gpu": 1250.0, "throughput/static_tflops_per_s_per_gpu": 2000.0,
+        "throughput/framework_tflops_per_s_per_gpu": 1500.0, "throughput/over_report_factor_vs_static": 1.6}
+    assert format_log_fields(report).startswith(
+        " corrected throughput per GPU (TFLOP/s/GPU): 1250.0 | static throughput per GPU (TFLOP/s/GPU): 2000.0 |"
+        " framework throughput per GPU (TFLOP/s/GPU): 1500.0 | over-report factor vs static: 1.60x |")
+    with pytest.raises(ValueError, match="framework_flops must be >= 0"):
+        meter.record(iteration=3, result=fallback, elapsed_s=1.0, framework_flops=-1)
