@@ -94,7 +94,7 @@ def test_agreeing_inputs_are_checked_once_per_micro_batch_and_stay_exact(mlm):
     # The reader finds no offsets (0.6.2's keys) but the model runs THD: the full-row price is wrong.
     (_bridge_062_batches, mlm_forward_step(params=lambda b: psp([0, 4, 12, 16])),
      "received packed sequences (PackedSeqParams, qkv_format 'thd', 3 sub-sequences) but the batch carried no "
-     "offsets"),
+     "offsets that megatron-flops reads (1 whole rows)"),
     # Offsets read, but the forward step ran whole rows.
     (_packed_batches, mlm_forward_step(), "received no PackedSeqParams"),
     # More sub-sequences than the batch's 4 offset entries can delimit.
@@ -123,7 +123,7 @@ def test_disagreement_falls_back_with_the_reason_logged_once(mlm, caplog, batche
 def test_bridge_gpt_step_keyword_call_is_checked(bridge):
     def gpt_step(data_iterator, model):  # Megatron-Bridge's gpt_step: model(**forward_args)
         batch = next(data_iterator)
-        return model(input_ids=batch["tokens"], position_ids=None, attention_mask=None, packed_seq_params=psp([0, 16]))
+        return model(input_ids=batch["tokens"], position_ids=None, attention_mask=None, packed_seq_params=psp([0, 4, 12, 16]))
 
     megatron_bridge.install()
     session = _session()
@@ -155,29 +155,46 @@ def test_bridge_warning_filter_is_taken_off_our_logger(bridge, capsys):
 
 def test_batch_shapes_bound_sub_sequences_per_row_of_offsets():
     # core_v0.19.0 with micro-batch size 2: [mbs, S+1] row-local offsets, each row 16 slots:
-    # at most 2 x 16 sub-sequences; 1-D offsets of 6 entries: at most 5.
+    # at most 2 x 16 sub-sequences; 1-D offsets of 6 entries: at most 5; no offsets: one per row.
     rows = torch.zeros(2, 17, dtype=torch.int32)
     assert batch_shapes({"num_rows": 2, "row_length": 16, "cu_seqlens": rows}) == Shapes(
-        token_slots=32, packed=True, num_subsequences=32)
+        token_slots=32, packed=True, num_subsequences=32, num_rows=2)
     fields = {"num_rows": 1, "row_length": 16, "cu_seqlens": torch.zeros(4), "cu_seqlens_padded": torch.zeros(6)}
     assert batch_shapes(fields).num_subsequences == 5
-    assert batch_shapes({"num_rows": 4, "row_length": 8}) == Shapes(token_slots=32, packed=False)
+    assert batch_shapes({"num_rows": 4, "row_length": 8}) == Shapes(token_slots=32, packed=False, num_subsequences=4,
+                                                                      num_rows=4)
 
 
 def test_model_shapes_positional_keyword_and_context_parallel():
     tokens = torch.zeros(2, 8, dtype=torch.long)
-    assert model_shapes((tokens,), {}, 1) == Shapes(token_slots=16, packed=False)
-    # CP 2: the chunk holds half of each row.
+    assert model_shapes((tokens,), {}, 1) == Shapes(token_slots=16, packed=False, whole_slots=16)
+    # CP 2: the chunk holds half of each row (or, as Qwen3-VL's step passes them, whole rows).
     got = model_shapes((), {"input_ids": tokens, "packed_seq_params": psp([0, 5, 16])}, 2)
-    assert got == Shapes(token_slots=32, packed=True, num_subsequences=2, qkv_format="thd")
+    assert got == Shapes(token_slots=32, packed=True, num_subsequences=2, whole_slots=16, qkv_format="thd")
     assert model_shapes((), {"packed_seq_params": psp([0, 16])}, 1) is None  # no token tensor: unchecked
     assert model_shapes((tokens,), {"packed_seq_params": psp(None)}, 1).packed is False
 
 
 def test_disagreement_accepts_trimmed_and_merged_offsets():
-    batch = Shapes(token_slots=32, packed=True, num_subsequences=32)
+    batch = Shapes(token_slots=32, packed=True, num_subsequences=32, num_rows=2)
     assert disagreement(batch, Shapes(token_slots=32, packed=True, num_subsequences=7)) is None
-    assert disagreement(Shapes(token_slots=32, packed=False), Shapes(token_slots=32, packed=False)) is None
+    unpacked = Shapes(token_slots=32, packed=False, num_subsequences=2, num_rows=2)
+    assert disagreement(unpacked, Shapes(token_slots=32, packed=False)) is None
+
+
+def test_one_sub_sequence_per_row_is_an_unpacked_row():
+    # Qwen3-VL's step (Megatron-Bridge 0.6.2) runs [B, S] rows as THD with offsets 0, S, 2S, ...:
+    # B full-length sub-sequences, what the reader prices for B unpacked rows. Under CP 2 it hands
+    # the model whole rows (the model slices them).
+    rows = batch_shapes({"num_rows": 2, "row_length": 16})
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    assert disagreement(rows, model_shapes((), {"input_ids": tokens, "packed_seq_params": psp([0, 16, 32])}, 2)) is None
+    # One more sub-sequence than rows: packing the reader did not see.
+    three = model_shapes((), {"input_ids": tokens, "packed_seq_params": psp([0, 8, 16, 32])}, 1)
+    assert "3 sub-sequences" in disagreement(rows, three)
+    # Offsets of one sub-sequence per row, run as whole rows: the same FLOPs.
+    one_each = batch_shapes({"num_rows": 1, "row_length": 16, "cu_seqlens": torch.tensor([0, 16])})
+    assert disagreement(one_each, model_shapes((torch.zeros(1, 16),), {}, 1)) is None
 
 
 def test_a_chunk_that_cannot_be_hooked_is_said_once(mlm, caplog):

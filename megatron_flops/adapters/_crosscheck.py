@@ -7,13 +7,16 @@ each chunk that owns its micro-batches sees those arguments while the adapter's 
 is in the call, and compares their shapes (no values: no host sync, no tensor operation) with the
 shapes the batch reader found in the same micro-batch:
 
-- packed or not: the model got ``PackedSeqParams`` with ``cu_seqlens_q`` (``qkv_format`` thd)
-  exactly when the reader found offsets;
-- the packed sub-sequence count: the model's offsets (``cu_seqlens_q`` entries minus one) are at
-  most the reader's bound (its offset entries minus one per row of offsets: sentinel padding and
-  merged rows only shrink the count);
-- the token slots: the model's token tensor times the context-parallel size holds as many slots
-  as the rows the reader priced.
+- the sub-sequence count: the model's ``PackedSeqParams`` (``cu_seqlens_q`` entries minus one)
+  delimit at most as many sub-sequences as the reader's bound allows: its offset entries minus one
+  per row of offsets (sentinel padding and megatron-core's merge of row-local offsets only shrink
+  the count), or, with no offsets read, one per row (Qwen3-VL's step runs unpacked rows as THD
+  with one sub-sequence per row);
+- packed offsets read but no ``PackedSeqParams`` received: the model ran whole rows (unless the
+  offsets delimit at most one sub-sequence per row);
+- the token slots: the model's token tensor holds the rows the reader priced, as this
+  context-parallel rank's slice of them (times the CP size) or whole (a step that passes whole
+  rows and lets the model slice them, as Qwen3-VL's does).
 
 On disagreement the micro-batch's step falls back on every rank (``FlopsTracker.observe_failed``:
 the failure travels in the step's reduction) and the reason is logged once. A model call that
@@ -37,21 +40,26 @@ OFFSET_FIELDS = ("cu_seqlens", "cu_seqlens_padded")
 
 @dataclass(frozen=True, slots=True)
 class Shapes:
-    """One micro-batch as shapes: whole-row token slots (before context-parallel slicing), whether
-    it runs packed, and a bound on its packed sub-sequences (None: not known from shapes)."""
+    """One micro-batch as shapes: whole-row token slots (before context-parallel slicing; a model
+    call's are also ``whole_slots`` when its tokens are whole rows), its rows, whether it runs
+    packed, and a bound on its sub-sequences (None: not known from shapes)."""
 
     token_slots: int
     packed: bool
     num_subsequences: int | None = None
+    num_rows: int | None = None
+    whole_slots: int | None = None
     qkv_format: str | None = None
 
 
 def batch_shapes(fields: dict[str, Any]) -> Shapes:
     """The shapes of a micro-batch as the batch reader gave it (``FlopsTracker.observe`` fields)."""
+    rows = fields["num_rows"]
     bounds = [_offset_bound(fields[name]) for name in OFFSET_FIELDS if fields.get(name) is not None]
     known = [bound for bound in bounds if bound is not None]
-    return Shapes(token_slots=fields["num_rows"] * fields["row_length"], packed=bool(bounds),
-                  num_subsequences=max(known) if known else None)
+    bound = max(known) if known else (None if bounds else rows)
+    return Shapes(token_slots=rows * fields["row_length"], packed=bool(bounds), num_subsequences=bound,
+                  num_rows=rows)
 
 
 def model_shapes(args: tuple, kwargs: dict[str, Any], cp_size: int) -> Shapes | None:
@@ -64,25 +72,26 @@ def model_shapes(args: tuple, kwargs: dict[str, Any], cp_size: int) -> Shapes | 
     params = kwargs.get("packed_seq_params")
     offsets = getattr(params, "cu_seqlens_q", None)
     packed = isinstance(offsets, torch.Tensor)
-    return Shapes(token_slots=tokens.numel() * cp_size, packed=packed,
+    return Shapes(token_slots=tokens.numel() * cp_size, whole_slots=tokens.numel(), packed=packed,
                   num_subsequences=_offset_bound(offsets) if packed else None,
                   qkv_format=getattr(params, "qkv_format", None) if params is not None else None)
 
 
 def disagreement(batch: Shapes, model: Shapes) -> str | None:
     """Why the model's inputs contradict what was read from the batch, or None."""
-    if model.packed and not batch.packed:
-        return (f"the model chunk received packed sequences (PackedSeqParams, qkv_format "
-                f"{model.qkv_format!r}, {model.num_subsequences} sub-sequences) but the batch carried no "
-                "offsets that megatron-flops reads")
-    if batch.packed and not model.packed:
-        return ("the batch carried packed-sequence offsets but the model chunk received no PackedSeqParams "
-                "(it ran whole rows)")
-    if (model.num_subsequences is not None and batch.num_subsequences is not None
+    if (model.packed and model.num_subsequences is not None and batch.num_subsequences is not None
             and model.num_subsequences > batch.num_subsequences):
+        if not batch.packed:
+            return (f"the model chunk received packed sequences (PackedSeqParams, qkv_format "
+                    f"{model.qkv_format!r}, {model.num_subsequences} sub-sequences) but the batch carried no "
+                    f"offsets that megatron-flops reads ({batch.num_rows} whole rows)")
         return (f"the model chunk received {model.num_subsequences} packed sub-sequences, more than the "
                 f"{batch.num_subsequences} the batch's offsets can hold")
-    if model.token_slots != batch.token_slots:
+    if (batch.packed and not model.packed and batch.num_rows is not None
+            and (batch.num_subsequences is None or batch.num_subsequences > batch.num_rows)):
+        return ("the batch carried packed-sequence offsets but the model chunk received no PackedSeqParams "
+                "(it ran whole rows)")
+    if batch.token_slots not in (model.token_slots, model.whole_slots):
         return (f"the model chunk received {model.token_slots} token slots (context-parallel slices "
                 f"included) but megatron-flops priced {batch.token_slots}")
     return None

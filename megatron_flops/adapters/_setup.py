@@ -105,10 +105,11 @@ def warn_untested_release(framework: str, distribution: str) -> None:
         return
     _warned_releases.add(distribution)
     logger.warning(
-        "megatron-flops: %s with %s %s is not a tested release (tested: %s %s); accounting is installed with "
+        "megatron-flops: %s with %s is not a tested release (tested: %s %s); accounting is installed with "
         "the same guarantees: what each model chunk receives is cross-checked against the batch read, and a "
         "step that cannot be priced exactly reports the framework's own number, logged once",
-        framework, distribution, version, distribution, ", ".join(tested),
+        framework, f"{distribution} {version}" if version != "unknown" else f"{distribution} of an unknown version",
+        distribution, ", ".join(tested),
     )
 
 
