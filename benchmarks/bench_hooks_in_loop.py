@@ -1,7 +1,7 @@
 """Time spent in megatron-flops' hooks per iteration, inside the real training loops (CPU, gloo, 1 process).
 
     python benchmarks/bench_hooks_in_loop.py megatron-lm [--iterations 300] [--packed]
-    python benchmarks/bench_hooks_in_loop.py megatron-bridge [--iterations 300] [--scenario gpt-packed]
+    python benchmarks/bench_hooks_in_loop.py megatron-bridge [--iterations 300] [--scenario packed]
 
 Runs the framework tests' training (``tests/frameworks``: Megatron-LM core_v0.16.1's stock
 ``pretrain_gpt.py`` in this environment, or Megatron-Bridge 0.3.1's ``pretrain()`` with the stock
@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("framework", choices=("megatron-lm", "megatron-bridge"))
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--packed", action="store_true", help="Megatron-LM: packed rows (cu_seqlens)")
-    parser.add_argument("--scenario", default="gpt-packed", help="Megatron-Bridge: a tests/frameworks/bridge scenario")
+    parser.add_argument("--scenario", default="packed", help="Megatron-Bridge: a tests/frameworks/bridge scenario")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu: the training thread's CPU time (default; robust on a busy machine); wall")
     parser.add_argument("--shim-mode", choices=("lift", "keep"), default="lift",
