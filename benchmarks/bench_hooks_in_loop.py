@@ -104,7 +104,7 @@ def lifted(fn: Any) -> Any:
 def lift_shim_mode() -> None:
     """Run the package's own code (never the framework's) without the CPU shim's mode."""
     from megatron_flops.adapters import _crosscheck, _hooks
-    from megatron_flops.session import Session
+    from megatron_flops.reporting.session import Session
 
     for cls, names in ((Session, ("begin_step", "end_step", "observe", "observing", "report")),
                        (_crosscheck.ModelInputCheck, ("arm", "expect", "_pre_hook")),
@@ -116,8 +116,8 @@ def lift_shim_mode() -> None:
 
 def install_timers(clock: Clock) -> None:
     from megatron_flops.adapters import _crosscheck, _hooks, megatron_bridge, megatron_lm
-    from megatron_flops.reduction import StepReducer
-    from megatron_flops.session import Session
+    from megatron_flops.tracking.reduction import StepReducer
+    from megatron_flops.reporting.session import Session
 
     def outer_inner(name: str, wrap: Any) -> Any:
         def timed_wrap(original: Any, adapter: Any) -> Any:
@@ -148,8 +148,8 @@ def install_timers(clock: Clock) -> None:
         "model_input_check", _crosscheck.ModelInputCheck._pre_hook)
     _hooks._LogLine.amend = clock.timed("log_line", _hooks._LogLine.amend)  # type: ignore[method-assign]
     # Inside train_step (details, part of its time): closing the step and its parts.
-    from megatron_flops.step_tracker import StepTracker
-    from megatron_flops.tracker import FlopsTracker
+    from megatron_flops.tracking.step_tracker import StepTracker
+    from megatron_flops.tracking.tracker import FlopsTracker
 
     Session.end_step = clock.timed("detail/end_step", Session.end_step)  # type: ignore[method-assign]
     Session._flush = clock.timed("detail/flush (meter, trace)", Session._flush)  # type: ignore[method-assign]

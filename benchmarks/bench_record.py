@@ -25,11 +25,11 @@ from collections.abc import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_flops import batch_checks
+from megatron_flops.tracking import batch_checks
 from megatron_flops.adapters._observe import BatchReader, ObservedIterator
-from megatron_flops.session import install_session, uninstall_session
-from megatron_flops.spec import ModelSpec
-from megatron_flops.tracker import FlopsTracker
+from megatron_flops.reporting.session import install_session, uninstall_session
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.tracking.tracker import FlopsTracker
 
 N_STEPS = 100
 REPEATS = 30

@@ -40,9 +40,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_flops import FlopsTracker
-from megatron_flops.dit import DiTSpec
-from megatron_flops.meter import ThroughputMeter, format_log_line, format_summary
-from megatron_flops.result import StepResult
+from megatron_flops.flops.dit import DiTSpec
+from megatron_flops.reporting.meter import ThroughputMeter, format_log_line, format_summary
+from megatron_flops.tracking.result import StepResult
 
 MODEL_FILE = Path(__file__).resolve().parent / "wan_tiny_dit.json"
 GLOO_TIMEOUT_S = 120

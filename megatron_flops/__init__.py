@@ -12,21 +12,21 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ModelSpec": "megatron_flops.spec",
-    "load_model_file": "megatron_flops.spec",
-    "SeqStats": "megatron_flops.formulas",
-    "FlopsBreakdown": "megatron_flops.formulas",
-    "estimate": "megatron_flops.formulas",
-    "parse_rows": "megatron_flops.formulas",
-    "training_flops": "megatron_flops.formulas",
-    "StepResult": "megatron_flops.result",
-    "FlopsTracker": "megatron_flops.tracker",
-    "DiTFlopsTracker": "megatron_flops.dit_tracker",
-    "DiTSpec": "megatron_flops.dit",
-    "ThroughputMeter": "megatron_flops.meter",
-    "peak_flops_per_s": "megatron_flops.peaks",
-    "record": "megatron_flops.session",
-    "install_session": "megatron_flops.session",
+    "ModelSpec": "megatron_flops.model.spec",
+    "load_model_file": "megatron_flops.model.spec",
+    "SeqStats": "megatron_flops.flops.formulas",
+    "FlopsBreakdown": "megatron_flops.flops.formulas",
+    "estimate": "megatron_flops.flops.formulas",
+    "parse_rows": "megatron_flops.flops.formulas",
+    "training_flops": "megatron_flops.flops.formulas",
+    "StepResult": "megatron_flops.tracking.result",
+    "FlopsTracker": "megatron_flops.tracking.tracker",
+    "DiTFlopsTracker": "megatron_flops.tracking.dit_tracker",
+    "DiTSpec": "megatron_flops.flops.dit",
+    "ThroughputMeter": "megatron_flops.reporting.meter",
+    "peak_flops_per_s": "megatron_flops.reporting.peaks",
+    "record": "megatron_flops.reporting.session",
+    "install_session": "megatron_flops.reporting.session",
 }
 
 __all__ = sorted(_EXPORTS)

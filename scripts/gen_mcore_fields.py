@@ -1,4 +1,4 @@
-"""Regenerate megatron_flops/_mcore_fields.py from the installed megatron-core.
+"""Regenerate megatron_flops/model/_mcore_fields.py from the installed megatron-core.
 
 Run: python scripts/gen_mcore_fields.py  (needs megatron-core; the output is committed).
 """
@@ -25,6 +25,6 @@ TRANSFORMER_CONFIG_FIELDS: frozenset[str] = frozenset(
     )
 )
 '''
-out = Path(__file__).resolve().parents[1] / "megatron_flops" / "_mcore_fields.py"
+out = Path(__file__).resolve().parents[1] / "megatron_flops" / "model" / "_mcore_fields.py"
 out.write_text(text)
 print(f"wrote {len(names)} names to {out}")

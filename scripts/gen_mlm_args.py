@@ -1,4 +1,4 @@
-"""Regenerate megatron_flops/_mlm_args.py from Megatron-LM's argument parser.
+"""Regenerate megatron_flops/model/_mlm_args.py from Megatron-LM's argument parser.
 
 Run: PYTHONPATH=../shared/upstream/megatron-lm/core_v0.16.1 python scripts/gen_mlm_args.py
 (needs megatron-core 0.16.1 and what ``megatron.training`` imports: six, regex, einops, tqdm,
@@ -13,7 +13,7 @@ warnings.filterwarnings("ignore")
 
 from megatron.training.arguments import add_megatron_arguments  # noqa: E402
 
-from megatron_flops.megatron_args import READ  # noqa: E402
+from megatron_flops.model.megatron_args import READ  # noqa: E402
 
 TAG = "core_v0.16.1"
 parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
@@ -72,6 +72,6 @@ DESTS: frozenset[str] = frozenset(dest for dest, _ in OPTIONS.values())
 DEFAULTS: dict[str, Any] = {_dict(defaults)}
 TYPES: dict[str, str] = {_dict(types)}
 '''
-out = Path(__file__).resolve().parents[1] / "megatron_flops" / "_mlm_args.py"
+out = Path(__file__).resolve().parents[1] / "megatron_flops" / "model" / "_mlm_args.py"
 out.write_text(text)
 print(f"wrote {len(options)} options ({len(types)} read) to {out}")

@@ -219,6 +219,33 @@ def patch_alltoall_dispatcher() -> None:
     cls._maybe_dtoh_and_synchronize = to_host
 
 
+def patch_sequence_parallel_norm() -> None:
+    """Test-only: megatron-core's torch norm (the local spec's, without apex or TE) refuses
+    ``sequence_parallel``; a norm is per token, so build it as without and mark its parameters
+    ``sequence_parallel`` as TE's and apex's norms do (their gradients are all-reduced over TP)."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    if getattr(cls, "_sequence_parallel_patched", False):
+        return
+    original = cls.__new__
+
+    def new(klass, config, hidden_size, eps=1e-5, *args, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        if sequence_parallel:
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        norm = original(klass, config, hidden_size, eps, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = sequence_parallel
+        return norm
+
+    cls.__new__ = staticmethod(new)
+    cls._sequence_parallel_patched = True
+
+
 def reinit_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, seed: int = 1234) -> None:
     """(Re)create megatron's parallel groups (expert parallelism included) in one process group."""
     from megatron.core import parallel_state, tensor_parallel

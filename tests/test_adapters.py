@@ -29,9 +29,9 @@ import megatron_flops.adapters as adapters_pkg
 from megatron_flops import launch
 from megatron_flops.adapters import _hooks, env, megatron_bridge, megatron_lm
 from megatron_flops.adapters._setup import framework_version
-from megatron_flops.session import Session, get_session, install_session, record, uninstall_session
-from megatron_flops.spec import ModelSpec
-from megatron_flops.tracker import FlopsTracker
+from megatron_flops.reporting.session import Session, get_session, install_session, record, uninstall_session
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.tracking.tracker import FlopsTracker
 
 # Stand-in of megatron/training/training.py at Megatron-LM d98e8a6 (2026-08-22): train_step,
 # num_floating_point_operations and training_log with upstream's signatures, training_log's

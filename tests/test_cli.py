@@ -12,8 +12,8 @@ import pytest
 
 from megatron_flops import __version__
 from megatron_flops.cli import build_parser, main
-from megatron_flops.formulas import estimate, parse_rows
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.formulas import estimate, parse_rows
+from megatron_flops.model.spec import ModelSpec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TC = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_flops.formulas import SeqStats, estimate, parse_rows, training_flops
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.formulas import SeqStats, estimate, parse_rows, training_flops
+from megatron_flops.model.spec import ModelSpec
 
 
 def megatron_lm_closed_form(c: dict, batch: int, seq: int) -> int:

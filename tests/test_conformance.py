@@ -20,8 +20,8 @@ import pytest
 import torch.nn.functional as F
 
 import mcore_cpu
-from megatron_flops.formulas import estimate, parse_rows
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.formulas import estimate, parse_rows
+from megatron_flops.model.spec import ModelSpec
 
 pytestmark = pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)
 

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_flops import cli
 from megatron_flops.demo.data import DataConfig, microbatches
-from megatron_flops.formulas import Row, SeqStats, training_flops
+from megatron_flops.flops.formulas import Row, SeqStats, training_flops
 
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 needs_mcore = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core is not installed")

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_flops.dit import DiTSpec, cross_attention_flops, dit_forward_flops, seqlens_from_cu_seqlens
-from megatron_flops.dit_passes import dit_training_flops
-from megatron_flops.formulas import FLOPS_PER_MAC, TRAIN_PASSES, gemm
+from megatron_flops.flops.dit import DiTSpec, cross_attention_flops, dit_forward_flops, seqlens_from_cu_seqlens
+from megatron_flops.flops.dit_passes import dit_training_flops
+from megatron_flops.flops.formulas import FLOPS_PER_MAC, TRAIN_PASSES, gemm
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:

@@ -18,12 +18,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mcore_dist
-from megatron_flops import FlopsTracker, batch_checks
-from megatron_flops.dit import DiTPeftSpec, DiTSpec, DiTStats
-from megatron_flops.dit_passes import dit_recompute, dit_report, dit_setup, price_dit
-from megatron_flops.dit_tracker import DiTFlopsTracker
-from megatron_flops.passes import RecomputeSpec
-from megatron_flops.session import install_session, uninstall_session
+from megatron_flops import FlopsTracker
+from megatron_flops.tracking import batch_checks
+from megatron_flops.flops.dit import DiTPeftSpec, DiTSpec, DiTStats
+from megatron_flops.flops.dit_passes import dit_recompute, dit_report, dit_setup, price_dit
+from megatron_flops.tracking.dit_tracker import DiTFlopsTracker
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.reporting.session import install_session, uninstall_session
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -19,10 +19,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_flops import cli
-from megatron_flops.dit import DiTPeftSpec, DiTSpec, DiTStats, dit_adapted_modules, dit_parameter_counts
-from megatron_flops.dit_passes import dit_recompute, dit_report, dit_setup, dit_training_passes, price_dit
-from megatron_flops.formulas import TRAIN_PASSES
-from megatron_flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.flops.dit import DiTPeftSpec, DiTSpec, DiTStats, dit_adapted_modules, dit_parameter_counts
+from megatron_flops.flops.dit_passes import dit_recompute, dit_report, dit_setup, dit_training_passes, price_dit
+from megatron_flops.flops.formulas import TRAIN_PASSES
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:

@@ -23,8 +23,8 @@ import traceback
 import pytest
 import torch
 
-from megatron_flops.formulas import SeqStats, parse_rows, training_flops
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.formulas import SeqStats, parse_rows, training_flops
+from megatron_flops.model.spec import ModelSpec
 
 pytestmark = pytest.mark.dist
 
@@ -191,7 +191,7 @@ def scenario_far(tracker, rank):
 
 def scenario_session_skip(tracker, rank):
     # Through the session (what the adapters use): rank 0 opens step 3 but never closes it.
-    from megatron_flops.session import Session
+    from megatron_flops.reporting.session import Session
 
     session = Session(tracker, peak_flops_per_s=None, warmup_iterations=0, world_size=WORLD, clock=time.monotonic)
     out = []
@@ -207,7 +207,7 @@ def scenario_session_skip(tracker, rank):
 def scenario_session_record_raises(tracker, rank):
     # Through the session: rank 1's record() at step 2 raises before the tracker sees it (a typo'd
     # keyword); the session never raises, and the step must fall back on every rank, not only there.
-    from megatron_flops.session import Session
+    from megatron_flops.reporting.session import Session
 
     session = Session(tracker, peak_flops_per_s=None, warmup_iterations=0, world_size=WORLD, clock=time.monotonic)
     out = []
@@ -249,7 +249,7 @@ class _Capture(logging.Handler):
 def fault_worker(rank: int, port: int, result_dir: str, names: list[str]) -> None:
     import torch.distributed as dist
 
-    from megatron_flops.tracker import FlopsTracker
+    from megatron_flops.tracking.tracker import FlopsTracker
 
     torch.set_num_threads(1)
     results: dict = {}

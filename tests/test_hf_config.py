@@ -10,8 +10,8 @@ import json
 import pytest
 
 from megatron_flops.cli import main
-from megatron_flops.formulas import estimate, parse_rows
-from megatron_flops.spec import ModelOptions, ModelSpec
+from megatron_flops.flops.formulas import estimate, parse_rows
+from megatron_flops.model.spec import ModelOptions, ModelSpec
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

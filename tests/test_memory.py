@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_flops.cli import main
-from megatron_flops.dit import DiTParam, DiTPeftSpec, DiTSpec
+from megatron_flops.flops.dit import DiTParam, DiTPeftSpec, DiTSpec
 from megatron_flops.memory.activations import ChunkActivations, in_flight, schedule_peak
 from megatron_flops.memory.comm import step_communication
 from megatron_flops.memory.decoder import DecoderOptions, Param, chunk_parameters, parameter_counts
@@ -20,8 +20,8 @@ from megatron_flops.memory.fsdp import fsdp_rank_memory, real_rows, shard_rows
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.report import decoder_memory, rank_memory
 from megatron_flops.memory.states import buffer_buckets, chunk_buffers, chunk_state_bytes, shard_numel
-from megatron_flops.passes import PeftSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.model.spec import ModelSpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY_DIT = str(EXAMPLES / "wan_tiny_dit.json")
@@ -159,6 +159,100 @@ def test_one_term_deltas():
     assert two.activations == one.activations
 
 
+def test_sequence_parallel_collectives_by_hand():
+    par = Parallelism(tp=2, dp=1, sequence_parallel=True)
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=3, params_dtype="bf16")
+    comm = step_communication(TINY, PLAIN, par, training, pp_rank=0, buffers={})
+    # Per micro-batch, [s, b, h] bf16 = 4096 B. All-gathers: per layer linear_qkv and linear_fc1
+    # inputs twice (forward, weight gradient) and linear_proj/linear_fc2 output gradients (6 x 2
+    # layers), the output layer's input twice, the embedding gradient: 15. Reduce-scatters: per
+    # layer linear_proj/linear_fc2 outputs and linear_qkv/linear_fc1 input gradients (4 x 2), the
+    # output layer's input gradient, the RoPE model's embedding output: 10. Cross-entropy's
+    # three fp32 reductions stay all-reduces.
+    assert comm == {"tp/all_gather": 3 * 15 * 4096, "tp/reduce_scatter": 3 * 10 * 4096,
+                    "tp/all_reduce": 3 * 3 * 32 * 4}
+
+
+def test_sequence_parallel_splits_what_lies_between_layers():
+    training = Training(seq_length=16, micro_batch_size=2, params_dtype="fp32")
+    plain = rank_memory(TINY, PLAIN, Parallelism(tp=2), training, pp_rank=0)
+    sp = rank_memory(TINY, PLAIN, Parallelism(tp=2, sequence_parallel=True), training, pp_rank=0)
+    (before,), (after,) = plain.activations_per_microbatch, sp.activations_per_microbatch
+    tokens, h = 32, 64
+    # 5 RMS-free LayerNorms (2 per layer + final): input [T, h] and mean/rstd fp32, halved.
+    assert before["norm"] - after["norm"] == 4 * tokens // 2 * (h * 4 + 8)
+    assert before["output"] - after["output"] == tokens // 2 * (h * 4 + 8) + tokens // 2 * h * 4
+    # linear_qkv and linear_fc1 inputs, halved, per layer.
+    assert before["attention"] - after["attention"] == 2 * tokens // 2 * h * 4
+    assert before["mlp"] - after["mlp"] == 2 * tokens // 2 * h * 4
+    assert sp.states == plain.states
+    # The TP group all-reduces the replicated weights' fp32 gradients once: 5 norms x (weight, bias).
+    buffers = {"dp": chunk_buffers(chunk_parameters(TINY, PLAIN, Parallelism(tp=2), pp_rank=0, chunk=0, seq_length=16),
+                                   dp=1, expert_dp=1, distributed_optimizer=False, bucket_size=None)["dp"]}
+    comm = step_communication(TINY, PLAIN, Parallelism(tp=2, sequence_parallel=True), training, pp_rank=0,
+                              buffers=buffers)
+    assert comm["tp/all_reduce"] == 5 * 2 * 64 * 4 + 3 * tokens * 4
+    with pytest.raises(ValueError, match="--seq-length 6 is not divisible by --tp 4"):
+        decoder_memory(TINY, PLAIN, Parallelism(tp=4, sequence_parallel=True), Training(seq_length=6, micro_batch_size=1))
+    # With one TP rank there is nothing to split.
+    assert rank_memory(TINY, PLAIN, Parallelism(sequence_parallel=True), training, pp_rank=0) == \
+        rank_memory(TINY, PLAIN, Parallelism(), training, pp_rank=0)
+
+
+def test_context_parallel_formula_is_consistent():
+    training = Training(seq_length=32, micro_batch_size=2, num_microbatches=2)
+    flash = dataclasses.replace(PLAIN, attention_backend="flash")
+    # CP 1 is the report without context parallelism.
+    assert decoder_memory(TINY, PLAIN, Parallelism(cp=1, dp=2), training) == \
+        decoder_memory(TINY, PLAIN, Parallelism(dp=2), training)
+    # CP 2: each rank runs s/2 tokens through a fused attention, and its gradients are reduced
+    # over DP x CP = 4 ranks, as DP 4 without context parallelism would.
+    cp = rank_memory(TINY, PLAIN, Parallelism(cp=2, dp=2), training, pp_rank=0)
+    half = rank_memory(TINY, flash, Parallelism(dp=4), dataclasses.replace(training, seq_length=16), pp_rank=0)
+    assert (cp.states, cp.activations) == (half.states, half.activations)
+    # The K/V ring: 2 layers x 2 micro-batches x (CP-1) steps x (K, V forward; K, V and their
+    # gradients backward), each [16 x 2 tokens, 4 groups x 16] bf16 = 2048 B, sent and received.
+    kv = 2 * 32 * 4 * 16 * 2
+    assert cp.communication["cp/send_recv"] == 2 * 2 * 1 * 2 * 3 * kv
+    report = decoder_memory(TINY, PLAIN, Parallelism(cp=2, dp=2), training)
+    assert any("context parallelism (CP 2)" in u for u in report.unmeasured)
+
+
+def test_expert_all_to_all_range_by_hand():
+    from megatron_flops.memory.comm import all_to_all_range, balanced_all_to_all
+
+    moe = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                      vocab_size=256, num_moe_experts=4, moe_router_topk=2))
+    options = dataclasses.replace(PLAIN, moe_token_dispatcher_type="alltoall")
+    training = Training(seq_length=16, micro_batch_size=2, params_dtype="bf16")
+    lo, hi = all_to_all_range(moe, options, Parallelism(ep=2, dp=2), training, moe_layers=2)
+    # Own routed tokens 32 x 2 = 64: sent forward and their gradients back, [64, 64] bf16, plus
+    # the probabilities [64] bf16 once; received tokens from 0 up to EP x 32 x min(2, 2) = 128.
+    own, most = 64, 128
+    assert lo == 2 * (2 * own * 64 * 2 + own * 2)
+    assert hi == lo + 2 * (2 * most * 64 * 2 + most * 2)
+    assert lo < balanced_all_to_all(moe, training, 2) == lo + 2 * (2 * own * 64 * 2 + own * 2) < hi
+    report = decoder_memory(moe, options, Parallelism(ep=2, dp=2), training)
+    assert report.stages[0].communication_ranges == {"ep/all_to_all": (lo, hi)}
+    assert any("balanced routing" in a for a in report.assumptions)
+
+
+def test_cli_moe_stage_line_and_assumptions(capsys, tmp_path):
+    model = tmp_path / "moe.json"
+    model.write_text(json.dumps(dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                     vocab_size=256, num_moe_experts=4, moe_router_topk=2,
+                                     moe_token_dispatcher_type="alltoall")))
+    assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2", "--ep", "2", "--dp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out
+    assert "ep/all_to_all per GPU with unbalanced routing:" in out and "balanced routing" in out
+    assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2", "--ep", "2", "--dp", "2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert any("balanced routing" in a for a in out["assumptions"])
+    assert set(out["communication_ranges_per_step"]) == {"ep/all_to_all"}
+
+
 # ---- FSDP2 -----------------------------------------------------------------------------------
 
 
@@ -189,7 +283,7 @@ def test_fsdp_lora_vs_full_tiny():
     (dict(pp=2, vpp=2), r"num_layers=2 is not divisible by PP x VPP = 4"),
     (dict(ep=2, dp=2), "--ep 2 needs a MoE model"),
     (dict(fsdp=True, dp=2), "--fsdp is modelled for DiT model files"),
-    (dict(cp=2), "context and sequence parallelism are not modelled"),
+    (dict(cp=3, dp=1), "splits each sequence into 2 x CP chunks: --seq-length 8 is not divisible by 6"),
 ])
 def test_bad_layouts(layout, message):
     with pytest.raises(ValueError, match=message):
@@ -264,15 +358,15 @@ def test_cli_runs_as_a_program():
     assert "per GPU (GB), most loaded" in out and "tp/all_reduce" in out
 
 
-def test_readme_memory_examples_are_the_commands_output(capsys, monkeypatch):
-    # Every `$ megatron-flops memory ...` block in the README shows lines the command prints, in
-    # order ("..." stands for lines left out).
+def test_docs_memory_examples_are_the_commands_output(capsys, monkeypatch):
+    # Every `$ megatron-flops memory ...` block in docs/memory.md shows lines the command prints,
+    # in order ("..." stands for lines left out).
     import shlex
 
     monkeypatch.chdir(EXAMPLES.parent)
-    text = (EXAMPLES.parent / "README.md").read_text()
+    text = (EXAMPLES.parent / "docs" / "memory.md").read_text()
     blocks = [b.split("\n```")[0] for b in text.split("```\n$ megatron-flops memory ")[1:]]
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     for block in blocks:
         command, *shown = block.splitlines()
         assert main(["memory", *shlex.split(command)]) == 0

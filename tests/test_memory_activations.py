@@ -18,12 +18,13 @@ import mcore_cpu
 from megatron_flops.memory.activations import chunk_activations, in_flight, schedule_peak
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.passes import RecomputeSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.model.spec import ModelSpec
 
 VOCAB, SEQ, MBS, NUM_MB = 256, 16, 2, 2
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
             hidden_dropout=0.0, attention_dropout=0.0)
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, moe_token_dispatcher_type="alltoall")
 FULL_UNIFORM = dict(recompute_granularity="full", recompute_method="uniform")
 
 # name -> (TransformerConfig fields, position embedding, params dtype)
@@ -50,6 +51,19 @@ CASES = {
     "selective core_attn, GQA": (dict(recompute_granularity="selective", num_query_groups=2), "rope", "fp32"),
     "selective core_attn, GQA, learned positions": (dict(recompute_granularity="selective", num_query_groups=2),
                                                     "learned_absolute", "fp32"),
+    # MoE (megatron-core's router, alltoall/allgather dispatcher and SequentialMLP experts).
+    "MoE top-2 of 4, GELU experts, alltoall": (dict(MOE), "rope", "fp32"),
+    "MoE SwiGLU unfused, shared experts, allgather": (dict(MOE, gated_linear_unit=True, activation_func="silu",
+                                                           moe_shared_expert_intermediate_size=80,
+                                                           moe_token_dispatcher_type="allgather"), "rope", "fp32"),
+    "MoE SwiGLU fused, sigmoid top-3 of 8 + expert bias, every other layer": (
+        dict(MOE, gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True, num_moe_experts=8,
+             moe_router_topk=3, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+             moe_layer_freq=[0, 1]), "rope", "fp32"),
+    "MoE pre-softmax top-1, learned positions": (dict(MOE, moe_router_pre_softmax=True, moe_router_topk=1),
+                                                 "learned_absolute", "fp32"),
+    "MoE bf16, shared experts": (dict(MOE, moe_shared_expert_intermediate_size=80), "rope", "bf16"),
+    "MoE selective core_attn": (dict(MOE, recompute_granularity="selective"), "rope", "fp32"),
 }
 
 
@@ -57,7 +71,10 @@ CASES = {
 def mcore():
     if not mcore_cpu.HAVE_MCORE:
         pytest.skip(mcore_cpu.SKIP_REASON)
+    import mcore_memory
+
     mcore_cpu.init_single_process()
+    mcore_memory.patch_alltoall_dispatcher()
 
 
 def cpu_kernel_delta(fields: dict, act: int, num_norms: int, tokens: int, hidden: int, scores: int) -> int:
@@ -120,3 +137,22 @@ def test_saved_bytes_match_megatron_core(mcore, name):
     act = dataclasses.replace(act, components={**act.components, "cpu": delta})
     assert measured_forward == [act.forward + act.shared] * NUM_MB
     assert measured_peak == schedule_peak([act], in_flight(par, NUM_MB, 0))[0]
+
+
+MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, multi_latent_attention=True,
+           kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, normalization="RMSNorm",
+           add_bias_linear=False, mtp_num_layers=1, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+           moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32)
+
+
+@pytest.mark.parametrize("fields", [dict(MLA, q_lora_rank=24, qk_layernorm=True), dict(MLA, q_lora_rank=None)],
+                         ids=["q_lora, qk_layernorm", "direct q"])
+def test_mla_mtp_parameters_in_megatron_order(mcore, fields):
+    from megatron_flops.memory.decoder import chunk_parameters
+
+    torch.manual_seed(0)
+    model = mcore_cpu.build_gpt(fields, vocab_size=VOCAB, max_seq_len=SEQ, share_embeddings=False)
+    spec = ModelSpec.from_mapping(dict(fields, vocab_size=VOCAB, share_embeddings_and_output_weights=False))
+    options = DecoderOptions.from_mapping(dict(fields, padded_vocab_size=VOCAB, position_embedding_type="rope"))
+    params = chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0, seq_length=SEQ)
+    assert [(p.name, p.numel) for p in params] == [(n, p.numel()) for n, p in model.named_parameters()]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import mcore_dist
-from megatron_flops.dit import DiTPeftSpec, DiTSpec, dit_block_parameters, dit_parameter_counts, dit_root_parameters
+from megatron_flops.flops.dit import DiTPeftSpec, DiTSpec, dit_block_parameters, dit_parameter_counts, dit_root_parameters
 from megatron_flops.memory.fsdp import fsdp_rank_memory
 from megatron_flops.memory.layout import Training
 

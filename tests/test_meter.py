@@ -10,8 +10,8 @@ from datetime import datetime
 
 import pytest
 
-from megatron_flops.meter import IntervalReport, ThroughputMeter, format_log_fields, format_log_line
-from megatron_flops.result import StepResult
+from megatron_flops.reporting.meter import IntervalReport, ThroughputMeter, format_log_fields, format_log_line
+from megatron_flops.tracking.result import StepResult
 
 PF = 10**15  # one peta-FLOP
 
@@ -290,7 +290,7 @@ def test_record_rejects_non_increasing_iteration() -> None:
 
 
 def test_small_rates_keep_three_significant_digits_and_summary() -> None:
-    from megatron_flops.meter import format_summary, format_tflops
+    from megatron_flops.reporting.meter import format_summary, format_tflops
 
     assert (format_tflops(412.345), format_tflops(9.876), format_tflops(0.01734)) == ("412.3", "9.88", "0.0173")
     meter = _two_iteration_meter()

@@ -31,12 +31,12 @@ from test_adapters import (  # noqa: F401 (fixtures)
     mlm,
 )
 
-from megatron_flops import ownership
+from megatron_flops.tracking import ownership
 from megatron_flops.adapters import _hooks, env, megatron_bridge, megatron_lm
-from megatron_flops.session import get_session, install_session, record, uninstall_session
-from megatron_flops.spec import ModelSpec
-from megatron_flops.tracker import FlopsTracker
-from megatron_flops.vision import VisionSpec, VisionStats, vision_training_flops
+from megatron_flops.reporting.session import get_session, install_session, record, uninstall_session
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.tracking.tracker import FlopsTracker
+from megatron_flops.flops.vision import VisionSpec, VisionStats, vision_training_flops
 
 
 def _flops(tokens: int, sum_squares: int) -> int:
@@ -415,7 +415,7 @@ def test_trace_from_the_flag_env_and_bridge_config(mlm, bridge, tmp_path):
 
 
 def test_trace_written_by_the_last_rank_or_per_rank(tmp_path):
-    from megatron_flops.trace import trace_path
+    from megatron_flops.reporting.trace import trace_path
 
     assert trace_path(tmp_path / "t.jsonl", rank=3, world_size=4) == str(tmp_path / "t.jsonl")
     assert trace_path(tmp_path / "t.jsonl", rank=0, world_size=4) is None
@@ -441,8 +441,8 @@ def test_static_accounting_leaves_the_forward_step_untouched(mlm):
 def test_a_dit_session_traces_and_aborts(tmp_path):
     # The session with a DiT tracker: the trace header reads its spec and conventions; an aborted
     # step leaves nothing behind; nothing is observed (a DiT tracker records explicitly).
-    from megatron_flops.dit import DiTSpec
-    from megatron_flops.dit_tracker import DiTFlopsTracker
+    from megatron_flops.flops.dit import DiTSpec
+    from megatron_flops.tracking.dit_tracker import DiTFlopsTracker
 
     spec = DiTSpec(num_layers=1, hidden_size=8, num_heads=2, ffn_hidden_size=8)
     session = install_session(DiTFlopsTracker(spec), world_size=1, peak_flops_per_s=10**15,

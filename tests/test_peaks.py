@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_flops.peaks import PEAKS, lookup, peak_flops_per_s, resolve_peak
+from megatron_flops.reporting.peaks import PEAKS, lookup, peak_flops_per_s, resolve_peak
 
 # (name torch.cuda.get_device_name() returns, table entry, dense bf16 FLOP/s, dense fp8 FLOP/s)
 KNOWN = [

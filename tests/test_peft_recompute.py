@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 import mcore_cpu
-from megatron_flops.formulas import TRAIN_PASSES, SeqStats, gemm, parse_rows, training_flops
-from megatron_flops.passes import PeftSpec, RecomputeSpec, training_passes
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.formulas import TRAIN_PASSES, SeqStats, gemm, parse_rows, training_flops
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec, training_passes
+from megatron_flops.model.spec import ModelSpec
 
 VOCAB = 128
 ROWS = [16, 9]

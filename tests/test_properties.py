@@ -15,11 +15,11 @@ import random
 import pytest
 import torch
 
-from megatron_flops.formulas import SeqStats, parse_rows
-from megatron_flops.passes import PeftSpec, RecomputeSpec, price
-from megatron_flops.spec import ModelSpec
-from megatron_flops.tracker import FlopsTracker
-from megatron_flops.vision import VisionSpec, VisionStats, vision_training_flops
+from megatron_flops.flops.formulas import SeqStats, parse_rows
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec, price
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.tracking.tracker import FlopsTracker
+from megatron_flops.flops.vision import VisionSpec, VisionStats, vision_training_flops
 
 CASES = 40
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=100)

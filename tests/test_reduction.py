@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-from megatron_flops.formulas import SeqStats, parse_rows, training_flops
-from megatron_flops.reduction import STEP_WINDOW, StepReducer, _lag
-from megatron_flops.spec import ModelSpec
-from megatron_flops.tracker import FlopsTracker
+from megatron_flops.flops.formulas import SeqStats, parse_rows, training_flops
+from megatron_flops.tracking.reduction import STEP_WINDOW, StepReducer, _lag
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.tracking.tracker import FlopsTracker
 
 SPEC = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                                    vocab_size=128))
@@ -98,7 +98,7 @@ def test_a_batch_dimension_of_one_is_not_malformed():
 def test_negative_statistics_fall_back(monkeypatch):
     # A malformed cu_seqlens that ends below 0 gives negative token counts: never priced. On the
     # device path (host tensors catch it earlier, as decreasing offsets) the reduction sees it.
-    monkeypatch.setattr("megatron_flops.batch_checks.HOST_DEVICE_TYPES", frozenset())
+    monkeypatch.setattr("megatron_flops.tracking.batch_checks.HOST_DEVICE_TYPES", frozenset())
     tracker = FlopsTracker(SPEC, seq_length=8)
     tracker.record(tokens=_tok(1, 8), cu_seqlens=torch.tensor([0, 4, -4]))
     r = tracker.end_step()

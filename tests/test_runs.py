@@ -1,5 +1,5 @@
 """The trace reader, steady-state statistics, comparability and the recommendation rule
-(``megatron_flops.runs``, stdlib only), on traces written here."""
+(``megatron_flops.reporting.runs``, stdlib only), on traces written here."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fake_train import header, step
-from megatron_flops.runs import (
+from megatron_flops.reporting.runs import (
     Candidate,
     parse_trace,
     quantile,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron_flops.cli import main
-from megatron_flops.formulas import parse_rows
-from megatron_flops.spec import ModelOptions, ModelSpec, load_model_file
+from megatron_flops.flops.formulas import parse_rows
+from megatron_flops.model.spec import ModelOptions, ModelSpec, load_model_file
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128)

@@ -2,7 +2,7 @@
 command (it writes a trace with given numbers, or fails, hangs, runs out of memory, writes none).
 
 Expected medians are computed here from the trace files directly (json + statistics), not with
-``megatron_flops.runs``.
+``megatron_flops.reporting.runs``.
 """
 
 from __future__ import annotations

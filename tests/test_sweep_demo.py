@@ -51,7 +51,7 @@ def test_sweep_over_the_demo(tmp_path) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 def test_demo_trace_holds_the_tracker_totals(tmp_path) -> None:
     from megatron_flops.demo.run import DemoOptions, train
-    from megatron_flops.runs import read_trace
+    from megatron_flops.reporting.runs import read_trace
 
     path = tmp_path / "demo.jsonl"
     run = train(DemoOptions(iterations=3, warmup=1, trace=str(path)), out=lambda line: None)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_flops import batch_checks
-from megatron_flops.formulas import SeqStats, parse_rows, training_flops
-from megatron_flops.spec import ModelSpec
-from megatron_flops.tracker import FlopsTracker
+from megatron_flops.tracking import batch_checks
+from megatron_flops.flops.formulas import SeqStats, parse_rows, training_flops
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.tracking.tracker import FlopsTracker
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128)
 
@@ -278,7 +278,7 @@ def test_record_has_no_cuda_sync():
 
 
 def test_vision_grids_share_the_step_and_the_collective():
-    from megatron_flops.vision import VisionSpec, VisionStats, vision_training_flops
+    from megatron_flops.flops.vision import VisionSpec, VisionStats, vision_training_flops
 
     vit = VisionSpec(depth=2, hidden_size=32, num_heads=4, intermediate_size=64, gated_mlp=True,
                      patch_size=2, out_hidden_size=64, window_size=8, fullatt_block_indexes=(1,))
@@ -307,8 +307,8 @@ def test_grids_without_a_vision_spec_count_the_text_and_warn_once(caplog):
 
 
 def test_recompute_moves_executed_flops_only():
-    from megatron_flops.formulas import forward_flops
-    from megatron_flops.passes import RecomputeSpec
+    from megatron_flops.flops.formulas import forward_flops
+    from megatron_flops.flops.passes import RecomputeSpec
 
     recompute = RecomputeSpec(granularity="full", method="uniform", num_layers=1)
     plain, redo = FlopsTracker(_spec()), FlopsTracker(_spec(), recompute=recompute)
@@ -321,7 +321,7 @@ def test_recompute_moves_executed_flops_only():
 
 
 def test_impossible_peft_setup_fails_at_setup():
-    from megatron_flops.passes import PeftSpec
+    from megatron_flops.flops.passes import PeftSpec
 
     with pytest.raises(ValueError, match="linear_q_proj"):
         FlopsTracker(_spec(), peft=PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj",)))
@@ -333,7 +333,7 @@ def test_impossible_peft_setup_fails_at_setup():
 
 
 def test_host_micro_batches_run_no_tensor_op_until_end_step():
-    from megatron_flops.vision import VisionSpec, VisionStats, vision_training_flops
+    from megatron_flops.flops.vision import VisionSpec, VisionStats, vision_training_flops
 
     vit = VisionSpec(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, gated_mlp=False, patch_size=2,
                      out_hidden_size=64)
@@ -419,7 +419,7 @@ def test_malformed_host_values_fall_back_once(call, message, caplog):
 
 def test_host_sums_of_squares_never_wrap(monkeypatch):
     # A length past 3.04e9 tokens would wrap int64 squares: the sums are then exact Python integers.
-    monkeypatch.setattr("megatron_flops.host_stats._SQUARE_SAFE", 10)
+    monkeypatch.setattr("megatron_flops.tracking.host_stats._SQUARE_SAFE", 10)
     tracker = FlopsTracker(_spec())
     tracker.record(tokens=_tok(1, 16), cu_seqlens=torch.tensor([0, 7, 16]))
     r = tracker.end_step()

@@ -17,8 +17,8 @@ import torch
 
 import mcore_cpu
 import mcore_dist
-from megatron_flops.formulas import SeqStats, parse_rows, training_flops
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.formulas import SeqStats, parse_rows, training_flops
+from megatron_flops.model.spec import ModelSpec
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)]
 
@@ -68,7 +68,7 @@ def _batch() -> dict:
 def tracker_worker(rank: int, world_size: int, fail_rank: int | None) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_flops.tracker import FlopsTracker
+    from megatron_flops.tracking.tracker import FlopsTracker
 
     mcore_dist.init_worker(tp=1, pp=1)
     results = {}

@@ -12,8 +12,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_flops.formulas import FLOPS_PER_MAC, TRAIN_PASSES, gemm
-from megatron_flops.vision import (
+from megatron_flops.flops.formulas import FLOPS_PER_MAC, TRAIN_PASSES, gemm
+from megatron_flops.flops.vision import (
     VisionSpec,
     VisionStats,
     parse_grids,
@@ -21,7 +21,7 @@ from megatron_flops.vision import (
     vision_report,
     vision_training_flops,
 )
-from megatron_flops.vision_torch import VISION_SLOTS, vision_stats_from_vector, vision_stats_tensor
+from megatron_flops.tracking.vision_torch import VISION_SLOTS, vision_stats_from_vector, vision_stats_tensor
 
 try:
     import transformers

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from megatron_flops.ownership import chunk_ownership
-from megatron_flops.session import Session
-from megatron_flops.tracker import FlopsTracker
+from megatron_flops.tracking.ownership import chunk_ownership
+from megatron_flops.reporting.session import Session
+from megatron_flops.tracking.tracker import FlopsTracker
 
 # The reader's offset fields, real and padded (FlopsTracker.observe arguments).
 OFFSET_FIELDS = ("cu_seqlens", "cu_seqlens_padded")

@@ -25,8 +25,8 @@ from typing import Any
 
 from megatron_flops.adapters._crosscheck import ModelInputCheck
 from megatron_flops.adapters._observe import BatchReader, observe_forward_step
-from megatron_flops.meter import IntervalReport, format_log_fields
-from megatron_flops.session import Session, get_session
+from megatron_flops.reporting.meter import IntervalReport, format_log_fields
+from megatron_flops.reporting.session import Session, get_session
 
 logger = logging.getLogger("megatron_flops")
 

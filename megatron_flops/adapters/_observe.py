@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from megatron_flops.adapters._crosscheck import ModelInputCheck
-from megatron_flops.session import Session
+from megatron_flops.reporting.session import Session
 
 logger = logging.getLogger("megatron_flops")
 

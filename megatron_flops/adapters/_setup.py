@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from megatron_flops.adapters._hooks import Adapter, is_wrapped
-from megatron_flops.formulas import ATTENTION_CONVENTIONS
-from megatron_flops.passes import RecomputeSpec
-from megatron_flops.peaks import resolve_peak
-from megatron_flops.session import Session, install_session
-from megatron_flops.spec import ModelSpec
-from megatron_flops.tracker import FlopsTracker
-from megatron_flops.vision import VisionSpec
+from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.reporting.peaks import resolve_peak
+from megatron_flops.reporting.session import Session, install_session
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.tracking.tracker import FlopsTracker
+from megatron_flops.flops.vision import VisionSpec
 
 logger = logging.getLogger("megatron_flops")
 

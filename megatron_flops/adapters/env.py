@@ -5,7 +5,7 @@
 - ``MEGATRON_FLOPS_ATTENTION``: ``causal`` (default) or ``full``.
 - ``MEGATRON_FLOPS_FRAMEWORK``: ``megatron-lm``, ``megatron-bridge`` or ``auto`` (default:
   every one of the two that is installed).
-- ``MEGATRON_FLOPS_TRACE``: a file the per-step trace is appended to (``megatron_flops.trace``;
+- ``MEGATRON_FLOPS_TRACE``: a file the per-step trace is appended to (``megatron_flops.reporting.trace``;
   written by the last rank, or by every rank when the name holds ``{rank}``).
 
 Without editing the training script: ``python -m megatron_flops.launch script.py ARGS`` (see
@@ -22,8 +22,8 @@ import sys
 from collections.abc import Callable, Mapping
 
 from megatron_flops.adapters import megatron_bridge, megatron_lm
-from megatron_flops.formulas import ATTENTION_CONVENTIONS
-from megatron_flops.trace import TRACE_ENV
+from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS
+from megatron_flops.reporting.trace import TRACE_ENV
 
 logger = logging.getLogger("megatron_flops")
 

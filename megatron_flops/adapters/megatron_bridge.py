@@ -47,10 +47,10 @@ from megatron_flops.adapters._setup import (
     new_session,
     patch,
 )
-from megatron_flops.passes import RecomputeSpec
-from megatron_flops.session import Session
-from megatron_flops.spec import ModelSpec
-from megatron_flops.vision import VisionSpec
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.reporting.session import Session
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.flops.vision import VisionSpec
 
 logger = logging.getLogger("megatron_flops")
 

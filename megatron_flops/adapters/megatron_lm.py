@@ -35,10 +35,10 @@ from megatron_flops.adapters._hooks import (
     wrap_training_log,
 )
 from megatron_flops.adapters._setup import check_options, import_target, is_corrected, new_session, patch
-from megatron_flops.formulas import ATTENTION_CONVENTIONS
-from megatron_flops.passes import RecomputeSpec
-from megatron_flops.session import Session
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.reporting.session import Session
+from megatron_flops.model.spec import ModelSpec
 
 logger = logging.getLogger("megatron_flops")
 

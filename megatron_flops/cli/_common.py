@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_flops._inputs import MAX_FILE_BYTES, parse_document, read_document, show
+from megatron_flops.model.inputs import MAX_FILE_BYTES, parse_document, read_document, show
 
 
 def json_list_arg(flag: str, value: str) -> Any:

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from megatron_flops.cli._common import format_components, json_list_arg
-from megatron_flops.formulas import Row, parse_rows
+from megatron_flops.flops.formulas import Row, parse_rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The DiT-only flags of ``estimate``."""
-    from megatron_flops.dit import DEFAULT_DIT_LORA_TARGETS, DIT_LORA_TARGETS
+    from megatron_flops.flops.dit import DEFAULT_DIT_LORA_TARGETS, DIT_LORA_TARGETS
 
     group = parser.add_argument_group(
         "DiT model file",
@@ -64,7 +64,7 @@ def _lengths(flag: str, value: str | None) -> list[int] | None:
 
 def estimate_dit(args: argparse.Namespace, raw: dict[str, Any], rows: Sequence[Row] | None) -> int:
     """Print the DiT report for ``estimate``'s parsed arguments; ``raw`` is the model file."""
-    from megatron_flops.dit_passes import dit_report, dit_setup
+    from megatron_flops.flops.dit_passes import dit_report, dit_setup
 
     if rows is None:
         raise ValueError(f"{args.model}: a DiT model file needs --seqlens (video tokens per sample)")

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_flops.runs import METRICS, SEGMENT_CHOICES, RunStats, comparability, read_trace, run_stats
+from megatron_flops.reporting.runs import METRICS, SEGMENT_CHOICES, RunStats, comparability, read_trace, run_stats
 
 LABELS = {
     "step_time_s": "step time (ms)",

@@ -7,8 +7,8 @@ import importlib.util
 import os
 from typing import Any
 
-from megatron_flops.trace import TRACE_ENV as TRACE
-from megatron_flops.formulas import ATTENTION_CONVENTIONS
+from megatron_flops.reporting.trace import TRACE_ENV as TRACE
+from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS
 
 
 def _have_megatron_core() -> bool:

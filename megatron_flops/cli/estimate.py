@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_flops.formulas import ATTENTION_CONVENTIONS, Row, SeqStats, parse_rows, training_flops
-from megatron_flops.passes import (
+from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS, Row, SeqStats, parse_rows, training_flops
+from megatron_flops.flops.passes import (
     LORA_TARGETS,
     MODEL_FLOPS_CONVENTIONS,
     RECOMPUTE_GRANULARITIES,
@@ -22,8 +22,8 @@ from megatron_flops.passes import (
 )
 from megatron_flops.cli._common import format_components, json_list_arg
 from megatron_flops.cli._dit import add_arguments as add_dit_arguments, estimate_dit
-from megatron_flops.hf_config import HF_FAMILIES, hf_text_config, is_hf_config
-from megatron_flops.spec import ModelOptions, ModelSpec, load_model_file
+from megatron_flops.model.hf_config import HF_FAMILIES, hf_text_config, is_hf_config
+from megatron_flops.model.spec import ModelOptions, ModelSpec, load_model_file
 
 # --batch-size builds one row per sample only for a DiT file; the decoder prices it in O(1).
 MAX_BATCH_SIZE = 1 << 20
@@ -51,7 +51,7 @@ def estimate_report(
     number that prices every row as one ``seq_length``-token sequence (default: the longest
     row), as the stock formula does. With ``peft`` or ``recompute``, model FLOPs follow
     ``convention`` and executed FLOPs add recompute and the GEMMs megatron-core runs unneeded
-    (:mod:`megatron_flops.passes`)."""
+    (:mod:`megatron_flops.flops.passes`)."""
     stats = SeqStats.from_rows(rows, window=spec.window_size)
     static_len = seq_length or max(r.num_padded_tokens for r in rows)
     return _report(spec, stats, static_len, attention=attention, peft=peft, recompute=recompute,
@@ -193,7 +193,7 @@ def _load(args: argparse.Namespace) -> tuple[ModelSpec | None, dict[str, Any], s
     options = ModelOptions(hf_family=args.hf_family, vocab_multiple=args.pad_vocab_to_multiple,
                            mtp_num_layers=args.mtp_num_layers)
     if args.megatron_args is not None:
-        from megatron_flops.megatron_args import load_megatron_args, model_spec, training_fields
+        from megatron_flops.model.megatron_args import load_megatron_args, model_spec, training_fields
 
         if args.hf_family is not None:
             raise ValueError("--hf-family applies to a Hugging Face config.json (--model), not to --megatron-args")
@@ -231,7 +231,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     peft, recompute = _training_setup(args, raw, source)
     vision = None
     if args.grid_thw is not None:
-        from megatron_flops.vision import vision_report
+        from megatron_flops.flops.vision import vision_report
 
         if "vision_config" not in raw:
             raise ValueError(f"--grid-thw prices a vision tower, but {source} has no 'vision_config' "

@@ -11,7 +11,7 @@ from typing import Any
 
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, DecoderOptions, backend_convention
 from megatron_flops.memory.layout import DTYPE_BYTES, OPTIMIZERS, Parallelism, Training
-from megatron_flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
+from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
 NOT_COUNTED = ("allocator caching and fragmentation", "workspaces (cuBLAS, NCCL, kernels)", "the CUDA context",
                "temporaries freed inside an op", "gradients of activations during backward")
@@ -58,14 +58,26 @@ def format_reports(reports: dict[str, dict[str, Any]], assumptions: list[str]) -
     stages = first.get("per_stage") or []
     if len(stages) > 1:
         lines.append("per pipeline stage (" + next(iter(reports)) + "): " + ", ".join(
-            f"stage {s['pp_rank']} {_gb(s['total_bytes'])} GB ({s['forward_passes_in_flight']} forward passes in flight)"
-            for s in stages))
+            f"stage {s['pp_rank']} {_gb(s['total_bytes'])} GB ({_in_flight(s)})" for s in stages))
+    span = first["per_gpu"].get("activations_range_bytes")
+    if span:
+        lines.append(f"activations per GPU with unbalanced routing: {_gb(span[0])} to {_gb(span[1])} GB "
+                     "(table: balanced)")
+    for key, (lo, hi) in first.get("communication_ranges_per_step", {}).items():
+        lines.append(f"{key} per GPU with unbalanced routing: {_gb(lo)} to {_gb(hi)} GB (table: balanced)")
     for name, report in reports.items():
         for reason in report["not_modelled"]:
             lines.append(f"not modelled ({name}): {reason}")
-    lines.append("assumptions: " + "; ".join(assumptions))
+        for what in report.get("unmeasured", []):
+            lines.append(f"unmeasured formula ({name}): {what}")
+    lines.append("assumptions: " + "; ".join(assumptions + first.get("modelling_assumptions", [])))
     lines.append("not counted: " + ", ".join(NOT_COUNTED))
     return "\n".join(lines)
+
+
+def _in_flight(stage: dict[str, Any]) -> str:
+    count = stage["forward_passes_in_flight"]
+    return "activations not modelled" if count is None else f"{count} forward passes in flight"
 
 
 def _training(args: argparse.Namespace) -> Training:
@@ -87,7 +99,7 @@ def _parallelism(args: argparse.Namespace) -> Parallelism:
 
 
 def _dit(args: argparse.Namespace, raw: dict[str, Any], training: Training, par: Parallelism) -> dict[str, dict]:
-    from megatron_flops.dit_passes import dit_setup
+    from megatron_flops.flops.dit_passes import dit_setup
     from megatron_flops.memory.fsdp import dit_memory_report
 
     other = [f"--{k} {v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if v > 1]
@@ -110,9 +122,9 @@ def _dit(args: argparse.Namespace, raw: dict[str, Any], training: Training, par:
 
 def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, par: Parallelism) -> dict[str, dict]:
     from megatron_flops.cli.estimate import _training_setup
-    from megatron_flops.hf_config import is_hf_config
+    from megatron_flops.model.hf_config import is_hf_config
     from megatron_flops.memory.report import decoder_memory, report_dict
-    from megatron_flops.spec import load_model_file
+    from megatron_flops.model.spec import load_model_file
 
     spec, _ = load_model_file(args.model)
     if spec is None:
@@ -120,6 +132,8 @@ def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, 
     options = DecoderOptions.from_mapping(raw, hf=is_hf_config(raw))
     if args.attention_backend is not None:
         options = DecoderOptions(**{**vars(options), "attention_backend": backend_convention(args.attention_backend)})
+    if args.moe_token_dispatcher is not None:
+        options = DecoderOptions(**{**vars(options), "moe_token_dispatcher_type": args.moe_token_dispatcher})
     peft, recompute = _training_setup(args, raw, Path(args.model).name)
     if training.optimizer != "adam" and par.distributed_optimizer:
         raise ValueError("megatron-core's distributed optimizer supports Adam only")
@@ -134,7 +148,7 @@ def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, 
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    from megatron_flops.spec import load_model_file
+    from megatron_flops.model.spec import load_model_file
 
     _, raw = load_model_file(args.model)
     training, par = _training(args), _parallelism(args)
@@ -145,8 +159,9 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                                           else " + fp32 main copies" if args.params_dtype != "fp32" else ""),
         f"gradients reduced in {'fp32' if training.grad_bytes == 4 else args.params_dtype}",
         f"{args.optimizer} ({'exp_avg, exp_avg_sq' if args.optimizer == 'adam' else 'momentum'}, fp32)",
-        f"{par.world_size} GPUs (TP {par.tp} x PP {par.pp} x DP {par.dp}"
-        + (f", VPP {par.vpp}" if par.vpp else "") + (f", EP {par.ep}" if par.ep > 1 else "") + ")",
+        f"{par.world_size} GPUs (TP {par.tp} x PP {par.pp}" + (f" x CP {par.cp}" if par.cp > 1 else "")
+        + f" x DP {par.dp}" + (f", VPP {par.vpp}" if par.vpp else "") + (f", EP {par.ep}" if par.ep > 1 else "")
+        + (", sequence parallel" if par.sequence_parallel and par.tp > 1 else "") + ")",
         "FSDP2" if par.fsdp else "distributed optimizer" if par.distributed_optimizer else "DDP",
         f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {args.seq_length} tokens",
     ]
@@ -154,7 +169,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         out = dict(next(iter(reports.values())))
         if len(reports) > 1:
             out["compare"] = reports
-        out["assumptions"] = assumptions
+        out["assumptions"] = assumptions + out.get("modelling_assumptions", [])
         out["not_counted"] = list(NOT_COUNTED)
         print(json.dumps(out))
     else:
@@ -180,7 +195,7 @@ def add_parser(sub: Any) -> None:
     for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"), ("dp", "data")):
         mem.add_argument(f"--{flag}", type=int, default=1, metavar="N", help=f"{what}-parallel size")
     mem.add_argument("--vpp", type=int, metavar="N", help="model chunks per pipeline rank (interleaved 1F1B)")
-    mem.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (not modelled: exits 2)")
+    mem.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (the activations between layers split over TP)")
     shard = mem.add_mutually_exclusive_group()
     shard.add_argument("--distributed-optimizer", action="store_true",
                        help="megatron-core's DistributedOptimizer (optimizer state sharded over DP)")
@@ -196,6 +211,9 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--attention-backend", choices=sorted(ATTENTION_BACKENDS),
                      help="saved-activation convention: local/unfused (megatron-core's DotProductAttention) or "
                           "flash/fused/auto (default: the model file's attention_backend, else auto)")
+    mem.add_argument("--moe-token-dispatcher", choices=("alltoall", "allgather"),
+                     help="megatron-core's moe_token_dispatcher_type (default: the model file's; Hugging Face MoE "
+                          "configs: alltoall, as Megatron-Bridge sets it)")
     mem.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES,
                      help="activation recompute granularity (default: the model file's)")
     mem.add_argument("--recompute-method", choices=RECOMPUTE_METHODS,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_flops.runs import RunStats
+from megatron_flops.reporting.runs import RunStats
 
 
 def require_matplotlib(flag: str) -> None:

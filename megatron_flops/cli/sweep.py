@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_flops.trace import TRACE_ENV as TRACE
+from megatron_flops.reporting.trace import TRACE_ENV as TRACE
 from megatron_flops.cli.plot import require_matplotlib
 from megatron_flops.cli.sweep_results import OBJECTIVES, classify, collect, describe, write_json
-from megatron_flops.runs import DEFAULT_TOLERANCE
+from megatron_flops.reporting.runs import DEFAULT_TOLERANCE
 
 SWEEP_FORMAT = "megatron-flops-sweep/1"
 BUILTINS = ("run_dir", "trace")  # placeholders the sweep fills in itself

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_flops.cli.compare import LABELS, run_record
 from megatron_flops.cli.plot import SweepBar
-from megatron_flops.runs import RULE, Candidate, Recommendation, RunStats, comparability, read_trace, recommend, run_stats
+from megatron_flops.reporting.runs import RULE, Candidate, Recommendation, RunStats, comparability, read_trace, recommend, run_stats
 
 if TYPE_CHECKING:
     from megatron_flops.cli.sweep import Run

@@ -13,7 +13,7 @@ The local attention cannot run packed (THD) rows, so a packed row runs as one un
 with a block-diagonal causal mask: each token attends to exactly the tokens it would under THD
 attention. Position ids restart at every document (RoPE ignores them; being relative, it scores
 a document the same at any offset in the row). Each micro-batch also carries its
-rows as :class:`~megatron_flops.formulas.Row` (the statistics the tracker must find).
+rows as :class:`~megatron_flops.flops.formulas.Row` (the statistics the tracker must find).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_flops.formulas import Row
+from megatron_flops.flops.formulas import Row
 
 PAD_ID = 0
 

@@ -2,7 +2,7 @@
 
 The training loop is megatron-core's own: ``get_forward_backward_func()`` (no pipelining, 1F1B,
 or interleaved 1F1B), megatron ``DistributedDataParallel`` over gloo, and a ``forward_step``
-that calls ``megatron_flops.session.record(...)`` once, exactly as a user's loop would. Every rank
+that calls ``megatron_flops.reporting.session.record(...)`` once, exactly as a user's loop would. Every rank
 installs the accounting session and brackets each step with ``begin_step()``/``end_step()``;
 the last pipeline stage of data-parallel rank 0 prints Megatron-style lines from its reports.
 
@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_flops.demo.data import DataConfig, MicroBatch, microbatches
-from megatron_flops.formulas import ATTENTION_CONVENTIONS
-from megatron_flops.meter import format_log_line, format_summary
-from megatron_flops.peaks import resolve_peak
-from megatron_flops.result import StepResult
-from megatron_flops.session import Session, install_session, record, uninstall_session
-from megatron_flops.spec import ModelSpec
-from megatron_flops.tracker import FlopsTracker
+from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS
+from megatron_flops.reporting.meter import format_log_line, format_summary
+from megatron_flops.reporting.peaks import resolve_peak
+from megatron_flops.tracking.result import StepResult
+from megatron_flops.reporting.session import Session, install_session, record, uninstall_session
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.tracking.tracker import FlopsTracker
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -60,7 +60,7 @@ FAILURE_GRACE_S = 5
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
     """The demo's layout and run length. ``dp`` None: 2 with ``pp > 1``, else 1. ``trace``: a file
-    the per-step trace is appended to (``megatron_flops.trace``)."""
+    the per-step trace is appended to (``megatron_flops.reporting.trace``)."""
 
     pp: int = 1
     vpp: int | None = None

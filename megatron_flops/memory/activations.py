@@ -7,8 +7,11 @@ one-element tensors (loss scalars), temporaries freed inside an op, the pipeline
 (Megatron-LM sets ``deallocate_pipeline_outputs``), allocator caching and workspaces.
 
 Per micro-batch of ``b`` sequences of ``s`` tokens (``T = s x b``), per tensor-parallel rank
-(heads, ffn and vocabulary divided by TP; no sequence parallelism), ``a`` bytes per activation
-element (the parameter dtype):
+(heads, ffn and vocabulary divided by TP), ``a`` bytes per activation element (the parameter
+dtype). Sequence parallelism splits the [s, b, h] activations between layers over TP: what the
+norms, dropouts and the column-parallel layers' inputs (``linear_qkv``, ``linear_fc1``,
+``output_layer``: each saves its slice and all-gathers it again in backward) keep is divided by
+TP; the rest is not.
 
 - embedding (first stage): token ids (and position ids with learned absolute positions), int64;
   with TP > 1 the vocab-parallel lookup's shifted ids and a bool mask of the ids it does not hold.
@@ -41,12 +44,13 @@ behind v, the mask).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.passes import PeftSpec, RecomputeSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.model.spec import ModelSpec
 
 NORM_STATS_BYTES = 4  # fp32 mean/rstd per token (CUDA kernels)
 INDEX_BYTES = 8  # int64 token ids, positions, targets
@@ -67,10 +71,17 @@ class _Dims:
     vocab: int
     act: int
     rot: int
+    sp: int = 1  # TP with sequence parallelism (the [s, b, h] activations between layers are split), else 1
+    received: int | None = None  # routed tokens reaching this rank's experts (None: balanced, T x topk)
 
     @property
     def tokens(self) -> int:
         return self.s * self.b
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of this rank's slice of the [s, b, h] activations between layers."""
+        return self.tokens // self.sp
 
 
 @dataclass
@@ -110,12 +121,14 @@ class _Walk:
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
+    if spec.mla is not None or spec.mtp_num_layers:
+        return "activations are modelled without multi-latent attention or multi-token prediction"
     if spec.moe is not None:
-        return "activations are modelled for dense GPT layers (no MoE)"
+        reason = _moe_reason(spec, options, par, recompute)
+        if reason is not None:
+            return reason
     if options.qk_layernorm:
         return "activations are modelled without qk_layernorm"
-    if par.sequence_parallel or par.cp > 1:
-        return "activations are modelled without sequence or context parallelism"
     if recompute is not None and recompute.granularity == "selective":
         other = [m for m in recompute.modules if m not in SUPPORTED_SELECTIVE]
         if other:
@@ -127,23 +140,29 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
     rot = 0
     if options.position_embedding_type == "rope":
         rot = spec.kv_channels if options.rotary_percent >= 1 else int(spec.kv_channels * options.rotary_percent)
+    sp = par.tp if par.sequence_parallel else 1
+    if training.seq_length % sp:
+        raise ValueError(f"--sequence-parallel splits the sequence over TP: --seq-length {training.seq_length} "
+                         f"is not divisible by --tp {par.tp}")
     return _Dims(s=training.seq_length, b=training.micro_batch_size, h=spec.hidden_size, d=spec.kv_channels,
                  heads=spec.num_attention_heads // par.tp, groups=spec.num_query_groups // par.tp,
                  ffn=spec.ffn_hidden_size // par.tp, vocab=padded_vocab(spec, options, par.tp) // par.tp,
-                 act=training.param_bytes, rot=rot)
+                 act=training.param_bytes, rot=rot, sp=sp)
 
 
 def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions) -> None:
-    # Input [T, h] and fp32 statistics per token (LayerNorm: mean and rstd; RMSNorm: rstd).
-    w.keep(key, x.tokens * x.h * x.act)
-    w.keep(key, x.tokens * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1))
+    # Input [T/sp, h] and fp32 statistics per token (LayerNorm: mean and rstd; RMSNorm: rstd).
+    w.keep(key, x.local_tokens * x.h * x.act)
+    w.keep(key, x.local_tokens * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1))
 
 
 def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, mask: bool, checkpointed: bool) -> None:
     """Self-attention after the input norm: qkv input, q/k/v, core attention, proj input."""
     T, a, d = x.tokens, x.act, x.d
     gqa = x.heads > x.groups
-    w.keep("attention", T * x.h * a)  # linear_qkv input (the norm's output)
+    # linear_qkv input (the norm's output; under sequence parallelism this rank's slice: the
+    # layer saves it and all-gathers it again in backward).
+    w.keep("attention", x.local_tokens * x.h * a)
     qkv_out = T * (x.heads + 2 * x.groups) * d * a
     if x.rot:
         w.keep("attention", 4 * x.s * x.rot * a)  # cos and sin, for q and for k
@@ -186,7 +205,7 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, mask: bool, check
 
 def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
     T, a = x.tokens, x.act
-    w.keep("mlp", T * x.h * a)  # linear_fc1 input
+    w.keep("mlp", x.local_tokens * x.h * a)  # linear_fc1 input (this rank's slice under sequence parallelism)
     if gated and not options.bias_activation_fusion:
         # fc1 output [T, 2 ffn] (silu's input is a view), silu(x1), x2 + offset, and the product.
         w.keep("mlp", T * x.ffn * a * (2 + 3))
@@ -197,17 +216,80 @@ def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
 
 def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:
     if options.hidden_dropout > 0:
-        w.keep("dropout", x.tokens * x.h)  # bool [T, h]
+        w.keep("dropout", x.local_tokens * x.h)  # bool [T/sp, h]
 
 
 def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, first: bool,
-           core_attn: bool) -> None:
+           core_attn: bool, moe: bool = False) -> None:
     _norm(w, "norm", x, options)
     _attention(w, x, options, mask=first, checkpointed=core_attn)
     _dropout_mask(w, x, options)
     _norm(w, "norm", x, options)
-    _mlp(w, x, options, spec.gated_linear_unit)
+    if moe:
+        _moe(w, x, spec, options)
+    else:
+        _mlp(w, x, options, spec.gated_linear_unit)
     _dropout_mask(w, x, options)
+
+
+def _moe_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
+                recompute: RecomputeSpec | None) -> str | None:
+    moe = spec.moe
+    assert moe is not None
+    if par.tp > 1:
+        return "MoE activations are modelled with --tp 1"
+    if par.ep > 1 and options.moe_token_dispatcher_type != "alltoall":
+        return "MoE activations under expert parallelism are modelled with the alltoall dispatcher"
+    if moe.shared_expert_gate or moe.latent_size:
+        return "MoE activations are modelled without a shared-expert gate or latent projections"
+    if not spec.gated_linear_unit and options.bias_activation_fusion:
+        return "MoE activations are modelled for gated (SwiGLU) or unfused experts"
+    if recompute is not None and recompute.granularity == "full":
+        return "MoE activations are modelled without full recompute"
+    return None
+
+
+def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
+    """A MoE layer (megatron-core's router, token dispatcher and ``SequentialMLP`` experts) after
+    its norm, with ``n = T x topk`` routed tokens reaching this rank's experts.
+
+    NB: ``n`` assumes balanced routing under EP > 1 (a rank's experts receive as many routed
+    tokens as it sends); the expert-side bytes of one rank move with the router."""
+    moe = spec.moe
+    assert moe is not None
+    T, a, h, E, k = x.tokens, x.act, x.h, moe.num_experts, moe.router_topk
+    n = T * k
+    # Router: its input [T, h] (the norm's output; the shared experts' fc1 reads the same
+    # storage), top-k indices (int64) and fp32 scores: softmax over the top-k logits, or over
+    # all experts before the top-k (pre-softmax), or sigmoid over all experts, normalised over
+    # the top-k when topk > 1.
+    w.keep("moe/router", T * h * a + n * INDEX_BYTES)
+    if options.moe_router_score_function == "sigmoid":
+        w.keep("moe/router", T * E * 4 + ((T * 4 + n * 4) if k > 1 else 0))
+    elif options.moe_router_pre_softmax:
+        w.keep("moe/router", T * E * 4)
+    else:
+        w.keep("moe/router", n * 4)
+    # Dispatcher: the routing map (bool [E, T]), the probabilities scattered to it [E, T] and
+    # the permutation's sorted indices (int64 [n]).
+    w.keep("moe/dispatcher", T * E + T * E * a + n * INDEX_BYTES)
+    # Routed experts: the permuted tokens [n, h] and their probabilities [n], then per token
+    # the expert MLP (fc1 output, activation, fc2 input) and the activation's output, which
+    # the probabilities multiply.
+    ffn = moe.ffn_hidden_size
+    if spec.gated_linear_unit and options.bias_activation_fusion:
+        per = 2 + 1  # fc1 output [n, 2 ffn], fc2 input
+    elif spec.gated_linear_unit:
+        per = 2 + 4  # fc1 output, silu(x1), x2 + offset, their product, the weighted product
+    else:
+        per = 3  # fc1 output, activation output, fc2 input
+    got = n if x.received is None else x.received
+    w.keep("moe/experts", got * h * a + got * a + got * ffn * a * per)
+    shared = moe.shared_expert_ffn_hidden_size
+    if shared:
+        sub = _Walk()
+        _mlp(sub, dataclasses.replace(x, ffn=shared), options, spec.gated_linear_unit)
+        w.keep("moe/shared_experts", sub.kept - T * h * a)  # fc1's input is the router's
 
 
 def chunk_activations(
@@ -220,14 +302,16 @@ def chunk_activations(
     chunk: int,
     recompute: RecomputeSpec | None = None,
     peft: PeftSpec | None = None,
+    received: int | None = None,
 ) -> ChunkActivations:
-    """Saved-for-backward bytes of one micro-batch of one model chunk (see the module doc)."""
+    """Saved-for-backward bytes of one micro-batch of one model chunk (see the module doc);
+    ``received``: routed tokens per MoE layer reaching this rank's experts (None: balanced)."""
     if peft is not None and (peft.frozen or peft.lora_rank is not None):
         raise ValueError("activations are modelled for full training (no frozen weights or LoRA)")
     reason = check_activations_supported(spec, options, par, recompute)
     if reason is not None:
         raise ValueError(reason)
-    x = _dims(spec, options, par, training)
+    x = dataclasses.replace(_dims(spec, options, par, training), received=received)
     w = _Walk()
     layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
     if par.is_first_stage(pp_rank, chunk):
@@ -242,11 +326,12 @@ def chunk_activations(
         assert recompute is not None
         _full_recompute_layers(w, x, spec, options, recompute, len(layers))
     else:
-        for i in range(len(layers)):
-            _layer(w, x, spec, options, first=i == 0, core_attn=core_attn)
+        kinds = spec.layers
+        for i, layer in enumerate(layers):
+            _layer(w, x, spec, options, first=i == 0, core_attn=core_attn, moe=kinds[layer][1] == "moe")
     if par.is_last_stage(pp_rank, chunk):
         _norm(w, "output", x, options)
-        w.keep("output", x.tokens * x.h * x.act)  # output_layer input
+        w.keep("output", x.local_tokens * x.h * x.act)  # output_layer input (a slice under sequence parallelism)
         # Cross-entropy: fp32 softmax [T, V/TP], target mask (bool), masked targets (int64);
         # loss_func's fp32 loss mask.
         w.keep("output", x.tokens * (x.vocab * 4 + 1 + INDEX_BYTES + 4))
@@ -265,7 +350,7 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
     else:
         starts = list(range(0, num_layers, group))
         sizes = [min(group, num_layers - s) for s in starts]
-    hidden = x.tokens * x.h * x.act
+    hidden = x.local_tokens * x.h * x.act
     for i, (start, size) in enumerate(zip(starts, sizes)):
         w.keep("recompute", hidden)
         if i == 0:
@@ -279,6 +364,16 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
         _layer(w, x, spec, options, first=not starts and j == 0, core_attn=False)
     if x.rot:
         w.out.shared = x.s * x.rot * 4
+
+
+def received_bounds(spec: ModelSpec, par: Parallelism, training: Training) -> tuple[int, int]:
+    """The fewest and the most routed tokens per MoE layer and micro-batch that one rank's
+    experts can receive under EP (no token dropped): none, or every token of the EP group that
+    picks one of its ``E / EP`` experts (each token picks ``topk`` distinct experts)."""
+    moe = spec.moe
+    assert moe is not None
+    tokens = training.seq_length * training.micro_batch_size
+    return 0, par.ep * tokens * min(moe.router_topk, moe.num_experts // par.ep)
 
 
 def in_flight(par: Parallelism, num_microbatches: int, pp_rank: int) -> list[tuple[str, int]]:

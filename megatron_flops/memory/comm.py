@@ -13,29 +13,32 @@ one-element ones (loss averaging, grad norm, found-inf). Keys are ``<group>/<kin
   :func:`data_parallel_bytes`); ``expt_dp/...`` the same for expert-parallel buffers.
 - ``embd/all_reduce``: the tied embedding/output weight's gradient between the first and the
   last pipeline stage (PP > 1).
-- ``tp/all_reduce`` (no sequence parallelism), per micro-batch: the embedding output, each
-  layer's ``linear_proj`` and ``linear_fc2`` outputs and ``linear_qkv`` and ``linear_fc1`` input
-  gradients ([s, b, h] each; full recompute runs the forward pair again), the output layer's
-  input gradient, and vocab-parallel cross-entropy's three fp32 [s, b] reductions.
-- ``pp/send_recv``, per micro-batch and model chunk: the [s, b, h] activation received from the
-  previous virtual stage and its gradient sent back, the activation sent to the next and its
-  gradient received.
+- ``tp/all_reduce``, ``tp/all_gather``, ``tp/reduce_scatter``, per micro-batch: [s, b, h]
+  activations and their gradients (:func:`tensor_parallel_activations`; full recompute runs the
+  forward's collectives again) and vocab-parallel cross-entropy's three fp32 [s, b] reductions;
+  once per step the gradients of the weights every TP rank holds whole, under sequence
+  parallelism (:func:`tp_replicated_numel`).
+- ``pp/send_recv``, per micro-batch and model chunk: the [s, b, h] activation ([s/TP, b, h] under
+  sequence parallelism) received from the previous virtual stage and its gradient sent back, the
+  activation sent to the next and its gradient received.
 - ``ep/all_to_all`` (alltoall dispatcher), per MoE layer and micro-batch: the routed tokens
   [s*b*topk, h] and their probabilities [s*b*topk] to the experts and back, forward and backward.
   NB: the bytes a rank sends back depend on how many tokens it received; the figure assumes
-  balanced routing (every rank receives s*b*topk tokens), which the EP group's total always is.
+  balanced routing (every rank receives s*b*topk tokens), which the EP group's total always is;
+  :func:`all_to_all_range` bounds it per rank.
   ``ep/all_gather``: each rank's token count per expert (int64 [num_experts]).
+- ``cp/send_recv`` (CP > 1): a formula, not measured (see :func:`step_communication`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
+from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import Bucket
-from megatron_flops.passes import RecomputeSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.model.spec import ModelSpec
 
 CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials
 
@@ -72,6 +75,46 @@ def data_parallel_bytes(
     return out
 
 
+def tensor_parallel_activations(options: DecoderOptions, par: Parallelism, num_layers: int, rerun: int,
+                                 first: bool, last: bool) -> dict[str, int]:
+    """[s, b, h] activations (or their gradients) per micro-batch that one model chunk hands to
+    the TP group's collectives, by ``tp/<kind>``. ``rerun`` layers run their forward twice (full
+    recompute).
+
+    Without sequence parallelism: ``all_reduce`` of ``linear_proj`` and ``linear_fc2`` outputs
+    (forward) and of ``linear_qkv`` and ``linear_fc1`` input gradients (backward), the embedding
+    output (forward) and the output layer's input gradient (backward).
+
+    With sequence parallelism (megatron-core's ``LinearWithGradAccumulationAndAsyncCommunication``):
+    each column-parallel layer (``linear_qkv``, ``linear_fc1``, ``output_layer``) all-gathers
+    its input in forward, all-gathers it again for the weight gradient and reduce-scatters its
+    input gradient in backward; each row-parallel layer (``linear_proj``, ``linear_fc2``)
+    reduce-scatters its output in forward and all-gathers its output gradient in backward. The
+    embedding reduce-scatters its output (RoPE or no positions; learned positions: all-reduce the
+    word embeddings, then keep this rank's slice) and all-gathers the gradient in backward.
+    """
+    if not par.sequence_parallel:
+        return {"tp/all_reduce": 4 * num_layers + 2 * rerun + first + last}
+    learned = options.position_embedding_type == "learned_absolute"
+    return {
+        "tp/all_gather": 6 * num_layers + 2 * rerun + 2 * last + first,
+        "tp/reduce_scatter": 4 * num_layers + 2 * rerun + last + (first and not learned),
+        "tp/all_reduce": int(first and learned),
+    }
+
+
+def tp_replicated_numel(buffers: Mapping[str, Sequence[Bucket]], par: Parallelism, options: DecoderOptions) -> int:
+    """Gradient elements megatron-core's ``finalize_model_grads`` all-reduces over TP once per
+    step, in one coalesced tensor: weights every TP rank holds whole (norms, row-parallel
+    biases, router, shared-expert gate) under sequence parallelism, and the q/k norms with
+    ``qk_layernorm`` (always). NB: counted from the gradient buffers (trainable parameters)."""
+    def reduced(p: Param) -> bool:
+        qk = options.qk_layernorm and ("q_layernorm" in p.name or "k_layernorm" in p.name)
+        return qk or (par.sequence_parallel and p.tp_replicated)
+
+    return sum(p.numel for buckets in buffers.values() for b in buckets for p, _, _ in b.params if reduced(p))
+
+
 def step_communication(
     spec: ModelSpec,
     options: DecoderOptions,
@@ -84,6 +127,9 @@ def step_communication(
 ) -> dict[str, int]:
     """Payload bytes per ``group/kind`` on one GPU of pipeline rank ``pp_rank`` for one step."""
     out = data_parallel_bytes(buffers, par, training, {"dp": par.dp * par.cp, "expt_dp": par.expert_dp})
+    replicated = tp_replicated_numel(buffers, par, options)
+    if par.tp > 1 and replicated > 1:
+        out["tp/all_reduce"] = replicated * training.grad_bytes
     act = training.param_bytes
     tokens = training.seq_length * training.micro_batch_size
     hidden = tokens * spec.hidden_size * act  # one [s, b, h] activation
@@ -102,25 +148,65 @@ def step_communication(
         if par.pp > 1:
             # Activation in and its gradient out (not the first virtual stage), activation out
             # and its gradient in (not the last).
-            add("pp/send_recv", m * hidden * 2 * ((not first) + (not last)))
+            # NB: under sequence parallelism each TP rank sends its slice [s/TP, b, h].
+            sp = par.tp if par.sequence_parallel else 1
+            add("pp/send_recv", m * hidden // sp * 2 * ((not first) + (not last)))
         if par.tp > 1:
             if any(kinds[i][1] == "moe" for i in layers):
                 raise ValueError("communication of MoE layers is modelled without tensor parallelism (--tp 1)")
             rerun = fully_recomputed_layers(recompute, len(layers))
-            add("tp/all_reduce", m * hidden * (4 * len(layers) + 2 * rerun + first + last))
+            for key, count in tensor_parallel_activations(options, par, len(layers), rerun, first, last).items():
+                add(key, m * hidden * count)
             if last:
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
-        moe_layers = sum(kinds[i][1] == "moe" for i in layers)
+        if par.cp > 1:
+            # NB: a formula, not measured (no context-parallel attention on CPU): Transformer
+            # Engine's ring attention passes each layer's K and V [s/CP, b, groups/TP, d] round
+            # the CP ring, CP-1 steps forward, and K, V and their gradients backward.
+            kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
+            add("cp/send_recv", m * len(layers) * (par.cp - 1) * 2 * (kv + 2 * kv))
+        moe_layers = sum(kinds[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
         if par.ep > 1 and moe_layers:
+            all_to_all_range(spec, options, par, training, moe_layers)  # (checks the dispatcher)
+            add("ep/all_to_all", m * balanced_all_to_all(spec, training, moe_layers))
             moe = spec.moe
             assert moe is not None
-            if options.moe_token_dispatcher_type != "alltoall":
-                raise ValueError("expert parallelism is modelled with moe_token_dispatcher_type='alltoall'")
-            routed = tokens * moe.router_topk
-            add("ep/all_to_all", m * moe_layers * 4 * routed * (spec.hidden_size * act))
-            add("ep/all_to_all", m * moe_layers * 2 * routed * act)
             add("ep/all_gather", m * moe_layers * par.ep * moe.num_experts * 8)
     return out
+
+
+def mtp_moe_layers(spec: ModelSpec, last: bool) -> int:
+    """MoE layers inside the multi-token-prediction block (on the last stage)."""
+    return spec.mtp_num_layers if last and spec.mtp_ffn == "moe" else 0
+
+
+def balanced_all_to_all(spec: ModelSpec, training: Training, moe_layers: int) -> int:
+    """``ep/all_to_all`` payload of one micro-batch when every EP rank receives as many routed
+    tokens as it sends (balanced routing): the routed tokens [s*b*topk, h] and their
+    probabilities [s*b*topk] to the experts and back, forward and backward."""
+    assert spec.moe is not None
+    act = training.param_bytes
+    routed = training.seq_length * training.micro_batch_size * spec.moe.router_topk
+    return moe_layers * (4 * routed * spec.hidden_size * act + 2 * routed * act)
+
+
+def all_to_all_range(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
+                     moe_layers: int) -> tuple[int, int]:
+    """The least and the most ``ep/all_to_all`` payload one GPU can hand over per micro-batch,
+    whatever the routing. NB: what a rank sends of its own tokens (dispatch forward, combine
+    backward) is fixed; what it sends of the tokens it received (combine forward, dispatch
+    backward) runs from none to ``EP x s*b x min(topk, local experts)`` (every token of the EP
+    group routed here), with no token dropped."""
+    moe = spec.moe
+    assert moe is not None
+    if options.moe_token_dispatcher_type != "alltoall":
+        raise ValueError("expert parallelism is modelled with moe_token_dispatcher_type='alltoall'")
+    act = training.param_bytes
+    tokens = training.seq_length * training.micro_batch_size
+    own = tokens * moe.router_topk
+    most = par.ep * tokens * min(moe.router_topk, moe.num_experts // par.ep)
+    fixed = moe_layers * (2 * own * spec.hidden_size * act + own * act)
+    return fixed, fixed + moe_layers * (2 * most * spec.hidden_size * act + most * act)
 
 
 def bus_bytes(payload: Mapping[str, int], group_sizes: Mapping[str, int]) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """The parameters of a megatron-core ``GPTModel`` (local layer spec), per model chunk and tensor
 -parallel rank, in ``named_parameters()`` order (stdlib only).
 
-Only what bytes depend on beyond :class:`~megatron_flops.spec.ModelSpec` is read here, by its
+Only what bytes depend on beyond :class:`~megatron_flops.model.spec.ModelSpec` is read here, by its
 ``TransformerConfig``/``GPTModel`` name and with megatron-core's defaults: biases, the norm,
 position embeddings, dropout, the fused bias-activation, the attention backend.
 
@@ -17,15 +17,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_flops.hf_config import hf_text_config
+from megatron_flops.model.hf_config import hf_text_config
 from megatron_flops.memory.layout import Parallelism
-from megatron_flops.passes import PeftSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.model.spec import ModelSpec
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 # megatron-core's attention_backend values -> the saved-for-backward convention they follow.
 ATTENTION_BACKENDS = {"local": "unfused", "unfused": "unfused", "flash": "flash", "fused": "flash", "auto": "flash"}
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
+_HF_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
 _HF_NO_BIAS_FAMILIES = ("gpt2", "gpt_neox", "opt", "bloom")
 
 
@@ -48,6 +50,8 @@ class DecoderOptions:
     attention_softmax_in_fp32: bool = True
     attention_backend: str = "flash"
     moe_token_dispatcher_type: str = "allgather"
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int | None = None
 
@@ -89,6 +93,14 @@ class DecoderOptions:
                 "attention_dropout": float(text.get("attention_dropout", 0.0) or 0.0),
                 "bias_activation_fusion": True,
             }
+            if any(text.get(k) for k in _HF_EXPERT_KEYS):
+                # NB: Megatron-Bridge's MoE providers use the alltoall dispatcher; DeepSeek-V3 routes
+                # with sigmoid scores and normalises its q/kv latents (qk_layernorm).
+                fields["moe_token_dispatcher_type"] = "alltoall"
+                if text.get("scoring_func") == "sigmoid":
+                    fields["moe_router_score_function"] = "sigmoid"
+            if family.startswith("deepseek"):
+                fields["qk_layernorm"] = True
         else:
             names = set(cls.__dataclass_fields__) - {"attention_backend"}
             fields = {k: data[k] for k in names if data.get(k) is not None}
@@ -110,13 +122,17 @@ def backend_convention(name: str) -> str:
 class Param:
     """One parameter tensor on one rank: ``expert`` ones are reduced over the expert
     data-parallel group (EP > 1); ``shared_embedding`` marks the tied embedding/output weight of
-    the first and last pipeline stage."""
+    the first and last pipeline stage; ``tp_replicated`` a weight every tensor-parallel rank holds
+    whole whose gradient megatron-core all-reduces over TP under sequence parallelism (norms,
+    row-parallel biases, the router, the shared-expert gate: their ``sequence_parallel``
+    attribute)."""
 
     name: str
     numel: int
     trainable: bool = True
     expert: bool = False
     shared_embedding: bool = False
+    tp_replicated: bool = False
 
 
 def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
@@ -132,8 +148,14 @@ def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
 
 def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> None:
     """ValueError for what these parameter lists do not model, or sizes that do not divide."""
-    if spec.mla is not None or spec.mamba is not None or spec.mtp_num_layers or spec.attention_output_gate:
-        raise ValueError("memory is modelled for GPT decoders (dense and MoE layers): no MLA, Mamba, MTP or gated attention")
+    if spec.mamba is not None or spec.attention_output_gate:
+        raise ValueError("memory is modelled for GPT decoders (dense and MoE layers, MLA, MTP): no Mamba or gated "
+                         "attention")
+    if spec.mla is not None and par.tp > 1:
+        raise ValueError("multi-latent attention is modelled with --tp 1")
+    if spec.mtp_num_layers and par.pp > 1:
+        raise ValueError("multi-token prediction is modelled with --pp 1 (megatron-core adds an embedding to the "
+                         "last stage for it)")
     if spec.window_size is not None:
         raise ValueError("memory is not modelled for sliding-window attention")
     tp = par.tp
@@ -186,28 +208,37 @@ def chunk_parameters(
         out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1])
     if last:
         out += _norm(options, "decoder.final_layernorm.", h, base)
+        for i in range(spec.mtp_num_layers):
+            # NB: an MTP layer: norms of the embedding and of the hidden state, eh_proj [h, 2h], a
+            # decoder layer of the last layer's kind, and its own final norm.
+            mtp = f"mtp.layers.{i}."
+            out += _norm(options, mtp + "enorm.", h, base) + _norm(options, mtp + "hnorm.", h, base)
+            out += _linear(mtp, "eh_proj", 2 * h, h, False, peft)
+            out += _layer(spec, options, par, peft, mtp + "transformer_layer.", spec.mtp_ffn)
+            out += _norm(options, mtp + "final_layernorm.", h, base)
         if not tied or not first:
             out.append(Param("output_layer.weight", vocab // tp * h, base, shared_embedding=tied and par.pp > 1))
     return tuple(out)
 
 
 def _norm(options: DecoderOptions, prefix: str, width: int, trainable: bool) -> list[Param]:
-    params = [Param(prefix + "weight", width, trainable)]
+    params = [Param(prefix + "weight", width, trainable, tp_replicated=True)]
     if options.normalization == "LayerNorm":
-        params.append(Param(prefix + "bias", width, trainable))
+        params.append(Param(prefix + "bias", width, trainable, tp_replicated=True))
     return params
 
 
 def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: PeftSpec,
             *, expert: bool = False) -> list[Param]:
     """A linear layer's weight [d_out, d_in] (+ bias [d_out]) on one TP rank, LoRA-wrapped when
-    ``name`` is a target: A [r, d_in] and B [d_out, r] train, the wrapped layer is frozen."""
+    ``name`` is a target: A [r, d_in] and B [d_out, r] train, the wrapped layer is frozen.
+    NB: a row-parallel layer's (``linear_proj``, ``linear_fc2``) bias is whole on every TP rank."""
     base = not peft.frozen
     adapted = peft.lora_rank is not None and name in peft.lora_targets
     inner = f"{prefix}{name}.to_wrap." if adapted else f"{prefix}{name}."
     params = [Param(inner + "weight", d_out * d_in, base, expert)]
     if bias:
-        params.append(Param(inner + "bias", d_out, base, expert))
+        params.append(Param(inner + "bias", d_out, base, expert, tp_replicated=name in ROW_PARALLEL))
     if adapted:
         r = peft.lora_rank
         assert r is not None
@@ -223,12 +254,15 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     base, bias = not peft.frozen, options.add_bias_linear
     attn = prefix + "self_attention."
     out = _norm(options, prefix + "input_layernorm.", h, base)
-    # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
-    out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft)
-    # linear_qkv: [(nq + 2*ng)*d/tp, h] (column parallel).
-    out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp, bias or options.add_qkv_bias, peft)
-    if options.qk_layernorm:
-        out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
+    if spec.mla is not None:
+        out += _mla(spec, options, peft, attn, bias)
+    else:
+        # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
+        out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft)
+        # linear_qkv: [(nq + 2*ng)*d/tp, h] (column parallel).
+        out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp, bias or options.add_qkv_bias, peft)
+        if options.qk_layernorm:
+            out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
     out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
     if ffn == "mlp":
         out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias)
@@ -236,14 +270,38 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     moe = spec.moe
     assert moe is not None
     mlp = prefix + "mlp."
-    out.append(Param(mlp + "router.weight", moe.num_experts * h, base))
+    out.append(Param(mlp + "router.weight", moe.num_experts * h, base, tp_replicated=True))
     for j in range(moe.num_experts // par.ep):
         out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // tp, bias,
                     expert=par.ep > 1)
     if moe.shared_expert_ffn_hidden_size:
         out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
         if moe.shared_expert_gate:
-            out.append(Param(mlp + "shared_experts.gate_weight", h, base))
+            out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True))
+    return out
+
+
+def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bias: bool) -> list[Param]:
+    """Multi-latent attention (TP 1), as megatron-core registers it: linear_proj [h, heads*v],
+    the query projection (direct [heads*(qk+rope), h], or down [q_lora, h] and up
+    [heads*(qk+rope), q_lora]), kv down [kv_lora + rope, h] and up [heads*(qk+v), kv_lora], then
+    with ``qk_layernorm`` the norms of the query and key/value latents."""
+    mla = spec.mla
+    assert mla is not None
+    h, heads, base = spec.hidden_size, spec.num_attention_heads, not peft.frozen
+    q_out = heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim)
+    out = _linear(attn, "linear_proj", heads * mla.v_head_dim, h, bias, peft)
+    if mla.q_lora_rank is None:
+        out += _linear(attn, "linear_q_proj", h, q_out, bias, peft)
+    else:
+        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank, bias, peft)
+        out += _linear(attn, "linear_q_up_proj", mla.q_lora_rank, q_out, bias, peft)
+    out += _linear(attn, "linear_kv_down_proj", h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim, bias, peft)
+    out += _linear(attn, "linear_kv_up_proj", mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim), bias, peft)
+    if options.qk_layernorm:
+        if mla.q_lora_rank is not None:
+            out += _norm(options, attn + "q_layernorm.", mla.q_lora_rank, base)
+        out += _norm(options, attn + "kv_layernorm.", mla.kv_lora_rank, base)
     return out
 
 

@@ -23,11 +23,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_flops.dit import DiTParam, DiTSpec, dit_block_parameters, dit_root_parameters
+from megatron_flops.flops.dit import DiTParam, DiTSpec, dit_block_parameters, dit_root_parameters
 from megatron_flops.memory.comm import bus_bytes
 from megatron_flops.memory.layout import Training
 from megatron_flops.memory.states import optimizer_keys
-from megatron_flops.passes import PeftSpec
+from megatron_flops.flops.passes import PeftSpec
 
 
 def shard_rows(param: DiTParam, dp: int) -> int:
@@ -95,7 +95,7 @@ def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 
 def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftSpec | None = None) -> dict[str, object]:
     """The JSON form of :func:`fsdp_rank_memory` for the most loaded rank (rank 0 holds the most
     real rows), in the keys the decoder report uses."""
-    from megatron_flops.dit import dit_parameter_counts
+    from megatron_flops.flops.dit import dit_parameter_counts
 
     top = fsdp_rank_memory(spec, training, dp=dp, rank=0, peft=peft)
     counts = dit_parameter_counts(spec, peft)

@@ -3,21 +3,23 @@ most loaded GPU (stdlib only). See :mod:`megatron_flops.memory` for the conventi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_flops.memory.activations import (
+    ChunkActivations,
     check_activations_supported,
     chunk_activations,
     in_flight,
+    received_bounds,
     schedule_peak,
 )
-from megatron_flops.memory.comm import bus_bytes, step_communication
+from megatron_flops.memory.comm import all_to_all_range, bus_bytes, mtp_moe_layers, step_communication
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
-from megatron_flops.passes import PeftSpec, RecomputeSpec
-from megatron_flops.spec import ModelSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.model.spec import ModelSpec
 
 # Megatron-LM's default DDP bucket size with overlap_grad_reduce: max(40M, 1M x DP) parameters.
 DEFAULT_BUCKET_SIZE = 40_000_000
@@ -40,6 +42,8 @@ class RankMemory:
     in_flight: int | None
     activations_per_microbatch: tuple[dict[str, int], ...] | None
     communication: dict[str, int]
+    communication_ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
+    activations_range: tuple[int, int] | None = None
 
     @property
     def total(self) -> int:
@@ -75,16 +79,54 @@ def rank_memory(
                                          distributed_optimizer=par.distributed_optimizer)
         for key, value in chunk_states.components.items():
             states[key] = states.get(key, 0) + value
-    comm = step_communication(spec, options, par, training, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
+    local, options = context_parallel_view(par, training, options)
+    comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
     peak = count = None
     per_mb = None
+    bounds = None
     if _activation_reason(spec, options, par, recompute, peft) is None:
-        chunks = [chunk_activations(spec, options, par, training, pp_rank=pp_rank, chunk=c, recompute=recompute)
-                  for c in range(par.num_chunks)]
-        peak, count = schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank))
+        def peak_of(received: int | None) -> tuple[int, int, list[ChunkActivations]]:
+            chunks = [chunk_activations(spec, options, par, local, pp_rank=pp_rank, chunk=c, recompute=recompute,
+                                        received=received) for c in range(par.num_chunks)]
+            return (*schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank)), chunks)
+
+        peak, count, chunks = peak_of(None)
         per_mb = tuple(dict(c.components) for c in chunks)
+        if par.ep > 1 and spec.moe is not None:
+            lo, hi = received_bounds(spec, par, local)
+            bounds = (peak_of(lo)[0], peak_of(hi)[0])
     return RankMemory(pp_rank=pp_rank, dp_rank=dp_rank, states=states, activations=peak, in_flight=count,
-                      activations_per_microbatch=per_mb, communication=comm)
+                      activations_per_microbatch=per_mb, communication=comm,
+                      communication_ranges=_all_to_all_ranges(spec, options, par, local, pp_rank),
+                      activations_range=bounds)
+
+
+def context_parallel_view(par: Parallelism, training: Training,
+                          options: DecoderOptions) -> tuple[Training, DecoderOptions]:
+    """What one context-parallel rank runs: ``s / CP`` tokens per sequence through a fused
+    (flash-convention) attention, as megatron-core's CP needs Transformer Engine's attention.
+    NB: a formula, not measured here (no context-parallel attention on CPU). CP 1: unchanged."""
+    if par.cp == 1:
+        return training, options
+    if training.seq_length % (2 * par.cp):
+        raise ValueError(f"context parallelism splits each sequence into 2 x CP chunks: --seq-length "
+                         f"{training.seq_length} is not divisible by {2 * par.cp}")
+    return (replace(training, seq_length=training.seq_length // par.cp),
+            replace(options, attention_backend="flash"))
+
+
+def _all_to_all_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
+                       pp_rank: int) -> dict[str, tuple[int, int]]:
+    if par.ep == 1 or spec.moe is None:
+        return {}
+    kinds = spec.layers
+    moe_layers = sum(sum(kinds[i][1] == "moe" for i in par.chunk_layers(spec.num_layers, pp_rank, c))
+                     + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c)) for c in range(par.num_chunks))
+    if not moe_layers:
+        return {}
+    lo, hi = all_to_all_range(spec, options, par, training, moe_layers)
+    m = training.num_microbatches
+    return {"ep/all_to_all": (m * lo, m * hi)}
 
 
 # Bounds on the work of one report (each is about a second here at its limit): every layer's
@@ -121,6 +163,8 @@ class MemoryReport:
     stages: tuple[RankMemory, ...]
     group_sizes: dict[str, int] = field(default_factory=dict)
     not_modelled: tuple[str, ...] = field(default_factory=tuple)
+    assumptions: tuple[str, ...] = field(default_factory=tuple)
+    unmeasured: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def per_gpu(self) -> RankMemory:
@@ -143,9 +187,6 @@ def decoder_memory(
     if par.fsdp:
         raise ValueError("--fsdp is modelled for DiT model files (torch FSDP2); for a megatron-core "
                          "decoder use --distributed-optimizer")
-    if par.cp > 1 or par.sequence_parallel:
-        raise ValueError("context and sequence parallelism are not modelled (neither runs on CPU, where "
-                         "these figures are checked)")
     if recompute is not None and recompute.pipeline_model_parallel_size != par.pp:
         recompute = RecomputeSpec(granularity=recompute.granularity, method=recompute.method,
                                   num_layers=recompute.num_layers, modules=recompute.modules,
@@ -157,12 +198,51 @@ def decoder_memory(
                  for d in (range(par.dp) if par.distributed_optimizer else (0,))]
         stages.append(max(ranks, key=lambda r: (r.total, -r.dp_rank)))
     reason = _activation_reason(spec, options, par, recompute, peft)
+    assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None)
     return MemoryReport(
         parameters=parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp),
         stages=tuple(stages),
-        group_sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2},
+        group_sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2,
+                     "cp": par.cp},
         not_modelled=(reason,) if reason else (),
+        assumptions=assumptions,
+        unmeasured=unmeasured,
     )
+
+
+def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
+                    *, activations: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What can make a figure differ from a real run (``assumptions``), and which figures are
+    formulas that could not be measured on CPU (``unmeasured``)."""
+    assumptions: list[str] = []
+    unmeasured: list[str] = []
+    if activations:
+        assumptions.append("norm statistics saved in fp32 per token, as CUDA kernels keep them (torch's CPU "
+                           "LayerNorm keeps them in the input dtype; its CPU RMSNorm also saves x * rstd)")
+        if options.attention_backend == "flash" or par.cp > 1:
+            assumptions.append("attention saves q, k, v, its output and an fp32 log-sum-exp per query and head, "
+                               "as flash/cuDNN kernels do")
+            unmeasured.append("activations of the fused attention kernel (no Transformer Engine on CPU; the local "
+                              "unfused attention is measured: --attention-backend local)")
+        else:
+            assumptions.append("attention as megatron-core's local unfused DotProductAttention (the [s, s] softmax "
+                               "is saved)")
+        if options.hidden_dropout > 0 or options.attention_dropout > 0:
+            assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
+                               "activation-dtype mask)")
+    if activations and spec.moe is not None:
+        assumptions.append("routed experts save as megatron-core's SequentialMLP (local spec); grouped-GEMM experts "
+                           "(moe_grouped_gemm, Transformer Engine) are not measured")
+    if par.ep > 1 and spec.moe is not None:
+        assumptions.append("ep/all_to_all and the routed experts' activations assume balanced routing (each EP "
+                           "rank receives as many routed tokens as it sends): a rank's figures move with the "
+                           "router (measured: within +/-4.3% per rank on 4-rank tests), the EP group's total "
+                           "is exact; the per-rank range over all routings is shown")
+    if par.cp > 1:
+        unmeasured.append(f"context parallelism (CP {par.cp}): activations and collectives as s/CP tokens per rank "
+                          "through a fused attention, and the cp/send_recv ring of K/V (no context-parallel "
+                          "attention on CPU)")
+    return tuple(assumptions), tuple(unmeasured)
 
 
 def report_dict(report: MemoryReport, *, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -179,10 +259,14 @@ def report_dict(report: MemoryReport, *, extra: dict[str, Any] | None = None) ->
             "components": {**r.states, **({"activations": r.activations} if r.activations is not None else {})},
             "forward_passes_in_flight": r.in_flight,
             "activations_per_microbatch": list(r.activations_per_microbatch) if r.activations_per_microbatch else None,
+            "activations_range_bytes": list(r.activations_range) if r.activations_range else None,
         }
 
     def comm(r: RankMemory) -> dict[str, int]:
         return {**r.communication, "total_bytes": sum(r.communication.values())}
+
+    def ranges(r: RankMemory) -> dict[str, list[int]]:
+        return {k: [lo, hi] for k, (lo, hi) in r.communication_ranges.items()}
 
     busiest = max(report.stages, key=lambda r: sum(r.communication.values()))
     bus = bus_bytes(busiest.communication, report.group_sizes)
@@ -195,7 +279,10 @@ def report_dict(report: MemoryReport, *, extra: dict[str, Any] | None = None) ->
         "communication_per_step": comm(busiest),
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
         "communication_per_stage": [comm(r) for r in report.stages],
+        "communication_ranges_per_step": ranges(busiest),
         "not_modelled": list(report.not_modelled),
+        "modelling_assumptions": list(report.assumptions),
+        "unmeasured": list(report.unmeasured),
     }
     out.update(extra or {})
     return out

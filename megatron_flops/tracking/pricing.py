@@ -1,8 +1,8 @@
 """A decoder step's reduced totals priced into a :class:`StepResult`, and its static number.
 
 The totals are the tracker's slots summed over every rank (``device_stats.SLOTS``, then the
-vision slots): the :class:`~megatron_flops.formulas.SeqStats` of the step, priced by
-:func:`~megatron_flops.passes.price` (model and executed FLOPs under PEFT and recompute), plus the
+vision slots): the :class:`~megatron_flops.flops.formulas.SeqStats` of the step, priced by
+:func:`~megatron_flops.flops.passes.price` (model and executed FLOPs under PEFT and recompute), plus the
 vision tower. The static number is what the stock formula reports: every row one ``seq_length``
 sequence (or one of the step's mean padded row length).
 """
@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_flops.formulas import ATTENTION_CONVENTIONS, SeqStats, training_flops
-from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec, price
-from megatron_flops.result import StepResult
-from megatron_flops.spec import ModelSpec
-from megatron_flops.vision import VisionSpec, vision_training_flops
-from megatron_flops.vision_torch import VISION_SLOTS, vision_stats_from_vector
+from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS, SeqStats, training_flops
+from megatron_flops.flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec, price
+from megatron_flops.tracking.result import StepResult
+from megatron_flops.model.spec import ModelSpec
+from megatron_flops.flops.vision import VisionSpec, vision_training_flops
+from megatron_flops.tracking.vision_torch import VISION_SLOTS, vision_stats_from_vector
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from megatron_flops.meter import IntervalReport
-from megatron_flops.trace import FORMAT as TRACE_FORMAT
+from megatron_flops.reporting.meter import IntervalReport
+from megatron_flops.reporting.trace import FORMAT as TRACE_FORMAT
 
 DEFAULT_WARMUP = 2
 DEFAULT_TOLERANCE = 0.03

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_flops.step_tracker import DeviceAccumulator
-from megatron_flops.vision import VisionSpec
-from megatron_flops.vision_torch import VISION_SLOTS, vision_stats_tensor
+from megatron_flops.tracking.step_tracker import DeviceAccumulator
+from megatron_flops.flops.vision import VisionSpec
+from megatron_flops.tracking.vision_torch import VISION_SLOTS, vision_stats_tensor
 
 # Slots of the accumulator and of the reduced vector, in order (then the vision slots, with a
 # vision tower). Adjacent pairs are written by one add: (sum s, sum s^2) for real and padded

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from megatron_flops.formulas import TRAIN_PASSES, FlopsBreakdown, attention_gemm, gemm
+from megatron_flops.flops.formulas import TRAIN_PASSES, FlopsBreakdown, attention_gemm, gemm
 
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 VISION_ATTENTION_CONVENTIONS = ("full",)

@@ -27,7 +27,7 @@ is ``text_len``; give the real lengths where an implementation packs them (Megat
 WAN). WAN's batched path also pads video tokens to the batch maximum: not counted.
 
 Also here: the LoRA target names of a DiT block and parameter counts. Training passes with a
-frozen base, LoRA and per-block checkpointing: :mod:`megatron_flops.dit_passes`.
+frozen base, LoRA and per-block checkpointing: :mod:`megatron_flops.flops.dit_passes`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from megatron_flops.formulas import Gemm, attention_gemm, gemm
-from megatron_flops.passes import PeftSpec
+from megatron_flops.flops.formulas import Gemm, attention_gemm, gemm
+from megatron_flops.flops.passes import PeftSpec
 
 
 def seqlens_from_cu_seqlens(cu_seqlens: Sequence[int], *, name: str = "cu_seqlens") -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_flops.vision import VISION_STAT_FIELDS, VisionSpec, VisionStats, grid_row_terms
+from megatron_flops.flops.vision import VISION_STAT_FIELDS, VisionSpec, VisionStats, grid_row_terms
 
 # Entries of the vector, in order: the VisionStats fields.
 VISION_SLOTS: tuple[str, ...] = VISION_STAT_FIELDS

@@ -26,7 +26,7 @@ import os
 from datetime import datetime, timezone
 from typing import IO, Any
 
-from megatron_flops.result import StepResult
+from megatron_flops.tracking.result import StepResult
 
 FORMAT = "megatron-flops-trace/1"
 FRAMEWORKS = ("megatron-lm", "megatron-bridge", "custom", "demo")

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_flops.batch_checks import all_on_host, check_grid, check_lengths, check_offsets, host_int, on_host, trim
-from megatron_flops.device_stats import DeviceStats
-from megatron_flops.host_stats import HostBatches
-from megatron_flops.vision import VisionSpec
+from megatron_flops.tracking.batch_checks import all_on_host, check_grid, check_lengths, check_offsets, host_int, on_host, trim
+from megatron_flops.tracking.device_stats import DeviceStats
+from megatron_flops.tracking.host_stats import HostBatches
+from megatron_flops.flops.vision import VisionSpec
 
 
 class BatchIntake:

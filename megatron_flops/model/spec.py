@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_flops._inputs import Fields, read_document, show
-from megatron_flops._layout import Runs, layer_flags, merged, zip_runs
-from megatron_flops._mcore_fields import TRANSFORMER_CONFIG_FIELDS
-from megatron_flops.hf_config import HF_FAMILIES, HF_NAMES, HF_SOURCE, hf_text_config, hf_to_mcore, is_hf_config
+from megatron_flops.model.inputs import Fields, read_document, show
+from megatron_flops.model._layout import Runs, layer_flags, merged, zip_runs
+from megatron_flops.model._mcore_fields import TRANSFORMER_CONFIG_FIELDS
+from megatron_flops.model.hf_config import HF_FAMILIES, HF_NAMES, HF_SOURCE, hf_text_config, hf_to_mcore, is_hf_config
 
 # Activation name -> whether the name itself implies a gated linear unit.
 _ACTIVATIONS: dict[str, bool] = {
@@ -333,7 +333,7 @@ _MLM_NAMES = {"num_moe_experts": "num_experts", "gated_linear_unit": "swiglu", "
 
 
 def _unknown_keys_message(unknown: list[str]) -> str:
-    from megatron_flops import _mlm_args
+    from megatron_flops.model import _mlm_args
 
     mlm = [k for k in unknown if k in _mlm_args.DESTS]
     if mlm:

@@ -1,6 +1,6 @@
 """Megatron-LM arguments as users launch them (stdlib only): a pasted command line, a file holding
 one (a launch script's arguments), or an args dump (JSON/YAML of ``vars(args)``), read with
-Megatron-LM's own option table (:mod:`megatron_flops._mlm_args`) and defaults, then priced by
+Megatron-LM's own option table (:mod:`megatron_flops.model._mlm_args`) and defaults, then priced by
 :meth:`ModelSpec.from_megatron_args`.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from megatron_flops._inputs import MAX_FILE_BYTES, read_document, show
-from megatron_flops.spec import ModelOptions, ModelSpec
+from megatron_flops.model.inputs import MAX_FILE_BYTES, read_document, show
+from megatron_flops.model.spec import ModelOptions, ModelSpec
 
 # Megatron-LM dests that megatron-flops reads (the model, recompute, pipeline split, seq_length).
 READ = (
@@ -102,7 +102,7 @@ def args_from_dump(dump: Mapping[str, Any], *, source: str) -> SimpleNamespace:
     """An args dump (``vars(args)`` as JSON/YAML): the keys megatron-flops reads, over Megatron-LM's
     defaults. Other keys are Megatron-LM state and are ignored, except near-misses of a key we read
     (a typo), which are an error with the suggestion."""
-    from megatron_flops import _mlm_args
+    from megatron_flops.model import _mlm_args
 
     for key in dump:
         if not isinstance(key, str):
@@ -119,7 +119,7 @@ def args_from_dump(dump: Mapping[str, Any], *, source: str) -> SimpleNamespace:
 def parse_command_line(text: str, *, source: str) -> SimpleNamespace:
     """Megatron-LM options as ``pretrain_gpt.py`` parses them (no abbreviations). A launcher prefix
     (``torchrun ... pretrain_gpt.py``) is skipped; ``#`` comments and ``\\`` line breaks are allowed."""
-    from megatron_flops import _mlm_args
+    from megatron_flops.model import _mlm_args
 
     try:
         tokens = shlex.split(text.replace("\\\n", " "), comments=True)

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from megatron_flops.result import StepResult
+from megatron_flops.tracking.result import StepResult
 
 
 @dataclass(frozen=True, kw_only=True)

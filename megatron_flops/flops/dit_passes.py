@@ -1,8 +1,8 @@
 """Training FLOPs of a WAN-style DiT with a frozen base, LoRA adapters and per-block activation
 checkpointing (stdlib only: ints in, ints out).
 
-Same conventions as the decoder's (:mod:`megatron_flops.passes`): every forward GEMM of
-:func:`~megatron_flops.dit.dit_forward_gemms` runs once forward, then one backward GEMM of its
+Same conventions as the decoder's (:mod:`megatron_flops.flops.passes`): every forward GEMM of
+:func:`~megatron_flops.flops.dit.dit_forward_gemms` runs once forward, then one backward GEMM of its
 size per operand that gets a gradient; model FLOPs are ``"needed"`` (forward + the input
 gradients a gradient flows through + the weight gradients of trainable weights) or
 ``"train_passes"`` (TRAIN_PASSES x every forward GEMM, adapters included); executed FLOPs add
@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_flops.dit import (
+from megatron_flops.flops.dit import (
     DiTPeftSpec,
     DiTSpec,
     DiTStats,
@@ -40,8 +40,8 @@ from megatron_flops.dit import (
     dit_forward_gemms,
     dit_parameter_counts,
 )
-from megatron_flops.formulas import FlopsBreakdown, Gemm
-from megatron_flops.passes import (
+from megatron_flops.flops.formulas import FlopsBreakdown, Gemm
+from megatron_flops.flops.passes import (
     MODEL_FLOPS_CONVENTIONS,
     PeftSpec,
     PricedStep,
@@ -129,7 +129,7 @@ def dit_training_passes(
     recompute: RecomputeSpec | None = None,
 ) -> TrainingPasses:
     """Forward, input-gradient, weight-gradient and recompute FLOPs over ``stats``; keys are
-    :func:`~megatron_flops.dit.dit_forward_flops`'s plus ``dit/lora/<module>`` per adapted
+    :func:`~megatron_flops.flops.dit.dit_forward_flops`'s plus ``dit/lora/<module>`` per adapted
     projection (``dit/lora/self_attn.q``, ...).
 
     Blocks are priced as runs, not one by one: the residual stream needs a gradient into the first

@@ -4,9 +4,9 @@
 host sync, no collective. Host lengths (ints, lists, CPU tensors) are summed on the host; device
 tensors are summed on their device into one preallocated int64 accumulator, and a non-positive
 device length is counted there rather than checked (a check would sync). ``end_step()`` runs on
-every rank once per step: the one fixed-shape all-reduce (:class:`~megatron_flops.reduction.StepReducer`),
-then :func:`~megatron_flops.dit_passes.price_dit` on the totals: the DiT's FLOPs depend on the
-clips only through the additive :class:`~megatron_flops.dit.DiTStats`.
+every rank once per step: the one fixed-shape all-reduce (:class:`~megatron_flops.tracking.reduction.StepReducer`),
+then :func:`~megatron_flops.flops.dit_passes.price_dit` on the totals: the DiT's FLOPs depend on the
+clips only through the additive :class:`~megatron_flops.flops.dit.DiTStats`.
 
 Ownership: every rank records the clips it trains on (data parallel, FSDP, HSDP); ranks that share
 a replica's clips (tensor- or context-parallel peers) pass ``owner=False`` on all but one of them,
@@ -15,7 +15,7 @@ so each clip is counted once.
 Static number: every sample priced at its micro-batch's longest clip (or ``seq_length`` video
 tokens) with the full ``text_len`` (and ``image_len``) context, every weight trained, nothing
 recomputed: what a fixed-shape formula reports. A step that cannot be priced exactly (a failed
-record on any rank, a non-positive length, see :mod:`~megatron_flops.reduction`) reports the
+record on any rank, a non-positive length, see :mod:`~megatron_flops.tracking.reduction`) reports the
 static number on every rank with ``ok=False``: from the sample count with ``seq_length``, else the
 latest exact step's.
 """
@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-from megatron_flops.batch_checks import INT_DTYPES, on_host
-from megatron_flops.dit import DiTPeftSpec, DiTSpec, DiTStats
-from megatron_flops.dit_passes import price_dit
-from megatron_flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec
-from megatron_flops.result import StepResult
-from megatron_flops.step_tracker import DeviceAccumulator, StepTracker
+from megatron_flops.tracking.batch_checks import INT_DTYPES, on_host
+from megatron_flops.flops.dit import DiTPeftSpec, DiTSpec, DiTStats
+from megatron_flops.flops.dit_passes import price_dit
+from megatron_flops.flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec
+from megatron_flops.tracking.result import StepResult
+from megatron_flops.tracking.step_tracker import DeviceAccumulator, StepTracker
 
 # Slots of the accumulator and of the reduced vector. The nine from num_video_tokens through
 # num_bad_lengths are written by one add per device micro-batch, in this order.
@@ -64,9 +64,9 @@ class DiTFlopsTracker(StepTracker):
 
     Args:
         spec: the DiT.
-        peft, recompute, convention: frozen base / LoRA (:class:`~megatron_flops.dit.DiTPeftSpec`),
-            per-block checkpointing (:func:`~megatron_flops.dit_passes.dit_recompute`) and the
-            model-FLOPs convention (see :mod:`megatron_flops.dit_passes`).
+        peft, recompute, convention: frozen base / LoRA (:class:`~megatron_flops.flops.dit.DiTPeftSpec`),
+            per-block checkpointing (:func:`~megatron_flops.flops.dit_passes.dit_recompute`) and the
+            model-FLOPs convention (see :mod:`megatron_flops.flops.dit_passes`).
         seq_length: video tokens per sample of the static number (default: each micro-batch's
             longest clip).
         validate: check every input (this syncs the host with the device: for debugging).

@@ -1,11 +1,11 @@
 """One training step of a tracker: its counts, its one reduction, and exact pricing or the static
 number (torch).
 
-Both trackers (:class:`~megatron_flops.tracker.FlopsTracker` for decoders and VLMs,
-:class:`~megatron_flops.dit_tracker.DiTFlopsTracker` for video DiTs) add each micro-batch into
+Both trackers (:class:`~megatron_flops.tracking.tracker.FlopsTracker` for decoders and VLMs,
+:class:`~megatron_flops.tracking.dit_tracker.DiTFlopsTracker` for video DiTs) add each micro-batch into
 host counts (exact Python ints) and a device accumulator (int64, on the data's device), laid out
 as the same slots. ``end_step()`` runs on every rank once per step, whatever failed on it: the one
-fixed-shape all-reduce (:class:`~megatron_flops.reduction.StepReducer`), then the tracker's
+fixed-shape all-reduce (:class:`~megatron_flops.tracking.reduction.StepReducer`), then the tracker's
 :class:`StepPricing` prices the totals, or, when they cannot be priced exactly, every rank reports
 the static number with ``ok=False`` (from the step's shapes, else the latest step's) and logs the
 reason once.
@@ -20,8 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_flops.reduction import Reduction, StepReducer
-from megatron_flops.result import StepResult
+from megatron_flops.tracking.reduction import Reduction, StepReducer
+from megatron_flops.tracking.result import StepResult
 
 logger = logging.getLogger("megatron_flops")
 

@@ -24,17 +24,17 @@ from typing import Any
 
 import torch
 
-from megatron_flops.device_stats import SHAPE_SLOTS, DeviceStats
-from megatron_flops.dit_passes import dit_setup
-from megatron_flops.dit_tracker import DiTFlopsTracker
-from megatron_flops.host_stats import HostBatches
-from megatron_flops.intake import BatchIntake
-from megatron_flops.ownership import ChunkOwners
-from megatron_flops.passes import PeftSpec, RecomputeSpec
-from megatron_flops.pricing import DecoderPricing
-from megatron_flops.spec import ModelSpec, load_model_file
-from megatron_flops.step_tracker import StepTracker
-from megatron_flops.vision import VisionSpec, vision_spec_from_model_mapping
+from megatron_flops.tracking.device_stats import SHAPE_SLOTS, DeviceStats
+from megatron_flops.flops.dit_passes import dit_setup
+from megatron_flops.tracking.dit_tracker import DiTFlopsTracker
+from megatron_flops.tracking.host_stats import HostBatches
+from megatron_flops.tracking.intake import BatchIntake
+from megatron_flops.tracking.ownership import ChunkOwners
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.tracking.pricing import DecoderPricing
+from megatron_flops.model.spec import ModelSpec, load_model_file
+from megatron_flops.tracking.step_tracker import StepTracker
+from megatron_flops.flops.vision import VisionSpec, vision_spec_from_model_mapping
 
 
 class FlopsTracker(StepTracker):
@@ -204,7 +204,7 @@ class FlopsTracker(StepTracker):
     def from_model_file(cls, path: str | Path, **options: Any) -> FlopsTracker | DiTFlopsTracker:
         """A tracker for any model file ``megatron-flops estimate`` takes: a decoder (a VLM with a
         ``vision_config``; ``lora`` and ``recompute_*`` set up PEFT and recompute), or a DiT (a
-        ``"dit"`` section: a :class:`~megatron_flops.dit_tracker.DiTFlopsTracker`). ``options``
+        ``"dit"`` section: a :class:`~megatron_flops.tracking.dit_tracker.DiTFlopsTracker`). ``options``
         are the tracker's keyword arguments; they override the file."""
         return tracker_from_model_file(path, **options)
 

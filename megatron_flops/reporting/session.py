@@ -1,6 +1,6 @@
 """The process-global accounting session that the framework adapters share (torch level).
 
-A session owns a :class:`FlopsTracker` (or a :class:`~megatron_flops.dit_tracker.DiTFlopsTracker`)
+A session owns a :class:`FlopsTracker` (or a :class:`~megatron_flops.tracking.dit_tracker.DiTFlopsTracker`)
 and a :class:`ThroughputMeter`, times each training step and writes the per-step trace. An adapter brackets the framework's train step with
 ``begin_step()`` / ``end_step()`` on every rank (``end_step`` runs the tracker's one all-reduce);
 micro-batches reach the tracker only while a step is open, whether a ``forward_step`` records them
@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from megatron_flops import __version__
-from megatron_flops.meter import IntervalReport, ThroughputMeter
-from megatron_flops.result import StepResult
-from megatron_flops.trace import TraceWriter, run_header, trace_path
-from megatron_flops.tracker import FlopsTracker
+from megatron_flops.reporting.meter import IntervalReport, ThroughputMeter
+from megatron_flops.tracking.result import StepResult
+from megatron_flops.reporting.trace import TraceWriter, run_header, trace_path
+from megatron_flops.tracking.tracker import FlopsTracker
 
 if TYPE_CHECKING:
-    from megatron_flops.dit_tracker import DiTFlopsTracker
+    from megatron_flops.tracking.dit_tracker import DiTFlopsTracker
 
 logger = logging.getLogger("megatron_flops")
 
@@ -241,7 +241,7 @@ def install_session(
     Install it on every rank. ``world_size``: the number of GPUs the step totals are spread over
     (default: the initialised process group's size, else 1). ``peak_flops_per_s``: one GPU's
     dense peak (None: no MFU/HFU). ``clock``: seconds, monotonic. ``trace``: a file that the rank
-    printing the log (the last rank) appends the per-step trace to (``megatron_flops.trace``; a
+    printing the log (the last rank) appends the per-step trace to (``megatron_flops.reporting.trace``; a
     ``{rank}`` in the path: every rank writes its own); ``framework`` and ``framework_version``
     go into its header. The trace's last step is written by ``close()``, at the latest at exit.
     """

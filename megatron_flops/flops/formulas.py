@@ -26,8 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_flops._inputs import show
-from megatron_flops.spec import ModelSpec
+from megatron_flops.model.inputs import show
+from megatron_flops.model.spec import ModelSpec
 
 # One training step runs every GEMM three times:
 #   forward           Y  = X @ W        1

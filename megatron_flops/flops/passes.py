@@ -1,7 +1,7 @@
 """GEMM FLOPs of a training step with frozen weights, LoRA adapters and activation recompute
 (stdlib only: ints in, ints out).
 
-Every forward GEMM of :func:`megatron_flops.formulas.forward_runs` runs once forward. Its
+Every forward GEMM of :func:`megatron_flops.flops.formulas.forward_runs` runs once forward. Its
 backward runs one GEMM of the forward's size per operand that gets a gradient: the input
 gradient (dgrad) when its activation operand needs one, the weight gradient (wgrad) when its
 weight is trainable. Core attention multiplies two activations (Q and K, then P and V): one
@@ -57,7 +57,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from megatron_flops.formulas import (
+from megatron_flops.flops.formulas import (
     TRAIN_PASSES,
     FlopsBreakdown,
     Gemm,
@@ -67,7 +67,7 @@ from megatron_flops.formulas import (
     gemm,
     training_flops,
 )
-from megatron_flops.spec import ModelSpec
+from megatron_flops.model.spec import ModelSpec
 
 MODEL_FLOPS_CONVENTIONS = ("needed", "train_passes")
 # Projections an adapter can wrap, named as Megatron-Bridge's LoRA ``target_modules`` name them.

@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` files read as ``transformers``' modeling code reads them (stdlib
 only): one rule set per supported ``model_type`` family, every key type-checked under its HF name,
-and the result in ``TransformerConfig`` field names for :class:`megatron_flops.spec.ModelSpec`."""
+and the result in ``TransformerConfig`` field names for :class:`megatron_flops.model.spec.ModelSpec`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_flops._inputs import Fields, show
-from megatron_flops._layout import FlagRuns, cleared, cycle, length, merged
+from megatron_flops.model.inputs import Fields, show
+from megatron_flops.model._layout import FlagRuns, cleared, cycle, length, merged
 
 
 def is_hf_config(data: Mapping[str, Any]) -> bool:

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
-from megatron_flops._inputs import MAX_NESTING, Fields, show
+from megatron_flops.model.inputs import MAX_NESTING, Fields, show
 
 # A real model changes layer kind a few dozen times; far more is a malformed layout.
 MAX_LAYER_RUNS = 10_000

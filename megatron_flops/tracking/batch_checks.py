@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatron_flops.vision import VisionSpec, parse_grids
+from megatron_flops.flops.vision import VisionSpec, parse_grids
 
 INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 # Where a tensor counts as on the host (the trackers read or price it there). Tests empty it to run

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_flops.vision import VisionSpec
-from megatron_flops.vision_torch import VISION_SLOTS, vision_stats_tensor
+from megatron_flops.flops.vision import VisionSpec
+from megatron_flops.tracking.vision_torch import VISION_SLOTS, vision_stats_tensor
 
 _SQUARE_SAFE = 3_037_000_499  # floor(sqrt(2**63 - 1))
 _NO_LIMIT = 2**62
