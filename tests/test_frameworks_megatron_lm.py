@@ -61,3 +61,8 @@ def test_closed_form_on_hand_countable_rows():
     assert mlm.per_token_flops() == per_token == 2_752_512
     assert mlm.attention_flops(64 * 64) == 6 * 4 * 64 * 4096
     assert mlm.attention_flops(16 * 16 + 48 * 48) == 6 * 4 * 64 * 2560
+
+
+def test_the_model_inputs_agree_with_the_batches_read(run):
+    scenario, ranks = run
+    checks.assert_model_inputs_agree(ranks)
