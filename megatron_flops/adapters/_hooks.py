@@ -157,10 +157,10 @@ def _observed_call(bound: inspect.BoundArguments, adapter: Adapter, session: Ses
 
 def wrap_static_flops(original: Callable[..., Any], adapter: Adapter) -> Callable[..., Any]:
     """``original`` (the framework's stock FLOPs function) whose result is also attached to the
-    session's latest step as its static number."""
+    session's latest step as the framework's own number (``Session.set_framework_flops``)."""
 
     @functools.wraps(original)
-    def static_flops(*args: Any, **kwargs: Any) -> Any:
+    def framework_flops(*args: Any, **kwargs: Any) -> Any:
         value = original(*args, **kwargs)
         session = get_session()
         if session is not None:
@@ -170,7 +170,7 @@ def wrap_static_flops(original: Callable[..., Any], adapter: Adapter) -> Callabl
                 session.warn_once(f"{adapter.name} stock FLOPs hook failed", exc)
         return value
 
-    return _mark(static_flops, original)
+    return _mark(framework_flops, original)
 
 
 def wrap_training_log(original: Callable[..., Any], adapter: Adapter) -> Callable[..., Any]:

@@ -12,7 +12,7 @@ looks them up as module globals (``training_log`` is imported there by name from
   ``IntervalReport.scalars()`` to ``global_state.tensorboard_logger`` / ``wandb_logger``
   (MLflow and Comet are not written).
 
-The step's static number is the step's increase of ``train_state.floating_point_operations_so_far``:
+The step's framework number is the step's increase of ``train_state.floating_point_operations_so_far``:
 what ``train()`` adds after each step (``flop_utils.num_floating_point_operations`` plus, for
 VLMs, ``vit_flops_from_patch_stats``) and what its log line divides. Reading the total instead of
 patching ``flop_utils`` keeps the number right across releases that call those functions
