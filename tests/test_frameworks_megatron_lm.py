@@ -66,3 +66,14 @@ def test_closed_form_on_hand_countable_rows():
 def test_the_model_inputs_agree_with_the_batches_read(run):
     scenario, ranks = run
     checks.assert_model_inputs_agree(ranks)
+
+
+def test_the_framework_number_is_captured_beside_ours(run):
+    # core_v0.14.0 and core_v0.16.1 compute the stock full-row formula themselves
+    # (num_floating_point_operations(args, batch_size)): their own number is the static one, so the
+    # over-report factor vs static shows what packing changes.
+    scenario, ranks = run
+    for rank, lines in checks.traces(ranks).items():
+        assert all(step["framework_flops"] == step["static_flops"] for step in lines[1:]), lines
+    factors = [fields["over-report factor vs static"] for fields in mlm.log_lines(ranks[-1].output).values()]
+    assert all(f == "1.00x" for f in factors) is not scenario.packed, factors
