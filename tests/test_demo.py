@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LINE = re.compile(
     r"iteration +(\d+)/ +(\d+) \| elapsed time per iteration \(ms\): [\d.]+ \|"
     r" throughput per GPU \(TFLOP/s/GPU\): ([\d.e+-]+) \|"
-    r" corrected throughput per GPU \(TFLOP/s/GPU\): ([\d.e+-]+) \| over-report factor: ([\d.]+)x \|"
+    r" corrected throughput per GPU \(TFLOP/s/GPU\): ([\d.e+-]+) \| over-report factor vs static: ([\d.]+)x \|"
     r" tokens per GPU \(tokens/s/GPU\): [\d.]+ \| lm loss: [\d.E+-]+ \|"
 )
 

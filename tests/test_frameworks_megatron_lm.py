@@ -93,3 +93,26 @@ def test_core_v0_19_counts_evaluation_into_its_own_number_and_we_do_not(name, tm
     assert theirs[2] == pytest.approx(mlm.rows_flops(mlm.rows_of_step(scenario, 3) + eval_rows), rel=1e-12)
     ratio = theirs[2] / expected[2]
     assert ratio == pytest.approx(mlm.MEASURED_EVAL_FAULT[name], abs=5e-4)  # the README's faults table
+
+
+def test_the_model_inputs_agree_with_the_batches_read(run):
+    scenario, ranks = run
+    checks.assert_model_inputs_agree(ranks)
+
+
+def test_the_framework_number_is_captured_beside_ours(run, request):
+    # core_v0.14.0 and core_v0.16.1 compute the stock full-row formula themselves
+    # (num_floating_point_operations(args, batch_size)): their own number is the static one, so the
+    # over-report factor vs static shows what packing changes. core_v0.19.0 prices packed rows
+    # itself: its number is ours, except on the iteration after an evaluation (the test above).
+    scenario, ranks = run
+    version = request.node.callspec.params["run"][0]
+    for rank, lines in checks.traces(ranks).items():
+        steps = lines[1:]
+        if version == "0.19.0":
+            clean = [step for step in steps if not (scenario.evaluate and step["iteration"] == mlm.EVAL_INTERVAL + 1)]
+            assert all(step["framework_flops"] == pytest.approx(step["flops"], rel=1e-12) for step in clean), lines
+        else:
+            assert all(step["framework_flops"] == step["static_flops"] for step in steps), lines
+    factors = [fields["over-report factor vs static"] for fields in mlm.log_lines(ranks[-1].output).values()]
+    assert all(f == "1.00x" for f in factors) is not scenario.packed, factors

@@ -189,6 +189,8 @@ def test_fallback_reason_passes_megatrons_warning_filter(bridge, caplog):
     def warning_filter(record):
         return record.levelno != logging.WARNING
 
+    warning_filter.__module__ = "megatron.training.utils.log_utils"  # where Megatron defines it
+
     def module_filter(record):
         return True
 
@@ -483,12 +485,12 @@ def test_trace_lines_hold_the_exact_integers(mlm, tmp_path):
     assert run["model"]["layer_runs"] == [[["attention", "mlp"], 1]]
     assert run["conventions"] == {"attention": "causal", "model_flops": "needed", "recompute": None, "peft": None}
     assert run["peak_flops_per_s"] == 11_083_776_000_000 and run["started_at"].endswith("+00:00")
-    # Each step: 2 packed rows (sub-sequences 4, 8, 4); the stock number from
-    # num_floating_point_operations: 2 x 5,603,328; 2e-6 s of the session's clock.
+    # Each step: 2 packed rows (sub-sequences 4, 8, 4); the static number (2 full 16-token rows) and
+    # the framework's (num_floating_point_operations) both 2 x 5,603,328; 2e-6 s of the session's clock.
     assert [step.pop("elapsed_s") for step in steps] == pytest.approx([2e-6] * 3, rel=1e-9)
     assert steps == [
         {"iteration": i, "flops": STEP_FLOPS, "executed_flops": STEP_FLOPS, "static_flops": 2 * STOCK_FLOPS_PER_SAMPLE,
-         "num_tokens": 32, "num_padded_tokens": 32, "num_sequences": 6, "num_microbatches": 2, "ok": True}
+         "framework_flops": 2 * STOCK_FLOPS_PER_SAMPLE, "num_tokens": 32, "num_padded_tokens": 32, "num_sequences": 6, "num_microbatches": 2, "ok": True}
         for i in (1, 2, 3)
     ]
 
@@ -504,10 +506,11 @@ def test_trace_appends_a_segment_per_run_and_writes_fallbacks(mlm, tmp_path):
     uninstall_session()
     lines = _lines(path)
     assert [("run" in line) for line in lines] == [True, False, True, False]
-    # The fallen-back step reports the stock number as its FLOPs, ok false.
-    assert {k: lines[3][k] for k in ("flops", "executed_flops", "static_flops", "ok")} == {
+    # The fallen-back step reports the framework's number as its FLOPs, ok false; no batch shape
+    # arrived, so the static number is unknown.
+    assert {k: lines[3][k] for k in ("flops", "executed_flops", "static_flops", "framework_flops", "ok")} == {
         "flops": 2 * STOCK_FLOPS_PER_SAMPLE, "executed_flops": 2 * STOCK_FLOPS_PER_SAMPLE,
-        "static_flops": 2 * STOCK_FLOPS_PER_SAMPLE, "ok": False}
+        "static_flops": None, "framework_flops": 2 * STOCK_FLOPS_PER_SAMPLE, "ok": False}
 
 
 def test_trace_from_the_flag_env_and_bridge_config(mlm, bridge, tmp_path):

@@ -7,7 +7,9 @@ context-parallel rank 0) hands the forward step an ``ObservedIterator`` around i
 iterator, so every ``next()`` inside that forward step is observed with the call's chunk. Under
 interleaved pipelining each chunk gets its own iterator from the list: only the first chunk's is
 observed. Other calls get their arguments untouched, and the train step itself still gets the
-framework's iterators (Megatron's rerun state machine checks their type).
+framework's iterators (Megatron's rerun state machine checks their type). While an observed
+forward step runs, what its model chunk receives is checked against what was read from its batch
+(``_crosscheck``).
 
 ``BatchReader`` turns a batch, as Megatron-LM's and Megatron-Bridge's data loaders yield it, into
 ``FlopsTracker.observe`` arguments (the keys are listed on the class). It reads references and
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatron_flops.adapters._crosscheck import ModelInputCheck
 from megatron_flops.reporting.session import Session
 
 logger = logging.getLogger("megatron_flops")
@@ -49,13 +52,15 @@ class ObservedIterator:
     not observed again. Every other attribute is the wrapped iterator's.
     """
 
-    __slots__ = ("_iterator", "_session", "_read", "_replays")
+    __slots__ = ("_iterator", "_session", "_read", "_replays", "_check")
 
-    def __init__(self, iterator: Iterator[Any], session: Session, read: Callable[[Any], dict[str, Any]]) -> None:
+    def __init__(self, iterator: Iterator[Any], session: Session, read: Callable[[Any], dict[str, Any]],
+                 check: ModelInputCheck | None = None) -> None:
         self._iterator: Any = iterator  # may be a RerunDataIterator, with its replaying flag
         self._session = session
         self._read = read
         self._replays = hasattr(iterator, "replaying")
+        self._check = check
 
     def __iter__(self) -> ObservedIterator:
         return self
@@ -63,7 +68,9 @@ class ObservedIterator:
     def __next__(self) -> Any:
         batch = next(self._iterator)
         if not (self._replays and self._iterator.replaying):
-            self._session.observe(self._read, batch)
+            fields = self._session.observe(self._read, batch)
+            if fields is not None and self._check is not None:
+                self._check.expect(fields)
         return batch
 
     def __getattr__(self, name: str) -> Any:
@@ -71,16 +78,23 @@ class ObservedIterator:
 
 
 def observe_forward_step(
-    forward_step_func: Callable[..., Any], session: Session, read: Callable[[Any], dict[str, Any]]
+    forward_step_func: Callable[..., Any], session: Session, read: Callable[[Any], dict[str, Any]],
+    check: ModelInputCheck | None = None,
 ) -> Callable[..., Any]:
     """``forward_step_func(data_iterator, model, ...)`` whose data iterator is observed when
-    ``model`` owns its micro-batches."""
+    ``model`` owns its micro-batches; with ``check``, what ``model`` receives is cross-checked."""
 
     @functools.wraps(forward_step_func)
     def forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        if data_iterator is not None and hasattr(data_iterator, "__next__") and session.observing(model):
-            data_iterator = ObservedIterator(data_iterator, session, read)
-        return forward_step_func(data_iterator, model, *args, **kwargs)
+        if data_iterator is None or not hasattr(data_iterator, "__next__") or not session.observing(model):
+            return forward_step_func(data_iterator, model, *args, **kwargs)
+        if check is None:
+            return forward_step_func(ObservedIterator(data_iterator, session, read), model, *args, **kwargs)
+        check.arm(model, session)
+        try:
+            return forward_step_func(ObservedIterator(data_iterator, session, read, check), model, *args, **kwargs)
+        finally:
+            check.disarm()
 
     return forward_step
 

@@ -13,7 +13,7 @@ looks them up as module globals (``training_log`` is imported there by name from
   ``IntervalReport.scalars()`` to ``global_state.tensorboard_logger`` / ``wandb_logger``
   (MLflow and Comet are not written).
 
-The step's static number is the step's increase of ``train_state.floating_point_operations_so_far``:
+The step's framework number is the step's increase of ``train_state.floating_point_operations_so_far``:
 what ``train()`` adds after each step (``flop_utils.num_floating_point_operations`` plus, for
 VLMs, ``vit_flops_from_patch_stats``) and what its log line divides. Reading the total instead of
 patching ``flop_utils`` keeps the number right across releases that call those functions
@@ -42,7 +42,13 @@ import torch.distributed as dist
 
 from megatron_flops.adapters._hooks import PRINTER, Adapter, wrap_train_step, wrap_training_log
 from megatron_flops.adapters._observe import BatchReader
-from megatron_flops.adapters._setup import check_options, import_target, is_corrected, new_session, patch
+from megatron_flops.adapters._setup import (
+    check_options,
+    import_target,
+    is_corrected,
+    new_session,
+    patch,
+)
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.reporting.session import Session
 from megatron_flops.model.spec import ModelSpec
@@ -124,7 +130,7 @@ class _MegatronBridge(Adapter):
     def on_log(self, bound: inspect.BoundArguments, session: Session) -> None:
         before, self._flops_before_step = self._flops_before_step, None
         if before is not None:
-            session.set_static_flops(_flops_so_far(bound) - before)
+            session.set_framework_flops(_flops_so_far(bound) - before)
 
     def log_iteration(self, bound: inspect.BoundArguments) -> int:
         return bound.arguments["global_state"].train_state.step

@@ -6,7 +6,8 @@ and ``training_log()`` look them up as module globals:
 - ``train_step``: opens and closes the session's step (see ``_hooks`` for why this hook), and
   observes the micro-batches that ``forward_step`` pulls from its data iterator (``_observe``):
   the stock ``pretrain_gpt.py`` needs no edit;
-- ``num_floating_point_operations``: unchanged result, also kept as the step's static number;
+- ``num_floating_point_operations``: unchanged result, also kept as the step's framework number
+  (packed-aware from core_v0.19.0; the static number is the tracker's own full-row formula);
 - ``training_log``: unchanged, except that its log line gains the corrected fields after the
   stock ``throughput per GPU (TFLOP/s/GPU)`` and each log interval writes
   ``IntervalReport.scalars()`` to Megatron's TensorBoard and W&B writers.

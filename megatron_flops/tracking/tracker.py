@@ -180,14 +180,15 @@ class FlopsTracker(StepTracker):
             step.failed = True
             self._warn_once("observing a micro-batch failed; every rank reports the static FLOPs for this step", exc)
 
-    def observe_failed(self, exc: BaseException) -> None:
-        """A micro-batch could not be observed (a batch in an unknown layout): unless the step
-        records explicitly, it falls back on every rank; logged once."""
+    def observe_failed(self, exc: BaseException, *,
+                       what: str = "a training batch is in a layout megatron-flops does not know") -> None:
+        """A micro-batch could not be observed (a batch in an unknown layout, or one the model
+        received otherwise): unless the step records explicitly, it falls back on every rank;
+        logged once per ``what``."""
         if self._observed is None:
             self._observed = self._host_batches()
         self._observed.failed = True
-        self._warn_once("a training batch is in a layout megatron-flops does not know; every rank reports the "
-                        "static FLOPs for such steps", exc)
+        self._warn_once(f"{what}; every rank reports the stock FLOPs for such steps", exc)
 
     def owns(self, model: Any) -> bool:
         """Whether ``model`` (a model chunk) counts the micro-batches it is given."""
