@@ -219,13 +219,17 @@ STEP_S = 2e-6
 # Peak = 2x the corrected rate: 11,083,776 FLOPs / 2e-6 s = 5.541888 TFLOP/s -> MFU 50%.
 PEAK_FLOPS_PER_S = 11_083_776_000_000
 # Interval of 2 steps: 22,167,552 FLOPs / 4e-6 s = 5.541888 TFLOP/s; 64 tokens / 4e-6 s.
-# Over-report: 4 x 5,603,328 / 22,167,552 = 1.011 -> "1.01x". Below 10 TFLOP/s: 3 significant digits.
-FIELDS = (" corrected throughput per GPU (TFLOP/s/GPU): 5.54 | over-report factor: 1.01x |"
+# Static (our full-row formula) and framework (the fake's num_floating_point_operations) agree here:
+# 4 x 5,603,328 / 4e-6 s = 5.603 TFLOP/s -> "5.6". Over-report vs static: 4 x 5,603,328 / 22,167,552 =
+# 1.011 -> "1.01x". Below 10 TFLOP/s: 3 significant digits.
+FIELDS = (" corrected throughput per GPU (TFLOP/s/GPU): 5.54 | static throughput per GPU (TFLOP/s/GPU): 5.6 |"
+          " framework throughput per GPU (TFLOP/s/GPU): 5.6 | over-report factor vs static: 1.01x |"
           " tokens per GPU (tokens/s/GPU): 16000000.0 | MFU (%): 50.0 | HFU (%): 50.0 |")
 SCALARS = {
     "throughput/tflops_per_s_per_gpu": 22_167_552 / 4e-6 / 1e12,
     "throughput/static_tflops_per_s_per_gpu": 2 * 2 * STOCK_FLOPS_PER_SAMPLE / 4e-6 / 1e12,
-    "throughput/over_report_factor": 2 * 2 * STOCK_FLOPS_PER_SAMPLE / 22_167_552,
+    "throughput/framework_tflops_per_s_per_gpu": 2 * 2 * STOCK_FLOPS_PER_SAMPLE / 4e-6 / 1e12,
+    "throughput/over_report_factor_vs_static": 2 * 2 * STOCK_FLOPS_PER_SAMPLE / 22_167_552,
     "throughput/tokens_per_s_per_gpu": 16_000_000.0,
     "throughput/mfu_percent": 50.0,
     "throughput/hfu_percent": 50.0,
@@ -370,19 +374,19 @@ def test_record_failure_falls_back_and_logs_once(caplog):
     assert (report.num_iterations, report.num_fallback_iterations) == (2, 2)
 
 
-def test_session_steps_and_static_flops():
+def test_session_steps_and_framework_flops():
     session = _session()
     with pytest.raises(ValueError, match="without begin_step"):
         session.end_step()
     assert session.report() is None
     session.begin_step()
     session.end_step(elapsed_s=0.5, iteration=7)
-    session.set_static_flops(1000.4)  # rounded
-    with pytest.raises(ValueError, match="static FLOPs"):
-        session.set_static_flops(float("nan"))
+    session.set_framework_flops(1000.4)  # rounded
+    with pytest.raises(ValueError, match="framework's FLOPs"):
+        session.set_framework_flops(float("nan"))
     report = session.report()
-    assert (report.first_iteration, report.elapsed_s, report.static_flops) == (7, 0.5, 1000)
-    session.set_static_flops(5.0)  # the step was reported: nothing to attach to
+    assert (report.first_iteration, report.elapsed_s, report.framework_flops) == (7, 0.5, 1000)
+    session.set_framework_flops(5.0)  # the step was reported: nothing to attach to
     assert session.report() is None
 
 

@@ -56,7 +56,7 @@ def test_interval_rates_are_ratios_of_totals() -> None:
     assert report.scalars() == {
         "throughput/tflops_per_s_per_gpu": 1000.0,
         "throughput/static_tflops_per_s_per_gpu": 3000.0,
-        "throughput/over_report_factor": 3.0,
+        "throughput/over_report_factor_vs_static": 3.0,
         "throughput/tokens_per_s_per_gpu": 500.0,
         "throughput/mfu_percent": 50.0,
         "throughput/hfu_percent": 75.0,
@@ -84,7 +84,7 @@ def test_interval_resets_after_each_call() -> None:
     assert report.scalars() == {
         "throughput/tflops_per_s_per_gpu": 1000.0,
         "throughput/static_tflops_per_s_per_gpu": 2000.0,
-        "throughput/over_report_factor": 2.0,
+        "throughput/over_report_factor_vs_static": 2.0,
         "throughput/tokens_per_s_per_gpu": 500.0,
         "throughput/mfu_percent": 50.0,
         "throughput/hfu_percent": 50.0,
@@ -163,7 +163,7 @@ def test_failed_tracker_counts_static_flops_and_is_flagged() -> None:
     assert report.scalars() == {
         "throughput/tflops_per_s_per_gpu": 3000.0,
         "throughput/static_tflops_per_s_per_gpu": 4000.0,
-        "throughput/over_report_factor": 4 / 3,
+        "throughput/over_report_factor_vs_static": 4 / 3,
         "throughput/tokens_per_s_per_gpu": 1000.0,
         "throughput/mfu_percent": 30.0,
         "throughput/hfu_percent": 35.0,
@@ -204,7 +204,7 @@ def test_partial_static_flops_omits_static_rates_and_warns_once() -> None:
         report = meter.interval()
     assert report.static_flops is None
     assert "throughput/static_tflops_per_s_per_gpu" not in report.scalars()
-    assert "throughput/over_report_factor" not in report.scalars()
+    assert "throughput/over_report_factor_vs_static" not in report.scalars()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         meter.summary()  # same mix, no second warning
@@ -224,12 +224,14 @@ def test_format_log_line_megatron_style() -> None:
         " elapsed time per iteration (ms): 1000.0 |"
         " throughput per GPU (TFLOP/s/GPU): 3000.0 |"
         " corrected throughput per GPU (TFLOP/s/GPU): 1000.0 |"
-        " over-report factor: 3.00x |"
+        " over-report factor vs static: 3.00x |"
         " tokens per GPU (tokens/s/GPU): 500.0 |"
         " MFU (%): 50.0 |"
         " HFU (%): 75.0 |"
     )
-    assert line.endswith(format_log_fields(report))
+    assert line.endswith(format_log_fields(report, stock="static"))
+    # An adapter's line, whose stock field is the framework's own, gains the static number by name.
+    assert " static throughput per GPU (TFLOP/s/GPU): 3000.0 |" in format_log_fields(report)
     # The added fields leave out the stock throughput, which Megatron's own line already prints.
     assert format_log_fields(report).startswith(" corrected throughput per GPU")
 
@@ -298,3 +300,28 @@ def test_small_rates_keep_three_significant_digits_and_summary() -> None:
                                        "median step)")
     assert "  corrected throughput per GPU (TFLOP/s/GPU):   1000.0" in summary
     assert format_summary(None, warmup_iterations=5) == "steady state: no iteration after the 5 warm-up iterations"
+
+
+def test_three_numbers_named_and_a_fallback_counts_the_frameworks() -> None:
+    meter = ThroughputMeter(world_size=2, peak_flops_per_s=8 * PF, warmup_iterations=0)
+    # Iteration 1 exact: corrected 2 PF, static 4 PF, framework 3 PF. Iteration 2 fell back: its
+    # tracker's own fallback holds the static 4 PF, but the framework's 3 PF is what is counted.
+    meter.record(iteration=1, result=_result(flops=2 * PF, executed_flops=2 * PF, num_tokens=8), elapsed_s=1.0,
+                 static_flops=4 * PF, framework_flops=3 * PF)
+    fallback = _result(flops=4 * PF, executed_flops=4 * PF, num_tokens=8, ok=False)
+    meter.record(iteration=2, result=fallback, elapsed_s=1.0, static_flops=4 * PF, framework_flops=3 * PF)
+    report = meter.interval()
+    assert (report.flops, report.static_flops, report.framework_flops) == (5 * PF, 8 * PF, 6 * PF)
+    # Over 2.0 s and 2 GPUs: corrected 5e15 / 4 = 1250 TFLOP/s/GPU, static 2000, framework 1500;
+    # over-report vs static 8 / 5 = 1.6.
+    scalars = report.scalars()
+    assert {k: scalars[k] for k in ("throughput/tflops_per_s_per_gpu", "throughput/static_tflops_per_s_per_gpu",
+                                    "throughput/framework_tflops_per_s_per_gpu",
+                                    "throughput/over_report_factor_vs_static")} == {
+        "throughput/tflops_per_s_per_gpu": 1250.0, "throughput/static_tflops_per_s_per_gpu": 2000.0,
+        "throughput/framework_tflops_per_s_per_gpu": 1500.0, "throughput/over_report_factor_vs_static": 1.6}
+    assert format_log_fields(report).startswith(
+        " corrected throughput per GPU (TFLOP/s/GPU): 1250.0 | static throughput per GPU (TFLOP/s/GPU): 2000.0 |"
+        " framework throughput per GPU (TFLOP/s/GPU): 1500.0 | over-report factor vs static: 1.60x |")
+    with pytest.raises(ValueError, match="framework_flops must be >= 0"):
+        meter.record(iteration=3, result=fallback, elapsed_s=1.0, framework_flops=-1)

@@ -134,6 +134,82 @@ def test_bridge_packed_token_count_makes_the_tail_padding(bridge):
     assert result.executed_flops == 2 * _flops(16, 90)
 
 
+def _bridge_step(bridge, batch):
+    megatron_bridge.install()
+    session = _session()
+    bridge.train.train(stock_forward_step, CHUNK, itertools.repeat(batch), bridge.state, 1)
+    return session._pending.result
+
+
+def test_bridge_062_packed_real_and_padded_offsets(bridge):
+    # GPTSFTPackedDataset (Megatron-Bridge 0.6.2) with pad_seq_to_mult > 1: cu_seqlens_q holds the
+    # real (logical) offsets 3, 7 and a zero-length entry for the 4-slot tail, cu_seqlens_q_padded
+    # the physical ones 4, 8, 4; both extended by a repeated last entry (a zero-length segment).
+    q = torch.tensor([[0, 3, 10, 10, 10]], dtype=torch.int32)
+    q_padded = torch.tensor([[0, 4, 12, 16, 16]], dtype=torch.int32)
+    result = _bridge_step(bridge, {
+        "tokens": torch.zeros(1, SEQ_LENGTH, dtype=torch.long), "token_count": [12], "attention_mask": None,
+        "cu_seqlens_q": q, "cu_seqlens_kv": q, "cu_seqlens_q_padded": q_padded, "cu_seqlens_kv_padded": q_padded,
+        "max_seqlen_q": torch.tensor([[8]], dtype=torch.int32), "max_seqlen_kv": torch.tensor([[8]])})
+    # Per micro-batch: real T = 10, P = 9 + 49 = 58 (2 sequences); run T = 16, P = 16 + 64 + 16 = 96.
+    assert (result.num_tokens, result.num_padded_tokens, result.num_sequences, result.ok) == (20, 32, 4, True)
+    assert result.flops == 2 * _flops(10, 58)
+    assert result.executed_flops == 2 * _flops(16, 96)
+
+
+def test_bridge_062_packed_token_count_makes_the_tail_padding(bridge):
+    # pad_seq_to_mult == 1: cu_seqlens_q only, the padding tail 13..16 appended as a segment, then a
+    # zero-length one; token_count (a list) says 13 real tokens: as the legacy layout's test above.
+    q = torch.tensor([[0, 4, 12, 13, 16, 16]], dtype=torch.int32)
+    result = _bridge_step(bridge, {"tokens": torch.zeros(1, SEQ_LENGTH, dtype=torch.long), "token_count": [13],
+                                   "cu_seqlens_q": q, "cu_seqlens_kv": q, "max_seqlen_q": torch.tensor([[8]])})
+    assert (result.num_tokens, result.num_sequences) == (26, 6)
+    assert result.flops == 2 * _flops(13, 81)
+    assert result.executed_flops == 2 * _flops(16, 90)
+
+
+@pytest.mark.parametrize("keys", [
+    {"cu_seqlens_q": None, "cu_seqlens_q_unpadded": None},  # a name of neither layout
+    {"cu_seqlens_q": None, "cu_seqlens": None},  # both layouts at once
+    {"cu_seqlens_q_local": None},  # no known offsets at all: not "unpacked"
+])
+def test_bridge_unknown_packed_layout_never_counts_as_ok(bridge, keys, caplog):
+    cu = torch.tensor([[0, 4, 16]], dtype=torch.int32)
+    batch = {"tokens": torch.zeros(1, SEQ_LENGTH, dtype=torch.long), **{key: cu for key in keys}}
+    with caplog.at_level(logging.WARNING, logger="megatron_flops"):
+        result = _bridge_step(bridge, batch)
+    assert (result.ok, result.flops) == (False, 0)  # the log shows the stock number for it
+    [message] = [m for m in caplog.messages if "layout megatron-flops does not know" in m]
+    assert "not a layout megatron-flops reads" in message and "unknown" in message
+
+
+def test_fallback_reason_passes_megatrons_warning_filter(bridge, caplog):
+    # Megatron's setup_logging adds a filter dropping WARNING records to every existing logger; the
+    # adapter removes that one filter from this package's logger at the first train step.
+    def warning_filter(record):
+        return record.levelno != logging.WARNING
+
+    warning_filter.__module__ = "megatron.training.utils.log_utils"  # where Megatron defines it
+
+    def module_filter(record):
+        return True
+
+    package_logger = logging.getLogger("megatron_flops")
+    package_logger.addFilter(warning_filter)
+    package_logger.addFilter(module_filter)
+    monkey = megatron_bridge._ADAPTER
+    try:
+        monkey._unmuted = False
+        with caplog.at_level(logging.WARNING, logger="megatron_flops"):
+            _bridge_step(bridge, {"tokens": torch.zeros(1, SEQ_LENGTH, dtype=torch.long),
+                                  "cu_seqlens_q_local": torch.tensor([[0, 16]])})
+        assert package_logger.filters == [module_filter]
+        assert sum("layout megatron-flops does not know" in m for m in caplog.messages) == 1
+    finally:
+        package_logger.removeFilter(warning_filter)
+        package_logger.removeFilter(module_filter)
+
+
 VIT = VisionSpec(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, gated_mlp=False, patch_size=2,
                  out_hidden_size=64)
 
@@ -163,6 +239,13 @@ def test_vlm_grids_are_counted(bridge, where):
 
 
 VLM_STEP = '''
+def pack_batch_sequences(*args, **kwargs):  # 0.3.1 to 0.5.x: vlm_step pads and packs rows itself
+    raise NotImplementedError
+
+def forward_step(state, data_iterator, model, return_schedule_plan=False):
+    next(data_iterator)
+'''
+STEP_06 = '''
 def forward_step(state, data_iterator, model, return_schedule_plan=False):
     next(data_iterator)
 '''
@@ -192,6 +275,52 @@ def test_bridge_vlm_step_reshapes_rows(bridge, monkeypatch, packing, pipelined, 
                        itertools.repeat({"input_ids": tokens, "visual_inputs": None}), bridge.state, 1)
     result = session._pending.result
     assert {k: getattr(result, k) for k in expected} == {k: 2 * v for k, v in expected.items()}
+
+
+def _train_step_module(bridge, monkeypatch, name, batch):
+    step = _module(name, STEP_06)
+    monkeypatch.setitem(sys.modules, step.__name__, step)
+    megatron_bridge.install()
+    session = _session()
+    bridge.train.train(functools.partial(step.forward_step, bridge.state), CHUNK, itertools.repeat(batch),
+                       bridge.state, 1)
+    return session._pending.result
+
+
+def test_bridge_06_vlm_step_runs_rows_as_delivered(bridge, monkeypatch):
+    # Megatron-Bridge 0.6's vlm_step pads nothing: rows of 48 slots (its collate pads to a multiple of
+    # 16) run as 48 tokens each, not re-padded to 128 (capped at seq_length 200) as 0.3.1 did.
+    bridge.state.cfg.model.seq_length = 200
+    bridge.state.cfg.dataset = SimpleNamespace(enable_in_batch_packing=False)
+    result = _train_step_module(bridge, monkeypatch, "megatron.bridge.training.vlm_step",
+                                {"input_ids": torch.zeros(2, 48, dtype=torch.long), "visual_inputs": None})
+    assert (result.num_tokens, result.num_padded_tokens, result.num_sequences) == (2 * 96, 2 * 96, 2 * 2)
+
+
+def test_bridge_06_vlm_step_collate_time_packing(bridge, monkeypatch):
+    # enable_in_batch_packing (0.6): the collate function packs the rows into one and gives
+    # cu_seqlens_q (real 7 and 30, each padded to a multiple of 16: 16 and 32) and cu_seqlens_q_padded.
+    bridge.state.cfg.dataset = SimpleNamespace(enable_in_batch_packing=True)
+    q, q_padded = torch.tensor([[0, 7, 37]], dtype=torch.int32), torch.tensor([[0, 16, 48]], dtype=torch.int32)
+    result = _train_step_module(bridge, monkeypatch, "megatron.bridge.training.vlm_step", {
+        "input_ids": torch.zeros(1, 48, dtype=torch.long), "visual_inputs": None, "cu_seqlens_q": q,
+        "cu_seqlens_kv": q, "cu_seqlens_q_padded": q_padded, "cu_seqlens_kv_padded": q_padded})
+    assert (result.num_tokens, result.num_padded_tokens, result.num_sequences) == (2 * 37, 2 * 48, 2 * 2)
+    assert result.flops == 2 * _flops(37, 7 * 7 + 30 * 30)
+    assert result.executed_flops == 2 * _flops(48, 16 * 16 + 32 * 32)
+
+
+@pytest.mark.parametrize("pipelined, expected_length", [(False, 48), (True, 200)])
+def test_bridge_qwen3_vl_step_pads_rows_to_16_or_seq_length(bridge, monkeypatch, pipelined, expected_length):
+    # qwen3_vl_step pads each row to a multiple of lcm(TP, 16) (TP 1: 16), or to seq_length under PP;
+    # each row runs as one sequence of that length.
+    cfg = bridge.state.cfg
+    cfg.model.seq_length, cfg.model.pipeline_model_parallel_size = 200, 2 if pipelined else 1
+    cfg.dataset = SimpleNamespace(enable_in_batch_packing=False)
+    result = _train_step_module(bridge, monkeypatch, "megatron.bridge.models.qwen_vl.qwen3_vl_step",
+                                {"input_ids": torch.zeros(2, 40, dtype=torch.long), "visual_inputs": None})
+    assert (result.num_tokens, result.num_sequences) == (2 * 2 * expected_length, 2 * 2)
+    assert result.flops == 2 * _flops(2 * expected_length, 2 * expected_length ** 2)
 
 
 def test_vpp_lists_of_iterators_count_each_batch_once(mlm):
@@ -356,12 +485,12 @@ def test_trace_lines_hold_the_exact_integers(mlm, tmp_path):
     assert run["model"]["layer_runs"] == [[["attention", "mlp"], 1]]
     assert run["conventions"] == {"attention": "causal", "model_flops": "needed", "recompute": None, "peft": None}
     assert run["peak_flops_per_s"] == 11_083_776_000_000 and run["started_at"].endswith("+00:00")
-    # Each step: 2 packed rows (sub-sequences 4, 8, 4); the stock number from
-    # num_floating_point_operations: 2 x 5,603,328; 2e-6 s of the session's clock.
+    # Each step: 2 packed rows (sub-sequences 4, 8, 4); the static number (2 full 16-token rows) and
+    # the framework's (num_floating_point_operations) both 2 x 5,603,328; 2e-6 s of the session's clock.
     assert [step.pop("elapsed_s") for step in steps] == pytest.approx([2e-6] * 3, rel=1e-9)
     assert steps == [
         {"iteration": i, "flops": STEP_FLOPS, "executed_flops": STEP_FLOPS, "static_flops": 2 * STOCK_FLOPS_PER_SAMPLE,
-         "num_tokens": 32, "num_padded_tokens": 32, "num_sequences": 6, "num_microbatches": 2, "ok": True}
+         "framework_flops": 2 * STOCK_FLOPS_PER_SAMPLE, "num_tokens": 32, "num_padded_tokens": 32, "num_sequences": 6, "num_microbatches": 2, "ok": True}
         for i in (1, 2, 3)
     ]
 
@@ -377,10 +506,11 @@ def test_trace_appends_a_segment_per_run_and_writes_fallbacks(mlm, tmp_path):
     uninstall_session()
     lines = _lines(path)
     assert [("run" in line) for line in lines] == [True, False, True, False]
-    # The fallen-back step reports the stock number as its FLOPs, ok false.
-    assert {k: lines[3][k] for k in ("flops", "executed_flops", "static_flops", "ok")} == {
+    # The fallen-back step reports the framework's number as its FLOPs, ok false; no batch shape
+    # arrived, so the static number is unknown.
+    assert {k: lines[3][k] for k in ("flops", "executed_flops", "static_flops", "framework_flops", "ok")} == {
         "flops": 2 * STOCK_FLOPS_PER_SAMPLE, "executed_flops": 2 * STOCK_FLOPS_PER_SAMPLE,
-        "static_flops": 2 * STOCK_FLOPS_PER_SAMPLE, "ok": False}
+        "static_flops": None, "framework_flops": 2 * STOCK_FLOPS_PER_SAMPLE, "ok": False}
 
 
 def test_trace_from_the_flag_env_and_bridge_config(mlm, bridge, tmp_path):

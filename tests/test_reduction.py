@@ -66,8 +66,8 @@ def test_a_rank_over_the_range_across_micro_batches_falls_back():
     [
         (dict(tokens=_tok(1, 8), cu_seqlens=torch.tensor([], dtype=torch.int32)), "at least two entries"),
         (dict(tokens=_tok(1, 8), cu_seqlens=torch.tensor([0], dtype=torch.int32)), "at least two entries"),
-        (dict(tokens=_tok(1, 8), cu_seqlens=torch.tensor(0)), "one-dimensional"),
-        (dict(tokens=_tok(1, 8), cu_seqlens=torch.tensor([[0, 3, 8], [0, 5, 8]])), "one-dimensional"),
+        (dict(tokens=_tok(1, 8), cu_seqlens=torch.tensor(0)), "one packed stream"),
+        (dict(tokens=_tok(1, 8), cu_seqlens=torch.tensor([[0, 3, 8], [0, 5, 8]])), "one packed stream"),
         (dict(tokens=_tok(1, 8), cu_seqlens=torch.tensor([0, 3, 8, -1]), cu_seqlens_argmin=1), "at least two"),
         (dict(tokens=_tok(2, 8), seq_lengths=torch.tensor([3, 4, 5])), "one length per row"),
     ],

@@ -234,11 +234,12 @@ _VIEWS_AND_METADATA = {"__get__", "dim", "numel", "size", "reshape", "view", "un
 @pytest.mark.parametrize(
     "window, expected",
     [
-        # diff of cu_seqlens (real and padded stacked), (s, s^2) powers, sum, add into the accumulator:
-        # the same four kernels as the upstream reference (diff, square, sum, add).
-        (None, ["diff", "pow", "sum", "add_"]),
+        # diff of cu_seqlens (real and padded stacked), the sequences (non-zero lengths) counted and
+        # added, (s, s^2) powers, sum, add into the accumulator: the four kernels of the upstream
+        # reference (diff, square, sum, add) and the count.
+        (None, ["diff", "count_nonzero", "add_", "pow", "sum", "add_"]),
         # plus the window excess max(s - w, 0) and its (x, x^2) sums.
-        (6, ["diff", "pow", "sum", "add_", "sub", "clamp_", "pow", "sum", "add_"]),
+        (6, ["diff", "count_nonzero", "add_", "pow", "sum", "add_", "sub", "clamp_", "pow", "sum", "add_"]),
     ],
 )
 def test_kernel_ops_per_packed_call(window, expected, device_path):
@@ -264,6 +265,8 @@ def test_record_has_no_cuda_sync():
              cu_seqlens=torch.tensor([0, 5, 12, 30, 64], dtype=torch.int32, device=dev)),
         dict(tokens=torch.zeros(3, 20, dtype=torch.long, device=dev), seq_lengths=torch.tensor([4, 20, 9], device=dev)),
         dict(tokens=torch.zeros(2, 32, dtype=torch.long, device=dev)),
+        # Row-local offsets [mbs, S + 1] (Megatron-LM core_v0.19.0 packed, micro-batch size 2).
+        dict(tokens=torch.zeros(2, 8, dtype=torch.long, device=dev), cu_seqlens=_row_local([3, 5], [8]).to(dev)),
     ]
     tracker.record(**calls[0])
     torch.cuda.synchronize()
@@ -376,6 +379,77 @@ def test_host_offsets_real_token_limit_and_zero_length_segments():
     assert r.executed_flops == training_flops(_spec(), stats, include_padding=True).total
 
 
+def _row_local(*rows: list[int], seq: int = 8) -> torch.Tensor:
+    """Megatron-LM core_v0.19.0's collated offsets: per row the document boundaries, padded to
+    ``seq + 1`` entries with copies of the last one (``seq`` when the documents fill the row, as
+    core_v0.19.0's datasets make them) (``[b, seq + 1]``, int32)."""
+    out = torch.zeros((len(rows), seq + 1), dtype=torch.int32)
+    for i, docs in enumerate(rows):
+        bounds = torch.tensor([0, *docs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        out[i] = bounds[-1]
+        out[i, : len(bounds)] = bounds
+    return out
+
+
+def test_row_local_offsets_of_micro_batches_of_two_rows(path):
+    # Two micro-batches of 2 rows x 8 tokens, offsets [2, 9] as core_v0.19.0 collates them:
+    # documents 3+5 | 8 and 1+2+5 | 4+4. 32 tokens in 8 sequences; sum s^2 = 9 + 25 + 64 + 1 + 4
+    # + 25 + 16 + 16 = 160 (the padding entries are zero lengths: no sequence, no square). A
+    # row-local offset is never read across rows (row 1 restarts at 0 after row 0's 8s).
+    tracker = FlopsTracker(_spec(), seq_length=8)
+    tracker.record(tokens=_tok(2, 8), cu_seqlens=_row_local([3, 5], [8]))
+    tracker.record(tokens=_tok(2, 8), cu_seqlens=_row_local([1, 2, 5], [4, 4]))
+    r = tracker.end_step()
+    assert r.ok
+    assert (r.num_tokens, r.num_padded_tokens, r.num_sequences, r.sum_seqlen_squared) == (32, 32, 8, 160)
+    # As test_hand_derived_packed_row, T = 32 tokens: 2 layers x (qkv 2*T*64*192 + out 2*T*64*64
+    # + mlp 4*T*64*256 + causal core 2*4*32*160/2) + logits 2*T*64*128, x3.
+    t = 32
+    fwd = 2 * (2 * t * 64 * 192 + 2 * t * 64 * 64 + 4 * t * 64 * 256 + 2 * 4 * 32 * 160 // 2) + 2 * t * 64 * 128
+    assert r.flops == r.executed_flops == 3 * fwd == 20_570_112
+    # Static: four full 8-token rows (sum s^2 = 4 * 64).
+    fwd_static = 2 * (2 * t * 64 * 192 + 2 * t * 64 * 64 + 4 * t * 64 * 256 + 2 * 4 * 32 * 256 // 2) + 2 * t * 64 * 128
+    assert r.static_flops == 3 * fwd_static == 20_643_840
+
+
+def test_row_local_real_and_padded_offsets(path):
+    # Real and padded offsets, both row-local [2, 9]: real 3+4 | 6 (1 + 2 slots of padding), run as
+    # 4+4 | 8. Real: 13 tokens, 3 sequences, 9 + 16 + 36 = 61; padded: 16 + 16 + 64 = 96.
+    tracker = FlopsTracker(_spec(), seq_length=8)
+    tracker.record(tokens=_tok(2, 8), cu_seqlens=_row_local([3, 4], [6]), cu_seqlens_padded=_row_local([4, 4], [8]))
+    r = tracker.end_step()
+    assert (r.num_tokens, r.num_padded_tokens, r.num_sequences, r.sum_seqlen_squared) == (13, 16, 3, 61)
+    stats = SeqStats(num_rows=2, num_sequences=3, num_tokens=13, num_padded_tokens=16, sum_seqlen_squared=61,
+                     sum_padded_seqlen_squared=96)
+    assert r.ok and r.flops == training_flops(_spec(), stats).total
+    assert r.executed_flops == training_flops(_spec(), stats, include_padding=True).total
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(cu_seqlens=_row_local([8], [8], [8])), r"\[n\] or \[1, n\] .* or \[2, n\]"),  # 3 rows of offsets, 2 of tokens
+    (dict(cu_seqlens=_row_local([8], [8]), cu_seqlens_argmin=2), "applies to one row"),
+    (dict(cu_seqlens=_row_local([8], [8]), num_real_tokens=13), "applies to one packed row"),
+])
+def test_row_local_offsets_that_do_not_fit_fall_back(call, message, caplog):
+    tracker = FlopsTracker(_spec(), seq_length=8)
+    with caplog.at_level(logging.WARNING, logger="megatron_flops"):
+        tracker.record(tokens=_tok(2, 8), **call)
+        r = tracker.end_step()
+    assert not r.ok and r.flops == r.static_flops
+    assert any(re.search(message, m) for m in caplog.messages)
+    with pytest.raises(ValueError, match=message):
+        FlopsTracker(_spec(), validate=True).record(tokens=_tok(2, 8), **call)
+
+
+def test_row_local_offsets_validated_per_row():
+    # validate=True reads each row: a row may end at its own 8 tokens, not at the micro-batch's 16.
+    tracker = FlopsTracker(_spec(), validate=True)
+    tracker.record(tokens=_tok(2, 8), cu_seqlens=_row_local([3, 5], [8]))
+    assert tracker.end_step().num_sequences == 3
+    with pytest.raises(ValueError, match="ends at 12 but a row holds 8 tokens"):
+        tracker.record(tokens=_tok(2, 8), cu_seqlens=torch.tensor([[0, 8, 8], [0, 4, 12]], dtype=torch.int32))
+
+
 def test_host_offsets_of_many_rows_in_one_pass(caplog):
     # Whole rows of three sizes, [n] int64 and [1, n] int32, beside a trimmed row, in one step.
     tracker = FlopsTracker(_spec())
@@ -403,7 +477,7 @@ def test_host_offsets_of_many_rows_in_one_pass(caplog):
     (dict(cu_seqlens=torch.tensor([2, 9, 16])), "start at 0"),
     (dict(cu_seqlens=torch.tensor([0, 4, -1]), cu_seqlens_argmin=torch.tensor([1])), "at least two entries"),
     (dict(cu_seqlens=torch.tensor([0])), "at least two entries"),
-    (dict(cu_seqlens=torch.tensor([[0, 8], [0, 8]])), "one-dimensional"),
+    (dict(cu_seqlens=torch.tensor([[0, 8], [0, 8]])), "one packed stream"),
     (dict(seq_lengths=torch.tensor([-3])), "non-negative"),
 ])
 def test_malformed_host_values_fall_back_once(call, message, caplog):

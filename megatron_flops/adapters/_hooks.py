@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
+from megatron_flops.adapters._crosscheck import ModelInputCheck
 from megatron_flops.adapters._observe import BatchReader, observe_forward_step
 from megatron_flops.reporting.meter import IntervalReport, format_log_fields
 from megatron_flops.reporting.session import Session, get_session
@@ -37,6 +38,21 @@ _STOCK_FIELD = re.compile(r" throughput per GPU \(TFLOP/s/GPU\): [^|]*\|")
 _LOG_LINE_MARK = "elapsed time per iteration (ms)"
 
 
+def keep_warnings_visible() -> None:
+    """Take Megatron's ``warning_filter`` off the ``megatron_flops`` logger, so that this package's
+    few warnings (a step that falls back, and why; each logged once) reach the framework's log.
+
+    Megatron's ``setup_logging`` (Megatron-LM's, and Megatron-Bridge's with its default
+    ``cfg.logger.filter_warnings``; ``megatron.training.utils.log_utils`` in core 0.19) adds a
+    filter that drops every WARNING record to every logger existing at that time, this package's
+    included. Only that filter is removed; a user's ``modules_to_filter`` stays."""
+    package_logger = logging.getLogger("megatron_flops")
+    for log_filter in list(package_logger.filters):
+        if (getattr(log_filter, "__name__", None) == "warning_filter"
+                and str(getattr(log_filter, "__module__", "")).startswith("megatron.")):
+            package_logger.removeFilter(log_filter)
+
+
 class Adapter:
     """What differs between frameworks: how a session is built and where the log's iteration
     and writers are. Subclasses override the hooks; ``bound`` holds the wrapped call's arguments."""
@@ -44,9 +60,14 @@ class Adapter:
     name = "framework"
     failed = False  # building the session failed: not retried
     _reader: BatchReader | None = None
+    _unmuted = False  # keep_warnings_visible() ran (at the first train step: after the framework's logging set-up)
+    _check: ModelInputCheck | None = None
 
     def session(self, bound: inspect.BoundArguments) -> Session | None:
         """The installed session, else a new one from the framework's configuration, else None."""
+        if not self._unmuted:
+            self._unmuted = True
+            keep_warnings_visible()
         session = get_session()
         if session is not None or self.failed:
             return session
@@ -67,6 +88,12 @@ class Adapter:
         if self._reader is None:
             self._reader = BatchReader()
         return self._reader
+
+    def check(self) -> ModelInputCheck:
+        """The cross-check of what the model chunks receive (``_crosscheck``), made once."""
+        if self._check is None:
+            self._check = ModelInputCheck()
+        return self._check
 
     def on_step_begin(self, bound: inspect.BoundArguments, session: Session) -> None:
         """Called before the original train step, after ``session.begin_step()``."""
@@ -142,26 +169,27 @@ def _observed_call(bound: inspect.BoundArguments, adapter: Adapter, session: Ses
     if forward is None:
         return bound.args, bound.kwargs
     observed = inspect.BoundArguments(bound.signature, dict(bound.arguments))
-    observed.arguments["forward_step_func"] = observe_forward_step(forward, session, adapter.reader(bound, forward))
+    observed.arguments["forward_step_func"] = observe_forward_step(forward, session, adapter.reader(bound, forward),
+                                                                   adapter.check())
     return observed.args, observed.kwargs
 
 
 def wrap_static_flops(original: Callable[..., Any], adapter: Adapter) -> Callable[..., Any]:
     """``original`` (the framework's stock FLOPs function) whose result is also attached to the
-    session's latest step as its static number."""
+    session's latest step as the framework's own number (``Session.set_framework_flops``)."""
 
     @functools.wraps(original)
-    def static_flops(*args: Any, **kwargs: Any) -> Any:
+    def framework_flops(*args: Any, **kwargs: Any) -> Any:
         value = original(*args, **kwargs)
         session = get_session()
         if session is not None:
             try:
-                session.set_static_flops(value)
+                session.set_framework_flops(value)
             except Exception as exc:
                 session.warn_once(f"{adapter.name} stock FLOPs hook failed", exc)
         return value
 
-    return _mark(static_flops, original)
+    return _mark(framework_flops, original)
 
 
 def wrap_training_log(original: Callable[..., Any], adapter: Adapter) -> Callable[..., Any]:

@@ -73,6 +73,31 @@ def new_session(
     )
 
 
+# The releases the framework tests run (tests/test_frameworks_*.py), by the distribution whose
+# version names them: Megatron-LM's training package has none, its megatron-core release does.
+TESTED_RELEASES = {"megatron-core": ("0.14.0", "0.16.1", "0.19.0"), "megatron-bridge": ("0.3.1", "0.6.2")}
+_warned_releases: set[str] = set()
+
+
+def warn_untested_release(framework: str, distribution: str) -> None:
+    """One warning per distribution when its installed release is not one the tests run (a local
+    version label such as ``+cu12`` is ignored); the adapter still installs, with the same
+    guarantees: what the model receives is cross-checked, a step that cannot be priced exactly
+    falls back to the framework's own number, nothing interrupts training."""
+    version = framework_version(distribution)
+    tested = TESTED_RELEASES[distribution]
+    if version.split("+")[0] in tested or distribution in _warned_releases:
+        return
+    _warned_releases.add(distribution)
+    logger.warning(
+        "megatron-flops: %s with %s is not a tested release (tested: %s %s); accounting is installed with "
+        "the same guarantees: what each model chunk receives is cross-checked against the batch read, and a "
+        "step that cannot be priced exactly reports the framework's own number, logged once",
+        framework, f"{distribution} {version}" if version != "unknown" else f"{distribution} of an unknown version",
+        distribution, ", ".join(tested),
+    )
+
+
 def framework_version(distribution: str) -> str:
     """The installed version of a distribution, for warnings; ``"unknown"`` if not installed."""
     try:
@@ -102,6 +127,7 @@ def patch(module: ModuleType, wrappers: dict[str, Callable[..., Any]], adapter: 
             ", ".join(missing), module.__name__, distribution, framework_version(distribution), adapter.name,
         )
         return False
+    warn_untested_release(adapter.name, distribution)
     for name, wrap in wrappers.items():
         fn = getattr(module, name)
         if not is_wrapped(fn):

@@ -6,13 +6,14 @@ looks them up as module globals (``training_log`` is imported there by name from
 
 - ``train_step``: opens and closes the session's step (see ``_hooks`` for why this hook), and
   observes the micro-batches the forward step pulls from its data iterator (``_observe``; for
-  ``vlm_step``, ``VlmStepReader``): the stock ``gpt_step``/``vlm_step`` need no edit;
+  0.3.1-0.5's ``vlm_step``, ``VlmStepReader``; for ``qwen3_vl_step``, ``Qwen3VLStepReader``):
+  the stock forward steps need no edit;
 - ``training_log``: unchanged, except that its log line gains the corrected fields after the
   stock ``throughput per GPU (TFLOP/s/GPU)`` and each log interval writes
   ``IntervalReport.scalars()`` to ``global_state.tensorboard_logger`` / ``wandb_logger``
   (MLflow and Comet are not written).
 
-The step's static number is the step's increase of ``train_state.floating_point_operations_so_far``:
+The step's framework number is the step's increase of ``train_state.floating_point_operations_so_far``:
 what ``train()`` adds after each step (``flop_utils.num_floating_point_operations`` plus, for
 VLMs, ``vit_flops_from_patch_stats``) and what its log line divides. Reading the total instead of
 patching ``flop_utils`` keeps the number right across releases that call those functions
@@ -21,7 +22,7 @@ differently (v0.4.0 prices one sample once; main adds the vision term separately
 Enable it with ``install(cfg)``, or ``maybe_install_from_config(cfg)`` and
 ``cfg.logger.flops_accounting = "corrected"`` (read with ``getattr``: absent means off). The
 session is built at the first train step from ``global_state.cfg`` unless one was installed.
-Run in tests: 0.3.1 (PyPI). Read, not run: v0.2.0 (7af9601), v0.4.0 (0fbfe7d), v0.5.0 (fcbb603),
+Run in tests: 0.6.2 and 0.3.1 (PyPI). Read, not run: v0.2.0 (7af9601), v0.4.0 (0fbfe7d), v0.5.0 (fcbb603),
 v0.6.0 (51885cf) and main 067f987 (2026-08-22).
 """
 
@@ -30,7 +31,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +42,13 @@ import torch.distributed as dist
 
 from megatron_flops.adapters._hooks import PRINTER, Adapter, wrap_train_step, wrap_training_log
 from megatron_flops.adapters._observe import BatchReader
-from megatron_flops.adapters._setup import check_options, import_target, is_corrected, new_session, patch
+from megatron_flops.adapters._setup import (
+    check_options,
+    import_target,
+    is_corrected,
+    new_session,
+    patch,
+)
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.reporting.session import Session
 from megatron_flops.model.spec import ModelSpec
@@ -49,6 +58,7 @@ logger = logging.getLogger("megatron_flops")
 
 MODULE = "megatron.bridge.training.train"
 VLM_STEP_MODULE = "megatron.bridge.training.vlm_step"
+QWEN3_VL_STEP_MODULE = "megatron.bridge.models.qwen_vl.qwen3_vl_step"
 _WRAPPERS = {"train_step": wrap_train_step, "training_log": wrap_training_log}
 
 
@@ -65,7 +75,7 @@ class _MegatronBridge(Adapter):
         self.trace = trace
         self.failed = False
         self._flops_before_step: float | None = None
-        self._vlm_reader: VlmStepReader | None = None
+        self._vlm_reader: VlmStepReader | Qwen3VLStepReader | None = None
 
     def new_session(self, bound: inspect.BoundArguments) -> Session:
         cfg = self.cfg if self.cfg is not None else bound.arguments["global_state"].cfg
@@ -97,12 +107,22 @@ class _MegatronBridge(Adapter):
         )
 
     def reader(self, bound: inspect.BoundArguments, forward_step_func: Callable[..., Any]) -> Callable[[Any], dict]:
-        if not _is_vlm_step(forward_step_func):
+        """Batches as the forward step reshapes them: ``qwen3_vl_step`` (``Qwen3VLStepReader``),
+        ``vlm_step`` of 0.3.1 to 0.5.x (``VlmStepReader``); else (``gpt_step``, 0.6's ``vlm_step``,
+        which runs the rows as the collate function delivers them) the batch as it is."""
+        module = _step_module(forward_step_func)
+        make: type[VlmStepReader] | type[Qwen3VLStepReader]
+        if module == QWEN3_VL_STEP_MODULE:
+            make = Qwen3VLStepReader
+        elif module == VLM_STEP_MODULE and _reshapes_rows(module):
+            make = VlmStepReader
+        else:
             return super().reader(bound, forward_step_func)
         cfg = bound.arguments["global_state"].cfg
-        if self._vlm_reader is None or self._vlm_reader.cfg is not cfg:
-            self._vlm_reader = VlmStepReader(cfg)
-        return self._vlm_reader
+        reader = self._vlm_reader
+        if not isinstance(reader, make) or reader.cfg is not cfg:
+            reader = self._vlm_reader = make(cfg)
+        return reader
 
     def on_step_begin(self, bound: inspect.BoundArguments, session: Session) -> None:
         self._flops_before_step = _flops_so_far(bound)
@@ -110,7 +130,7 @@ class _MegatronBridge(Adapter):
     def on_log(self, bound: inspect.BoundArguments, session: Session) -> None:
         before, self._flops_before_step = self._flops_before_step, None
         if before is not None:
-            session.set_static_flops(_flops_so_far(bound) - before)
+            session.set_framework_flops(_flops_so_far(bound) - before)
 
     def log_iteration(self, bound: inspect.BoundArguments) -> int:
         return bound.arguments["global_state"].train_state.step
@@ -121,8 +141,8 @@ class _MegatronBridge(Adapter):
 
 
 class VlmStepReader(BatchReader):
-    """Batches as ``megatron.bridge.training.vlm_step.forward_step`` (0.3.1) reshapes them for the
-    model, which the data iterator's batch does not show.
+    """Batches as ``megatron.bridge.training.vlm_step.forward_step`` (0.3.1 to 0.5.x) reshapes them
+    for the model, which the data iterator's batch does not show.
 
     Without in-batch packing, rows are padded or cut to ``seq_length`` under pipeline
     parallelism, else padded to the next multiple of 128 (at most ``seq_length``); each counts as
@@ -171,11 +191,47 @@ class VlmStepReader(BatchReader):
                 "cu_seqlens_padded": cu_padded}
 
 
-def _is_vlm_step(forward_step_func: Any) -> bool:
-    """Whether the forward step is Megatron-Bridge's ``vlm_step.forward_step`` (through partials)."""
+class Qwen3VLStepReader(BatchReader):
+    """Batches as ``megatron.bridge.models.qwen_vl.qwen3_vl_step.forward_step`` (0.6) runs them:
+    each row padded to a multiple of ``lcm(d, 16)`` (``d`` = TP, or 2 x TP x CP under context
+    parallelism), or padded or cut to ``seq_length`` under pipeline or expert parallelism; every
+    row is one sequence of that length (its packed offsets are whole rows; the collate-time
+    packing keys are refused by qwen3_vl_step itself)."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.cfg = cfg
+        model = cfg.model
+        self.seq_length = model.seq_length
+        self.fixed = any((getattr(model, name, 1) or 1) > 1
+                         for name in ("pipeline_model_parallel_size", "expert_model_parallel_size"))
+        tp = getattr(model, "tensor_model_parallel_size", 1) or 1
+        cp = getattr(model, "context_parallel_size", 1) or 1
+        self.multiple = math.lcm(2 * tp * cp if cp > 1 else tp, 16)
+
+    def __call__(self, batch: Any) -> dict[str, Any]:
+        rows, length = self.tokens(batch).shape
+        target = self.seq_length if self.fixed else -(-length // self.multiple) * self.multiple
+        fields: dict[str, Any] = {"num_rows": rows, "row_length": target}
+        grids = self.grids(batch)
+        if grids:
+            fields["grid_thw"] = grids
+        return fields
+
+
+def _step_module(forward_step_func: Any) -> str | None:
+    """The module of the forward step (through partials)."""
     while isinstance(forward_step_func, functools.partial):
         forward_step_func = forward_step_func.func
-    return getattr(forward_step_func, "__module__", None) == VLM_STEP_MODULE
+    return getattr(forward_step_func, "__module__", None)
+
+
+def _reshapes_rows(module_name: str) -> bool:
+    """Whether this release's ``vlm_step`` pads rows (to 128 or ``seq_length``) and packs them
+    itself (0.3.1 to 0.5.x: it defines ``pack_batch_sequences``); from 0.6 it runs the rows as
+    delivered, packed at collate time (``cu_seqlens_q*`` keys)."""
+    module = sys.modules.get(module_name)
+    return module is None or callable(getattr(module, "pack_batch_sequences", None))
 
 
 def _vision_spec(model: Any) -> VisionSpec | None:

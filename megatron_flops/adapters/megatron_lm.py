@@ -6,17 +6,18 @@ and ``training_log()`` look them up as module globals:
 - ``train_step``: opens and closes the session's step (see ``_hooks`` for why this hook), and
   observes the micro-batches that ``forward_step`` pulls from its data iterator (``_observe``):
   the stock ``pretrain_gpt.py`` needs no edit;
-- ``num_floating_point_operations``: unchanged result, also kept as the step's static number;
+- ``num_floating_point_operations``: unchanged result, also kept as the step's framework number
+  (packed-aware from core_v0.19.0; the static number is the tracker's own full-row formula);
 - ``training_log``: unchanged, except that its log line gains the corrected fields after the
   stock ``throughput per GPU (TFLOP/s/GPU)`` and each log interval writes
   ``IntervalReport.scalars()`` to Megatron's TensorBoard and W&B writers.
 
 Nothing is patched on import. The session is built at the first train step from Megatron's
 global ``args`` (``ModelSpec.from_megatron_args``), unless one was installed already.
-Run in tests: core_v0.16.1 and core_v0.14.0 (``pretrain_gpt.py``, unmodified). Read, not run:
-core_v0.8.0 (baf94af), core_v0.12.0 (d580efc), core_v0.18.2 (571370c), core_v0.19.0 (5be9626)
-and main d98e8a6 (2026-08-22): the three names, ``print_rank_last``, ``get_args`` and the writer
-getters are globals of that module in all of them.
+Run in tests: core_v0.19.0, core_v0.16.1 and core_v0.14.0 (``pretrain_gpt.py``, unmodified).
+Read, not run: core_v0.8.0 (baf94af), core_v0.12.0 (d580efc), core_v0.18.2 (571370c) and main
+d98e8a6 (2026-08-22): the three names, ``print_rank_last``, ``get_args`` and the writer getters
+are globals of that module in all of them.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def estimate_report(
     row), as the stock formula does. With ``peft`` or ``recompute``, model FLOPs follow
     ``convention`` and executed FLOPs add recompute and the GEMMs megatron-core runs unneeded
     (:mod:`megatron_flops.flops.passes`)."""
-    stats = SeqStats.from_rows(rows, window=spec.window_size)
+    stats = SeqStats.from_rows(rows, window=spec.pair_window)
     static_len = seq_length or max(r.num_padded_tokens for r in rows)
     return _report(spec, stats, static_len, attention=attention, peft=peft, recompute=recompute,
                    convention=convention)
@@ -70,7 +70,7 @@ def _report(
 ) -> dict[str, Any]:
     priced = price(spec, stats, attention=attention, peft=peft, recompute=recompute, convention=convention)
     model, executed = priced.model, priced.executed
-    static = training_flops(spec, SeqStats.full_length(stats.num_rows, static_len, window=spec.window_size),
+    static = training_flops(spec, SeqStats.full_length(stats.num_rows, static_len, window=spec.pair_window),
                             attention=attention)
     return {
         "total_flops": model.total,
@@ -201,10 +201,12 @@ def _load(args: argparse.Namespace) -> tuple[ModelSpec | None, dict[str, Any], s
 
         if args.hf_family is not None:
             raise ValueError("--hf-family applies to a Hugging Face config.json (--model), not to --megatron-args")
-        namespace, source = load_megatron_args(args.megatron_args)
+        namespace, source = load_megatron_args(args.megatron_args, release=args.megatron_release)
         spec: ModelSpec | None = model_spec(namespace, source, options=options)
         seq_length = args.seq_length if args.seq_length is not None else namespace.seq_length
         return spec, training_fields(namespace), source, seq_length
+    if args.megatron_release is not None:
+        raise ValueError("--megatron-release applies to --megatron-args, not to --model")
     spec, raw = load_model_file(args.model, options=options)
     if args.hf_family is not None and not is_hf_config(raw):
         raise ValueError(f"--hf-family applies to a Hugging Face config.json; {Path(args.model).name} holds "
@@ -251,7 +253,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             raise ValueError(f"{source}: holds no decoder model to price --seqlens with")
         if args.seqlens is None:  # --seq-length N --batch-size B: identical rows, priced in O(1)
             assert seq_length is not None
-            stats = SeqStats.full_length(len(rows), seq_length, window=spec.window_size)
+            stats = SeqStats.full_length(len(rows), seq_length, window=spec.pair_window)
             report = _report(spec, stats, seq_length, attention=args.attention, peft=peft, recompute=recompute,
                              convention=args.convention)
         else:
@@ -293,6 +295,10 @@ def add_parser(sub: Any) -> None:
     source.add_argument("--megatron-args", metavar="ARGS",
                         help='the Megatron-LM arguments you launch with, quoted ("--num-layers 32 --hidden-size '
                              '4096 ... --swiglu"), or a file holding them or an args dump (.json/.yaml of vars(args))')
+    est.add_argument("--megatron-release", metavar="TAG",
+                     help="with --megatron-args: accept only this Megatron-LM release's options and use its "
+                          "defaults (core_v0.14.0, core_v0.16.1 or core_v0.19.0; default: any of them, with the "
+                          "defaults of the newest release that has every option given)")
     est.add_argument("--seqlens", metavar="ROWS", help=_SEQLENS_HELP)
     est.add_argument("--seq-length", type=int, metavar="N",
                      help="the training sequence length: with --batch-size, B rows of one N-token sequence; "

@@ -1,4 +1,4 @@
-"""CPU shim: what megatron-core 0.16 needs to train a dense GPT (local layer spec) on a CPU.
+"""CPU shim: what megatron-core 0.16 and 0.19 need to train a dense GPT (local layer spec) on a CPU.
 
 Used by the demo only, and only inside :func:`cpu_shim`, which restores every patched attribute
 on exit; importing this module patches nothing. The tracker and the adapters never use it.
@@ -14,8 +14,11 @@ Inside the context:
   state, which a CPU build does not have (dropout is 0 in the demo anyway).
 - a ``TorchFunctionMode`` maps a ``device="cuda"`` argument to the CPU: every schedule creates
   its token count with ``torch.zeros(..., device="cuda")``.
+- ``torch.cuda.current_stream()`` returns a stand-in for the CPU's one stream, whose waits are
+  no-ops: megatron-core 0.19's DDP grad sync waits on the current stream for CUDA-graph events.
 
-Each of the four was checked by removing it and watching the demo fail.
+Each of the five was checked by removing it and watching the demo fail (the last on
+megatron-core 0.19 only).
 """
 
 from __future__ import annotations
@@ -54,6 +57,23 @@ def _no_fork(self: Any, *args: Any, **kwargs: Any) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
+class _CpuStream:
+    """The CPU's one stream: work is done in order, so waiting on an event or stream is a no-op."""
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _cpu_stream(*args: Any, **kwargs: Any) -> _CpuStream:
+    return _CpuStream()
+
+
 @contextlib.contextmanager
 def cpu_shim() -> Iterator[None]:
     """Run megatron-core on the CPU inside the block; every patch is undone on exit."""
@@ -62,6 +82,7 @@ def cpu_shim() -> Iterator[None]:
     patches = (
         (torch.cuda, "current_device", _cpu_device),
         (torch.cuda, "synchronize", _no_sync),
+        (torch.cuda, "current_stream", _cpu_stream),
         (tp_random.CudaRNGStatesTracker, "fork", _no_fork),
     )
     saved = [(owner, name, vars(owner)[name]) for owner, name, _ in patches]

@@ -3,8 +3,9 @@
 Counted: every matrix multiply that megatron-core runs for the decoder (projections, core
 attention, MLP, MoE router/experts, logits, MTP), as ``torch.utils.flop_counter`` counts them.
 Not counted: norms, softmax, activations, RoPE, embedding lookups, the loss, optimizer steps,
-communication. The one deliberate exception is Mamba's scan, which Megatron-LM estimates and
-we keep under its own key.
+communication. The deliberate exceptions, each under its own key: Mamba's scan (Megatron-LM's
+estimate), and Gated DeltaNet's short convolution (exact MACs) and recurrence (a named
+convention, :func:`gdn_core_flops`; docs/attention-variants.md).
 
 Conventions (each named, each selectable):
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import difflib
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,12 +269,17 @@ class Gemm:
     ``core_attention.context``). ``shape`` is ``(rows, in_features, out_features)`` of a linear
     layer, ``None`` for a GEMM of two activations (core attention) or Mamba's scan. A model's
     identical layers share one list (the decoder's :class:`LayerRun`, the DiT's block).
+    ``forward_passes``/``backward_passes``: how often training runs a GEMM of ``flops`` forward and
+    backward: 1 + 2 (TRAIN_PASSES) for every GEMM of a trained model, except DSA's indexer, whose
+    inputs megatron-core detaches.
     """
 
     key: str
     name: str
     flops: int
     shape: tuple[int, int, int] | None = None
+    forward_passes: int = 1
+    backward_passes: int = TRAIN_PASSES - 1
 
     @property
     def has_weight(self) -> bool:
@@ -304,24 +310,8 @@ def forward_runs(
     tokens = stats.num_padded_tokens if include_padding else stats.num_tokens
     full_pairs = stats.sum_padded_seqlen_squared if include_padding else stats.sum_seqlen_squared
     band = stats.padded_window_pairs if include_padding else stats.window_pairs
-    kinds: dict[tuple[str, str], tuple[Gemm, ...]] = {}
-    runs: list[LayerRun] = []
-    first = 0
-    for kind, count in spec.layer_runs:
-        if kind not in kinds:
-            mixer, ffn = kind
-            out = _Gemms()
-            if mixer in ("attention", "window"):
-                _attention(out, spec, tokens, band if mixer == "window" else full_pairs, attention, "")
-            elif mixer == "mamba":
-                _mamba(out, spec, tokens)
-            if ffn == "mlp":
-                _mlp(out, spec, tokens, "")
-            elif ffn == "moe":
-                _moe(out, spec, tokens, "")
-            kinds[kind] = tuple(out)
-        runs.append(LayerRun(first=first, count=count, gemms=kinds[kind]))
-        first += count
+    layer = _LayerGemms(spec, tokens, full_pairs, band, attention)
+    runs = [LayerRun(first=first, count=count, gemms=layer(kind, "")) for kind, count, first in _firsts(spec.layer_runs)]
     # Output layer: [T, h] @ [h, V_padded].
     logits = _Gemms()
     _linear(logits, "logits", "output_layer", tokens, spec.hidden_size, spec.padded_vocab_size)
@@ -331,11 +321,8 @@ def forward_runs(
         # MTP eh_proj: concat(embedding, hidden) [T, 2h] @ [2h, h].
         # NB: the enorm/hnorm/final norms that Megatron-LM prices (3h per token) run no GEMM.
         _linear(depth, "mtp/eh_proj", "eh_proj", tokens, 2 * spec.hidden_size, spec.hidden_size)
-        _attention(depth, spec, tokens, full_pairs, attention, "mtp/")
-        if spec.mtp_ffn == "moe":
-            _moe(depth, spec, tokens, "mtp/")
-        else:
-            _mlp(depth, spec, tokens, "mtp/")
+        for kind, count in spec.mtp_layer_runs:
+            depth.extend(layer(kind, "mtp/") * count)
         runs.append(LayerRun(first=spec.num_layers, count=spec.mtp_num_layers, gemms=tuple(depth)))
         # The shared output layer runs again on every MTP depth.
         mtp_logits = _Gemms()
@@ -344,24 +331,70 @@ def forward_runs(
     return tuple(runs)
 
 
+def _firsts(layer_runs: Sequence[tuple[tuple[str, str], int]]) -> Iterable[tuple[tuple[str, str], int, int]]:
+    first = 0
+    for kind, count in layer_runs:
+        yield kind, count, first
+        first += count
+
+
+class _LayerGemms:
+    """The forward GEMMs of one layer kind ``(mixer, ffn)``, each kind built once."""
+
+    def __init__(self, spec: ModelSpec, tokens: int, full_pairs: int, band: int, attention: str) -> None:
+        self.spec, self.tokens, self.full_pairs, self.band, self.attention = spec, tokens, full_pairs, band, attention
+        self.cache: dict[tuple[str, str, str], tuple[Gemm, ...]] = {}
+
+    def __call__(self, kind: tuple[str, str], prefix: str) -> tuple[Gemm, ...]:
+        if (prefix, *kind) not in self.cache:
+            self.cache[(prefix, *kind)] = self._build(kind, prefix)
+        return self.cache[(prefix, *kind)]
+
+    def _build(self, kind: tuple[str, str], prefix: str) -> tuple[Gemm, ...]:
+        spec, tokens = self.spec, self.tokens
+        mixer, ffn = kind
+        out = _Gemms()
+        if mixer in ("attention", "window"):
+            pairs = self.band if mixer == "window" else self.full_pairs
+            _attention(out, spec, tokens, pairs, self.attention, prefix)
+        elif mixer == "mamba":
+            _mamba(out, spec, tokens, prefix)
+        elif mixer == "gdn":
+            _gdn(out, spec, tokens, prefix)
+        elif mixer == "kda":
+            _kda(out, spec, tokens, prefix)
+        elif mixer in ("dsa", "dsa_shared"):
+            _dsa(out, spec, tokens, (self.full_pairs, self.band), self.attention, prefix, indexer=mixer == "dsa")
+        if ffn == "mlp":
+            _mlp(out, spec, tokens, prefix)
+        elif ffn == "moe":
+            _moe(out, spec, tokens, prefix)
+        return tuple(out)
+
+
 def forward_flops(
     spec: ModelSpec, stats: SeqStats, *, attention: str = "causal", include_padding: bool = False
 ) -> dict[str, int]:
     """Forward-pass FLOPs per component over ``stats``: :func:`forward_runs` summed by key."""
+    return _summed(spec, stats, attention, include_padding, lambda g: g.forward_passes)
+
+
+def _summed(spec: ModelSpec, stats: SeqStats, attention: str, include_padding: bool,
+            passes: Callable[[Gemm], int]) -> dict[str, int]:
     out: dict[str, int] = {}
     for run in forward_runs(spec, stats, attention=attention, include_padding=include_padding):
         for g in run.gemms:
-            out[g.key] = out.get(g.key, 0) + run.count * g.flops
+            out[g.key] = out.get(g.key, 0) + run.count * g.flops * passes(g)
     return out
 
 
 def training_flops(
     spec: ModelSpec, stats: SeqStats, *, attention: str = "causal", include_padding: bool = False
 ) -> FlopsBreakdown:
-    """Forward + backward FLOPs per component: TRAIN_PASSES x the forward GEMMs."""
-    fwd = forward_flops(spec, stats, attention=attention, include_padding=include_padding)
+    """Forward + backward FLOPs per component: TRAIN_PASSES x the forward GEMMs (each GEMM's
+    ``forward_passes + backward_passes``)."""
     return FlopsBreakdown(
-        components={k: TRAIN_PASSES * v for k, v in fwd.items()},
+        components=_summed(spec, stats, attention, include_padding, lambda g: g.forward_passes + g.backward_passes),
         attention=attention,
         include_padding=include_padding,
     )
@@ -371,51 +404,134 @@ def estimate(
     spec: ModelSpec, rows: Sequence[Row], *, attention: str = "causal", include_padding: bool = False
 ) -> FlopsBreakdown:
     """Training FLOPs of one pass over parsed ``rows``."""
-    stats = SeqStats.from_rows(rows, window=spec.window_size)
+    stats = SeqStats.from_rows(rows, window=spec.pair_window)
     return training_flops(spec, stats, attention=attention, include_padding=include_padding)
 
 
 class _Gemms(list[Gemm]):
     """The forward GEMMs of one layer, in execution order."""
 
-    def __call__(self, key: str, name: str, flops: int, shape: tuple[int, int, int] | None = None) -> None:
+    def __call__(self, key: str, name: str, flops: int, shape: tuple[int, int, int] | None = None,
+                 passes: tuple[int, int] = (1, TRAIN_PASSES - 1)) -> None:
         assert shape is None or flops == gemm(*shape)
-        self.append(Gemm(key=key, name=name, flops=flops, shape=shape))
+        self.append(Gemm(key=key, name=name, flops=flops, shape=shape, forward_passes=passes[0],
+                         backward_passes=passes[1]))
 
 
-def _linear(add: _Gemms, key: str, name: str, rows: int, d_in: int, d_out: int) -> None:
-    add(key, name, gemm(rows, d_in, d_out), (rows, d_in, d_out))
+def _linear(add: _Gemms, key: str, name: str, rows: int, d_in: int, d_out: int,
+            passes: tuple[int, int] = (1, TRAIN_PASSES - 1)) -> None:
+    add(key, name, gemm(rows, d_in, d_out), (rows, d_in, d_out), passes)
 
 
 def _attention(add: _Gemms, spec: ModelSpec, tokens: int, pairs: int, attention: str, prefix: str) -> None:
     h, nq = spec.hidden_size, spec.num_attention_heads
     key = f"{prefix}attn/qkv"
-    mla = spec.mla
-    if mla is None:
+    if spec.mla is None:
         d, ng = spec.kv_channels, spec.num_query_groups
         gate = nq * d if spec.attention_output_gate else 0
         # linear_qkv: [T, h] @ [h, (nq + 2*ng)*d (+ nq*d output gate)].
         _linear(add, key, "linear_qkv", tokens, h, (nq + 2 * ng) * d + gate)
         qk_dim, v_dim = d, d
     else:
-        qk_dim, v_dim = mla.qk_head_dim + mla.qk_pos_emb_head_dim, mla.v_head_dim
-        if mla.q_lora_rank is None:
-            # linear_q_proj: [T, h] @ [h, nq*(qk + rope)].
-            _linear(add, key, "linear_q_proj", tokens, h, nq * qk_dim)
-        else:
-            # linear_q_down_proj [T, h] @ [h, q_lora]; linear_q_up_proj [T, q_lora] @ [q_lora, nq*(qk + rope)].
-            # NB: the q/kv layernorms that Megatron-LM prices (+1 per rank) run no GEMM.
-            _linear(add, key, "linear_q_down_proj", tokens, h, mla.q_lora_rank)
-            _linear(add, key, "linear_q_up_proj", tokens, mla.q_lora_rank, nq * qk_dim)
-        # linear_kv_down_proj [T, h] @ [h, kv_lora + rope]; linear_kv_up_proj [T, kv_lora] @ [kv_lora, nq*(qk + v)].
-        _linear(add, key, "linear_kv_down_proj", tokens, h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
-        _linear(add, key, "linear_kv_up_proj", tokens, mla.kv_lora_rank, nq * (mla.qk_head_dim + v_dim))
+        _mla_projections(add, spec, tokens, key)
+        qk_dim, v_dim = spec.mla.qk_head_dim + spec.mla.qk_pos_emb_head_dim, spec.mla.v_head_dim
     # Per head: scores [s, qk] @ [qk, s] and context [s, s] @ [s, v], summed over sequences as
     # pair counts: FLOPS_PER_MAC * nq * qk * pairs and FLOPS_PER_MAC * nq * v * pairs.
     for name, dim in (("core_attention.scores", qk_dim), ("core_attention.context", v_dim)):
         add(f"{prefix}attn/core", name, apply_attention_convention(attention_gemm(nq, dim, pairs), attention))
     # linear_proj: [T, nq*v] @ [nq*v, h].
     _linear(add, f"{prefix}attn/out", "linear_proj", tokens, nq * v_dim, h)
+
+
+def _mla_projections(add: _Gemms, spec: ModelSpec, tokens: int, key: str) -> None:
+    mla = spec.mla
+    assert mla is not None
+    h, nq = spec.hidden_size, spec.num_attention_heads
+    qk_dim = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+    if mla.q_lora_rank is None:
+        # linear_q_proj: [T, h] @ [h, nq*(qk + rope)].
+        _linear(add, key, "linear_q_proj", tokens, h, nq * qk_dim)
+    else:
+        # linear_q_down_proj [T, h] @ [h, q_lora]; linear_q_up_proj [T, q_lora] @ [q_lora, nq*(qk + rope)].
+        # NB: the q/kv layernorms that Megatron-LM prices (+1 per rank) run no GEMM.
+        _linear(add, key, "linear_q_down_proj", tokens, h, mla.q_lora_rank)
+        _linear(add, key, "linear_q_up_proj", tokens, mla.q_lora_rank, nq * qk_dim)
+    # linear_kv_down_proj [T, h] @ [h, kv_lora + rope]; linear_kv_up_proj [T, kv_lora] @ [kv_lora, nq*(qk + v)].
+    _linear(add, key, "linear_kv_down_proj", tokens, h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
+    _linear(add, key, "linear_kv_up_proj", tokens, mla.kv_lora_rank, nq * (mla.qk_head_dim + mla.v_head_dim))
+
+
+def _kda(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:
+    """Kimi Delta Attention as transformers' Kimi Linear runs it: GDN with a per-channel decay."""
+    k = spec.kda
+    assert k is not None
+    h, d, dim = spec.hidden_size, k.head_dim, k.num_heads * k.head_dim
+    # q_proj, k_proj, v_proj: [T, h] @ [h, H*d] each; b_proj (beta): [T, h] @ [h, H].
+    for name in ("q_proj", "k_proj", "v_proj"):
+        _linear(add, f"{prefix}kda/in_proj", name, tokens, h, dim)
+    _linear(add, f"{prefix}kda/in_proj", "b_proj", tokens, h, k.num_heads)
+    # Low-rank forget gate and output gate: [T, h] @ [h, d] then [T, d] @ [d, H*d], each.
+    for a, b in (("forget_gate.f_a_proj", "forget_gate.f_b_proj"), ("g_a_proj", "g_b_proj")):
+        _linear(add, f"{prefix}kda/gates", a, tokens, h, d)
+        _linear(add, f"{prefix}kda/gates", b, tokens, d, dim)
+    # Depthwise causal convolution over the 3*H*d channels of q, k, v (see _gdn).
+    add(f"{prefix}kda/conv", "conv1d", FLOPS_PER_MAC * tokens * 3 * dim * k.conv_kernel_dim)
+    # NB: the delta rule's convention of gdn/core, with a [d, d] state per head.
+    add(f"{prefix}kda/core", "delta_rule", gdn_core_flops(tokens, k.num_heads, d, d))
+    # o_proj: [T, H*d] @ [H*d, h] after the gated RMSNorm.
+    _linear(add, f"{prefix}kda/out_proj", "o_proj", tokens, dim, h)
+
+
+def _dsa(add: _Gemms, spec: ModelSpec, tokens: int, pairs: tuple[int, int], attention: str, prefix: str, *,
+         indexer: bool) -> None:
+    """DeepSeek sparse attention as megatron-core 0.19 runs it (absorbed MLA + lightning indexer);
+    ``indexer=False``: a layer that reuses an earlier layer's top-k (and its loss)."""
+    mla, dsa = spec.mla, spec.dsa
+    assert mla is not None and dsa is not None
+    full_pairs, band = pairs
+    h, nq = spec.hidden_size, spec.num_attention_heads
+    # NB: absorbed MLA runs the kv up-projection as two einsums (q_nope @ W_UK, context @ W_UV) of the
+    # same MACs as linear_kv_up_proj over every token: priced under that name.
+    _mla_projections(add, spec, tokens, f"{prefix}attn/qkv")
+    # Sparse core over the latent: scores [s, kv_lora + rope] @ [., topk keys], context over kv_lora;
+    # ``band`` counts min(i, topk) keys per query as a causal band of topk - 1 (the attention convention).
+    # NB: megatron-core's unfused path computes every score and masks; a sparse kernel runs these pairs.
+    for name, dim in (("core_attention.scores", mla.kv_lora_rank + mla.qk_pos_emb_head_dim),
+                      ("core_attention.context", mla.kv_lora_rank)):
+        add(f"{prefix}dsa/core", name, apply_attention_convention(attention_gemm(nq, dim, band), attention))
+    _linear(add, f"{prefix}attn/out", "linear_proj", tokens, nq * mla.v_head_dim, h)
+    if indexer:
+        _dsa_indexer(add, spec, tokens, pairs, attention, prefix)
+
+
+def _dsa_indexer(add: _Gemms, spec: ModelSpec, tokens: int, pairs: tuple[int, int], attention: str, prefix: str) -> None:
+    mla, dsa = spec.mla, spec.dsa
+    assert mla is not None and dsa is not None
+    h, nq = spec.hidden_size, spec.num_attention_heads
+    full_pairs, band = pairs
+    # Indexer: linear_wq_b [T, q_lora (h without q_lora)] @ [., nh*d]; linear_wk [T, h] @ [h, d];
+    # linear_weights_proj [T, h] @ [h, nh].
+    # NB: megatron-core detaches the indexer's inputs: forward, plus the weight gradient only when the
+    # indexer loss trains it (dsa_indexer_loss_coeff > 0); top-k is under no_grad otherwise.
+    trained = (1, 1 if dsa.trains_indexer else 0)
+    key = f"{prefix}dsa/indexer"
+    _linear(add, key, "indexer.linear_wq_b", tokens, mla.q_lora_rank or h, dsa.num_heads * dsa.head_dim, trained)
+    _linear(add, key, "indexer.linear_wk", tokens, h, dsa.head_dim, trained)
+    _linear(add, key, "indexer.linear_weights_proj", tokens, h, dsa.num_heads, trained)
+    # Index scores over every causal pair: nh q.k dot products of d and the weighted sum over heads,
+    # nh * (d + 1) MACs per pair; forward only, unless the loss trains it: then its backward (2 GEMMs)
+    # over the pairs the KL loss touches (every pair, or the selected ones with the sparse loss).
+    # NB: ReLU, the Hadamard rotation, top-k selection and the softmax/KL run no GEMM.
+    loss_pairs = band if dsa.sparse_loss else full_pairs
+    per_pair = dsa.num_heads * (dsa.head_dim + 1)
+    add(f"{prefix}dsa/indexer_scores", "indexer.scores",
+        apply_attention_convention(attention_gemm(1, per_pair, full_pairs), attention), None, (1, 0))
+    if dsa.trains_indexer:
+        add(f"{prefix}dsa/indexer_scores", "indexer.scores_grad",
+            apply_attention_convention(attention_gemm(1, per_pair, loss_pairs), attention), None, (0, 2))
+        # The loss's target: main-model scores from detached q and k, [s, kv_lora + rope] per head, forward only.
+        add(f"{prefix}dsa/indexer_loss", "indexer_loss.scores", apply_attention_convention(
+            attention_gemm(nq, mla.kv_lora_rank + mla.qk_pos_emb_head_dim, loss_pairs), attention), None, (1, 0))
 
 
 def _mlp(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:
@@ -452,14 +568,50 @@ def _moe(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:
             _linear(add, f"{prefix}moe/shared", "shared_experts.gate_weight", tokens, h, 1)
 
 
-def _mamba(add: _Gemms, spec: ModelSpec, tokens: int) -> None:
+def _mamba(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:
     m = spec.mamba
     assert m is not None
     h = spec.hidden_size
     d_inner = 2 * h
     # in_proj: [T, h] @ [h, 2*d_inner + 2*groups*state + heads] (z, x, B, C, dt).
-    _linear(add, "mamba/in_proj", "in_proj", tokens, h, 2 * d_inner + 2 * m.num_groups * m.state_dim + m.num_heads)
+    _linear(add, f"{prefix}mamba/in_proj", "in_proj", tokens, h, 2 * d_inner + 2 * m.num_groups * m.state_dim + m.num_heads)
     # NB: not a GEMM; Megatron-LM's estimate of the SSD scan, 7 FLOPs per (token, channel, state).
-    add("mamba/scan", "scan", 7 * tokens * d_inner * m.state_dim)
+    add(f"{prefix}mamba/scan", "scan", 7 * tokens * d_inner * m.state_dim)
     # out_proj: [T, d_inner] @ [d_inner, h].
-    _linear(add, "mamba/out_proj", "out_proj", tokens, d_inner, h)
+    _linear(add, f"{prefix}mamba/out_proj", "out_proj", tokens, d_inner, h)
+
+
+# The Gated DeltaNet core's convention: MACs per (token, value head) per key x value state entry.
+GDN_CORE_MACS_PER_STATE_ENTRY = 4
+
+
+def gdn_core_flops(tokens: int, num_value_heads: int, key_head_dim: int, value_head_dim: int) -> int:
+    """Forward FLOPs of the gated delta rule under this project's convention (``gdn/core``).
+
+    NB: a convention, not a measurement (the recurrence has no agreed count). Per token and value
+    head, 4 MACs per entry of the ``[d_k, d_v]`` state: Megatron-LM's and Megatron-Bridge's "KK^T,
+    VK^T, S(a(I-bKK^T)), SQ", with ``d_k * d_v`` where they write ``d_v ** 2`` (equal when
+    ``d_k == d_v``, as in every released GDN model). Token-linear: chunking and the triangular
+    solve of a chunked kernel are not counted. docs/attention-variants.md compares it with what
+    the chunked torch kernel executes.
+    """
+    return FLOPS_PER_MAC * GDN_CORE_MACS_PER_STATE_ENTRY * tokens * num_value_heads * key_head_dim * value_head_dim
+
+
+def _gdn(add: _Gemms, spec: ModelSpec, tokens: int, prefix: str) -> None:
+    g = spec.gdn
+    assert g is not None
+    h = spec.hidden_size
+    qk_dim, v_dim = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim
+    # in_proj: [T, h] @ [h, 2*qk + 2*v + 2*nv] (q, k, v, the output gate z, beta, alpha); HF splits it
+    # into in_proj_qkvz and in_proj_ba, the same FLOPs.
+    _linear(add, f"{prefix}gdn/in_proj", "in_proj", tokens, h, 2 * qk_dim + 2 * v_dim + 2 * g.num_value_heads)
+    # conv1d: a depthwise causal convolution of width K over the 2*qk + v channels of q, k, v:
+    # K MACs per (token, channel).
+    # NB: not a GEMM. torch's F.conv1d with padding K - 1 (HF's fallback, megatron's deterministic mode)
+    # also computes K - 1 discarded outputs per sequence; FlopCounterMode's wgrad formula ignores groups.
+    add(f"{prefix}gdn/conv", "conv1d", FLOPS_PER_MAC * tokens * (2 * qk_dim + v_dim) * g.conv_kernel_dim)
+    add(f"{prefix}gdn/core", "gated_delta_rule", gdn_core_flops(tokens, g.num_value_heads, g.key_head_dim,
+                                                                 g.value_head_dim))
+    # out_proj: [T, v] @ [v, h] after the gated RMSNorm (elementwise).
+    _linear(add, f"{prefix}gdn/out_proj", "out_proj", tokens, v_dim, h)

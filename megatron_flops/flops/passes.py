@@ -44,7 +44,7 @@ Recompute (megatron-core's ``recompute_granularity``/``recompute_method``/``reco
   shared experts); ``shared_experts`` the shared experts and their gate (twice with ``moe``: the
   inner checkpoint re-runs inside the outer one's recompute); ``layernorm``, ``moe_act`` no GEMM.
 
-Not modelled (ValueError): hybrid/Mamba layers; a checkpointed region that holds trainable
+Not modelled (ValueError): hybrid, Mamba, Gated DeltaNet, KDA and DSA layers; a checkpointed region that holds trainable
 weights but whose input needs no gradient (megatron's reentrant checkpoint would leave them
 untrained); uneven pipeline splits with ``block``; FP8/FP4 ``block`` recompute, which skips
 layers whose input needs no gradient.
@@ -261,9 +261,11 @@ def training_passes(
 ) -> TrainingPasses:
     """Forward, input-gradient, weight-gradient, unneeded and recompute FLOPs over ``stats``."""
     peft = peft or PeftSpec()
-    if spec.mamba is not None or any("none" in kind for kind, _ in spec.layer_runs):
+    if any(m is not None for m in (spec.mamba, spec.gdn, spec.kda, spec.dsa)) or any(
+            "none" in kind for kind, _ in spec.layer_runs):
         raise ValueError(
-            "frozen weights, LoRA and recompute are modelled for GPT decoders only (no hybrid/Mamba layers)"
+            "frozen weights, LoRA and recompute are modelled for GPT decoders only (no hybrid, Mamba, "
+            "Gated DeltaNet, KDA or DSA layers)"
         )
     runs = forward_runs(spec, stats, attention=attention, include_padding=include_padding)
     if peft.lora_rank is not None:

@@ -148,9 +148,9 @@ def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
 
 def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> None:
     """ValueError for what these parameter lists do not model, or sizes that do not divide."""
-    if spec.mamba is not None or spec.attention_output_gate:
-        raise ValueError("memory is modelled for GPT decoders (dense and MoE layers, MLA, MTP): no Mamba or gated "
-                         "attention")
+    if any(m is not None for m in (spec.mamba, spec.gdn, spec.kda, spec.dsa)) or spec.attention_output_gate:
+        raise ValueError("memory is modelled for GPT decoders (dense and MoE layers, MLA, MTP): no Mamba, Gated "
+                         "DeltaNet, KDA, DSA or gated attention")
     if spec.mla is not None and par.tp > 1:
         raise ValueError("multi-latent attention is modelled with --tp 1")
     if spec.mtp_num_layers and par.pp > 1:

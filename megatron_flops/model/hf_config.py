@@ -47,7 +47,9 @@ class _Rules:
     ``none`` (always hidden / heads). ``window``: which layers slide (:func:`_hf_window`);
     ``window_period``: the default ``layer_types`` period (every ``period``-th layer is global),
     read from ``window_pattern_key`` where the family has one.
-    ``moe``: how experts are placed. ``elementwise``: keys the family reads that shape no GEMM
+    ``moe``: how experts are placed. ``mixer``: the token mixer where it is not softmax attention
+    everywhere (``qwen3_next``: Gated DeltaNet layers; ``dsa``: DeepSeek sparse attention;
+    ``kimi_linear``: Kimi Delta Attention layers). ``elementwise``: keys the family reads that shape no GEMM
     (partial rotary, parallel residual, logit soft-capping, multipliers).
     """
 
@@ -61,6 +63,7 @@ class _Rules:
     window_period: int = 0
     window_pattern_key: str | None = None
     moe: str = "none"
+    mixer: str = "softmax"
     elementwise: frozenset[str] = frozenset()
 
 
@@ -81,6 +84,10 @@ _RULES: dict[str, _Rules] = {
     "qwen3_moe": _Rules(kv_heads="fixed", window="qwen3_moe", moe="qwen"),
     "deepseek_v2": _Rules(moe="deepseek"),
     "deepseek_v3": _Rules(moe="deepseek"),
+    "deepseek_v32": _Rules(moe="deepseek", mixer="dsa"),
+    "glm_moe_dsa": _Rules(moe="deepseek", mixer="dsa"),
+    "kimi_linear": _Rules(mixer="kimi_linear"),
+    "qwen3_next": _Rules(kv_heads="fixed", head_dim="fixed", moe="qwen", mixer="qwen3_next"),
     "gemma": _GEMMA,
     "gemma2": _GEMMA2,
     "gemma3_text": replace(_GEMMA2, window_period=6, window_pattern_key="sliding_window_pattern"),
@@ -170,6 +177,12 @@ def _own_family(model_type: Any) -> str | None:
     if not isinstance(model_type, str):
         return None
     return model_type if model_type in _RULES else _HF_TEXT_MODEL_TYPES.get(model_type)
+
+
+# Qwen3-Next's Gated DeltaNet sizes, HF name -> TransformerConfig field.
+_HF_LINEAR_KEYS = {"linear_num_key_heads": "linear_num_key_heads", "linear_num_value_heads": "linear_num_value_heads",
+                   "linear_key_head_dim": "linear_key_head_dim", "linear_value_head_dim": "linear_value_head_dim",
+                   "linear_conv_kernel_dim": "linear_conv_kernel_dim"}
 
 
 def _hf_family(hf: Mapping[str, Any], family: str | None) -> str:
@@ -264,7 +277,14 @@ def hf_to_mcore(hf: Mapping[str, Any], *, family: str | None = None) -> dict[str
         _hf_deepseek(f, out, num_layers)
     elif rules.moe != "none":
         _hf_moe(f, out, family, num_layers)
-    _hf_window(f, out, rules, num_layers)
+    if rules.mixer == "qwen3_next":
+        _hf_qwen3_next(f, out, num_layers)
+    elif rules.mixer == "dsa":
+        _hf_dsa(f, out, num_layers)
+    elif rules.mixer == "kimi_linear":
+        _hf_kimi_linear(f, out, num_layers)
+    else:
+        _hf_window(f, out, rules, num_layers)
     return out
 
 
@@ -281,6 +301,101 @@ def _kv_heads(f: Fields, rules: _Rules, heads: int) -> int:
     return f.opt_integer("num_key_value_heads") or heads
 
 
+def _hf_kimi_linear(f: Fields, out: dict[str, Any], num_layers: int) -> None:
+    """Kimi Linear: Kimi Delta Attention where ``layer_types`` says ``linear_attention``, MLA (as
+    DeepSeek's keys give it) elsewhere; MoE where ``mlp_layer_types`` says ``sparse``, with
+    ``n_shared_experts`` shared experts of ``moe_intermediate_size``, no shared gate."""
+    hf = f.fields
+    # transformers' attribute_map: the file may spell each of these either way.
+    experts, topk_key, shared = (_experts_key(hf, keys) for keys in (
+        ("num_experts", "num_local_experts"), ("num_experts_per_token", "num_experts_per_tok"),
+        ("num_shared_experts", "n_shared_experts")))
+    required = ["layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
+                experts, topk_key, "moe_intermediate_size", shared, "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim"]
+    missing = [k for k in required if hf.get(k) is None]
+    if "q_lora_rank" not in hf:
+        missing.append("q_lora_rank")  # null is allowed: a plain q_proj.
+    if missing:
+        raise f.missing(missing)
+    flags = {}
+    for key, kinds in (("layer_types", ("linear_attention", "full_attention")), ("mlp_layer_types", ("sparse", "dense"))):
+        types = hf[key]
+        if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
+            raise f.error(f"{key!r} must list {' or '.join(map(repr, kinds))} for each of the {num_layers} layers, "
+                          f"got {show(types)}")
+        flags[key] = FlagRuns(merged(((t == kinds[0], len(list(g))) for t, g in itertools.groupby(types)),
+                                     f"{f.source}: {key!r}"))
+    num_experts, topk, moe_ffn = f.integer(experts), f.integer(topk_key), f.integer("moe_intermediate_size")
+    if topk > num_experts:
+        raise f.error(f"{topk_key}={topk} > {experts}={num_experts}")
+    out.update(
+        kda_layers=flags["layer_types"], kda_num_heads=f.integer("linear_num_heads"),
+        kda_head_dim=f.integer("linear_head_dim"), kda_conv_kernel_dim=f.integer("linear_conv_kernel_dim"),
+        num_moe_experts=num_experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
+        moe_layer_freq=flags["mlp_layer_types"],
+        moe_shared_expert_intermediate_size=f.integer(shared, minimum=0) * moe_ffn,
+        multi_latent_attention=True, q_lora_rank=f.opt_integer("q_lora_rank"), kv_lora_rank=f.integer("kv_lora_rank"),
+        qk_head_dim=f.integer("qk_nope_head_dim"), qk_pos_emb_head_dim=f.integer("qk_rope_head_dim", minimum=0),
+        v_head_dim=f.integer("v_head_dim"), num_query_groups=out["num_attention_heads"],
+    )
+    out.pop("kv_channels", None)
+
+
+def _hf_dsa(f: Fields, out: dict[str, Any], num_layers: int) -> None:
+    """DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``): DeepSeek-V3's MLA and MoE with DSA in every layer
+    (``index_*`` keys), MoE layers from ``mlp_layer_types``, GLM-5's index sharing from ``indexer_types``. NB: transformers runs the indexer under ``no_grad`` (no
+    indexer loss), as a model whose indexer does not train."""
+    hf = f.fields
+    missing = [k for k in ("index_n_heads", "index_head_dim", "index_topk", "q_lora_rank") if hf.get(k) is None]
+    if missing:
+        raise f.missing(missing)
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and layer_types != ["indexed_attention"] * num_layers:
+        raise f.error(f"'layer_types' must be 'indexed_attention' for each of the {num_layers} layers, "
+                      f"got {show(layer_types)}")
+    mlp_types = hf.get("mlp_layer_types")
+    if mlp_types is not None:
+        kinds = ("dense", "sparse")
+        if not isinstance(mlp_types, list) or len(mlp_types) != num_layers or any(t not in kinds for t in mlp_types):
+            raise f.error(f"'mlp_layer_types' must list 'dense' or 'sparse' for each of the {num_layers} layers, "
+                          f"got {show(mlp_types)}")
+        out["moe_layer_freq"] = FlagRuns(merged(((t == "sparse", len(list(g))) for t, g in itertools.groupby(mlp_types)),
+                                                f"{f.source}: 'mlp_layer_types'"))
+    indexer_types = hf.get("indexer_types")
+    if indexer_types is not None:  # GLM-5: "shared" layers reuse the previous "full" layer's top-k.
+        kinds = ("full", "shared")
+        if (not isinstance(indexer_types, list) or len(indexer_types) != num_layers
+                or any(t not in kinds for t in indexer_types) or indexer_types[0] != "full"):
+            raise f.error(f"'indexer_types' must list 'full' or 'shared' for each of the {num_layers} layers, the "
+                          f"first 'full', got {show(indexer_types)}")
+        out["dsa_indexer_layers"] = FlagRuns(merged(((t == "full", len(list(g))) for t, g in itertools.groupby(indexer_types)),
+                                                    f"{f.source}: 'indexer_types'"))
+    out.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=f.integer("index_n_heads"),
+               dsa_indexer_head_dim=f.integer("index_head_dim"), dsa_indexer_topk=f.integer("index_topk"))
+
+
+def _hf_qwen3_next(f: Fields, out: dict[str, Any], num_layers: int) -> None:
+    """Qwen3-Next: Gated DeltaNet layers where ``layer_types`` says ``linear_attention``, gated
+    softmax attention (q_proj doubled for the output gate) elsewhere; no sliding window."""
+    hf = f.fields
+    missing = [k for k in (*_HF_LINEAR_KEYS, "layer_types") if hf.get(k) is None]
+    if missing:
+        raise f.missing(missing)
+    for key, field in _HF_LINEAR_KEYS.items():
+        out[field] = f.integer(key)
+    layer_types = hf["layer_types"]
+    kinds = ("linear_attention", "full_attention")
+    if not isinstance(layer_types, list) or any(not isinstance(t, str) or t not in kinds for t in layer_types):
+        raise f.error(f"'layer_types' must be a list of {' or '.join(map(repr, kinds))}, got {show(layer_types)}")
+    if len(layer_types) != num_layers:
+        raise f.error(f"'layer_types' has {len(layer_types)} entries but num_hidden_layers={num_layers}")
+    out["experimental_attention_variant"] = "gated_delta_net"
+    out["linear_attention_freq"] = FlagRuns(merged(
+        ((t == "linear_attention", len(list(g))) for t, g in itertools.groupby(layer_types)), f"{f.source}: 'layer_types'"))
+    out["attention_output_gate"] = True
+
+
 def _experts_key(hf: Mapping[str, Any], keys: tuple[str, ...]) -> str:
     """The first of ``keys`` the file sets (transformers' ``attribute_map`` aliases), else the first."""
     return next((k for k in keys if hf.get(k) is not None), keys[0])
@@ -290,7 +405,7 @@ def _hf_moe(f: Fields, out: dict[str, Any], family: str, num_layers: int) -> Non
     hf = f.fields
     experts_key = _experts_key(hf, ("num_experts", "num_local_experts"))
     required = [experts_key, "num_experts_per_tok"] + (["moe_intermediate_size"] if family != "mixtral" else [])
-    if family == "qwen2_moe":
+    if family in ("qwen2_moe", "qwen3_next"):
         required.append("shared_expert_intermediate_size")
     missing = [k for k in required if hf.get(k) is None]
     if missing:
@@ -306,9 +421,9 @@ def _hf_moe(f: Fields, out: dict[str, Any], family: str, num_layers: int) -> Non
     out["moe_ffn_hidden_size"] = f.integer("intermediate_size" if family == "mixtral" else "moe_intermediate_size")
     if family == "mixtral":
         return
-    if family == "qwen2_moe":
+    if family in ("qwen2_moe", "qwen3_next"):
         out["moe_shared_expert_intermediate_size"] = f.integer("shared_expert_intermediate_size")
-        # Qwen2-MoE scales the shared expert by a sigmoid gate: one [T, h] @ [h, 1] GEMM.
+        # Qwen2-MoE and Qwen3-Next scale the shared expert by a sigmoid gate: one [T, h] @ [h, 1] GEMM.
         out["moe_shared_expert_gate"] = True
     # Qwen: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers.
     step = f.integer("decoder_sparse_step", default=1)

@@ -1,7 +1,11 @@
 """Megatron-LM arguments as users launch them (stdlib only): a pasted command line, a file holding
 one (a launch script's arguments), or an args dump (JSON/YAML of ``vars(args)``), read with
-Megatron-LM's own option table (:mod:`megatron_flops.model._mlm_args`) and defaults, then priced by
-:meth:`ModelSpec.from_megatron_args`.
+Megatron-LM's own option tables (:mod:`megatron_flops.model._mlm_args`: core_v0.14.0, core_v0.16.1 and
+core_v0.19.0) and defaults, then priced by :meth:`ModelSpec.from_megatron_args`.
+
+Which release: the one named (``release``, ``--megatron-release``), whose options alone are
+accepted; else any release's options are (their union) and the defaults are those of the newest
+release that has every option given.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ READ = (
     "moe_shared_expert_gate", "moe_layer_freq", "moe_latent_size", "multi_latent_attention", "q_lora_rank",
     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers", "window_size",
     "window_attn_skip_freq", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
-    "experimental_attention_variant", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
+    "experimental_attention_variant", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
     "tensor_model_parallel_size", "untie_embeddings_and_output_weights", "hybrid_override_pattern",
     "seq_length", "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
     "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
@@ -34,24 +39,56 @@ READ = (
 )
 
 
-def load_megatron_args(value: str) -> tuple[SimpleNamespace, str]:
+def load_megatron_args(value: str, *, release: str | None = None) -> tuple[SimpleNamespace, str]:
     """``value``: a command line (options, optionally after ``torchrun ... pretrain_gpt.py``), or the
-    path of a file holding one or of an args dump (``.json``/``.yaml``). Returns the args namespace (Megatron-LM's defaults filled in)
-    and a source name for messages."""
+    path of a file holding one or of an args dump (``.json``/``.yaml``); ``release``: the
+    Megatron-LM release (``core_v0.19.0`` or ``0.19.0``; default: any, see the module). Returns
+    the args namespace (Megatron-LM's defaults filled in) and a source name for messages."""
     text = value.strip()
     path = Path(value)
     if text.startswith("--") or (any(c.isspace() for c in text) and not _is_file(path)):
-        return parse_command_line(text, source="--megatron-args"), "--megatron-args"
+        return parse_command_line(text, source="--megatron-args", release=release), "--megatron-args"
     if path.suffix in (".json", ".yaml", ".yml"):
         dump = read_document(path, what="--megatron-args file")
         if not isinstance(dump, Mapping):
             raise ValueError(f"{path.name}: an args dump must be a mapping of Megatron-LM argument names")
-        return args_from_dump(dump, source=path.name), path.name
+        return args_from_dump(dump, source=path.name, release=release), path.name
     if not _exists(path):
         raise ValueError(f"--megatron-args: {show(value)} is neither a command line (--num-layers ...) "
                          "nor a readable file")
     text = read_text(path, what="--megatron-args file")
-    return parse_command_line(text, source=path.name), path.name
+    return parse_command_line(text, source=path.name, release=release), path.name
+
+
+def release_index(release: str | None) -> int | None:
+    """The index into ``_mlm_args.RELEASES`` of ``release`` (None: any release)."""
+    from megatron_flops.model import _mlm_args
+
+    if release is None:
+        return None
+    tag = release if release.startswith("core_v") else f"core_v{release}"
+    if tag not in _mlm_args.RELEASES:
+        raise ValueError(f"Megatron-LM release {show(release)} is not one of {', '.join(_mlm_args.RELEASES)}")
+    return _mlm_args.RELEASES.index(tag)
+
+
+def _releases_text(indices: Any) -> str:
+    from megatron_flops.model import _mlm_args
+
+    return ", ".join(_mlm_args.RELEASES[i] for i in indices)
+
+
+def _defaults(index: int | None, having: set[int] | None, source: str) -> dict[str, Any]:
+    """The defaults of release ``index`` or, for any release, of the newest one in ``having`` (the
+    releases that have every option given; None: no option restricts them)."""
+    from megatron_flops.model import _mlm_args
+
+    if index is None:
+        if having is not None and not having:
+            raise ValueError(f"{source}: no one Megatron-LM release has all these options "
+                             f"({_releases_text(range(len(_mlm_args.RELEASES)))} were searched)")
+        index = max(range(len(_mlm_args.RELEASES)) if having is None else having)
+    return dict(_mlm_args.DEFAULTS[_mlm_args.RELEASES[index]])
 
 
 def _exists(path: Path) -> bool:
@@ -100,12 +137,13 @@ def training_fields(args: SimpleNamespace) -> dict[str, Any]:
     }
 
 
-def args_from_dump(dump: Mapping[str, Any], *, source: str) -> SimpleNamespace:
+def args_from_dump(dump: Mapping[str, Any], *, source: str, release: str | None = None) -> SimpleNamespace:
     """An args dump (``vars(args)`` as JSON/YAML): the keys megatron-flops reads, over Megatron-LM's
-    defaults. Other keys are Megatron-LM state and are ignored, except near-misses of a key we read
-    (a typo), which are an error with the suggestion."""
+    defaults (``release``'s, else the newest release's). Other keys are Megatron-LM state and are
+    ignored, except near-misses of a key we read (a typo), which are an error with the suggestion."""
     from megatron_flops.model import _mlm_args
 
+    index = release_index(release)
     for key in dump:
         if not isinstance(key, str):
             raise ValueError(f"{source}: keys must be argument names, got {show(key)}")
@@ -114,14 +152,18 @@ def args_from_dump(dump: Mapping[str, Any], *, source: str) -> SimpleNamespace:
         close = difflib.get_close_matches(key, READ, n=1, cutoff=0.85)
         if close:
             raise ValueError(f"{source}: unknown Megatron-LM argument {key!r} (did you mean {close[0]!r}?)")
-    values = {**_mlm_args.DEFAULTS, **{k: v for k, v in dump.items() if k in READ}}
+    values = {**_defaults(index, None, source), **{k: v for k, v in dump.items() if k in READ}}
     return SimpleNamespace(**values)
 
 
-def parse_command_line(text: str, *, source: str) -> SimpleNamespace:
-    """Megatron-LM options as ``pretrain_gpt.py`` parses them (no abbreviations). A launcher prefix
-    (``torchrun ... pretrain_gpt.py``) is skipped; ``#`` comments and ``\\`` line breaks are allowed."""
+def parse_command_line(text: str, *, source: str, release: str | None = None) -> SimpleNamespace:
+    """Megatron-LM options as ``pretrain_gpt.py`` parses them (no abbreviations), of ``release``
+    (default: any release, see the module). A launcher prefix (``torchrun ... pretrain_gpt.py``) is
+    skipped; ``#`` comments and ``\\`` line breaks are allowed."""
     from megatron_flops.model import _mlm_args
+
+    index = release_index(release)
+    having: set[int] | None = None  # the releases that have every option so far
 
     try:
         tokens = shlex.split(text.replace("\\\n", " "), comments=True)
@@ -135,9 +177,12 @@ def parse_command_line(text: str, *, source: str) -> SimpleNamespace:
     while i < len(tokens):
         token = tokens[i]
         option, has_value, inline = token.partition("=")
-        if option not in _mlm_args.OPTIONS:
-            raise ValueError(f"{source}: {_unknown_option(token, _mlm_args)}")
-        dest, kind = _mlm_args.OPTIONS[option]
+        if option not in _mlm_args.OPTIONS or (index is not None and index not in _mlm_args.OPTIONS[option][2]):
+            raise ValueError(f"{source}: {_unknown_option(token, index)}")
+        dest, kind, releases = _mlm_args.OPTIONS[option]
+        if index is not None:  # the named release's number of values, where it differs from the newest's
+            kind = _mlm_args.OLDER_KINDS.get(option, {}).get(index, kind)
+        having = set(releases) if having is None else having & set(releases)
         i += 1
         if kind in ("true", "false"):
             if has_value:
@@ -157,18 +202,25 @@ def parse_command_line(text: str, *, source: str) -> SimpleNamespace:
                 raise ValueError(f"{source}: {option} expects {count or 'one or more'} value(s)")
         if dest in _mlm_args.TYPES:
             values[dest] = _convert(option, _mlm_args.TYPES[dest], given if kind != "value" else given[0], source)
-    args = SimpleNamespace(**{**_mlm_args.DEFAULTS, **values})
+    args = SimpleNamespace(**{**_defaults(index, having, source), **values})
     args._from_command_line = True
     return args
 
 
-def _unknown_option(token: str, table: Any) -> str:
+def _unknown_option(token: str, index: int | None) -> str:
+    from megatron_flops.model import _mlm_args
+
     if not token.startswith("-"):
         return f"unexpected {show(token)}: expected an --option (a value must follow its option)"
     option = token.partition("=")[0]
-    close = difflib.get_close_matches(option, list(table.OPTIONS), n=1, cutoff=0.8)
+    if option in _mlm_args.OPTIONS:  # another release's option
+        return (f"{show(option)} is not a Megatron-LM {_mlm_args.RELEASES[index or 0]} argument "
+                f"(it is one of {_releases_text(_mlm_args.OPTIONS[option][2])})")
+    known = [o for o, (_, _, releases) in _mlm_args.OPTIONS.items() if index is None or index in releases]
+    close = difflib.get_close_matches(option, known, n=1, cutoff=0.8)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    return f"unknown Megatron-LM {table.MEGATRON_LM_TAG} argument {show(option)}{hint}"
+    tags = _releases_text(range(len(_mlm_args.RELEASES)) if index is None else (index,))
+    return f"unknown Megatron-LM argument {show(option)}{hint} (not in {tags})"
 
 
 def _convert(option: str, type_name: str, value: Any, source: str) -> Any:
@@ -181,7 +233,7 @@ def _convert(option: str, type_name: str, value: Any, source: str) -> Any:
             return float(value)
         if type_name == "tuple_type":
             return tuple(int(v) for v in value.strip("()").split(","))
-        if type_name == "moe_freq_type":
+        if type_name in ("moe_freq_type", "la_freq_type"):
             # An integer, or a pattern string such as "([0]*3+[1]*58)" (read by the spec, no eval).
             return value if "[" in value else int(value)
     except ValueError:
@@ -191,4 +243,5 @@ def _convert(option: str, type_name: str, value: Any, source: str) -> Any:
 
 
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "tuple_type": "integers such as 4096,0",
-               "moe_freq_type": "an integer or a pattern such as ([0]*3+[1]*29)"}
+               "moe_freq_type": "an integer or a pattern such as ([0]*3+[1]*29)",
+               "la_freq_type": "an integer or a pattern such as ([1]*3+[0]*1)*12"}

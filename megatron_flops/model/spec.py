@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_flops.model.inputs import Fields, read_document, show
-from megatron_flops.model._layout import Runs, layer_flags, merged, zip_runs
+from megatron_flops.model._layout import Runs, cycle, layer_flags, merged, zip_runs
 from megatron_flops.model._mcore_fields import TRANSFORMER_CONFIG_FIELDS
 from megatron_flops.model.hf_config import HF_FAMILIES, HF_NAMES, HF_SOURCE, hf_text_config, hf_to_mcore, is_hf_config
 
@@ -61,10 +61,20 @@ _EXTRA_KEYS = frozenset(
         "vision",
         "lora",
         "dit",
+        # megatron-core 0.19 TransformerConfig fields (DSA index sharing) beyond the 0.16.1 list.
+        "dsa_indexer_topk_freq",
+        "dsa_indexer_skip_topk_offset",
     }
 )
 
-_HYBRID_SYMBOLS = {"M": ("mamba", "none"), "*": ("attention", "none"), "-": ("none", "mlp"), "E": ("none", "moe")}
+# megatron-core 0.19's hybrid layer symbols (``hybrid_layer_allocation.Symbols``): symbol -> layer kind.
+# ``*`` is a sliding-window layer where ``window_size``/``window_attn_skip_freq`` make that layer number slide.
+_HYBRID_SYMBOLS = {"M": ("mamba", "none"), "G": ("gdn", "none"), "*": ("attention", "none"), "+": ("attention", "none"),
+                   "D": ("dsa", "none"), "-": ("none", "mlp"), "E": ("none", "moe")}
+_HYBRID_PIPE, _HYBRID_MTP = "|", "/"
+# experimental_attention_variant values priced here (megatron-core spells GDN both ways) -> mixer.
+LINEAR_ATTENTION_VARIANTS = ("gated_delta_net", "gdn")
+ATTENTION_VARIANTS = {"gated_delta_net": "gdn", "gdn": "gdn", "dsa": "dsa"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,13 +111,49 @@ class MambaSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GDNSpec:
+    """Gated DeltaNet mixer sizes (megatron-core's ``linear_*`` fields; Qwen3-Next's ``linear_attn``)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_dim: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class KDASpec:
+    """Kimi Delta Attention (Kimi Linear) sizes: ``num_heads`` heads of ``head_dim`` for q, k, v."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel_dim: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DSASpec:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): a lightning indexer of ``num_heads`` heads
+    of ``head_dim`` scores every causal pair; MLA attends to the ``topk`` best keys per query.
+    ``trains_indexer``: ``dsa_indexer_loss_coeff > 0`` (the indexer's KL loss trains it);
+    ``sparse_loss``: that loss over the selected pairs only."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+    trains_indexer: bool = False
+    sparse_loss: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A decoder-only megatron-core model, as far as GEMM FLOPs are concerned.
 
     ``layer_runs`` lists the decoder sub-layers in order as runs ``((mixer, ffn), count)`` of
-    consecutive layers of one kind, with mixer in ``attention``/``window``/``mamba``/``none`` and
-    ffn in ``mlp``/``moe``/``none``: a 32-layer GPT is ``((("attention", "mlp"), 32),)``, a hybrid
-    ``M`` symbol is ``("mamba", "none")``.
+    consecutive layers of one kind, with mixer in ``attention``/``window``/``mamba``/``gdn``/``kda``/``dsa``/
+    ``dsa_shared`` (a DSA layer reusing an earlier layer's top-k)/``none``
+    and ffn in ``mlp``/``moe``/``none``: a 32-layer GPT is ``((("attention", "mlp"), 32),)``, a
+    hybrid ``M`` symbol is ``("mamba", "none")``. ``mtp_layer_runs`` are the layers of one MTP
+    depth (a GPT's MTP layer copies its last decoder layer; a hybrid pattern's part after ``/``).
     """
 
     hidden_size: int
@@ -125,9 +171,24 @@ class ModelSpec:
     moe: MoESpec | None = None
     mla: MLASpec | None = None
     mamba: MambaSpec | None = None
+    gdn: GDNSpec | None = None
+    kda: KDASpec | None = None
+    dsa: DSASpec | None = None
     mtp_num_layers: int = 0
-    mtp_ffn: str = "mlp"
+    mtp_layer_runs: tuple[tuple[tuple[str, str], int], ...] = ((("attention", "mlp"), 1),)
     tied_output: bool = True
+
+    @property
+    def pair_window(self) -> int | None:
+        """The band of :class:`~megatron_flops.flops.formulas.SeqStats`' window statistic: the sliding
+        window, or DSA's top-k keys per query, counted as a causal band of ``topk - 1``."""
+        return self.dsa.topk - 1 if self.dsa is not None else self.window_size
+
+    @property
+    def mtp_ffn(self) -> str:
+        """The feed-forward kind of a (GPT) MTP layer: that of its last sub-layer with one."""
+        ffns = [ffn for (_, ffn), _ in self.mtp_layer_runs if ffn != "none"]
+        return ffns[-1] if ffns else "none"
 
     @property
     def num_layers(self) -> int:
@@ -323,6 +384,19 @@ _CONFIG_FIELDS_READ = (
     "mamba_num_groups",
     "mamba_num_heads",
     "experimental_attention_variant",
+    "linear_attention_freq",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "dsa_indexer_n_heads",
+    "dsa_indexer_head_dim",
+    "dsa_indexer_topk",
+    "dsa_indexer_loss_coeff",
+    "dsa_indexer_use_sparse_loss",
+    "dsa_indexer_topk_freq",
+    "dsa_indexer_skip_topk_offset",
 )
 _ALL_FIELD_NAMES = _CONFIG_FIELDS_READ + (
     "activation_func", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
@@ -376,9 +450,7 @@ def _with_options(fields: dict[str, Any], options: ModelOptions | None) -> dict[
 
 def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | None = None) -> ModelSpec:
     f = Fields(fields, source, names or {})
-    if fields.get("experimental_attention_variant"):
-        raise f.error(f"experimental_attention_variant={show(fields['experimental_attention_variant'])} "
-                      "is not supported")
+    variant = _attention_variant(f)
     hidden = f.integer("hidden_size")
     heads, groups, kv_channels = _attention_heads(f, hidden)
     ffn = f.opt_integer("ffn_hidden_size") or 4 * hidden
@@ -387,10 +459,16 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
     moe = _moe_spec(f, ffn)
     mla = _mla_spec(f)
     window = _window(f)
-    layer_runs, mamba = _layers(f, hidden, moe, window)
-    mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
-    tied = _tied_output(f)
-    last_ffn = layer_runs[-1][0][1]
+    pattern = f.fields.get("hybrid_override_pattern") or f.fields.get("hybrid_layer_pattern")
+    if pattern:
+        layers = _hybrid_layers(f, pattern, moe, mla)
+    else:
+        layers = _gpt_layers(f, moe, window, variant)
+    mamba = _mamba_spec(f, hidden) if _uses(layers, "mamba") else None
+    gdn = _gdn_spec(f) if _uses(layers, "gdn") else None
+    kda = KDASpec(num_heads=f.integer("kda_num_heads"), head_dim=f.integer("kda_head_dim"),
+                  conv_kernel_dim=f.integer("kda_conv_kernel_dim")) if _uses(layers, "kda") else None
+    dsa = _dsa_spec(f, mla, window) if _uses(layers, "dsa", "dsa_shared") else None
     return ModelSpec(
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -401,17 +479,30 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
         activation=activation,
         vocab_size=vocab,
         padded_vocab_size=padded_vocab,
-        layer_runs=layer_runs,
+        layer_runs=layers.main,
         attention_output_gate=f.boolean("attention_output_gate"),
         window_size=window,
         moe=moe,
         mla=mla,
         mamba=mamba,
-        mtp_num_layers=mtp,
-        # MTP layers copy the last decoder layer's kind, as Megatron-LM counts them.
-        mtp_ffn=last_ffn if last_ffn != "none" else "mlp",
-        tied_output=tied,
+        gdn=gdn,
+        kda=kda,
+        dsa=dsa,
+        mtp_num_layers=layers.mtp_num_layers,
+        mtp_layer_runs=layers.mtp,
+        tied_output=_tied_output(f),
     )
+
+
+def _attention_variant(f: Fields) -> str | None:
+    """``experimental_attention_variant``: None, ``"gdn"`` (Gated DeltaNet) or ``"dsa"``."""
+    variant = f.fields.get("experimental_attention_variant")
+    if variant is None:
+        return None
+    if isinstance(variant, str) and variant in ATTENTION_VARIANTS:
+        return ATTENTION_VARIANTS[variant]
+    raise f.error(f"{f.name('experimental_attention_variant')}={show(variant)} is not supported; supported: "
+                  f"{', '.join(ATTENTION_VARIANTS)}. See docs/attention-variants.md")
 
 
 def _attention_heads(f: Fields, hidden: int) -> tuple[int, int, int]:
@@ -507,40 +598,179 @@ def _window(f: Fields) -> int | None:
     return None if left == -1 else left
 
 
-def _layers(
-    f: Fields, hidden: int, moe: MoESpec | None, window: int | None
-) -> tuple[tuple[tuple[tuple[str, str], int], ...], MambaSpec | None]:
-    pattern = f.fields.get("hybrid_override_pattern") or f.fields.get("hybrid_layer_pattern")
-    if not pattern:
-        num_layers = f.integer("num_layers")
-        ffn_runs: Runs = ((False, num_layers),)
-        if moe is not None:
-            ffn_runs = layer_flags(f, "moe_layer_freq", f.fields.get("moe_layer_freq", 1), num_layers, every=True)
-        windowed: Runs = ((False, num_layers),)
-        if window is not None:
-            skip = f.fields.get("window_attn_skip_freq")
-            windowed = ((True, num_layers),) if skip is None else layer_flags(
-                f, "window_attn_skip_freq", skip, num_layers, every=False)
-        runs = zip_runs(windowed, ffn_runs)
-        return tuple((("window" if w else "attention", "moe" if m else "mlp"), n) for (w, m), n in runs), None
+LayerRuns = tuple[tuple[tuple[str, str], int], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Layers:
+    main: LayerRuns
+    mtp_num_layers: int
+    mtp: LayerRuns
+
+
+def _uses(layers: _Layers, *mixers: str) -> bool:
+    return any(kind[0] in mixers for kind, _ in layers.main + (layers.mtp if layers.mtp_num_layers else ()))
+
+
+def _gpt_layers(f: Fields, moe: MoESpec | None, window: int | None, variant: str | None) -> _Layers:
+    """A GPT decoder's layers: attention or windowed attention (``window_attn_skip_freq``), Gated
+    DeltaNet where ``linear_attention_freq`` says so, dense or MoE MLPs (``moe_layer_freq``)."""
+    num_layers = f.integer("num_layers")
+    ffn_runs: Runs = ((False, num_layers),)
+    if moe is not None:
+        ffn_runs = layer_flags(f, "moe_layer_freq", f.fields.get("moe_layer_freq", 1), num_layers, every=True)
+    windowed: Runs = ((False, num_layers),)
+    if window is not None:
+        skip = f.fields.get("window_attn_skip_freq")
+        windowed = ((True, num_layers),) if skip is None else layer_flags(
+            f, "window_attn_skip_freq", skip, num_layers, every=False)
+    linear: Runs = ((False, num_layers),)
+    freq = f.fields.get("linear_attention_freq")
+    if variant == "gdn":
+        if freq is None:
+            raise f.error(f"{f.name('experimental_attention_variant')} is Gated DeltaNet but "
+                          f"{f.name('linear_attention_freq')!r} is not set (which layers are linear)")
+        # megatron-core: an int N makes every N-th layer (1-based) softmax attention, the rest linear.
+        linear = layer_flags(f, "linear_attention_freq", freq, num_layers, every=False)
+    elif freq is not None:
+        raise f.error(f"{f.name('linear_attention_freq')!r} needs {f.name('experimental_attention_variant')}"
+                      f" (one of {', '.join(LINEAR_ATTENTION_VARIANTS)})")
+    linear_kind = "gdn"
+    if f.fields.get("kda_layers") is not None:  # Kimi Linear (Hugging Face files only)
+        linear, linear_kind = tuple(f.fields["kda_layers"]), "kda"
+    runs = zip_runs(zip_runs(linear, windowed), ffn_runs)
+    # megatron-core: a non-linear variant (dsa) replaces the attention of every layer.
+    softmax = "dsa" if variant == "dsa" else None
+    main = _dsa_sharing(f, tuple(((linear_kind if lin else softmax or ("window" if win else "attention"),
+                                   "moe" if m else "mlp"), n) for ((lin, win), m), n in runs))
+    # MTP layers copy the last decoder layer's spec (megatron-core's MTP block spec), attention unwindowed.
+    (last_mixer, last_ffn), _ = main[-1]
+    mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
+    mtp_mixer = {"gdn": "gdn", "kda": "kda", "dsa": "dsa", "dsa_shared": "dsa"}.get(last_mixer, "attention")
+    return _Layers(main=main, mtp_num_layers=mtp, mtp=(((mtp_mixer, last_ffn), 1),))
+
+
+def _hybrid_layers(f: Fields, pattern: Any, moe: MoESpec | None, mla: MLASpec | None) -> _Layers:
+    """megatron-core 0.19's unified hybrid pattern ``main|main/mtp/mtp``: ``|`` marks pipeline
+    stages, each part after ``/`` is one MTP depth (all identical)."""
     name = f.name("hybrid_override_pattern")
-    if not isinstance(pattern, str) or set(pattern) - set(_HYBRID_SYMBOLS):
-        raise f.error(f"{name} {show(pattern)} may only use the symbols {''.join(_HYBRID_SYMBOLS)}")
+    supported = "".join(_HYBRID_SYMBOLS) + _HYBRID_PIPE + _HYBRID_MTP
+    if not isinstance(pattern, str):
+        raise f.error(f"{name} must be a string of the symbols {supported}, got {show(pattern)}")
+    for c in dict.fromkeys(pattern):
+        if c not in supported:
+            raise f.error(f"{name} {show(pattern)} may only use the symbols {supported}; {c!r} is unknown")
+    main, *mtp_parts = pattern.split(_HYBRID_MTP)
+    mtp_parts = [p for p in mtp_parts if p] if all(not p for p in mtp_parts) else mtp_parts
+    if len(set(mtp_parts)) > 1 or _HYBRID_PIPE in "".join(mtp_parts):
+        raise f.error(f"{name} {show(pattern)}: every MTP part after '/' must be the same (no '|')")
+    main = main.replace(_HYBRID_PIPE, "")
+    if not main:
+        raise f.error(f"{name} {show(pattern)} has no decoder layers")
     given = f.fields.get("num_layers")
-    if given is not None and given != len(pattern):
-        raise f.error(f"{f.name('num_layers')}={show(given)} but {name} has {len(pattern)} layers")
-    if "E" in pattern and moe is None:
+    if given is not None and given != len(main):
+        raise f.error(f"{f.name('num_layers')}={show(given)} but {name} has {len(main)} layers")
+    used = set(main + "".join(mtp_parts))
+    if "E" in used and moe is None:
         raise f.error(f"{name} has MoE layers ('E') but {f.name('num_moe_experts')} is unset")
-    layer_runs = merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(pattern)),
-                         f"{f.source}: {name}")
-    mamba = None
-    if "M" in pattern:
-        d_inner = 2 * hidden
-        head_dim = f.opt_integer("mamba_head_dim") or 64
-        mamba = MambaSpec(
-            state_dim=f.opt_integer("mamba_state_dim") or 128,
-            head_dim=head_dim,
-            num_groups=f.opt_integer("mamba_num_groups") or 8,
-            num_heads=f.opt_integer("mamba_num_heads") or max(d_inner // head_dim, 1),
-        )
-    return layer_runs, mamba
+    if "*" in used and (used & {"+", "D"} or mla is not None):
+        raise f.error(f"{name}: '*' builds standard attention, '+' and 'D' multi-latent attention; megatron-core "
+                      f"allows one kind per model (and '+'/'D' with {f.name('multi_latent_attention')})")
+    if used & {"+", "D"} and mla is None:
+        raise f.error(f"{name} has MLA or DSA layers ('+', 'D') but {f.name('multi_latent_attention')} is not set")
+    what = f"{f.source}: {name}"
+    runs = merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(main)), what)
+    runs = _dsa_sharing(f, _hybrid_windows(f, runs))
+    mtp_runs = merged(((_HYBRID_SYMBOLS[c], len(list(g))) for c, g in itertools.groupby(mtp_parts[0])), what) \
+        if mtp_parts else ()
+    mtp = f.opt_integer("mtp_num_layers", minimum=0) or 0
+    if mtp_parts:
+        if mtp not in (0, len(mtp_parts)):
+            raise f.error(f"{f.name('mtp_num_layers')}={mtp} but {name} has {len(mtp_parts)} MTP depths")
+        return _Layers(main=runs, mtp_num_layers=len(mtp_parts), mtp=mtp_runs)
+    # NB: a pattern without '/' and mtp_num_layers: one attention layer with the last FFN kind (Megatron-LM's count).
+    ffns = [ffn for (_, ffn), _ in runs if ffn != "none"]
+    return _Layers(main=runs, mtp_num_layers=mtp, mtp=((("attention", ffns[-1] if ffns else "mlp"), 1),))
+
+
+def _hybrid_windows(f: Fields, runs: LayerRuns) -> LayerRuns:
+    """Attention layers ``*`` slide where ``window_size`` and ``window_attn_skip_freq`` make their
+    (1-based, whole-pattern) layer number slide, as megatron-core's attention reads them."""
+    window = _window(f)
+    if window is None:
+        return runs
+    num_layers = sum(n for _, n in runs)
+    skip = f.fields.get("window_attn_skip_freq")
+    windowed: Runs = ((True, num_layers),) if skip is None else layer_flags(
+        f, "window_attn_skip_freq", skip, num_layers, every=False)
+    return tuple(((("window", ffn) if w and mixer == "attention" else (mixer, ffn)), n)
+                 for ((mixer, ffn), w), n in zip_runs(runs, windowed))
+
+
+def _dsa_sharing(f: Fields, runs: LayerRuns) -> LayerRuns:
+    """DSA layers that reuse an earlier layer's top-k run no indexer (``dsa_shared``): megatron-core
+    0.19's ``dsa_indexer_topk_freq``/``dsa_indexer_skip_topk_offset`` (layer ``n``, 1-based, runs
+    its indexer when ``max(n - max(offset, 1), 0) % freq == 0``), or a Hugging Face file's
+    ``indexer_types`` (``dsa_indexer_layers``). MTP layers number their own layers: they run theirs."""
+    num_layers = sum(n for _, n in runs)
+    what = f"{f.source}: the DSA indexer layout"
+    given = f.fields.get("dsa_indexer_layers")
+    if given is not None:
+        own: Runs = tuple(given)
+    else:
+        freq = f.integer("dsa_indexer_topk_freq", default=1)
+        if freq == 1:
+            return runs
+        first = min(max(f.integer("dsa_indexer_skip_topk_offset", minimum=0, default=0), 1), num_layers)
+        own = merged(((True, first),) + cycle(((False, freq - 1), (True, 1)), num_layers - first, what), what)
+    return tuple(((("dsa_shared", ffn) if mixer == "dsa" and not runs_indexer else (mixer, ffn)), n)
+                 for ((mixer, ffn), runs_indexer), n in zip_runs(runs, own))
+
+
+def _mamba_spec(f: Fields, hidden: int) -> MambaSpec:
+    d_inner = 2 * hidden
+    head_dim = f.opt_integer("mamba_head_dim") or 64
+    return MambaSpec(
+        state_dim=f.opt_integer("mamba_state_dim") or 128,
+        head_dim=head_dim,
+        num_groups=f.opt_integer("mamba_num_groups") or 8,
+        num_heads=f.opt_integer("mamba_num_heads") or max(d_inner // head_dim, 1),
+    )
+
+
+def _dsa_spec(f: Fields, mla: MLASpec | None, window: int | None) -> DSASpec:
+    """DSA's indexer from megatron-core's ``dsa_*`` fields (MLA layers with a top-k core)."""
+    variant = f.name("experimental_attention_variant")
+    if mla is None:
+        raise f.error(f"DSA layers need multi-latent attention: set {f.name('multi_latent_attention')} ({variant})")
+    if window is not None:
+        raise f.error(f"DSA layers and {f.name('window_size')} together are not supported")
+    missing = [f.name(k) for k in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+               if f.fields.get(k) is None]
+    if missing:
+        raise f.error(f"DSA layers need {', '.join(map(repr, missing))}")
+    coeff = f.fields.get("dsa_indexer_loss_coeff")
+    if coeff is not None and (isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0):
+        raise f.error(f"{f.name('dsa_indexer_loss_coeff')} must be a number >= 0, got {show(coeff)}")
+    return DSASpec(
+        num_heads=f.integer("dsa_indexer_n_heads"),
+        head_dim=f.integer("dsa_indexer_head_dim"),
+        topk=f.integer("dsa_indexer_topk"),
+        trains_indexer=bool(coeff),
+        sparse_loss=f.boolean("dsa_indexer_use_sparse_loss"),
+    )
+
+
+def _gdn_spec(f: Fields) -> GDNSpec:
+    """Gated DeltaNet sizes with megatron-core's defaults (TransformerConfig ``linear_*``)."""
+    spec = GDNSpec(
+        num_key_heads=f.opt_integer("linear_num_key_heads") or 16,
+        num_value_heads=f.opt_integer("linear_num_value_heads") or 32,
+        key_head_dim=f.opt_integer("linear_key_head_dim") or 128,
+        value_head_dim=f.opt_integer("linear_value_head_dim") or 128,
+        conv_kernel_dim=f.opt_integer("linear_conv_kernel_dim") or 4,
+    )
+    if spec.num_value_heads % spec.num_key_heads:
+        raise f.error(f"{f.name('linear_num_key_heads')}={spec.num_key_heads} does not divide "
+                      f"{f.name('linear_num_value_heads')}={spec.num_value_heads}")
+    return spec

@@ -20,10 +20,14 @@ from megatron_flops.tracking.result import StepResult
 class IntervalReport:
     """Totals over a window of iterations and the per-GPU rates derived from them.
 
-    ``flops`` is model FLOPs (MFU), ``executed_flops`` hardware FLOPs (HFU); iterations whose
-    tracker failed (``ok=False``) count with the stock formula's FLOPs and are tallied in
-    ``num_fallback_iterations``. ``static_flops`` is the stock formula's total, None unless
-    every iteration in the window supplied it. Rates needing a peak are None without one.
+    Three FLOPs numbers, named: ``flops`` is ours, the corrected model FLOPs (MFU;
+    ``executed_flops``: hardware FLOPs, HFU); ``static_flops`` is the stock full-row formula's
+    total (every row one ``seq_length`` sequence), None unless every iteration in the window
+    supplied it; ``framework_flops`` is the framework's own per-step number (packed-aware in
+    Megatron-LM core_v0.19 and Megatron-Bridge 0.6), likewise None unless every iteration had
+    one. Iterations whose tracker failed (``ok=False``) count with the framework's number, else
+    the static one, and are tallied in ``num_fallback_iterations``. Rates needing a peak are None
+    without one.
     """
 
     first_iteration: int
@@ -34,6 +38,7 @@ class IntervalReport:
     flops: int
     executed_flops: int
     static_flops: int | None
+    framework_flops: int | None = None
     num_tokens: int
     world_size: int
     peak_flops_per_s: float | None
@@ -54,8 +59,14 @@ class IntervalReport:
         return None if self.static_flops is None else self._per_gpu_per_s(self.static_flops) / 1e12
 
     @property
+    def framework_tflops_per_s_per_gpu(self) -> float | None:
+        """The framework's own TFLOP/s per GPU over the same window."""
+        return None if self.framework_flops is None else self._per_gpu_per_s(self.framework_flops) / 1e12
+
+    @property
     def over_report_factor(self) -> float | None:
-        """Stock over corrected FLOPs: how many times the stock number overstates throughput."""
+        """The over-report factor vs static: the stock full-row formula's FLOPs over ours, how many
+        times the stock number overstates throughput."""
         if self.static_flops is None or self.flops == 0:
             return None
         return self.static_flops / self.flops
@@ -80,7 +91,8 @@ class IntervalReport:
         values: dict[str, float | None] = {
             "throughput/tflops_per_s_per_gpu": self.tflops_per_s_per_gpu,
             "throughput/static_tflops_per_s_per_gpu": self.static_tflops_per_s_per_gpu,
-            "throughput/over_report_factor": self.over_report_factor,
+            "throughput/framework_tflops_per_s_per_gpu": self.framework_tflops_per_s_per_gpu,
+            "throughput/over_report_factor_vs_static": self.over_report_factor,
             "throughput/tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "throughput/mfu_percent": self.mfu_percent,
             "throughput/hfu_percent": self.hfu_percent,
@@ -104,10 +116,12 @@ class _Totals:
     num_iterations: int
     num_fallback_iterations: int
     num_static_iterations: int
+    num_framework_iterations: int
     elapsed_s: float
     flops: int
     executed_flops: int
     static_flops: int
+    framework_flops: int
     num_tokens: int
 
     def add(self, other: _Totals) -> _Totals:
@@ -117,10 +131,12 @@ class _Totals:
             num_iterations=self.num_iterations + other.num_iterations,
             num_fallback_iterations=self.num_fallback_iterations + other.num_fallback_iterations,
             num_static_iterations=self.num_static_iterations + other.num_static_iterations,
+            num_framework_iterations=self.num_framework_iterations + other.num_framework_iterations,
             elapsed_s=self.elapsed_s + other.elapsed_s,
             flops=self.flops + other.flops,
             executed_flops=self.executed_flops + other.executed_flops,
             static_flops=self.static_flops + other.static_flops,
+            framework_flops=self.framework_flops + other.framework_flops,
             num_tokens=self.num_tokens + other.num_tokens,
         )
 
@@ -150,14 +166,15 @@ class ThroughputMeter:
         self._last_iteration: int | None = None
         self._interval: _Totals | None = None
         self._steady: _Totals | None = None
-        self._warned_partial_static = False
+        self._warned_partial: set[str] = set()
 
-    def record(self, *, iteration: int, result: StepResult, elapsed_s: float, static_flops: int | None = None) -> None:
-        """Add one iteration: its StepResult, its wall time, and the stock formula's FLOPs (default:
-        ``result.static_flops``).
+    def record(self, *, iteration: int, result: StepResult, elapsed_s: float, static_flops: int | None = None,
+               framework_flops: int | None = None) -> None:
+        """Add one iteration: its StepResult, its wall time, the stock full-row formula's FLOPs
+        (default: ``result.static_flops``) and the framework's own number, if it has one.
 
-        With ``result.ok`` False the iteration's model and executed FLOPs are ``static_flops``
-        (or the result's own, which then already hold the fallback, when it is not given).
+        With ``result.ok`` False the iteration's model and executed FLOPs are ``framework_flops``,
+        else ``static_flops`` (else the result's own, which then already hold the fallback).
         """
         if static_flops is None:
             static_flops = result.static_flops
@@ -165,21 +182,25 @@ class ThroughputMeter:
             raise ValueError(f"elapsed_s must be a positive finite number, got {elapsed_s!r}")
         if self._last_iteration is not None and iteration <= self._last_iteration:
             raise ValueError(f"iteration must increase: got {iteration} after {self._last_iteration}")
-        if static_flops is not None and static_flops < 0:
-            raise ValueError(f"static_flops must be >= 0, got {static_flops}")
-        # A failed step counts with the static number when there is one.
-        model_flops = static_flops if not result.ok and static_flops is not None else result.flops
-        executed_flops = static_flops if not result.ok and static_flops is not None else result.executed_flops
+        for name, value in (("static_flops", static_flops), ("framework_flops", framework_flops)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        # A failed step counts with what the framework would have reported: its number, else the stock one.
+        stock = framework_flops if framework_flops is not None else static_flops
+        model_flops = stock if not result.ok and stock is not None else result.flops
+        executed_flops = stock if not result.ok and stock is not None else result.executed_flops
         step = _Totals(
             first_iteration=iteration,
             last_iteration=iteration,
             num_iterations=1,
             num_fallback_iterations=0 if result.ok else 1,
             num_static_iterations=0 if static_flops is None else 1,
+            num_framework_iterations=0 if framework_flops is None else 1,
             elapsed_s=elapsed_s,
             flops=model_flops,
             executed_flops=executed_flops,
             static_flops=0 if static_flops is None else static_flops,
+            framework_flops=0 if framework_flops is None else framework_flops,
             num_tokens=result.num_tokens,
         )
         self._interval = step if self._interval is None else self._interval.add(step)
@@ -201,14 +222,10 @@ class ThroughputMeter:
         return None if self._steady is None else self._report(self._steady)
 
     def _report(self, totals: _Totals) -> IntervalReport:
-        all_static = totals.num_static_iterations == totals.num_iterations
-        if totals.num_static_iterations and not all_static and not self._warned_partial_static:
-            warnings.warn(
-                "static_flops was given for only some iterations: static TFLOP/s and the over-report "
-                "factor are omitted for windows that mix them",
-                stacklevel=3,
-            )
-            self._warned_partial_static = True
+        static = self._whole(totals.static_flops, totals.num_static_iterations, totals, "static_flops",
+                             "static TFLOP/s and the over-report factor are")
+        framework = self._whole(totals.framework_flops, totals.num_framework_iterations, totals, "framework_flops",
+                                "the framework's TFLOP/s is")
         return IntervalReport(
             first_iteration=totals.first_iteration,
             last_iteration=totals.last_iteration,
@@ -217,11 +234,22 @@ class ThroughputMeter:
             elapsed_s=totals.elapsed_s,
             flops=totals.flops,
             executed_flops=totals.executed_flops,
-            static_flops=totals.static_flops if all_static else None,
+            static_flops=static,
+            framework_flops=framework,
             num_tokens=totals.num_tokens,
             world_size=self._world_size,
             peak_flops_per_s=self._peak_flops_per_s,
         )
+
+    def _whole(self, total: int, num_given: int, totals: _Totals, name: str, omitted: str) -> int | None:
+        """``total`` when every iteration of the window gave it, else None (a mix warns once)."""
+        if num_given == totals.num_iterations:
+            return total
+        if num_given and name not in self._warned_partial:
+            warnings.warn(f"{name} was given for only some iterations: {omitted} omitted for windows that mix "
+                          "them", stacklevel=4)
+            self._warned_partial.add(name)
+        return None
 
 
 def format_tflops(value: float) -> str:
@@ -229,14 +257,22 @@ def format_tflops(value: float) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
-def format_log_fields(report: IntervalReport) -> str:
-    """The fields this package adds to a Megatron log line, each as `` name: value |``.
+def format_log_fields(report: IntervalReport, *, stock: str | None = None) -> str:
+    """The fields this package adds to a Megatron log line, each as `` name: value |``: the three
+    numbers, named (``corrected``: ours; ``static``: the stock full-row formula; ``framework``:
+    the framework's own, when it has one), the over-report factor vs static, tokens, MFU, HFU.
 
-    Leaves out the stock "throughput per GPU" field, which Megatron's own line already has.
+    ``stock``: the one of ``static``/``framework`` that the line's stock "throughput per GPU"
+    field already shows over the same window (left out here). A framework's own stock field
+    (its own averaging) is not one of them.
     """
     fields = [f" corrected throughput per GPU (TFLOP/s/GPU): {format_tflops(report.tflops_per_s_per_gpu)} |"]
+    for name, value in (("static", report.static_tflops_per_s_per_gpu),
+                        ("framework", report.framework_tflops_per_s_per_gpu)):
+        if value is not None and name != stock:
+            fields.append(f" {name} throughput per GPU (TFLOP/s/GPU): {format_tflops(value)} |")
     if report.over_report_factor is not None:
-        fields.append(f" over-report factor: {report.over_report_factor:.2f}x |")
+        fields.append(f" over-report factor vs static: {report.over_report_factor:.2f}x |")
     fields.append(f" tokens per GPU (tokens/s/GPU): {report.tokens_per_s_per_gpu:.1f} |")
     if report.mfu_percent is not None:
         fields.append(f" MFU (%): {report.mfu_percent:.1f} |")
@@ -257,17 +293,20 @@ def format_log_line(
 ) -> str:
     """A full Megatron-style log line: time, iteration, time per iteration, stock and corrected throughput.
 
-    The stock throughput is the report's static TFLOP/s (a ratio of totals, not Megatron's
-    last-iteration figure) and is left out when the report has none.
+    The stock throughput is the report's framework TFLOP/s, else its static TFLOP/s (a ratio of
+    totals, not Megatron's last-iteration figure), and is left out when the report has neither.
     """
     when = (timestamp or datetime.now()).strftime("%Y-%m-%d %H:%M:%S")
     line = f" [{when}] iteration {iteration:8d}"
     if train_iters is not None:
         line += f"/{train_iters:8d}"
     line += f" | elapsed time per iteration (ms): {elapsed_ms_per_iter:.1f} |"
-    if report.static_tflops_per_s_per_gpu is not None:
-        line += f" throughput per GPU (TFLOP/s/GPU): {format_tflops(report.static_tflops_per_s_per_gpu)} |"
-    return line + format_log_fields(report)
+    stock, value = "framework", report.framework_tflops_per_s_per_gpu
+    if value is None:
+        stock, value = "static", report.static_tflops_per_s_per_gpu
+    if value is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {format_tflops(value)} |"
+    return line + format_log_fields(report, stock=stock)
 
 
 def format_summary(report: IntervalReport | None, *, warmup_iterations: int) -> str:
@@ -284,6 +323,8 @@ def format_summary(report: IntervalReport | None, *, warmup_iterations: int) -> 
         ("tokens per GPU (tokens/s/GPU)", f"{report.tokens_per_s_per_gpu:.1f}"),
         ("real tokens, all GPUs", f"{report.num_tokens}"),
     ]
+    if report.framework_tflops_per_s_per_gpu is not None:
+        rows.insert(2, ("framework throughput per GPU (TFLOP/s/GPU)", format_tflops(report.framework_tflops_per_s_per_gpu)))
     if report.mfu_percent is not None:
         rows.append(("MFU (%)", f"{report.mfu_percent:.2f}"))
     if report.hfu_percent is not None:

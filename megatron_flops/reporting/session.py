@@ -44,16 +44,16 @@ class _Step:
     iteration: int
     result: StepResult
     elapsed_s: float
-    static_flops: int | None = None
+    framework_flops: int | None = None
 
 
 class Session:
     """One training run's accounting: the tracker, the meter and the step clock.
 
     Build it with :func:`install_session`. The latest ended step is held back from the meter and
-    the trace until the next ``begin_step()``, ``report()`` or ``close()`` so that a framework's
-    stock FLOPs number, computed after its train step returns, can still be attached with
-    ``set_static_flops()``.
+    the trace until the next ``begin_step()``, ``report()`` or ``close()`` so that the framework's
+    own FLOPs number, computed after its train step returns, can still be attached with
+    ``set_framework_flops()``. The stock full-row number (``static``) is the tracker's own.
     """
 
     def __init__(
@@ -117,12 +117,13 @@ class Session:
             tracker.observe_failed(exc)
             return False
 
-    def observe(self, read: Callable[[Any], dict[str, Any]], batch: Any) -> None:
+    def observe(self, read: Callable[[Any], dict[str, Any]], batch: Any) -> dict[str, Any] | None:
         """Observe one micro-batch as a data iterator handed it over, if a step is open:
-        ``read(batch)`` gives ``FlopsTracker.observe`` arguments. Never raises: a batch that
-        ``read`` cannot understand makes the step fall back on every rank, logged once."""
+        ``read(batch)`` gives ``FlopsTracker.observe`` arguments, which are returned (None: no
+        step is open, or ``read`` failed). Never raises: a batch that ``read`` cannot understand
+        makes the step fall back on every rank, logged once."""
         if not self._open:
-            return
+            return None
         tracker = self.tracker
         assert isinstance(tracker, FlopsTracker)  # only a session observing() a chunk is handed its batches
         try:
@@ -131,8 +132,9 @@ class Session:
             if tracker.validate:
                 raise
             tracker.observe_failed(exc)
-        else:
-            tracker.observe(**fields)
+            return None
+        tracker.observe(**fields)
+        return fields
 
     def abort_step(self) -> None:
         """Close the open step without counting it (its train step raised): no collective, and
@@ -165,13 +167,13 @@ class Session:
         self._last_iteration = iteration
         return result
 
-    def set_static_flops(self, flops: float) -> None:
-        """Attach the framework's stock FLOPs number to the latest ended step (a no-op when that
+    def set_framework_flops(self, flops: float) -> None:
+        """Attach the framework's own FLOPs number to the latest ended step (a no-op when that
         step was already reported). Rounded to an integer; Megatron computes it in floats."""
         if not (math.isfinite(flops) and flops >= 0):
-            raise ValueError(f"static FLOPs must be a non-negative finite number, got {flops!r}")
+            raise ValueError(f"the framework's FLOPs must be a non-negative finite number, got {flops!r}")
         if self._pending is not None:
-            self._pending = replace(self._pending, static_flops=round(flops))
+            self._pending = replace(self._pending, framework_flops=round(flops))
 
     def report(self) -> IntervalReport | None:
         """The steps ended since the previous report, as one interval; None if there are none."""
@@ -208,14 +210,13 @@ class Session:
         if step is not None:
             self.meter.record(
                 iteration=step.iteration, result=step.result, elapsed_s=step.elapsed_s,
-                static_flops=step.static_flops,
+                framework_flops=step.framework_flops,
             )
             self._num_unreported += 1
             if self.trace is not None:
                 try:
-                    static = step.result.static_flops if step.static_flops is None else step.static_flops
                     self.trace.write_step(iteration=step.iteration, result=step.result, elapsed_s=step.elapsed_s,
-                                          static_flops=static)
+                                          framework_flops=step.framework_flops)
                 except Exception as exc:  # a full disk never stops training
                     self.warn_once("writing the trace failed", exc)
 

@@ -14,9 +14,10 @@ One writer at a time: a writer holds an exclusive lock on the file (``flock``, r
 closes or its process ends) and a second writer on the same path is refused, so two runs never
 interleave their lines in one file.
 
-Iteration: ``iteration``, ``flops`` and ``executed_flops`` (what the meter counts: the static
-number when the step fell back), ``static_flops`` (the framework's own number when it gave one,
-else the tracker's), ``num_tokens``, ``num_padded_tokens``, ``num_sequences``,
+Iteration: ``iteration``, ``flops`` and ``executed_flops`` (what the meter counts, ours; when the
+step fell back, the framework's number, else the static one), ``static_flops`` (the stock
+full-row formula: every row one ``seq_length`` sequence), ``framework_flops`` (the framework's
+own per-step number, null when it has none), ``num_tokens``, ``num_padded_tokens``, ``num_sequences``,
 ``num_microbatches`` (global totals of the step), ``elapsed_s`` (the step's own time) and ``ok``
 (false when the step fell back). Keys may be added in later versions of the format, never renamed.
 """
@@ -60,14 +61,17 @@ class TraceWriter:
             self.close()
             raise
 
-    def write_step(self, *, iteration: int, result: StepResult, elapsed_s: float, static_flops: int | None) -> None:
-        """One iteration's line (``static_flops``: the number the meter used for it, if any)."""
-        fell_back = not result.ok and static_flops is not None
+    def write_step(self, *, iteration: int, result: StepResult, elapsed_s: float,
+                   framework_flops: int | None = None) -> None:
+        """One iteration's line (``framework_flops``: the framework's own number, if it has one)."""
+        stock = result.static_flops if framework_flops is None else framework_flops
+        fell_back = not result.ok and stock is not None
         self._write({
             "iteration": iteration,
-            "flops": static_flops if fell_back else result.flops,
-            "executed_flops": static_flops if fell_back else result.executed_flops,
-            "static_flops": static_flops,
+            "flops": stock if fell_back else result.flops,
+            "executed_flops": stock if fell_back else result.executed_flops,
+            "static_flops": result.static_flops,
+            "framework_flops": framework_flops,
             "num_tokens": result.num_tokens,
             "num_padded_tokens": result.num_padded_tokens,
             "num_sequences": result.num_sequences,

@@ -47,29 +47,49 @@ def host_int(value: Any, name: str) -> int:
     return value
 
 
-def check_offsets(cu: Any, argmin: Any, name: str, num_tokens: int, *, validate: bool) -> Any:
-    """Host checks of a cu_seqlens (its dtype and shape; its values only when validating);
-    returns its argmin: None, an int, or a one-element CPU tensor (read at ``end_step``)."""
+def offset_rows(cu: torch.Tensor, num_rows: int) -> int:
+    """How many rows of offsets ``cu`` holds: 1 for ``[n]`` and ``[1, n]`` (offsets into the
+    micro-batch's tokens as one stream), ``b`` for ``[b, n]`` with one row of offsets per token
+    row (row-local: Megatron-LM core_v0.19.0 collates a row's offsets, padded to ``S + 1``
+    entries with copies of ``S``, into ``[mbs, S + 1]``). Raises ``ValueError`` for any other shape."""
+    shape = cu.shape
+    if len(shape) == 1 or (len(shape) == 2 and shape[0] in (1, num_rows)):
+        return 1 if len(shape) == 1 else shape[0]
+    per_row = f" or [{num_rows}, n] (one row of offsets per token row)" if num_rows > 1 else ""
+    raise ValueError(f"cu_seqlens must be [n] or [1, n] (one packed stream){per_row}, got shape {tuple(shape)}")
+
+
+def check_offsets(cu: Any, argmin: Any, name: str, num_rows: int, row_len: int, *, validate: bool) -> Any:
+    """Host checks of a cu_seqlens (its dtype and shape; its values only when validating) for a
+    micro-batch of ``num_rows`` rows of ``row_len`` token slots; returns its argmin: None, an
+    int, or a one-element CPU tensor (read at ``end_step``). Row-local offsets (``[b, n]``,
+    ``b > 1``) take no argmin (they are padded with zero-length entries, not cut)."""
     if not isinstance(cu, torch.Tensor) or cu.dtype not in INT_DTYPES:
         raise ValueError(f"{name} must be a tensor of integers, got {getattr(cu, 'dtype', type(cu).__name__)}")
-    shape = cu.shape
-    if not (len(shape) == 1 or (len(shape) == 2 and shape[0] == 1)):
-        raise ValueError(f"{name} must be one-dimensional ([n], or [1, n]: one packed row), "
-                         f"got shape {tuple(shape)}")
-    if shape[-1] < 2:
-        raise ValueError(f"{name} needs at least two entries, got shape {tuple(shape)}")
+    rows = offset_rows(cu, num_rows)
+    if cu.shape[-1] < 2:
+        raise ValueError(f"{name} needs at least two entries, got shape {tuple(cu.shape)}")
+    if rows > 1 and argmin is not None:
+        raise ValueError(f"{name}: an end marker (argmin) applies to one row of offsets, got shape {tuple(cu.shape)}")
     if isinstance(argmin, torch.Tensor):
         if argmin.numel() != 1 or argmin.device.type != "cpu":
             argmin = host_int(argmin, f"{name} argmin")  # raises: not a host value of one element
     elif argmin is not None:
         argmin = host_int(argmin, f"{name} argmin")
     if validate:
-        _check_values(trim(cu, argmin, name), name, num_tokens)
+        if rows > 1:
+            for row in cu:
+                _check_values(row, name, row_len, "a row")
+        else:
+            _check_values(trim(cu, argmin, name), name, num_rows * row_len, "the micro-batch")
     return argmin
 
 
 def trim(cu: torch.Tensor, argmin: torch.Tensor | int | None, name: str) -> torch.Tensor:
-    """``cu`` as one dimension, cut at its end marker ``argmin`` (a host value) when given."""
+    """``cu`` as one dimension, cut at its end marker ``argmin`` (a host value) when given; row-local
+    offsets (``[b, n]``, ``b > 1``) stay as they are."""
+    if cu.dim() == 2 and cu.shape[0] > 1:
+        return cu
     cu = cu.reshape(-1)
     if argmin is None:
         return cu
@@ -79,7 +99,7 @@ def trim(cu: torch.Tensor, argmin: torch.Tensor | int | None, name: str) -> torc
     return cu[:argmin]
 
 
-def _check_values(cu: torch.Tensor, name: str, num_tokens: int) -> None:
+def _check_values(cu: torch.Tensor, name: str, num_tokens: int, where: str) -> None:
     """Validation mode only (it syncs the host with the device)."""
     values = cu.tolist()
     if values[0] != 0:
@@ -87,7 +107,7 @@ def _check_values(cu: torch.Tensor, name: str, num_tokens: int) -> None:
     if any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"{name} must be non-decreasing, got {values}")
     if values[-1] > num_tokens:
-        raise ValueError(f"{name} ends at {values[-1]} but the micro-batch holds {num_tokens} tokens")
+        raise ValueError(f"{name} ends at {values[-1]} but {where} holds {num_tokens} tokens")
 
 
 def check_lengths(lengths: torch.Tensor, name: str, row_len: int, *, validate: bool) -> None:

@@ -32,7 +32,8 @@ SLOTS = (
     "padded_window_excess",
     "padded_window_excess_squared",
 )
-# The slots known from tensor shapes alone (host counts): they still travel when a rank fails, so
+# The slots known from tensor shapes alone (host counts; num_sequences also gets the non-zero
+# lengths of device offsets, counted on the device): they still travel when a rank fails, so
 # the static number stays known.
 SHAPE_SLOTS = ("num_microbatches", "num_rows", "num_sequences", "num_padded_tokens")
 
@@ -55,6 +56,7 @@ class DeviceStats(DeviceAccumulator):
         self._real, self._padded = self._both[0], self._both[1]
         self._window_real, self._window_padded = self._window_both[0], self._window_both[1]
         self._vision = acc[len(SLOTS) :]
+        self._sequences = acc[SLOTS.index("num_sequences")]
 
     def add_lengths(self, lengths: torch.Tensor) -> None:
         """Real lengths ``[b]`` of dynamically padded rows (their padded length comes from the shape)."""
@@ -62,21 +64,32 @@ class DeviceStats(DeviceAccumulator):
         self._add_pairs(lengths.reshape(-1), self._real, self._window_real)
 
     def add_offsets(self, real: torch.Tensor | None, padded: torch.Tensor | None) -> None:
-        """The lengths of trimmed 1-D offsets: ``real`` into the real channel, ``padded`` into the
-        padded one (the same tensor for both: a packed row without sub-sequence padding)."""
+        """The lengths of trimmed offsets, ``[n]`` or row-local ``[b, n]`` (differences along the
+        last dimension: rows stay apart): ``real`` into the real channel and the sequence count
+        (its non-zero lengths: a zero-length entry pads, it is no sequence), ``padded`` into the
+        padded one (the same tensor for both: packed rows without sub-sequence padding)."""
         first = padded if real is None else real
         assert first is not None, "offsets for at least one channel"
         self.on(first.device)
         if real is padded:
             # No sub-sequence padding: the real lengths count for both (broadcast into [2, 2]).
-            self._add_pairs(torch.diff(first), self._both, self._window_both)
+            lengths = torch.diff(first).reshape(-1)
+            self._count(lengths)
+            self._add_pairs(lengths, self._both, self._window_both)
         elif real is not None and padded is not None and real.shape == padded.shape:
-            self._add_pairs(torch.diff(torch.stack((real, padded))), self._both, self._window_both)
+            both = torch.diff(torch.stack((real, padded))).reshape(2, -1)
+            self._count(both[0])
+            self._add_pairs(both, self._both, self._window_both)
         else:
             if real is not None:
-                self._add_pairs(torch.diff(real), self._real, self._window_real)
+                lengths = torch.diff(real).reshape(-1)
+                self._count(lengths)
+                self._add_pairs(lengths, self._real, self._window_real)
             if padded is not None:
-                self._add_pairs(torch.diff(padded), self._padded, self._window_padded)
+                self._add_pairs(torch.diff(padded).reshape(-1), self._padded, self._window_padded)
+
+    def _count(self, lengths: torch.Tensor) -> None:
+        self._sequences.add_(torch.count_nonzero(lengths))
 
     def add_grid(self, grid: torch.Tensor) -> None:
         """A ``[n, 3]`` (or ``[..., 3]``) ``grid_thw`` tensor into the vision slots."""

@@ -6,7 +6,9 @@ device allocation, no sync. ``HostBatches.settle()`` then concatenates each kind
 (one torch ``cat``), and does the arithmetic in numpy over all of the step's micro-batches
 together: a fixed handful of operations per step, whatever the number of micro-batches. Rows of
 offsets whole in both channels (Megatron-LM's packed ``cu_seqlens``) take the shortest pass: one
-``cat``, one difference, the row boundaries zeroed, two checks and three sums.
+``cat``, one difference, the row boundaries zeroed, two checks and three sums. Row-local
+offsets ``[b, n]`` (Megatron-LM core_v0.19.0: each row's offsets padded to ``S + 1`` entries
+with copies of ``S``) are ``b`` such rows; their padding entries are zero lengths, no sequence.
 
 Sums of squares are taken in int64 only while they cannot overflow (the sum of a vector's
 lengths is at most ``_SQUARE_SAFE``, so the sum of their squares is below 2**63); beyond that,
@@ -15,7 +17,6 @@ in Python integers.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -105,20 +106,24 @@ class HostBatches:
     def _trimmed_lengths(self) -> tuple[np.ndarray, np.ndarray]:
         """The real and the padded lengths of every trimmed, clipped or one-channel row, as two
         1-D arrays of one length (a length dropped from a channel is 0 there)."""
-        tensors, sizes, valid, limits, pending = [], [], [], [], []
+        tensors: list[torch.Tensor] = []
+        sizes: list[int] = []
+        valid: list[int] = []
+        limits: list[int] = []
+        flags: tuple[list[bool], list[bool]] = ([], [])
+        pending: list[tuple[int, torch.Tensor]] = []
         limited = False
-        for i, (cu, argmin, limit, _, _) in enumerate(self.offsets):
-            size = cu.shape[-1]
+        for cu, argmin, limit, real, padded in self.offsets:
+            rows, size = (cu.shape[0], cu.shape[1]) if cu.dim() == 2 else (1, cu.shape[0])
             tensors.append(cu)
-            sizes.append(size)
-            limits.append(_NO_LIMIT if limit is None else limit)
-            if argmin is None:
-                valid.append(size)
-            elif isinstance(argmin, torch.Tensor):
-                pending.append((i, argmin))
-                valid.append(size)
-            else:
-                valid.append(argmin)
+            if isinstance(argmin, torch.Tensor):
+                pending.append((len(valid), argmin))
+            n = argmin if isinstance(argmin, int) else size  # row-local offsets ([b, n]) carry no argmin
+            sizes += [size] * rows
+            valid += [n] * rows
+            limits += [_NO_LIMIT if limit is None else limit] * rows
+            flags[0].extend([real] * rows)
+            flags[1].extend([padded] * rows)
             limited = limited or limit is not None
         if pending:  # CPU argmin tensors, read in one go
             for (i, _), value in zip(pending, _flat([a for _, a in pending]).tolist()):
@@ -138,7 +143,6 @@ class HostBatches:
         # the next row.
         counts = [c for size, n in zip(sizes, valid) for c in (n - 1, size - n + 1)]
         counts[-1] -= 1
-        flags = ([real for *_, real, _ in self.offsets], [padded for *_, padded in self.offsets])
         pattern = np.array([[f for flag in row for f in (flag, False)] for row in flags], dtype=np.int64)
         lengths = diffs * np.repeat(pattern, counts, axis=1)
         if lengths.min() < 0:
@@ -168,10 +172,14 @@ class HostBatches:
 
 
 def _whole_lengths(tensors: list[torch.Tensor]) -> np.ndarray:
-    """The lengths of rows of offsets, each whole, concatenated (a 0 between two rows)."""
+    """The lengths of rows of offsets (``[n]``, ``[1, n]`` or row-local ``[b, n]``), each whole,
+    concatenated (a 0 between two rows)."""
     flat = _flat(tensors)
-    starts = np.fromiter(itertools.accumulate([t.numel() for t in tensors[:-1]], initial=0), np.int64,
-                         len(tensors))
+    sizes = np.array([t.shape[-1] for t in tensors], dtype=np.int64)
+    rows = np.array([t.shape[0] if t.dim() == 2 else 1 for t in tensors], dtype=np.int64)
+    if rows.max() > 1:
+        sizes = np.repeat(sizes, rows)
+    starts = np.concatenate(([0], sizes[:-1].cumsum()))
     if np.count_nonzero(flat[starts]):
         raise ValueError("cu_seqlens must start at 0")
     lengths = flat[1:] - flat[:-1]
@@ -182,10 +190,17 @@ def _whole_lengths(tensors: list[torch.Tensor]) -> np.ndarray:
 
 
 def _flat(tensors: list[torch.Tensor]) -> np.ndarray:
-    """The tensors' elements, flattened and concatenated in order, as int64: one ``cat`` when
-    every tensor is 1-D, or every one is ``[1, n]`` (a collated micro-batch of one row)."""
-    try:
-        flat = torch.cat(tensors, dim=-1)
-    except RuntimeError:  # mixed shapes
+    """The tensors' elements, flattened row by row and concatenated in order, as int64: one
+    ``cat`` when every tensor is 1-D, or every one is ``[1, n]`` (a collated micro-batch of one
+    row), or every one is ``[b, n]`` with the same ``n`` (row-local offsets)."""
+    first = tensors[0]
+    if all(t.dim() == 2 and t.shape[1] == first.shape[1] for t in tensors):
+        flat = torch.cat(tensors)  # [sum b, n]: rows in order
+    elif all(t.dim() == 1 or (t.dim() == 2 and t.shape[0] == 1) for t in tensors):
+        try:
+            flat = torch.cat(tensors, dim=-1)
+        except RuntimeError:  # 1-D and [1, n] mixed
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+    else:
         flat = torch.cat([t.reshape(-1) for t in tensors])
     return flat.numpy().reshape(-1).astype(np.int64, copy=False)

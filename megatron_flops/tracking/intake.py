@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_flops.tracking.batch_checks import all_on_host, check_grid, check_lengths, check_offsets, host_int, on_host, trim
+from megatron_flops.tracking.batch_checks import (all_on_host, check_grid, check_lengths, check_offsets, host_int, offset_rows,
+                                         on_host, trim)
 from megatron_flops.tracking.device_stats import DeviceStats
 from megatron_flops.tracking.host_stats import HostBatches
 from megatron_flops.flops.vision import VisionSpec
@@ -49,7 +50,7 @@ class BatchIntake:
         if grids:
             self._grids(step, grids)
         if cu is not None:
-            self._packed(step, rows * row_len, cu, argmin, cu_pad, pad_argmin, limit)
+            self._packed(step, rows, row_len, cu, argmin, cu_pad, pad_argmin, limit)
         elif seq_lengths is None:
             # Full-length unpacked rows: everything is known from the shape.
             counters["num_sequences"] += rows
@@ -70,13 +71,17 @@ class BatchIntake:
         else:
             self.device.add_lengths(seq_lengths)
 
-    def _packed(self, step: HostBatches, num_slots: int, cu, argmin, cu_pad, pad_argmin, limit) -> None:
-        """A packed row: lengths are the differences of cu_seqlens (global under CP)."""
-        argmin = check_offsets(cu, argmin, "cu_seqlens", num_slots, validate=self.validate)
+    def _packed(self, step: HostBatches, rows: int, row_len: int, cu, argmin, cu_pad, pad_argmin, limit) -> None:
+        """Packed rows: lengths are the differences of cu_seqlens (global under CP), one stream of
+        offsets or one row of them per token row (``batch_checks.offset_rows``)."""
+        argmin = check_offsets(cu, argmin, "cu_seqlens", rows, row_len, validate=self.validate)
         if cu_pad is not None:
             pad_argmin = check_offsets(cu_pad, argmin if pad_argmin is None else pad_argmin, "cu_seqlens_padded",
-                                       num_slots, validate=self.validate)
+                                       rows, row_len, validate=self.validate)
         if limit is not None:
+            if offset_rows(cu, rows) > 1:
+                raise ValueError("num_real_tokens applies to one packed row, not to row-local offsets "
+                                 f"of shape {tuple(cu.shape)}")
             limit = host_int(limit, "num_real_tokens")
         host, pad_host = on_host(cu), cu_pad is None or on_host(cu_pad)
         if host:
@@ -94,8 +99,6 @@ class BatchIntake:
             raise ValueError("num_real_tokens needs host (CPU) cu_seqlens")
         on_device = not on_host(cu)
         cu = trim(cu, argmin, "cu_seqlens")
-        if on_device:
-            step.counters["num_sequences"] += cu.shape[0] - 1
         if cu_pad is None:  # cu is on the device; without sub-sequence padding it counts for both
             self.device.add_offsets(cu, cu)
             return

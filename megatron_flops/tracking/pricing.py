@@ -97,7 +97,7 @@ class DecoderPricing:
         """The stock number: every row one ``seq_length`` (or mean padded row length) sequence."""
         rows = shapes["num_rows"]
         static_len = self.seq_length or -(-shapes["num_padded_tokens"] // max(rows, 1))
-        window = self.spec.window_size
+        window = self.spec.pair_window
         stats = SeqStats.full_length(rows, static_len, window=window) if static_len else SeqStats()
         return training_flops(self.spec, stats, attention=self.attention).total
 

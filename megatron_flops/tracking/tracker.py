@@ -76,7 +76,7 @@ class FlopsTracker(StepTracker):
                                  recompute=recompute, convention=convention)
         if context_parallel_size is not None and context_parallel_size <= 0:
             raise ValueError(f"context_parallel_size must be positive, got {context_parallel_size}")
-        super().__init__(DeviceStats(window=spec.window_size, vision=vision), pricing, shape_slots=SHAPE_SLOTS,
+        super().__init__(DeviceStats(window=spec.pair_window, vision=vision), pricing, shape_slots=SHAPE_SLOTS,
                          validate=validate, group=group)
         self.spec, self.attention, self.seq_length, self.vision = spec, attention, seq_length, vision
         self.peft, self.recompute, self.convention = peft, recompute, convention
@@ -180,14 +180,15 @@ class FlopsTracker(StepTracker):
             step.failed = True
             self._warn_once("observing a micro-batch failed; every rank reports the static FLOPs for this step", exc)
 
-    def observe_failed(self, exc: BaseException) -> None:
-        """A micro-batch could not be observed (a batch in an unknown layout): unless the step
-        records explicitly, it falls back on every rank; logged once."""
+    def observe_failed(self, exc: BaseException, *,
+                       what: str = "a training batch is in a layout megatron-flops does not know") -> None:
+        """A micro-batch could not be observed (a batch in an unknown layout, or one the model
+        received otherwise): unless the step records explicitly, it falls back on every rank;
+        logged once per ``what``."""
         if self._observed is None:
             self._observed = self._host_batches()
         self._observed.failed = True
-        self._warn_once("a training batch is in a layout megatron-flops does not know; every rank reports the "
-                        "static FLOPs for such steps", exc)
+        self._warn_once(f"{what}; every rank reports the stock FLOPs for such steps", exc)
 
     def owns(self, model: Any) -> bool:
         """Whether ``model`` (a model chunk) counts the micro-batches it is given."""
@@ -233,7 +234,7 @@ class FlopsTracker(StepTracker):
             self._failed = True
 
     def _host_batches(self) -> HostBatches:
-        return HostBatches(window=self.spec.window_size, vision=self.vision)
+        return HostBatches(window=self.spec.pair_window, vision=self.vision)
 
     def _token_slots(self) -> int:
         return self._host[self._index["num_padded_tokens"]]

@@ -35,6 +35,8 @@ class Scenario:
     pad_to_mult: int = 1  # GPTSFTPackedDataset's pad_seq_to_mult (> 1: cu_seqlens_unpadded too)
     vlm: bool = False
     config_flag: bool = False
+    vpp: int | None = None  # virtual pipeline stages (interleaved schedule)
+    release: str = "0.3.1"  # the Megatron-Bridge release (its venv: envs.megatron_bridge)
 
     @property
     def num_microbatches(self) -> int:
@@ -50,6 +52,13 @@ SCENARIOS = {
         Scenario(name="packed-pp2", world_size=2, pp=2, micro_batch=1, global_batch=4, packed=True),
         Scenario(name="vlm", global_batch=4, vlm=True),
         Scenario(name="vlm-packed", global_batch=4, vlm=True, packed=True),
+        Scenario(name="0.6.2-1proc", release="0.6.2"),
+        Scenario(name="0.6.2-pp2", world_size=2, pp=2, config_flag=True, release="0.6.2"),
+        Scenario(name="0.6.2-pp2-vpp2", world_size=2, pp=2, vpp=2, release="0.6.2"),
+        Scenario(name="0.6.2-packed", micro_batch=1, global_batch=4, packed=True, pad_to_mult=4, release="0.6.2"),
+        Scenario(name="0.6.2-vlm", global_batch=4, vlm=True, release="0.6.2"),
+        Scenario(name="0.6.2-packed-pp2", world_size=2, pp=2, micro_batch=1, global_batch=4, packed=True,
+                 release="0.6.2"),
     )
 }
 # Model settings for the CPU: fp32, local layers' unfused paths, no dropout.
@@ -129,6 +138,7 @@ def config(s: Scenario):
             **CPU_MODEL_SETTINGS,
         )
     model.pipeline_model_parallel_size = s.pp
+    model.virtual_pipeline_model_parallel_size = s.vpp
     if s.vlm:
         pass
     elif s.packed:
@@ -162,7 +172,10 @@ def packed_dataset_provider(s: Scenario):
     import os
     from dataclasses import dataclass as dc
 
-    from megatron.bridge.data.datasets.sft import GPTSFTPackedDataset
+    try:
+        from megatron.bridge.data.packing.gpt_sft import GPTSFTPackedDataset  # 0.6
+    except ImportError:
+        from megatron.bridge.data.datasets.sft import GPTSFTPackedDataset  # 0.3.1
     from megatron.bridge.training.config import DatasetProvider
 
     @dc(kw_only=True)
@@ -210,3 +223,16 @@ def expected_step(s: Scenario, iteration: int) -> dict[str, int]:
         "num_sequences": len(real),
         "num_microbatches": s.num_microbatches,
     }
+
+
+def framework_flops(s: Scenario, iteration: int) -> int:
+    """Megatron-Bridge 0.6.2's own number for one step (``flop_utils.accumulate_flops_metadata``):
+    the linear terms over every row slot, the attention over the real sub-sequence lengths, on
+    the stage that runs the first layers. On the last pipeline stage, which logs, its forward
+    step has no tokens and every row counts as one full-length sequence: the stock static number."""
+    step = expected_step(s, iteration)
+    if not s.packed or s.pp > 1:
+        return step["static_flops"]
+    first = (iteration - 1) * s.global_batch
+    real = [n for row in packed_rows(s, first + s.global_batch)[first:] for n in row]
+    return s.global_batch * SEQ * mlm.per_token_flops() + mlm.attention_flops(sum(n * n for n in real))

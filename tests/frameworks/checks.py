@@ -60,3 +60,12 @@ def assert_log_lines(output: str, num_iterations: int) -> None:
         assert math.isfinite(float(fields["lm loss"]))
         assert "throughput per GPU (TFLOP/s/GPU)" in fields
         assert "corrected throughput per GPU (TFLOP/s/GPU)" in fields
+
+
+def assert_model_inputs_agree(ranks: list[Rank]) -> None:
+    """No rank's cross-check found the model's inputs contradicting the batch read (the stock
+    forward steps must never fall back for it), and no rank fell back at all."""
+    for r in ranks:
+        assert "contradict the batch read" not in r.output, r.output[-4000:]
+        assert "every rank reports the stock FLOPs" not in r.output, r.output[-4000:]
+

@@ -69,8 +69,36 @@ def install_torch_cuda() -> None:
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
 
+def install_nvrx_version() -> None:
+    """S13 (megatron-core >= 0.19): ``nvidia_resiliency_ext.__version__`` (PyPI's releases, 0.4.1
+    at most, lack it; megatron-core reads it at import), from the distribution's metadata; and
+    while megatron-core imports, nvrx's async checkpointing module hidden, so megatron-core's probe
+    of it (which asserts nvrx >= 0.6.0 once the module imports) finds it unavailable and keeps its
+    own checkpoint path. Megatron-Bridge's ``pretrain`` imports nvrx unconditionally; no test
+    saves a checkpoint."""
+    import sys
+    from importlib import metadata
+
+    try:
+        import nvidia_resiliency_ext as nvrx
+    except ImportError:
+        return
+    if not hasattr(nvrx, "__version__"):
+        nvrx.__version__ = metadata.version("nvidia-resiliency-ext")
+    core = tuple(int(part) for part in metadata.version("megatron-core").split(".")[:2])
+    hidden = "nvidia_resiliency_ext.checkpointing.async_ckpt.core"
+    if core < (0, 19) or "megatron.core" in sys.modules or hidden in sys.modules:
+        return
+    sys.modules[hidden] = None  # type: ignore[assignment]  (import raises ImportError)
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        del sys.modules[hidden]
+
+
 def install_megatron_core() -> None:
-    """S4-S5: megatron-core's CUDA-only helpers (both 0.14.0 and 0.16.1)."""
+    """S4-S5 (S13 first): megatron-core's CUDA-only helpers (0.14.0 to 0.19.2)."""
+    install_nvrx_version()
     import megatron.core.utils as mutils
     from megatron.core.tensor_parallel import random as tp_random
 
@@ -106,9 +134,11 @@ def install_pipeline_sends() -> None:
 
 
 def install_megatron_lm() -> None:
-    """S6-S7: Megatron-LM's start-up on a machine without CUDA (core_v0.14.0 and core_v0.16.1)."""
+    """S6-S7: Megatron-LM's start-up on a machine without CUDA (core_v0.14.0, core_v0.16.1 and
+    core_v0.19.0; the last has no ``megatron.legacy``, and builds no fused kernels)."""
+    import importlib.util
+
     import megatron.core.datasets.utils as dataset_utils
-    import megatron.legacy.fused_kernels as fused_kernels
     import megatron.training.arguments as arguments
     import megatron.training.training as training
 
@@ -121,7 +151,10 @@ def install_megatron_lm() -> None:
     # The argument checks read the GPU architecture when TP > 1: 9 (Hopper), whose
     # CUDA_DEVICE_MAX_CONNECTIONS=1 requirement procs.launch meets.
     arguments.get_device_arch_version = lambda: 9
-    fused_kernels.load = _noop  # S7: no CUDA kernels to build;
+    if importlib.util.find_spec("megatron.legacy") is not None:
+        import megatron.legacy.fused_kernels as fused_kernels
+
+        fused_kernels.load = _noop  # S7: no CUDA kernels to build;
     dataset_utils.compile_helpers = _noop  # the wheel ships the built dataset helpers (no Makefile)
 
 
@@ -160,6 +193,8 @@ def install_thd_attention() -> None:
 
     import megatron.core.utils as mutils
 
+    if not hasattr(mutils, "get_thd_batch_on_this_cp_rank"):  # megatron-core 0.19: gone (get_batch_on_this_cp_rank)
+        return
     stock_thd_batch = mutils.get_thd_batch_on_this_cp_rank
 
     def get_thd_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, *args, **kwargs):
@@ -182,13 +217,23 @@ def import_megatron_bridge() -> None:
     import megatron.core.extensions.transformer_engine  # noqa: F401  (decides HAVE_TE=False)
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
 
+    try:  # megatron-core >= 0.19 ships megatron.training, which Megatron-Bridge 0.6 imports: without TE too
+        import megatron.training.utils.common_utils  # noqa: F401
+    except ImportError:
+        pass
+
     class _Missing(torch.nn.Module):
         """A Transformer Engine class that the stand-in names but cannot provide."""
 
     def stub(name: str) -> types.ModuleType:
         module = types.ModuleType(name)
-        module.__getattr__ = lambda attr: _Missing if attr[:1].isupper() else stub(f"{name}.{attr}")
+        module.__getattr__ = lambda attr: _stub_attr(name, attr)
         return module
+
+    def _stub_attr(name: str, attr: str) -> Any:
+        if attr.startswith("__"):  # no __path__: a submodule import fails as without TE (0.6.2's fallbacks)
+            raise AttributeError(attr)
+        return _Missing if attr[:1].isupper() else stub(f"{name}.{attr}")
 
     names = ("transformer_engine", "transformer_engine.pytorch")
     sys.modules.update({name: stub(name) for name in names})

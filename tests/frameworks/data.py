@@ -18,11 +18,15 @@ def doc_lengths(seed: int, index: int, row_length: int) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def install_packed_mock_dataset(seed: int) -> None:
+def install_packed_mock_dataset(seed: int, *, row_local: bool = False) -> None:
     """Make megatron-core's ``MockGPTDataset`` yield packed rows in the layout Megatron-LM's
     ``SFTDataset`` gives ``pretrain_gpt.py`` (core_v0.16.1): ``tokens``, ``labels``,
     ``loss_mask``, ``position_ids`` (restarting per document), ``cu_seqlens`` (int32, ``[n + 1]``)
     and ``max_seqlen`` (0-d). Row ``i`` holds ``doc_lengths(seed, i, seq_length)``.
+
+    ``row_local``: ``cu_seqlens`` padded to ``seq_length + 1`` entries with copies of
+    ``seq_length``, as core_v0.19.0's ``GPTDataset`` makes them under
+    ``--dataloader-inter-document-masking`` (so that rows collate into ``[mbs, S + 1]``).
 
     The sampler hands out indices in order, so iteration ``k`` of a run with global batch ``G``
     trains rows ``k*G .. k*G + G - 1`` (over all data-parallel ranks together).
@@ -37,6 +41,8 @@ def install_packed_mock_dataset(seed: int) -> None:
             gen = torch.Generator().manual_seed(seed * 7919 + int(idx))
             text = torch.randint(1, self.config.tokenizer.vocab_size, (length + 1,), generator=gen)
             bounds = torch.tensor([0, *docs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            if row_local:
+                bounds = torch.cat([bounds, torch.full((length + 1 - len(bounds),), length, dtype=torch.int32)])
             return {
                 "tokens": text[:-1],
                 "labels": text[1:],

@@ -21,6 +21,11 @@ LAYERS, HIDDEN, HEADS, FFN, SEQ = 4, 64, 4, 256, 64
 VOCAB_ARG, PADDED_VOCAB = 4095, 4096
 ITERATIONS = 3
 PACKED_SEED = 11
+EVAL_INTERVAL = 2
+# core_v0.19.0's own FLOPs for iteration 3 over the closed form, measured in the packed runs with one
+# evaluation after iteration 2 (the README's faults table): 1,439,668,224 / 720,070,656 (micro-batch
+# size 1, 4 rows) and 2,885,799,936 / 1,440,251,904 (micro-batch size 2, 8 rows).
+MEASURED_EVAL_FAULT = {"packed-eval": 1.999, "packed-mbs2-eval": 2.004}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +38,7 @@ class Scenario:
     micro_batch: int = 2
     global_batch: int = 8
     packed: bool = False
+    evaluate: bool = False  # one evaluation after iteration EVAL_INTERVAL (global-batch rows)
 
     @property
     def dp(self) -> int:
@@ -52,22 +58,27 @@ SCENARIOS = {
         Scenario(name="pp2-vpp2-dp2", world_size=4, pp=2, vpp=2, global_batch=16),
         Scenario(name="packed", world_size=1, micro_batch=1, global_batch=4, packed=True),
         Scenario(name="packed-pp2-vpp2-dp2", world_size=4, pp=2, vpp=2, micro_batch=1, global_batch=8, packed=True),
+        # core_v0.19.0: packed rows whose offsets the dataset pads to S + 1 entries, [mbs, S + 1] per
+        # micro-batch, with an evaluation after iteration 2 (core_v0.19.0 counts its batches into
+        # iteration 3's own FLOPs).
+        Scenario(name="packed-eval", world_size=1, micro_batch=1, global_batch=4, packed=True, evaluate=True),
+        Scenario(name="packed-mbs2-eval", world_size=1, micro_batch=2, global_batch=8, packed=True, evaluate=True),
     )
 }
 
 
-def script_args(s: Scenario) -> list[str]:
-    """``pretrain_gpt.py`` arguments: the model, the parallel layout, mock data, no evaluation or
-    checkpoints, and the CPU switches (local layers, no fusions, gloo, no gradient clipping)."""
+def script_args(s: Scenario, version: str) -> list[str]:
+    """``pretrain_gpt.py`` arguments of release ``version``: the model, the parallel layout, mock
+    data, no checkpoints, evaluation only where the scenario asks, and the CPU switches (local
+    layers, no fusions, gloo, no gradient clipping)."""
     args = [
         "--num-layers", LAYERS, "--hidden-size", HIDDEN, "--num-attention-heads", HEADS, "--ffn-hidden-size", FFN,
         "--seq-length", SEQ, "--max-position-embeddings", SEQ, "--position-embedding-type", "rope",
         "--micro-batch-size", s.micro_batch, "--global-batch-size", s.global_batch, "--train-iters", ITERATIONS,
         "--tensor-model-parallel-size", s.tp, "--pipeline-model-parallel-size", s.pp,
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", VOCAB_ARG, "--split", "100,0,0",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", VOCAB_ARG,
         "--num-workers", 0,
         "--lr", "1e-4", "--min-lr", "1e-5", "--seed", 1234, "--log-interval", 1, "--log-throughput",
-        "--eval-iters", 0, "--eval-interval", 1000,
         "--transformer-impl", "local", "--use-cpu-initialization", "--distributed-backend", "gloo",
         "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
         "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--clip-grad", 0,
@@ -75,12 +86,28 @@ def script_args(s: Scenario) -> list[str]:
     ]
     if s.vpp:
         args += ["--num-layers-per-virtual-pipeline-stage", LAYERS // (s.pp * s.vpp)]
+    if s.evaluate:
+        args += ["--split", "98,2,0", "--eval-iters", 1, "--eval-interval", EVAL_INTERVAL]
+    else:
+        args += ["--split", "100,0,0", "--eval-iters", 0, "--eval-interval", 1000]
+    if s.packed and row_local(version):
+        args.append("--dataloader-inter-document-masking")  # core_v0.19.0's switch for cu_seqlens batches
     return [str(a) for a in args]
 
 
-def rank_args(s: Scenario, snapshot: Path) -> list[str]:
-    shim = ["megatron-lm"] + (["--packed", str(PACKED_SEED)] if s.packed else [])
-    return [*shim, "--", "--flops-accounting", "corrected", str(snapshot / "pretrain_gpt.py"), *script_args(s)]
+def row_local(version: str) -> bool:
+    """Whether release ``version``'s packed batches carry offsets padded to ``S + 1`` entries."""
+    return tuple(map(int, version.split("."))) >= (0, 19)
+
+
+def rank_args(s: Scenario, snapshot: Path, version: str, *, framework_flops: bool = False) -> list[str]:
+    shim = ["megatron-lm"]
+    if s.packed:
+        shim += ["--packed", str(PACKED_SEED)] + (["--row-local"] if row_local(version) else [])
+    if framework_flops:
+        shim.append("--print-framework-flops")
+    return [*shim, "--", "--flops-accounting", "corrected", str(snapshot / "pretrain_gpt.py"),
+            *script_args(s, version)]
 
 
 # ---- expected numbers, from the model's shapes and the dataset's document lengths ------------------
@@ -109,12 +136,24 @@ def rows_of_step(s: Scenario, iteration: int) -> list[list[int]]:
     return [data.doc_lengths(PACKED_SEED, i, SEQ) for i in range(first, first + s.global_batch)]
 
 
+def validation_rows(s: Scenario) -> list[list[int]]:
+    """The document lengths of the rows of the one evaluation (``--eval-iters 1``: one global
+    batch, the validation split's rows 0 .. G-1, from the same packed mock dataset)."""
+    return [data.doc_lengths(PACKED_SEED, i, SEQ) for i in range(s.global_batch)]
+
+
+def rows_flops(rows: list[list[int]]) -> int:
+    """Training FLOPs of full rows holding these documents."""
+    tokens = sum(map(sum, rows))
+    return tokens * per_token_flops() + attention_flops(sum(n * n for row in rows for n in row))
+
+
 def expected_step(s: Scenario, iteration: int) -> dict[str, int]:
     """The trace integers of one step. Rows are full (documents fill them exactly), so executed =
     model FLOPs, and the static number prices every row as one ``SEQ``-token sequence."""
     rows = rows_of_step(s, iteration)
     tokens = sum(map(sum, rows))
-    flops = tokens * per_token_flops() + attention_flops(sum(n * n for row in rows for n in row))
+    flops = rows_flops(rows)
     static = s.global_batch * SEQ * per_token_flops() + attention_flops(s.global_batch * SEQ * SEQ)
     return {
         "iteration": iteration,

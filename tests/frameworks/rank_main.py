@@ -1,6 +1,7 @@
 """One rank of a real training run on CPU (test-only entry point, started by ``procs.launch``).
 
-    python tests/frameworks/rank_main.py megatron-lm [--packed SEED] -- LAUNCH_ARGS... pretrain_gpt.py ARGS...
+    python tests/frameworks/rank_main.py megatron-lm [--packed SEED [--row-local]] [--print-framework-flops] \
+        -- LAUNCH_ARGS... pretrain_gpt.py ARGS...
     python tests/frameworks/rank_main.py megatron-bridge -- LAUNCH_ARGS... bridge_pretrain.py SCENARIO
 
 applies the CPU shims (``cpu_shims``), optionally swaps the mock dataset for packed rows with known
@@ -23,6 +24,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("framework", choices=("megatron-lm", "megatron-bridge"))
     parser.add_argument("--packed", type=int, default=None, help="packed rows from this seed (data.install_packed_mock_dataset)")
+    parser.add_argument("--row-local", action="store_true", help="their offsets padded to S + 1 (core_v0.19.0)")
+    parser.add_argument("--print-framework-flops", action="store_true",
+                        help="print what Megatron-LM's own num_floating_point_operations returns (probes.py)")
     argv = sys.argv[1:]
     split = argv.index("--")
     options, rest = parser.parse_args(argv[:split]), argv[split + 1:]
@@ -38,8 +42,12 @@ def main() -> None:
     if options.packed is not None:
         from frameworks import data
 
-        data.install_packed_mock_dataset(options.packed)
+        data.install_packed_mock_dataset(options.packed, row_local=options.row_local)
         cpu_shims.install_thd_attention()
+    if options.print_framework_flops:
+        from frameworks import probes
+
+        probes.print_megatron_lm_flops()
     from megatron_flops import launch
 
     launch.main(rest)

@@ -34,7 +34,14 @@ def grid(index: int) -> tuple[int, int, int]:
 
 
 def row_length(s: bridge.Scenario, index: int) -> int:
-    return PACKED_LENGTHS[index % len(PACKED_LENGTHS)] if s.packed else SEQ
+    """Real tokens of sample ``index``: PACKED_LENGTHS when packed, or on 0.6.2 (whose collate pads
+    rows to a multiple of 16 only); SEQ otherwise."""
+    return PACKED_LENGTHS[index % len(PACKED_LENGTHS)] if s.packed or s.release != "0.3.1" else SEQ
+
+
+def width(lengths: list[int], multiple: int) -> int:
+    """The micro-batch's row width: its longest row padded to ``multiple`` (at most SEQ)."""
+    return min(SEQ, -(-max(lengths) // multiple) * multiple)
 
 
 def sample(s: bridge.Scenario, index: int) -> dict:
@@ -52,11 +59,17 @@ def sample(s: bridge.Scenario, index: int) -> dict:
     return {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": [t, h, w]}
 
 
-def collate(samples: list[dict]) -> dict:
-    """Rows padded with 0 to SEQ, next-token labels, and the images inside ``visual_inputs``."""
+def collate(samples: list[dict], multiple: int = SEQ) -> dict:
+    """Rows padded with 0 to ``width(multiple)`` (0.3.1: SEQ; 0.6.2: a multiple of 16, as its
+    collate functions pad), next-token labels, and the images inside ``visual_inputs``."""
     import torch
-    from megatron.bridge.training.utils.visual_inputs import Qwen2_5_VLVisualInputs
 
+    try:
+        from megatron.bridge.training.utils.visual_inputs import Qwen2_5_VLVisualInputs as Visual  # 0.3.1
+    except ImportError:
+        from megatron.bridge.training.utils.visual_inputs import GenericVisualInputs as Visual  # 0.6
+
+    SEQ = width([len(item["input_ids"]) for item in samples], multiple)  # noqa: N806 (the batch's width)
     ids = torch.zeros(len(samples), SEQ, dtype=torch.long)
     for row, item in enumerate(samples):
         ids[row, : len(item["input_ids"])] = torch.tensor(item["input_ids"])
@@ -68,7 +81,7 @@ def collate(samples: list[dict]) -> dict:
         "labels": labels,
         "loss_mask": loss_mask,
         "position_ids": torch.arange(SEQ).expand(len(samples), SEQ).clone(),
-        "visual_inputs": Qwen2_5_VLVisualInputs(
+        "visual_inputs": Visual(
             pixel_values=torch.cat([item["pixel_values"] for item in samples]),
             image_grid_thw=torch.tensor([item["image_grid_thw"] for item in samples]),
         ),
@@ -110,7 +123,8 @@ def dataset_provider(s: bridge.Scenario):
         def __getitem__(self, index: int) -> dict:
             return sample(s, index)
 
-        collate_fn = staticmethod(collate)
+        def collate_fn(self, samples: list[dict]) -> dict:
+            return collate(samples, SEQ if s.release == "0.3.1" else 16)
 
     @dataclass(kw_only=True)
     class Images(DatasetProvider):
@@ -159,6 +173,9 @@ def expected_step(s: bridge.Scenario, iteration: int) -> dict[str, int]:
     first = (iteration - 1) * s.global_batch
     indices = range(first, first + s.global_batch)
     lengths = [row_length(s, i) for i in indices]
+    if s.release != "0.3.1" and not s.packed:  # each micro-batch's rows run at its width
+        lengths = [width(lengths[m:m + s.micro_batch], 16) for m in range(0, len(lengths), s.micro_batch)
+                   for _ in range(s.micro_batch)]
     vit = sum(vision_flops(*grid(i)) for i in indices)
     flops = sum(lengths) * lm_per_token_flops() + lm_attention_flops(sum(n * n for n in lengths)) + vit
     return {
@@ -170,3 +187,15 @@ def expected_step(s: bridge.Scenario, iteration: int) -> dict[str, int]:
         "num_sequences": len(lengths),
         "num_microbatches": s.num_microbatches,
     }
+
+
+def framework_vision_flops(grids: list[tuple[int, int, int]]) -> float:
+    """Megatron-Bridge 0.6.2's own ViT number for one step's images (``flop_utils.vit_flops``,
+    a float): every image priced at the step's mean patch count, per block QKV and output
+    (8 d^2), full attention over that mean (4 d P) and a two-GEMM MLP (4 d f: a gated MLP has
+    three), the merger's two GEMMs; no patch embedding; x3 for training."""
+    d, f, m2 = VIT_HIDDEN, VIT_FFN, MERGE * MERGE
+    p = sum(t * h * w for t, h, w in grids) / len(grids)
+    block = (8 * d * d + 4 * d * p + 4 * d * f) * p
+    merger = (p // m2) * (2 * (m2 * d) ** 2 + 2 * m2 * d * HIDDEN)
+    return (VIT_DEPTH * block + merger) * len(grids) * 3
