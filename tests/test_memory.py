@@ -328,6 +328,14 @@ def test_fsdp_lora_vs_full_tiny():
 # ---- bad input -------------------------------------------------------------------------------
 
 
+def test_hybrid_layers_without_attention_or_mlp_are_refused():
+    # "*-*-": attention-only and MLP-only layers (no Mamba): not GPT layers.
+    spec = ModelSpec.from_mapping(dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
+                                       hybrid_override_pattern="*-*-"))
+    with pytest.raises(ValueError, match="hybrid layers without attention or an MLP"):
+        decoder_memory(spec, PLAIN, Parallelism(), Training(seq_length=8, micro_batch_size=1))
+
+
 @pytest.mark.parametrize("layout, message", [
     (dict(tp=3), "num_attention_heads=4 is not divisible by --tp 3"),
     (dict(pp=3), r"num_layers=2 is not divisible by PP x VPP = 3"),

@@ -148,9 +148,11 @@ def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
 
 def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> None:
     """ValueError for what these parameter lists do not model, or sizes that do not divide."""
-    if any(m is not None for m in (spec.mamba, spec.gdn, spec.kda, spec.dsa)) or spec.attention_output_gate:
+    kinds = {kind for kind, _ in spec.layer_runs + (spec.mtp_layer_runs if spec.mtp_num_layers else ())}
+    if any(m is not None for m in (spec.mamba, spec.gdn, spec.kda, spec.dsa)) or spec.attention_output_gate \
+            or any(mixer != "attention" or ffn == "none" for mixer, ffn in kinds):
         raise ValueError("memory is modelled for GPT decoders (dense and MoE layers, MLA, MTP): no Mamba, Gated "
-                         "DeltaNet, KDA, DSA or gated attention")
+                         "DeltaNet, KDA, DSA, gated attention or hybrid layers without attention or an MLP")
     if spec.mla is not None and par.tp > 1:
         raise ValueError("multi-latent attention is modelled with --tp 1")
     if spec.mtp_num_layers and par.pp > 1:
