@@ -61,8 +61,9 @@ def test_trace_has_the_exact_flops_and_tokens(run):
         if scenario.vlm:  # the static number of a VLM is Megatron-Bridge's own (vision pricing), not derived here
             lines = [lines[0]] + [{**line, "static_flops": None} for line in lines[1:]]
             want = [{**step, "static_flops": None} for step in want]
-        elif scenario.release != "0.3.1":  # the static number is Megatron-Bridge's own packed-aware one
-            want = [{**step, "static_flops": bridge.framework_flops(scenario, step["iteration"])} for step in want]
+        elif scenario.release != "0.3.1":  # Megatron-Bridge's own packed-aware number, beside the static one
+            assert [line["framework_flops"] for line in lines[1:]] == [
+                bridge.framework_flops(scenario, step["iteration"]) for step in want]
         assert lines[0]["run"]["framework_version"] == scenario.release
         checks.assert_trace(lines, want, framework="megatron-bridge", world_size=scenario.world_size)
 
@@ -75,7 +76,7 @@ def test_bridge_062_packed_pipeline_prices_full_rows(run):
     scenario, ranks = run
     lines = checks.traces(ranks)[scenario.world_size - 1][1:]
     full_rows = [bridge.expected_step(scenario, i)["static_flops"] for i in range(1, bridge.ITERATIONS + 1)]
-    theirs = [line["static_flops"] for line in lines]
+    theirs = [line["framework_flops"] for line in lines]
     ours = [line["flops"] for line in lines]
     assert ours == [bridge.expected_step(scenario, i)["flops"] for i in range(1, bridge.ITERATIONS + 1)]
     assert (theirs == full_rows) is (scenario.pp > 1)
@@ -112,7 +113,7 @@ def test_bridge_062_vit_prices_a_smaller_tower(run):
         first = (line["iteration"] - 1) * scenario.global_batch
         grids = [vlm.grid(i) for i in range(first, first + scenario.global_batch)]
         ours = sum(vlm.vision_flops(*g) for g in grids)
-        theirs = line["static_flops"] - (line["flops"] - ours)
+        theirs = line["framework_flops"] - (line["flops"] - ours)
         assert theirs == pytest.approx(vlm.framework_vision_flops(grids), rel=1e-12)
         assert 0.8 < theirs / ours < 0.85  # measured: 0.82x to 0.84x on this tower
 
