@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import mcore_memory
-from megatron_flops.flops.dit import DiTSpec
+from megatron_flops.flops.dit import DiTPeftSpec, DiTSpec
 from megatron_flops.memory.dit_activations import DiTBatch, dit_activations, dit_block_saved
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -29,21 +29,33 @@ import wan_dit_fsdp2 as example  # noqa: E402
 
 RAW = json.loads((EXAMPLES / "wan_tiny_dit.json").read_text())
 I2V = {"image_dim": 20, "image_len": 5}
-# name -> (dit overrides, dtype, batch)
+# name -> (dit overrides, dtype, batch[, LoRA rank and targets on a frozen base])
 CASES = {
     "t2v fp32, two clips": ({}, torch.float32, DiTBatch(video=(12, 20), text=(7, 3))),
     "t2v bf16, three clips": ({"num_layers": 3}, torch.bfloat16, DiTBatch(video=(6, 8, 2), text=(12, 2, 5))),
     "i2v fp32, two clips": (I2V, torch.float32, DiTBatch(video=(12, 20), text=(7, 3), image=(5, 5))),
     "i2v bf16, one clip": (I2V, torch.bfloat16, DiTBatch(video=(24,), text=(9,), image=(5,))),
+    "LoRA q,k,v,o, t2v fp32": ({}, torch.float32, DiTBatch(video=(12, 20), text=(7, 3)), (4, ["q", "k", "v", "o"])),
+    "LoRA q,k,v,o,k_img,v_img, i2v bf16": (
+        {"num_layers": 3, **I2V}, torch.bfloat16, DiTBatch(video=(12, 20), text=(7, 3), image=(5, 5)),
+        (4, ["q", "k", "v", "o", "k_img", "v_img"])),
+    "LoRA rank 3 on ffn.0,ffn.2 only, i2v fp32": (
+        I2V, torch.float32, DiTBatch(video=(16,), text=(4,), image=(5,)), (3, ["ffn.0", "ffn.2"])),
+    "LoRA on cross_attn v,o only, t2v fp32": (
+        {"num_layers": 3}, torch.float32, DiTBatch(video=(8, 4), text=(2, 6)), (2, ["cross_attn.v", "cross_attn.o"])),
 }
 
 
 def _setup(name: str):
-    dit, dtype, batch = CASES[name]
+    dit, dtype, batch, *lora = CASES[name]
     raw = copy.deepcopy(RAW)
     raw.pop("lora")
     raw.pop("recompute_granularity")
     raw["dit"].update(dit)
+    peft = None
+    if lora:
+        raw["lora"] = {"dim": lora[0][0], "target_modules": lora[0][1]}
+        peft = DiTPeftSpec(frozen=True, lora_rank=lora[0][0], lora_targets=tuple(lora[0][1]))
     spec = DiTSpec.from_mapping(raw["dit"])
     # bf16: the weights cast for compute, as FSDP2's MixedPrecisionPolicy(param_dtype=bf16) does.
     model = example.build_model(raw).to(dtype)
@@ -51,11 +63,12 @@ def _setup(name: str):
     h = spec.hidden_size
 
     def leaf(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype).requires_grad_()
+        # A frozen base: the embeddings' outputs need no gradient.
+        return torch.randn(*shape, generator=gen).to(dtype).requires_grad_(peft is None)
 
     inputs = dict(x=leaf(sum(batch.video), h), e=leaf(sum(batch.video), 6, h), context=leaf(sum(batch.text), h),
                   image=None if batch.image is None else leaf(sum(batch.image), h))
-    return spec, model, batch, inputs
+    return spec, peft, model, batch, inputs
 
 
 def _run(model, batch: DiTBatch, x, e, context, image, checkpointed: bool) -> torch.Tensor:
@@ -72,13 +85,13 @@ def _act_bytes(model) -> int:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_saved_without_checkpointing(name):
-    spec, model, batch, inputs = _setup(name)
+    spec, peft, model, batch, inputs = _setup(name)
     a = _act_bytes(model)
     meter = mcore_memory.SavedTensorMeter(model.parameters())
     with meter.tracking(), meter.one_forward():
         _run(model, batch, **inputs, checkpointed=False)
     # CPU: LayerNorm keeps its mean and rstd in the input dtype (CUDA: fp32, the formula's default).
-    want = dit_activations(spec, batch, act_bytes=a, attention="local", layer_norm_stats_bytes=a)
+    want = dit_activations(spec, batch, act_bytes=a, attention="local", peft=peft, layer_norm_stats_bytes=a)
     assert meter.forward == [want.total]
     assert meter.peak == want.total
     # One block alone: its own saves plus the text/image embeddings.
@@ -86,8 +99,9 @@ def test_saved_without_checkpointing(name):
     with meter.tracking(), meter.one_forward():
         model.blocks[0](inputs["x"], inputs["e"], list(batch.video), inputs["context"], list(batch.text),
                         inputs["image"], None if batch.image is None else list(batch.image))
-    own = dit_block_saved(spec, batch, act_bytes=a, attention="local", layer_norm_stats_bytes=a)
-    assert meter.forward == [sum(own.values()) + want.shared]
+    own = dit_block_saved(spec, batch, act_bytes=a, attention="local", peft=peft, input_grad=peft is None,
+                          layer_norm_stats_bytes=a)
+    assert meter.forward[0] - sum(own.values()) in (0, want.shared)  # the embeddings, where saved
 
 
 def _python_storages(exclude: set[int]) -> dict[int, int]:
@@ -105,7 +119,7 @@ def _python_storages(exclude: set[int]) -> dict[int, int]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_checkpoint_keeps_its_inputs(name):
-    spec, model, batch, inputs = _setup(name)
+    spec, peft, model, batch, inputs = _setup(name)
     a = _act_bytes(model)
     before = set(_python_storages(set())) | {p.untyped_storage().data_ptr() for p in model.parameters()}
     # Intermediates, as in the model: the patch embedding's output, the repeated time
@@ -114,14 +128,15 @@ def test_checkpoint_keeps_its_inputs(name):
     out = _run(model, batch, **fresh, checkpointed=True)
     del fresh
     kept = _python_storages(before | {out.untyped_storage().data_ptr()})
-    want = dit_activations(spec, batch, act_bytes=a, attention="local", checkpointed_blocks=spec.num_layers,
-                           layer_norm_stats_bytes=a)
+    want = dit_activations(spec, batch, act_bytes=a, attention="local", peft=peft,
+                           checkpointed_blocks=spec.num_layers, layer_norm_stats_bytes=a)
     # Kept until backward: every block's input hidden states, the per-token modulation input and
     # the text/image embeddings; backward then re-runs one block (its saves less its input).
     assert sum(kept.values()) == want.kept + want.shared
     T, h = sum(batch.video), spec.hidden_size
     assert want.kept == spec.num_layers * T * h * a + 6 * T * h * a
-    assert want.recompute == sum(dit_block_saved(spec, batch, act_bytes=a, attention="local",
+    # The largest block re-run: one whose input needs a gradient (its input, kept, saved by norm1).
+    assert want.recompute == sum(dit_block_saved(spec, batch, act_bytes=a, attention="local", peft=peft,
                                                  layer_norm_stats_bytes=a).values()) - T * h * a
     out.float().sum().backward()  # the checkpoints replay and release what they kept
     del out
