@@ -162,3 +162,24 @@ def test_flash_convention_and_partial_checkpointing():
     assert full.total == 2 * 24 * 32 * 4 + 6 * 24 * 32 * 4 + (own - 24 * 32 * 4) + full.shared
     with pytest.raises(ValueError, match="attention"):
         dit_block_saved(spec, batch, act_bytes=4, attention="sdpa")
+
+
+def test_cli_reports_the_blocks_activations(capsys):
+    # The tiny DiT, 2 clips of 16 video tokens per micro-batch (text_len 12), fp32, every block
+    # checkpointed, the measured attention: the JSON activations are dit_activations' total.
+    from megatron_flops.cli import main
+
+    argv = ["memory", "--model", str(EXAMPLES / "wan_tiny_dit.json"), "--seq-length", "16",
+            "--micro-batch-size", "2", "--dp", "2", "--fsdp", "--params-dtype", "fp32", "--json"]
+    assert main([*argv, "--recompute", "full", "--attention-backend", "local"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    spec = DiTSpec.from_mapping(RAW["dit"])
+    peft = DiTPeftSpec(frozen=True, lora_rank=4, lora_targets=("q", "k", "v", "o"))
+    want = dit_activations(spec, DiTBatch(video=(16, 16), text=(12, 12)), act_bytes=4, attention="local",
+                           peft=peft, checkpointed_blocks=2)
+    assert out["per_gpu"]["activations_bytes"] == want.total
+    assert out["unmeasured"] == []
+    assert main(argv) == 0  # the flash convention by default: named as unmeasured
+    assert "flash attention kernel" in json.loads(capsys.readouterr().out)["unmeasured"][0]
+    assert main([*argv, "--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]) == 2
+    assert "per-block checkpointing" in capsys.readouterr().err

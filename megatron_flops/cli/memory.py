@@ -115,12 +115,14 @@ def _dit(args: argparse.Namespace, raw: dict[str, Any], training: Training, par:
                       recompute=args.recompute, recompute_method=args.recompute_method,
                       recompute_num_layers=args.recompute_num_layers, source=Path(args.model).name)
     backend = "flash" if args.attention_backend is None else backend_convention(args.attention_backend)
-    kwargs = dict(attention="local" if backend == "unfused" else backend,
-                  checkpointed_blocks=_checkpointed_dit_blocks(setup.spec.num_layers, setup.recompute))
+    attention = "local" if backend == "unfused" else backend
+    checkpointed = _checkpointed_dit_blocks(setup.spec.num_layers, setup.recompute)
     name = "LoRA" if setup.peft is not None and setup.peft.lora_rank else "this setup"
-    reports = {name: dit_memory_report(setup.spec, training, dp=par.dp, peft=setup.peft, **kwargs)}
+    reports = {name: dit_memory_report(setup.spec, training, dp=par.dp, peft=setup.peft, attention=attention,
+                                       checkpointed_blocks=checkpointed)}
     if args.compare_full:
-        reports["full"] = dit_memory_report(setup.spec, training, dp=par.dp, **kwargs)
+        reports["full"] = dit_memory_report(setup.spec, training, dp=par.dp, attention=attention,
+                                            checkpointed_blocks=checkpointed)
     return reports
 
 

@@ -1,29 +1,35 @@
 """Activations of a WAN-style DiT's blocks (``examples/wan_dit_fsdp2.py``'s ``WanAttentionBlock``),
-fully trained, with and without per-block checkpointing (stdlib only: ints in, ints out).
+fully trained or LoRA on a frozen base, with and without per-block checkpointing (stdlib only).
 
-What one block saves for backward, distinct storages (``T`` video tokens, ``C`` text and ``M``
-CLIP tokens of the micro-batch, ``h`` hidden, ``f`` FFN, ``a`` bytes of the compute dtype):
+The block's forward is walked op by op with torch's rule for what an op saves for backward (an
+operand is saved when another operand, or the weight, needs a gradient), counting distinct
+storages. Fully trained (``T`` video tokens, ``C`` text and ``M`` CLIP tokens of the micro-batch,
+``h`` hidden, ``f`` FFN, ``a`` bytes of the compute dtype), one block saves:
 
 - ``adaln``: the modulation sum ``[T, 6, h]`` (its chunks 2 and 5 gate the residuals), ``1 + scale``
-  twice and the two modulated norms' outputs: ``10 T h a``;
+  twice, the two modulated norms' outputs and the two gated outputs: ``12 T h a``;
 - ``norm``: the three LayerNorms' inputs and statistics: ``3 (T h a + 2 T s)``;
-- ``self_attn``: q/k/v's input, q and k RMSNorms, normalised q, k and v, ``o``'s input and output
-  (gated): ``6 T h a`` + 2 RMSNorms + the core attention;
+- ``self_attn``: q/k/v's input, q and k RMSNorms, normalised q, k and v, ``o``'s input, core attention;
 - ``cross_attn``: ``q``'s input (norm3's output), its RMSNorm and output, ``o``'s input; per key/value
-  source (text, CLIP image) its ``k`` RMSNorm, normalised keys and values: ``3 T h a`` + RMSNorms + core;
-- ``ffn``: its input, the GELU's input and output ``[T, f]``, the second linear's output (gated).
+  source (text, CLIP image) its ``k`` RMSNorm, normalised keys and values; core attention;
+- ``ffn``: its input, the GELU's input and output ``[T, f]``.
 
-NB: an RMSNorm is torch's composite ``nn.RMSNorm``: an fp32 copy of its input, fp32 ``rstd`` per
-token and the fp32 normalised product (``2 N h 4 + N 4`` for ``N`` rows), then its output in ``a``.
+A frozen linear layer saves nothing of its input; an adapter saves the input and its ``[N, rank]``
+intermediate; with a frozen base the first block's input, the time modulation and the text/image
+embeddings need no gradient, so the first block saves only from its first adapter on.
+
+NB: an RMSNorm is torch's composite ``nn.RMSNorm``: an fp32 copy of its input (the input itself in
+fp32) and fp32 ``rstd`` per token, the fp32 normalised product when its weight trains, then its
+output in ``a``.
 NB: LayerNorm statistics in fp32 (``s = 4``), as CUDA's kernel keeps them.
 NB: the text and image embeddings every block reads (``C h a``, ``M h a``) are saved once per forward.
 NB: core attention, ``local``: the example's explicit matmuls keep the softmax output per clip
-``[heads, s_i, kv_i]``; ``flash``: the kernel keeps fp32 log-sum-exp ``[heads, T]`` per call and
-its output (``o``'s input already, except for image-to-video, where ``o`` reads the sum of the
-text and image outputs: ``+ 2 T h a``). ``flash`` is a convention: not measured on CPU.
+``[heads, s_i, kv_i]``; ``flash``: the kernel keeps q, k, v, its output (``o``'s input already,
+except for image-to-video, where ``o`` reads the sum of the text and image outputs) and fp32
+log-sum-exp ``[heads, T]`` per call. ``flash`` is a convention: not measured on CPU.
 NB: a checkpointed block keeps its inputs until its backward: the hidden states ``T h a`` each,
-and once per forward the per-token modulation input ``[T, 6, h]`` (text/image embeddings as
-above); backward re-runs one block at a time, which saves a whole block again except its input.
+and once per forward the per-token modulation input ``[T, 6, h]`` and the text/image embeddings;
+backward re-runs one block at a time, which saves a whole block again except its input.
 FSDP2 runs forward and backward of one micro-batch before the next: one micro-batch in flight.
 """
 

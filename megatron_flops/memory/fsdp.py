@@ -13,7 +13,7 @@ last micro-batch, with ``set_requires_gradient_sync`` off before it), for units 
 Payloads as in :mod:`megatron_flops.memory.comm`: the all-gather output and the reduce-scatter
 input, padded, in the compute and reduce dtypes.
 
-Activations: :mod:`megatron_flops.memory.dit_activations` (the blocks, fully trained).
+Activations: :mod:`megatron_flops.memory.dit_activations` (the blocks).
 Not modelled: the all-gathered unit(s) alive during compute.
 """
 
@@ -97,7 +97,8 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
                       attention: str = "flash", checkpointed_blocks: int = 0) -> dict[str, object]:
     """The JSON form of :func:`fsdp_rank_memory` for the most loaded rank (rank 0 holds the most
     real rows), in the keys the decoder report uses; activations of the blocks for micro-batches
-    of ``training.micro_batch_size`` clips of ``training.seq_length`` video tokens (full training)."""
+    of ``training.micro_batch_size`` clips of ``training.seq_length`` video tokens and WAN's
+    ``text_len`` (padded) text tokens."""
     from megatron_flops.flops.dit import dit_parameter_counts
 
     top = fsdp_rank_memory(spec, training, dp=dp, rank=0, peft=peft)
@@ -105,22 +106,18 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
     optimizer = sum(v for k, v in top.states.items() if k.startswith("optimizer/"))
     bus = bus_bytes(top.communication, {"fsdp": dp})
     not_modelled = ["activations outside the blocks (patch, text, time and image embeddings, head, loss)"]
-    activations: int | None = None
-    if counts.num_trainable_params == counts.num_params:
-        batch = DiTBatch.uniform(spec, video_tokens=training.seq_length, num_clips=training.micro_batch_size)
-        activations = dit_activations(spec, batch, act_bytes=training.param_bytes, attention=attention,
-                                      checkpointed_blocks=checkpointed_blocks).total
-    else:
-        not_modelled.insert(0, "activations of LoRA/frozen DiT blocks")
+    batch = DiTBatch.uniform(spec, video_tokens=training.seq_length, num_clips=training.micro_batch_size)
+    activations = dit_activations(spec, batch, act_bytes=training.param_bytes, attention=attention, peft=peft,
+                                  checkpointed_blocks=checkpointed_blocks).total
     rank = {
         "weights_bytes": top.states["weights"],
         "gradients_bytes": top.states["gradients"],
         "optimizer_bytes": optimizer,
         "activations_bytes": activations,
-        "total_bytes": top.total + (activations or 0),
+        "total_bytes": top.total + activations,
         "components": dict(top.states),
     }
-    unmeasured = [] if attention == "local" or activations is None else [
+    unmeasured = [] if attention == "local" else [
         "activations of the flash attention kernel (fp32 log-sum-exp and outputs; the example's "
         "explicit-matmul attention is measured: --attention-backend local)"]
     return {
