@@ -224,7 +224,8 @@ def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
                     peft: PeftSpec | None = None, checkpointed_blocks: int = 0,
                     layer_norm_stats_bytes: int = LAYER_NORM_STATS_BYTES) -> DiTActivations:
     """Peak saved bytes of the blocks for one micro-batch, the first ``checkpointed_blocks``
-    blocks checkpointed (see the module NB). ``block``: the largest block's parts."""
+    blocks checkpointed (see the module NB). ``block``: the parts of a block whose input needs a
+    gradient (every block but a frozen base's first)."""
     if not 0 <= checkpointed_blocks <= spec.num_layers:
         raise ValueError(f"checkpointing {checkpointed_blocks} of {spec.num_layers} blocks")
     peft = DiTPeftSpec.of(peft)
