@@ -112,12 +112,28 @@ def _dit(args: argparse.Namespace, raw: dict[str, Any], training: Training, par:
         raise ValueError("a DiT under FSDP2 is modelled with Adam(W)")
     setup = dit_setup(raw, frozen=args.frozen, lora_rank=args.lora_rank,
                       lora_targets=None if args.lora_targets is None else args.lora_targets.split(","),
-                      source=Path(args.model).name)
+                      recompute=args.recompute, recompute_method=args.recompute_method,
+                      recompute_num_layers=args.recompute_num_layers, source=Path(args.model).name)
+    backend = "flash" if args.attention_backend is None else backend_convention(args.attention_backend)
+    attention = "local" if backend == "unfused" else backend
+    checkpointed = _checkpointed_dit_blocks(setup.spec.num_layers, setup.recompute)
     name = "LoRA" if setup.peft is not None and setup.peft.lora_rank else "this setup"
-    reports = {name: dit_memory_report(setup.spec, training, dp=par.dp, peft=setup.peft)}
+    reports = {name: dit_memory_report(setup.spec, training, dp=par.dp, peft=setup.peft, attention=attention,
+                                       checkpointed_blocks=checkpointed)}
     if args.compare_full:
-        reports["full"] = dit_memory_report(setup.spec, training, dp=par.dp)
+        reports["full"] = dit_memory_report(setup.spec, training, dp=par.dp, attention=attention,
+                                            checkpointed_blocks=checkpointed)
     return reports
+
+
+def _checkpointed_dit_blocks(num_layers: int, recompute: Any) -> int:
+    """Blocks checkpointed one by one: the first ``recompute_num_layers`` (block), or all."""
+    if recompute is None:
+        return 0
+    if recompute.method == "uniform" and recompute.num_layers not in (None, 1):
+        raise ValueError("DiT activations are modelled for per-block checkpointing (--recompute-method block, "
+                         "or uniform with --recompute-num-layers 1)")
+    return num_layers if recompute.method == "uniform" else min(recompute.num_layers or num_layers, num_layers)
 
 
 def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, par: Parallelism) -> dict[str, dict]:

@@ -13,7 +13,8 @@ Conventions, written once (each module's NB comments say where they apply):
   ``<group>/<kind>``; one-rank groups and one-element collectives are not counted.
 
 Measured against megatron-core and torch FSDP2 on CPU with gloo to the byte:
-``tests/test_memory_dist.py``, ``tests/test_memory_activations.py``, ``tests/test_memory_fsdp.py``.
+``tests/test_memory_dist.py``, ``tests/test_memory_activations.py``, ``tests/test_memory_fsdp.py``,
+``tests/test_memory_dit_activations.py``.
 """
 
 from megatron_flops.memory.decoder import DecoderOptions

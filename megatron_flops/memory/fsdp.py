@@ -13,8 +13,8 @@ last micro-batch, with ``set_requires_gradient_sync`` off before it), for units 
 Payloads as in :mod:`megatron_flops.memory.comm`: the all-gather output and the reduce-scatter
 input, padded, in the compute and reduce dtypes.
 
-Not modelled: activations (what a DiT block saves depends on its elementwise adaLN code: WAN's
-per-sample modulation vs a packed per-token one), the all-gathered unit(s) alive during compute.
+Activations: :mod:`megatron_flops.memory.dit_activations` (the blocks).
+Not modelled: the all-gathered unit(s) alive during compute.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from megatron_flops.flops.dit import DiTParam, DiTSpec, dit_block_parameters, dit_root_parameters
 from megatron_flops.memory.comm import bus_bytes
+from megatron_flops.memory.dit_activations import DiTBatch, dit_activations
 from megatron_flops.memory.layout import Training
 from megatron_flops.memory.states import optimizer_keys
 from megatron_flops.flops.passes import PeftSpec
@@ -92,28 +93,53 @@ def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 
     return FsdpRank(rank=rank, states=states, communication={k: v for k, v in comm.items() if v})
 
 
-def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftSpec | None = None) -> dict[str, object]:
+def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftSpec | None = None,
+                      attention: str = "flash", checkpointed_blocks: int = 0) -> dict[str, object]:
     """The JSON form of :func:`fsdp_rank_memory` for the most loaded rank (rank 0 holds the most
-    real rows), in the keys the decoder report uses."""
+    real rows), in the keys the decoder report uses; activations of the blocks for micro-batches
+    of ``training.micro_batch_size`` clips of ``training.seq_length`` video tokens and WAN's
+    ``text_len`` (padded) text tokens."""
     from megatron_flops.flops.dit import dit_parameter_counts
 
     top = fsdp_rank_memory(spec, training, dp=dp, rank=0, peft=peft)
     counts = dit_parameter_counts(spec, peft)
     optimizer = sum(v for k, v in top.states.items() if k.startswith("optimizer/"))
     bus = bus_bytes(top.communication, {"fsdp": dp})
+    not_modelled = ["activations outside the blocks (patch, text, time and image embeddings, head, loss)"]
+    batch = DiTBatch.uniform(spec, video_tokens=training.seq_length, num_clips=training.micro_batch_size)
+    activations = dit_activations(spec, batch, act_bytes=training.param_bytes, attention=attention, peft=peft,
+                                  checkpointed_blocks=checkpointed_blocks).total
     rank = {
         "weights_bytes": top.states["weights"],
         "gradients_bytes": top.states["gradients"],
         "optimizer_bytes": optimizer,
-        "activations_bytes": None,
-        "total_bytes": top.total,
+        "activations_bytes": activations,
+        "total_bytes": top.total + activations,
         "components": dict(top.states),
     }
+    unmeasured = [] if attention == "local" else [
+        "activations of the flash attention kernel (fp32 log-sum-exp and outputs; the example's "
+        "explicit-matmul attention is measured: --attention-backend local)"]
     return {
         "parameters": {"total": counts.num_params, "trainable": counts.num_trainable_params,
                        "per_block": counts.num_block_params, "adapters": counts.num_adapters},
         "per_gpu": rank,
         "communication_per_step": {**top.communication, "total_bytes": sum(top.communication.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
-        "not_modelled": ["activations: what a DiT block saves depends on its elementwise adaLN code"],
+        "not_modelled": not_modelled,
+        "unmeasured": unmeasured,
+        "modelling_assumptions": dit_assumptions(attention, checkpointed_blocks, spec.num_layers),
     }
+
+
+def dit_assumptions(attention: str, checkpointed_blocks: int, num_layers: int) -> list[str]:
+    """What can make the DiT activations differ from a real run (printed with the report)."""
+    kernel = ("flash attention convention: q, k, v, output and fp32 log-sum-exp per call (the default, "
+              "as the decoder's attention_backend auto)" if attention == "flash" else
+              "local attention: the softmax output [heads, s, kv] per clip (the example's explicit matmuls)")
+    return [
+        f"DiT blocks: {kernel}",
+        "adaLN modulation per token ([T, 6, h], as the example packs clips), torch's composite RMSNorm "
+        "(fp32), LayerNorm statistics in fp32 (CUDA), bf16/fp16 compute by casting the weights (no autocast)",
+        f"{checkpointed_blocks} of {num_layers} blocks checkpointed; FSDP2: one micro-batch in flight",
+    ]

@@ -1,0 +1,253 @@
+"""Activations of a WAN-style DiT's blocks (``examples/wan_dit_fsdp2.py``'s ``WanAttentionBlock``),
+fully trained or LoRA on a frozen base, with and without per-block checkpointing (stdlib only).
+
+The block's forward is walked op by op with torch's rule for what an op saves for backward (an
+operand is saved when another operand, or the weight, needs a gradient), counting distinct
+storages. Fully trained (``T`` video tokens, ``C`` text and ``M`` CLIP tokens of the micro-batch,
+``h`` hidden, ``f`` FFN, ``a`` bytes of the compute dtype), one block saves:
+
+- ``adaln``: the modulation sum ``[T, 6, h]`` (its chunks 2 and 5 gate the residuals), ``1 + scale``
+  twice, the two modulated norms' outputs and the two gated outputs: ``12 T h a``;
+- ``norm``: the three LayerNorms' inputs and statistics: ``3 (T h a + 2 T s)``;
+- ``self_attn``: q/k/v's input, q and k RMSNorms, normalised q, k and v, ``o``'s input, core attention;
+- ``cross_attn``: ``q``'s input (norm3's output), its RMSNorm and output, ``o``'s input; per key/value
+  source (text, CLIP image) its ``k`` RMSNorm, normalised keys and values; core attention;
+- ``ffn``: its input, the GELU's input and output ``[T, f]``.
+
+A frozen linear layer saves nothing of its input; an adapter saves the input and its ``[N, rank]``
+intermediate; with a frozen base the first block's input, the time modulation and the text/image
+embeddings need no gradient, so the first block saves only from its first adapter on.
+
+NB: an RMSNorm is torch's composite ``nn.RMSNorm``: an fp32 copy of its input (the input itself in
+fp32) and fp32 ``rstd`` per token, the fp32 normalised product when its weight trains, then its
+output in ``a``.
+NB: LayerNorm statistics in fp32 (``s = 4``), as CUDA's kernel keeps them.
+NB: the text and image embeddings every block reads (``C h a``, ``M h a``) are saved once per forward.
+NB: core attention, ``local``: the example's explicit matmuls keep the softmax output per clip
+``[heads, s_i, kv_i]``; ``flash``: the kernel keeps q, k, v, its output (``o``'s input already,
+except for image-to-video, where ``o`` reads the sum of the text and image outputs) and fp32
+log-sum-exp ``[heads, T]`` per call. ``flash`` is a convention: not measured on CPU.
+NB: a checkpointed block keeps its inputs until its backward: the hidden states ``T h a`` each,
+and once per forward the per-token modulation input ``[T, 6, h]`` and the text/image embeddings;
+backward re-runs one block at a time, which saves a whole block again except its input.
+FSDP2 runs forward and backward of one micro-batch before the next: one micro-batch in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_flops.flops.dit import DiTPeftSpec, DiTSpec
+from megatron_flops.flops.passes import PeftSpec
+
+LAYER_NORM_STATS_BYTES = 4  # fp32 mean and rstd per token (CUDA)
+ATTENTION_CONVENTIONS = ("local", "flash")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiTBatch:
+    """One micro-batch's clips: video, text and (image-to-video) CLIP tokens per clip."""
+
+    video: tuple[int, ...]
+    text: tuple[int, ...]
+    image: tuple[int, ...] | None = None
+
+    @classmethod
+    def uniform(cls, spec: DiTSpec, *, video_tokens: int, num_clips: int) -> DiTBatch:
+        """``num_clips`` clips of ``video_tokens`` tokens with WAN's padded ``text_len`` text tokens."""
+        return cls(video=(video_tokens,) * num_clips, text=(spec.text_len,) * num_clips,
+                   image=None if spec.image_dim is None else (spec.image_len,) * num_clips)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiTActivations:
+    """Bytes per micro-batch: ``block`` (one block's own saved storages, by part), ``shared`` (the
+    text/image embeddings all blocks save), ``kept`` (what the checkpointed blocks keep),
+    ``recompute`` (the largest region re-run in backward), ``total`` (the peak of saved storages)."""
+
+    block: dict[str, int]
+    shared: int
+    kept: int
+    recompute: int
+    total: int
+
+
+@dataclass(frozen=True)
+class _T:
+    """A tensor of the walk: its storage's name, bytes, and whether it requires grad."""
+
+    name: str
+    nbytes: int
+    grad: bool
+
+
+class _Block:
+    """One block's forward, op by op, with torch's rule of what each op saves for backward: an
+    operand is saved when another operand (or the weight) needs a gradient."""
+
+    def __init__(self, spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int) -> None:
+        self.spec, self.batch, self.peft, self.a, self.stats = spec, batch, peft, a, stats
+        self.saved: dict[str, tuple[str, int]] = {}  # storage -> (part, bytes)
+        self.part = ""
+
+    def save(self, *tensors: _T) -> None:
+        for t in tensors:
+            self.saved.setdefault(t.name, (self.part, t.nbytes))
+
+    def new(self, name: str, rows: int, grad: bool, width: int | None = None, size: int | None = None) -> _T:
+        return _T(name, rows * (width or self.spec.hidden_size) * (size or self.a), grad)
+
+    def linear(self, module: str, x: _T, rows: int, width: int | None = None) -> _T:
+        base = not self.peft.frozen
+        if base:
+            self.save(x)  # the weight's gradient reads the input
+        if self.peft.adapts(module):
+            self.save(x, self.new(f"{module}.lora", rows, True, self.peft.lora_rank))
+        return self.new(module, rows, x.grad or base or self.peft.adapts(module), width)
+
+    def layer_norm(self, name: str, x: _T, rows: int, affine: bool) -> _T:
+        trains = affine and not self.peft.frozen
+        if x.grad or trains:
+            self.save(x, _T(name + ".stats", 2 * rows * self.stats, False))
+        return self.new(name, rows, x.grad or trains)
+
+    def rms_norm(self, name: str, x: _T, rows: int) -> _T:
+        # NB: torch's composite: an fp32 copy of the input (the input itself in fp32), fp32 rstd,
+        # the fp32 normalised product (read by the weight's gradient), then the output in ``a``.
+        trains = not self.peft.frozen
+        copy = x if self.a == 4 else _T(x.name + ".f32", rows * self.spec.hidden_size * 4, x.grad)
+        if x.grad:
+            self.save(copy, _T(name + ".rstd", rows * 4, False))
+        if trains:
+            self.save(_T(name + ".normed", rows * self.spec.hidden_size * 4, True))
+        return self.new(name, rows, x.grad or trains)
+
+    def mul(self, name: str, x: _T, y: _T, rows: int) -> _T:
+        if x.grad:
+            self.save(y)
+        if y.grad:
+            self.save(x)
+        return self.new(name, rows, x.grad or y.grad)
+
+    def attention(self, name: str, q: _T, k: _T, v: _T, kv: Sequence[int], attention: str) -> _T:
+        """Core attention of each clip's queries to its ``kv`` keys; returns the output [T, h]."""
+        T, heads = sum(self.batch.video), self.spec.num_heads
+        grad = q.grad or k.grad or v.grad
+        if attention == "flash":  # NB: the kernel keeps q, k, v, its output and fp32 log-sum-exp
+            out = self.new(name + ".out", T, grad)
+            if grad:
+                self.save(q, k, v, out, _T(name + ".lse", heads * T * 4, False))
+            return out
+        # The example's matmuls: q @ k^T, softmax (keeps its output), probs @ v, per clip.
+        probs = _T(name + ".probs", heads * sum(s * c for s, c in zip(self.batch.video, kv)) * self.a, q.grad or k.grad)
+        self.mul(name + ".scores", q, k, T)
+        if probs.grad:
+            self.save(probs)
+        return self.mul(name + ".out", probs, v, T)
+
+    def forward(self, x: _T, e: _T, context: _T, image: _T | None, attention: str) -> _T:
+        """The block's forward (``WanAttentionBlock.forward``); returns its output."""
+        b, T = self.batch, sum(self.batch.video)
+        mod = self.new("mod", T, e.grad or not self.peft.frozen, 6 * self.spec.hidden_size)
+        self.part = "norm"
+        n1 = self.layer_norm("norm1", x, T, affine=False)
+        self.part = "adaln"
+        modulated = self.mul("mod1", n1, self.new("1+e1", T, mod.grad), T)
+        m1 = self.new("m1", T, modulated.grad or mod.grad)
+        self.part = "self_attn"
+        q, k, v = (self.linear(f"self_attn.{n}", m1, T) for n in "qkv")
+        out = self.attention("self", self.rms_norm("self_attn.norm_q", q, T), self.rms_norm("self_attn.norm_k", k, T),
+                             v, b.video, attention)
+        o = self.linear("self_attn.o", out, T)
+        self.part = "adaln"
+        gated = self.mul("gate1", o, mod, T)
+        x1 = self.new("x1", T, x.grad or gated.grad)
+        self.part = "norm"
+        n3 = self.layer_norm("norm3", x1, T, affine=True)
+        self.part = "cross_attn"
+        q = self.rms_norm("cross_attn.norm_q", self.linear("cross_attn.q", n3, T), T)
+        sources = [("text", "", context, b.text)] + ([] if image is None else [("image", "_img", image, b.image or ())])
+        outs = [self.attention(name, q, self.rms_norm(f"cross_attn.norm_k{suffix}",
+                                                      self.linear(f"cross_attn.k{suffix}", src, sum(lens)), sum(lens)),
+                               self.linear(f"cross_attn.v{suffix}", src, sum(lens)), lens, attention)
+                for name, suffix, src, lens in sources]
+        summed = outs[0] if len(outs) == 1 else self.new("cross.sum", T, any(t.grad for t in outs))
+        o = self.linear("cross_attn.o", summed, T)
+        x2 = self.new("x2", T, x1.grad or o.grad)
+        self.part = "norm"
+        n2 = self.layer_norm("norm2", x2, T, affine=False)
+        self.part = "adaln"
+        modulated = self.mul("mod2", n2, self.new("1+e4", T, mod.grad), T)
+        m2 = self.new("m2", T, modulated.grad or mod.grad)
+        self.part = "ffn"
+        f0 = self.linear("ffn.0", m2, T, self.spec.ffn_hidden_size)
+        if f0.grad:
+            self.save(f0)  # GELU's input
+        gelu = self.new("gelu", T, f0.grad, self.spec.ffn_hidden_size)
+        f2 = self.linear("ffn.2", gelu, T)
+        self.part = "adaln"
+        gated = self.mul("gate2", f2, mod, T)
+        return self.new("out", T, x2.grad or gated.grad)
+
+
+SHARED = ("context", "image")  # storages every block reads: saved once per forward
+
+
+def _walk(spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int, attention: str,
+          x_grad: bool) -> tuple[dict[str, tuple[str, int]], bool]:
+    """(one block's saved storages, whether its output requires grad) for an input that does
+    (or does not: the first block of a frozen base) require grad."""
+    if attention not in ATTENTION_CONVENTIONS:
+        raise ValueError(f"DiT attention must be one of {ATTENTION_CONVENTIONS}, got {attention!r}")
+    walk = _Block(spec, batch, peft, a, stats)
+    trains = not peft.frozen  # NB: the embeddings (patch, time, text, image) train with the base
+    image = None if batch.image is None else walk.new("image", sum(batch.image), trains)
+    out = walk.forward(walk.new("x", sum(batch.video), x_grad), walk.new("e", sum(batch.video), trains, 6 * spec.hidden_size),
+                       walk.new("context", sum(batch.text), trains), image, attention)
+    return walk.saved, out.grad
+
+
+def dit_block_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
+                    peft: PeftSpec | None = None, input_grad: bool = True,
+                    layer_norm_stats_bytes: int = LAYER_NORM_STATS_BYTES) -> dict[str, int]:
+    """One block's own saved bytes per part (see the module NB); the shared embeddings excluded."""
+    saved, _ = _walk(spec, batch, DiTPeftSpec.of(peft), act_bytes, layer_norm_stats_bytes, attention, input_grad)
+    parts: dict[str, int] = dict.fromkeys(("adaln", "norm", "self_attn", "cross_attn", "ffn"), 0)
+    for name, (part, nbytes) in saved.items():
+        if name not in SHARED:
+            parts[part] += nbytes
+    return parts
+
+
+def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
+                    peft: PeftSpec | None = None, checkpointed_blocks: int = 0,
+                    layer_norm_stats_bytes: int = LAYER_NORM_STATS_BYTES) -> DiTActivations:
+    """Peak saved bytes of the blocks for one micro-batch, the first ``checkpointed_blocks``
+    blocks checkpointed (see the module NB). ``block``: the parts of a block whose input needs a
+    gradient (every block but a frozen base's first)."""
+    if not 0 <= checkpointed_blocks <= spec.num_layers:
+        raise ValueError(f"checkpointing {checkpointed_blocks} of {spec.num_layers} blocks")
+    peft = DiTPeftSpec.of(peft)
+    walks = {g: _walk(spec, batch, peft, act_bytes, layer_norm_stats_bytes, attention, g) for g in (False, True)}
+    x_grad, blocks = not peft.frozen, []  # the patch embedding's output needs a grad if it trains
+    for _ in range(spec.num_layers):
+        saved, out_grad = walks[x_grad]
+        blocks.append(saved)
+        x_grad = out_grad
+    T, h, a = sum(batch.video), spec.hidden_size, act_bytes
+    sources = {"context": sum(batch.text) * h * a, "image": sum(batch.image or ()) * h * a}
+    own = [sum(n for k, (_, n) in b.items() if k not in SHARED) for b in blocks]
+    shared_names = {k for b in blocks[checkpointed_blocks:] for k in b if k in SHARED}
+    kept = recompute = 0
+    if checkpointed_blocks:
+        # The checkpoints keep their inputs: each block's hidden states, and once the per-token
+        # modulation input and the text/image embeddings; backward re-runs one block at a time.
+        shared_names |= set(SHARED)
+        kept = checkpointed_blocks * T * h * a + 6 * T * h * a
+        recompute = max(n - (T * h * a if "x" in b else 0) for n, b in zip(own, blocks[:checkpointed_blocks]))
+    shared = sum(sources[k] for k in shared_names)
+    parts = dit_block_saved(spec, batch, act_bytes=a, attention=attention, peft=peft, input_grad=True,
+                            layer_norm_stats_bytes=layer_norm_stats_bytes)
+    total = sum(own[checkpointed_blocks:]) + shared + kept + recompute
+    return DiTActivations(block=parts, shared=shared, kept=kept, recompute=recompute, total=total)

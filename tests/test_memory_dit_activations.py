@@ -1,0 +1,189 @@
+"""What the example WAN-like DiT's blocks (``examples/wan_dit_fsdp2.py``) save for backward, fully
+trained, against :mod:`megatron_flops.memory.dit_activations`, to the byte (single process, CPU:
+FSDP2 changes where the weights live, not what a block saves, and runs one micro-batch at a time).
+
+Without checkpointing: the distinct storages the blocks hand to ``saved_tensors_hooks``
+(parameters and one-element tensors excluded). With checkpointing, non-reentrant
+``torch.utils.checkpoint`` saves through its own inner hooks, so what it keeps is counted instead:
+the storages reachable from Python after the forward (the checkpoints' inputs), and the region
+re-run in backward is one block's saves, measured without checkpointing."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mcore_memory
+from megatron_flops.flops.dit import DiTPeftSpec, DiTSpec
+from megatron_flops.memory.dit_activations import DiTBatch, dit_activations, dit_block_saved
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import wan_dit_fsdp2 as example  # noqa: E402
+
+RAW = json.loads((EXAMPLES / "wan_tiny_dit.json").read_text())
+I2V = {"image_dim": 20, "image_len": 5}
+# name -> (dit overrides, dtype, batch[, LoRA rank and targets on a frozen base])
+CASES = {
+    "t2v fp32, two clips": ({}, torch.float32, DiTBatch(video=(12, 20), text=(7, 3))),
+    "t2v bf16, three clips": ({"num_layers": 3}, torch.bfloat16, DiTBatch(video=(6, 8, 2), text=(12, 2, 5))),
+    "i2v fp32, two clips": (I2V, torch.float32, DiTBatch(video=(12, 20), text=(7, 3), image=(5, 5))),
+    "i2v bf16, one clip": (I2V, torch.bfloat16, DiTBatch(video=(24,), text=(9,), image=(5,))),
+    "LoRA q,k,v,o, t2v fp32": ({}, torch.float32, DiTBatch(video=(12, 20), text=(7, 3)), (4, ["q", "k", "v", "o"])),
+    "LoRA q,k,v,o,k_img,v_img, i2v bf16": (
+        {"num_layers": 3, **I2V}, torch.bfloat16, DiTBatch(video=(12, 20), text=(7, 3), image=(5, 5)),
+        (4, ["q", "k", "v", "o", "k_img", "v_img"])),
+    "LoRA rank 3 on ffn.0,ffn.2 only, i2v fp32": (
+        I2V, torch.float32, DiTBatch(video=(16,), text=(4,), image=(5,)), (3, ["ffn.0", "ffn.2"])),
+    "LoRA on cross_attn v,o only, t2v fp32": (
+        {"num_layers": 3}, torch.float32, DiTBatch(video=(8, 4), text=(2, 6)), (2, ["cross_attn.v", "cross_attn.o"])),
+}
+
+
+def _setup(name: str):
+    dit, dtype, batch, *lora = CASES[name]
+    raw = copy.deepcopy(RAW)
+    raw.pop("lora")
+    raw.pop("recompute_granularity")
+    raw["dit"].update(dit)
+    peft = None
+    if lora:
+        raw["lora"] = {"dim": lora[0][0], "target_modules": lora[0][1]}
+        peft = DiTPeftSpec(frozen=True, lora_rank=lora[0][0], lora_targets=tuple(lora[0][1]))
+    spec = DiTSpec.from_mapping(raw["dit"])
+    # bf16: the weights cast for compute, as FSDP2's MixedPrecisionPolicy(param_dtype=bf16) does.
+    model = example.build_model(raw).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    h = spec.hidden_size
+
+    def leaf(*shape: int) -> torch.Tensor:
+        # A frozen base: the embeddings' outputs need no gradient.
+        return torch.randn(*shape, generator=gen).to(dtype).requires_grad_(peft is None)
+
+    inputs = dict(x=leaf(sum(batch.video), h), e=leaf(sum(batch.video), 6, h), context=leaf(sum(batch.text), h),
+                  image=None if batch.image is None else leaf(sum(batch.image), h))
+    return spec, peft, model, batch, inputs
+
+
+def _run(model, batch: DiTBatch, x, e, context, image, checkpointed: bool) -> torch.Tensor:
+    for block in model.blocks:
+        args = (x, e, list(batch.video), context, list(batch.text), image,
+                None if batch.image is None else list(batch.image))
+        x = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False) if checkpointed else block(*args)
+    return x
+
+
+def _act_bytes(model) -> int:
+    return next(model.parameters()).element_size()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_saved_without_checkpointing(name):
+    spec, peft, model, batch, inputs = _setup(name)
+    a = _act_bytes(model)
+    meter = mcore_memory.SavedTensorMeter(model.parameters())
+    with meter.tracking(), meter.one_forward():
+        _run(model, batch, **inputs, checkpointed=False)
+    # CPU: LayerNorm keeps its mean and rstd in the input dtype (CUDA: fp32, the formula's default).
+    want = dit_activations(spec, batch, act_bytes=a, attention="local", peft=peft, layer_norm_stats_bytes=a)
+    assert meter.forward == [want.total]
+    assert meter.peak == want.total
+    # One block alone: its own saves plus the text/image embeddings.
+    meter = mcore_memory.SavedTensorMeter(model.parameters())
+    with meter.tracking(), meter.one_forward():
+        model.blocks[0](inputs["x"], inputs["e"], list(batch.video), inputs["context"], list(batch.text),
+                        inputs["image"], None if batch.image is None else list(batch.image))
+    own = dit_block_saved(spec, batch, act_bytes=a, attention="local", peft=peft, input_grad=peft is None,
+                          layer_norm_stats_bytes=a)
+    # The text/image embeddings: all trained, or read by an adapter of k/v (k_img/v_img).
+    lora = DiTPeftSpec.of(peft) if peft is not None else None
+    shared = sum(n * spec.hidden_size * a for suffix, n in (("", sum(batch.text)), ("_img", sum(batch.image or ())))
+                 if lora is None or lora.adapts(f"cross_attn.k{suffix}") or lora.adapts(f"cross_attn.v{suffix}"))
+    assert meter.forward == [sum(own.values()) + shared]
+
+
+def _python_storages(exclude: set[int]) -> dict[int, int]:
+    """Distinct storages of the tensors Python objects reach (not ``exclude``), less each
+    checkpoint's copy of the CPU generator state (uint8, host memory: ``preserve_rng_state``)."""
+    gc.collect()
+    found = {}
+    for obj in gc.get_objects():
+        if type(obj) is torch.Tensor and obj.numel() > 1 and obj.dtype != torch.uint8:
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in exclude:
+                found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_checkpoint_keeps_its_inputs(name):
+    spec, peft, model, batch, inputs = _setup(name)
+    a = _act_bytes(model)
+    before = set(_python_storages(set())) | {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # Intermediates, as in the model: the patch embedding's output, the repeated time
+    # projection, the text/image embeddings (clones save nothing for backward).
+    fresh = {k: None if v is None else v.clone() for k, v in inputs.items()}
+    out = _run(model, batch, **fresh, checkpointed=True)
+    del fresh
+    kept = _python_storages(before | {out.untyped_storage().data_ptr()})
+    want = dit_activations(spec, batch, act_bytes=a, attention="local", peft=peft,
+                           checkpointed_blocks=spec.num_layers, layer_norm_stats_bytes=a)
+    # Kept until backward: every block's input hidden states, the per-token modulation input and
+    # the text/image embeddings; backward then re-runs one block (its saves less its input).
+    assert sum(kept.values()) == want.kept + want.shared
+    T, h = sum(batch.video), spec.hidden_size
+    assert want.kept == spec.num_layers * T * h * a + 6 * T * h * a
+    # The largest block re-run: one whose input needs a gradient (its input, kept, saved by norm1).
+    assert want.recompute == sum(dit_block_saved(spec, batch, act_bytes=a, attention="local", peft=peft,
+                                                 layer_norm_stats_bytes=a).values()) - T * h * a
+    out.float().sum().backward()  # the checkpoints replay and release what they kept
+    del out
+    assert sum(_python_storages(before).values()) == 0
+
+
+def test_flash_convention_and_partial_checkpointing():
+    # Tiny i2v, one clip of 24 tokens, 9 text, 5 image tokens, h 32, 4 heads, fp32.
+    spec = DiTSpec.from_mapping({**RAW["dit"], **I2V})
+    batch = DiTBatch(video=(24,), text=(9,), image=(5,))
+    local = dit_block_saved(spec, batch, act_bytes=4, attention="local")
+    flash = dit_block_saved(spec, batch, act_bytes=4, attention="flash")
+    # local: softmax outputs 4 x 24 x (24, 9, 5) x 4 B; flash: 3 fp32 log-sum-exp [4, 24] and the
+    # text and image outputs [24, 32] (o reads their sum).
+    assert local["self_attn"] - flash["self_attn"] == 4 * 24 * 24 * 4 - 4 * 24 * 4
+    assert local["cross_attn"] - flash["cross_attn"] == 4 * 24 * 14 * 4 - 2 * 4 * 24 * 4 - 2 * 24 * 32 * 4
+    full = dit_activations(spec, batch, act_bytes=4, checkpointed_blocks=2)
+    one = dit_activations(spec, batch, act_bytes=4, checkpointed_blocks=1)
+    none = dit_activations(spec, batch, act_bytes=4)
+    own = sum(flash.values())
+    assert none.total == 2 * own + none.shared
+    assert one.total - none.total == 24 * 32 * 4 + 6 * 24 * 32 * 4 + own - 24 * 32 * 4 - own
+    assert full.total == 2 * 24 * 32 * 4 + 6 * 24 * 32 * 4 + (own - 24 * 32 * 4) + full.shared
+    with pytest.raises(ValueError, match="attention"):
+        dit_block_saved(spec, batch, act_bytes=4, attention="sdpa")
+
+
+def test_cli_reports_the_blocks_activations(capsys):
+    # The tiny DiT, 2 clips of 16 video tokens per micro-batch (text_len 12), fp32, every block
+    # checkpointed, the measured attention: the JSON activations are dit_activations' total.
+    from megatron_flops.cli import main
+
+    argv = ["memory", "--model", str(EXAMPLES / "wan_tiny_dit.json"), "--seq-length", "16",
+            "--micro-batch-size", "2", "--dp", "2", "--fsdp", "--params-dtype", "fp32", "--json"]
+    assert main([*argv, "--recompute", "full", "--attention-backend", "local"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    spec = DiTSpec.from_mapping(RAW["dit"])
+    peft = DiTPeftSpec(frozen=True, lora_rank=4, lora_targets=("q", "k", "v", "o"))
+    want = dit_activations(spec, DiTBatch(video=(16, 16), text=(12, 12)), act_bytes=4, attention="local",
+                           peft=peft, checkpointed_blocks=2)
+    assert out["per_gpu"]["activations_bytes"] == want.total
+    assert out["unmeasured"] == []
+    assert main(argv) == 0  # the flash convention by default: named as unmeasured
+    assert "flash attention kernel" in json.loads(capsys.readouterr().out)["unmeasured"][0]
+    assert main([*argv, "--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]) == 2
+    assert "per-block checkpointing" in capsys.readouterr().err
