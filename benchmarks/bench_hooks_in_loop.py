@@ -204,9 +204,19 @@ def rank(argv: list[str]) -> None:
         bridge.ITERATIONS = int(argv[i + 1])
         argv = argv[:i] + argv[i + 2:]
     sys.argv = [rank_main.__file__, *argv]
+    profile_path = os.environ.get("BENCH_PROFILE")
+    profiler = None
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         rank_main.main()
     finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
         rows = clock.per_iteration()[WARMUP:]
         keys = (*PARTS, "all_reduce", "iteration_wall", *sorted({k for r in rows for k in r if k.startswith("detail/")}))
         summary = {key: statistics.median(r.get(key, 0) for r in rows) for key in keys}
@@ -246,7 +256,7 @@ def main() -> None:
     if options.framework == "megatron-lm":
         env = envs.megatron_lm("0.16.1")
         scenario = mlm.SCENARIOS["packed" if options.packed else "1proc"]
-        args = mlm.rank_args(scenario, envs.snapshot("0.16.1"))
+        args = mlm.rank_args(scenario, envs.snapshot("0.16.1"), "0.16.1")
         args[args.index("--train-iters") + 1] = str(options.iterations)
     else:
         env = envs.megatron_bridge()
