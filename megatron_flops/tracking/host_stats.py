@@ -17,6 +17,7 @@ in Python integers.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -175,15 +176,12 @@ def _whole_lengths(tensors: list[torch.Tensor]) -> np.ndarray:
     """The lengths of rows of offsets (``[n]``, ``[1, n]`` or row-local ``[b, n]``), each whole,
     concatenated (a 0 between two rows)."""
     flat = _flat(tensors)
-    sizes = np.array([t.shape[-1] for t in tensors], dtype=np.int64)
-    rows = np.array([t.shape[0] if t.dim() == 2 else 1 for t in tensors], dtype=np.int64)
-    if rows.max() > 1:
-        sizes = np.repeat(sizes, rows)
-    starts = np.concatenate(([0], sizes[:-1].cumsum()))
-    if np.count_nonzero(flat[starts]):
+    sizes = [t.shape[-1] for t in tensors for _ in range(t.shape[0] if t.dim() == 2 else 1)]
+    starts = [0, *itertools.accumulate(sizes[:-1])]  # each row's first entry
+    if flat[starts].any():
         raise ValueError("cu_seqlens must start at 0")
     lengths = flat[1:] - flat[:-1]
-    lengths[starts[1:] - 1] = 0  # from one row's last entry to the next row's first
+    lengths[[start - 1 for start in starts[1:]]] = 0  # from one row's last entry to the next row's first
     if lengths.min() < 0:
         raise ValueError("cu_seqlens must be non-decreasing")
     return lengths
