@@ -28,6 +28,7 @@ from megatron_flops.tracking.vision_torch import VISION_SLOTS, vision_stats_tens
 
 _SQUARE_SAFE = 3_037_000_499  # floor(sqrt(2**63 - 1))
 _NO_LIMIT = 2**62
+_PYTHON_PASS = 512  # whole rows of offsets of at most this many entries in all are summed in Python
 
 # The (sum s, sum s^2, sum x, sum x^2) slots of each channel; x = max(s - window, 0).
 REAL_SLOTS = ("num_tokens", "sum_seqlen_squared", "window_excess", "window_excess_squared")
@@ -80,11 +81,11 @@ class HostBatches:
             for slots in (REAL_SLOTS, PADDED_SLOTS) if counts_real else (PADDED_SLOTS,):
                 for name, value in zip(slots, values):
                     totals[name] += num_rows * value
-        channels: list[tuple[np.ndarray, tuple[tuple[str, ...], ...]]] = []  # 1-D lengths, their slots
+        channels: list[tuple[np.ndarray | list[int], tuple[tuple[str, ...], ...]]] = []  # 1-D lengths, their slots
         if self.whole_offsets:
-            lengths = _whole_lengths(self.whole_offsets)
-            totals["num_sequences"] += int(np.count_nonzero(lengths))
-            channels.append((lengths, (REAL_SLOTS, PADDED_SLOTS)))
+            whole = _whole_lengths(self.whole_offsets)
+            totals["num_sequences"] += len(whole) if isinstance(whole, list) else int(np.count_nonzero(whole))
+            channels.append((whole, (REAL_SLOTS, PADDED_SLOTS)))
         if self.offsets:
             real, padded = self._trimmed_lengths()
             totals["num_sequences"] += int(np.count_nonzero(real))
@@ -150,11 +151,11 @@ class HostBatches:
             raise ValueError("cu_seqlens must be non-decreasing")
         return lengths[0], lengths[1]
 
-    def _sums(self, lengths: np.ndarray) -> tuple[int, int, int, int]:
+    def _sums(self, lengths: np.ndarray | list[int]) -> tuple[int, int, int, int]:
         """[sum s, sum s^2, sum x, sum x^2] of 1-D non-negative lengths (x: the window excess)."""
-        total = int(lengths.sum())
-        if total > _SQUARE_SAFE:  # int64 squares could wrap: Python integers
-            values = lengths.tolist()
+        total = sum(lengths) if isinstance(lengths, list) else int(lengths.sum())
+        if isinstance(lengths, list) or total > _SQUARE_SAFE:  # int64 squares could wrap: Python integers
+            values = lengths if isinstance(lengths, list) else lengths.tolist()
             excess = [] if self.window is None else [max(v - self.window, 0) for v in values]
             return total, sum(v * v for v in values), sum(excess), sum(x * x for x in excess)
         if self.window is None:
@@ -172,16 +173,27 @@ class HostBatches:
         return vision_stats_tensor(self.vision, grids).tolist()
 
 
-def _whole_lengths(tensors: list[torch.Tensor]) -> np.ndarray:
+def _whole_lengths(tensors: list[torch.Tensor]) -> np.ndarray | list[int]:
     """The lengths of rows of offsets (``[n]``, ``[1, n]`` or row-local ``[b, n]``), each whole,
-    concatenated (a 0 between two rows)."""
+    concatenated: in numpy with a 0 between two rows, or, up to ``_PYTHON_PASS`` entries, as
+    Python ints without the zero lengths (there a numpy call costs more than the loop, the more
+    so when training has evicted numpy from the CPU's caches since the last step)."""
     flat = _flat(tensors)
     sizes = [t.shape[-1] for t in tensors for _ in range(t.shape[0] if t.dim() == 2 else 1)]
     starts = [0, *itertools.accumulate(sizes[:-1])]  # each row's first entry
+    if flat.size <= _PYTHON_PASS:
+        values = flat.tolist()
+        if any(values[start] for start in starts):
+            raise ValueError("cu_seqlens must start at 0")
+        ends = {start - 1 for start in starts[1:]}  # from one row's last entry to the next row's first
+        lengths = [values[i + 1] - values[i] for i in range(len(values) - 1) if i not in ends]
+        if min(lengths) < 0:
+            raise ValueError("cu_seqlens must be non-decreasing")
+        return [length for length in lengths if length]
     if flat[starts].any():
         raise ValueError("cu_seqlens must start at 0")
     lengths = flat[1:] - flat[:-1]
-    lengths[[start - 1 for start in starts[1:]]] = 0  # from one row's last entry to the next row's first
+    lengths[[start - 1 for start in starts[1:]]] = 0
     if lengths.min() < 0:
         raise ValueError("cu_seqlens must be non-decreasing")
     return lengths
