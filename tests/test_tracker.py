@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 from megatron_flops.tracking import batch_checks
 from megatron_flops.tracking.host_stats import HostBatches
 from megatron_flops.flops.formulas import SeqStats, parse_rows, training_flops
+from megatron_flops.flops.passes import price
 from megatron_flops.model.spec import ModelSpec
 from megatron_flops.tracking.tracker import FlopsTracker
 
@@ -563,3 +564,12 @@ def test_observed_device_batches_are_deferred(device_path):
     assert tracker._device.tensor is None  # nothing runs until the step is priced
     r = tracker.end_step()
     assert (r.num_tokens, r.sum_seqlen_squared, r.num_sequences) == (16, 160, 2)
+
+
+@pytest.mark.parametrize("rows", [[[5, 11]], [{"seqlens": [5, 11], "padded_seqlens": [8, 16]}]])
+def test_price_without_padding_reuses_the_real_gemms(rows):
+    # With no padding the executed GEMMs are the real ones: price() builds them once, the same numbers.
+    stats = SeqStats.from_rows(parse_rows(rows), window=None)
+    priced = price(_spec(), stats)
+    assert priced.executed == training_flops(_spec(), stats, include_padding=True)
+    assert priced.model == training_flops(_spec(), stats)
