@@ -36,6 +36,7 @@ _CONTROL = ("num_ranks", "num_failed", "num_overflowed", "num_without_shapes", "
             "step_sum", "step_sum_squares")
 _LOW_BITS = 32
 _LOW_MASK = (1 << _LOW_BITS) - 1
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +68,7 @@ class StepReducer:
         self.group = group
         self._shape_index = frozenset(self.slots.index(name) for name in shape_slots)
         self._world_size: int | None = None
-        self._nccl: bool | None = None  # whether the group's backend is NCCL (read once initialised)
+        self._device: torch.device | None = None  # the collectives' device (see _collective_device)
         self._in_step = False  # whether every rank was on the same step at the previous reduction
 
     def reduce(
@@ -179,12 +180,14 @@ class StepReducer:
         return Reduction(totals=None if problem else totals, shapes=shapes, problem=problem, local_error=error)
 
     def _collective_device(self) -> torch.device:
-        initialized = dist.is_available() and dist.is_initialized()
-        if initialized and self._nccl is None:  # a group's backend never changes: read once
-            self._nccl = dist.get_backend(self.group) == "nccl"
-        if initialized and self._nccl:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        """The device of the group's collectives, read once the group is initialised (a rank's
+        backend and device do not change during training)."""
+        if self._device is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                return _CPU
+            nccl = dist.get_backend(self.group) == "nccl"
+            self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else _CPU
+        return self._device
 
     def _group_size(self) -> int:
         if self._world_size is None:
