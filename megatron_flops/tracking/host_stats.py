@@ -95,8 +95,8 @@ class HostBatches:
             if lengths.size and lengths.min() < 0:
                 raise ValueError("seq_lengths must be non-negative")
             channels.append((lengths, (REAL_SLOTS,)))
-        for lengths, groups in channels:
-            sums = self._sums(lengths)
+        for channel, groups in channels:
+            sums = self._sums(channel)
             for names in groups:
                 for name, value in zip(names, sums):
                     totals[name] += value
