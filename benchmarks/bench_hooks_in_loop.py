@@ -18,6 +18,10 @@ original's inside it:
   amended log line (the interval's report, inside the framework's own print), the framework's number;
 - ``all_reduce``: the step's one all-reduce and its read-back, reported apart (the target excludes it).
 
+``shim_lift``: the time spent lifting the test CPU shim's mode around the package's calls
+(``--shim-mode lift``), inside the parts; the driver also reports the total without it.
+``BENCH_PROFILE=path`` writes a cProfile of the rank's whole run to ``path``.
+
 torch's own cost of calling a module that has a forward pre-hook is not inside any of these; it
 is measured apart (``hooked_module_call_ns``: a call of a module with the hook less one without).
 Per-iteration numbers are medians over the iterations after the first ``WARMUP``. Nothing here is
