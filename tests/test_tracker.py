@@ -524,6 +524,24 @@ def test_whole_offsets_python_and_numpy_passes_agree(monkeypatch, offsets, windo
         assert (python["num_sequences"], python["num_tokens"], python["sum_seqlen_squared"]) == (9, 48, 270)
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_trimmed_offsets_python_and_numpy_passes_agree(monkeypatch, window):
+    # Sentinel-padded rows (tensor and int argmins), a real-token limit, one-channel rows.
+    def settle(limit: int) -> dict[str, int]:
+        monkeypatch.setattr("megatron_flops.tracking.host_stats._PYTHON_PASS", limit)
+        step = HostBatches(window=window, vision=None)
+        step.add_offsets(torch.tensor([0, 4, 9, 16, -1, -1]), torch.tensor([4]), None, real=True, padded=True)
+        step.add_offsets(torch.tensor([[0, 5, 12, 16]]), 3, None, real=True, padded=False)
+        step.add_offsets(torch.tensor([0, 6, 12, 16]), None, 10, real=True, padded=False)
+        step.add_offsets(torch.tensor([0, 6, 12, 16]), None, None, real=False, padded=True)
+        return step.settle()
+
+    python, numpy = settle(512), settle(0)
+    assert python == numpy
+    # Real: 4, 5, 7 | 5, 7 | 6, 4 (clipped at 10): 7 sequences, 38 tokens.
+    assert (python["num_sequences"], python["num_tokens"]) == (7, 38)
+
+
 @pytest.mark.parametrize("cu, message", [(torch.tensor([1, 4, 8]), "start at 0"),
                                          (torch.tensor([0, 6, 4, 8]), "non-decreasing")])
 @pytest.mark.parametrize("limit", [512, 0])

@@ -28,7 +28,7 @@ from megatron_flops.tracking.vision_torch import VISION_SLOTS, vision_stats_tens
 
 _SQUARE_SAFE = 3_037_000_499  # floor(sqrt(2**63 - 1))
 _NO_LIMIT = 2**62
-_PYTHON_PASS = 512  # whole rows of offsets of at most this many entries in all are summed in Python
+_PYTHON_PASS = 512  # a step's offsets of at most this many entries (whole rows, or the others) are summed in Python
 
 # The (sum s, sum s^2, sum x, sum x^2) slots of each channel; x = max(s - window, 0).
 REAL_SLOTS = ("num_tokens", "sum_seqlen_squared", "window_excess", "window_excess_squared")
@@ -87,9 +87,14 @@ class HostBatches:
             totals["num_sequences"] += len(whole) if isinstance(whole, list) else int(np.count_nonzero(whole))
             channels.append((whole, (REAL_SLOTS, PADDED_SLOTS)))
         if self.offsets:
-            real, padded = self._trimmed_lengths()
-            totals["num_sequences"] += int(np.count_nonzero(real))
-            channels += [(real, (REAL_SLOTS,)), (padded, (PADDED_SLOTS,))]
+            if sum(cu.numel() for cu, *_ in self.offsets) <= _PYTHON_PASS:
+                real_list, padded_list = self._trimmed_lengths_python()
+                totals["num_sequences"] += len(real_list)
+                channels += [(real_list, (REAL_SLOTS,)), (padded_list, (PADDED_SLOTS,))]
+            else:
+                real, padded = self._trimmed_lengths()
+                totals["num_sequences"] += int(np.count_nonzero(real))
+                channels += [(real, (REAL_SLOTS,)), (padded, (PADDED_SLOTS,))]
         if self.lengths:
             lengths = _flat(self.lengths)
             if lengths.size and lengths.min() < 0:
@@ -104,6 +109,35 @@ class HostBatches:
             for name, value in zip(VISION_SLOTS, self._grid_sums()):
                 totals[f"vision/{name}"] = value
         return totals
+
+    def _trimmed_lengths_python(self) -> tuple[list[int], list[int]]:
+        """``_trimmed_lengths`` in Python ints for a few hundred entries (see ``_whole_lengths``),
+        the zero lengths left out; the same checks, in the same order."""
+        rows: list[tuple[list[int], int, int | None, bool, bool]] = []  # entries, valid ones, limit, channels
+        for cu, argmin, limit, real, padded in self.offsets:
+            table = cu.tolist()
+            n = argmin if isinstance(argmin, int) else int(argmin.item()) if argmin is not None else None
+            for entries in table if cu.dim() == 2 else [table]:
+                rows.append((entries, len(entries) if n is None else n, limit, real, padded))
+        for entries, n, *_ in rows:
+            if not 2 <= n <= len(entries):
+                raise ValueError(f"cu_seqlens needs at least two entries before its end marker, got {n} of "
+                                 f"{len(entries)}")
+        if any(entries[0] for entries, *_ in rows):
+            raise ValueError("cu_seqlens must start at 0")
+        real_lengths: list[int] = []
+        padded_lengths: list[int] = []
+        negative = False
+        for entries, n, limit, real, padded in rows:
+            kept = entries[:n] if limit is None else [min(v, limit) for v in entries[:n]]
+            lengths = [b - a for a, b in zip(kept, kept[1:])]
+            negative = negative or min(lengths) < 0
+            for flag, channel in ((real, real_lengths), (padded, padded_lengths)):
+                if flag:
+                    channel.extend(length for length in lengths if length)
+        if negative:
+            raise ValueError("cu_seqlens must be non-decreasing")
+        return real_lengths, padded_lengths
 
     def _trimmed_lengths(self) -> tuple[np.ndarray, np.ndarray]:
         """The real and the padded lengths of every trimmed, clipped or one-channel row, as two
