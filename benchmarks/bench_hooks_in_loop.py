@@ -18,6 +18,10 @@ original's inside it:
   amended log line (the interval's report, inside the framework's own print), the framework's number;
 - ``all_reduce``: the step's one all-reduce and its read-back, reported apart (the target excludes it).
 
+``shim_lift``: the time spent lifting the test CPU shim's mode around the package's calls
+(``--shim-mode lift``), inside the parts; the driver also reports the total without it.
+``BENCH_PROFILE=path`` writes a cProfile of the rank's whole run to ``path``.
+
 torch's own cost of calling a module that has a forward pre-hook is not inside any of these; it
 is measured apart (``hooked_module_call_ns``: a call of a module with the hook less one without).
 Per-iteration numbers are medians over the iterations after the first ``WARMUP``. Nothing here is
@@ -80,28 +84,39 @@ class Clock:
             delta = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
             row = {part: delta.get(part, 0) - delta.get(f"{part}.inner", 0) for part in PARTS}
             row["all_reduce"] = delta.get("all_reduce", 0)
+            row["shim_lift"] = delta.get("shim_lift", 0)
             row.update({k: v for k, v in delta.items() if k.startswith("detail/")})
             row["iteration_wall"] = delta.get("train_step", 0)
             out.append(row)
         return out
 
 
-def lifted(fn: Any) -> Any:
-    """``fn`` run with the test CPU shim's ``TorchFunctionMode`` lifted (see ``--shim-mode``)."""
-    import torch
-    from torch.overrides import _pop_mode_temporarily
+def lifted(fn: Any, clock: Clock) -> Any:
+    """``fn`` run with the test CPU shim's ``TorchFunctionMode`` lifted (see ``--shim-mode``); the
+    lifting's own time (popping and pushing the mode) is added to ``shim_lift``, which the
+    driver reports and takes out of ``hooks_total`` (no GPU run has the shim)."""
+    from torch._C import _len_torch_function_stack, _pop_torch_function_stack, _push_on_torch_function_stack
+
+    now = clock.now
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not torch._C._len_torch_function_stack():
+        if not _len_torch_function_stack():
             return fn(*args, **kwargs)
-        with _pop_mode_temporarily():
+        start = now()
+        mode = _pop_torch_function_stack()
+        popped = now()
+        try:
             return fn(*args, **kwargs)
+        finally:
+            pushing = now()
+            _push_on_torch_function_stack(mode)
+            clock.ns["shim_lift"] += popped - start + now() - pushing
 
     return wrapper
 
 
-def lift_shim_mode() -> None:
+def lift_shim_mode(clock: Clock) -> None:
     """Run the package's own code (never the framework's) without the CPU shim's mode."""
     from megatron_flops.adapters import _crosscheck, _hooks
     from megatron_flops.reporting.session import Session
@@ -110,8 +125,8 @@ def lift_shim_mode() -> None:
                        (_crosscheck.ModelInputCheck, ("arm", "expect", "_pre_hook")),
                        (_hooks._LogLine, ("amend",))):
         for name in names:
-            setattr(cls, name, lifted(getattr(cls, name)))
-    _hooks.write_scalars = lifted(_hooks.write_scalars)
+            setattr(cls, name, lifted(getattr(cls, name), clock))
+    _hooks.write_scalars = lifted(_hooks.write_scalars, clock)
 
 
 def install_timers(clock: Clock) -> None:
@@ -195,7 +210,7 @@ def rank(argv: list[str]) -> None:
     clock = Clock(time.perf_counter_ns if os.environ.get("BENCH_CLOCK") == "wall" else time.thread_time_ns)
     install_timers(clock)
     if os.environ.get("BENCH_SHIM_MODE") == "lift":
-        lift_shim_mode()
+        lift_shim_mode(clock)
     sys.path.insert(0, str(REPO / "tests"))
     from frameworks import bridge, rank_main
 
@@ -204,15 +219,28 @@ def rank(argv: list[str]) -> None:
         bridge.ITERATIONS = int(argv[i + 1])
         argv = argv[:i] + argv[i + 2:]
     sys.argv = [rank_main.__file__, *argv]
+    profile_path = os.environ.get("BENCH_PROFILE")
+    profiler = None
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         rank_main.main()
     finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
         rows = clock.per_iteration()[WARMUP:]
-        keys = (*PARTS, "all_reduce", "iteration_wall", *sorted({k for r in rows for k in r if k.startswith("detail/")}))
+        keys = (*PARTS, "all_reduce", "shim_lift", "iteration_wall", *sorted({k for r in rows for k in r if k.startswith("detail/")}))
         summary = {key: statistics.median(r.get(key, 0) for r in rows) for key in keys}
         totals = [sum(r[p] for p in PARTS) - r["all_reduce"] for r in rows]
         summary["hooks_total"] = statistics.median(totals)
         summary["hooks_total_min"] = min(totals)
+        unlifted = [total - r["shim_lift"] for total, r in zip(totals, rows)]
+        summary["hooks_total_less_shim_lift"] = statistics.median(unlifted)
+        summary["hooks_total_less_shim_lift_min"] = min(unlifted)
         summary["python_call_ns"] = python_call_ns(clock)
         summary["iterations"] = len(rows)
         summary["hooked_module_call_ns"] = hooked_module_call_ns()
@@ -246,7 +274,7 @@ def main() -> None:
     if options.framework == "megatron-lm":
         env = envs.megatron_lm("0.16.1")
         scenario = mlm.SCENARIOS["packed" if options.packed else "1proc"]
-        args = mlm.rank_args(scenario, envs.snapshot("0.16.1"))
+        args = mlm.rank_args(scenario, envs.snapshot("0.16.1"), "0.16.1")
         args[args.index("--train-iters") + 1] = str(options.iterations)
     else:
         env = envs.megatron_bridge()
@@ -263,10 +291,12 @@ def main() -> None:
     print(f"{options.framework}: {summary['iterations']} iterations after {WARMUP} warm-up, median us per iteration "
           f"({options.clock} time, shim mode {options.shim_mode})")
     details = sorted(k for k in us if k.startswith("detail/"))
-    for key in (*PARTS, "all_reduce", "hooks_total", "hooks_total_min", "iteration_wall", "hooked_module_call_ns",
+    for key in (*PARTS, "all_reduce", "shim_lift", "hooks_total", "hooks_total_min", "hooks_total_less_shim_lift",
+                "hooks_total_less_shim_lift_min", "iteration_wall", "hooked_module_call_ns",
                 "python_call_ns", *details):
         print(f"  {key:<32}{us[key]:10.1f}")
-    print(f"  (hooks_total: every part but the all-reduce; {os.cpu_count()} CPUs)")
+    print(f"  (hooks_total: every part but the all-reduce; shim_lift: lifting the test CPU shim's mode, inside the "
+          f"parts; {os.cpu_count()} CPUs)")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_flops.tracking import batch_checks
+from megatron_flops.tracking.host_stats import HostBatches
 from megatron_flops.flops.formulas import SeqStats, parse_rows, training_flops
+from megatron_flops.flops.passes import price
 from megatron_flops.model.spec import ModelSpec
 from megatron_flops.tracking.tracker import FlopsTracker
 
@@ -494,10 +496,62 @@ def test_malformed_host_values_fall_back_once(call, message, caplog):
 def test_host_sums_of_squares_never_wrap(monkeypatch):
     # A length past 3.04e9 tokens would wrap int64 squares: the sums are then exact Python integers.
     monkeypatch.setattr("megatron_flops.tracking.host_stats._SQUARE_SAFE", 10)
+    monkeypatch.setattr("megatron_flops.tracking.host_stats._PYTHON_PASS", 0)  # the numpy pass
     tracker = FlopsTracker(_spec())
     tracker.record(tokens=_tok(1, 16), cu_seqlens=torch.tensor([0, 7, 16]))
     r = tracker.end_step()
     assert (r.num_tokens, r.sum_seqlen_squared) == (16, 49 + 81)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("offsets", [
+    [torch.tensor([0, 5, 9, 16])] * 3,  # 1-D streams
+    [torch.tensor([[0, 3, 3, 16]], dtype=torch.int32), torch.tensor([[0, 16]], dtype=torch.int32)],  # [1, n]
+    [_row_local([2, 6], [8])] * 2,  # row-local [b, n], zero-length padding entries
+])
+def test_whole_offsets_python_and_numpy_passes_agree(monkeypatch, offsets, window):
+    # Up to _PYTHON_PASS entries a step's whole rows of offsets are summed in Python, beyond in numpy.
+    def settle(limit: int) -> dict[str, int]:
+        monkeypatch.setattr("megatron_flops.tracking.host_stats._PYTHON_PASS", limit)
+        step = HostBatches(window=window, vision=None)
+        for cu in offsets:
+            step.add_offsets(cu, None, None, real=True, padded=True)
+        return step.settle()
+
+    python, numpy = settle(512), settle(0)
+    assert python == numpy
+    if offsets[0].dim() == 1:  # 3 rows of lengths 5, 4, 7: 9 sequences, 48 tokens, 3 * (25 + 16 + 49) squared
+        assert (python["num_sequences"], python["num_tokens"], python["sum_seqlen_squared"]) == (9, 48, 270)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_trimmed_offsets_python_and_numpy_passes_agree(monkeypatch, window):
+    # Sentinel-padded rows (tensor and int argmins), a real-token limit, one-channel rows.
+    def settle(limit: int) -> dict[str, int]:
+        monkeypatch.setattr("megatron_flops.tracking.host_stats._PYTHON_PASS", limit)
+        step = HostBatches(window=window, vision=None)
+        step.add_offsets(torch.tensor([0, 4, 9, 16, -1, -1]), torch.tensor([4]), None, real=True, padded=True)
+        step.add_offsets(torch.tensor([[0, 5, 12, 16]]), 3, None, real=True, padded=False)
+        step.add_offsets(torch.tensor([0, 6, 12, 16]), None, 10, real=True, padded=False)
+        step.add_offsets(torch.tensor([0, 6, 12, 16]), None, None, real=False, padded=True)
+        return step.settle()
+
+    python, numpy = settle(512), settle(0)
+    assert python == numpy
+    # Real: 4, 5, 7 | 5, 7 | 6, 4 (clipped at 10): 7 sequences, 38 tokens.
+    assert (python["num_sequences"], python["num_tokens"]) == (7, 38)
+
+
+@pytest.mark.parametrize("cu, message", [(torch.tensor([1, 4, 8]), "start at 0"),
+                                         (torch.tensor([0, 6, 4, 8]), "non-decreasing")])
+@pytest.mark.parametrize("limit", [512, 0])
+def test_whole_offsets_both_passes_refuse_malformed_values(monkeypatch, cu, message, limit):
+    monkeypatch.setattr("megatron_flops.tracking.host_stats._PYTHON_PASS", limit)
+    step = HostBatches(window=None, vision=None)
+    step.add_offsets(torch.tensor([0, 8]), None, None, real=True, padded=True)
+    step.add_offsets(cu, None, None, real=True, padded=True)
+    with pytest.raises(ValueError, match=message):
+        step.settle()
 
 
 def test_observed_micro_batches_yield_to_recorded_ones():
@@ -528,3 +582,12 @@ def test_observed_device_batches_are_deferred(device_path):
     assert tracker._device.tensor is None  # nothing runs until the step is priced
     r = tracker.end_step()
     assert (r.num_tokens, r.sum_seqlen_squared, r.num_sequences) == (16, 160, 2)
+
+
+@pytest.mark.parametrize("rows", [[[5, 11]], [{"seqlens": [5, 11], "padded_seqlens": [8, 16]}]])
+def test_price_without_padding_reuses_the_real_gemms(rows):
+    # With no padding the executed GEMMs are the real ones: price() builds them once, the same numbers.
+    stats = SeqStats.from_rows(parse_rows(rows), window=None)
+    priced = price(_spec(), stats)
+    assert priced.executed == training_flops(_spec(), stats, include_padding=True)
+    assert priced.model == training_flops(_spec(), stats)

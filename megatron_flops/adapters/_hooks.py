@@ -62,6 +62,7 @@ class Adapter:
     _reader: BatchReader | None = None
     _unmuted = False  # keep_warnings_visible() ran (at the first train step: after the framework's logging set-up)
     _check: ModelInputCheck | None = None
+    _observed: tuple[Any, Session, Any, Callable[..., Any]] | None = None  # (forward step, session, reader, wrapper)
 
     def session(self, bound: inspect.BoundArguments) -> Session | None:
         """The installed session, else a new one from the framework's configuration, else None."""
@@ -94,6 +95,17 @@ class Adapter:
         if self._check is None:
             self._check = ModelInputCheck()
         return self._check
+
+    def observed(self, bound: inspect.BoundArguments, forward_step_func: Callable[..., Any],
+                 session: Session) -> Callable[..., Any]:
+        """``forward_step_func`` observed by ``session`` (``_observe.observe_forward_step``), wrapped
+        once for as long as the forward step, the session and the reader stay the same."""
+        reader = self.reader(bound, forward_step_func)
+        cached = self._observed
+        if cached is None or cached[0] is not forward_step_func or cached[1] is not session or cached[2] is not reader:
+            wrapper = observe_forward_step(forward_step_func, session, reader, self.check())
+            cached = self._observed = (forward_step_func, session, reader, wrapper)
+        return cached[3]
 
     def on_step_begin(self, bound: inspect.BoundArguments, session: Session) -> None:
         """Called before the original train step, after ``session.begin_step()``."""
@@ -169,8 +181,7 @@ def _observed_call(bound: inspect.BoundArguments, adapter: Adapter, session: Ses
     if forward is None:
         return bound.args, bound.kwargs
     observed = inspect.BoundArguments(bound.signature, dict(bound.arguments))
-    observed.arguments["forward_step_func"] = observe_forward_step(forward, session, adapter.reader(bound, forward),
-                                                                   adapter.check())
+    observed.arguments["forward_step_func"] = adapter.observed(bound, forward, session)
     return observed.args, observed.kwargs
 
 

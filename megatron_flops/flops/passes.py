@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from megatron_flops.flops.formulas import (
@@ -523,10 +523,14 @@ def price(
     """The one pricing path of the CLI and the tracker: plain TRAIN_PASSES when nothing is frozen
     or recomputed, else :func:`training_passes`."""
     if peft is None and recompute is None:
-        return PricedStep(
-            model=training_flops(spec, stats, attention=attention),
-            executed=training_flops(spec, stats, attention=attention, include_padding=True),
-        )
+        model = training_flops(spec, stats, attention=attention)
+        if (stats.num_padded_tokens, stats.sum_padded_seqlen_squared, stats.padded_window_pairs) == (
+                stats.num_tokens, stats.sum_seqlen_squared, stats.window_pairs):
+            # No padding: the padded GEMMs are the real ones (what forward_runs reads of the stats).
+            executed = replace(model, components=dict(model.components), include_padding=True)
+        else:
+            executed = training_flops(spec, stats, attention=attention, include_padding=True)
+        return PricedStep(model=model, executed=executed)
     model = training_passes(spec, stats, peft=peft, recompute=recompute, attention=attention).model(convention)
     padded = training_passes(spec, stats, peft=peft, recompute=recompute, attention=attention, include_padding=True)
     return PricedStep(

@@ -40,6 +40,8 @@ FRAMEWORKS = ("megatron-lm", "megatron-bridge", "custom", "demo")
 RANK_FIELD = "{rank}"
 # The environment variable that names the trace file (adapters, launcher, demo, sweep).
 TRACE_ENV = "MEGATRON_FLOPS_TRACE"
+# One encoder for every line (json.dumps with an option builds a new one per call).
+_ENCODER = json.JSONEncoder(allow_nan=False)
 
 
 class TraceWriter:
@@ -89,7 +91,7 @@ class TraceWriter:
         if self._file is None:
             raise ValueError(f"trace {self.path} is closed")
         try:
-            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.write(_ENCODER.encode(record) + "\n")
             self._file.flush()
         except BaseException:
             # NB: a failed write may leave half a line: writing on after it (a disk that frees up)

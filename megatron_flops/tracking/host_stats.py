@@ -17,6 +17,7 @@ in Python integers.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from megatron_flops.tracking.vision_torch import VISION_SLOTS, vision_stats_tens
 
 _SQUARE_SAFE = 3_037_000_499  # floor(sqrt(2**63 - 1))
 _NO_LIMIT = 2**62
+_PYTHON_PASS = 512  # a step's offsets of at most this many entries (whole rows, or the others) are summed in Python
 
 # The (sum s, sum s^2, sum x, sum x^2) slots of each channel; x = max(s - window, 0).
 REAL_SLOTS = ("num_tokens", "sum_seqlen_squared", "window_excess", "window_excess_squared")
@@ -79,22 +81,27 @@ class HostBatches:
             for slots in (REAL_SLOTS, PADDED_SLOTS) if counts_real else (PADDED_SLOTS,):
                 for name, value in zip(slots, values):
                     totals[name] += num_rows * value
-        channels: list[tuple[np.ndarray, tuple[tuple[str, ...], ...]]] = []  # 1-D lengths, their slots
+        channels: list[tuple[np.ndarray | list[int], tuple[tuple[str, ...], ...]]] = []  # 1-D lengths, their slots
         if self.whole_offsets:
-            lengths = _whole_lengths(self.whole_offsets)
-            totals["num_sequences"] += int(np.count_nonzero(lengths))
-            channels.append((lengths, (REAL_SLOTS, PADDED_SLOTS)))
+            whole = _whole_lengths(self.whole_offsets)
+            totals["num_sequences"] += len(whole) if isinstance(whole, list) else int(np.count_nonzero(whole))
+            channels.append((whole, (REAL_SLOTS, PADDED_SLOTS)))
         if self.offsets:
-            real, padded = self._trimmed_lengths()
-            totals["num_sequences"] += int(np.count_nonzero(real))
-            channels += [(real, (REAL_SLOTS,)), (padded, (PADDED_SLOTS,))]
+            if sum(cu.numel() for cu, *_ in self.offsets) <= _PYTHON_PASS:
+                real_list, padded_list = self._trimmed_lengths_python()
+                totals["num_sequences"] += len(real_list)
+                channels += [(real_list, (REAL_SLOTS,)), (padded_list, (PADDED_SLOTS,))]
+            else:
+                real, padded = self._trimmed_lengths()
+                totals["num_sequences"] += int(np.count_nonzero(real))
+                channels += [(real, (REAL_SLOTS,)), (padded, (PADDED_SLOTS,))]
         if self.lengths:
             lengths = _flat(self.lengths)
             if lengths.size and lengths.min() < 0:
                 raise ValueError("seq_lengths must be non-negative")
             channels.append((lengths, (REAL_SLOTS,)))
-        for lengths, groups in channels:
-            sums = self._sums(lengths)
+        for channel, groups in channels:
+            sums = self._sums(channel)
             for names in groups:
                 for name, value in zip(names, sums):
                     totals[name] += value
@@ -102,6 +109,35 @@ class HostBatches:
             for name, value in zip(VISION_SLOTS, self._grid_sums()):
                 totals[f"vision/{name}"] = value
         return totals
+
+    def _trimmed_lengths_python(self) -> tuple[list[int], list[int]]:
+        """``_trimmed_lengths`` in Python ints for a few hundred entries (see ``_whole_lengths``),
+        the zero lengths left out; the same checks, in the same order."""
+        rows: list[tuple[list[int], int, int | None, bool, bool]] = []  # entries, valid ones, limit, channels
+        for cu, argmin, limit, real, padded in self.offsets:
+            table = cu.tolist()
+            n = argmin if isinstance(argmin, int) else int(argmin.item()) if argmin is not None else None
+            for entries in table if cu.dim() == 2 else [table]:
+                rows.append((entries, len(entries) if n is None else n, limit, real, padded))
+        for entries, n, *_ in rows:
+            if not 2 <= n <= len(entries):
+                raise ValueError(f"cu_seqlens needs at least two entries before its end marker, got {n} of "
+                                 f"{len(entries)}")
+        if any(entries[0] for entries, *_ in rows):
+            raise ValueError("cu_seqlens must start at 0")
+        real_lengths: list[int] = []
+        padded_lengths: list[int] = []
+        negative = False
+        for entries, n, limit, real, padded in rows:
+            kept = entries[:n] if limit is None else [min(v, limit) for v in entries[:n]]
+            lengths = [b - a for a, b in zip(kept, kept[1:])]
+            negative = negative or min(lengths) < 0
+            for flag, channel in ((real, real_lengths), (padded, padded_lengths)):
+                if flag:
+                    channel.extend(length for length in lengths if length)
+        if negative:
+            raise ValueError("cu_seqlens must be non-decreasing")
+        return real_lengths, padded_lengths
 
     def _trimmed_lengths(self) -> tuple[np.ndarray, np.ndarray]:
         """The real and the padded lengths of every trimmed, clipped or one-channel row, as two
@@ -149,11 +185,11 @@ class HostBatches:
             raise ValueError("cu_seqlens must be non-decreasing")
         return lengths[0], lengths[1]
 
-    def _sums(self, lengths: np.ndarray) -> tuple[int, int, int, int]:
+    def _sums(self, lengths: np.ndarray | list[int]) -> tuple[int, int, int, int]:
         """[sum s, sum s^2, sum x, sum x^2] of 1-D non-negative lengths (x: the window excess)."""
-        total = int(lengths.sum())
-        if total > _SQUARE_SAFE:  # int64 squares could wrap: Python integers
-            values = lengths.tolist()
+        total = sum(lengths) if isinstance(lengths, list) else int(lengths.sum())
+        if isinstance(lengths, list) or total > _SQUARE_SAFE:  # int64 squares could wrap: Python integers
+            values = lengths if isinstance(lengths, list) else lengths.tolist()
             excess = [] if self.window is None else [max(v - self.window, 0) for v in values]
             return total, sum(v * v for v in values), sum(excess), sum(x * x for x in excess)
         if self.window is None:
@@ -171,19 +207,27 @@ class HostBatches:
         return vision_stats_tensor(self.vision, grids).tolist()
 
 
-def _whole_lengths(tensors: list[torch.Tensor]) -> np.ndarray:
+def _whole_lengths(tensors: list[torch.Tensor]) -> np.ndarray | list[int]:
     """The lengths of rows of offsets (``[n]``, ``[1, n]`` or row-local ``[b, n]``), each whole,
-    concatenated (a 0 between two rows)."""
+    concatenated: in numpy with a 0 between two rows, or, up to ``_PYTHON_PASS`` entries, as
+    Python ints without the zero lengths (there a numpy call costs more than the loop, the more
+    so when training has evicted numpy from the CPU's caches since the last step)."""
     flat = _flat(tensors)
-    sizes = np.array([t.shape[-1] for t in tensors], dtype=np.int64)
-    rows = np.array([t.shape[0] if t.dim() == 2 else 1 for t in tensors], dtype=np.int64)
-    if rows.max() > 1:
-        sizes = np.repeat(sizes, rows)
-    starts = np.concatenate(([0], sizes[:-1].cumsum()))
-    if np.count_nonzero(flat[starts]):
+    sizes = [t.shape[-1] for t in tensors for _ in range(t.shape[0] if t.dim() == 2 else 1)]
+    starts = [0, *itertools.accumulate(sizes[:-1])]  # each row's first entry
+    if flat.size <= _PYTHON_PASS:
+        values = flat.tolist()
+        if any(values[start] for start in starts):
+            raise ValueError("cu_seqlens must start at 0")
+        ends = {start - 1 for start in starts[1:]}  # from one row's last entry to the next row's first
+        lengths = [values[i + 1] - values[i] for i in range(len(values) - 1) if i not in ends]
+        if min(lengths) < 0:
+            raise ValueError("cu_seqlens must be non-decreasing")
+        return [length for length in lengths if length]
+    if flat[starts].any():
         raise ValueError("cu_seqlens must start at 0")
     lengths = flat[1:] - flat[:-1]
-    lengths[starts[1:] - 1] = 0  # from one row's last entry to the next row's first
+    lengths[[start - 1 for start in starts[1:]]] = 0
     if lengths.min() < 0:
         raise ValueError("cu_seqlens must be non-decreasing")
     return lengths

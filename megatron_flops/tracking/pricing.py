@@ -10,7 +10,8 @@ sequence (or one of the step's mean padded row length).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import Any
+from dataclasses import dataclass, field, replace
 
 from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS, SeqStats, training_flops
 from megatron_flops.flops.passes import MODEL_FLOPS_CONVENTIONS, PeftSpec, RecomputeSpec, price
@@ -32,6 +33,11 @@ class DecoderPricing:
     peft: PeftSpec | None = None
     recompute: RecomputeSpec | None = None
     convention: str = "needed"
+    # Steps priced before, by their totals, and static numbers by (rows, length): pricing depends
+    # on them only, and repeated shapes (unpacked rows, the static number) repeat them exactly.
+    _priced: dict[tuple[tuple[str, int], ...], StepResult] = field(default_factory=dict, init=False, repr=False,
+                                                                   compare=False)
+    _statics: dict[tuple[int, int], int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_CONVENTIONS:
@@ -57,7 +63,16 @@ class DecoderPricing:
         return None
 
     def exact(self, t: Mapping[str, int]) -> StepResult:
-        """Model and executed FLOPs of the totals (decoder, then the vision tower)."""
+        """Model and executed FLOPs of the totals (decoder, then the vision tower); totals priced
+        before are looked up (a fresh copy of their result)."""
+        key = tuple(t.items())
+        result = self._priced.get(key)
+        if result is None:
+            result = _remember(self._priced, key, self._exact(t))
+        return replace(result, components=dict(result.components))
+
+    def _exact(self, t: Mapping[str, int]) -> StepResult:
+        """The totals priced (``exact()`` without the memo)."""
         stats = SeqStats(
             num_rows=t["num_rows"],
             num_sequences=t["num_sequences"],
@@ -97,9 +112,13 @@ class DecoderPricing:
         """The stock number: every row one ``seq_length`` (or mean padded row length) sequence."""
         rows = shapes["num_rows"]
         static_len = self.seq_length or -(-shapes["num_padded_tokens"] // max(rows, 1))
-        window = self.spec.pair_window
-        stats = SeqStats.full_length(rows, static_len, window=window) if static_len else SeqStats()
-        return training_flops(self.spec, stats, attention=self.attention).total
+        static = self._statics.get((rows, static_len))
+        if static is None:
+            window = self.spec.pair_window
+            stats = SeqStats.full_length(rows, static_len, window=window) if static_len else SeqStats()
+            static = _remember(self._statics, (rows, static_len),
+                               training_flops(self.spec, stats, attention=self.attention).total)
+        return static
 
     def fallback(self, shapes: Mapping[str, int] | None, static: int | None, problem: str | None) -> StepResult:
         """The static number, with the step's shape counts (token slots as tokens)."""
@@ -110,6 +129,17 @@ class DecoderPricing:
             sum_seqlen_squared=0, num_microbatches=shapes["num_microbatches"], static_flops=static, ok=False,
             fallback_reason=problem,
         )
+
+
+_MEMO_SIZE = 256  # entries kept per memo (a run repeats few distinct shapes)
+
+
+def _remember(memo: dict[Any, Any], key: Any, value: Any) -> Any:
+    """``value``, stored in ``memo`` under ``key`` (a full memo is emptied first)."""
+    if len(memo) >= _MEMO_SIZE:
+        memo.clear()
+    memo[key] = value
+    return value
 
 
 def _window_pairs(sum_sq: int, excess: int, excess_sq: int) -> int:

@@ -36,6 +36,7 @@ _CONTROL = ("num_ranks", "num_failed", "num_overflowed", "num_without_shapes", "
             "step_sum", "step_sum_squares")
 _LOW_BITS = 32
 _LOW_MASK = (1 << _LOW_BITS) - 1
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +68,7 @@ class StepReducer:
         self.group = group
         self._shape_index = frozenset(self.slots.index(name) for name in shape_slots)
         self._world_size: int | None = None
+        self._device: torch.device | None = None  # the collectives' device (see _collective_device)
         self._in_step = False  # whether every rank was on the same step at the previous reduction
 
     def reduce(
@@ -109,12 +111,14 @@ class StepReducer:
         overflowed = operator.index(token_slots) ** 2 >= INT64_LIMIT or any(v >= INT64_LIMIT for v in host)
         if failed or overflowed:
             return self._host_vector(host, device, step=step, failed=failed, overflowed=overflowed)
-        vec = torch.tensor(host, dtype=torch.int64).to(device)
-        if acc is not None:
-            vec = vec + acc.to(device)
-        control = torch.tensor(_control(step), dtype=torch.int64, device=device)
+        if acc is None:  # every count is a host int in [0, 2^63): no negative value, one tensor
+            return _vector(host, _control(step), device)
+        # One host-to-device copy of the host counts and the control slots, then the device sums.
+        head = torch.tensor(host + _control(step), dtype=torch.int64).to(device)
+        n = len(host)
+        vec = head[:n] + acc.to(device)
         negative = (vec < 0).sum().view(1)  # on the device: no sync
-        return torch.cat((vec & _LOW_MASK, vec >> _LOW_BITS, control, negative))
+        return torch.cat((vec & _LOW_MASK, vec >> _LOW_BITS, head[n:], negative))
 
     def _host_vector(
         self, host: Sequence[Any], device: torch.device, *, step: int | None, failed: bool = False,
@@ -129,8 +133,7 @@ class StepReducer:
         if not with_shapes:
             shapes = [0] * len(self.slots)
         control = _control(step, failed=failed, overflowed=overflowed, without_shapes=not with_shapes, filler=filler)
-        values = [v & _LOW_MASK for v in shapes] + [v >> _LOW_BITS for v in shapes] + control + [0]
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return _vector(shapes, control, device)
 
     # ---- the collective and what every rank concludes ------------------------------------------
 
@@ -177,15 +180,27 @@ class StepReducer:
         return Reduction(totals=None if problem else totals, shapes=shapes, problem=problem, local_error=error)
 
     def _collective_device(self) -> torch.device:
-        if dist.is_available() and dist.is_initialized() and dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        """The device of the group's collectives, read once the group is initialised (a rank's
+        backend and device do not change during training)."""
+        if self._device is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                return _CPU
+            nccl = dist.get_backend(self.group) == "nccl"
+            self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else _CPU
+        return self._device
 
     def _group_size(self) -> int:
         if self._world_size is None:
             initialized = dist.is_available() and dist.is_initialized()
             self._world_size = dist.get_world_size(group=self.group) if initialized else 1
         return self._world_size
+
+
+def _vector(payload: Sequence[int], control: list[int], device: torch.device) -> torch.Tensor:
+    """The vector of host ints ``payload`` (each in [0, 2^63): its low then high 32-bit halves),
+    the control slots and a negative count of 0, made from one list in one tensor."""
+    return torch.tensor([v & _LOW_MASK for v in payload] + [v >> _LOW_BITS for v in payload] + control + [0],
+                        dtype=torch.int64, device=device)
 
 
 def _control(
