@@ -175,9 +175,10 @@ def test_flash_convention_and_partial_checkpointing():
         dit_block_saved(spec, batch, act_bytes=4, attention="sdpa")
 
 
-def test_cli_reports_the_blocks_activations(capsys):
+def test_cli_reports_the_whole_models_activations(capsys):
     # The tiny DiT, 2 clips of 16 video tokens per micro-batch (text_len 12), fp32, every block
-    # checkpointed, the measured attention: the JSON activations are dit_activations' total.
+    # checkpointed, the measured attention: the JSON activations are dit_activations' total, the
+    # embeddings, head and loss included (measured above): nothing is left out.
     from megatron_flops.cli import main
 
     argv = ["memory", "--model", str(EXAMPLES / "wan_tiny_dit.json"), "--seq-length", "16",
@@ -189,7 +190,7 @@ def test_cli_reports_the_blocks_activations(capsys):
     want = dit_activations(spec, DiTBatch(video=(16, 16), text=(12, 12)), act_bytes=4, attention="local",
                            peft=peft, checkpointed_blocks=2)
     assert out["per_gpu"]["activations_bytes"] == want.total
-    assert out["unmeasured"] == []
+    assert out["unmeasured"] == [] and out["not_modelled"] == []
     assert main(argv) == 0  # the flash convention by default: named as unmeasured
     assert "flash attention kernel" in json.loads(capsys.readouterr().out)["unmeasured"][0]
     assert main([*argv, "--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]) == 2

@@ -13,7 +13,8 @@ last micro-batch, with ``set_requires_gradient_sync`` off before it), for units 
 Payloads as in :mod:`megatron_flops.memory.comm`: the all-gather output and the reduce-scatter
 input, padded, in the compute and reduce dtypes.
 
-Activations: :mod:`megatron_flops.memory.dit_activations` (the blocks).
+Activations: :mod:`megatron_flops.memory.dit_activations` (the embeddings, the blocks, the head
+and an fp32 MSE loss).
 Not modelled: the all-gathered unit(s) alive during compute.
 """
 
@@ -96,16 +97,15 @@ def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 
 def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftSpec | None = None,
                       attention: str = "flash", checkpointed_blocks: int = 0) -> dict[str, object]:
     """The JSON form of :func:`fsdp_rank_memory` for the most loaded rank (rank 0 holds the most
-    real rows), in the keys the decoder report uses; activations of the blocks for micro-batches
+    real rows), in the keys the decoder report uses; activations for micro-batches
     of ``training.micro_batch_size`` clips of ``training.seq_length`` video tokens and WAN's
-    ``text_len`` (padded) text tokens."""
+    ``text_len`` (padded) text tokens: the whole model and its loss."""
     from megatron_flops.flops.dit import dit_parameter_counts
 
     top = fsdp_rank_memory(spec, training, dp=dp, rank=0, peft=peft)
     counts = dit_parameter_counts(spec, peft)
     optimizer = sum(v for k, v in top.states.items() if k.startswith("optimizer/"))
     bus = bus_bytes(top.communication, {"fsdp": dp})
-    not_modelled = ["activations outside the blocks (patch, text, time and image embeddings, head, loss)"]
     batch = DiTBatch.uniform(spec, video_tokens=training.seq_length, num_clips=training.micro_batch_size)
     activations = dit_activations(spec, batch, act_bytes=training.param_bytes, attention=attention, peft=peft,
                                   checkpointed_blocks=checkpointed_blocks).total
@@ -126,7 +126,7 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
         "per_gpu": rank,
         "communication_per_step": {**top.communication, "total_bytes": sum(top.communication.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
-        "not_modelled": not_modelled,
+        "not_modelled": [],
         "unmeasured": unmeasured,
         "modelling_assumptions": dit_assumptions(attention, checkpointed_blocks, spec.num_layers),
     }
@@ -141,5 +141,7 @@ def dit_assumptions(attention: str, checkpointed_blocks: int, num_layers: int) -
         f"DiT blocks: {kernel}",
         "adaLN modulation per token ([T, 6, h], as the example packs clips), torch's composite RMSNorm "
         "(fp32), LayerNorm statistics in fp32 (CUDA), bf16/fp16 compute by casting the weights (no autocast)",
+        "outside the blocks: the time sinusoid cast to the compute dtype, each clip's time projection repeated "
+        "per token (an int64 index), an MSE loss in fp32 against fp32 targets [T, out_channels x patch]",
         f"{checkpointed_blocks} of {num_layers} blocks checkpointed; FSDP2: one micro-batch in flight",
     ]
