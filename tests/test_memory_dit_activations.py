@@ -212,8 +212,8 @@ def _whole_inputs(spec: DiTSpec, batch: DiTBatch, dtype):
     def data(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    return dict(latents=[data(spec.in_channels, 1, 2, 2 * s) for s in batch.video], t=torch.arange(len(batch.video)) * 300,
-                text=[data(c, spec.text_dim) for c in batch.text],
+    return dict(latents=[data(spec.in_channels, 1, 2, 2 * s) for s in batch.video],
+                t=torch.arange(len(batch.video)) * 300, text=[data(c, spec.text_dim) for c in batch.text],
                 clip=None if batch.image is None else [data(m, spec.image_dim) for m in batch.image],
                 targets=torch.randn(sum(batch.video), spec.out_channels * 4, generator=gen))
 
@@ -273,10 +273,14 @@ def test_whole_model_checkpointed_peak(name, checkpointed):
         return sum(found.values())
 
     rerun: list[int] = []
-    last = model.blocks[checkpointed - 1]
-    # At the end of the last checkpointed block's re-run in backward: everything then saved.
-    last.register_forward_hook(lambda m, args, out: rerun.append(alive(out)) if torch.is_grad_enabled() and done else None)
     done = False
+
+    def at_rerun_end(module, args, out) -> None:
+        # The last checkpointed block's re-run in backward has saved everything again.
+        if done:
+            rerun.append(alive(out))
+
+    model.blocks[checkpointed - 1].register_forward_hook(at_rerun_end)
     with torch.utils.checkpoint.set_checkpoint_early_stop(False), meter.tracking():
         loss = _whole_loss(model, inputs)
     at_forward_end, done = alive(), True
