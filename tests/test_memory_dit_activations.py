@@ -1,5 +1,5 @@
-"""What the example WAN-like DiT's blocks (``examples/wan_dit_fsdp2.py``) save for backward, fully
-trained, against :mod:`megatron_flops.memory.dit_activations`, to the byte (single process, CPU:
+"""What the example WAN-like DiT (``examples/wan_dit_fsdp2.py``: its blocks, then the whole model
+and its loss) saves for backward, fully trained and LoRA, against :mod:`megatron_flops.memory.dit_activations`, to the byte (single process, CPU:
 FSDP2 changes where the weights live, not what a block saves, and runs one micro-batch at a time).
 
 Without checkpointing: the distinct storages the blocks hand to ``saved_tensors_hooks``

@@ -1,5 +1,6 @@
-"""Activations of a WAN-style DiT's blocks (``examples/wan_dit_fsdp2.py``'s ``WanAttentionBlock``),
-fully trained or LoRA on a frozen base, with and without per-block checkpointing (stdlib only).
+"""Activations of a WAN-style DiT (``examples/wan_dit_fsdp2.py``'s ``WanLike``: its blocks,
+``WanAttentionBlock``, then the embeddings, head and loss around them), fully trained or LoRA on a
+frozen base, with and without per-block checkpointing (stdlib only).
 
 The block's forward is walked op by op with torch's rule for what an op saves for backward (an
 operand is saved when another operand, or the weight, needs a gradient), counting distinct
