@@ -1,6 +1,7 @@
 """What the example WAN-like DiT (``examples/wan_dit_fsdp2.py``: its blocks, then the whole model
-and its loss) saves for backward, fully trained and LoRA, against :mod:`megatron_flops.memory.dit_activations`, to the byte (single process, CPU:
-FSDP2 changes where the weights live, not what a block saves, and runs one micro-batch at a time).
+and its loss) saves for backward, fully trained and LoRA, against
+:mod:`megatron_flops.memory.dit_activations`, to the byte (single process, CPU: FSDP2 changes where
+the weights live, not what a block saves, and runs one micro-batch at a time).
 
 Without checkpointing: the distinct storages the blocks hand to ``saved_tensors_hooks``
 (parameters and one-element tensors excluded). With checkpointing, non-reentrant
