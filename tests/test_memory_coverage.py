@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from megatron_flops.cli import build_parser, main
+from megatron_flops.cli import build_parser
 from megatron_flops.cli.memory import format_reports
 from megatron_flops.model.spec import ModelSpec, load_model_file
 
@@ -184,11 +184,24 @@ def _model_files(root: Path) -> dict[str, Path]:
     return files
 
 
+PARSER = build_parser()  # built once: building it costs more than most reports
+
+
 def _run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(argv)
-    return rc, out.getvalue(), err.getvalue()
+    """``main(argv)`` on one parser: exit status, stdout, and the one-line error of a ValueError
+    (as ``main`` prints it); any other exception propagates."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            args = PARSER.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0), "", f"usage error: {argv}"
+    try:
+        with contextlib.redirect_stdout(out):
+            rc = args.func(args)
+    except ValueError as exc:
+        return 2, "", f"megatron-flops: error: {' '.join(str(exc).split())}"
+    return rc, out.getvalue(), ""
 
 
 def _flag(argv: list[str], name: str, default: int = 1) -> int:
@@ -312,8 +325,7 @@ def test_gaps_are_exactly_the_expected_ones(survey):
 
 def test_memory_reads_every_model_estimate_reads_but_for_the_named_flags():
     def flags(command: str) -> set[str]:
-        parser = build_parser()
-        sub = next(a for a in parser._actions if a.dest == "command").choices[command]  # type: ignore[attr-defined]
+        sub = next(a for a in PARSER._actions if a.dest == "command").choices[command]  # type: ignore[attr-defined]
         return {s for action in sub._actions for s in action.option_strings if s.startswith("--")}
 
     missing = flags("estimate") - flags("memory") - FLOPS_ONLY_FLAGS - {"--help"}
