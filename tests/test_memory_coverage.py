@@ -149,6 +149,22 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
 ]
 
 
+# Hugging Face families whose layers save tensors a megatron-core GPT layer with the same sizes does
+# not, while their memory report is exactly that of the file read as model_type llama, with no label:
+# silent gaps. Delete an entry when the family's figure is modelled (it changes) or labelled.
+# (Not checkable this way, and as silent: starcoder2 and nemotron LayerNorm(1p), gpt_neox parallel
+# residual and partial rotary, apertus q/k norms and xIELU, falcon parallel attention and LayerNorm.)
+SILENT_HF_GAPS = {
+    "cohere": "q/k layer norms (use_qk_norm); attention and MLP in parallel from one LayerNorm",
+    "olmo": "LayerNorm without weights (mean and rstd per token)",
+    "olmo2": "q/k RMSNorms over the whole projections; norms after attention and the MLP",
+    "hunyuan_v1_dense": "q/k layer norms (use_qk_norm)",
+    "stablelm": "LayerNorm; attention and MLP in parallel; partial rotary; qkv biases",
+    "glm": "partial rotary (cos/sin of half of each head)",
+    "glm4": "partial rotary; norms after attention and the MLP",
+}
+
+
 def _hf_cases() -> dict[str, tuple[str, dict[str, Any]]]:
     """Each family's tiny config (tests/test_hf_config.py; the families measured with remainders
     from their own tests), as model_type and AutoConfig keywords."""
@@ -321,6 +337,25 @@ def test_gaps_are_exactly_the_expected_ones(survey):
              if not any(fnmatch.fnmatchcase(key, glob) and re.search(pattern, reason) for key, reason in observed)]
     assert unexpected == [], "new gaps (close them, or list them in EXPECTED_GAPS)"
     assert stale == [], "gaps closed: delete these EXPECTED_GAPS entries"
+
+
+def test_silent_hf_gaps_are_still_silent(tmp_path):
+    stale = []
+    for case in SILENT_HF_GAPS:
+        model_type, kw = _hf_cases()[case]
+        raw = json.loads(transformers.AutoConfig.for_model(model_type, **kw).to_json_string())
+        reports = []
+        for name, data in (("family", raw), ("llama", {**raw, "model_type": "llama", "architectures": None})):
+            path = tmp_path / f"{name}.json"
+            path.write_text(json.dumps(data))
+            rc, out, err = _run(["memory", "--model", str(path), "--seq-length", str(SEQ), "--json"])
+            assert rc == 0, err
+            reports.append(json.loads(out))
+        family, llama = reports
+        if family["per_gpu"]["activations_bytes"] != llama["per_gpu"]["activations_bytes"] \
+                or family["not_modelled"] or family["unmeasured"] != llama["unmeasured"]:
+            stale.append(case)
+    assert stale == [], "modelled or labelled now: delete these SILENT_HF_GAPS entries"
 
 
 def test_memory_reads_every_model_estimate_reads_but_for_the_named_flags():
