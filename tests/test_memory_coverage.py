@@ -316,6 +316,8 @@ def _survey(files: dict[str, Path]) -> dict[str, Any]:
                 text = format_reports({setup or "this setup": report}, [])  # the text form of this report
                 if "None" in text:
                     problems.append(f"{key}: 'None' in the text output")
+                if report["per_gpu"]["activations_bytes"] is None and "total, activations not included" not in text:
+                    problems.append(f"{key}: a total without activations printed as the total")
     return {"gaps": gaps, "problems": problems, "skipped": skipped}
 
 
