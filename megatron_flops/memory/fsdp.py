@@ -7,7 +7,11 @@ into ``ceil(dim0 / dp)`` rows per rank, and each rank allocates that many rows, 
 ``params_dtype`` bf16/fp16 they are cast for compute by ``MixedPrecisionPolicy(param_dtype=...,
 reduce_dtype=fp32)`` (``grad_reduce_in_fp32``), so the fp32 shards are the main copies: no
 separate ``optimizer/main_params``. Gradients are fp32 shards of the trainable parameters,
-padding included (views into the reduce-scatter output); Adam moments cover the real rows. Per micro-batch each block's parameters are all-gathered twice
+padding included (views into the reduce-scatter output); Adam moments cover the real rows.
+NB: with more than one micro-batch, the micro-batches before the last run without gradient sync:
+FSDP2 keeps every trainable parameter's whole (unsharded, unpadded) gradient, in the reduce dtype
+(``to_accumulated_grad_if_needed``), until the last micro-batch's reduce-scatter:
+``gradients/unsharded_accumulation``. Per micro-batch each block's parameters are all-gathered twice
 (forward and backward) and the root's once; gradients are reduce-scattered once per step (the
 last micro-batch, with ``set_requires_gradient_sync`` off before it), for units that train.
 Payloads as in :mod:`megatron_flops.memory.comm`: the all-gather output and the reduce-scatter
@@ -80,6 +84,9 @@ def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 
     grads = total(lambda p: shard_rows(p, dp) * _row_numel(p), trainable_only=True)
     trained = total(lambda p: real_rows(p, dp, rank) * _row_numel(p), trainable_only=True)
     states = {"weights": weights, "gradients": grads * shard}
+    if training.num_microbatches > 1:
+        # Accumulated without sync: whole gradients of every trainable parameter, reduce dtype.
+        states["gradients/unsharded_accumulation"] = total(lambda p: p.numel, trainable_only=True) * training.grad_bytes
     for key in optimizer_keys(training):
         if key != "optimizer/main_params":
             states[key] = trained * 4
@@ -111,7 +118,7 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
                                   checkpointed_blocks=checkpointed_blocks).total
     rank = {
         "weights_bytes": top.states["weights"],
-        "gradients_bytes": top.states["gradients"],
+        "gradients_bytes": sum(v for k, v in top.states.items() if k.startswith("gradients")),
         "optimizer_bytes": optimizer,
         "activations_bytes": activations,
         "total_bytes": top.total + activations,
