@@ -19,7 +19,8 @@ input, padded, in the compute and reduce dtypes.
 
 Activations: :mod:`megatron_flops.memory.dit_activations` (the embeddings, the blocks, the head
 and an fp32 MSE loss).
-Not modelled: the all-gathered unit(s) alive during compute.
+Not modelled (the report says so): the all-gathered unit(s) alive during compute and a unit's whole
+gradients before its reduce-scatter.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from megatron_flops.memory.dit_activations import DiTBatch, dit_activations
 from megatron_flops.memory.layout import Training
 from megatron_flops.memory.states import optimizer_keys
 from megatron_flops.flops.passes import PeftSpec
+
+
+FSDP_TRANSIENTS = ("FSDP2's all-gathered parameters (the root's, kept through forward and backward, and "
+                   "those of the block(s) in compute) and a block's whole gradients before its reduce-scatter")
 
 
 def shard_rows(param: DiTParam, dp: int) -> int:
@@ -133,7 +138,7 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
         "per_gpu": rank,
         "communication_per_step": {**top.communication, "total_bytes": sum(top.communication.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
-        "not_modelled": [],
+        "not_modelled": [] if dp == 1 else [FSDP_TRANSIENTS],
         "unmeasured": unmeasured,
         "modelling_assumptions": dit_assumptions(attention, checkpointed_blocks, spec.num_layers),
     }
