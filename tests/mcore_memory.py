@@ -66,8 +66,8 @@ def megatron_groups() -> List[Tuple[str, Any]]:
         ("dp", ps.get_data_parallel_group),
         ("ep", ps.get_expert_model_parallel_group),
         ("expt_dp", ps.get_expert_data_parallel_group),
-        # The token counts the alltoall dispatcher gathers (expert TP = 1: the EP ranks).
-        ("ep", ps.get_expert_tensor_and_model_parallel_group),
+        # The expert TP x EP group: the token counts (alltoall) or the tokens (allgather) gathered.
+        ("tp_ep", ps.get_expert_tensor_and_model_parallel_group),
         ("mp", ps.get_model_parallel_group),
     ]
     out = []
