@@ -331,6 +331,20 @@ def test_moe_latent_projections_are_a_labelled_formula():
     assert any("latent projections" in u for u in report.unmeasured)
 
 
+def test_moe_stages_text_names_forward_passes_in_flight(capsys):
+    # TP 2 + SP x EP 4 x PP 2 with the alltoall dispatcher: each stage says how many forward
+    # passes it holds (never "None"), and the MoE formula gloo cannot check is named.
+    base = ["memory", "--model", "examples/mixtral_8x7b_hf_config.json", "--seq-length", "4096",
+            "--num-microbatches", "8", "--distributed-optimizer", "--tp", "2", "--ep", "4", "--dp", "4"]
+    assert main(base + ["--sequence-parallel", "--pp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "None forward passes" not in text
+    assert "stage 0 72.080 GB (2 forward passes in flight), stage 1 63.511 GB (1 forward passes in flight)" in text
+    assert "unmeasured formula (this setup): MoE layers' activations and TP traffic under TP 2 x EP 4" in text
+    assert main(base) == 2  # no sequence parallelism: megatron-core refuses
+    assert "add --sequence-parallel" in capsys.readouterr().err
+
+
 def test_lora_activations_by_hand():
     # Frozen base, LoRA rank 4 on linear_fc2 only, one stage: nothing requires grad before layer
     # 0's fc2 adapter, which saves fc2's input [T, ffn] and the [T, 4] intermediate.

@@ -25,8 +25,11 @@ one-element ones (loss averaging, grad norm, found-inf). Keys are ``<group>/<kin
   [s*b*topk, h] and their probabilities [s*b*topk] to the experts and back, forward and backward.
   NB: the bytes a rank sends back depend on how many tokens it received; the figure assumes
   balanced routing (every rank receives s*b*topk tokens), which the EP group's total always is;
-  :func:`all_to_all_range` bounds it per rank.
-  ``ep/all_gather``: each rank's token count per expert (int64 [num_experts]).
+  :func:`~megatron_flops.memory.moe.all_to_all_range` bounds it per rank.
+- ``tp_ep/all_gather``, ``tp_ep/reduce_scatter`` (the expert TP x EP group), per MoE layer and
+  micro-batch: each rank's token count per expert (alltoall), or the tokens, probabilities and
+  routing map gathered and the output reduce-scattered (allgather); see
+  :func:`~megatron_flops.memory.moe.moe_communication`.
 - ``cp/send_recv`` (CP > 1): a formula, not measured (see :func:`step_communication`).
 """
 

@@ -222,6 +222,9 @@ def moe_unmeasured(spec: ModelSpec, options: DecoderOptions, par: Parallelism, *
                    "TP): the tp/all_gather of the routed tokens the experts take and tp/reduce_scatter of their "
                    "output (gloo cannot all-gather the uneven per-rank token counts: no CPU step runs; the "
                    "allgather dispatcher under TP x EP is measured)")
+    if options.moe_token_dispatcher_type not in DISPATCHERS:
+        out.append(f"MoE traffic of the {options.moe_token_dispatcher_type!r} dispatcher (DeepEP/HybridEP, CUDA only), "
+                   "priced as the alltoall dispatcher's")
     if moe.latent_size:
         out.append(f"MoE latent projections (moe_latent_size {moe.latent_size}): their parameters, the experts' "
                    "latent width and the latent output kept for fc2_latent_proj (megatron-core builds them with "
