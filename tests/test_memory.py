@@ -268,9 +268,15 @@ def test_moe_tensor_and_expert_parallel_traffic_by_hand():
     assert comm["ep/all_to_all"] == 2 * (4 * 32 * 64 * 2 + 2 * 32 * 2)
     assert comm["tp_ep/all_gather"] == 2 * 4 * 4 * 8
     report = decoder_memory(moe, options, par, training)
-    assert any("activations and TP traffic under TP 2 x EP 2" in u for u in report.unmeasured)
-    assert report.not_modelled == ()
-    # Activations of a MoE layer (a formula: see the unmeasured note), per TP rank routing its
+    assert report.not_modelled == () and not any("MoE" in u for u in report.unmeasured)
+    # What one rank gathers over TP follows the routing: from no token to every token of the
+    # TP x EP ranks picking one of its 2 experts, 2 x 32 x min(2, 2) = 128 (balanced: 64), each
+    # (2 x 64 + 1) x 2 B both ways, in each of the 2 layers.
+    per_token = (2 * 64 + 1) * 2
+    for key in ("tp/all_gather", "tp/reduce_scatter"):
+        assert report.stages[0].communication_ranges[key] == (comm[key] - 2 * 64 * per_token,
+                                                              comm[key] + 2 * (128 - 64) * per_token)
+    # Activations of a MoE layer (measured on TP2 x EP2 + SP in tests/test_memory_dist.py), per TP rank routing its
     # T_l = 16 tokens: the router's input [16, 64] bf16, top-2 indices int64 and fp32 scores
     # [16 x 2]; the routing map (bool) and probabilities (bf16) [4, 16], sorted indices int64
     # [32]; the experts take 32 x 2 = 64 tokens (balanced, after the TP all-gather): [64, 64]
@@ -333,14 +339,14 @@ def test_moe_latent_projections_are_a_labelled_formula():
 
 def test_moe_stages_text_names_forward_passes_in_flight(capsys):
     # TP 2 + SP x EP 4 x PP 2 with the alltoall dispatcher: each stage says how many forward
-    # passes it holds (never "None"), and the MoE formula gloo cannot check is named.
+    # passes it holds (never "None"), and the TP traffic of routed tokens its range.
     base = ["memory", "--model", "examples/mixtral_8x7b_hf_config.json", "--seq-length", "4096",
             "--num-microbatches", "8", "--distributed-optimizer", "--tp", "2", "--ep", "4", "--dp", "4"]
     assert main(base + ["--sequence-parallel", "--pp", "2"]) == 0
     text = capsys.readouterr().out
     assert "None forward passes" not in text
     assert "stage 0 72.080 GB (2 forward passes in flight), stage 1 63.511 GB (1 forward passes in flight)" in text
-    assert "unmeasured formula (this setup): MoE layers' activations and TP traffic under TP 2 x EP 4" in text
+    assert "tp/all_gather per GPU with unbalanced routing:" in text
     assert main(base) == 2  # no sequence parallelism: megatron-core refuses
     assert "add --sequence-parallel" in capsys.readouterr().err
 

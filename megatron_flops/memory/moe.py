@@ -16,10 +16,10 @@ the TP x EP ranks, ``n = T x k`` of them with balanced routing.
   all-gathered over the expert TP x EP group (``G = T x EP`` rows), each rank permutes what its
   experts take, and the output [G, h] is reduce-scattered back.
 
-NB: measured on CPU (gloo) for both dispatchers without TP, and for ``allgather`` under TP2 +
-SP and TP2 x EP2 + SP. ``alltoall`` with TP > 1 is a formula (gloo cannot all-gather the uneven
-per-rank token counts), and so are latent projections (``moe_latent_size`` needs Transformer
-Engine).
+NB: measured on CPU (gloo) for both dispatchers without TP and under TP2 + SP and TP2 x EP2 + SP
+(the alltoall dispatcher's uneven TP all-gather and reduce-scatter run as gloo's uneven
+all-to-all in the tests). Latent projections (``moe_latent_size`` needs Transformer Engine) are
+a formula.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def rerun_moe_layers(spec: ModelSpec, recompute: RecomputeSpec | None, layers: S
 
 
 def moe_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
-                      moe_layers: int, rerun: int) -> dict[str, int]:
+                      moe_layers: int, rerun: int, received: int | None = None) -> dict[str, int]:
     """Payload bytes per ``group/kind`` of one micro-batch of a chunk's ``moe_layers`` MoE layers,
     ``rerun`` of which full recompute runs forward again, beyond the dense layers' ``tp/*`` count
     (which prices an MLP per layer). Balanced routing (see :func:`all_to_all_range`).
@@ -149,7 +149,8 @@ def moe_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism
       probabilities' dtype) forward, the gradients of the tokens and probabilities backward.
     - ``ep/all_to_all`` (``alltoall``, EP > 1): :func:`balanced_all_to_all`.
     - ``tp/all_gather`` and ``tp/reduce_scatter`` of the routed tokens (``alltoall``, TP > 1):
-      a formula, not measured (gloo cannot all-gather uneven per-rank counts).
+      every token routed to this rank's experts from the TP x EP ranks (``received``; None:
+      balanced, ``s*b x topk``), with its probability, forward; the experts' output for them.
     """
     moe = spec.moe
     assert moe is not None
@@ -180,6 +181,7 @@ def moe_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism
         local = routed // par.tp  # this rank's [T_l x k] routed tokens, to the experts and back
         add("ep/all_to_all", passes * (2 * local * width * a + local * a))
     if par.tp > 1:
+        routed = routed if received is None else received
         # All-gather over expert TP of the routed tokens and probabilities the experts take
         # (their gradients reduce-scattered in backward), reduce-scatter of the experts' output
         # (its gradient all-gathered in backward).
@@ -210,18 +212,12 @@ def all_to_all_range(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
     return fixed, fixed + (2 * moe_layers + rerun) * most * width * a + moe_layers * most * a
 
 
-def moe_unmeasured(spec: ModelSpec, options: DecoderOptions, par: Parallelism, *, activations: bool) -> list[str]:
+def moe_unmeasured(spec: ModelSpec, options: DecoderOptions) -> list[str]:
     """The MoE figures that are formulas no CPU step could check (see the module doc)."""
     moe = spec.moe
     if moe is None:
         return []
-    what = "activations and TP traffic" if activations else "TP traffic"
     out = []
-    if par.tp > 1 and options.moe_token_dispatcher_type == "alltoall":
-        out.append(f"MoE layers' {what} under TP {par.tp} x EP {par.ep} with the alltoall dispatcher (expert TP = "
-                   "TP): the tp/all_gather of the routed tokens the experts take and tp/reduce_scatter of their "
-                   "output (gloo cannot all-gather the uneven per-rank token counts: no CPU step runs; the "
-                   "allgather dispatcher under TP x EP is measured)")
     if options.moe_token_dispatcher_type not in DISPATCHERS:
         out.append(f"MoE traffic of the {options.moe_token_dispatcher_type!r} dispatcher (DeepEP/HybridEP, CUDA only), "
                    "priced as the alltoall dispatcher's")
