@@ -82,9 +82,12 @@ RUNS = {
     # The alltoall dispatcher under TP all-gathers uneven per-rank token counts over expert TP
     # (= TP 2), which gloo cannot: mcore_memory.patch_uneven_collectives runs it as gloo's uneven
     # all-to-all and counts the payload NCCL's all-gather / reduce-scatter would be handed.
-    "DP2 x TP2 + SP, MoE top-2 of 4 every other layer (alltoall), DDP, fp32": dict(
-        layout=dict(tp=2, sp=True), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall")), m=2,
-        build=dict(params_dtype="fp32")),
+    # (Full recompute, block 2: the peak holds both layers re-run, the MoE layer's TP traffic runs
+    # forward twice.)
+    "DP2 x TP2 + SP, MoE every other layer (alltoall), full recompute (block 2), DDP, fp32": dict(
+        layout=dict(tp=2, sp=True), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
+                                               recompute_granularity="full", recompute_method="block",
+                                               recompute_num_layers=2), m=2, build=dict(params_dtype="fp32")),
     "TP2 x EP2 + SP, MoE top-2 of 4 (alltoall), shared experts, distributed optimizer, bf16": dict(
         layout=dict(tp=2, sp=True, ep=2), model=dict(BASE, num_moe_experts=4, moe_router_topk=2,
                                                      moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=48,
@@ -95,10 +98,6 @@ RUNS = {
     # over TP; EP1 is exact per rank, EP2 in total (routing).
     "DP2 x TP2 + SP, MoE top-2 of 4 every other layer (allgather), DDP, fp32": dict(
         layout=dict(tp=2, sp=True), model=dict(BASE, **MOE_AG), m=2, build=dict(params_dtype="fp32")),
-    "TP2 x PP1 + SP, MoE (allgather), full recompute (block 2), DDP, fp32": dict(
-        layout=dict(tp=2, sp=True), model=dict(BASE, **MOE_AG, recompute_granularity="full",
-                                               recompute_method="block", recompute_num_layers=2),
-        m=2, build=dict(params_dtype="fp32")),
     "TP2 x EP2 + SP, MoE (allgather), gated shared experts, distributed optimizer, bf16": dict(
         layout=dict(tp=2, sp=True, ep=2), model=dict(BASE, **MOE_AG, moe_shared_expert_intermediate_size=40,
                                                      moe_shared_expert_gate=True),
@@ -149,12 +148,6 @@ def memory_worker(rank: int, world_size: int, runs: dict) -> dict:
         comm = mcore_memory.CommMeter(groups)
         saved = mcore_memory.SavedTensorMeter([p for c in chunks for p in c.parameters()])
         m = run["m"]
-        if run.get("build_only"):
-            out[name] = dict(sizes=mcore_dist.parallel_sizes(),
-                             names=[[(n, p.numel()) for n, p in _inner(c).named_parameters()] for c in chunks],
-                             states=mcore_memory.state_bytes(chunks, optimizer))
-            del chunks, optimizer
-            continue
         with comm, saved.tracking():
             mcore_dist.run_schedule(
                 chunks, num_microbatches=m, micro_batch_size=MBS, seq_length=seq, vocab_size=VOCAB,
@@ -232,13 +225,10 @@ def test_parameters_in_megatron_order(measured, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_weights_gradients_optimizer_state(measured, name):
     for result in measured[name]:
-        want = expected(name, result).states
-        if RUNS[name].get("build_only"):  # (no step: Adam's moments do not exist yet)
-            want = {k: v for k, v in want.items() if k in ("weights", "gradients", "optimizer/main_params")}
-        assert want == result["states"], result["sizes"]
+        assert expected(name, result).states == result["states"], result["sizes"]
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if not RUNS[n].get("build_only")])
+@pytest.mark.parametrize("name", list(RUNS))
 def test_communication_per_step(measured, name):
     # Every key equal per rank, but those whose per-rank bytes follow the routing (the expert
     # all-to-all; under TP x EP the TP all-gather and reduce-scatter of the routed tokens): their
@@ -269,7 +259,7 @@ def _routed(name: str) -> bool:
     return "MoE" in name and RUNS[name]["layout"].get("ep", 1) > 1
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if not _routed(n) and not RUNS[n].get("build_only")])
+@pytest.mark.parametrize("name", [n for n in RUNS if not _routed(n)])
 def test_activations_per_forward_and_schedule_peak(measured, name):
     spec, options, par, training, peft, recompute = setup(name)
     for result in measured[name]:
@@ -290,7 +280,7 @@ def test_activations_per_forward_and_schedule_peak(measured, name):
         assert peak == result["peak"], result["sizes"]
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if _routed(n) and not RUNS[n].get("build_only")])
+@pytest.mark.parametrize("name", [n for n in RUNS if _routed(n)])
 def test_moe_activations_balanced_in_total_bounded_per_rank(measured, name):
     # What one rank's experts save follows the routing; over all ranks every routed token is
     # saved once, so the measured sum equals the balanced figure times the ranks, and each rank
