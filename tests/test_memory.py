@@ -219,8 +219,7 @@ def test_context_parallel_formula_is_consistent():
 
 
 def test_expert_all_to_all_range_by_hand():
-    from megatron_flops.memory.comm import balanced_all_to_all
-    from megatron_flops.memory.moe import all_to_all_range
+    from megatron_flops.memory.moe import all_to_all_range, moe_communication
 
     moe = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                                       vocab_size=256, num_moe_experts=4, moe_router_topk=2))
@@ -232,7 +231,8 @@ def test_expert_all_to_all_range_by_hand():
     own, most = 64, 128
     assert lo == 2 * (2 * own * 64 * 2 + own * 2)
     assert hi == lo + 2 * (2 * most * 64 * 2 + most * 2)
-    assert lo < balanced_all_to_all(moe, training, 2) == lo + 2 * (2 * own * 64 * 2 + own * 2) < hi
+    balanced = moe_communication(moe, options, Parallelism(ep=2, dp=2), training, moe_layers=2, rerun=0)
+    assert lo < balanced["ep/all_to_all"] == lo + 2 * (2 * own * 64 * 2 + own * 2) < hi
     report = decoder_memory(moe, options, Parallelism(ep=2, dp=2), training)
     assert report.stages[0].communication_ranges == {"ep/all_to_all": (lo, hi)}
     assert any("balanced routing" in a for a in report.assumptions)

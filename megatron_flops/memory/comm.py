@@ -189,16 +189,6 @@ def mtp_moe_layers(spec: ModelSpec, last: bool) -> int:
     return spec.mtp_num_layers if last and spec.mtp_ffn == "moe" else 0
 
 
-def balanced_all_to_all(spec: ModelSpec, training: Training, moe_layers: int) -> int:
-    """``ep/all_to_all`` payload of one micro-batch when every EP rank receives as many routed
-    tokens as it sends (balanced routing): the routed tokens [s*b*topk, h] and their
-    probabilities [s*b*topk] to the experts and back, forward and backward."""
-    assert spec.moe is not None
-    act = training.param_bytes
-    routed = training.seq_length * training.micro_batch_size * spec.moe.router_topk
-    return moe_layers * (4 * routed * spec.hidden_size * act + 2 * routed * act)
-
-
 def bus_bytes(payload: Mapping[str, int], group_sizes: Mapping[str, int]) -> dict[str, int]:
     """What a ring algorithm moves per GPU for each ``group/kind`` payload (NCCL's "bus
     bandwidth" bytes): ``(n - 1) / n`` of an all-gather output, reduce-scatter input or

@@ -147,7 +147,8 @@ def moe_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism
       probabilities [G, E] and the routing map (bool [G, E]), and all-gathers the output's
       gradient [G, h] in backward; ``tp_ep/reduce_scatter`` the output [G, h] (in the
       probabilities' dtype) forward, the gradients of the tokens and probabilities backward.
-    - ``ep/all_to_all`` (``alltoall``, EP > 1): :func:`balanced_all_to_all`.
+    - ``ep/all_to_all`` (``alltoall``, EP > 1): this rank's routed tokens [s/TP*b*topk, h] and
+      probabilities to the experts and as many back, forward (twice when re-run) and backward.
     - ``tp/all_gather`` and ``tp/reduce_scatter`` of the routed tokens (``alltoall``, TP > 1):
       every token routed to this rank's experts from the TP x EP ranks (``received``; None:
       balanced, ``s*b x topk``), with its probability, forward; the experts' output for them.
