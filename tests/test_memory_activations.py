@@ -64,6 +64,18 @@ CASES = {
                                                  "learned_absolute", "fp32"),
     "MoE bf16, shared experts": (dict(MOE, moe_shared_expert_intermediate_size=80), "rope", "bf16"),
     "MoE selective core_attn": (dict(MOE, recompute_granularity="selective"), "rope", "fp32"),
+    # The shared experts' sigmoid gate keeps its output and the shared output it scales.
+    "MoE SwiGLU, gated shared experts, allgather": (dict(MOE, gated_linear_unit=True, activation_func="silu",
+                                                         moe_shared_expert_intermediate_size=80,
+                                                         moe_shared_expert_gate=True,
+                                                         moe_token_dispatcher_type="allgather"), "rope", "fp32"),
+    # Full recompute re-runs the MoE layers in backward (the peak holds one layer's routing).
+    "MoE full recompute, uniform 1, gated shared experts": (dict(MOE, **FULL_UNIFORM, recompute_num_layers=1,
+                                                                 moe_shared_expert_intermediate_size=80,
+                                                                 moe_shared_expert_gate=True), "rope", "fp32"),
+    "MoE every other layer, full recompute, block 1": (dict(MOE, recompute_granularity="full",
+                                                            recompute_method="block", recompute_num_layers=1,
+                                                            moe_layer_freq=[0, 1]), "learned_absolute", "fp32"),
 }
 
 
@@ -248,3 +260,19 @@ def test_mla_mtp_saved_bytes_match_megatron_core(mcore, name):
         delta += layers * tokens * ((fields.get("q_lora_rank") or 0) + fields["kv_lora_rank"]) * 4
     assert measured_forward == [act.forward + delta] * NUM_MB
     assert measured_peak == schedule_peak([act], in_flight(par, NUM_MB, 0))[0] + delta
+
+
+def test_non_gated_fused_experts_are_refused_like_megatron_core(mcore):
+    # megatron-core's experts pass the routing probabilities to MLP.forward, which fuses only
+    # SwiGLU and quick-GELU with them: a non-gated fused bias-GELU expert raises in forward.
+    fields = dict(MOE, add_bias_linear=True, bias_activation_fusion=True)
+    with pytest.raises(ValueError, match="Only support fusion of swiglu and quick_gelu"):
+        _measure(fields, "rope", "fp32")
+    model = dict(BASE, **fields, vocab_size=VOCAB)
+    spec = ModelSpec.from_mapping(model)
+    options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB))
+    from megatron_flops.memory.report import decoder_memory
+
+    with pytest.raises(ValueError, match="non-gated activation"):
+        decoder_memory(spec, options, Parallelism(), Training(seq_length=SEQ, micro_batch_size=MBS,
+                                                              num_microbatches=NUM_MB))

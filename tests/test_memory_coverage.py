@@ -129,13 +129,9 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     ("mcore:*mtp | PP2* | *", r"refused: .*multi-token prediction is modelled with --pp 1"),
     ("mcore:*mtp | * | *", r"not modelled: activations of multi-token prediction are modelled with --tp 1 and "
                            r"without recompute"),
-    # MoE: TP without SP/EP/alltoall, activations under TP and full recompute, Qwen2-MoE's shared-expert
-    # gate, EP with the allgather dispatcher (megatron-core field files default to it).
-    ("* | TP2* | *", r"refused: .*MoE layers under tensor parallelism are modelled with --sequence-parallel"),
-    ("* | TP2 SP DP2 EP2 | ", r"not modelled: MoE activations are modelled with --tp 1"),
-    ("* | * | full recompute", r"not modelled: MoE activations are modelled without full recompute"),
-    ("hf:qwen2_moe | *", r"not modelled: MoE activations are modelled without a shared-expert gate"),
-    ("mcore:*moe* | DP2 EP2 | ", r"refused: .*expert parallelism is modelled with moe_token_dispatcher_type"),
+    # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
+    ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
+                    r"sequence parallelism"),
     # DiT: FSDP2's transient unsharded parameters and gradients; layouts but FSDP2 over DP (DDP,
     # distributed optimizer, TP, PP, CP), which Megatron-Bridge's WAN also trains with.
     ("examples/wan* | DP2 FSDP | *", r"not modelled: FSDP2's all-gathered parameters"),

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.moe import layer_is_moe, moe_activation_reason, moe_activations, shared_gate_activations
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -80,6 +81,8 @@ class _Dims:
     rot: int
     sp: int = 1  # TP with sequence parallelism (the [s, b, h] activations between layers are split), else 1
     received: int | None = None  # routed tokens reaching this rank's experts (None: balanced, T x topk)
+    tp: int = 1
+    ep: int = 1
 
     @property
     def tokens(self) -> int:
@@ -172,7 +175,7 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
     if spec.mla is not None and recompute is not None:
         return "activations of multi-latent attention are modelled without recompute"
     if spec.moe is not None:
-        reason = _moe_reason(spec, options, par, recompute)
+        reason = moe_activation_reason(options)
         if reason is not None:
             return reason
     if options.qk_layernorm and spec.mla is None:
@@ -195,7 +198,7 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
     return _Dims(s=training.seq_length, b=training.micro_batch_size, h=spec.hidden_size, d=spec.kv_channels,
                  heads=spec.num_attention_heads // par.tp, groups=spec.num_query_groups // par.tp,
                  ffn=spec.ffn_hidden_size // par.tp, vocab=padded_vocab(spec, options, par.tp) // par.tp,
-                 act=training.param_bytes, rot=rot, sp=sp)
+                 act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep)
 
 
 def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions) -> None:
@@ -321,64 +324,19 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     _dropout_mask(w, x, options)
 
 
-def _moe_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
-                recompute: RecomputeSpec | None) -> str | None:
-    moe = spec.moe
-    assert moe is not None
-    if par.tp > 1:
-        return "MoE activations are modelled with --tp 1"
-    if par.ep > 1 and options.moe_token_dispatcher_type != "alltoall":
-        return "MoE activations under expert parallelism are modelled with the alltoall dispatcher"
-    if moe.shared_expert_gate or moe.latent_size:
-        return "MoE activations are modelled without a shared-expert gate or latent projections"
-    if not spec.gated_linear_unit and options.bias_activation_fusion:
-        return "MoE activations are modelled for gated (SwiGLU) or unfused experts"
-    if recompute is not None and recompute.granularity == "full":
-        return "MoE activations are modelled without full recompute"
-    return None
-
-
 def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
-    """A MoE layer (megatron-core's router, token dispatcher and ``SequentialMLP`` experts) after
-    its norm, with ``n = T x topk`` routed tokens reaching this rank's experts.
-
-    NB: ``n`` assumes balanced routing under EP > 1 (a rank's experts receive as many routed
-    tokens as it sends); the expert-side bytes of one rank move with the router."""
+    """A MoE layer after its norm (:mod:`megatron_flops.memory.moe`); shared experts as a dense MLP."""
     moe = spec.moe
     assert moe is not None
-    T, a, h, E, k = x.tokens, x.act, x.h, moe.num_experts, moe.router_topk
-    n = T * k
-    # Router: its input [T, h] (the norm's output; the shared experts' fc1 reads the same
-    # storage), top-k indices (int64) and fp32 scores: softmax over the top-k logits, or over
-    # all experts before the top-k (pre-softmax), or sigmoid over all experts, normalised over
-    # the top-k when topk > 1.
-    w.keep("moe/router", T * h * a + n * INDEX_BYTES)
-    if options.moe_router_score_function == "sigmoid":
-        w.keep("moe/router", T * E * 4 + ((T * 4 + n * 4) if k > 1 else 0))
-    elif options.moe_router_pre_softmax:
-        w.keep("moe/router", T * E * 4)
-    else:
-        w.keep("moe/router", n * 4)
-    # Dispatcher: the routing map (bool [E, T]), the probabilities scattered to it [E, T] and
-    # the permutation's sorted indices (int64 [n]).
-    w.keep("moe/dispatcher", T * E + T * E * a + n * INDEX_BYTES)
-    # Routed experts: the permuted tokens [n, h] and their probabilities [n], then per token
-    # the expert MLP (fc1 output, activation, fc2 input) and the activation's output, which
-    # the probabilities multiply.
-    ffn = moe.ffn_hidden_size
-    if spec.gated_linear_unit and options.bias_activation_fusion:
-        per = 2 + 1  # fc1 output [n, 2 ffn], fc2 input
-    elif spec.gated_linear_unit:
-        per = 2 + 4  # fc1 output, silu(x1), x2 + offset, their product, the weighted product
-    else:
-        per = 3  # fc1 output, activation output, fc2 input
-    got = n if x.received is None else x.received
-    w.keep("moe/experts", got * h * a + got * a + got * ffn * a * per)
+    for key, nbytes in moe_activations(spec, options, tokens=x.tokens, local_tokens=x.local_tokens, act=x.act,
+                                       tp=x.tp, ep=x.ep, received=x.received).items():
+        w.keep(key, nbytes)
     shared = moe.shared_expert_ffn_hidden_size
     if shared:
         sub = _Walk()
-        _mlp(sub, dataclasses.replace(x, ffn=shared), options, spec.gated_linear_unit)
-        w.keep("moe/shared_experts", sub.kept - T * h * a)  # fc1's input is the router's
+        _mlp(sub, dataclasses.replace(x, ffn=shared // x.tp), options, spec.gated_linear_unit)
+        w.keep("moe/shared_experts", sub.kept - x.local_tokens * x.h * x.act  # fc1's input is the router's
+               + shared_gate_activations(spec, local_tokens=x.local_tokens, act=x.act))
 
 
 def chunk_activations(
@@ -413,7 +371,7 @@ def chunk_activations(
     core_attn = recompute is not None and recompute.granularity == "selective" and "core_attn" in recompute.modules
     if full:
         assert recompute is not None
-        _full_recompute_layers(w, x, spec, options, recompute, len(layers))
+        _full_recompute_layers(w, x, spec, options, recompute, layer_is_moe(spec, layers))
     else:
         kinds = spec.layers
         for i, layer in enumerate(layers):
@@ -460,10 +418,11 @@ def _peft_grad(peft: PeftSpec | None, *, first_stage: bool) -> _Grad:
 
 
 def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
-                           recompute: RecomputeSpec, num_layers: int) -> None:
+                           recompute: RecomputeSpec, moe: list[bool]) -> None:
     """Full recompute: checkpointed groups keep their input (hidden states, the mask, the cached
     RoPE frequencies); ``block`` checkpoints the first ``recompute_num_layers`` layers one by
-    one and runs the rest plainly."""
+    one and runs the rest plainly. ``moe``: whether each layer of the chunk is a MoE layer."""
+    num_layers = len(moe)
     group = recompute.num_layers or 1
     if recompute.method == "block":
         starts = list(range(min(group, num_layers)))
@@ -478,12 +437,12 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
             w.keep("recompute", x.b * x.s * x.s if options.attention_backend == "unfused" else 0)
             w.grad.mask_saved = True
         inner = _Walk(_Grad(mask_saved=True))
-        for j in range(size):
-            _layer(inner, x, spec, options, core_attn=False)
+        for j in range(start, start + size):
+            _layer(inner, x, spec, options, core_attn=False, moe=moe[j])
         w.region(inner.kept - hidden)  # the group input is the first norm's input
     plain = num_layers - sum(sizes)
-    for j in range(plain):
-        _layer(w, x, spec, options, core_attn=False)
+    for j in range(num_layers - plain, num_layers):
+        _layer(w, x, spec, options, core_attn=False, moe=moe[j])
     if x.rot:
         w.out.shared = x.s * x.rot * 4
 

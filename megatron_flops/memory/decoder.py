@@ -273,13 +273,19 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     assert moe is not None
     mlp = prefix + "mlp."
     out.append(Param(mlp + "router.weight", moe.num_experts * h, base, tp_replicated=True))
+    latent = moe.latent_size
+    if latent:  # NB: Transformer Engine's duplicated TELinear: whole on every TP rank
+        for name, shape in (("fc1_latent_proj.", (latent, h)), ("fc2_latent_proj.", (h, latent))):
+            out.append(Param(mlp + name + "weight", shape[0] * shape[1], base, tp_replicated=True))
+            if bias:
+                out.append(Param(mlp + name + "bias", shape[0], base, tp_replicated=True))
     for j in range(moe.num_experts // par.ep):
         out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // tp, bias,
-                    expert=par.ep > 1)
+                    expert=par.ep > 1, width=latent or h)
     if moe.shared_expert_ffn_hidden_size:
-        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
-        if moe.shared_expert_gate:
+        if moe.shared_expert_gate:  # (registered before the MLP's layers)
             out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True))
+        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
     return out
 
 
@@ -307,8 +313,9 @@ def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bi
     return out
 
 
-def _mlp(spec: ModelSpec, peft: PeftSpec, prefix: str, ffn: int, bias: bool, *, expert: bool = False) -> list[Param]:
-    h, gate = spec.hidden_size, 2 if spec.gated_linear_unit else 1
+def _mlp(spec: ModelSpec, peft: PeftSpec, prefix: str, ffn: int, bias: bool, *, expert: bool = False,
+         width: int | None = None) -> list[Param]:
+    h, gate = width or spec.hidden_size, 2 if spec.gated_linear_unit else 1
     # linear_fc1: [ffn*(2 if gated)/tp, h]; linear_fc2: [h, ffn/tp].
     return (_linear(prefix, "linear_fc1", h, gate * ffn, bias, peft, expert=expert)
             + _linear(prefix, "linear_fc2", ffn, h, bias, peft, expert=expert))
