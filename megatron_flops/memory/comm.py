@@ -37,6 +37,7 @@ from dataclasses import replace
 
 from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -137,7 +138,8 @@ def step_communication(
     m = training.num_microbatches
     add = lambda key, value: out.__setitem__(key, out.get(key, 0) + value) if value else None  # noqa: E731
     tied_trains = any(p.shared_embedding for group in buffers.values() for b in group for p, _, _ in b.params)
-    if par.pp > 1 and spec.tied_output and tied_trains:  # (a frozen tied weight has no gradient to reduce)
+    # (A frozen tied weight has no gradient to reduce; MTP keeps an embedding copy on the last stage.)
+    if par.pp > 1 and (spec.tied_output or spec.mtp_num_layers) and tied_trains:
         for chunk in range(par.num_chunks):
             if par.is_first_stage(pp_rank, chunk) or par.is_last_stage(pp_rank, chunk):
                 vocab = padded_vocab(spec, options, par.tp)
@@ -163,6 +165,9 @@ def step_communication(
                     add(key, m * value)
             if last:
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
+            for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=len(layers), rerun=rerun,
+                                                      last=last, recompute=recompute).items():
+                add(key, m * value)
         if par.cp > 1:
             # NB: a formula, not measured (no context-parallel attention on CPU): Transformer
             # Engine's ring attention passes each layer's K and V [s/CP, b, groups/TP, d] round

@@ -1,0 +1,90 @@
+"""Multi-latent attention (MLA) under tensor parallelism and multi-token prediction (MTP) under
+tensor and pipeline parallelism and recompute: what they add to a megatron-core GPT's memory and
+traffic beyond a dense decoder layer (stdlib only).
+
+As megatron-core 0.16's local layer spec builds them (measured on CPU with gloo):
+
+- MLA: every projection is column parallel but ``linear_proj`` (row parallel). The down
+  projections' outputs (``linear_q_down_proj`` [T, q_lora/TP], ``linear_kv_down_proj`` [T,
+  (kv_lora + rope)/TP]) are all-gathered over TP in forward (split again in backward, no
+  collective), so the latent norms and the up projections run on whole latents on every rank.
+  Backward all-reduces the input gradients of both down projections (the hidden states, twice:
+  a dense layer's ``linear_qkv`` once) and of both up projections (the latents).
+- MTP: with PP > 1 the last stage holds a copy of the word embeddings (and learned positions)
+  for the MTP layers' inputs, all-reduced with the first stage's over the embedding group like
+  a tied output weight (whether or not the output weight is tied). Per MTP layer under TP: the
+  vocab-parallel embedding's forward all-reduce, ``eh_proj``'s input gradient [T, 2h] all-reduced
+  in backward and its output all-gathered in forward, the decoder layer's collectives, the
+  output layer's input gradient and cross-entropy's three fp32 reductions.
+- Full recompute (``uniform``) checkpoints each MTP layer after its embedding lookup
+  (megatron-core asserts ``recompute_num_layers == 1`` then); ``block`` leaves MTP layers alone.
+"""
+
+from __future__ import annotations
+
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.model.spec import ModelSpec
+
+CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials (as comm.CE_REDUCTIONS)
+
+
+def check_mla_mtp(spec: ModelSpec, par: Parallelism) -> None:
+    """ValueError for MLA/MTP layouts megatron-core refuses or these figures do not model."""
+    if par.sequence_parallel and (spec.mla is not None or spec.mtp_num_layers):
+        raise ValueError("multi-latent attention and multi-token prediction are modelled without "
+                         "--sequence-parallel")
+    mla = spec.mla
+    if mla is None or par.tp == 1:
+        return
+    # NB: ColumnParallelLinear splits every output over TP (megatron-core's divide() asserts).
+    widths = {"q_lora_rank": mla.q_lora_rank or 0,
+              "kv_lora_rank + qk_pos_emb_head_dim": mla.kv_lora_rank + mla.qk_pos_emb_head_dim}
+    for name, value in widths.items():
+        if value % par.tp:
+            raise ValueError(f"multi-latent attention splits {name}={value} over TP: not divisible by --tp {par.tp}")
+
+
+def mtp_recomputed(spec: ModelSpec, recompute: RecomputeSpec | None) -> bool:
+    """Whether full recompute checkpoints the MTP layers (``uniform``; ValueError for a group of
+    more than one layer, which megatron-core refuses for MTP)."""
+    if not spec.mtp_num_layers or recompute is None or recompute.granularity != "full":
+        return False
+    if recompute.method == "block":
+        return False
+    if (recompute.num_layers or 1) != 1:
+        raise ValueError("megatron-core checkpoints multi-token prediction layers only with "
+                         "recompute_num_layers=1 under --recompute-method uniform")
+    return True
+
+
+def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Training, *, num_layers: int,
+                            rerun: int, last: bool, recompute: RecomputeSpec | None) -> dict[str, int]:
+    """``tp/*`` payload bytes per micro-batch of one model chunk beyond
+    :func:`~megatron_flops.memory.comm.tensor_parallel_activations`'s dense layers and main output
+    (TP > 1, no sequence parallelism): the MLA layers' latent all-gathers and extra input-gradient
+    all-reduces (``rerun`` main layers run their forward twice), and on the last stage every MTP
+    layer. Activations in the parameter dtype, cross-entropy's reductions in fp32."""
+    if par.tp == 1:
+        return {}
+    a, h = training.param_bytes, spec.hidden_size
+    tokens = training.seq_length * training.micro_batch_size
+    hidden = tokens * h * a
+    mtp = spec.mtp_num_layers if last else 0
+    mtp_rerun = mtp if mtp_recomputed(spec, recompute) else 0
+    gather = reduce = 0
+    if spec.mla is not None:
+        mla = spec.mla
+        q_lora = mla.q_lora_rank or 0
+        # Forward: q and kv latents all-gathered. Backward: the second down projection's input
+        # (the hidden states) and both up projections' inputs (the latents) all-reduced.
+        gather += (num_layers + rerun + mtp + mtp_rerun) * tokens * (q_lora + mla.kv_lora_rank
+                                                                     + mla.qk_pos_emb_head_dim) * a
+        reduce += (num_layers + mtp) * (hidden + tokens * (q_lora + mla.kv_lora_rank) * a)
+    if mtp:
+        # Per MTP layer: embedding (forward), eh_proj's [T, 2h] input gradient, the decoder layer
+        # (2 forward + 2 backward, the forward twice when recomputed), the output layer's input
+        # gradient; cross-entropy's fp32 [s, b] reductions. eh_proj's output all-gathered.
+        reduce += mtp * (1 + 2 + 4 + 1) * hidden + mtp_rerun * 2 * hidden + mtp * tokens * 4 * CE_REDUCTIONS
+        gather += (mtp + mtp_rerun) * hidden
+    return {k: v for k, v in (("tp/all_gather", gather), ("tp/all_reduce", reduce)) if v}
