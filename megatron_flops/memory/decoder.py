@@ -210,11 +210,11 @@ def chunk_parameters(
     if last:
         out += _norm(options, "decoder.final_layernorm.", h, base)
         for i in range(spec.mtp_num_layers):
-            # NB: an MTP layer: norms of the embedding and of the hidden state, eh_proj [h, 2h], a
+            # NB: an MTP layer: norms of the embedding and of the hidden state, eh_proj [h/TP, 2h], a
             # decoder layer of the last layer's kind, and its own final norm.
             mtp = f"mtp.layers.{i}."
             out += _norm(options, mtp + "enorm.", h, base) + _norm(options, mtp + "hnorm.", h, base)
-            out += _linear(mtp, "eh_proj", 2 * h, h, False, peft)
+            out += _linear(mtp, "eh_proj", 2 * h, h // tp, False, peft)  # (column parallel)
             out += _layer(spec, options, par, peft, mtp + "transformer_layer.", spec.mtp_ffn)
             out += _norm(options, mtp + "final_layernorm.", h, base)
         if not tied or not first:

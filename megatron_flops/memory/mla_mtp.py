@@ -34,6 +34,9 @@ def check_mla_mtp(spec: ModelSpec, par: Parallelism) -> None:
     if par.sequence_parallel and (spec.mla is not None or spec.mtp_num_layers):
         raise ValueError("multi-latent attention and multi-token prediction are modelled without "
                          "--sequence-parallel")
+    if spec.mtp_num_layers and spec.hidden_size % par.tp:
+        raise ValueError(f"multi-token prediction splits eh_proj's hidden_size={spec.hidden_size} outputs over TP: "
+                         f"not divisible by --tp {par.tp}")
     mla = spec.mla
     if mla is None or par.tp == 1:
         return
