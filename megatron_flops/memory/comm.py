@@ -12,12 +12,14 @@ one-element ones (loss averaging, grad norm, found-inf). Keys are ``<group>/<kin
   padding included, once per step (the all-gather twice with expert-parallel buffers: see
   :func:`data_parallel_bytes`); ``expt_dp/...`` the same for expert-parallel buffers.
 - ``embd/all_reduce``: the tied embedding/output weight's gradient between the first and the
-  last pipeline stage (PP > 1; none when that weight is frozen).
+  last pipeline stage (PP > 1; none when that weight is frozen); with multi-token prediction the
+  last stage's copy of the word embeddings, tied or not (:mod:`~megatron_flops.memory.mla_mtp`).
 - ``tp/all_reduce``, ``tp/all_gather``, ``tp/reduce_scatter``, per micro-batch: [s, b, h]
   activations and their gradients (:func:`tensor_parallel_activations`; full recompute runs the
   forward's collectives again) and vocab-parallel cross-entropy's three fp32 [s, b] reductions;
   once per step the gradients of the weights every TP rank holds whole, under sequence
-  parallelism (:func:`tp_replicated_numel`).
+  parallelism (:func:`tp_replicated_numel`). Multi-latent attention's latent all-gathers and
+  multi-token prediction's layers: :func:`~megatron_flops.memory.mla_mtp.mla_mtp_tensor_parallel`.
 - ``pp/send_recv``, per micro-batch and model chunk: the [s, b, h] activation ([s/TP, b, h] under
   sequence parallelism) received from the previous virtual stage and its gradient sent back, the
   activation sent to the next and its gradient received.

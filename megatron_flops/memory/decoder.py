@@ -194,13 +194,13 @@ def chunk_parameters(
     out: list[Param] = []
     h, tp, vocab = spec.hidden_size, par.tp, padded_vocab(spec, options, par.tp)
     first, last = par.is_first_stage(pp_rank, chunk), par.is_last_stage(pp_rank, chunk)
-    tied, mtp = spec.tied_output, bool(spec.mtp_num_layers)
+    tied, has_mtp = spec.tied_output, bool(spec.mtp_num_layers)
     base = not peft.frozen
     # NB: with MTP, megatron-core keeps a copy of the word embeddings on the last stage (for the
     # MTP layers' inputs), all-reduced with the first stage's like a tied output weight.
-    if first or (last and mtp):
+    if first or (last and has_mtp):
         out.append(Param("embedding.word_embeddings.weight", vocab // tp * h, base,
-                         shared_embedding=(tied or mtp) and par.pp > 1))
+                         shared_embedding=(tied or has_mtp) and par.pp > 1))
         if options.position_embedding_type == "learned_absolute":
             rows = options.max_position_embeddings or seq_length
             out.append(Param("embedding.position_embeddings.weight", rows * h, base))
@@ -221,7 +221,7 @@ def chunk_parameters(
             # (With MTP the tied weight the last stage reduces is its embedding copy: this one,
             # allocated but unused when tied, is not marked.)
             out.append(Param("output_layer.weight", vocab // tp * h, base,
-                             shared_embedding=tied and par.pp > 1 and not mtp))
+                             shared_embedding=tied and par.pp > 1 and not has_mtp))
     return tuple(out)
 
 

@@ -91,3 +91,17 @@ def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Trainin
         reduce += mtp * (1 + 2 + 4 + 1) * hidden + mtp_rerun * 2 * hidden + mtp * tokens * 4 * CE_REDUCTIONS
         gather += (mtp + mtp_rerun) * hidden
     return {k: v for k, v in (("tp/all_gather", gather), ("tp/all_reduce", reduce)) if v}
+
+
+def mla_mtp_assumptions(spec: ModelSpec, par: Parallelism) -> list[str]:
+    """What can make an MLA/MTP figure differ from a real run (the report's ``assumptions``)."""
+    out = []
+    if spec.mla is not None and par.tp > 1:
+        out.append("multi-latent attention as megatron-core's local spec splits it over TP (measured): the q and kv "
+                   "down projections column parallel, their outputs all-gathered (tp/all_gather); Transformer "
+                   "Engine's spec keeps the down projections whole on every TP rank (parallel_mode='duplicated': "
+                   "more weight, gradient and optimizer bytes, no latent all-gather), which is not modelled")
+    if spec.mtp_num_layers and par.pp > 1:
+        out.append("multi-token prediction on the last pipeline stage (megatron-core's default placement), with a "
+                   "copy of the word embeddings there, all-reduced with the first stage's (embd/all_reduce)")
+    return out

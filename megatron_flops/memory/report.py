@@ -23,6 +23,7 @@ from megatron_flops.memory.comm import (
 )
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.mla_mtp import mla_mtp_assumptions
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -246,6 +247,7 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                            "rank receives as many routed tokens as it sends): a rank's figures move with the "
                            "router (measured: within +/-4.3% per rank on 4-rank tests), the EP group's total "
                            "is exact; the per-rank range over all routings is shown")
+    assumptions += mla_mtp_assumptions(spec, par)
     if par.tp > 1 and par.ep > 1 and spec.moe is not None:
         unmeasured.append(f"MoE layers' TP traffic under TP {par.tp} x EP {par.ep} (expert TP = TP): the "
                           "dispatcher's tp/all_gather of routed tokens and tp/reduce_scatter of the experts' output "
