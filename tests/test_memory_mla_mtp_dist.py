@@ -1,5 +1,6 @@
 """Multi-latent attention under tensor parallelism and multi-token prediction under tensor and
-pipeline parallelism (and full recompute): one real training step each, on megatron-core in 4
+pipeline parallelism, with and without sequence parallelism and full recompute: one real
+training step each, on megatron-core in 4
 gloo processes (tests/test_memory_dist.py's worker), against :mod:`megatron_flops.memory` to the
 byte: parameters in order, weights, gradient buffers, optimizer state, every collective's payload,
 the bytes each forward saves for backward and the schedule's peak."""
@@ -40,6 +41,15 @@ RUNS = {
         layout=dict(tp=2, pp=2), model=dict(BASE, num_layers=4, mtp_num_layers=2, recompute_granularity="full",
                                             recompute_method="uniform", recompute_num_layers=1),
         m=3, build=dict(params_dtype="fp32", share_embeddings=False, position_embedding_type="learned_absolute")),
+    # Sequence parallelism (the torch norm marked as TE marks it: mcore_memory.patch_sequence_parallel_norm).
+    "TP2 x DP2 + SP, MLA (q_lora, latent norms) + 1 MTP layer, distributed optimizer, fp32": dict(
+        layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24, qk_layernorm=True, mtp_num_layers=1), m=2,
+        build=dict(distributed_optimizer=True, params_dtype="fp32")),
+    "TP2 x PP2 + SP, MLA (direct q) + 1 MTP layer, untied, learned positions, full recompute (uniform 1), fp32": dict(
+        layout=dict(tp=2, pp=2, sp=True), model=dict(MLA, num_layers=4, q_lora_rank=None, mtp_num_layers=1,
+                                                     recompute_granularity="full", recompute_method="uniform",
+                                                     recompute_num_layers=1),
+        m=3, build=dict(params_dtype="fp32", share_embeddings=False, position_embedding_type="learned_absolute")),
 }
 
 
@@ -58,8 +68,8 @@ def setup(name: str):
                                                position_embedding_type=build.get("position_embedding_type", "rope"),
                                                add_bias_linear=False))
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
-    par = Parallelism(tp=tp, pp=pp, dp=WORLD // (tp * pp), distributed_optimizer=build.get("distributed_optimizer",
-                                                                                         False))
+    par = Parallelism(tp=tp, pp=pp, dp=WORLD // (tp * pp), sequence_parallel=layout.get("sp", False),
+                      distributed_optimizer=build.get("distributed_optimizer", False))
     training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=run["m"],
                         params_dtype=build.get("params_dtype", "bf16"))
     recompute = RecomputeSpec.from_mapping(dict(model, pipeline_model_parallel_size=pp))
@@ -101,10 +111,11 @@ def test_activations_per_forward_and_schedule_peak(measured, name):
         pp_rank = result["sizes"]["pp_rank"]
         act = chunk_activations(spec, options, par, training, pp_rank=pp_rank, chunk=0, recompute=recompute)
         # torch's CPU LayerNorm keeps mean and rstd in the input dtype (CUDA: fp32): per norm of
-        # the forward (2 per layer; on the last stage the final norm and 5 per MTP layer).
+        # the forward (2 per layer; on the last stage the final norm and 5 per MTP layer) and
+        # token of its slice (the latent norms run in fp32 runs only).
         last = par.is_last_stage(pp_rank, 0)
         norms = 2 * len(par.chunk_layers(spec.num_layers, pp_rank, 0)) + last * (1 + 5 * spec.mtp_num_layers)
-        delta = norms * SEQ * MBS * 2 * (training.param_bytes - 4)
+        delta = norms * SEQ * MBS // (par.tp if par.sequence_parallel else 1) * 2 * (training.param_bytes - 4)
         act = dataclasses.replace(act, components={**act.components, "cpu": delta})
         assert {b for _, b in result["forward"]} == {act.forward + act.shared}, result["sizes"]
         peak, _ = schedule_peak([act], in_flight(par, training.num_microbatches, pp_rank))

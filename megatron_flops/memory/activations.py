@@ -264,16 +264,20 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     mla = spec.mla
     assert mla is not None
     T, a, heads = x.tokens, x.act, x.heads
-    norm = options.qk_layernorm
-    stats = T * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
-    w.keep("attention", T * x.h * a)
+    norm, loc = options.qk_layernorm, x.local_tokens
+    stats = loc * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
+    w.keep("attention", loc * x.h * a)  # (this rank's slice under sequence parallelism)
     if mla.q_lora_rank is not None:
-        latent = T * mla.q_lora_rank * a  # q_down's output = q_up's input, or the q norm's input
-        w.keep("attention", latent + ((stats + latent) if norm else 0))
-    # kv_down's output [T, kv_lora + rope] (kv_up's input is a view of it, or the kv norm's).
-    w.keep("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a)
+        # The all-gathered q latent [T, q_lora] (q_up's input, or the q norm's; under sequence
+        # parallelism their [T/TP] slice is a view of it), the norm's statistics and output.
+        w.keep("attention", T * mla.q_lora_rank * a + ((stats + loc * mla.q_lora_rank * a) if norm else 0))
+    # kv_up's input (or the kv norm's): a view of the all-gathered kv_down output [T, kv_lora +
+    # rope], which it keeps whole; under sequence parallelism a [T/TP, kv_lora] copy of its slice
+    # (RoPE's product with cos/sin keeps only those), then the kv norm.
+    w.keep("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a if x.sp == 1
+           else loc * mla.kv_lora_rank * a)
     if norm:
-        w.keep("attention", stats + T * mla.kv_lora_rank * a)
+        w.keep("attention", stats + loc * mla.kv_lora_rank * a)
     w.keep("attention", 4 * x.s * mla.qk_pos_emb_head_dim * a)  # cos and sin, for q and for k
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
     v = T * heads * mla.v_head_dim * a
@@ -453,11 +457,14 @@ def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
         body = _Walk(_Grad(mask_saved=True)) if recomputed else w
         _norm(body, "mtp", x, options)
         _norm(body, "mtp", x, options)
-        body.keep("mtp", T * 2 * x.h * a)
+        body.keep("mtp", x.local_tokens * 2 * x.h * a)
+        # NB: under sequence parallelism eh_proj's output is all-gathered and sliced again: the
+        # layer's input is a view of the whole [T, h] storage, which its first norm keeps alive.
+        body.keep("mtp", (T - x.local_tokens) * x.h * a)
         _layer(body, x, spec, options, core_attn=core_attn, moe=spec.mtp_ffn == "moe")
         _norm(body, "mtp", x, options)
         if recomputed:
-            inputs = 2 * T * x.h * a  # the norms' inputs (the checkpoint keeps them)
+            inputs = 2 * x.local_tokens * x.h * a  # the norms' inputs (the checkpoint keeps them)
             w.keep("recompute", inputs)
             w.region(body.kept - inputs)
             if x.rot and spec.mla is None:

@@ -31,9 +31,6 @@ CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials (as comm.CE_RE
 
 def check_mla_mtp(spec: ModelSpec, par: Parallelism) -> None:
     """ValueError for MLA/MTP layouts megatron-core refuses or these figures do not model."""
-    if par.sequence_parallel and (spec.mla is not None or spec.mtp_num_layers):
-        raise ValueError("multi-latent attention and multi-token prediction are modelled without "
-                         "--sequence-parallel")
     if spec.mtp_num_layers and spec.hidden_size % par.tp:
         raise ValueError(f"multi-token prediction splits eh_proj's hidden_size={spec.hidden_size} outputs over TP: "
                          f"not divisible by --tp {par.tp}")
@@ -62,35 +59,72 @@ def mtp_recomputed(spec: ModelSpec, recompute: RecomputeSpec | None) -> bool:
 
 
 def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Training, *, num_layers: int,
-                            rerun: int, last: bool, recompute: RecomputeSpec | None) -> dict[str, int]:
+                            rerun: int, last: bool, recompute: RecomputeSpec | None,
+                            learned_positions: bool) -> dict[str, int]:
     """``tp/*`` payload bytes per micro-batch of one model chunk beyond
     :func:`~megatron_flops.memory.comm.tensor_parallel_activations`'s dense layers and main output
-    (TP > 1, no sequence parallelism): the MLA layers' latent all-gathers and extra input-gradient
-    all-reduces (``rerun`` main layers run their forward twice), and on the last stage every MTP
-    layer. Activations in the parameter dtype, cross-entropy's reductions in fp32."""
+    (TP > 1): the MLA layers' latent collectives and extra input-gradient reductions (``rerun``
+    main layers run their forward twice), and on the last stage every MTP layer. Activations in
+    the parameter dtype, cross-entropy's reductions in fp32."""
     if par.tp == 1:
         return {}
-    a, h = training.param_bytes, spec.hidden_size
     tokens = training.seq_length * training.micro_batch_size
-    hidden = tokens * h * a
     mtp = spec.mtp_num_layers if last else 0
     mtp_rerun = mtp if mtp_recomputed(spec, recompute) else 0
-    gather = reduce = 0
-    if spec.mla is not None:
-        mla = spec.mla
-        q_lora = mla.q_lora_rank or 0
-        # Forward: q and kv latents all-gathered. Backward: the second down projection's input
-        # (the hidden states) and both up projections' inputs (the latents) all-reduced.
-        gather += (num_layers + rerun + mtp + mtp_rerun) * tokens * (q_lora + mla.kv_lora_rank
-                                                                     + mla.qk_pos_emb_head_dim) * a
-        reduce += (num_layers + mtp) * (hidden + tokens * (q_lora + mla.kv_lora_rank) * a)
+    out: dict[str, int] = {}
+    for part in (_mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp, rerun + mtp_rerun),
+                 _mtp_tp(spec.hidden_size * tokens, par.sequence_parallel, mtp, mtp_rerun, learned_positions)):
+        for key, count in part.items():
+            out[key] = out.get(key, 0) + count * training.param_bytes
     if mtp:
-        # Per MTP layer: embedding (forward), eh_proj's [T, 2h] input gradient, the decoder layer
-        # (2 forward + 2 backward, the forward twice when recomputed), the output layer's input
-        # gradient; cross-entropy's fp32 [s, b] reductions. eh_proj's output all-gathered.
-        reduce += mtp * (1 + 2 + 4 + 1) * hidden + mtp_rerun * 2 * hidden + mtp * tokens * 4 * CE_REDUCTIONS
-        gather += (mtp + mtp_rerun) * hidden
-    return {k: v for k, v in (("tp/all_gather", gather), ("tp/all_reduce", reduce)) if v}
+        out["tp/all_reduce"] = out.get("tp/all_reduce", 0) + mtp * tokens * 4 * CE_REDUCTIONS
+    return {k: v for k, v in out.items() if v}
+
+
+def _mla_tp(spec: ModelSpec, sp: bool, tokens: int, layers: int, rerun: int) -> dict[str, int]:
+    """Elements per micro-batch of ``layers`` MLA layers beyond a dense attention's.
+
+    Without sequence parallelism: the q and kv latents all-gathered in forward; in backward the
+    second down projection's input (the hidden states) and both up projections' inputs all-reduced.
+    Under sequence parallelism every column-parallel layer all-gathers its input in forward and
+    again in backward and reduce-scatters its input gradient: the second down projection (the
+    hidden states) and both up projections (the latents, this rank's [s/TP] slice); the latents
+    are all-gathered over the hidden dimension in forward and, scattered back to [s/TP] slices,
+    their gradients all-gathered in backward (kv's RoPE part stays whole)."""
+    mla = spec.mla
+    if mla is None or not layers:
+        return {}
+    h, q, kv, rope = spec.hidden_size, mla.q_lora_rank or 0, mla.kv_lora_rank, mla.qk_pos_emb_head_dim
+    if not sp:
+        return {"tp/all_gather": (layers + rerun) * tokens * (q + kv + rope),
+                "tp/all_reduce": layers * tokens * (h + q + kv)}
+    forward = tokens * (h + q + (kv + rope) + q + kv)  # 2nd down input, latents, up inputs
+    backward = tokens * (h + q + kv + q + kv)  # 2nd down input again, latent grads, up inputs again
+    return {"tp/all_gather": layers * (forward + backward) + rerun * forward,
+            "tp/reduce_scatter": layers * tokens * (h + q + kv)}
+
+
+def _mtp_tp(hidden: int, sp: bool, mtp: int, rerun: int, learned_positions: bool) -> dict[str, int]:
+    """Elements per micro-batch of ``mtp`` MTP layers (``rerun`` of them recomputed) beyond their
+    MLA terms: the embedding, ``eh_proj`` [T, 2h] -> [T, h/TP] and its output's all-gather, a
+    dense decoder layer's collectives and one more output-layer call (``hidden``: elements of
+    one [s, b, h] activation).
+
+    Without sequence parallelism: all-reduces of the embedding (forward), eh_proj's input
+    gradient, the layer (2 forward, 2 backward) and the output layer's input gradient; eh_proj's
+    output all-gathered. Under sequence parallelism: the embedding reduce-scattered (learned
+    positions: all-reduced, then sliced) and its gradient all-gathered; eh_proj all-gathers its
+    input twice and reduce-scatters its gradient, its output all-gathered over the hidden
+    dimension and the slice's gradient all-gathered back; the layer as a dense one (6 gathers, 4
+    reduce-scatters); the output layer's call (2 gathers, 1 reduce-scatter)."""
+    if not mtp:
+        return {}
+    if not sp:
+        return {"tp/all_reduce": mtp * (1 + 2 + 4 + 1) * hidden + rerun * 2 * hidden,
+                "tp/all_gather": (mtp + rerun) * hidden}
+    return {"tp/all_gather": mtp * (1 + 2 * 2 + 2 + 6 + 2) * hidden + rerun * (2 + 1 + 2) * hidden,
+            "tp/reduce_scatter": mtp * ((0 if learned_positions else 1) + 2 + 4 + 1) * hidden + rerun * 2 * hidden,
+            "tp/all_reduce": mtp * hidden if learned_positions else 0}
 
 
 def mla_mtp_assumptions(spec: ModelSpec, par: Parallelism) -> list[str]:
