@@ -258,9 +258,11 @@ def _softmax(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool,
 
 def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool) -> None:
     """Multi-latent attention (heads per TP rank; the latents whole) after the input norm: the
-    norm's output (read by the query and the kv down projections), the latents (with ``qk_layernorm``: their norms' inputs and
-    fp32 statistics, and outputs), RoPE's cos and sin, the concatenated query and key [T, heads,
-    qk + rope] and a contiguous value [T, heads, v], the core attention, ``linear_proj``'s input."""
+    norm's output (read by the query and the kv down projections), the latents (with
+    ``qk_layernorm``: their norms' inputs and fp32 statistics, and outputs), RoPE's cos and sin,
+    the concatenated query and key [T, heads, qk + rope] and a contiguous value [T, heads, v], the
+    core attention, ``linear_proj``'s input. Under sequence parallelism the norm's output, the
+    latent norms and the up projections' inputs are this rank's [T/TP] slices."""
     mla = spec.mla
     assert mla is not None
     T, a, heads = x.tokens, x.act, x.heads

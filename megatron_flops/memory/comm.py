@@ -139,14 +139,7 @@ def step_communication(
     hidden = tokens * spec.hidden_size * act  # one [s, b, h] activation
     m = training.num_microbatches
     add = lambda key, value: out.__setitem__(key, out.get(key, 0) + value) if value else None  # noqa: E731
-    tied_trains = any(p.shared_embedding for group in buffers.values() for b in group for p, _, _ in b.params)
-    # (A frozen tied weight has no gradient to reduce; MTP keeps an embedding copy on the last stage.)
-    if par.pp > 1 and (spec.tied_output or spec.mtp_num_layers) and tied_trains:
-        for chunk in range(par.num_chunks):
-            if par.is_first_stage(pp_rank, chunk) or par.is_last_stage(pp_rank, chunk):
-                vocab = padded_vocab(spec, options, par.tp)
-                add("embd/all_reduce", vocab // par.tp * spec.hidden_size * training.grad_bytes)
-                break
+    add("embd/all_reduce", embedding_all_reduce(spec, options, par, training, pp_rank=pp_rank, buffers=buffers))
     kinds = spec.layers  # (mixer, ffn) per layer, expanded once
     for chunk in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
@@ -186,6 +179,19 @@ def step_communication(
             # Token counts per expert (int64 [E]) gathered over the expert TP x EP group.
             add("ep/all_gather", m * moe_layers * par.tp * par.ep * moe.num_experts * 8)
     return out
+
+
+def embedding_all_reduce(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
+                         pp_rank: int, buffers: Mapping[str, Sequence[Bucket]]) -> int:
+    """``embd/all_reduce`` bytes per step: the word embeddings' gradient shared by the first and
+    the last pipeline stage (PP > 1), tied to the output weight or, with MTP, the last stage's
+    copy; none on other stages or when that weight is frozen (no gradient)."""
+    shared_trains = any(p.shared_embedding for group in buffers.values() for b in group for p, _, _ in b.params)
+    if par.pp == 1 or not (spec.tied_output or spec.mtp_num_layers) or not shared_trains:
+        return 0
+    if not any(par.is_first_stage(pp_rank, c) or par.is_last_stage(pp_rank, c) for c in range(par.num_chunks)):
+        return 0
+    return padded_vocab(spec, options, par.tp) // par.tp * spec.hidden_size * training.grad_bytes
 
 
 def sequence_parallel_slice(training: Training, par: Parallelism) -> Training:
