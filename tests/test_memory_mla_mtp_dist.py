@@ -34,8 +34,9 @@ RUNS = {
     "TP2 x DP2, MLA (q_lora, latent norms) + 1 MTP layer, distributed optimizer, fp32": dict(
         layout=dict(tp=2), model=dict(MLA, q_lora_rank=24, qk_layernorm=True, mtp_num_layers=1), m=2,
         build=dict(distributed_optimizer=True, params_dtype="fp32")),
-    "PP2 x DP2 (1F1B), MLA (direct q) + 1 MTP layer, tied embeddings, distributed optimizer, bf16, M=3": dict(
-        layout=dict(pp=2), model=dict(MLA, num_layers=4, q_lora_rank=None, mtp_num_layers=1), m=3,
+    # (MTP and the embedding copy on the last virtual stage: chunk 1 of pipeline rank 1.)
+    "PP2 x VPP2 x DP2 (interleaved), MLA (direct q) + 1 MTP layer, tied embeddings, distributed optimizer, bf16, M=4":
+        dict(layout=dict(pp=2, vpp=2), model=dict(MLA, num_layers=4, q_lora_rank=None, mtp_num_layers=1), m=4,
         build=dict(distributed_optimizer=True)),
     "TP2 x PP2, 2 MTP layers, untied, learned positions, full recompute (uniform 1), DDP, fp32, M=3": dict(
         layout=dict(tp=2, pp=2), model=dict(BASE, num_layers=4, mtp_num_layers=2, recompute_granularity="full",
@@ -68,11 +69,13 @@ def setup(name: str):
                                                position_embedding_type=build.get("position_embedding_type", "rope"),
                                                add_bias_linear=False))
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
-    par = Parallelism(tp=tp, pp=pp, dp=WORLD // (tp * pp), sequence_parallel=layout.get("sp", False),
+    par = Parallelism(tp=tp, pp=pp, vpp=layout.get("vpp"), dp=WORLD // (tp * pp),
+                      sequence_parallel=layout.get("sp", False),
                       distributed_optimizer=build.get("distributed_optimizer", False))
     training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=run["m"],
                         params_dtype=build.get("params_dtype", "bf16"))
-    recompute = RecomputeSpec.from_mapping(dict(model, pipeline_model_parallel_size=pp))
+    recompute = RecomputeSpec.from_mapping(dict(model, pipeline_model_parallel_size=pp,
+                                                virtual_pipeline_model_parallel_size=layout.get("vpp")))
     return spec, options, par, training, recompute
 
 
@@ -87,9 +90,10 @@ def expected(name: str, result: dict):
 def test_parameters_in_megatron_order(measured, name):
     spec, options, par, training, _ = setup(name)
     for result in measured[name]:
-        params = chunk_parameters(spec, options, par, pp_rank=result["sizes"]["pp_rank"], chunk=0,
-                                  seq_length=training.seq_length)
-        assert [(p.name, p.numel) for p in params] == [tuple(n) for n in result["names"][0]]
+        for chunk, names in enumerate(result["names"]):
+            params = chunk_parameters(spec, options, par, pp_rank=result["sizes"]["pp_rank"], chunk=chunk,
+                                      seq_length=training.seq_length)
+            assert [(p.name, p.numel) for p in params] == [tuple(n) for n in names]
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -108,15 +112,16 @@ def test_communication_per_step(measured, name):
 def test_activations_per_forward_and_schedule_peak(measured, name):
     spec, options, par, training, recompute = setup(name)
     for result in measured[name]:
-        pp_rank = result["sizes"]["pp_rank"]
-        act = chunk_activations(spec, options, par, training, pp_rank=pp_rank, chunk=0, recompute=recompute)
-        # torch's CPU LayerNorm keeps mean and rstd in the input dtype (CUDA: fp32): per norm of
-        # the forward (2 per layer; on the last stage the final norm and 5 per MTP layer) and
-        # token of its slice (the latent norms run in fp32 runs only).
-        last = par.is_last_stage(pp_rank, 0)
-        norms = 2 * len(par.chunk_layers(spec.num_layers, pp_rank, 0)) + last * (1 + 5 * spec.mtp_num_layers)
-        delta = norms * SEQ * MBS // (par.tp if par.sequence_parallel else 1) * 2 * (training.param_bytes - 4)
-        act = dataclasses.replace(act, components={**act.components, "cpu": delta})
-        assert {b for _, b in result["forward"]} == {act.forward + act.shared}, result["sizes"]
-        peak, _ = schedule_peak([act], in_flight(par, training.num_microbatches, pp_rank))
+        pp_rank, chunks = result["sizes"]["pp_rank"], []
+        for c in range(par.num_chunks):
+            act = chunk_activations(spec, options, par, training, pp_rank=pp_rank, chunk=c, recompute=recompute)
+            # torch's CPU LayerNorm keeps mean and rstd in the input dtype (CUDA: fp32): per norm
+            # of the forward (2 per layer; on the last stage the final norm and 5 per MTP layer)
+            # and token of its slice (the latent norms run in fp32 runs only).
+            last = par.is_last_stage(pp_rank, c)
+            norms = 2 * len(par.chunk_layers(spec.num_layers, pp_rank, c)) + last * (1 + 5 * spec.mtp_num_layers)
+            delta = norms * SEQ * MBS // (par.tp if par.sequence_parallel else 1) * 2 * (training.param_bytes - 4)
+            chunks.append(dataclasses.replace(act, components={**act.components, "cpu": delta}))
+            assert {b for i, b in result["forward"] if i == c} == {act.forward + act.shared + delta}, result["sizes"]
+        peak, _ = schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank))
         assert peak == result["peak"], result["sizes"]
