@@ -236,6 +236,24 @@ MLA_CASES = {
         MLA, q_lora_rank=24, qk_layernorm=True, moe_token_dispatcher_type="alltoall"),
     "dense GPT, 2 MTP layers": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                                     normalization="RMSNorm", add_bias_linear=False, mtp_num_layers=2),
+    # Recompute (LayerNorm, fp32: torch's CPU kernels save as the CUDA convention, so the
+    # backward peaks need no correction).
+    "q_lora, qk_layernorm, full recompute (uniform 1)": dict(
+        MLA_DENSE, q_lora_rank=24, qk_layernorm=True, normalization="LayerNorm", **FULL_UNIFORM,
+        recompute_num_layers=1),
+    "direct q, selective core_attn": dict(MLA_DENSE, q_lora_rank=None, normalization="LayerNorm",
+                                          recompute_granularity="selective"),
+    # MTP under full recompute: megatron-core checkpoints each MTP layer after its embedding
+    # (uniform, recompute_num_layers 1; block leaves it alone).
+    "dense GPT, RoPE, 2 MTP layers, full recompute (uniform 1)": dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, add_bias_linear=False,
+        normalization="LayerNorm", mtp_num_layers=2, **FULL_UNIFORM, recompute_num_layers=1),
+    "q_lora, 1 MTP layer, full recompute (block 1)": dict(
+        MLA_DENSE, q_lora_rank=24, normalization="LayerNorm", mtp_num_layers=1, recompute_granularity="full",
+        recompute_method="block", recompute_num_layers=1),
+    "q_lora, qk_layernorm, 1 MTP layer, selective core_attn": dict(
+        MLA_DENSE, q_lora_rank=24, qk_layernorm=True, normalization="LayerNorm", mtp_num_layers=1,
+        recompute_granularity="selective"),
 }
 
 
@@ -249,7 +267,8 @@ def test_mla_mtp_saved_bytes_match_megatron_core(mcore, name):
                                                position_embedding_type="rope"))
     par = Parallelism()
     training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype="fp32")
-    act = chunk_activations(spec, options, par, training, pp_rank=0, chunk=0)
+    act = chunk_activations(spec, options, par, training, pp_rank=0, chunk=0,
+                            recompute=RecomputeSpec.from_mapping(model))
     # torch's CPU RMSNorm is composite and also keeps x * rstd: [T, h] per main norm (2 per
     # layer + final), [T, q_lora] and [T, kv_lora] per layer for the latent norms.
     # An MTP layer adds 5 norms (enorm, hnorm, its layer's two, its final norm).
@@ -258,7 +277,10 @@ def test_mla_mtp_saved_bytes_match_megatron_core(mcore, name):
     delta = (2 * layers + 1 + 3 * mtp) * tokens * fields["hidden_size"] * 4
     if fields.get("qk_layernorm"):
         delta += layers * tokens * ((fields.get("q_lora_rank") or 0) + fields["kv_lora_rank"]) * 4
-    assert measured_forward == [act.forward + delta] * NUM_MB
+    if fields.get("normalization", "RMSNorm") == "LayerNorm" or "recompute_granularity" in fields:
+        assert fields.get("normalization") == "LayerNorm"  # (fp32 LayerNorm: no CPU correction)
+        delta = 0
+    assert measured_forward == [act.forward + act.shared + delta] * NUM_MB
     assert measured_peak == schedule_peak([act], in_flight(par, NUM_MB, 0))[0] + delta
 
 

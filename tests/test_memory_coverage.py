@@ -123,12 +123,6 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     ("* | * | *LoRA*", r"not modelled: activations of LoRA/frozen decoders are modelled for dense layers"),
     ("mcore:lora and recompute in the file | *", r"not modelled: activations of LoRA/frozen decoders are modelled "
                                                  r"without recompute"),
-    # Multi-latent attention under TP and with recompute; multi-token prediction under PP, TP, recompute.
-    ("* | TP2* | *", r"refused: .*multi-latent attention is modelled with --tp 1"),
-    ("* | * | *recompute", r"not modelled: activations of multi-latent attention are modelled without recompute"),
-    ("mcore:*mtp | PP2* | *", r"refused: .*multi-token prediction is modelled with --pp 1"),
-    ("mcore:*mtp | * | *", r"not modelled: activations of multi-token prediction are modelled with --tp 1 and "
-                           r"without recompute"),
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),

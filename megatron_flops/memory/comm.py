@@ -12,12 +12,14 @@ one-element ones (loss averaging, grad norm, found-inf). Keys are ``<group>/<kin
   padding included, once per step (the all-gather twice with expert-parallel buffers: see
   :func:`data_parallel_bytes`); ``expt_dp/...`` the same for expert-parallel buffers.
 - ``embd/all_reduce``: the tied embedding/output weight's gradient between the first and the
-  last pipeline stage (PP > 1; none when that weight is frozen).
+  last pipeline stage (PP > 1; none when that weight is frozen); with multi-token prediction the
+  last stage's copy of the word embeddings, tied or not (:mod:`~megatron_flops.memory.mla_mtp`).
 - ``tp/all_reduce``, ``tp/all_gather``, ``tp/reduce_scatter``, per micro-batch: [s, b, h]
   activations and their gradients (:func:`tensor_parallel_activations`; full recompute runs the
   forward's collectives again) and vocab-parallel cross-entropy's three fp32 [s, b] reductions;
   once per step the gradients of the weights every TP rank holds whole, under sequence
-  parallelism (:func:`tp_replicated_numel`).
+  parallelism (:func:`tp_replicated_numel`). Multi-latent attention's latent all-gathers and
+  multi-token prediction's layers: :func:`~megatron_flops.memory.mla_mtp.mla_mtp_tensor_parallel`.
 - ``pp/send_recv``, per micro-batch and model chunk: the [s, b, h] activation ([s/TP, b, h] under
   sequence parallelism) received from the previous virtual stage and its gradient sent back, the
   activation sent to the next and its gradient received.
@@ -40,6 +42,7 @@ from dataclasses import replace
 
 from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
@@ -140,13 +143,7 @@ def step_communication(
     hidden = tokens * spec.hidden_size * act  # one [s, b, h] activation
     m = training.num_microbatches
     add = lambda key, value: out.__setitem__(key, out.get(key, 0) + value) if value else None  # noqa: E731
-    tied_trains = any(p.shared_embedding for group in buffers.values() for b in group for p, _, _ in b.params)
-    if par.pp > 1 and spec.tied_output and tied_trains:  # (a frozen tied weight has no gradient to reduce)
-        for chunk in range(par.num_chunks):
-            if par.is_first_stage(pp_rank, chunk) or par.is_last_stage(pp_rank, chunk):
-                vocab = padded_vocab(spec, options, par.tp)
-                add("embd/all_reduce", vocab // par.tp * spec.hidden_size * training.grad_bytes)
-                break
+    add("embd/all_reduce", embedding_all_reduce(spec, options, par, training, pp_rank=pp_rank, buffers=buffers))
     kinds = spec.layers  # (mixer, ffn) per layer, expanded once
     for chunk in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
@@ -164,6 +161,10 @@ def step_communication(
                 add(key, m * hidden * count)
             if last:
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
+            learned = options.position_embedding_type == "learned_absolute"
+            for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=len(layers), rerun=rerun,
+                                                      last=last, recompute=recompute, learned_positions=learned).items():
+                add(key, m * value)
         if par.cp > 1:
             # NB: a formula, not measured (no context-parallel attention on CPU): Transformer
             # Engine's ring attention passes each layer's K and V [s/CP, b, groups/TP, d] round
@@ -175,6 +176,19 @@ def step_communication(
             for key, value in moe_communication(spec, options, par, training, moe_layers, rerun_moe).items():
                 add(key, m * value)
     return out
+
+
+def embedding_all_reduce(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
+                         pp_rank: int, buffers: Mapping[str, Sequence[Bucket]]) -> int:
+    """``embd/all_reduce`` bytes per step: the word embeddings' gradient shared by the first and
+    the last pipeline stage (PP > 1), tied to the output weight or, with MTP, the last stage's
+    copy; none on other stages or when that weight is frozen (no gradient)."""
+    shared_trains = any(p.shared_embedding for group in buffers.values() for b in group for p, _, _ in b.params)
+    if par.pp == 1 or not (spec.tied_output or spec.mtp_num_layers) or not shared_trains:
+        return 0
+    if not any(par.is_first_stage(pp_rank, c) or par.is_last_stage(pp_rank, c) for c in range(par.num_chunks)):
+        return 0
+    return padded_vocab(spec, options, par.tp) // par.tp * spec.hidden_size * training.grad_bytes
 
 
 def sequence_parallel_slice(training: Training, par: Parallelism) -> Training:

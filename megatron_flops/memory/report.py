@@ -22,6 +22,7 @@ from megatron_flops.memory.comm import (
 )
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.mla_mtp import mla_mtp_assumptions
 from megatron_flops.memory.moe import (
     all_to_all_range,
     check_moe,
@@ -269,6 +270,7 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                            "routed tokens as it sends): a rank's figures move with the router (measured: within "
                            "+/-6.3% per rank on 4-rank tests), the EP group's total is exact; the per-rank range "
                            "over all routings is shown")
+    assumptions += mla_mtp_assumptions(spec, par)
     unmeasured += moe_unmeasured(spec, options)
     if par.cp > 1:
         unmeasured.append(f"context parallelism (CP {par.cp}): activations and collectives as s/CP tokens per rank "
