@@ -1,0 +1,204 @@
+"""Memory of a Qwen-VL vision tower trained with a megatron-core decoder, as Megatron-Bridge builds
+it (stdlib only).
+
+Where it lives: Megatron-Bridge's ``Qwen25VLModel`` builds the Hugging Face tower
+(``Qwen2_5_VisionTransformerPretrainedModel``) as ``visual`` on the first pipeline stage only
+(``pre_process``: model chunk 0 of pipeline rank 0), registered before ``language_model``, so its
+parameters come first in ``named_parameters()`` and join that chunk's DDP buffers. Every
+tensor-parallel rank holds it whole and runs it on the whole micro-batch's images; its gradients
+are averaged over TP once per step by ``finalize_model_grads`` (``average_gradients_across_tp_domain``):
+one coalesced ``tp/all_reduce`` of the trainable tower's gradients. ``freeze_vision_model``
+freezes the patch embedding and the blocks, ``freeze_vision_projection`` the merger; a PEFT
+(``--frozen``) run freezes the whole tower (Bridge's LoRA targets, ``linear_qkv`` ..., name no
+module of the Hugging Face tower).
+
+Activations (saved for backward, one micro-batch; ``P`` patches, ``M = P / m^2`` merged tokens,
+``D`` width, ``F`` MLP width, ``d`` head width, ``K = C x tp x p^2`` pixels per patch, ``a`` bytes
+of the compute dtype), as the Hugging Face tower's eager attention saves them (measured on CPU):
+
+- ``vit/patch_embed``: the Conv3d's input ``a P K``;
+- ``vit/rope``: the fp32 ``cos``/``sin`` ``[P, d]`` every block reads (once): ``8 P d``;
+- ``vit/norm`` per RMSNorm (Qwen2.5-VL): an fp32 copy of its input, fp32 ``rstd`` and its output
+  in ``a``: ``4 P D + 4 P + a P D``; per LayerNorm: its input and two statistics ``a P D + 2 s P``;
+- ``vit/attn`` per block: qkv's input and output (``v`` is a view of it), the rotated ``q`` and
+  ``k``, proj's input: ``7 a P D``; the softmax output ``[heads, n, n]`` per attention segment in fp32
+  and, below fp32, its cast to ``a``;
+- ``vit/mlp`` per block: its input, then ``[P, F]`` tensors: the activation's input (and
+  QuickGELU's sigmoid), the activation's output, and for a gated MLP the up projection and the
+  product;
+- ``vit/merger``: its input norm, the two linear layers' inputs and the GELU's input
+  (``3 a P D``), and (Qwen2.5-VL) the int64 window order and its inverse (``8 M`` each).
+
+NB: a fused kernel (flash, sdpa) saves no softmax: q, k, v (qkv's output), its output and an fp32
+log-sum-exp per patch and head (``4 P heads``) instead: a formula, no such kernel on CPU.
+NB: norm statistics in fp32 (``s = 4``), as CUDA's LayerNorm keeps them (CPU: the input dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_flops.flops.vision import (
+    VisionSpec,
+    VisionStats,
+    hf_vision_sections,
+    vision_spec_from_model_mapping,
+)
+from megatron_flops.memory.decoder import Param
+
+# Towers whose activations are measured (the Hugging Face module Megatron-Bridge trains).
+MEASURED_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+NORM_STATS_BYTES = 4  # fp32 LayerNorm mean and rstd per patch (CUDA)
+INDEX_BYTES = 8  # int64 gather indices
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionTower:
+    """A Qwen-VL tower: ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``) and its shapes;
+    ``hidden_act`` the blocks' MLP activation; ``num_position_embeddings`` Qwen3-VL's learned grid."""
+
+    family: str
+    spec: VisionSpec
+    hidden_act: str
+    num_position_embeddings: int = 0
+
+    @property
+    def rms_norm(self) -> bool:
+        return self.family == "qwen2_5_vl"
+
+
+def vision_tower(raw: Mapping[str, Any]) -> VisionTower | None:
+    """The tower of a Hugging Face model mapping, or None when it has none."""
+    sections = hf_vision_sections(raw)
+    if sections is None:
+        return None
+    spec = vision_spec_from_model_mapping(raw)
+    kind = str(sections["model_type"]).removesuffix("_vision_encoder").removesuffix("_vision")
+    family = "qwen3_vl" if kind in ("qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe") else kind
+    config = sections["vision_config"]
+    default_act = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu"}.get(family, "gelu_pytorch_tanh")
+    return VisionTower(family=family, spec=spec, hidden_act=str(config.get("hidden_act", default_act)),
+                       num_position_embeddings=int(config.get("num_position_embeddings", 2304)))
+
+
+def _linear(name: str, n_in: int, n_out: int, trains: bool) -> list[Param]:
+    return [Param(f"{name}.weight", n_in * n_out, trains), Param(f"{name}.bias", n_out, trains)]
+
+
+def _norm(tower: VisionTower, name: str, width: int, trains: bool) -> list[Param]:
+    weight = [Param(f"{name}.weight", width, trains)]
+    return weight if tower.rms_norm else weight + [Param(f"{name}.bias", width, trains)]
+
+
+def vision_parameters(tower: VisionTower, *, model_trains: bool = True,
+                      projection_trains: bool = True) -> tuple[Param, ...]:
+    """The tower's parameters in ``named_parameters()`` order (prefix ``visual.``): ``model_trains``
+    for the patch embedding, position embedding and blocks, ``projection_trains`` for the mergers."""
+    s, t = tower.spec, model_trains
+    d, f, m2 = s.hidden_size, s.intermediate_size, s.spatial_merge_size**2
+    qwen3 = tower.family == "qwen3_vl"
+    pixels = s.in_channels * s.temporal_patch_size * s.patch_size**2
+    out = [Param("visual.patch_embed.proj.weight", pixels * d, t)]
+    if qwen3:
+        out += [Param("visual.patch_embed.proj.bias", d, t),
+                Param("visual.pos_embed.weight", tower.num_position_embeddings * d, t)]
+    mlp = {"qwen2_vl": ("fc1", "fc2"), "qwen3_vl": ("linear_fc1", "linear_fc2")}.get(tower.family)
+    for i in range(s.depth):
+        block = f"visual.blocks.{i}."
+        out += _norm(tower, block + "norm1", d, t) + _norm(tower, block + "norm2", d, t)
+        out += _linear(block + "attn.qkv", d, 3 * d, t) + _linear(block + "attn.proj", d, d, t)
+        if mlp is None:  # Qwen2.5-VL's gated MLP
+            for name in ("gate_proj", "up_proj"):
+                out += _linear(block + "mlp." + name, d, f, t)
+            out += _linear(block + "mlp.down_proj", f, d, t)
+        else:
+            out += _linear(block + "mlp." + mlp[0], d, f, t) + _linear(block + "mlp." + mlp[1], f, d, t)
+    out += _mergers(tower, projection_trains)
+    return tuple(out)
+
+
+def _mergers(tower: VisionTower, trains: bool) -> list[Param]:
+    """The patch merger (and Qwen3-VL's deep-stack mergers, normed after the 2x2 shuffle)."""
+    s = tower.spec
+    wide = s.hidden_size * s.spatial_merge_size**2
+    if tower.family != "qwen3_vl":
+        return (_norm(tower, "visual.merger.ln_q", s.hidden_size, trains)
+                + _linear("visual.merger.mlp.0", wide, wide, trains)
+                + _linear("visual.merger.mlp.2", wide, s.out_hidden_size, trains))
+    out: list[Param] = []
+    names = [("visual.merger.", s.hidden_size)]
+    names += [(f"visual.deepstack_merger_list.{i}.", wide) for i in range(len(s.deepstack_visual_indexes))]
+    for prefix, norm_width in names:
+        out += (_norm(tower, prefix + "norm", norm_width, trains) + _linear(prefix + "linear_fc1", wide, wide, trains)
+                + _linear(prefix + "linear_fc2", wide, s.out_hidden_size, trains))
+    return out
+
+
+# [P, F] tensors an MLP activation saves of its own: QuickGELU (x * sigmoid(1.702 x)) keeps x and
+# the sigmoid; the others (torch's GELU, SiLU) their input.
+_ACT_SAVES = {"quick_gelu": 2}
+
+
+def _norm_bytes(tower: VisionTower, rows: int, width: int, a: int, stats: int, *, weight_trains: bool,
+                input_grad: bool) -> int:
+    """One norm over ``rows`` x ``width``: RMSNorm (composite: an fp32 copy of its input and fp32
+    rstd when its input needs a gradient, its output in ``a`` when its weight trains); LayerNorm
+    (its input and two statistics when anything needs a gradient)."""
+    if tower.rms_norm:
+        return (4 * rows * width + 4 * rows) * input_grad + a * rows * width * weight_trains
+    return (a * rows * width + 2 * stats * rows) * (input_grad or weight_trains)
+
+
+def _block_bytes(tower: VisionTower, stats: VisionStats, a: int, s: int, attention: str) -> dict[str, int]:
+    """One micro-batch's blocks, all training (see the module docstring)."""
+    spec, p = tower.spec, stats.num_patches
+    d, f = spec.hidden_size, spec.intermediate_size
+    pairs = (spec.num_full_attention_blocks * stats.sum_frame_patches_squared
+             + spec.num_window_attention_blocks * stats.window_pairs)
+    if attention == "flash":
+        # NB: q, k, v and the output are saved already; the kernel adds an fp32 log-sum-exp per patch and head.
+        core = spec.depth * 4 * p * spec.num_heads
+    else:
+        # NB: softmax(dtype=float32) saves its fp32 output; below fp32 its cast to ``a`` is matmul's input too.
+        core = spec.num_heads * pairs * (4 + (a if a < 4 else 0))
+    per_mlp = _ACT_SAVES.get(tower.hidden_act, 1) + (3 if spec.gated_mlp else 1)
+    return {
+        "vit/norm": 2 * spec.depth * _norm_bytes(tower, p, d, a, s, weight_trains=True, input_grad=True),
+        "vit/attn": spec.depth * 7 * a * p * d + core,
+        "vit/mlp": spec.depth * (a * p * d + per_mlp * a * p * f),
+    }
+
+
+def vision_activations(tower: VisionTower, stats: VisionStats, *, act_bytes: int, attention: str = "local",
+                       model_trains: bool = True, projection_trains: bool = True,
+                       norm_stats_bytes: int = NORM_STATS_BYTES) -> dict[str, int]:
+    """Bytes the tower saves for backward over one micro-batch's grids (``stats``), by component.
+
+    ``attention``: ``local`` (Hugging Face eager, measured) or ``flash`` (a fused kernel, a
+    formula). A frozen tower saves nothing: its input (pixels) needs no gradient; with the blocks
+    frozen the merger saves only what its weights' gradients read."""
+    if tower.family not in MEASURED_FAMILIES:
+        raise ValueError(f"activations of the {tower.family} vision tower are not modelled")
+    if attention not in ("local", "flash"):
+        raise ValueError(f"vision attention must be 'local' or 'flash', got {attention!r}")
+    spec, p, a = tower.spec, stats.num_patches, act_bytes
+    d, merged = spec.hidden_size, p // spec.spatial_merge_size**2
+    out: dict[str, int] = {}
+    if model_trains:
+        pixels = spec.in_channels * spec.temporal_patch_size * spec.patch_size**2
+        out["vit/patch_embed"] = a * p * pixels
+        out["vit/rope"] = 2 * 4 * p * spec.head_dim  # fp32 cos and sin [P, d]
+        out.update(_block_bytes(tower, stats, a, norm_stats_bytes, attention))
+    if model_trains or projection_trains:
+        # NB: a frozen linear layer keeps no input; the GELU keeps its input when it needs a gradient.
+        linears = 2 * a * p * d if projection_trains else 0
+        norm = _norm_bytes(tower, p, d, a, norm_stats_bytes, weight_trains=projection_trains, input_grad=model_trains)
+        out["vit/merger"] = norm + linears + a * p * d
+    if tower.family == "qwen2_5_vl":
+        # NB: int64 indices of the window order (gathering the patch embeddings) and of its inverse
+        # (gathering the merger's output), each saved when its gather's input needs a gradient.
+        out["vit/patch_embed"] = out.get("vit/patch_embed", 0) + INDEX_BYTES * merged * model_trains
+        out["vit/merger"] = out.get("vit/merger", 0) + INDEX_BYTES * merged * (model_trains or projection_trains)
+    return {k: v for k, v in out.items() if v}
