@@ -202,3 +202,65 @@ def vision_activations(tower: VisionTower, stats: VisionStats, *, act_bytes: int
         out["vit/patch_embed"] = out.get("vit/patch_embed", 0) + INDEX_BYTES * merged * model_trains
         out["vit/merger"] = out.get("vit/merger", 0) + INDEX_BYTES * merged * (model_trains or projection_trains)
     return {k: v for k, v in out.items() if v}
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionMemory:
+    """The tower as a memory report places it: ``params`` on model chunk 0 of pipeline rank 0
+    (before the decoder's, in ``named_parameters()`` order), ``activations`` one micro-batch's
+    saved bytes there (None: not modelled), and the notes it adds to the report."""
+
+    params: tuple[Param, ...]
+    activations: dict[str, int] | None
+    not_modelled: tuple[str, ...] = ()
+    unmeasured: tuple[str, ...] = ()
+    assumptions: tuple[str, ...] = ()
+
+    def chunk_params(self, first_stage: bool) -> tuple[Param, ...]:
+        return self.params if first_stage else ()
+
+    def chunk_activations(self, first_stage: bool) -> dict[str, int]:
+        return dict(self.activations or {}) if first_stage else {}
+
+    def communication(self, tp: int, grad_bytes: int, first_stage: bool) -> dict[str, int]:
+        """``finalize_model_grads``' coalesced TP all-reduce of the trainable tower's gradients."""
+        numel = sum(p.numel for p in self.params if p.trainable)
+        return {"tp/all_reduce": numel * grad_bytes} if tp > 1 and first_stage and numel else {}
+
+    def parameter_counts(self) -> dict[str, int]:
+        return {"total": sum(p.numel for p in self.params),
+                "trainable": sum(p.numel for p in self.params if p.trainable)}
+
+
+def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: str, model_trains: bool = True,
+                  projection_trains: bool = True, tp: int = 1, cp: int = 1) -> VisionMemory:
+    """The tower's memory for ``grids`` (the ``[t, h, w]`` rows of one micro-batch; None: activations
+    not modelled) under ``attention`` (``local``: eager, measured; ``flash``: a formula)."""
+    params = vision_parameters(tower, model_trains=model_trains, projection_trains=projection_trains)
+    not_modelled: list[str] = []
+    unmeasured: list[str] = []
+    assumptions = [f"the {tower.family} vision tower whole on every TP rank of the first pipeline stage, as "
+                   "Megatron-Bridge's Hugging Face tower (its gradients averaged over TP once per step)"]
+    activations = None
+    if tower.family not in MEASURED_FAMILIES:
+        not_modelled.append(f"the {tower.family} vision tower's activations (Megatron-Bridge trains it as megatron-core "
+                            "Transformer Engine layers: no CPU run)")
+        unmeasured.append(f"the {tower.family} vision tower's states: the Hugging Face module's parameters, whole on "
+                          "each TP rank (Megatron-Bridge's megatron-core tower splits them over TP)")
+    elif grids is None:
+        not_modelled.append("the vision tower's activations: give --grid-thw (the [t, h, w] grids of one micro-batch)")
+    else:
+        stats = VisionStats.from_grids(tower.spec, grids)
+        activations = vision_activations(tower, stats, act_bytes=act_bytes, attention=attention,
+                                         model_trains=model_trains, projection_trains=projection_trains)
+        not_modelled.append("the image-placeholder mask the decoder's input keeps (masked_scatter: one byte per token)")
+        if attention == "flash" and (model_trains or projection_trains):
+            unmeasured.append("activations of the vision tower's fused attention (flash/sdpa: q, k, v, output and an "
+                              "fp32 log-sum-exp per patch and head; no such kernel on CPU; the eager attention is "
+                              "measured: --attention-backend local)")
+    if tp > 1 and any(p.trainable for p in params):
+        unmeasured.append("tp/all_reduce of the vision tower's gradients (finalize_model_grads: not run on CPU here)")
+    if cp > 1:
+        unmeasured.append("the vision tower under context parallelism: whole on every CP rank")
+    return VisionMemory(params=params, activations=activations, not_modelled=tuple(not_modelled),
+                        unmeasured=tuple(unmeasured), assumptions=tuple(assumptions))

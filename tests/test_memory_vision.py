@@ -1,0 +1,164 @@
+"""Memory of a VLM's vision tower (:mod:`megatron_flops.memory.vision`) against the real Hugging
+Face towers on CPU: parameters in ``named_parameters()`` order (built on the meta device), bytes
+saved for backward by the eager attention (``saved_tensors_hooks`` over distinct storages,
+tests/mcore_memory.py), and the states of a megatron-core DDP + distributed optimizer holding the
+tower before a GPT decoder, as Megatron-Bridge's ``Qwen25VLModel`` does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_flops.flops.vision import VisionStats
+from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.report import decoder_memory, rank_memory
+from megatron_flops.memory.vision import vision_activations, vision_memory, vision_parameters, vision_tower
+from megatron_flops.model.spec import ModelSpec
+
+transformers = pytest.importorskip("transformers")
+
+# Tiny towers (patch 2: 24 pixel values per patch; merge 2x2).
+QWEN2 = dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_size=24, patch_size=2)
+QWEN25 = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=24, patch_size=2,
+              window_size=8, fullatt_block_indexes=[1])
+QWEN3 = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=24, patch_size=2,
+             num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
+TOWERS = {"qwen2_vl": QWEN2, "qwen2_5_vl": QWEN25, "qwen3_vl": QWEN3}
+
+
+def _hf_tower(family: str, fields: dict):
+    if family == "qwen2_vl":
+        from transformers.models.qwen2_vl import modeling_qwen2_vl as mod
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig as config
+        return mod.Qwen2VisionTransformerPretrainedModel, config(**fields)
+    if family == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mod
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as config
+        return mod.Qwen2_5_VisionTransformerPretrainedModel, config(**fields)
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as mod
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig as config
+    return mod.Qwen3VLVisionModel, config(**fields)
+
+
+def _tower(family: str, fields: dict | None = None):
+    return vision_tower({"model_type": family, "vision_config": fields or TOWERS[family]})
+
+
+@pytest.mark.parametrize("family", list(TOWERS))
+def test_parameters_in_hugging_face_order(family):
+    cls, config = _hf_tower(family, TOWERS[family])
+    with torch.device("meta"):
+        module = cls._from_config(config)
+    ours = [(p.name.removeprefix("visual."), p.numel) for p in vision_parameters(_tower(family))]
+    assert ours == [(n, p.numel()) for n, p in module.named_parameters()]
+
+
+def test_parameters_by_hand():
+    # Qwen2.5-VL, D 32, F 48, 3 blocks, merger 128 -> 24: patch 24*32 = 768; per block two RMSNorms
+    # 64, qkv 32*96+96 = 3168, proj 32*32+32 = 1056, gate/up 2*(32*48+48) = 3168, down 48*32+32 = 1568
+    # (9024); merger ln_q 32, 128*128+128 = 16512, 128*24+24 = 3096. 768 + 3*9024 + 19640 = 47480.
+    params = vision_parameters(_tower("qwen2_5_vl"))
+    assert sum(p.numel for p in params) == 47480
+    frozen = vision_parameters(_tower("qwen2_5_vl"), model_trains=False)
+    assert sum(p.numel for p in frozen if p.trainable) == 19640  # the merger only
+
+
+def _measure(family: str, grids: list, dtype: torch.dtype, model_trains: bool, projection_trains: bool) -> int:
+    import mcore_memory
+
+    cls, config = _hf_tower(family, TOWERS[family])
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    module = cls._from_config(config).to(dtype).train()
+    for name, p in module.named_parameters():
+        p.requires_grad_(projection_trains if name.startswith("merger") else model_trains)
+    grid = torch.tensor(grids)
+    pixels = torch.randn(int(grid.prod(dim=1).sum()), 24, dtype=dtype)
+    meter = mcore_memory.SavedTensorMeter(module.parameters())
+    with meter.tracking(), meter.one_forward():
+        module(pixels, grid_thw=grid)
+    return meter.forward[0]
+
+
+# Windows of 2x2 merged tokens: [1, 6, 10] leaves remainder windows (3 x 5 merged).
+GRIDS = {"image": [[1, 4, 4]], "images and a video": [[1, 6, 10], [2, 8, 12]]}
+FREEZE = {"trained": (True, True), "frozen blocks": (False, True), "frozen merger": (True, False),
+          "frozen": (False, False)}
+
+
+@pytest.mark.parametrize("freeze", list(FREEZE))
+@pytest.mark.parametrize("grids", list(GRIDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_saved_bytes_match_the_eager_tower(family, dtype, grids, freeze):
+    model_trains, projection_trains = FREEZE[freeze]
+    measured = _measure(family, GRIDS[grids], dtype, model_trains, projection_trains)
+    tower = _tower(family)
+    a = torch.finfo(dtype).bits // 8
+    # NB: torch's CPU LayerNorm keeps its statistics in the input dtype (CUDA: fp32).
+    ours = vision_activations(tower, VisionStats.from_grids(tower.spec, GRIDS[grids]), act_bytes=a,
+                              model_trains=model_trains, projection_trains=projection_trains, norm_stats_bytes=a)
+    assert measured == sum(ours.values())
+
+
+def test_saved_bytes_by_hand():
+    # Qwen2.5-VL fp32, one full-attention block (D 32, F 48, 2 heads of 16), one 4x4 image: P = 16.
+    # Block: two RMSNorms 2*(4PD + 4P + 4PD) = 8320; qkv in/out, rotated q, k, proj in 7*4PD = 14336;
+    # softmax 2*16*16*4 = 2048; MLP in 4PD = 2048, silu in/out, up, product 4*4PF = 12288: 39040.
+    # Outside: pixels 4*16*24 = 1536, cos/sin 2*4*16*16 = 2048, window order and inverse 2*8*4 = 64,
+    # merger RMSNorm 4160 + linear ins and GELU in 3*4PD = 6144: 13952. Total 52992 (measured).
+    fields = dict(QWEN25, depth=1, fullatt_block_indexes=[0])
+    tower = _tower("qwen2_5_vl", fields)
+    ours = vision_activations(tower, VisionStats.from_grids(tower.spec, [[1, 4, 4]]), act_bytes=4)
+    assert sum(ours.values()) == 52992
+    flash = vision_activations(tower, VisionStats.from_grids(tower.spec, [[1, 4, 4]]), act_bytes=4,
+                               attention="flash")
+    assert ours["vit/attn"] - flash["vit/attn"] == 2048 - 4 * 16 * 2  # the softmax out, an fp32 lse in
+
+
+SPEC = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256)
+
+
+def _report_setup(**par):
+    spec = ModelSpec.from_mapping(SPEC)
+    options = DecoderOptions.from_mapping(dict(SPEC, padded_vocab_size=256, attention_backend="local"))
+    return spec, options, Parallelism(**par), Training(seq_length=16, micro_batch_size=2, num_microbatches=2)
+
+
+def test_tower_on_the_first_stage_whole_on_every_tp_rank():
+    spec, options, par, training = _report_setup(tp=2, pp=2)
+    tower = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="local", tp=2)
+    plain, with_tower = decoder_memory(spec, options, par, training), decoder_memory(spec, options, par, training,
+                                                                                     vision=tower)
+    numel = 47480
+    assert with_tower.parameters["total"] - plain.parameters["total"] == numel
+    first, last = with_tower.stages
+    assert first.states["weights"] - plain.stages[0].states["weights"] == 2 * numel  # bf16, not split over TP
+    assert first.states["gradients"] - plain.stages[0].states["gradients"] == 4 * numel
+    assert last.states == plain.stages[1].states
+    assert first.communication["tp/all_reduce"] - plain.stages[0].communication.get("tp/all_reduce", 0) == 4 * numel
+    per_mb = sum(tower.activations.values())
+    # 1F1B on 2 stages, 2 micro-batches: stage 0 holds both forwards, each with one tower pass.
+    assert first.in_flight == 2 and first.activations - plain.stages[0].activations == 2 * per_mb
+    assert last.activations == plain.stages[1].activations
+
+
+def test_cli_vlm_memory(capsys):
+    from megatron_flops.cli import main
+
+    base = ["memory", "--model", "examples/qwen2_5_vl_7b_config.json", "--seq-length", "4096", "--json"]
+    assert main(base) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert any("give --grid-thw" in r for r in out["not_modelled"])
+    assert main(base + ["--grid-thw", "[[1, 98, 146]]", "--attention-backend", "local",
+                        "--freeze-vision-model"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # Frozen: the patch embedding 1176*1280 = 1,505,280 and 32 blocks of 19,702,200 (norms 2560, qkv
+    # 1280*3840+3840, proj 1280*1280+1280, gate/up 2*(1280*3420+3420), down 3420*1280+1280); the merger
+    # (ln_q 1280, 5120*5120+5120, 5120*3584+3584 = 44,574,464) trains: 676,550,144 in all.
+    assert out["parameters"]["total"] - out["parameters"]["trainable"] == 1_505_280 + 32 * 19_702_200
+    assert out["per_gpu"]["activations_per_microbatch"][0]["vit/merger"] > 0
+    assert "vit/attn" not in out["per_gpu"]["activations_per_microbatch"][0]
