@@ -124,7 +124,8 @@ SPEC = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size
 
 def _report_setup(**par):
     spec = ModelSpec.from_mapping(SPEC)
-    options = DecoderOptions.from_mapping(dict(SPEC, padded_vocab_size=256, attention_backend="local"))
+    options = DecoderOptions.from_mapping(dict(SPEC, padded_vocab_size=256, attention_backend="local",
+                                               position_embedding_type="rope", add_bias_linear=False))
     return spec, options, Parallelism(**par), Training(seq_length=16, micro_batch_size=2, num_microbatches=2)
 
 
@@ -162,3 +163,59 @@ def test_cli_vlm_memory(capsys):
     assert out["parameters"]["total"] - out["parameters"]["trainable"] == 1_505_280 + 32 * 19_702_200
     assert out["per_gpu"]["activations_per_microbatch"][0]["vit/merger"] > 0
     assert "vit/attn" not in out["per_gpu"]["activations_per_microbatch"][0]
+
+
+def _megatron_vlm_states(distributed_optimizer: bool, model_trains: bool, bucket_size: int | None):
+    """A megatron-core GPT behind the Hugging Face Qwen2.5-VL tower in one ``MegatronModule``
+    (``visual`` registered first, as Megatron-Bridge's ``Qwen25VLModel``), bf16 (``Float16Module``),
+    megatron-core DDP (+ distributed optimizer), Adam; one optimizer step on zero gradients."""
+    import mcore_cpu
+    import mcore_memory
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module, MegatronModule
+
+    mcore_cpu.init_single_process()
+    fields = {k: v for k, v in SPEC.items() if k != "vocab_size"}
+    gpt = mcore_cpu.build_gpt(dict(fields, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16),
+                              vocab_size=256, max_seq_len=16)
+    cls, config = _hf_tower("qwen2_5_vl", QWEN25)
+
+    class VLM(MegatronModule):
+        def __init__(self) -> None:
+            super().__init__(config=gpt.config)
+            self.visual = cls._from_config(config)
+            self.language_model = gpt
+
+    vlm = VLM()
+    for p in list(vlm.visual.blocks.parameters()) + list(vlm.visual.patch_embed.parameters()):
+        p.requires_grad_(model_trains)
+    names = [(n, p.numel()) for n, p in vlm.named_parameters()]
+    ddp = DistributedDataParallel(
+        config=gpt.config, module=Float16Module(gpt.config, vlm),
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer,
+                                                 overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size))
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, params_dtype=torch.bfloat16,
+                                 use_distributed_optimizer=distributed_optimizer, clip_grad=1.0)
+    with mcore_memory.on_cpu():
+        optimizer = get_megatron_optimizer(opt_config, [ddp])
+        optimizer.step()
+    return names, mcore_memory.state_bytes([ddp], optimizer)
+
+
+@pytest.mark.parametrize("distributed_optimizer, model_trains, bucket_size",
+                         [(True, True, None), (True, False, 20000), (False, True, 20000)],
+                         ids=["distributed optimizer", "frozen blocks, 2 buckets", "DDP, 3 buckets"])
+def test_states_match_megatron_core(distributed_optimizer, model_trains, bucket_size):
+    pytest.importorskip("megatron.core")
+    names, measured = _megatron_vlm_states(distributed_optimizer, model_trains, bucket_size)
+    spec, options, _, _ = _report_setup()
+    par = Parallelism(distributed_optimizer=distributed_optimizer)
+    training = Training(seq_length=16, micro_batch_size=2, bucket_size=bucket_size)
+    tower = vision_memory(_tower("qwen2_5_vl"), None, act_bytes=2, attention="local", model_trains=model_trains)
+    ours = rank_memory(spec, options, par, training, pp_rank=0, vision=tower)
+    from megatron_flops.memory.decoder import chunk_parameters
+
+    listed = tower.params + chunk_parameters(spec, options, par, pp_rank=0, chunk=0, seq_length=16)
+    assert [(p.name, p.numel) for p in listed] == [(n.removeprefix("language_model."), k) for n, k in names]
+    assert ours.states == measured
