@@ -131,7 +131,7 @@ def _report_setup(**par):
 
 def test_tower_on_the_first_stage_whole_on_every_tp_rank():
     spec, options, par, training = _report_setup(tp=2, pp=2)
-    tower = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="local", tp=2)
+    tower = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="local")
     plain, with_tower = decoder_memory(spec, options, par, training), decoder_memory(spec, options, par, training,
                                                                                      vision=tower)
     numel = 47480
@@ -219,3 +219,54 @@ def test_states_match_megatron_core(distributed_optimizer, model_trains, bucket_
     listed = tower.params + chunk_parameters(spec, options, par, pp_rank=0, chunk=0, seq_length=16)
     assert [(p.name, p.numel) for p in listed] == [(n.removeprefix("language_model."), k) for n, k in names]
     assert ours.states == measured
+
+
+def _tp_finalize_worker(rank: int, world_size: int) -> dict:
+    """TP 2: the tower's gradients as ``finalize_model_grads`` reduces them (Megatron-Bridge marks
+    every tower parameter ``average_gradients_across_tp_domain``), trained and with frozen blocks."""
+    import mcore_dist
+
+    mcore_dist.init_worker(tp=2)
+    return {trains: _tp_finalize(trains) for trains in (True, False)}
+
+
+def _tp_finalize(model_trains: bool) -> dict:
+    import mcore_dist
+    import mcore_memory
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.transformer.module import MegatronModule
+
+    (gpt,), config = mcore_dist.build_model_chunks({k: v for k, v in SPEC.items() if k != "vocab_size"}, 256, 16)
+    cls, hf_config = _hf_tower("qwen2_5_vl", QWEN25)
+
+    class VLM(MegatronModule):
+        def __init__(self) -> None:
+            super().__init__(config=config)
+            self.visual = cls._from_config(hf_config)
+            self.language_model = gpt
+
+    vlm = VLM()
+    for p in vlm.visual.parameters():
+        p.average_gradients_across_tp_domain = True
+    for p in list(vlm.visual.blocks.parameters()) + list(vlm.visual.patch_embed.parameters()):
+        p.requires_grad_(model_trains)
+    ddp = DistributedDataParallel(config=config, module=vlm,
+                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    meter = mcore_memory.CommMeter(mcore_memory.megatron_groups())
+    with meter, mcore_memory.on_cpu():
+        finalize_model_grads([ddp])
+    return dict(meter.bytes)
+
+
+@pytest.mark.dist
+def test_tp_all_reduce_of_the_tower_gradients():
+    pytest.importorskip("megatron.core")
+    import mcore_dist
+
+    measured = mcore_dist.run_distributed(_tp_finalize_worker, 2, timeout=600)
+    for model_trains, numel in ((True, 47480), (False, 19640)):  # frozen blocks: the merger's 19,640
+        tower = vision_memory(_tower("qwen2_5_vl"), None, act_bytes=4, attention="local",
+                              model_trains=model_trains)
+        assert tower.communication(2, 4, True) == {"tp/all_reduce": 4 * numel}  # fp32 gradients
+        assert [m[model_trains] for m in measured] == [tower.communication(2, 4, True)] * 2

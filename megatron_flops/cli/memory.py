@@ -177,7 +177,7 @@ def _vision(args: argparse.Namespace, raw: dict[str, Any], options: DecoderOptio
         return None
     grids = None if args.grid_thw is None else json_list_arg("--grid-thw", args.grid_thw)
     attention = "flash" if options.attention_backend == "flash" else "local"
-    return vision_memory(tower, grids, act_bytes=training.param_bytes, attention=attention, tp=par.tp, cp=par.cp,
+    return vision_memory(tower, grids, act_bytes=training.param_bytes, attention=attention, cp=par.cp,
                          model_trains=full or not (frozen or args.freeze_vision_model),
                          projection_trains=full or not (frozen or args.freeze_vision_projection))
 

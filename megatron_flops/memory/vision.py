@@ -233,7 +233,7 @@ class VisionMemory:
 
 
 def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: str, model_trains: bool = True,
-                  projection_trains: bool = True, tp: int = 1, cp: int = 1) -> VisionMemory:
+                  projection_trains: bool = True, cp: int = 1) -> VisionMemory:
     """The tower's memory for ``grids`` (the ``[t, h, w]`` rows of one micro-batch; None: activations
     not modelled) under ``attention`` (``local``: eager, measured; ``flash``: a formula)."""
     params = vision_parameters(tower, model_trains=model_trains, projection_trains=projection_trains)
@@ -258,8 +258,6 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
             unmeasured.append("activations of the vision tower's fused attention (flash/sdpa: q, k, v, output and an "
                               "fp32 log-sum-exp per patch and head; no such kernel on CPU; the eager attention is "
                               "measured: --attention-backend local)")
-    if tp > 1 and any(p.trainable for p in params):
-        unmeasured.append("tp/all_reduce of the vision tower's gradients (finalize_model_grads: not run on CPU here)")
     if cp > 1:
         unmeasured.append("the vision tower under context parallelism: whole on every CP rank")
     return VisionMemory(params=params, activations=activations, not_modelled=tuple(not_modelled),
