@@ -270,3 +270,39 @@ def test_tp_all_reduce_of_the_tower_gradients():
                               model_trains=model_trains)
         assert tower.communication(2, 4, True) == {"tp/all_reduce": 4 * numel}  # fp32 gradients
         assert [m[model_trains] for m in measured] == [tower.communication(2, 4, True)] * 2
+
+
+def test_placeholder_mask_is_one_byte_per_token():
+    import mcore_memory
+
+    # Megatron-Bridge: inputs_embeds [b, s, h].masked_scatter(mask [b, s, 1] bool, image_embeds).
+    b, s, h = 2, 8, 16
+    ids = torch.zeros(b, s, dtype=torch.long)
+    ids[0, :3] = 7
+    mask = (ids == 7).unsqueeze(-1)
+    embeds = torch.randn(b, s, h, requires_grad=True)
+    meter = mcore_memory.SavedTensorMeter([])
+    with meter.tracking(), meter.one_forward():
+        embeds.masked_scatter(mask, torch.randn(3, h, requires_grad=True))
+    tower = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4], [2, 4, 4]], act_bytes=4, attention="local", tokens=b * s)
+    assert meter.forward == [b * s]
+    assert tower.activations["vit/placeholder_mask"] == 2 * b * s  # an image and a video: two masks
+    frozen = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=4, attention="local", tokens=b * s,
+                           model_trains=False, projection_trains=False, embedding_trains=False)
+    assert frozen.activations == {}
+
+
+def test_qwen3_vl_tower_is_labelled():
+    tower = vision_memory(_tower("qwen3_vl"), [[1, 4, 4]], act_bytes=2, attention="flash")
+    assert tower.activations is None and "qwen3_vl" in tower.not_modelled[0]
+    assert "splits them over TP" in tower.unmeasured[0]
+    flash = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="flash", cp=2)
+    assert any("fused attention" in u for u in flash.unmeasured) and any("context" in u for u in flash.unmeasured)
+
+
+def test_cli_vision_flags_need_a_vlm(capsys):
+    from megatron_flops.cli import main
+
+    argv = ["memory", "--model", "examples/llama3_8b.json", "--seq-length", "128", "--grid-thw", "[[1, 4, 4]]"]
+    assert main(argv) == 2
+    assert "vision_config" in capsys.readouterr().err

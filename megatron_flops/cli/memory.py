@@ -173,12 +173,13 @@ def _vision(args: argparse.Namespace, raw: dict[str, Any], options: DecoderOptio
     tower = vision_tower(raw)
     if tower is None:
         if args.grid_thw is not None or args.freeze_vision_model or args.freeze_vision_projection:
-            raise ValueError(f"--grid-thw and --freeze-vision-* apply to a model file with a 'vision_config'")
+            raise ValueError("--grid-thw and --freeze-vision-* apply to a model file with a 'vision_config'")
         return None
     grids = None if args.grid_thw is None else json_list_arg("--grid-thw", args.grid_thw)
     attention = "flash" if options.attention_backend == "flash" else "local"
     return vision_memory(tower, grids, act_bytes=training.param_bytes, attention=attention, cp=par.cp,
-                         model_trains=full or not (frozen or args.freeze_vision_model),
+                         tokens=training.seq_length * training.micro_batch_size,
+                         embedding_trains=not frozen, model_trains=full or not (frozen or args.freeze_vision_model),
                          projection_trains=full or not (frozen or args.freeze_vision_projection))
 
 

@@ -139,6 +139,7 @@ def _mergers(tower: VisionTower, trains: bool) -> list[Param]:
 # [P, F] tensors an MLP activation saves of its own: QuickGELU (x * sigmoid(1.702 x)) keeps x and
 # the sigmoid; the others (torch's GELU, SiLU) their input.
 _ACT_SAVES = {"quick_gelu": 2}
+MEASURED_ACTIVATIONS = ("silu", "gelu", "quick_gelu")
 
 
 def _norm_bytes(tower: VisionTower, rows: int, width: int, a: int, stats: int, *, weight_trains: bool,
@@ -232,10 +233,17 @@ class VisionMemory:
                 "trainable": sum(p.numel for p in self.params if p.trainable)}
 
 
-def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: str, model_trains: bool = True,
-                  projection_trains: bool = True, cp: int = 1) -> VisionMemory:
-    """The tower's memory for ``grids`` (the ``[t, h, w]`` rows of one micro-batch; None: activations
-    not modelled) under ``attention`` (``local``: eager, measured; ``flash``: a formula)."""
+def _placeholder_masks(grids: Any) -> int:
+    """masked_scatter calls: one for the images (``t = 1`` rows), one for the videos (``t > 1``)."""
+    return int(any(row[0] == 1 for row in grids)) + int(any(row[0] > 1 for row in grids))
+
+
+def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: str, tokens: int = 0,
+                  model_trains: bool = True, projection_trains: bool = True, embedding_trains: bool = True,
+                  cp: int = 1) -> VisionMemory:
+    """The tower's memory for ``grids`` (the ``[t, h, w]`` rows of one micro-batch of ``tokens``
+    decoder tokens; None: activations not modelled) under ``attention`` (``local``: eager,
+    measured; ``flash``: a formula); ``embedding_trains``: the decoder's word embeddings train."""
     params = vision_parameters(tower, model_trains=model_trains, projection_trains=projection_trains)
     not_modelled: list[str] = []
     unmeasured: list[str] = []
@@ -253,11 +261,19 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
         stats = VisionStats.from_grids(tower.spec, grids)
         activations = vision_activations(tower, stats, act_bytes=act_bytes, attention=attention,
                                          model_trains=model_trains, projection_trains=projection_trains)
-        not_modelled.append("the image-placeholder mask the decoder's input keeps (masked_scatter: one byte per token)")
+        if (model_trains or projection_trains or embedding_trains) and tokens * _placeholder_masks(grids):
+            activations["vit/placeholder_mask"] = tokens * _placeholder_masks(grids)
+            unmeasured.append("vit/placeholder_mask: the bool [b, s, 1] mask each masked_scatter of image (t = 1 "
+                              "grids) or video (t > 1) embeddings into the decoder's input keeps (the op is measured; "
+                              "Megatron-Bridge's Qwen25VLModel forward is not run here)")
+        if tower.hidden_act not in MEASURED_ACTIVATIONS:
+            unmeasured.append(f"the vision MLP's {tower.hidden_act!r} counted as keeping its input (measured: "
+                              f"{', '.join(MEASURED_ACTIVATIONS)})")
         if attention == "flash" and (model_trains or projection_trains):
-            unmeasured.append("activations of the vision tower's fused attention (flash/sdpa: q, k, v, output and an "
-                              "fp32 log-sum-exp per patch and head; no such kernel on CPU; the eager attention is "
-                              "measured: --attention-backend local)")
+            unmeasured.append("activations of the vision tower's fused attention (flash: q, k, v, output and an fp32 "
+                              "log-sum-exp per patch and head, no softmax; sdpa keeps each segment's output too, "
+                              "one [P, D] tensor per block more; no such kernel on CPU; the eager attention is measured: "
+                              "--attention-backend local)")
     if cp > 1:
         unmeasured.append("the vision tower under context parallelism: whole on every CP rank")
     return VisionMemory(params=params, activations=activations, not_modelled=tuple(not_modelled),
