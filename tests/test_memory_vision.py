@@ -306,3 +306,19 @@ def test_cli_vision_flags_need_a_vlm(capsys):
     argv = ["memory", "--model", "examples/llama3_8b.json", "--seq-length", "128", "--grid-thw", "[[1, 4, 4]]"]
     assert main(argv) == 2
     assert "vision_config" in capsys.readouterr().err
+
+
+def test_docs_vlm_example(capsys, monkeypatch):
+    import shlex
+    from pathlib import Path
+
+    from megatron_flops.cli import main
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)
+    block = (root / "docs" / "memory.md").read_text().split("```text\n$ megatron-flops memory ")[1].split("\n```")[0]
+    command, *shown = block.splitlines()
+    assert main(["memory", *shlex.split(command)]) == 0
+    printed = iter(capsys.readouterr().out.splitlines())
+    for line in (s for s in shown if s != "..."):
+        assert line in printed, line
