@@ -125,7 +125,8 @@ SPEC = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size
 def _report_setup(**par):
     spec = ModelSpec.from_mapping(SPEC)
     options = DecoderOptions.from_mapping(dict(SPEC, padded_vocab_size=256, attention_backend="local",
-                                               position_embedding_type="rope", add_bias_linear=False))
+                                               position_embedding_type="rope", add_bias_linear=False,
+                                               hidden_dropout=0.0, attention_dropout=0.0))
     return spec, options, Parallelism(**par), Training(seq_length=16, micro_batch_size=2, num_microbatches=2)
 
 
@@ -298,6 +299,7 @@ def test_qwen3_vl_tower_is_labelled():
     assert "splits them over TP" in tower.unmeasured[0]
     flash = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="flash", cp=2)
     assert any("fused attention" in u for u in flash.unmeasured) and any("context" in u for u in flash.unmeasured)
+    assert any("placeholder_mask" in a for a in flash.assumptions)
 
 
 def test_cli_vision_flags_need_a_vlm(capsys):
@@ -322,3 +324,71 @@ def test_docs_vlm_example(capsys, monkeypatch):
     printed = iter(capsys.readouterr().out.splitlines())
     for line in (s for s in shown if s != "..."):
         assert line in printed, line
+
+
+IMAGE_TOKEN = 255
+
+
+def _vlm_schedule(grids: list, num_microbatches: int):
+    """Megatron-core's no-pipelining schedule over a GPT behind the Qwen2.5-VL tower (fp32, local
+    spec), each forward as Megatron-Bridge's ``Qwen25VLModel.forward`` runs it: word embeddings,
+    ``[b, s, h]``, the tower, ``masked_scatter`` of its output at the image tokens, the decoder
+    from ``decoder_input``. Returns the bytes each forward saves and the peak held."""
+    import mcore_cpu
+    import mcore_dist
+    import mcore_memory
+    from megatron.core.transformer.module import MegatronModule
+
+    mcore_cpu.init_single_process()
+    torch.manual_seed(0)
+    gpt = mcore_cpu.build_gpt({k: v for k, v in SPEC.items() if k != "vocab_size"}, vocab_size=256, max_seq_len=16)
+    cls, config = _hf_tower("qwen2_5_vl", dict(QWEN25, out_hidden_size=64))
+    config._attn_implementation = "eager"
+
+    class VLM(MegatronModule):
+        def __init__(self) -> None:
+            super().__init__(config=gpt.config)
+            self.visual = cls._from_config(config)
+            self.language_model = gpt
+            self.model_type = gpt.model_type
+
+        def set_input_tensor(self, tensor) -> None:
+            self.language_model.set_input_tensor(tensor)
+
+        def forward(self, input_ids, position_ids, attention_mask, labels=None, loss_mask=None):
+            grid = torch.tensor(grids)
+            pixels = torch.randn(int(grid.prod(dim=1).sum()), 24)
+            embeds = self.language_model.embedding(input_ids=input_ids, position_ids=None).transpose(1, 0).contiguous()
+            image = self.visual(pixels, grid_thw=grid).pooler_output
+            embeds = embeds.masked_scatter((input_ids == IMAGE_TOKEN).unsqueeze(-1), image).transpose(1, 0)
+            return self.language_model(None, position_ids, attention_mask, decoder_input=embeds, labels=labels,
+                                       loss_mask=loss_mask)
+
+    def data():
+        for batch in mcore_memory.batches(num_microbatches, 2, 16, IMAGE_TOKEN):
+            batch["input_ids"][0, :sum(t * h * w // 4 for t, h, w in grids)] = IMAGE_TOKEN
+            yield batch
+
+    vlm = VLM()
+    meter = mcore_memory.SavedTensorMeter(vlm.parameters())
+    with meter.tracking():
+        mcore_dist.run_schedule([vlm], num_microbatches=num_microbatches, micro_batch_size=2, seq_length=16,
+                                vocab_size=256, forward_step_func=mcore_memory.metered_forward_step(meter, [vlm]),
+                                data_iterators=[data()], count_flops=False)
+    return meter.forward, meter.peak
+
+
+def test_vlm_forward_saves_decoder_plus_tower():
+    pytest.importorskip("megatron.core")
+    grids = [[1, 4, 4], [1, 4, 8]]  # 4 + 8 image tokens in the first of 2 rows of 16
+    forwards, peak = _vlm_schedule(grids, num_microbatches=2)
+    spec, options, par, _ = _report_setup()
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=2, params_dtype="fp32")
+    tower = vision_memory(_tower("qwen2_5_vl", dict(QWEN25, out_hidden_size=64)), grids, act_bytes=4,
+                          attention="local", tokens=2 * 16)
+    ours = rank_memory(spec, options, par, training, pp_rank=0, vision=tower)
+    plain = rank_memory(spec, options, par, training, pp_rank=0)
+    assert ours.activations_per_microbatch is not None and plain.activations is not None
+    per_mb = sum(ours.activations_per_microbatch[0].values())
+    assert per_mb - plain.activations == sum(tower.activations.values())  # one micro-batch in flight
+    assert forwards == [per_mb] * 2 and peak == ours.activations

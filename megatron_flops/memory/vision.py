@@ -263,9 +263,9 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
                                          model_trains=model_trains, projection_trains=projection_trains)
         if (model_trains or projection_trains or embedding_trains) and tokens * _placeholder_masks(grids):
             activations["vit/placeholder_mask"] = tokens * _placeholder_masks(grids)
-            unmeasured.append("vit/placeholder_mask: the bool [b, s, 1] mask each masked_scatter of image (t = 1 "
-                              "grids) or video (t > 1) embeddings into the decoder's input keeps (the op is measured; "
-                              "Megatron-Bridge's Qwen25VLModel forward is not run here)")
+            assumptions.append("vit/placeholder_mask: the bool [b, s, 1] mask each masked_scatter of image (t = 1 "
+                               "grids) or video (t > 1) embeddings into the decoder's input keeps, as Megatron-Bridge's "
+                               "Qwen25VLModel.forward (measured on a forward that mirrors it)")
         if tower.hidden_act not in MEASURED_ACTIVATIONS:
             unmeasured.append(f"the vision MLP's {tower.hidden_act!r} counted as keeping its input (measured: "
                               f"{', '.join(MEASURED_ACTIVATIONS)})")
