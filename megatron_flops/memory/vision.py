@@ -248,7 +248,8 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
     not_modelled: list[str] = []
     unmeasured: list[str] = []
     assumptions = [f"the {tower.family} vision tower whole on every TP rank of the first pipeline stage, as "
-                   "Megatron-Bridge's Hugging Face tower (its gradients averaged over TP once per step)"]
+                   "Megatron-Bridge's Hugging Face Qwen2.5-VL tower (its gradients averaged over TP once per step)"
+                   + (" (Megatron-Bridge has no Qwen2-VL model)" if tower.family == "qwen2_vl" else "")]
     activations = None
     if tower.family not in MEASURED_FAMILIES:
         not_modelled.append(f"the {tower.family} vision tower's activations (Megatron-Bridge trains it as megatron-core "
