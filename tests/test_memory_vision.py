@@ -89,10 +89,14 @@ FREEZE = {"trained": (True, True), "frozen blocks": (False, True), "frozen merge
           "frozen": (False, False)}
 
 
-@pytest.mark.parametrize("freeze", list(FREEZE))
-@pytest.mark.parametrize("grids", list(GRIDS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+# Every freeze setting on the images and a video in fp32 and bf16; the single image trained and fully frozen.
+EAGER_CASES = [(f, d, "images and a video", z) for f in ("qwen2_vl", "qwen2_5_vl") for d in (torch.float32, torch.bfloat16)
+               for z in FREEZE] + [(f, torch.bfloat16, "image", z) for f in ("qwen2_vl", "qwen2_5_vl")
+                                   for z in ("trained", "frozen")]
+
+
+@pytest.mark.parametrize("family, dtype, grids, freeze", EAGER_CASES,
+                         ids=[f"{f}-{str(d)[6:]}-{g}-{z}" for f, d, g, z in EAGER_CASES])
 def test_saved_bytes_match_the_eager_tower(family, dtype, grids, freeze):
     model_trains, projection_trains = FREEZE[freeze]
     measured = _measure(family, GRIDS[grids], dtype, model_trains, projection_trains)
