@@ -66,11 +66,12 @@ def test_parameters_by_hand():
     assert sum(p.numel for p in frozen if p.trainable) == 19640  # the merger only
 
 
-def _measure(family: str, grids: list, dtype: torch.dtype, model_trains: bool, projection_trains: bool) -> int:
+def _measure(family: str, grids: list, dtype: torch.dtype, model_trains: bool, projection_trains: bool,
+             attention: str = "eager") -> int:
     import mcore_memory
 
     cls, config = _hf_tower(family, TOWERS[family])
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     torch.manual_seed(0)
     module = cls._from_config(config).to(dtype).train()
     for name, p in module.named_parameters():
@@ -89,21 +90,23 @@ FREEZE = {"trained": (True, True), "frozen blocks": (False, True), "frozen merge
           "frozen": (False, False)}
 
 
-# Every freeze setting on the images and a video in fp32 and bf16; the single image trained and fully frozen.
-EAGER_CASES = [(f, d, "images and a video", z) for f in ("qwen2_vl", "qwen2_5_vl") for d in (torch.float32, torch.bfloat16)
-               for z in FREEZE] + [(f, torch.bfloat16, "image", z) for f in ("qwen2_vl", "qwen2_5_vl")
-                                   for z in ("trained", "frozen")]
+# Eager: every freeze setting on the images and a video in fp32 and bf16, the single image trained and
+# fully frozen; sdpa (torch's CPU kernel): trained, both dtypes, both grid sets.
+_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+CASES = ([(f, "eager", d, "images and a video", z) for f in _FAMILIES for d in (torch.float32, torch.bfloat16)
+          for z in FREEZE] + [(f, "eager", torch.bfloat16, "image", z) for f in _FAMILIES for z in ("trained", "frozen")]
+         + [(f, "sdpa", d, g, "trained") for f in _FAMILIES for d in (torch.float32, torch.bfloat16) for g in GRIDS])
 
 
-@pytest.mark.parametrize("family, dtype, grids, freeze", EAGER_CASES,
-                         ids=[f"{f}-{str(d)[6:]}-{g}-{z}" for f, d, g, z in EAGER_CASES])
-def test_saved_bytes_match_the_eager_tower(family, dtype, grids, freeze):
+@pytest.mark.parametrize("family, attention, dtype, grids, freeze", CASES,
+                         ids=[f"{f}-{a}-{str(d)[6:]}-{g}-{z}" for f, a, d, g, z in CASES])
+def test_saved_bytes_match_the_tower(family, attention, dtype, grids, freeze):
     model_trains, projection_trains = FREEZE[freeze]
-    measured = _measure(family, GRIDS[grids], dtype, model_trains, projection_trains)
+    measured = _measure(family, GRIDS[grids], dtype, model_trains, projection_trains, attention)
     tower = _tower(family)
     a = torch.finfo(dtype).bits // 8
     # NB: torch's CPU LayerNorm keeps its statistics in the input dtype (CUDA: fp32).
-    ours = vision_activations(tower, VisionStats.from_grids(tower.spec, GRIDS[grids]), act_bytes=a,
+    ours = vision_activations(tower, VisionStats.from_grids(tower.spec, GRIDS[grids]), act_bytes=a, attention=attention,
                               model_trains=model_trains, projection_trains=projection_trains, norm_stats_bytes=a)
     assert measured == sum(ours.values())
 
@@ -119,8 +122,10 @@ def test_saved_bytes_by_hand():
     ours = vision_activations(tower, VisionStats.from_grids(tower.spec, [[1, 4, 4]]), act_bytes=4)
     assert sum(ours.values()) == 52992
     flash = vision_activations(tower, VisionStats.from_grids(tower.spec, [[1, 4, 4]]), act_bytes=4,
-                               attention="flash")
+                               attention="flash_attention_2")
     assert ours["vit/attn"] - flash["vit/attn"] == 2048 - 4 * 16 * 2  # the softmax out, an fp32 lse in
+    sdpa = vision_activations(tower, VisionStats.from_grids(tower.spec, [[1, 4, 4]]), act_bytes=4, attention="sdpa")
+    assert sdpa["vit/attn"] - flash["vit/attn"] == 4 * 16 * 32  # the kernel's output before the transpose
 
 
 SPEC = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256)
@@ -136,7 +141,7 @@ def _report_setup(**par):
 
 def test_tower_on_the_first_stage_whole_on_every_tp_rank():
     spec, options, par, training = _report_setup(tp=2, pp=2)
-    tower = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="local")
+    tower = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="eager")
     plain, with_tower = decoder_memory(spec, options, par, training), decoder_memory(spec, options, par, training,
                                                                                      vision=tower)
     numel = 47480
@@ -159,7 +164,7 @@ def test_cli_vlm_memory(capsys):
     assert main(base) == 0
     out = json.loads(capsys.readouterr().out)
     assert any("give --grid-thw" in r for r in out["not_modelled"])
-    assert main(base + ["--grid-thw", "[[1, 98, 146]]", "--attention-backend", "local",
+    assert main(base + ["--grid-thw", "[[1, 98, 146]]", "--vision-attention", "eager",
                         "--freeze-vision-model"]) == 0
     out = json.loads(capsys.readouterr().out)
     # Frozen: the patch embedding 1176*1280 = 1,505,280 and 32 blocks of 19,702,200 (norms 2560, qkv
@@ -217,7 +222,7 @@ def test_states_match_megatron_core(distributed_optimizer, model_trains, bucket_
     spec, options, _, _ = _report_setup()
     par = Parallelism(distributed_optimizer=distributed_optimizer)
     training = Training(seq_length=16, micro_batch_size=2, bucket_size=bucket_size)
-    tower = vision_memory(_tower("qwen2_5_vl"), None, act_bytes=2, attention="local", model_trains=model_trains)
+    tower = vision_memory(_tower("qwen2_5_vl"), None, act_bytes=2, attention="eager", model_trains=model_trains)
     ours = rank_memory(spec, options, par, training, pp_rank=0, vision=tower)
     from megatron_flops.memory.decoder import chunk_parameters
 
@@ -271,7 +276,7 @@ def test_tp_all_reduce_of_the_tower_gradients():
 
     measured = mcore_dist.run_distributed(_tp_finalize_worker, 2, timeout=600)
     for model_trains, numel in ((True, 47480), (False, 19640)):  # frozen blocks: the merger's 19,640
-        tower = vision_memory(_tower("qwen2_5_vl"), None, act_bytes=4, attention="local",
+        tower = vision_memory(_tower("qwen2_5_vl"), None, act_bytes=4, attention="eager",
                               model_trains=model_trains)
         assert tower.communication(2, 4, True) == {"tp/all_reduce": 4 * numel}  # fp32 gradients
         assert [m[model_trains] for m in measured] == [tower.communication(2, 4, True)] * 2
@@ -289,21 +294,24 @@ def test_placeholder_mask_is_one_byte_per_token():
     meter = mcore_memory.SavedTensorMeter([])
     with meter.tracking(), meter.one_forward():
         embeds.masked_scatter(mask, torch.randn(3, h, requires_grad=True))
-    tower = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4], [2, 4, 4]], act_bytes=4, attention="local", tokens=b * s)
+    tower = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4], [2, 4, 4]], act_bytes=4, attention="eager", tokens=b * s)
     assert meter.forward == [b * s]
     assert tower.activations["vit/placeholder_mask"] == 2 * b * s  # an image and a video: two masks
-    frozen = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=4, attention="local", tokens=b * s,
+    frozen = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=4, attention="eager", tokens=b * s,
                            model_trains=False, projection_trains=False, embedding_trains=False)
     assert frozen.activations == {}
 
 
 def test_qwen3_vl_tower_is_labelled():
-    tower = vision_memory(_tower("qwen3_vl"), [[1, 4, 4]], act_bytes=2, attention="flash")
+    tower = vision_memory(_tower("qwen3_vl"), [[1, 4, 4]], act_bytes=2, attention="flash_attention_2")
     assert tower.activations is None and "qwen3_vl" in tower.not_modelled[0]
     assert "splits them over TP" in tower.unmeasured[0]
-    flash = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="flash", cp=2, tokens=32)
-    assert any("fused attention" in u for u in flash.unmeasured) and any("context" in u for u in flash.unmeasured)
+    flash = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="flash_attention_2", cp=2,
+                          tokens=32)
+    assert any("flash_attention_2" in u for u in flash.unmeasured) and any("context" in u for u in flash.unmeasured)
     assert any("placeholder_mask" in a for a in flash.assumptions)
+    sdpa = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="sdpa")
+    assert sdpa.unmeasured == () and any("CPU kernel" in a for a in sdpa.assumptions)
 
 
 def test_cli_vision_flags_need_a_vlm(capsys):
@@ -389,10 +397,20 @@ def test_vlm_forward_saves_decoder_plus_tower():
     spec, options, par, _ = _report_setup()
     training = Training(seq_length=16, micro_batch_size=2, num_microbatches=2, params_dtype="fp32")
     tower = vision_memory(_tower("qwen2_5_vl", dict(QWEN25, out_hidden_size=64)), grids, act_bytes=4,
-                          attention="local", tokens=2 * 16)
+                          attention="eager", tokens=2 * 16)
     ours = rank_memory(spec, options, par, training, pp_rank=0, vision=tower)
     plain = rank_memory(spec, options, par, training, pp_rank=0)
     assert ours.activations_per_microbatch is not None and plain.activations is not None
     per_mb = sum(ours.activations_per_microbatch[0].values())
     assert per_mb - plain.activations == sum(tower.activations.values())  # one micro-batch in flight
     assert forwards == [per_mb] * 2 and peak == ours.activations
+
+
+def test_attention_from_the_model_file():
+    from megatron_flops.memory.vision import default_attention
+
+    assert default_attention({"model_type": "qwen2_5_vl", "vision_config": QWEN25}) == "sdpa"  # transformers' default
+    assert default_attention({"model_type": "qwen2_5_vl", "vision_config": dict(QWEN25, _attn_implementation="eager"),
+                              "attn_implementation": "sdpa"}) == "eager"
+    with pytest.raises(ValueError, match="flex_attention"):
+        default_attention({"model_type": "qwen2_5_vl", "vision_config": QWEN25, "attn_implementation": "flex_attention"})

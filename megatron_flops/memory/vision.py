@@ -29,8 +29,11 @@ of the compute dtype), as the Hugging Face tower's eager attention saves them (m
 - ``vit/merger``: its input norm, the two linear layers' inputs and the GELU's input
   (``3 a P D``), and (Qwen2.5-VL) the int64 window order and its inverse (``8 M`` each).
 
-NB: a fused kernel (flash, sdpa) saves no softmax: q, k, v (qkv's output), its output and an fp32
-log-sum-exp per patch and head (``4 P heads``) instead: a formula, no such kernel on CPU.
+Attention (``attn_implementation``; Megatron-Bridge leaves transformers' default, ``sdpa``):
+``eager`` as above; ``sdpa`` saves no softmax: q, k, v (saved already), the kernel's output per
+segment before the tower transposes it (``a P D``) and an fp32 log-sum-exp per patch and head
+(``4 P heads``), measured with torch's CPU kernel; ``flash_attention_2`` the log-sum-exp only
+(a formula: no such kernel on CPU).
 NB: norm statistics in fp32 (``s = 4``), as CUDA's LayerNorm keeps them (CPU: the input dtype).
 """
 
@@ -81,6 +84,21 @@ def vision_tower(raw: Mapping[str, Any]) -> VisionTower | None:
     default_act = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu"}.get(family, "gelu_pytorch_tanh")
     return VisionTower(family=family, spec=spec, hidden_act=str(config.get("hidden_act", default_act)),
                        num_position_embeddings=int(config.get("num_position_embeddings", 2304)))
+
+
+def default_attention(raw: Mapping[str, Any]) -> str:
+    """The tower's ``attn_implementation`` from the model file (its ``vision_config``, then the top
+    level), else transformers' default ``sdpa``, which Megatron-Bridge's ``_from_config`` keeps."""
+    sections = hf_vision_sections(raw) or {}
+    for where in (sections.get("vision_config") or {}, raw):
+        for key in ("_attn_implementation", "attn_implementation"):
+            value = where.get(key) if isinstance(where, Mapping) else None
+            if value is not None:
+                if value not in VISION_ATTENTION:
+                    raise ValueError(f"model file: {key}={value!r}: the vision tower's memory is modelled for "
+                                     f"{VISION_ATTENTION}")
+                return str(value)
+    return "sdpa"
 
 
 def _linear(name: str, n_in: int, n_out: int, trains: bool) -> list[Param]:
@@ -140,6 +158,7 @@ def _mergers(tower: VisionTower, trains: bool) -> list[Param]:
 # the sigmoid; the others (torch's GELU, SiLU) their input.
 _ACT_SAVES = {"quick_gelu": 2}
 MEASURED_ACTIVATIONS = ("silu", "gelu", "quick_gelu")
+VISION_ATTENTION = ("eager", "sdpa", "flash_attention_2")  # Hugging Face attn_implementation
 
 
 def _norm_bytes(tower: VisionTower, rows: int, width: int, a: int, stats: int, *, weight_trains: bool,
@@ -158,9 +177,10 @@ def _block_bytes(tower: VisionTower, stats: VisionStats, a: int, s: int, attenti
     d, f = spec.hidden_size, spec.intermediate_size
     pairs = (spec.num_full_attention_blocks * stats.sum_frame_patches_squared
              + spec.num_window_attention_blocks * stats.window_pairs)
-    if attention == "flash":
-        # NB: q, k, v and the output are saved already; the kernel adds an fp32 log-sum-exp per patch and head.
-        core = spec.depth * 4 * p * spec.num_heads
+    if attention != "eager":
+        # NB: q, k, v and the output are saved already; the kernel adds an fp32 log-sum-exp per patch and
+        # head, and sdpa's output per segment before the tower transposes it.
+        core = spec.depth * (4 * p * spec.num_heads + (a * p * d if attention == "sdpa" else 0))
     else:
         # NB: softmax(dtype=float32) saves its fp32 output; below fp32 its cast to ``a`` is matmul's input too.
         core = spec.num_heads * pairs * (4 + (a if a < 4 else 0))
@@ -172,18 +192,17 @@ def _block_bytes(tower: VisionTower, stats: VisionStats, a: int, s: int, attenti
     }
 
 
-def vision_activations(tower: VisionTower, stats: VisionStats, *, act_bytes: int, attention: str = "local",
+def vision_activations(tower: VisionTower, stats: VisionStats, *, act_bytes: int, attention: str = "eager",
                        model_trains: bool = True, projection_trains: bool = True,
                        norm_stats_bytes: int = NORM_STATS_BYTES) -> dict[str, int]:
     """Bytes the tower saves for backward over one micro-batch's grids (``stats``), by component.
 
-    ``attention``: ``local`` (Hugging Face eager, measured) or ``flash`` (a fused kernel, a
-    formula). A frozen tower saves nothing: its input (pixels) needs no gradient; with the blocks
+    ``attention``: one of VISION_ATTENTION (see the module docstring). A frozen tower saves nothing: its input (pixels) needs no gradient; with the blocks
     frozen the merger saves only what its weights' gradients read."""
     if tower.family not in MEASURED_FAMILIES:
         raise ValueError(f"activations of the {tower.family} vision tower are not modelled")
-    if attention not in ("local", "flash"):
-        raise ValueError(f"vision attention must be 'local' or 'flash', got {attention!r}")
+    if attention not in VISION_ATTENTION:
+        raise ValueError(f"vision attention must be one of {VISION_ATTENTION}, got {attention!r}")
     spec, p, a = tower.spec, stats.num_patches, act_bytes
     d, merged = spec.hidden_size, p // spec.spatial_merge_size**2
     out: dict[str, int] = {}
@@ -242,8 +261,7 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
                   model_trains: bool = True, projection_trains: bool = True, embedding_trains: bool = True,
                   cp: int = 1) -> VisionMemory:
     """The tower's memory for ``grids`` (the ``[t, h, w]`` rows of one micro-batch of ``tokens``
-    decoder tokens; None: activations not modelled) under ``attention`` (``local``: eager,
-    measured; ``flash``: a formula); ``embedding_trains``: the decoder's word embeddings train."""
+    decoder tokens; None: activations not modelled) under ``attention`` (one of VISION_ATTENTION); ``embedding_trains``: the decoder's word embeddings train."""
     params = vision_parameters(tower, model_trains=model_trains, projection_trains=projection_trains)
     not_modelled: list[str] = []
     unmeasured: list[str] = []
@@ -270,11 +288,14 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
         if tower.hidden_act not in MEASURED_ACTIVATIONS:
             unmeasured.append(f"the vision MLP's {tower.hidden_act!r} counted as keeping its input (measured: "
                               f"{', '.join(MEASURED_ACTIVATIONS)})")
-        if attention == "flash" and (model_trains or projection_trains):
-            unmeasured.append("activations of the vision tower's fused attention (flash: q, k, v, output and an fp32 "
-                              "log-sum-exp per patch and head, no softmax; sdpa keeps each segment's output too, "
-                              "one [P, D] tensor per block more; no such kernel on CPU; the eager attention is measured: "
-                              "--attention-backend local)")
+        if attention == "sdpa" and model_trains:
+            assumptions.append("the vision tower's sdpa kernel keeps q, k, v, its output and an fp32 log-sum-exp per "
+                               "patch and head, as torch's CPU kernel does (measured; GPU kernels may pad the "
+                               "log-sum-exp)")
+        if attention == "flash_attention_2" and model_trains:
+            unmeasured.append("activations of the vision tower's flash_attention_2 (q, k, v, output and an fp32 "
+                              "log-sum-exp per patch and head, no softmax; no such kernel on CPU; eager and sdpa are "
+                              "measured: --vision-attention)")
     if cp > 1:
         unmeasured.append("the vision tower under context parallelism: whole on every CP rank")
     return VisionMemory(params=params, activations=activations, not_modelled=tuple(not_modelled),
