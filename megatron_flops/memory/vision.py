@@ -16,7 +16,7 @@ Activations (saved for backward, one micro-batch; ``P`` patches, ``M = P / m^2``
 ``D`` width, ``F`` MLP width, ``d`` head width, ``K = C x tp x p^2`` pixels per patch, ``a`` bytes
 of the compute dtype), as the Hugging Face tower's eager attention saves them (measured on CPU):
 
-- ``vit/patch_embed``: the Conv3d's input ``a P K``;
+- ``vit/patch_embed``: the Conv3d's input ``a P K`` (Qwen2.5-VL: and the int64 window order, ``8 M``);
 - ``vit/rope``: the fp32 ``cos``/``sin`` ``[P, d]`` every block reads (once): ``8 P d``;
 - ``vit/norm`` per RMSNorm (Qwen2.5-VL): an fp32 copy of its input, fp32 ``rstd`` and its output
   in ``a``: ``4 P D + 4 P + a P D``; per LayerNorm: its input and two statistics ``a P D + 2 s P``;
@@ -27,7 +27,12 @@ of the compute dtype), as the Hugging Face tower's eager attention saves them (m
   QuickGELU's sigmoid), the activation's output, and for a gated MLP the up projection and the
   product;
 - ``vit/merger``: its input norm, the two linear layers' inputs and the GELU's input
-  (``3 a P D``), and (Qwen2.5-VL) the int64 window order and its inverse (``8 M`` each).
+  (``3 a P D``), and (Qwen2.5-VL) the inverse window order (``8 M``);
+- ``vit/placeholder_mask``: the bool ``[b, s, 1]`` mask of each ``masked_scatter`` of image (``t = 1``
+  rows) or video embeddings into the decoder's input.
+
+A frozen linear layer keeps no input; a frozen tower keeps nothing (pixels need no gradient); with
+the blocks frozen the merger keeps what its weights' gradients read.
 
 Attention (``attn_implementation``; Megatron-Bridge leaves transformers' default, ``sdpa``):
 ``eager`` as above; ``sdpa`` saves no softmax: q, k, v (saved already), the kernel's output per
