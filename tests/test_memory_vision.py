@@ -94,7 +94,8 @@ FREEZE = {"trained": (True, True), "frozen blocks": (False, True), "frozen merge
 # fully frozen; sdpa (torch's CPU kernel): trained, both dtypes, both grid sets.
 _FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 CASES = ([(f, "eager", d, "images and a video", z) for f in _FAMILIES for d in (torch.float32, torch.bfloat16)
-          for z in FREEZE] + [(f, "eager", torch.bfloat16, "image", z) for f in _FAMILIES for z in ("trained", "frozen")]
+          for z in FREEZE]
+         + [(f, "eager", torch.bfloat16, "image", z) for f in _FAMILIES for z in ("trained", "frozen")]
          + [(f, "sdpa", d, g, "trained") for f in _FAMILIES for d in (torch.float32, torch.bfloat16) for g in GRIDS])
 
 
@@ -201,10 +202,9 @@ def _megatron_vlm_states(distributed_optimizer: bool, model_trains: bool, bucket
     for p in list(vlm.visual.blocks.parameters()) + list(vlm.visual.patch_embed.parameters()):
         p.requires_grad_(model_trains)
     names = [(n, p.numel()) for n, p in vlm.named_parameters()]
-    ddp = DistributedDataParallel(
-        config=gpt.config, module=Float16Module(gpt.config, vlm),
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer,
-                                                 overlap_grad_reduce=bucket_size is not None, bucket_size=bucket_size))
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=bucket_size is not None,
+                                               use_distributed_optimizer=distributed_optimizer, bucket_size=bucket_size)
+    ddp = DistributedDataParallel(config=gpt.config, module=Float16Module(gpt.config, vlm), ddp_config=ddp_config)
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, params_dtype=torch.bfloat16,
                                  use_distributed_optimizer=distributed_optimizer, clip_grad=1.0)
     with mcore_memory.on_cpu():
@@ -413,4 +413,5 @@ def test_attention_from_the_model_file():
     assert default_attention({"model_type": "qwen2_5_vl", "vision_config": dict(QWEN25, _attn_implementation="eager"),
                               "attn_implementation": "sdpa"}) == "eager"
     with pytest.raises(ValueError, match="flex_attention"):
-        default_attention({"model_type": "qwen2_5_vl", "vision_config": QWEN25, "attn_implementation": "flex_attention"})
+        default_attention({"model_type": "qwen2_5_vl", "vision_config": QWEN25,
+                           "attn_implementation": "flex_attention"})

@@ -269,7 +269,8 @@ def add_parser(sub: Any) -> None:
                      help="a VLM: the tower's attn_implementation (default: the model file's, else transformers' "
                           "sdpa, which Megatron-Bridge keeps)")
     mem.add_argument("--freeze-vision-model", action="store_true",
-                     help="a VLM: freeze the tower's patch embedding and blocks (Megatron-Bridge's freeze_vision_model)")
+                     help="a VLM: freeze the tower's patch embedding and blocks (Megatron-Bridge's "
+                          "freeze_vision_model)")
     mem.add_argument("--freeze-vision-projection", action="store_true",
                      help="a VLM: freeze the tower's merger (Megatron-Bridge's freeze_vision_projection)")
     mem.add_argument("--compare-full", action="store_true", help="also show full training (no LoRA, nothing frozen)")

@@ -101,7 +101,8 @@ def rank_memory(
         def peak_of(received: int | None) -> tuple[int, int, list[ChunkActivations]]:
             chunks = [chunk_activations(spec, options, par, local, pp_rank=pp_rank, chunk=c, recompute=recompute,
                                         peft=peft, received=received) for c in range(par.num_chunks)]
-            chunks = [replace(c, components={**c.components, **vision.chunk_activations(par.is_first_stage(pp_rank, i))})
+            chunks = [replace(c, components={**c.components,
+                                             **vision.chunk_activations(par.is_first_stage(pp_rank, i))})
                       for i, c in enumerate(chunks)]
             return (*schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank)), chunks)
 

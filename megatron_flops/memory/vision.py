@@ -202,8 +202,9 @@ def vision_activations(tower: VisionTower, stats: VisionStats, *, act_bytes: int
                        norm_stats_bytes: int = NORM_STATS_BYTES) -> dict[str, int]:
     """Bytes the tower saves for backward over one micro-batch's grids (``stats``), by component.
 
-    ``attention``: one of VISION_ATTENTION (see the module docstring). A frozen tower saves nothing: its input (pixels) needs no gradient; with the blocks
-    frozen the merger saves only what its weights' gradients read."""
+    ``attention``: one of VISION_ATTENTION (see the module docstring). A frozen tower saves
+    nothing: its input (pixels) needs no gradient; with the blocks frozen the merger saves only
+    what its weights' gradients read."""
     if tower.family not in MEASURED_FAMILIES:
         raise ValueError(f"activations of the {tower.family} vision tower are not modelled")
     if attention not in VISION_ATTENTION:
@@ -266,7 +267,8 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
                   model_trains: bool = True, projection_trains: bool = True, embedding_trains: bool = True,
                   cp: int = 1) -> VisionMemory:
     """The tower's memory for ``grids`` (the ``[t, h, w]`` rows of one micro-batch of ``tokens``
-    decoder tokens; None: activations not modelled) under ``attention`` (one of VISION_ATTENTION); ``embedding_trains``: the decoder's word embeddings train."""
+    decoder tokens; None: activations not modelled) under ``attention`` (one of VISION_ATTENTION);
+    ``embedding_trains``: the decoder's word embeddings train."""
     params = vision_parameters(tower, model_trains=model_trains, projection_trains=projection_trains)
     not_modelled: list[str] = []
     unmeasured: list[str] = []
@@ -275,8 +277,8 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
                    + (" (Megatron-Bridge has no Qwen2-VL model)" if tower.family == "qwen2_vl" else "")]
     activations = None
     if tower.family not in MEASURED_FAMILIES:
-        not_modelled.append(f"the {tower.family} vision tower's activations (Megatron-Bridge trains it as megatron-core "
-                            "Transformer Engine layers: no CPU run)")
+        not_modelled.append(f"the {tower.family} vision tower's activations (Megatron-Bridge trains it as "
+                            "megatron-core Transformer Engine layers: no CPU run)")
         unmeasured.append(f"the {tower.family} vision tower's states: the Hugging Face module's parameters, whole on "
                           "each TP rank (Megatron-Bridge's megatron-core tower splits them over TP)")
     elif grids is None:
@@ -288,8 +290,8 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
         if (model_trains or projection_trains or embedding_trains) and tokens * _placeholder_masks(grids):
             activations["vit/placeholder_mask"] = tokens * _placeholder_masks(grids)
             assumptions.append("vit/placeholder_mask: the bool [b, s, 1] mask each masked_scatter of image (t = 1 "
-                               "grids) or video (t > 1) embeddings into the decoder's input keeps, as Megatron-Bridge's "
-                               "Qwen25VLModel.forward (measured on a forward that mirrors it)")
+                               "grids) or video (t > 1) embeddings into the decoder's input keeps, as "
+                               "Megatron-Bridge's Qwen25VLModel.forward (measured on a forward that mirrors it)")
         if tower.hidden_act not in MEASURED_ACTIVATIONS:
             unmeasured.append(f"the vision MLP's {tower.hidden_act!r} counted as keeping its input (measured: "
                               f"{', '.join(MEASURED_ACTIVATIONS)})")
