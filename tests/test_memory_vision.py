@@ -320,6 +320,9 @@ def test_cli_vision_flags_need_a_vlm(capsys):
     argv = ["memory", "--model", "examples/llama3_8b.json", "--seq-length", "128", "--grid-thw", "[[1, 4, 4]]"]
     assert main(argv) == 2
     assert "vision_config" in capsys.readouterr().err
+    vlm = ["memory", "--model", "examples/qwen2_5_vl_7b_config.json", "--seq-length", "128", "--grid-thw", "[[1, 3, 4]]"]
+    assert main(vlm) == 2
+    assert "multiples of spatial_merge_size=2" in capsys.readouterr().err
 
 
 def test_docs_vlm_example(capsys, monkeypatch):

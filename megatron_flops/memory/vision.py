@@ -276,15 +276,15 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
                    "Megatron-Bridge's Hugging Face Qwen2.5-VL tower (its gradients averaged over TP once per step)"
                    + (" (Megatron-Bridge has no Qwen2-VL model)" if tower.family == "qwen2_vl" else "")]
     activations = None
+    stats = None if grids is None else VisionStats.from_grids(tower.spec, grids)  # (validates the grids)
     if tower.family not in MEASURED_FAMILIES:
         not_modelled.append(f"the {tower.family} vision tower's activations (Megatron-Bridge trains it as "
                             "megatron-core Transformer Engine layers: no CPU run)")
         unmeasured.append(f"the {tower.family} vision tower's states: the Hugging Face module's parameters, whole on "
                           "each TP rank (Megatron-Bridge's megatron-core tower splits them over TP)")
-    elif grids is None:
+    elif stats is None:
         not_modelled.append("the vision tower's activations: give --grid-thw (the [t, h, w] grids of one micro-batch)")
     else:
-        stats = VisionStats.from_grids(tower.spec, grids)
         activations = vision_activations(tower, stats, act_bytes=act_bytes, attention=attention,
                                          model_trains=model_trains, projection_trains=projection_trains)
         if (model_trains or projection_trains or embedding_trains) and tokens * _placeholder_masks(grids):
