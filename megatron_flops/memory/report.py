@@ -32,6 +32,7 @@ from megatron_flops.memory.moe import (
     rerun_moe_layers,
 )
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
+from megatron_flops.memory.vision import VisionMemory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -74,9 +75,12 @@ def rank_memory(
     dp_rank: int = 0,
     peft: PeftSpec | None = None,
     recompute: RecomputeSpec | None = None,
+    vision: VisionMemory | None = None,
 ) -> RankMemory:
-    """Everything on the GPU of pipeline rank ``pp_rank`` and data-parallel rank ``dp_rank``."""
+    """Everything on the GPU of pipeline rank ``pp_rank`` and data-parallel rank ``dp_rank``
+    (``vision``: a VLM's tower, on model chunk 0 of pipeline rank 0)."""
     check_moe(spec, options, par)
+    vision = vision or VisionMemory(params=(), activations=None)
     states: dict[str, int] = {}
     buffers: dict[str, list[Bucket]] = {"dp": [], "expt_dp": []}
     sizes = {"dp": par.dp * par.cp, "expt_dp": par.expert_dp}
@@ -84,6 +88,7 @@ def rank_memory(
     for chunk in range(par.num_chunks):
         params = chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk,
                                   seq_length=training.seq_length, peft=peft)
+        params = vision.chunk_params(par.is_first_stage(pp_rank, chunk)) + params
         # NB: megatron-core buckets only the first model chunk of the first pipeline rank.
         bucket_size = training.bucket_size if chunk == 0 and pp_rank == 0 else None
         chunk_buckets = chunk_buffers(params, dp=sizes["dp"], expert_dp=sizes["expt_dp"],
@@ -96,6 +101,8 @@ def rank_memory(
             states[key] = states.get(key, 0) + value
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
+    for key, value in vision.communication(par.tp, training.grad_bytes, pp_rank == 0).items():
+        comm[key] = comm.get(key, 0) + value
     peak = count = None
     per_mb = None
     bounds = None
@@ -103,6 +110,9 @@ def rank_memory(
         def peak_of(received: int | None) -> tuple[int, int, list[ChunkActivations]]:
             chunks = [chunk_activations(spec, options, par, local, pp_rank=pp_rank, chunk=c, recompute=recompute,
                                         peft=peft, received=received) for c in range(par.num_chunks)]
+            chunks = [replace(c, components={**c.components,
+                                             **vision.chunk_activations(par.is_first_stage(pp_rank, i))})
+                      for i, c in enumerate(chunks)]
             return (*schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank)), chunks)
 
         peak, count, chunks = peak_of(None)
@@ -205,9 +215,11 @@ def decoder_memory(
     *,
     peft: PeftSpec | None = None,
     recompute: RecomputeSpec | None = None,
+    vision: VisionMemory | None = None,
 ) -> MemoryReport:
     """Memory and traffic of every pipeline stage (the data-parallel rank whose optimizer shard
-    is largest) of a megatron-core GPT trained as ``training`` says on ``par``."""
+    is largest) of a megatron-core GPT trained as ``training`` says on ``par`` (with a VLM's
+    ``vision`` tower on the first stage)."""
     check_supported(spec, par, peft)
     _check_size(spec, par, training)
     if par.fsdp:
@@ -220,21 +232,24 @@ def decoder_memory(
                                   virtual_pipeline_model_parallel_size=par.vpp)
     stages = []
     for pp_rank in range(par.pp):
-        ranks = [rank_memory(spec, options, par, training, pp_rank=pp_rank, dp_rank=d, peft=peft, recompute=recompute)
+        ranks = [rank_memory(spec, options, par, training, pp_rank=pp_rank, dp_rank=d, peft=peft, recompute=recompute,
+                             vision=vision)
                  for d in (range(par.dp) if par.distributed_optimizer else (0,))]
         stages.append(max(ranks, key=lambda r: (r.total, -r.dp_rank)))
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
+    tower = vision or VisionMemory(params=(), activations=None)
+    counts = parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp)
     return MemoryReport(
-        parameters=parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp),
+        parameters={k: v + tower.parameter_counts()[k] for k, v in counts.items()},
         stages=tuple(stages),
         group_sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2,
                      "tp_ep": par.tp * par.ep,
                      "cp": par.cp},
-        not_modelled=(reason,) if reason else (),
-        assumptions=assumptions,
-        unmeasured=unmeasured,
+        not_modelled=((reason,) if reason else ()) + tower.not_modelled,
+        assumptions=assumptions + tower.assumptions,
+        unmeasured=unmeasured + tower.unmeasured,
     )
 
 
