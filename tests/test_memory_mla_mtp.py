@@ -20,7 +20,7 @@ MLA = dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=
 def _setup(fields: dict, **layout):
     spec = ModelSpec.from_mapping(dict(fields, vocab_size=VOCAB))
     options = DecoderOptions.from_mapping(dict(fields, padded_vocab_size=VOCAB, attention_backend="local",
-                                               position_embedding_type="rope"))
+                                               position_embedding_type="rope", transformer_impl="local"))
     return spec, options, Parallelism(**layout)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, DecoderOptions, backend_convention
+from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS
 from megatron_flops.memory.layout import DTYPE_BYTES, OPTIMIZERS, Parallelism, Training
 from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
@@ -151,6 +152,8 @@ def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, 
         options = DecoderOptions(**{**vars(options), "attention_backend": backend_convention(args.attention_backend)})
     if args.moe_token_dispatcher is not None:
         options = DecoderOptions(**{**vars(options), "moe_token_dispatcher_type": args.moe_token_dispatcher})
+    if args.transformer_impl is not None:
+        options = DecoderOptions(**{**vars(options), "transformer_impl": args.transformer_impl})
     peft, recompute = _training_setup(args, raw, Path(args.model).name)
     if training.optimizer != "adam" and par.distributed_optimizer:
         raise ValueError("megatron-core's distributed optimizer supports Adam only")
@@ -249,6 +252,10 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--attention-backend", choices=sorted(ATTENTION_BACKENDS),
                      help="saved-activation convention: local/unfused (megatron-core's DotProductAttention) or "
                           "flash/fused/auto (default: the model file's attention_backend, else auto)")
+    mem.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS,
+                     help="Megatron-LM's layer spec: moves multi-latent attention's down projections under TP "
+                          "(transformer_engine: whole on every TP rank, a formula; local: split, measured; "
+                          "default: the model file's transformer_impl, else transformer_engine as Megatron-LM)")
     mem.add_argument("--moe-token-dispatcher", choices=("alltoall", "allgather"),
                      help="megatron-core's moe_token_dispatcher_type (default: the model file's; Hugging Face MoE "
                           "configs: alltoall, as Megatron-Bridge sets it)")

@@ -163,7 +163,8 @@ def step_communication(
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
             learned = options.position_embedding_type == "learned_absolute"
             for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=len(layers), rerun=rerun,
-                                                      last=last, recompute=recompute, learned_positions=learned).items():
+                                                      last=last, recompute=recompute, learned_positions=learned,
+                                                      duplicated=options.duplicated_mla_down).items():
                 add(key, m * value)
         if par.cp > 1:
             # NB: a formula, not measured (no context-parallel attention on CPU): Transformer
