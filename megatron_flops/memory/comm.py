@@ -173,7 +173,7 @@ def step_communication(
             kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
             add("cp/send_recv", m * len(layers) * (par.cp - 1) * 2 * (kv + 2 * kv))
         if moe_layers:
-            rerun_moe = rerun_moe_layers(spec, recompute, layers)
+            rerun_moe = rerun_moe_layers(spec, recompute, layers, last=last)
             for key, value in moe_communication(spec, options, par, training, moe_layers, rerun_moe).items():
                 add(key, m * value)
     return out

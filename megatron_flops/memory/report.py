@@ -150,8 +150,9 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
     m, fewest, most = training.num_microbatches, *received_bounds(spec, par, training)
     for c in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, c)
-        moe_layers = sum(layer_is_moe(spec, layers)) + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c))
-        rerun = rerun_moe_layers(spec, recompute, layers)
+        last = par.is_last_stage(pp_rank, c)
+        moe_layers = sum(layer_is_moe(spec, layers)) + mtp_moe_layers(spec, last)
+        rerun = rerun_moe_layers(spec, recompute, layers, last=last)
         span = all_to_all_range(spec, options, par, sequence_parallel_slice(training, par), moe_layers,
                                 rerun) if moe_layers else None
         if span is not None:
