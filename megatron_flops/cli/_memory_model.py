@@ -18,10 +18,10 @@ from megatron_flops.model.hf_config import hf_family_of, hf_text_config, is_hf_c
 # read for the model's shape): Megatron-LM's defaults stand in for them.
 MEGATRON_ARGS_NOT_READ = (
     "--megatron-args: --normalization, --position-embedding-type, --rotary-percent, --max-position-embeddings, "
-    "--hidden-dropout, --attention-dropout, --attention-backend and --moe-token-dispatcher-type are not read "
-    "from the command line: Megatron-LM's defaults are counted (LayerNorm, learned absolute positions of "
+    "--hidden-dropout, --attention-dropout, --attention-backend, --moe-token-dispatcher-type, --micro-batch-size and "
+    "--global-batch-size are not read from the command line: Megatron-LM's defaults are counted (LayerNorm, learned absolute positions of "
     "--seq-length rows, dropout 0.1, a fused attention kernel, the allgather dispatcher; --attention-backend and "
-    "--moe-token-dispatcher here set the last two)"
+    "--moe-token-dispatcher, --micro-batch-size and --num-microbatches here set them)"
 )
 
 

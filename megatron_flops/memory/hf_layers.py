@@ -18,8 +18,8 @@ _LAYERNORM = ("starcoder2", "nemotron", "stablelm", "gpt_neox", "falcon")
 # Families whose norm is a LayerNorm without a bias (cohere) or without any weight (olmo).
 _LAYERNORM_NO_BIAS = ("cohere",)
 _LAYERNORM_NO_AFFINE = ("olmo",)
-# transformers' default partial_rotary_factor where the file may omit it.
-_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt_neox": 0.25, "nemotron": 0.5}
+# Families with partial rotary, and transformers' default fraction where the file may omit it.
+_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt_neox": 0.25, "nemotron": 0.5, "phi3": 1.0}
 # attention_bias puts a bias on q, k and v only (not o_proj) in these families.
 _QKV_ONLY_ATTENTION_BIAS = ("glm", "glm4", "helium", "seed_oss")
 
@@ -77,7 +77,10 @@ def _qk_norm(text: Mapping[str, Any], family: str) -> bool:
 
 def _rotary_fraction(text: Mapping[str, Any], family: str) -> float:
     """The fraction of each head RoPE rotates: ``rope_parameters``'s (transformers 5),
-    ``rope_scaling``'s or the top-level ``partial_rotary_factor``, gpt_neox's ``rotary_pct``."""
+    ``rope_scaling``'s or the top-level ``partial_rotary_factor``, gpt_neox's ``rotary_pct``; 1 in
+    families that rotate whole heads (their modeling code ignores the key)."""
+    if family not in _ROTARY_DEFAULTS:
+        return 1.0
     for name in ("rope_parameters", "rope_scaling"):
         rope = text.get(name)
         if isinstance(rope, Mapping) and rope.get("partial_rotary_factor") is not None:
