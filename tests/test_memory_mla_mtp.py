@@ -3,6 +3,8 @@ with the derivations written out (the gloo measurements: tests/test_memory_mla_m
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_flops.flops.passes import RecomputeSpec
@@ -127,3 +129,18 @@ def test_mla_transformer_engine_tp_traffic():
     te = DecoderOptions(**{**vars(local), "transformer_impl": "transformer_engine"})
     report = decoder_memory(spec, te, Parallelism(tp=2), Training(seq_length=SEQ, micro_batch_size=MBS))
     assert report.unmeasured and "parallel_mode='duplicated'" in report.unmeasured[0]
+
+
+def test_cli_transformer_impl_flag(tmp_path, capsys):
+    from megatron_flops.cli import main
+
+    path = tmp_path / "mla.json"
+    path.write_text(json.dumps(dict(MLA, vocab_size=VOCAB)))
+    weights = {}
+    for impl in ("transformer_engine", "local"):
+        main(["memory", "--model", str(path), "--seq-length", str(SEQ), "--tp", "2", "--params-dtype", "fp32",
+              "--transformer-impl", impl, "--json"])
+        report = json.loads(capsys.readouterr().out)
+        weights[impl] = report["per_gpu"]["weights_bytes"]
+    # 3 MLA layers x half of [24 + 40, 48] more elements per TP rank, fp32 (as above).
+    assert weights["transformer_engine"] - weights["local"] == 4_608 * 4
