@@ -23,6 +23,7 @@ from megatron_flops.memory.comm import (
 )
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -235,6 +236,9 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
         if options.hidden_dropout > 0 or options.attention_dropout > 0:
             assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
                                "activation-dtype mask)")
+    more_assumptions, more_unmeasured = ssm_notes(spec, activations=activations)
+    assumptions += more_assumptions
+    unmeasured += more_unmeasured
     if activations and lora:
         assumptions.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each "
                            "saves the projection's input and the [tokens, rank] intermediate")
