@@ -37,6 +37,7 @@ from dataclasses import replace
 
 from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.ssm import missing_blocks
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -158,6 +159,9 @@ def step_communication(
             rerun = fully_recomputed_layers(recompute, len(layers))
             for key, count in tensor_parallel_activations(options, par, len(layers), rerun, first, last).items():
                 add(key, m * hidden * count)
+            for key, count in tensor_parallel_activations(options, par, missing_blocks(kinds, layers), 0, False,
+                                                          False).items():
+                add(key, -m * hidden * count // 2)  # a hybrid layer has one sub-block: half a layer's traffic
             if moe_layers:
                 for key, value in tensor_parallel_moe(spec, options, par, training, moe_layers, rerun).items():
                     add(key, m * value)

@@ -170,6 +170,8 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
                                                             or any(f == "none" for _, f in kinds)):
         return "LoRA adapters are modelled on attention + MLP layers (not Mamba, GDN, KDA, DSA or hybrid layers)"
+    if par.cp > 1 and not mixers <= {"attention", "window", "none"}:
+        return "context parallelism is modelled for softmax-attention layers (not Mamba, GDN, KDA or DSA)"
     if "kda" in mixers and par.tp > 1:
         return "Kimi Delta Attention is modelled with --tp 1 (transformers' layer: megatron-core has none)"
     sizes = []
@@ -197,7 +199,7 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> s
     return None
 
 
-def ssm_notes(spec: ModelSpec, *, activations: bool) -> tuple[list[str], list[str]]:
+def ssm_notes(spec: ModelSpec, *, activations: bool, tp: int) -> tuple[list[str], list[str]]:
     """(assumptions, unmeasured) for these layers: every activation formula here is unmeasured."""
     mixers = {mixer for (mixer, _), _ in spec.layer_runs}
     assumptions, unmeasured = [], []
@@ -211,6 +213,15 @@ def ssm_notes(spec: ModelSpec, *, activations: bool) -> tuple[list[str], list[st
         unmeasured.append("activations of Gated DeltaNet layers: a formula from what causal-conv1d and fla's "
                           "l2norm and chunk_gated_delta_rule save for backward (CUDA/Triton kernels: they do not run "
                           "on CPU)")
+    if tp > 1 and mixers & {"mamba", "gdn"}:
+        unmeasured.append("tp/* traffic of Mamba and GDN layers: in_proj and out_proj priced as an attention block's "
+                          "column- and row-parallel pair (the layers do not run on CPU)")
     if "kda" in mixers:
         assumptions.append("Kimi Delta Attention layers as transformers' KimiLinearDeltaAttention (TP 1)")
     return assumptions, unmeasured
+
+
+def missing_blocks(kinds: tuple[tuple[str, str], ...], layers: range | list[int]) -> int:
+    """Sub-blocks (a mixer or a feed-forward part, each with one TP collective pair) that the
+    hybrid layers among ``layers`` lack: :mod:`.comm` prices two per layer."""
+    return sum((kinds[i][0] == "none") + (kinds[i][1] == "none") for i in layers)
