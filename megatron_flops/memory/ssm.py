@@ -55,13 +55,14 @@ def _mamba(spec: ModelSpec, p: str, tp: int) -> list[Tensor]:
     assert m is not None
     h, inner = spec.hidden_size, mamba_inner(spec)
     heads, conv = m.num_heads // tp, (inner + 2 * m.num_groups * m.state_dim) // tp
+    # NB: the mixer's own parameters (dt_bias, A_log, D: [heads/tp]) come before its submodules'.
     return [
+        (p + "dt_bias", heads, False), (p + "A_log", heads, False), (p + "D", heads, False),
         # in_proj: [(2*inner + 2*groups*state + heads)/tp, h] (z, x, B, C, dt; column parallel, no bias).
         (p + "in_proj.weight", (2 * inner + 2 * m.num_groups * m.state_dim + m.num_heads) // tp * h, False),
         # Depthwise conv over x, B, C: weight [conv, 1, 4], bias [conv].
         (p + "conv1d.weight", conv * MAMBA_CONV_WIDTH, False),
         (p + "conv1d.bias", conv, False),
-        (p + "dt_bias", heads, False), (p + "A_log", heads, False), (p + "D", heads, False),
         # Gated RMSNorm over this rank's inner channels, then out_proj [h, inner/tp] (row parallel).
         (p + "norm.weight", inner // tp, False),
         (p + "out_proj.weight", h * (inner // tp), False),
@@ -74,11 +75,12 @@ def _gdn(spec: ModelSpec, p: str, tp: int, layer_norm: bool) -> list[Tensor]:
     h = spec.hidden_size
     qk, v, nv = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim, g.num_value_heads
     out = [
+        # The module's own dt_bias and A_log [nv/tp] first, then its submodules'.
+        (p + "dt_bias", nv // tp, False), (p + "A_log", nv // tp, False),
         # in_proj: [(2*qk + 2*v + 2*nv)/tp, h] (q, k, v, gate z, beta, alpha; column parallel, no bias).
         (p + "in_proj.weight", (2 * qk + 2 * v + 2 * nv) // tp * h, False),
         # Depthwise causal conv over q, k, v: [(2*qk + v)/tp, 1, K], no bias (megatron-core's default).
         (p + "conv1d.weight", (2 * qk + v) // tp * g.conv_kernel_dim, False),
-        (p + "dt_bias", nv // tp, False), (p + "A_log", nv // tp, False),
         # The output norm is per value head: [value_head_dim], whole on every TP rank.
         (p + "out_norm.weight", g.value_head_dim, True),
     ]
