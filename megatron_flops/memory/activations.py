@@ -219,8 +219,9 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
     w.linear("attention", "linear_qkv", x.local_tokens * x.h * a, T, a)
     qkv_out = T * (x.heads + 2 * x.groups + (x.heads if x.gate else 0)) * d * a
     # NB: the output gate (megatron-core's fused ``_apply_output_gate``) keeps the core output and
-    # the gate, a view of the qkv output, and hands linear_proj a new [T, heads*d] tensor.
-    gated = T * x.heads * d * a if x.gate else 0
+    # the gate (a view of the qkv output; with GQA the reshape into heads copies it) and hands
+    # linear_proj a new [T, heads*d] tensor.
+    gated = T * x.heads * d * a * (2 if gqa else 1) if x.gate else 0
     if x.rot:
         w.act("attention", 4 * x.s * x.rot * a)  # cos and sin, for q and for k
     if options.attention_backend == "flash":
@@ -242,7 +243,7 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
         kept = (q + T * x.groups * d * a + qkv_out) if x.rot else (qkv_out + (q if gqa else 0))
         transient = 2 * T * x.heads * d * a if gqa else 0
     else:
-        kept = 3 * q + (qkv_out if x.gate else 0) if gqa else (2 * q + qkv_out if x.rot else qkv_out)
+        kept = 3 * q if gqa else (2 * q + qkv_out if x.rot else qkv_out)
         transient = 0
     w.act("attention", kept)
     _softmax(w, x, options, checkpointed=checkpointed, transient=transient)
