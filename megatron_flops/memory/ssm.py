@@ -123,15 +123,15 @@ def dsa_indexer_tensors(spec: ModelSpec, prefix: str) -> list[Tensor]:
 def mamba_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int) -> int:
     """Bytes one Mamba mixer keeps for backward after ``in_proj`` (whose input the caller counts):
     the combined kernel's contiguous ``zxBCdt`` [T, in/tp] and ``out_x`` (the scan output before
-    the z gate) [T, inner/tp], ``A = -exp(A_log)`` (fp32 [heads]) and ``dt_bias.float()`` (a copy
-    for 16-bit parameters); the gated RMSNorm's input [T, inner/tp] and fp32 rstd per token and
+    the z gate) [T, inner/tp], ``A = -exp(A_log)`` and ``exp``'s output (fp32 [heads] each) and
+    ``dt_bias.float()`` (a copy for 16-bit parameters); the gated RMSNorm's input [T, inner/tp] and fp32 rstd per token and
     group; ``out_proj``'s input [T, inner/tp]. The conv output, dt and the chunk states are
     recomputed in backward."""
     m = spec.mamba
     assert m is not None
     inner, heads, groups = mamba_inner(spec) // tp, m.num_heads // tp, m.num_groups // tp
     in_dim = (2 * mamba_inner(spec) + 2 * m.num_groups * m.state_dim + m.num_heads) // tp
-    kernel = tokens * in_dim * act + tokens * inner * act + heads * FP32 + (heads * FP32 if act < FP32 else 0)
+    kernel = tokens * in_dim * act + tokens * inner * act + 2 * heads * FP32 + (heads * FP32 if act < FP32 else 0)
     return kernel + tokens * inner * act + tokens * groups * FP32 + tokens * inner * act
 
 
@@ -143,11 +143,13 @@ def gdn_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int, param: int) ->
     - fla's ``l2norm`` of q and of k: output [T, qk/tp] and fp32 rstd per token and key head;
       GQA's ``repeat_interleave`` (value heads > key heads) makes new q and k of [T, nv/tp x dk];
     - the decay ``g = -exp(A_log) * softplus(alpha + dt_bias)``: softplus's fp32 input and output
-      [T, nv/tp], ``exp``'s output [nv/tp] (parameter dtype); ``beta = sigmoid(b)`` [T, nv/tp];
+      [T, nv/tp], ``exp``'s output and its negation [nv/tp] (parameter dtype); ``beta = sigmoid(b)``
+      [T, nv/tp];
     - ``chunk_gated_delta_rule``: q, k, the contiguous v [T, v/tp], the chunk-cumulated fp32 g,
       beta, the solved WY matrix ``A`` [T, nv/tp, 64] in the activation dtype;
-    - the gated output norm (one fused function): its input [T, v/tp], the contiguous gate z
-      [T, v/tp], fp32 rstd per token and value head; ``out_proj``'s input [T, v/tp].
+    - the gated output norm: the norm's input [T, v/tp] and fp32 rstd per token and value head,
+      its output and the contiguous gate z [T, v/tp] (the fused ``y * silu(z)``); ``out_proj``'s
+      input [T, v/tp].
     """
     g = spec.gdn
     assert g is not None
@@ -157,9 +159,9 @@ def gdn_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int, param: int) ->
     conv = t * (2 * qk + v) * act
     l2 = 2 * (t * qk * act + t * nk * FP32)
     repeated = 2 * t * nv * g.key_head_dim * act if nv > nk else 0
-    decay = 2 * t * nv * FP32 + nv * param + t * nv * act
+    decay = 2 * t * nv * FP32 + 2 * nv * param + t * nv * act
     core = t * v * act + t * nv * FP32 + t * nv * FLA_CHUNK * act
-    norm = 2 * t * v * act + t * nv * FP32
+    norm = 3 * t * v * act + t * nv * FP32
     return conv + l2 + repeated + decay + core + norm + t * v * act
 
 
