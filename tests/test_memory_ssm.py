@@ -244,3 +244,7 @@ def test_refusals_name_what_is_not_modelled(capsys, tmp_path):
                  "--recompute-method", "uniform", "--recompute-num-layers", "1"]) == 0
     assert "not modelled (this setup): activations of Mamba, Gated DeltaNet and hybrid layers are modelled " \
            "without recompute" in capsys.readouterr().out
+    assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2", "--vpp", "2"]) == 2
+    assert "virtual pipeline stages of a hybrid pattern follow its '|' separators" in capsys.readouterr().err
+    assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2"]) == 0
+    assert "split evenly over the 2 pipeline stages" in capsys.readouterr().out

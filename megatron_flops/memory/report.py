@@ -236,7 +236,7 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
         if options.hidden_dropout > 0 or options.attention_dropout > 0:
             assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
                                "activation-dtype mask)")
-    more_assumptions, more_unmeasured = ssm_notes(spec, activations=activations, tp=par.tp)
+    more_assumptions, more_unmeasured = ssm_notes(spec, par, activations=activations)
     assumptions += more_assumptions
     unmeasured += more_unmeasured
     if activations and lora:

@@ -174,6 +174,8 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
                                                             or any(f == "none" for _, f in kinds)):
         return "LoRA adapters are modelled on attention + MLP layers (not Mamba, GDN, KDA, DSA or hybrid layers)"
+    if par.vpp is not None and is_hybrid(spec):
+        return "virtual pipeline stages of a hybrid pattern follow its '|' separators, which this report does not read"
     if par.cp > 1 and not mixers <= {"attention", "window", "none"}:
         return "context parallelism is modelled for softmax-attention layers (not Mamba, GDN, KDA or DSA)"
     if "kda" in mixers and par.tp > 1:
@@ -203,13 +205,21 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> s
     return None
 
 
-def ssm_notes(spec: ModelSpec, *, activations: bool, tp: int) -> tuple[list[str], list[str]]:
+def is_hybrid(spec: ModelSpec) -> bool:
+    """Built by megatron-core's hybrid stack: Mamba layers, or layers with one sub-block."""
+    return any(m in ("mamba", "none") or f == "none" for (m, f), _ in spec.layer_runs)
+
+
+def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[list[str], list[str]]:
     """(assumptions, unmeasured) for these layers: every activation formula here is unmeasured."""
     mixers = {mixer for (mixer, _), _ in spec.layer_runs}
     assumptions, unmeasured = [], []
-    if mixers & {"mamba", "gdn"} or any(f == "none" for (_, f), _ in spec.layer_runs):
+    if "gdn" in mixers or is_hybrid(spec):
         assumptions.append("Mamba, GDN and hybrid layers as megatron-core builds them (Transformer Engine specs: a "
                            "layer's norm fused into its first linear layer, listed as a separate norm: same bytes)")
+    if is_hybrid(spec) and par.pp > 1:
+        assumptions.append(f"the hybrid pattern's layers split evenly over the {par.pp} pipeline stages, as "
+                           "megatron-core splits a pattern without '|' separators ('|' boundaries are not read here)")
     if activations and "mamba" in mixers:
         unmeasured.append("activations of Mamba layers: a formula from what mamba_ssm's fused conv1d + chunked scan "
                           "and gated RMSNorm save for backward (CUDA/Triton kernels: they do not run on CPU)")
@@ -217,7 +227,7 @@ def ssm_notes(spec: ModelSpec, *, activations: bool, tp: int) -> tuple[list[str]
         unmeasured.append("activations of Gated DeltaNet layers: a formula from what causal-conv1d and fla's "
                           "l2norm and chunk_gated_delta_rule save for backward (CUDA/Triton kernels: they do not run "
                           "on CPU)")
-    if tp > 1 and mixers & {"mamba", "gdn"}:
+    if par.tp > 1 and mixers & {"mamba", "gdn"}:
         unmeasured.append("tp/* traffic of Mamba and GDN layers: in_proj and out_proj priced as an attention block's "
                           "column- and row-parallel pair (the layers do not run on CPU)")
     if "kda" in mixers:
