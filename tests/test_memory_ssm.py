@@ -24,6 +24,7 @@ from megatron_flops.memory.activations import chunk_activations, in_flight, sche
 from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.report import decoder_memory
+from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.memory.ssm import dsa_indexer_tensors, gdn_saved, mamba_saved, mixer_tensors
 from megatron_flops.model.spec import ModelSpec
 
@@ -150,6 +151,12 @@ ATTENTION_CASES = {
     "gated, GQA, learned positions": (dict(attention_output_gate=True, num_query_groups=2), "learned_absolute", "fp32"),
     "gated, bf16": (dict(attention_output_gate=True), "rope", "bf16"),
     "sliding window 4 (the [s, s] softmax is saved whatever the window)": (dict(window_size=(4, 0)), "rope", "fp32"),
+    "gated, full recompute, uniform 1": (dict(attention_output_gate=True, recompute_granularity="full",
+                                              recompute_method="uniform", recompute_num_layers=1), "rope", "fp32"),
+    "gated, selective core_attn, MHA": (dict(attention_output_gate=True, recompute_granularity="selective"),
+                                        "rope", "fp32"),
+    "gated, selective core_attn, GQA": (dict(attention_output_gate=True, recompute_granularity="selective",
+                                             num_query_groups=2), "rope", "fp32"),
 }
 
 
@@ -165,11 +172,12 @@ def test_gated_and_windowed_attention_saved_bytes(mcore, name):
                                                position_embedding_type=position, add_bias_linear=False))
     training = Training(seq_length=base.SEQ, micro_batch_size=base.MBS, num_microbatches=base.NUM_MB,
                         params_dtype=dtype)
-    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0)
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0,
+                            recompute=RecomputeSpec.from_mapping(model))
     delta = base.cpu_kernel_delta(fields, training.param_bytes, 2 * base.BASE["num_layers"] + 1, base.SEQ * base.MBS,
                                   base.BASE["hidden_size"], 0)
     act = dataclasses.replace(act, components={**act.components, "cpu": delta})
-    assert measured_forward == [act.forward] * base.NUM_MB
+    assert measured_forward == [act.forward + act.shared] * base.NUM_MB
     assert measured_peak == schedule_peak([act], in_flight(Parallelism(), base.NUM_MB, 0))[0]
 
 

@@ -200,8 +200,6 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> s
     plain = mixers <= {"attention", "window"} and all(f != "none" for _, f in kinds)
     if recompute is not None and not plain:
         return "activations of Mamba, Gated DeltaNet and hybrid layers are modelled without recompute"
-    if recompute is not None and spec.attention_output_gate:
-        return "activations of gated attention (attention_output_gate) are modelled without recompute"
     return None
 
 
