@@ -166,6 +166,10 @@ SILENT_HF_GAPS = {
     "stablelm": "LayerNorm; attention and MLP in parallel; partial rotary; qkv biases",
     "glm": "partial rotary (cos/sin of half of each head)",
     "glm4": "partial rotary; norms after attention and the MLP",
+    # Sliding-window families, reported since windowed attention is (the window itself saves nothing more).
+    "gemma2": "norms after attention and the MLP (four per layer); attention logit soft-capping",
+    "gemma3_text": "norms after attention and the MLP; q/k RMSNorms per head",
+    "olmo3": "q/k RMSNorms over the whole projections; norms after attention and the MLP",
 }
 
 
