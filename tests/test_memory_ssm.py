@@ -251,8 +251,21 @@ def test_refusals_name_what_is_not_modelled(capsys, tmp_path):
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--recompute", "full",
                  "--recompute-method", "uniform", "--recompute-num-layers", "1"]) == 0
     assert "not modelled (this setup): activations of Mamba, Gated DeltaNet and hybrid layers are modelled " \
-           "without recompute" in capsys.readouterr().out
+           "without full recompute" in capsys.readouterr().out
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2", "--vpp", "2"]) == 2
     assert "virtual pipeline stages of a hybrid pattern follow its '|' separators" in capsys.readouterr().err
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2"]) == 0
     assert "split evenly over the 2 pipeline stages" in capsys.readouterr().out
+
+
+def test_selective_recompute_touches_only_the_attention_layers():
+    # core_attn recompute checkpoints softmax attention's core; Mamba and GDN layers save the same.
+    spec = ModelSpec.from_mapping(HYBRID)
+    options = DecoderOptions(normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
+                             padded_vocab_size=256, attention_backend="unfused", hidden_dropout=0.0)
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=1, params_dtype="bf16")
+    plain, selective = (chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0,
+                                          recompute=r) for r in (None, RecomputeSpec(granularity="selective")))
+    assert {k: v for k, v in plain.components.items() if k != "attention"} == \
+        {k: v for k, v in selective.components.items() if k != "attention"}
+    assert selective.components["attention"] < plain.components["attention"] and selective.backward_peak

@@ -198,8 +198,8 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> s
     if mixers & {"kda", "dsa", "dsa_shared"}:
         return "activations are not modelled for Kimi Delta Attention or DeepSeek sparse attention layers"
     plain = mixers <= {"attention", "window"} and all(f != "none" for _, f in kinds)
-    if recompute is not None and not plain:
-        return "activations of Mamba, Gated DeltaNet and hybrid layers are modelled without recompute"
+    if recompute is not None and recompute.granularity == "full" and not plain:
+        return "activations of Mamba, Gated DeltaNet and hybrid layers are modelled without full recompute"
     return None
 
 
