@@ -140,9 +140,9 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     *[(f"{model} | *", r"not modelled: MoE activations are modelled without a shared-expert gate")
       for model in ("hf:qwen2_moe", "hf:qwen3_next")],
     ("mcore:*moe* | DP2 EP2 | ", r"refused: .*expert parallelism is modelled with moe_token_dispatcher_type"),
-    # DiT: activations outside the blocks; layouts but FSDP2 over DP (DDP, distributed optimizer,
-    # TP, PP, CP), which Megatron-Bridge's WAN also trains with.
-    ("examples/wan* | *", r"not modelled: activations outside the blocks"),
+    # DiT: FSDP2's transient unsharded parameters and gradients; layouts but FSDP2 over DP (DDP,
+    # distributed optimizer, TP, PP, CP), which Megatron-Bridge's WAN also trains with.
+    ("examples/wan* | DP2 FSDP | *", r"not modelled: FSDP2's all-gathered parameters"),
     ("examples/wan* | DP2 | ", r"refused: .*a DiT model file with --dp > 1 needs --fsdp"),
     ("examples/wan* | DP2 distopt | ", r"refused: .*a DiT model file is modelled under --fsdp .* this layout"),
     ("examples/wan* | TP2* | ", r"refused: .*a DiT model file is modelled under --fsdp .* --tp 2 is"),
