@@ -156,4 +156,7 @@ def dit_assumptions(attention: str, checkpointed_blocks: int, num_layers: int) -
         "outside the blocks: the time sinusoid cast to the compute dtype, each clip's time projection repeated "
         "per token (an int64 index), an MSE loss in fp32 against fp32 targets [T, out_channels x patch]",
         f"{checkpointed_blocks} of {num_layers} blocks checkpointed; FSDP2: one micro-batch in flight",
+        "gradient accumulation without sync (set_requires_gradient_sync(False) before the last micro-batch, as "
+        "the example does): whole gradients held until the last reduce-scatter (gradients/unsharded_accumulation); "
+        "syncing every micro-batch instead holds no whole gradients and reduce-scatters once per micro-batch",
     ]
