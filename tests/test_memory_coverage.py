@@ -115,20 +115,26 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # them): activations left out.
     *[(f"{model} | *", r"not modelled: activations are modelled without qk_layernorm")
       for model in ("hf:qwen3", "hf:qwen3_moe", "mcore:qk_layernorm", "hf:apertus", "hf:cohere",
-                    "hf:hunyuan_v1_dense", "hf:olmo2")],
+                    "hf:hunyuan_v1_dense", "hf:olmo2", "hf:olmo3", "hf:gemma3*")],
     # Hugging Face layers megatron-core's GPT layer cannot express (memory/hf_layers.py): counted as
     # the nearest megatron-core layer, the difference named.
     *[(f"hf:{model} | *", rf"not modelled: Hugging Face {model.split()[0]}: {what}") for model, what in (
         ("apertus", "xIELU activation"), ("olmo", "its LayerNorms have no weight or bias"),
         ("cohere", "attention and the MLP run in parallel"), ("cohere", "its LayerNorms have no bias"),
         ("cohere", "q/k norms with a weight per head"), ("olmo2", "q/k norms over the whole q and k projections"),
-        ("olmo2", "RMSNorms after attention and after the MLP instead"), ("glm4", "RMSNorms after attention and after "
+        ("olmo2", "RMSNorms after attention and after the MLP instead"),
+        ("olmo3", "q/k norms over the whole q and k projections"), ("olmo3", "RMSNorms after attention and after the "
+                                                                            "MLP instead"),
+        ("gemma2", "RMSNorms after attention and after the MLP as well"), ("gemma2", "logit soft-capping"),
+        ("gemma3_text", "RMSNorms after attention and after the MLP as well"), ("glm4", "RMSNorms after attention and after "
                                                                             "the MLP as well"),
         ("falcon", "attention and the MLP run in parallel"), ("falcon new decoder", "attention and the MLP run in "
                                                                                     "parallel"),
         ("falcon MHA alibi serial", "ALiBi attention biases"), ("gpt_neox", "attention and the MLP run in parallel"),
         ("stablelm", "attention and the MLP run in parallel"),
     )],
+    ("hf:gemma3 layer_types | *", r"not modelled: Hugging Face gemma3_text: RMSNorms after attention and after the "
+                                  r"MLP as well"),
     # megatron-core's own FSDP (use_megatron_fsdp, use_torch_fsdp2) for a GPT decoder.
     ("* | DP2 FSDP | *", r"refused: .*--fsdp is modelled for DiT model files"),
     # LoRA/frozen decoders: under TP, with MoE/MLA/MTP, with recompute.
