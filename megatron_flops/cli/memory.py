@@ -79,7 +79,9 @@ def format_reports(reports: dict[str, dict[str, Any]], assumptions: list[str]) -
 
 def _in_flight(stage: dict[str, Any]) -> str:
     count = stage["forward_passes_in_flight"]
-    return "activations not modelled" if count is None else f"{count} forward passes in flight"
+    if count is None:
+        return "activations not modelled"
+    return f"{count} forward pass{'' if count == 1 else 'es'} in flight"
 
 
 def _training(args: argparse.Namespace, seq_length: int) -> Training:
