@@ -22,6 +22,7 @@ from megatron_flops.model.hf_config import hf_family_of, hf_text_config
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS, check_mla_mtp
 from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.memory.ssm import MIXERS_WITH_PARAMETERS, dsa_indexer_tensors, mixer_tensors, ssm_reason
 from megatron_flops.model.spec import ModelSpec
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -153,14 +154,10 @@ def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
 
 def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, options: DecoderOptions) -> None:
     """ValueError for what these parameter lists do not model, or sizes that do not divide."""
-    kinds = {kind for kind, _ in spec.layer_runs + (spec.mtp_layer_runs if spec.mtp_num_layers else ())}
-    if any(m is not None for m in (spec.mamba, spec.gdn, spec.kda, spec.dsa)) or spec.attention_output_gate \
-            or any(mixer != "attention" or ffn == "none" for mixer, ffn in kinds):
-        raise ValueError("memory is modelled for GPT decoders (dense and MoE layers, MLA, MTP): no Mamba, Gated "
-                         "DeltaNet, KDA, DSA, gated attention or hybrid layers without attention or an MLP")
+    reason = ssm_reason(spec, par, peft)
+    if reason is not None:
+        raise ValueError(reason)
     check_mla_mtp(spec, par, duplicated=options.duplicated_mla_down)
-    if spec.window_size is not None:
-        raise ValueError("memory is not modelled for sliding-window attention")
     tp = par.tp
     for name, value in (("num_attention_heads", spec.num_attention_heads), ("num_query_groups", spec.num_query_groups),
                         ("ffn_hidden_size", spec.ffn_hidden_size)):
@@ -210,7 +207,7 @@ def chunk_parameters(
             out.append(Param("embedding.position_embeddings.weight", rows * h, base))
     layers, kinds = par.chunk_layers(spec.num_layers, pp_rank, chunk), spec.layers
     for local, layer in enumerate(layers):  # NB: layer numbering is per chunk (megatron's local index)
-        out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1])
+        out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1], kinds[layer][0])
     if last:
         out += _norm(options, "decoder.final_layernorm.", h, base)
         for i in range(spec.mtp_num_layers):
@@ -257,21 +254,31 @@ def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: Pef
 
 
 def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: PeftSpec, prefix: str,
-           ffn: str) -> list[Param]:
+           ffn: str, mixer: str = "attention") -> list[Param]:
+    """One decoder layer: its mixer (softmax attention, MLA/DSA, Mamba, GDN, KDA or none: a hybrid
+    MLP layer) and its feed-forward part (none: a hybrid mixer layer), each behind its norm."""
     h, tp, d = spec.hidden_size, par.tp, spec.kv_channels
     nq, ng = spec.num_attention_heads, spec.num_query_groups
     base, bias = not peft.frozen, options.add_bias_linear
     attn = prefix + "self_attention."
-    out = _norm(options, prefix + "input_layernorm.", h, base)
-    if spec.mla is not None:
+    out = _norm(options, prefix + "input_layernorm.", h, base) if mixer != "none" else []
+    if mixer in MIXERS_WITH_PARAMETERS:
+        out += [Param(n, k, base, tp_replicated=r) for n, k, r in
+                mixer_tensors(spec, mixer, prefix, tp, options.normalization == "LayerNorm")]
+    elif spec.mla is not None and mixer != "none":
+        if mixer == "dsa":
+            out += [Param(n, k, base, tp_replicated=r) for n, k, r in dsa_indexer_tensors(spec, prefix)]
         out += _mla(spec, options, peft, attn, bias, tp)
-    else:
+    elif mixer != "none":
         # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
         out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft)
-        # linear_qkv: [(nq + 2*ng)*d/tp, h] (column parallel).
-        out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp, bias or options.add_qkv_bias, peft)
+        # linear_qkv: [(nq + 2*ng)*d/tp (+ nq*d/tp output gate), h] (column parallel).
+        gate = nq * d // tp if spec.attention_output_gate else 0
+        out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp + gate, bias or options.add_qkv_bias, peft)
         if options.qk_layernorm:
             out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
+    if ffn == "none":
+        return out
     out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
     if ffn == "mlp":
         out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias)

@@ -31,6 +31,7 @@ from megatron_flops.memory.moe import (
     moe_unmeasured,
     rerun_moe_layers,
 )
+from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -274,6 +275,9 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
         if options.hidden_dropout > 0 or options.attention_dropout > 0:
             assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
                                "activation-dtype mask)")
+    more_assumptions, more_unmeasured = ssm_notes(spec, par, activations=activations)
+    assumptions += more_assumptions
+    unmeasured += more_unmeasured
     if activations and lora:
         assumptions.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each "
                            "saves the projection's input and the [tokens, rank] intermediate")
