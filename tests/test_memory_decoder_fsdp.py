@@ -1,0 +1,146 @@
+"""A megatron-core ``GPTModel`` (local spec) under torch FSDP2 as Megatron-LM's ``--use-torch-fsdp2``
+builds it (``Float16Module``, then megatron-core's ``TorchFullyShardedDataParallel``: ``fully_shard``
+on every ``TransformerLayer`` and the embedding, then the root; ``get_megatron_optimizer``), one real
+step of megatron-core's schedule in 2 gloo processes: parameter shards, gradient shards, the
+optimizer's main copies and Adam moments, and the all-gather/reduce-scatter payloads, against
+:func:`megatron_flops.memory.decoder_fsdp.fsdp_decoder_rank`, to the byte on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+import mcore_cpu
+import mcore_dist
+
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)]
+
+WORLD = 2
+VOCAB = 96
+SEQ = 16
+MBS = 2
+# Odd widths: dim 0 of most weights does not divide by 2 x ... (FSDP2 pads each to ceil(dim0 / DP) rows).
+BASE = dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=75, hidden_dropout=0.0,
+            attention_dropout=0.0)
+
+# name -> model fields, build options, micro-batches
+RUNS = {
+    "DP2, bf16, biases, learned positions, untied, Adam, M=2": dict(
+        model=dict(BASE, add_bias_linear=True), m=2,
+        build=dict(params_dtype="bf16", position_embedding_type="learned_absolute")),
+    "DP2, fp32, GQA, SwiGLU, RoPE, LoRA on linear_qkv and linear_fc2 (rank 3), frozen base, M=1": dict(
+        model=dict(BASE, num_query_groups=2, gated_linear_unit=True, add_bias_linear=False), m=1,
+        build=dict(params_dtype="fp32", lora=(("linear_qkv", "linear_fc2"), 3))),
+}
+
+
+def _fsdp_training(model_kwargs: dict, *, params_dtype: str, position_embedding_type: str = "rope",
+                   lora: tuple | None = None):
+    """Megatron-LM's ``get_model`` + ``get_megatron_optimizer`` with ``--use-torch-fsdp2``."""
+    import torch
+    from megatron.core.distributed import TorchFullyShardedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as tfsdp
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import mcore_memory
+
+    class CpuMesh:  # (test-only) megatron-core builds the mesh for "cuda"
+        @staticmethod
+        def from_group(group, device_type):
+            return DeviceMesh.from_group(group, "cpu")
+
+    tfsdp.DeviceMesh = CpuMesh
+    # megatron-core 0.16.1's finalize_model_grads passes force_all_reduce, which the FSDP2 wrapper's
+    # (no-op) finish_grad_sync does not take: --use-torch-fsdp2 fails there as released.
+    tfsdp.TorchFullyShardedDataParallel.finish_grad_sync = lambda self, **kwargs: None
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[params_dtype]
+    kwargs = dict(model_kwargs, params_dtype=dtype, pipeline_dtype=dtype, bf16=params_dtype == "bf16",
+                  transformer_impl="local")
+    chunks, config = mcore_dist.build_model_chunks(kwargs, VOCAB, SEQ, share_embeddings=False,
+                                                   position_embedding_type=position_embedding_type)
+    model = chunks[0]
+    if lora is not None:
+        mcore_memory.apply_lora(model, *lora)
+    if params_dtype != "fp32":
+        model = Float16Module(config, model)
+    model = tfsdp.TorchFullyShardedDataParallel(config=config, ddp_config=TorchFullyShardedDataParallelConfig(),
+                                                module=model)
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=params_dtype == "bf16", params_dtype=dtype,
+                                 clip_grad=1.0)
+    with mcore_memory.on_cpu():
+        optimizer = get_megatron_optimizer(opt_config, [model])
+    return model, optimizer
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _states(model, optimizer) -> dict:
+    import mcore_memory
+
+    params = list(model.parameters())
+    out = {"weights": mcore_memory.unique_bytes([_local(p) for p in params]),
+           "gradients": mcore_memory.unique_bytes([_local(p.grad) for p in params if p.grad is not None])}
+    return out
+
+
+def _optimizer_states(optimizer) -> dict:
+    import mcore_memory
+
+    out: dict = {}
+    inner = mcore_memory._inner_optimizers(optimizer)
+    main = [_local(p) for opt in inner for g in getattr(opt, "fp32_from_float16_groups", []) for p in g]
+    if main:
+        out["optimizer/main_params"] = mcore_memory.unique_bytes(main)
+    for state in (s for opt in inner for s in opt.optimizer.state.values()):
+        for key, value in state.items():
+            value = _local(value)
+            if value.numel() > 1:
+                out[f"optimizer/{key}"] = out.get(f"optimizer/{key}", 0) + value.numel() * value.element_size()
+    return out
+
+
+def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
+    import torch
+
+    import mcore_memory
+
+    mcore_dist.init_worker()
+    out = {}
+    for name, run in runs.items():
+        mcore_memory.reinit_parallel()
+        model, optimizer = _fsdp_training(run["model"], **run["build"])
+        comm = mcore_memory.CommMeter(mcore_memory.megatron_groups())
+        m = run["m"]
+        with comm:
+            mcore_dist.run_schedule(
+                [model], num_microbatches=m, micro_batch_size=MBS, seq_length=SEQ, vocab_size=VOCAB,
+                data_iterators=[mcore_memory.batches(m, MBS, SEQ, VOCAB, seed=rank)], count_flops=False,
+                forward_step_func=mcore_memory.metered_forward_step(mcore_memory.SavedTensorMeter([]), [model]))
+            states = _states(model, optimizer)
+            with mcore_memory.on_cpu():
+                optimizer.step()
+        states.update(_optimizer_states(optimizer))
+        out[name] = dict(
+            names=[(n, tuple(_local(p).shape), tuple(p.shape)) for n, p in model.named_parameters()],
+            states=states, comm=dict(comm.bytes), calls=dict(comm.calls))
+        del model, optimizer
+        torch.manual_seed(0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    results = mcore_dist.run_distributed(fsdp_worker, WORLD, RUNS, timeout=600)
+    return {name: [r[name] for r in results] for name in RUNS}
+
+
+def test_print(measured):
+    import pprint
+    pprint.pprint({k: [(r["states"], r["comm"], r["calls"]) for r in v] for k, v in measured.items()}, width=150)
+    pprint.pprint([n for n in measured[list(RUNS)[1]][0]["names"]], width=150)
+    assert 0
