@@ -125,7 +125,7 @@ class Param:
     the first and last pipeline stage; ``tp_replicated`` a weight every tensor-parallel rank holds
     whole whose gradient megatron-core all-reduces over TP under sequence parallelism (norms,
     row-parallel biases, the router, the shared-expert gate: their ``sequence_parallel``
-    attribute)."""
+    attribute); ``rows`` its dim 0 (None: a 1-D tensor), which FSDP2 shards."""
 
     name: str
     numel: int
@@ -133,6 +133,7 @@ class Param:
     expert: bool = False
     shared_embedding: bool = False
     tp_replicated: bool = False
+    rows: int | None = None
 
 
 def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
@@ -201,10 +202,10 @@ def chunk_parameters(
     base = not peft.frozen
     if first:
         out.append(Param("embedding.word_embeddings.weight", vocab // tp * h, base,
-                         shared_embedding=tied and par.pp > 1))
+                         shared_embedding=tied and par.pp > 1, rows=vocab // tp))
         if options.position_embedding_type == "learned_absolute":
             rows = options.max_position_embeddings or seq_length
-            out.append(Param("embedding.position_embeddings.weight", rows * h, base))
+            out.append(Param("embedding.position_embeddings.weight", rows * h, base, rows=rows))
     layers, kinds = par.chunk_layers(spec.num_layers, pp_rank, chunk), spec.layers
     for local, layer in enumerate(layers):  # NB: layer numbering is per chunk (megatron's local index)
         out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1])
@@ -219,7 +220,8 @@ def chunk_parameters(
             out += _layer(spec, options, par, peft, mtp + "transformer_layer.", spec.mtp_ffn)
             out += _norm(options, mtp + "final_layernorm.", h, base)
         if not tied or not first:
-            out.append(Param("output_layer.weight", vocab // tp * h, base, shared_embedding=tied and par.pp > 1))
+            out.append(Param("output_layer.weight", vocab // tp * h, base, shared_embedding=tied and par.pp > 1,
+                             rows=vocab // tp))
     return tuple(out)
 
 
@@ -238,14 +240,14 @@ def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: Pef
     base = not peft.frozen
     adapted = peft.lora_rank is not None and name in peft.lora_targets
     inner = f"{prefix}{name}.to_wrap." if adapted else f"{prefix}{name}."
-    params = [Param(inner + "weight", d_out * d_in, base, expert)]
+    params = [Param(inner + "weight", d_out * d_in, base, expert, rows=d_out)]
     if bias:
         params.append(Param(inner + "bias", d_out, base, expert, tp_replicated=name in ROW_PARALLEL))
     if adapted:
         r = peft.lora_rank
         assert r is not None
-        params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", r * d_in, True, expert))
-        params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", d_out * r, True, expert))
+        params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", r * d_in, True, expert, rows=r))
+        params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", d_out * r, True, expert, rows=d_out))
     return params
 
 
@@ -272,14 +274,14 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     moe = spec.moe
     assert moe is not None
     mlp = prefix + "mlp."
-    out.append(Param(mlp + "router.weight", moe.num_experts * h, base, tp_replicated=True))
+    out.append(Param(mlp + "router.weight", moe.num_experts * h, base, tp_replicated=True, rows=moe.num_experts))
     for j in range(moe.num_experts // par.ep):
         out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // tp, bias,
                     expert=par.ep > 1)
     if moe.shared_expert_ffn_hidden_size:
         out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
         if moe.shared_expert_gate:
-            out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True))
+            out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True, rows=1))
     return out
 
 

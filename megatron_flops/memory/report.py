@@ -188,9 +188,12 @@ def decoder_memory(
     is largest) of a megatron-core GPT trained as ``training`` says on ``par``."""
     check_supported(spec, par, peft)
     _check_size(spec, par, training)
-    if par.fsdp:
-        raise ValueError("--fsdp is modelled for DiT model files (torch FSDP2); for a megatron-core "
-                         "decoder use --distributed-optimizer")
+    fsdp = None
+    if par.fsdp:  # torch FSDP2 (Megatron-LM's --use-torch-fsdp2): its states and dp/ traffic, the rest as DDP's
+        from megatron_flops.memory.decoder_fsdp import fsdp_notes, fsdp_stage
+
+        fsdp = fsdp_stage(spec, options, par, training, peft=peft)
+        par = replace(par, fsdp=False)
     if recompute is not None and recompute.pipeline_model_parallel_size != par.pp:
         recompute = RecomputeSpec(granularity=recompute.granularity, method=recompute.method,
                                   num_layers=recompute.num_layers, modules=recompute.modules,
@@ -204,6 +207,11 @@ def decoder_memory(
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
+    if fsdp is not None:
+        comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
+        stages = [replace(stages[0], states=fsdp[0], communication={**fsdp[1], **comm})]
+        more = fsdp_notes(par)
+        assumptions, unmeasured = assumptions + tuple(more[0]), unmeasured + tuple(more[1])
     return MemoryReport(
         parameters=parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp),
         stages=tuple(stages),
