@@ -7,10 +7,19 @@ optimizer's main copies and Adam moments, and the all-gather/reduce-scatter payl
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
 import mcore_cpu
 import mcore_dist
+from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
+from megatron_flops.memory.decoder_fsdp import fsdp_decoder_rank, real_rows
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.report import decoder_memory
+from megatron_flops.model.spec import ModelSpec
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)]
 
@@ -139,8 +148,75 @@ def measured():
     return {name: [r[name] for r in results] for name in RUNS}
 
 
-def test_print(measured):
-    import pprint
-    pprint.pprint({k: [(r["states"], r["comm"], r["calls"]) for r in v] for k, v in measured.items()}, width=150)
-    pprint.pprint([n for n in measured[list(RUNS)[1]][0]["names"]], width=150)
-    assert 0
+def setup(name: str):
+    """The pure description of run ``name``: parameters (one chunk, untied), training."""
+    run = RUNS[name]
+    model, build = run["model"], run["build"]
+    spec = ModelSpec.from_mapping(dict(model, vocab_size=VOCAB, share_embeddings_and_output_weights=False))
+    options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
+                                               position_embedding_type=build.get("position_embedding_type", "rope"),
+                                               add_bias_linear=model.get("add_bias_linear", True)))
+    lora = build.get("lora")
+    peft = PeftSpec(frozen=True, lora_rank=lora[1], lora_targets=lora[0]) if lora else None
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=run["m"],
+                        params_dtype=build["params_dtype"])
+    params = chunk_parameters(spec, options, Parallelism(dp=WORLD, fsdp=True), pp_rank=0, chunk=0, seq_length=SEQ,
+                              peft=peft)
+    return spec, options, peft, training, params
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_parameters_and_shards(measured, name):
+    *_, params = setup(name)
+    for rank, result in enumerate(measured[name]):
+        # (Float16Module and the FSDP wrapper prefix every name with "module.".)
+        got = [(n.replace("module.", ""), local, whole) for n, local, whole in result["names"]]
+        want = [(p.name, real_rows(p, WORLD, rank), p.numel) for p in params]
+        assert [(n, shape[0] if shape else 0, math.prod(whole)) for n, shape, whole in got] == want
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_states_and_communication_every_rank(measured, name):
+    *_, training, params = setup(name)
+    for rank, result in enumerate(measured[name]):
+        states, comm = fsdp_decoder_rank(params, training, dp=WORLD, rank=rank)
+        states.pop("fsdp/unsharded_working_copies")  # (a formula: the overlap needs CUDA streams)
+        assert states == result["states"], rank
+        assert comm == result["comm"], rank
+
+
+def test_bf16_run_by_hand():
+    # Run 1 on rank 0, in elements of the padded shards (rows ceil(dim0 / 2)): the embedding
+    # 48 x 48 + positions 8 x 48 = 2,688; a layer: norms 4 x 24, linear_proj 24 x 48 + 24,
+    # linear_qkv 72 x 48 + 72, linear_fc1 38 x 48 + 38 (75 rows: 38 and 37), linear_fc2 24 x 75 + 24
+    # = 8,486; the root: final norm 2 x 24 + output layer 48 x 48 = 2,352. Total 2,688 + 2 x 8,486 +
+    # 2,352 = 22,012 elements.
+    *_, training, params = setup("DP2, bf16, biases, learned positions, untied, Adam, M=2")
+    states, comm = fsdp_decoder_rank(params, training, dp=2, rank=0)
+    assert states["weights"] == states["gradients"] == 22_012 * 2  # bf16 shards, padding included
+    assert states["optimizer/main_params"] == states["optimizer/exp_avg"] == 22_012 * 4  # rank 0: all real rows
+    # rank 1 holds 37 of linear_fc1's 38 rows: 2 layers x (48 + 1) = 98 elements fewer.
+    assert fsdp_decoder_rank(params, training, dp=2, rank=1)[0]["optimizer/exp_avg"] == (22_012 - 98) * 4
+    # Per micro-batch (2) each of the 4 units is gathered twice (2 ranks x its shard, bf16) and its
+    # gradient reduce-scattered once.
+    assert comm == {"dp/all_gather": 2 * 2 * 2 * 22_012 * 2, "dp/reduce_scatter": 2 * 2 * 22_012 * 2}
+    # Working copies: the two largest units gathered (2 layers: 2 x 2 x 8,486) and one unsharded
+    # layer gradient (2 x 8,486), bf16.
+    assert states["fsdp/unsharded_working_copies"] == 3 * 2 * 8_486 * 2
+
+
+def test_report_and_refusals():
+    spec, options, peft, training, _ = setup("DP2, bf16, biases, learned positions, untied, Adam, M=2")
+    par = Parallelism(dp=WORLD, fsdp=True)
+    report = decoder_memory(spec, options, par, training)
+    ddp = decoder_memory(spec, options, Parallelism(dp=WORLD), training)
+    top = report.per_gpu
+    assert top.activations == ddp.per_gpu.activations  # FSDP2 saves what DDP saves
+    assert set(top.communication) == {"dp/all_gather", "dp/reduce_scatter"}
+    assert any("fsdp/unsharded_working_copies" in u for u in report.unmeasured)
+    with pytest.raises(ValueError, match="--pp 2"):
+        decoder_memory(spec, options, dataclasses.replace(par, pp=2), training)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        decoder_memory(dataclasses.replace(spec, tied_output=True), options, par, training)
+    with pytest.raises(ValueError, match="fp16"):
+        decoder_memory(spec, options, par, dataclasses.replace(training, params_dtype="fp16"))
