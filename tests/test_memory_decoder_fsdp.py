@@ -200,8 +200,9 @@ def test_bf16_run_by_hand():
     # Per micro-batch (2) each of the 4 units is gathered twice (2 ranks x its shard, bf16) and its
     # gradient reduce-scattered once.
     assert comm == {"dp/all_gather": 2 * 2 * 2 * 22_012 * 2, "dp/reduce_scatter": 2 * 2 * 22_012 * 2}
-    # Working copies: the two largest units gathered (2 layers: 2 x 2 x 8,486) and one unsharded
-    # layer gradient (2 x 8,486), bf16.
+    # Working copies: the heaviest neighbouring units are the two layers (gathered: 2 x 2 x 8,486;
+    # the embedding + layer 0 and layer 1 + root weigh less) and one unsharded layer gradient
+    # (2 x 8,486), bf16.
     assert states["fsdp/unsharded_working_copies"] == 3 * 2 * 8_486 * 2
 
 

@@ -18,8 +18,9 @@ and no ``MixedPrecisionPolicy``. So:
   again in backward after the reshard); ``dp/reduce_scatter``: each unit's padded unsharded
   gradients (trainable parameters) every micro-batch, as megatron-core's ``no_sync`` does not
   stop FSDP2's gradient sync;
-- ``fsdp/unsharded_working_copies`` (a formula, not measured): the two largest units' gathered
-  weights (the one computing and the one prefetched) and the largest unit's unsharded gradient.
+- ``fsdp/unsharded_working_copies`` (a formula, not measured): the largest sum over two
+  neighbouring units (the one computing and the one prefetched) of their gathered weights and the
+  larger unsharded gradient of the two.
 
 Megatron-LM refuses ``--use-torch-fsdp2`` with PP > 1, EP > 1, the distributed optimizer, tied
 embeddings and fp16.
@@ -94,10 +95,13 @@ def fsdp_decoder_rank(params: Sequence[Param], training: Training, *, dp: int,
     states = {"weights": _padded(params, dp) * dtype, "gradients": _padded(params, dp, True) * dtype}
     for key in optimizer_keys(training):
         states[key] = real * 4
-    gathered = sorted((dp * _padded(u, dp) for u in units), reverse=True)
-    # NB: unsharded weights of the unit computing and of the one prefetched, and one unit's
-    # unsharded gradient waiting for its reduce-scatter.
-    states["fsdp/unsharded_working_copies"] = (sum(gathered[:2]) + max(dp * _padded(u, dp, True) for u in units)) * dtype
+    gathered = [dp * _padded(u, dp) for u in units]
+    grads = [dp * _padded(u, dp, True) for u in units]
+    # NB: two neighbouring units (in forward order) gathered at once, the one computing and the one
+    # prefetched, with the larger one's unsharded gradient waiting for its reduce-scatter.
+    pairs = list(zip(range(len(units)), range(1, len(units)))) or [(0, 0)]
+    states["fsdp/unsharded_working_copies"] = dtype * max(
+        gathered[a] + gathered[b] * (a != b) + max(grads[a], grads[b]) for a, b in pairs)
     if dp == 1:
         return states, {}
     m = training.num_microbatches
@@ -114,7 +118,7 @@ def fsdp_notes(par: Parallelism) -> tuple[list[str], list[str]]:
         "kept in the params dtype), megatron-core's no_sync not stopping the reduce-scatter of each micro-batch",
         "activations as without FSDP (the gathered weights autograd keeps are parameters, not counted)",
     ]
-    unmeasured = ["fsdp/unsharded_working_copies: the two largest units' gathered weights and one unit's unsharded "
+    unmeasured = ["fsdp/unsharded_working_copies: two neighbouring units' gathered weights and one unsharded "
                   "gradient alive at once (when CUDA streams prefetch the next all-gather; gloo on CPU runs each "
                   "collective to completion, so the overlap cannot be measured here)"]
     if par.tp > 1:
