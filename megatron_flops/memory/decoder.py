@@ -14,7 +14,7 @@ distributed optimizer's 64-element alignment padding only).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_flops.model.hf_config import hf_text_config
@@ -133,7 +133,7 @@ class Param:
     expert: bool = False
     shared_embedding: bool = False
     tp_replicated: bool = False
-    rows: int | None = None
+    rows: int | None = field(default=None, compare=False)
 
 
 def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:

@@ -32,7 +32,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import replace
 
-from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.decoder import DecoderOptions, Param, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import optimizer_keys
@@ -110,7 +110,7 @@ def fsdp_decoder_rank(params: Sequence[Param], training: Training, *, dp: int,
     return states, {k: v for k, v in comm.items() if v}
 
 
-def fsdp_notes(par: Parallelism) -> tuple[list[str], list[str]]:
+def fsdp_notes(par: Parallelism, recompute: RecomputeSpec | None) -> tuple[list[str], list[str]]:
     """(assumptions, unmeasured) that FSDP2 adds to a decoder's report."""
     assumptions = [
         "torch FSDP2 as Megatron-LM's --use-torch-fsdp2 (--transformer-impl local): fully_shard on the embedding, "
@@ -125,6 +125,9 @@ def fsdp_notes(par: Parallelism) -> tuple[list[str], list[str]]:
         unmeasured.append(f"FSDP2 x TP {par.tp}: the tp/ collectives as without FSDP; with sequence parallelism or "
                           "qk_layernorm megatron-core all-gathers the TP-replicated gradient shards over DP before "
                           "their TP all-reduce and re-shards them after (not counted; no TP x DP step measured)")
+    if recompute is not None and recompute.granularity == "full":
+        unmeasured.append("FSDP2 x full recompute: dp/all_gather counts two gathers per layer and micro-batch; the "
+                          "re-run forward of checkpointed layers may gather them once more (not counted, not measured)")
     return assumptions, unmeasured
 
 

@@ -210,7 +210,7 @@ def decoder_memory(
     if fsdp is not None:
         comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
         stages = [replace(stages[0], states=fsdp[0], communication={**fsdp[1], **comm})]
-        more = fsdp_notes(par)
+        more = fsdp_notes(par, recompute)
         assumptions, unmeasured = assumptions + tuple(more[0]), unmeasured + tuple(more[1])
     return MemoryReport(
         parameters=parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp),
