@@ -279,9 +279,10 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
         out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // tp, bias,
                     expert=par.ep > 1)
     if moe.shared_expert_ffn_hidden_size:
-        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
+        # NB: SharedExpertMLP registers its gate weight before its linear layers (measured).
         if moe.shared_expert_gate:
             out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True, rows=1))
+        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
     return out
 
 
