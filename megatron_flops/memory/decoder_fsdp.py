@@ -132,9 +132,11 @@ def fsdp_notes(par: Parallelism, recompute: RecomputeSpec | None) -> tuple[list[
 
 
 def fsdp_stage(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
-               peft: PeftSpec | None) -> tuple[dict[str, int], dict[str, int]]:
+               peft: PeftSpec | None, vision: bool = False) -> tuple[dict[str, int], dict[str, int]]:
     """(states, FSDP payloads) of the most loaded rank (rank 0: the most real rows)."""
     check_fsdp_supported(spec, par, training)
+    if vision:
+        raise ValueError("--fsdp is modelled for a text decoder: a VLM's vision tower under FSDP2 is not")
     params = chunk_parameters(spec, options, replace(par, fsdp=False), pp_rank=0, chunk=0,
                               seq_length=training.seq_length, peft=peft)
     return fsdp_decoder_rank(params, training, dp=par.dp * par.cp)
