@@ -232,3 +232,30 @@ def test_report_and_refusals():
         decoder_memory(dataclasses.replace(spec, tied_output=True), options, par, training)
     with pytest.raises(ValueError, match="fp16"):
         decoder_memory(spec, options, par, dataclasses.replace(training, params_dtype="fp16"))
+
+
+def test_megatron_args_use_torch_fsdp2(tmp_path):
+    # A Megatron-LM command line with --use-torch-fsdp2 is the model file with --fsdp.
+    import contextlib
+    import io
+    import json
+
+    from megatron_flops.cli import main
+
+    def memory(*argv: str) -> dict:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["memory", *argv, "--json"]) == 0
+        return json.loads(out.getvalue())
+
+    args = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 16 "
+            "--max-position-embeddings 16 --vocab-size 100 --untie-embeddings-and-output-weights --bf16 "
+            "--use-torch-fsdp2")
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                    vocab_size=100, share_embeddings_and_output_weights=False,
+                                    bias_activation_fusion=True, attention_softmax_in_fp32=False)))
+    from_args = memory("--megatron-args", args, "--dp", "2")
+    from_file = memory("--model", str(path), "--seq-length", "16", "--fsdp", "--dp", "2")
+    assert "FSDP2" in from_args["assumptions"]
+    assert {**from_args, "not_modelled": []} == {**from_file, "not_modelled": []}

@@ -249,7 +249,7 @@ def add_parser(sub: Any) -> None:
     shard = mem.add_mutually_exclusive_group()
     shard.add_argument("--distributed-optimizer", action="store_true", default=None,
                        help="megatron-core's DistributedOptimizer (optimizer state sharded over DP)")
-    shard.add_argument("--fsdp", action="store_true",
+    shard.add_argument("--fsdp", action="store_true", default=None,
                        help="torch FSDP2 (a DiT file: the example's; a decoder: Megatron-LM's --use-torch-fsdp2)")
     mem.add_argument("--params-dtype", choices=sorted(DTYPE_BYTES),
                      help="weight dtype (16-bit: fp32 main copies; FSDP2: the compute dtype over fp32 shards; "
