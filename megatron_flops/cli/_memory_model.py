@@ -45,6 +45,8 @@ def decoder_options(args: argparse.Namespace, model: LoadedModel) -> tuple[Decod
         overrides["attention_backend"] = backend_convention(args.attention_backend)
     if args.moe_token_dispatcher is not None:
         overrides["moe_token_dispatcher_type"] = args.moe_token_dispatcher
+    if args.transformer_impl is not None:
+        overrides["transformer_impl"] = args.transformer_impl
     return replace(options, **overrides), notes
 
 
@@ -62,6 +64,7 @@ def _megatron_options(namespace: SimpleNamespace) -> DecoderOptions:
         attention_softmax_in_fp32=getattr(namespace, "attention_softmax_in_fp32", False),
         make_vocab_size_divisible_by=namespace.make_vocab_size_divisible_by,
         padded_vocab_size=namespace.padded_vocab_size,
+        transformer_impl=getattr(namespace, "transformer_impl", None) or "transformer_engine",
     )
 
 
