@@ -435,7 +435,7 @@ def test_hybrid_attention_and_mlp_layers_cost_what_gpt_layers_cost(sequence_para
     (dict(pp=3), r"num_layers=2 is not divisible by PP x VPP = 3"),
     (dict(pp=2, vpp=2), r"num_layers=2 is not divisible by PP x VPP = 4"),
     (dict(ep=2, dp=2), "--ep 2 needs a MoE model"),
-    (dict(fsdp=True, dp=2), "--fsdp is modelled for DiT model files"),
+    (dict(fsdp=True, dp=2), r"--use-torch-fsdp2 \(--fsdp\) is not supported with tied embeddings"),
     (dict(cp=3, dp=1), "splits each sequence into 2 x CP chunks: --seq-length 8 is not divisible by 6"),
 ])
 def test_bad_layouts(layout, message):

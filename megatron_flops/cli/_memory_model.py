@@ -74,11 +74,12 @@ def layout_defaults(model: LoadedModel) -> dict[str, Any]:
     ns = model.megatron_args
     if ns is None:
         return {"tp": 1, "pp": 1, "vpp": None, "sequence_parallel": False, "distributed_optimizer": False,
-                "params_dtype": "bf16"}
+                "fsdp": False, "params_dtype": "bf16"}
     return {
         "tp": ns.tensor_model_parallel_size or 1, "pp": ns.pipeline_model_parallel_size or 1,
         "vpp": model.raw.get("virtual_pipeline_model_parallel_size"),
         "sequence_parallel": bool(getattr(ns, "sequence_parallel", False)),
         "distributed_optimizer": bool(getattr(ns, "use_distributed_optimizer", False)),
+        "fsdp": bool(getattr(ns, "use_torch_fsdp2", False)),
         "params_dtype": "bf16" if getattr(ns, "bf16", False) else "fp16" if getattr(ns, "fp16", False) else "fp32",
     }

@@ -14,7 +14,7 @@ distributed optimizer's 64-element alignment padding only).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_flops.memory.hf_layers import hf_decoder_fields
@@ -131,7 +131,7 @@ class Param:
     the first and last pipeline stage; ``tp_replicated`` a weight every tensor-parallel rank holds
     whole whose gradient megatron-core all-reduces over TP under sequence parallelism (norms,
     row-parallel biases, the router, the shared-expert gate: their ``sequence_parallel``
-    attribute)."""
+    attribute); ``rows`` its dim 0 (None: a 1-D tensor), which FSDP2 shards."""
 
     name: str
     numel: int
@@ -139,6 +139,7 @@ class Param:
     expert: bool = False
     shared_embedding: bool = False
     tp_replicated: bool = False
+    rows: int | None = field(default=None, compare=False)
 
 
 def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
@@ -201,10 +202,10 @@ def chunk_parameters(
     # MTP layers' inputs), all-reduced with the first stage's like a tied output weight.
     if first or (last and has_mtp):
         out.append(Param("embedding.word_embeddings.weight", vocab // tp * h, base,
-                         shared_embedding=(tied or has_mtp) and par.pp > 1))
+                         shared_embedding=(tied or has_mtp) and par.pp > 1, rows=vocab // tp))
         if options.position_embedding_type == "learned_absolute":
             rows = options.max_position_embeddings or seq_length
-            out.append(Param("embedding.position_embeddings.weight", rows * h, base))
+            out.append(Param("embedding.position_embeddings.weight", rows * h, base, rows=rows))
     layers, kinds = par.chunk_layers(spec.num_layers, pp_rank, chunk), spec.layers
     for local, layer in enumerate(layers):  # NB: layer numbering is per chunk (megatron's local index)
         out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1], kinds[layer][0])
@@ -222,7 +223,7 @@ def chunk_parameters(
             # (With MTP the tied weight the last stage reduces is its embedding copy: this one,
             # allocated but unused when tied, is not marked.)
             out.append(Param("output_layer.weight", vocab // tp * h, base,
-                             shared_embedding=tied and par.pp > 1 and not has_mtp))
+                             shared_embedding=tied and par.pp > 1 and not has_mtp, rows=vocab // tp))
     return tuple(out)
 
 
@@ -242,14 +243,14 @@ def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: Pef
     base = not peft.frozen
     adapted = peft.lora_rank is not None and name in peft.lora_targets
     inner = f"{prefix}{name}.to_wrap." if adapted else f"{prefix}{name}."
-    params = [Param(inner + "weight", d_out * d_in, base, expert, tp_replicated=duplicated)]
+    params = [Param(inner + "weight", d_out * d_in, base, expert, tp_replicated=duplicated, rows=d_out)]
     if bias:
         params.append(Param(inner + "bias", d_out, base, expert, tp_replicated=name in ROW_PARALLEL))
     if adapted:
         r = peft.lora_rank
         assert r is not None
-        params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", r * d_in, True, expert))
-        params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", d_out * r, True, expert))
+        params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", r * d_in, True, expert, rows=r))
+        params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", d_out * r, True, expert, rows=d_out))
     return params
 
 
@@ -286,11 +287,11 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     moe = spec.moe
     assert moe is not None
     mlp = prefix + "mlp."
-    out.append(Param(mlp + "router.weight", moe.num_experts * h, base, tp_replicated=True))
+    out.append(Param(mlp + "router.weight", moe.num_experts * h, base, tp_replicated=True, rows=moe.num_experts))
     latent = moe.latent_size
     if latent:  # NB: Transformer Engine's duplicated TELinear: whole on every TP rank
         for name, shape in (("fc1_latent_proj.", (latent, h)), ("fc2_latent_proj.", (h, latent))):
-            out.append(Param(mlp + name + "weight", shape[0] * shape[1], base, tp_replicated=True))
+            out.append(Param(mlp + name + "weight", shape[0] * shape[1], base, tp_replicated=True, rows=shape[0]))
             if bias:
                 out.append(Param(mlp + name + "bias", shape[0], base, tp_replicated=True))
     for j in range(moe.num_experts // par.ep):
@@ -298,7 +299,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
                     expert=par.ep > 1, width=latent or h)
     if moe.shared_expert_ffn_hidden_size:
         if moe.shared_expert_gate:  # (registered before the MLP's layers)
-            out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True))
+            out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True, rows=1))
         out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
     return out
 
