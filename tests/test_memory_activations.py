@@ -164,7 +164,7 @@ def test_mla_mtp_parameters_in_megatron_order(mcore, fields):
     assert [(p.name, p.numel) for p in params] == [(n, p.numel()) for n, p in model.named_parameters()]
 
 
-# LoRA (Megatron-Bridge's adapter layout, tests/mcore_memory.LoRA) on a frozen base or beside a
+# LoRA (Megatron-Bridge's adapter layout, tests/mcore_memory.apply_lora) on a frozen base or beside a
 # trained one: name -> (TransformerConfig fields, position embedding, dtype, targets, frozen,
 # norms that save (of 2 x layers + 1), hidden-dropout sites that save, attention-dropout sites).
 LORA_RANK = 4

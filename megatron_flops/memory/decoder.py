@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_flops.model.hf_config import hf_text_config
 from megatron_flops.memory.layout import Parallelism
+from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -176,8 +177,9 @@ def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) ->
                 raise ValueError(f"{name}={value} is not divisible by --tp {tp}")
     elif par.ep > 1:
         raise ValueError(f"--ep {par.ep} needs a MoE model (num_moe_experts)")
-    if peft is not None and peft.lora_rank is not None and tp > 1:
-        raise ValueError("LoRA adapters are modelled without tensor parallelism (--tp 1)")
+    reason = lora_tp_reason(spec, par, peft)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def chunk_parameters(
@@ -231,9 +233,10 @@ def _norm(options: DecoderOptions, prefix: str, width: int, trainable: bool) -> 
 
 
 def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: PeftSpec,
-            *, expert: bool = False) -> list[Param]:
+            *, expert: bool = False, tp: int = 1) -> list[Param]:
     """A linear layer's weight [d_out, d_in] (+ bias [d_out]) on one TP rank, LoRA-wrapped when
-    ``name`` is a target: A [r, d_in] and B [d_out, r] train, the wrapped layer is frozen.
+    ``name`` is a target: A [r, d_in] and B [d_out, r] train, the wrapped layer is frozen (under
+    TP, as Megatron-Bridge splits them: :func:`~megatron_flops.memory.lora.adapter_numels`).
     NB: a row-parallel layer's (``linear_proj``, ``linear_fc2``) bias is whole on every TP rank."""
     base = not peft.frozen
     adapted = peft.lora_rank is not None and name in peft.lora_targets
@@ -242,10 +245,10 @@ def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: Pef
     if bias:
         params.append(Param(inner + "bias", d_out, base, expert, tp_replicated=name in ROW_PARALLEL))
     if adapted:
-        r = peft.lora_rank
-        assert r is not None
-        params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", r * d_in, True, expert))
-        params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", d_out * r, True, expert))
+        assert peft.lora_rank is not None
+        numel_in, numel_out = adapter_numels(name, d_in, d_out, peft.lora_rank, tp)
+        params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", numel_in, True, expert))
+        params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", numel_out, True, expert))
     return params
 
 
@@ -260,14 +263,14 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
         out += _mla(spec, options, peft, attn, bias)
     else:
         # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
-        out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft)
+        out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft, tp=tp)
         # linear_qkv: [(nq + 2*ng)*d/tp, h] (column parallel).
-        out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp, bias or options.add_qkv_bias, peft)
+        out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp, bias or options.add_qkv_bias, peft, tp=tp)
         if options.qk_layernorm:
             out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
     out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
     if ffn == "mlp":
-        out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias)
+        out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias, tp=tp)
         return out
     moe = spec.moe
     assert moe is not None
@@ -277,7 +280,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
         out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // tp, bias,
                     expert=par.ep > 1)
     if moe.shared_expert_ffn_hidden_size:
-        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
+        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias, tp=tp)
         if moe.shared_expert_gate:
             out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True))
     return out
@@ -307,11 +310,12 @@ def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bi
     return out
 
 
-def _mlp(spec: ModelSpec, peft: PeftSpec, prefix: str, ffn: int, bias: bool, *, expert: bool = False) -> list[Param]:
+def _mlp(spec: ModelSpec, peft: PeftSpec, prefix: str, ffn: int, bias: bool, *, expert: bool = False,
+         tp: int = 1) -> list[Param]:
     h, gate = spec.hidden_size, 2 if spec.gated_linear_unit else 1
     # linear_fc1: [ffn*(2 if gated)/tp, h]; linear_fc2: [h, ffn/tp].
-    return (_linear(prefix, "linear_fc1", h, gate * ffn, bias, peft, expert=expert)
-            + _linear(prefix, "linear_fc2", ffn, h, bias, peft, expert=expert))
+    return (_linear(prefix, "linear_fc1", h, gate * ffn, bias, peft, expert=expert, tp=tp)
+            + _linear(prefix, "linear_fc2", ffn, h, bias, peft, expert=expert, tp=tp))
 
 
 def parameter_counts(spec: ModelSpec, options: DecoderOptions, *, seq_length: int,

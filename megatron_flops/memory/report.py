@@ -23,6 +23,7 @@ from megatron_flops.memory.comm import (
 )
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.lora import lora_tp_communication
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -87,6 +88,8 @@ def rank_memory(
             states[key] = states.get(key, 0) + value
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
+    for key, value in lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft).items():
+        comm[key] = comm.get(key, 0) + value
     peak = count = None
     per_mb = None
     bounds = None
