@@ -89,6 +89,11 @@ RUNS = {
     "DP2 x PP2, LoRA rank 4 on linear_qkv/linear_fc2, frozen base, DDP, bf16, SGD, M=3": dict(
         layout=dict(pp=2), model=dict(BASE, num_layers=4), m=3,
         build=dict(optimizer="sgd", lora=(("linear_qkv", "linear_fc2"), 4))),
+    # LoRA under TP (Megatron-Bridge's ParallelLinearAdapter: column-parallel targets split
+    # linear_in's rows and all-gather its output, row-parallel ones split linear_out's rows).
+    "DP2 x TP2, LoRA rank 4 on all four targets, frozen base, DDP, bf16, Adam": dict(
+        layout=dict(tp=2), model=dict(BASE), m=2, build=dict(lora=(("linear_qkv", "linear_proj", "linear_fc1",
+                                                                     "linear_fc2"), 4))),
 }
 
 

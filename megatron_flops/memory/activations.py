@@ -406,7 +406,7 @@ def chunk_activations(
         positions = options.position_embedding_type == "learned_absolute"
         if w.grad.base:  # the lookup saves the ids for the embedding's weight gradient
             w.keep("embedding", x.tokens * INDEX_BYTES * (2 if positions else 1))
-        if par.tp > 1:
+        if par.tp > 1 and w.grad.base:  # (a frozen lookup's output requires no grad: its masking saves nothing)
             w.keep("embedding", x.tokens)  # vocab-parallel lookup: bool mask of ids outside this rank's rows
         _dropout_mask(w, x, options)
     full = recompute is not None and recompute.granularity == "full"
