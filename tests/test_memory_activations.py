@@ -64,6 +64,17 @@ CASES = {
                                                  "learned_absolute", "fp32"),
     "MoE bf16, shared experts": (dict(MOE, moe_shared_expert_intermediate_size=80), "rope", "bf16"),
     "MoE selective core_attn": (dict(MOE, recompute_granularity="selective"), "rope", "fp32"),
+    # q/k norms per head (non-MLA): their inputs are views of the qkv output (GQA: q is a copy).
+    "MHA, RoPE, qk_layernorm": (dict(qk_layernorm=True), "rope", "fp32"),
+    "MHA, learned positions, qk_layernorm (q, k fresh storages)": (dict(qk_layernorm=True), "learned_absolute",
+                                                                   "fp32"),
+    "GQA, learned positions, qk_layernorm (q copied)": (dict(qk_layernorm=True, num_query_groups=2),
+                                                        "learned_absolute", "fp32"),
+    "GQA, RoPE, RMSNorm, qk_layernorm": (dict(qk_layernorm=True, num_query_groups=2, normalization="RMSNorm"),
+                                         "rope", "fp32"),
+    "bf16, GQA, qk_layernorm": (dict(qk_layernorm=True, num_query_groups=2), "rope", "bf16"),
+    "selective core_attn, GQA, qk_layernorm": (dict(recompute_granularity="selective", num_query_groups=2,
+                                                    qk_layernorm=True), "rope", "fp32"),
 }
 
 
@@ -80,13 +91,22 @@ def mcore():
 def cpu_kernel_delta(fields: dict, act: int, num_norms: int, tokens: int, hidden: int, scores: int) -> int:
     """Bytes torch's CPU kernels save beyond the CUDA convention, by name:
     LayerNorm keeps mean/rstd in the input dtype (CUDA: fp32); RMSNorm is composite and also
-    keeps ``x * rstd`` [T, h]; dropout keeps an activation-dtype mask (CUDA: bool)."""
+    keeps ``x * rstd`` [T, h] (the q/k norms: [T, heads or groups, head_dim]); dropout keeps an
+    activation-dtype mask (CUDA: bool)."""
     delta = 0
     if fields.get("normalization", "LayerNorm") == "LayerNorm":
         delta += num_norms * tokens * 2 * (act - 4)
     else:
         assert act == 4, "torch's CPU RMSNorm in 16 bits saves fp32 copies too: not covered"
         delta += num_norms * tokens * hidden * act
+    if fields.get("qk_layernorm"):
+        # Per layer, the q and k norms over [T, heads + groups] rows of head_dim.
+        heads = BASE["num_attention_heads"]
+        rows = BASE["num_layers"] * tokens * (heads + fields.get("num_query_groups", heads))
+        if fields.get("normalization", "LayerNorm") == "LayerNorm":
+            delta += rows * 2 * (act - 4)
+        else:
+            delta += rows * hidden // heads * act
     if fields.get("hidden_dropout"):
         # Embedding + two sites per layer.
         delta += (1 + 2 * BASE["num_layers"]) * tokens * hidden * (act - 1)

@@ -175,8 +175,6 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
         reason = _moe_reason(spec, options, par, recompute)
         if reason is not None:
             return reason
-    if options.qk_layernorm and spec.mla is None:
-        return "activations are modelled without qk_layernorm (but for multi-latent attention's latent norms)"
     if recompute is not None and recompute.granularity == "selective":
         other = [m for m in recompute.modules if m not in SUPPORTED_SELECTIVE]
         if other:
@@ -212,11 +210,16 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
     # layer saves it and all-gathers it again in backward).
     w.linear("attention", "linear_qkv", x.local_tokens * x.h * a, T, a)
     qkv_out = T * (x.heads + 2 * x.groups) * d * a
+    # q and k are storages of their own after RoPE or the q/k norms, else views of the qkv output.
+    fresh = bool(x.rot) or options.qk_layernorm
+    if options.qk_layernorm:
+        _qk_norms(w, x, options, qkv_out if gqa and options.attention_backend == "unfused" and not checkpointed else 0)
     if x.rot:
         w.act("attention", 4 * x.s * x.rot * a)  # cos and sin, for q and for k
     if options.attention_backend == "flash":
-        # q, k (after RoPE when used; views of the qkv output otherwise) and v (a view of it).
-        w.act("attention", qkv_out if not x.rot else T * (x.heads + x.groups) * d * a + qkv_out)
+        # q, k (after RoPE or the q/k norms when used; views of the qkv output otherwise) and v
+        # (a view of it).
+        w.act("attention", qkv_out if not fresh else T * (x.heads + x.groups) * d * a + qkv_out)
         lse = x.b * x.heads * x.s * 4  # fp32 log-sum-exp [b, heads, s]
         out = T * x.heads * d * a  # the kernel's output = linear_proj's input
         if checkpointed:
@@ -230,14 +233,23 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
     q = T * x.heads * d * a  # q after RoPE, or GQA's reshaped copy
     if checkpointed:
         # The checkpoint keeps q, k (before GQA's repeat) and the qkv output behind v.
-        kept = (q + T * x.groups * d * a + qkv_out) if x.rot else (qkv_out + (q if gqa else 0))
+        kept = (q + T * x.groups * d * a + qkv_out) if fresh else (qkv_out + (q if gqa else 0))
         transient = 2 * T * x.heads * d * a if gqa else 0
     else:
-        kept = 3 * q if gqa else (2 * q + qkv_out if x.rot else qkv_out)
+        kept = 3 * q if gqa else (2 * q + qkv_out if fresh else qkv_out)
         transient = 0
     w.act("attention", kept)
     _softmax(w, x, options, checkpointed=checkpointed, transient=transient)
     w.linear("attention", "linear_proj", T * x.heads * d * a, T, a)
+
+
+def _qk_norms(w: _Walk, x: _Dims, options: DecoderOptions, qkv_out: int) -> None:
+    """``qk_layernorm`` (non-MLA): per head, the q norm's and the k norm's input and fp32
+    statistics per token and head. k's input is a view of the qkv output (``qkv_out``: its bytes
+    where nothing else keeps it), and so is q's but with GQA, whose query is a reshaped copy."""
+    q_copy = x.tokens * x.heads * x.d * x.act if x.heads > x.groups else 0
+    stats = x.tokens * (x.heads + x.groups) * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
+    w.act("attention", q_copy + qkv_out + stats)
 
 
 def _softmax(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool, transient: int = 0) -> None:
