@@ -294,13 +294,14 @@ def state_bytes(chunks: List[Any], optimizer: Any) -> Dict[str, int]:
 BRIDGE_VENV = "megatron-bridge-0.3.1"
 
 
-def bridge_peft_utils() -> Optional[Any]:
-    """Megatron-Bridge 0.3.1's ``peft/utils.py`` (``ParallelLinearAdapter``,
-    ``get_adapter_attributes_from_linear``) from its cached venv (tests/frameworks/envs.py),
-    imported against this environment's megatron-core 0.16.1 (the version that venv pins): empty
-    namespace packages stand in for ``megatron.bridge`` and its ``utils`` and ``peft`` (their
-    ``__init__`` imports transformers). ``HAVE_TE`` set False: megatron-core's TE extension
-    imports here but its classes are placeholders. None when that venv is absent."""
+def bridge_peft(module: str = "utils") -> Optional[Any]:
+    """Megatron-Bridge 0.3.1's ``peft/<module>.py`` (``utils``: ``ParallelLinearAdapter``,
+    ``get_adapter_attributes_from_linear``; ``recompute``: ``maybe_enable_recompute_inputs_grad``)
+    from its cached venv (tests/frameworks/envs.py), imported against this environment's
+    megatron-core 0.16.1 (the version that venv pins): empty namespace packages stand in for
+    ``megatron.bridge`` and its ``utils`` and ``peft`` (their ``__init__`` imports transformers).
+    ``HAVE_TE`` set False: megatron-core's TE extension imports here but its classes are
+    placeholders. None when that venv is absent."""
     import importlib
     import os
     import sys
@@ -309,7 +310,7 @@ def bridge_peft_utils() -> Optional[Any]:
 
     venvs = Path(os.environ.get("MEGATRON_FLOPS_TEST_VENVS") or Path.home() / ".cache" / "megatron-flops" / "venvs")
     root = venvs / BRIDGE_VENV / "lib" / "python3.11" / "site-packages" / "megatron" / "bridge"
-    if not (root / "peft" / "utils.py").is_file():
+    if not (root / "peft" / f"{module}.py").is_file():
         return None
     for name, sub in (("megatron.bridge", root), ("megatron.bridge.utils", root / "utils"),
                       ("megatron.bridge.peft", root / "peft")):
@@ -317,9 +318,10 @@ def bridge_peft_utils() -> Optional[Any]:
             package = types.ModuleType(name)
             package.__path__ = [str(sub)]
             sys.modules[name] = package
-    utils = importlib.import_module("megatron.bridge.peft.utils")
-    utils.HAVE_TE = False
-    return utils
+    loaded = importlib.import_module(f"megatron.bridge.peft.{module}")
+    if module == "utils":
+        loaded.HAVE_TE = False
+    return loaded
 
 
 class _StandInAdapter(torch.nn.Module):
@@ -379,16 +381,20 @@ def _adapter(utils: Optional[Any], base: torch.nn.Module, full_name: str, rank: 
 
 def apply_lora(model: torch.nn.Module, targets: Tuple[str, ...], rank: int) -> bool:
     """Freeze every parameter, then wrap every module named in ``targets`` as Megatron-Bridge's
-    LoRA does (its real ``ParallelLinearAdapter`` where its venv exists: returns True, else the
-    stand-in)."""
+    LoRA does: where its venv exists (returns True), its real ``ParallelLinearAdapter`` and its
+    recompute fix (``maybe_enable_recompute_inputs_grad``), else the stand-in and no fix."""
     for p in model.parameters():
         p.requires_grad_(False)
-    utils = bridge_peft_utils()
+    utils = bridge_peft()
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if name in targets and not isinstance(parent, LoRALinear):
                 full = f"{prefix}.{name}" if prefix else name
                 setattr(parent, name, LoRALinear(child, _adapter(utils, child, full, rank)))
+    if utils is not None:
+        # As Bridge's PEFT.__call__: under full recompute the decoder's input requires grad. (A
+        # registry of its own: Bridge's global one holds ids of models built before.)
+        bridge_peft("recompute").maybe_enable_recompute_inputs_grad(model, {-1})
     return utils is not None
 
 

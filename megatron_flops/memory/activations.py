@@ -155,7 +155,10 @@ class _Walk:
 
     def region(self, transient: int) -> None:
         # NB: when a region's backward runs, everything saved before it (in forward order) is
-        # still held, everything after it is already freed.
+        # still held, everything after it is already freed. A region whose inputs require no
+        # grad (before a frozen model's first adapter) saves nothing and never re-runs.
+        if not self.grad.started:
+            return
         self.out.backward_peak = max(self.out.backward_peak, self.kept + transient)
 
 
@@ -165,8 +168,6 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
     if peft is not None and (peft.frozen or peft.lora_rank is not None):
         if spec.moe is not None or spec.mla is not None or spec.mtp_num_layers:
             return "activations of LoRA/frozen decoders are modelled for dense layers (no MoE, MLA or MTP)"
-        if recompute is not None:
-            return "activations of LoRA/frozen decoders are modelled without recompute"
     if spec.mtp_num_layers and (par.tp > 1 or recompute is not None):
         return "activations of multi-token prediction are modelled with --tp 1 and without recompute"
     if spec.mla is not None and recompute is not None:
@@ -425,6 +426,9 @@ def chunk_activations(
     core_attn = recompute is not None and recompute.granularity == "selective" and "core_attn" in recompute.modules
     if full:
         assert recompute is not None
+        # NB: with a frozen base, Megatron-Bridge makes the decoder's input require grad under
+        # full recompute (maybe_enable_recompute_inputs_grad), or no checkpoint would run backward.
+        w.grad.started = True
         _full_recompute_layers(w, x, spec, options, recompute, len(layers))
     else:
         kinds = spec.layers
@@ -489,7 +493,7 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
         if i == 0:
             w.keep("recompute", x.b * x.s * x.s if options.attention_backend == "unfused" else 0)
             w.grad.mask_saved = True
-        inner = _Walk(_Grad(mask_saved=True))
+        inner = _Walk(dataclasses.replace(w.grad, mask_saved=True))
         for j in range(size):
             _layer(inner, x, spec, options, core_attn=False)
         w.region(inner.kept - hidden)  # the group input is the first norm's input
