@@ -65,6 +65,11 @@ CASES = {
                                                  "learned_absolute", "fp32"),
     "MoE bf16, shared experts": (dict(MOE, moe_shared_expert_intermediate_size=80), "rope", "bf16"),
     "MoE selective core_attn": (dict(MOE, recompute_granularity="selective"), "rope", "fp32"),
+    "selective mlp, SwiGLU unfused": (dict(recompute_granularity="selective", recompute_modules=["mlp"],
+                                           gated_linear_unit=True, activation_func="silu"), "rope", "fp32"),
+    "selective core_attn + mlp, GQA": (dict(recompute_granularity="selective",
+                                                    recompute_modules=["core_attn", "mlp"], num_query_groups=2,
+                                                    ), "rope", "fp32"),
     # q/k norms per head (non-MLA): their inputs are views of the qkv output (GQA: q is a copy).
     "MHA, RoPE, qk_layernorm": (dict(qk_layernorm=True), "rope", "fp32"),
     "MHA, learned positions, qk_layernorm (q, k fresh storages)": (dict(qk_layernorm=True), "learned_absolute",
@@ -219,6 +224,12 @@ PEFT_CASES = {
     # Layer 0's checkpointed core attention: no input requires grad, nothing saved or re-run.
     "frozen, linear_proj only, GQA, selective core_attn": (dict(recompute_granularity="selective", num_query_groups=2),
                                                            "rope", "fp32", ("linear_proj",), True, 0, 0, 0),
+    # Layer 0's checkpointed MLP: its input requires no grad (the adapter inside runs under no_grad).
+    "frozen, linear_fc1 only, selective mlp": (dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+                                               "rope", "fp32", ("linear_fc1",), True, 0, 0, 0),
+    "frozen, all four targets, selective core_attn + mlp": (dict(recompute_granularity="selective",
+                                                                 recompute_modules=["core_attn", "mlp"]), "rope",
+                                                            "fp32", ALL, True, 0, 0, 0),
     "base trains, linear_qkv, selective core_attn": (dict(recompute_granularity="selective"), "rope", "fp32",
                                                      ("linear_qkv",), False, 0, 0, 0),
 }

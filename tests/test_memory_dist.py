@@ -91,9 +91,10 @@ RUNS = {
         build=dict(optimizer="sgd", lora=(("linear_qkv", "linear_fc2"), 4))),
     # LoRA under TP (Megatron-Bridge's ParallelLinearAdapter: column-parallel targets split
     # linear_in's rows and all-gather its output, row-parallel ones split linear_out's rows).
-    "DP2 x TP2, LoRA rank 4 on all four targets, frozen base, DDP, bf16, Adam": dict(
-        layout=dict(tp=2), model=dict(BASE), m=2, build=dict(lora=(("linear_qkv", "linear_proj", "linear_fc1",
-                                                                     "linear_fc2"), 4))),
+    # Selective mlp recompute re-runs each MLP's forward (fc2's all-reduce) in backward.
+    "DP2 x TP2, LoRA rank 4 on all four targets, frozen base, selective core_attn + mlp, DDP, bf16, Adam": dict(
+        layout=dict(tp=2), model=dict(BASE, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+        m=2, build=dict(lora=(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), 4))),
 }
 
 

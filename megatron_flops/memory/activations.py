@@ -46,7 +46,7 @@ Recompute: a checkpointed region keeps its inputs (megatron-core's ``CheckpointF
 re-saves its activations while its backward runs. Full recompute checkpoints groups of layers
 (hidden states, mask and the cached RoPE frequencies, fp32 [s, rot], shared by the micro-batches
 of a model chunk); selective ``core_attn`` checkpoints the core attention (q, k, the qkv output
-behind v, the mask).
+behind v, the mask), selective ``mlp`` each dense layer's MLP (its input).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from megatron_flops.model.spec import ModelSpec
 
 NORM_STATS_BYTES = 4  # fp32 mean/rstd per token (CUDA kernels)
 INDEX_BYTES = 8  # int64 token ids, positions, targets
-SUPPORTED_SELECTIVE = ("core_attn",)
+SUPPORTED_SELECTIVE = ("core_attn", "mlp")
 
 
 @dataclass(frozen=True)
@@ -125,10 +125,11 @@ class _Grad:
 class _Walk:
     """Forward-order accumulation of kept bytes, and recompute regions' peaks."""
 
-    def __init__(self, grad: _Grad | None = None) -> None:
+    def __init__(self, grad: _Grad | None = None, *, recompute_mlp: bool = False) -> None:
         self.out = ChunkActivations()
         self.kept = 0
         self.grad = grad or _Grad()
+        self.recompute_mlp = recompute_mlp  # selective ``mlp``: dense MLPs are checkpointed
 
     def keep(self, key: str, nbytes: int) -> None:
         if nbytes:
@@ -180,6 +181,10 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
         other = [m for m in recompute.modules if m not in SUPPORTED_SELECTIVE]
         if other:
             return f"selective recompute of {other} is not modelled (only {SUPPORTED_SELECTIVE})"
+        if "mlp" in recompute.modules and options.add_bias_linear:
+            # (fc2's bias, returned through the checkpoint, gets the checkpoint as its grad_fn: its
+            # backward re-enters itself without end; seen on CPU, not a CPU effect.)
+            return "selective mlp recompute with linear biases does not run on megatron-core 0.16.1"
     return None
 
 
@@ -313,6 +318,19 @@ def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
     w.linear("mlp", "linear_fc2", T * x.ffn * a, T, a)  # fc2's input (the activation's output)
 
 
+def _checkpointed_mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
+    """Selective ``mlp`` recompute (dense layers): megatron-core's ``CheckpointFunction`` keeps
+    the MLP's input (the norm's output, this rank's slice) and re-runs the MLP in backward. An
+    input that requires no grad (a frozen model before its first adapter): nothing saved or re-run."""
+    if not w.grad.started:
+        return
+    inner = _Walk(dataclasses.replace(w.grad))
+    _mlp(inner, x, options, gated)
+    g, inp = w.grad, x.local_tokens * x.h * x.act
+    w.keep("recompute", inp)
+    w.region(inner.kept - (inp if g.base or "linear_fc1" in g.adapted else 0))  # (fc1's input is the checkpoint's)
+
+
 def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:
     if options.hidden_dropout > 0:
         w.act("dropout", x.local_tokens * x.h)  # bool [T/sp, h]
@@ -329,6 +347,8 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     _norm(w, "norm", x, options)
     if moe:
         _moe(w, x, spec, options)
+    elif w.recompute_mlp:
+        _checkpointed_mlp(w, x, options, spec.gated_linear_unit)
     else:
         _mlp(w, x, options, spec.gated_linear_unit)
     _dropout_mask(w, x, options)
@@ -413,7 +433,8 @@ def chunk_activations(
         raise ValueError(reason)
     x = dataclasses.replace(_dims(spec, options, par, training), received=received)
     first = par.is_first_stage(pp_rank, chunk)
-    w = _Walk(_peft_grad(peft, first_stage=first))
+    selective = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
+    w = _Walk(_peft_grad(peft, first_stage=first), recompute_mlp="mlp" in selective)
     layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
     if first:
         positions = options.position_embedding_type == "learned_absolute"

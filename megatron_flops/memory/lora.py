@@ -19,6 +19,9 @@ layer's output:
   micro-batch: forward, ``tp/all_reduce`` of linear_in's output [T, r] and ``tp/all_gather`` of
   linear_out's output [T, out]; backward, ``tp/all_reduce`` of linear_out's input gradient [T, r].
 
+A checkpoint that re-runs an adapter's forward (selective ``mlp`` recompute) runs its forward
+collectives again (:mod:`megatron_flops.memory.recompute`).
+
 Either way every TP rank keeps the whole [T, r] intermediate for linear_out's weight gradient,
 and linear_in keeps the wrapped layer's input (this rank's part): what
 :mod:`megatron_flops.memory.activations` counts at TP 1 holds per rank.
@@ -78,6 +81,23 @@ def _skipped_base_dgrads(peft: PeftSpec) -> int:
     return sum(1 for name in _LAYER_ORDER[: first + 1] if name in COLUMN_PARALLEL)
 
 
+def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tokens: int, hidden: int,
+                            act: int) -> dict[str, int]:
+    """``tp/*`` payload of the forward passes of one layer's adapters on ``targets`` (among
+    ``peft.lora_targets``), for ``tokens`` tokens at TP > 1 (see the module doc)."""
+    out = {"tp/all_gather": 0, "tp/all_reduce": 0}
+    if peft is None or peft.lora_rank is None:
+        return out
+    r = peft.lora_rank
+    for target in (t for t in targets if t in peft.lora_targets):
+        if target in ROW_PARALLEL:
+            out["tp/all_reduce"] += tokens * r * act  # linear_in's partial [T, r]
+            out["tp/all_gather"] += tokens * hidden * act  # linear_out's output [T, out]
+        else:
+            out["tp/all_gather"] += tokens * r * act  # linear_in's output [T, r]
+    return out
+
+
 def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
                           peft: PeftSpec | None) -> dict[str, int]:
     """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1),
@@ -86,14 +106,14 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         return {}
     a, r, h = training.param_bytes, peft.lora_rank, spec.hidden_size
     tokens = training.seq_length * training.micro_batch_size
+    per_layer = adapter_forward_payload(peft, _LAYER_ORDER, tokens, h, a)
+    # Backward: every adapter all-reduces linear_out's input gradient [T, r]; a column-parallel
+    # target's linear_in also its input gradient [T, h].
     column = sum(t in COLUMN_PARALLEL for t in peft.lora_targets)
-    row = sum(t in ROW_PARALLEL for t in peft.lora_targets)
-    # Per layer: column targets all-gather [T, r] and all-reduce [T, r] and [T, h]; row targets
-    # all-reduce [T, r] twice and all-gather [T, h].
-    gather = column * tokens * r * a + row * tokens * h * a
-    reduce = column * tokens * (r + h) * a + row * 2 * tokens * r * a
+    per_layer["tp/all_reduce"] += len(peft.lora_targets) * tokens * r * a + column * tokens * h * a
     layers = sum(len(par.chunk_layers(spec.num_layers, pp_rank, c)) for c in range(par.num_chunks))
     layers += spec.mtp_num_layers if par.is_last_stage(pp_rank, par.num_chunks - 1) else 0
     skipped = _skipped_base_dgrads(peft) if par.is_first_stage(pp_rank, 0) else 0
     m = training.num_microbatches
-    return {"tp/all_gather": m * layers * gather, "tp/all_reduce": m * (layers * reduce - skipped * tokens * h * a)}
+    return {"tp/all_gather": m * layers * per_layer["tp/all_gather"],
+            "tp/all_reduce": m * (layers * per_layer["tp/all_reduce"] - skipped * tokens * h * a)}

@@ -24,6 +24,7 @@ from megatron_flops.memory.comm import (
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import lora_tp_communication
+from megatron_flops.memory.recompute import selective_rerun_communication
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -88,8 +89,10 @@ def rank_memory(
             states[key] = states.get(key, 0) + value
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
-    for key, value in lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft).items():
-        comm[key] = comm.get(key, 0) + value
+    for extra in (lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft),
+                  selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft)):
+        for key, value in extra.items():
+            comm[key] = comm.get(key, 0) + value
     peak = count = None
     per_mb = None
     bounds = None
