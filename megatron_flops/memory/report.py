@@ -243,7 +243,12 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                "activation-dtype mask)")
     if activations and lora:
         assumptions.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each "
-                           "saves the projection's input and the [tokens, rank] intermediate")
+                           "saves the projection's input and the [tokens, rank] intermediate; under full recompute "
+                           "of a frozen base the decoder's input requires grad, as Bridge makes it")
+    if lora and par.tp > 1:
+        assumptions.append("LoRA adapters split over TP and communicate as Bridge's ParallelLinearAdapter around "
+                           "megatron-core's local linear layers (column-parallel targets split linear_in and "
+                           "all-gather [tokens, rank]; row-parallel ones all-reduce it and all-gather their output)")
     if activations and spec.moe is not None:
         assumptions.append("routed experts save as megatron-core's SequentialMLP (local spec); grouped-GEMM experts "
                            "(moe_grouped_gemm, Transformer Engine) are not measured")
