@@ -34,7 +34,8 @@ def _columns(report: dict[str, Any]) -> tuple[dict[str, int | None], dict[str, i
     gpu = report["per_gpu"]
     memory: dict[str, int | None] = dict(gpu["components"])
     memory.setdefault("activations", gpu["activations_bytes"])
-    memory["total"] = gpu["total_bytes"]
+    # NB: where activations are not modelled the total is the states' alone: the row says so.
+    memory["total" if gpu["activations_bytes"] is not None else "total, activations not included"] = gpu["total_bytes"]
     comm = dict(report["communication_per_step"])
     comm["total"] = comm.pop("total_bytes")
     comm["total, bus bytes"] = report["bus_bytes_per_step"]["total_bytes"]
