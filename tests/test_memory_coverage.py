@@ -113,16 +113,11 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
         "mcore:gdn", "mcore:hybrid mamba", "hf:kimi_linear",  # Gated DeltaNet, Mamba, KDA
         "mcore:dsa", "hf:deepseek_v32", "hf:glm_moe_dsa",  # DeepSeek sparse attention
     )],
-    # q/k layer norms (qwen3 and qwen3_moe files set them): activations left out.
-    *[(f"{model} | *", r"not modelled: activations are modelled without qk_layernorm")
-      for model in ("hf:qwen3", "hf:qwen3_moe", "mcore:qk_layernorm")],
     # megatron-core's own FSDP (use_megatron_fsdp, use_torch_fsdp2) for a GPT decoder.
     ("* | DP2 FSDP | *", r"refused: .*--fsdp is modelled for DiT model files"),
-    # LoRA/frozen decoders: under TP, with MoE/MLA/MTP, with recompute.
-    ("* | TP2* | *", r"refused: .*LoRA adapters are modelled without tensor parallelism"),
+    # LoRA/frozen decoders: under TP with sequence parallelism, with MoE/MLA/MTP.
+    ("* | TP2 SP | *", r"refused: .*LoRA adapters under tensor parallelism are modelled without --sequence-parallel"),
     ("* | * | *LoRA*", r"not modelled: activations of LoRA/frozen decoders are modelled for dense layers"),
-    ("mcore:lora and recompute in the file | *", r"not modelled: activations of LoRA/frozen decoders are modelled "
-                                                 r"without recompute"),
     # Multi-latent attention under TP and with recompute; multi-token prediction under PP, TP, recompute.
     ("* | TP2* | *", r"refused: .*multi-latent attention is modelled with --tp 1"),
     ("* | * | *recompute", r"not modelled: activations of multi-latent attention are modelled without recompute"),
