@@ -95,6 +95,10 @@ RUNS = {
     "DP2 x TP2, LoRA rank 4 on all four targets, frozen base, selective core_attn + mlp, DDP, bf16, Adam": dict(
         layout=dict(tp=2), model=dict(BASE, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
         m=2, build=dict(lora=(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), 4))),
+    # Under sequence parallelism a column-parallel target's adapter all-gathers its input itself;
+    # layer 0's linear_qkv and linear_proj run before the first adapter (no backward collectives).
+    "DP2 x TP2 + SP, LoRA rank 4 on linear_proj + linear_fc1, frozen base, DDP, bf16": dict(
+        layout=dict(tp=2, sp=True), model=dict(BASE), m=2, build=dict(lora=(("linear_proj", "linear_fc1"), 4))),
 }
 
 

@@ -79,12 +79,16 @@ def test_frozen_first_layer_mlp_checkpoint_never_reruns():
 
 
 @pytest.mark.parametrize("par, peft, match", [
-    (Parallelism(tp=2, dp=2, sequence_parallel=True), LORA, "without --sequence-parallel"),
+    (TP2, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj",)), "modelled on linear_qkv"),
     (TP2, PeftSpec(frozen=True, lora_rank=3, lora_targets=ALL), "not divisible by --tp 2"),
 ])
 def test_lora_under_tp_refusals(par, peft, match):
     with pytest.raises(ValueError, match=match):
         check_supported(SPEC, par, peft)
+    moe = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
+                                      vocab_size=96, num_moe_experts=4, moe_router_topk=2))
+    with pytest.raises(ValueError, match="dense decoders"):
+        check_supported(moe, TP2, LORA)
 
 
 def test_selective_mlp_with_biases_refused():

@@ -141,14 +141,18 @@ class _Walk:
         if self.grad.started:
             self.keep(key, nbytes)
 
-    def linear(self, key: str, name: str, input_bytes: int, tokens: int, act: int) -> None:
+    def linear(self, key: str, name: str, input_bytes: int, tokens: int, act: int,
+               gathered: int | None = None) -> None:
         """A linear layer ``name`` reading ``input_bytes``: a trainable weight saves its input
         (megatron-core's frozen-weight path saves only the weight); a LoRA adapter's
-        ``linear_in`` saves the same input and its ``linear_out`` the [T, r] intermediate,
-        after which the hidden states require grad."""
+        ``linear_in`` saves the same input, or under sequence parallelism the ``gathered``
+        input it all-gathers itself (a column-parallel target), and its ``linear_out`` the
+        [T, r] intermediate, after which the hidden states require grad."""
         g = self.grad
         adapted = name in g.adapted
-        if g.base or adapted:
+        if gathered is not None and adapted:
+            self.keep(key, gathered + (input_bytes if g.base else 0))
+        elif g.base or adapted:
             self.keep(key, input_bytes)
         if adapted:
             self.keep("lora", tokens * g.rank * act)
@@ -202,6 +206,12 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
                  act=training.param_bytes, rot=rot, sp=sp)
 
 
+def _gathered(x: _Dims) -> int | None:
+    """Under sequence parallelism, the [T, h] input a column-parallel target's LoRA adapter
+    all-gathers and keeps (Bridge's ``gather_from_sequence_parallel_region``); else None."""
+    return x.tokens * x.h * x.act if x.sp > 1 else None
+
+
 def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions) -> None:
     # Input [T/sp, h] and fp32 statistics per token (LayerNorm: mean and rstd; RMSNorm: rstd).
     w.act(key, x.local_tokens * x.h * x.act)
@@ -214,7 +224,7 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
     gqa = x.heads > x.groups
     # linear_qkv input (the norm's output; under sequence parallelism this rank's slice: the
     # layer saves it and all-gathers it again in backward).
-    w.linear("attention", "linear_qkv", x.local_tokens * x.h * a, T, a)
+    w.linear("attention", "linear_qkv", x.local_tokens * x.h * a, T, a, _gathered(x))
     qkv_out = T * (x.heads + 2 * x.groups) * d * a
     # q and k are storages of their own after RoPE or the q/k norms, else views of the qkv output.
     fresh = bool(x.rot) or options.qk_layernorm
@@ -308,7 +318,7 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions)
 def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
     T, a = x.tokens, x.act
     # linear_fc1 input (this rank's slice under sequence parallelism).
-    w.linear("mlp", "linear_fc1", x.local_tokens * x.h * a, T, a)
+    w.linear("mlp", "linear_fc1", x.local_tokens * x.h * a, T, a, _gathered(x))
     if gated and not options.bias_activation_fusion:
         # fc1 output [T, 2 ffn] (silu's input is a view), silu(x1), x2 + offset.
         w.act("mlp", T * x.ffn * a * (2 + 2))

@@ -38,7 +38,7 @@ sequence parallelism are not modelled here.
 from __future__ import annotations
 
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
@@ -60,10 +60,10 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> 
     """Why LoRA adapters under tensor parallelism are not modelled (None: they are, or TP 1)."""
     if peft is None or peft.lora_rank is None or par.tp == 1:
         return None
-    if par.sequence_parallel:
-        return "LoRA adapters under tensor parallelism are modelled without --sequence-parallel"
+    if spec.moe is not None or spec.mla is not None or spec.mtp_num_layers:
+        return "LoRA adapters under tensor parallelism are modelled for dense decoders (no MoE, MLA or MTP layers)"
     other = [t for t in peft.lora_targets if t not in COLUMN_PARALLEL + ROW_PARALLEL]
-    if other or spec.mla is not None:
+    if other:
         return f"LoRA adapters under tensor parallelism are modelled on {', '.join(_LAYER_ORDER)} (not {other})"
     if peft.lora_rank % par.tp:
         return f"--lora-rank {peft.lora_rank} is not divisible by --tp {par.tp} (Bridge splits linear_in's rows)"
@@ -72,17 +72,12 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> 
     return None
 
 
-def _skipped_base_dgrads(peft: PeftSpec) -> int:
-    """Column-parallel base layers of the first pipeline stage's first layer that run before
-    the first adapter, with a frozen base: their input gradient is never all-reduced."""
-    if not peft.frozen:
-        return 0
-    first = min(_LAYER_ORDER.index(t) for t in peft.lora_targets)
-    return sum(1 for name in _LAYER_ORDER[: first + 1] if name in COLUMN_PARALLEL)
+def _first_target(peft: PeftSpec) -> int:
+    return min(_LAYER_ORDER.index(t) for t in peft.lora_targets)
 
 
-def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tokens: int, hidden: int,
-                            act: int) -> dict[str, int]:
+def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tokens: int, hidden: int, act: int,
+                            *, sp: bool = False) -> dict[str, int]:
     """``tp/*`` payload of the forward passes of one layer's adapters on ``targets`` (among
     ``peft.lora_targets``), for ``tokens`` tokens at TP > 1 (see the module doc)."""
     out = {"tp/all_gather": 0, "tp/all_reduce": 0}
@@ -94,26 +89,75 @@ def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tok
             out["tp/all_reduce"] += tokens * r * act  # linear_in's partial [T, r]
             out["tp/all_gather"] += tokens * hidden * act  # linear_out's output [T, out]
         else:
-            out["tp/all_gather"] += tokens * r * act  # linear_in's output [T, r]
+            # linear_in's output [T, r]; under sequence parallelism first its input [T, h].
+            out["tp/all_gather"] += tokens * r * act + (tokens * hidden * act if sp else 0)
     return out
 
 
+def _backward_payload(peft: PeftSpec, tokens: int, hidden: int, act: int, *, sp: bool) -> dict[str, int]:
+    """One layer's adapters in backward: every linear_out all-reduces its input gradient
+    [T, r]; a column-parallel target's input gradient [T, h] is all-reduced (reduce-scattered
+    under sequence parallelism), a row-parallel target's output gradient all-gathered under
+    sequence parallelism."""
+    assert peft.lora_rank is not None
+    column = sum(t in COLUMN_PARALLEL for t in peft.lora_targets)
+    row = len(peft.lora_targets) - column
+    out = {"tp/all_reduce": len(peft.lora_targets) * tokens * peft.lora_rank * act}
+    if sp:
+        out["tp/reduce_scatter"] = column * tokens * hidden * act
+        out["tp/all_gather"] = row * tokens * hidden * act
+    else:
+        out["tp/all_reduce"] += column * tokens * hidden * act
+    return out
+
+
+def _frozen_base_skips(peft: PeftSpec, *, sp: bool, layers: int, first: bool, last: bool,
+                       started: bool) -> dict[str, int]:
+    """[s, b, h] collectives :mod:`megatron_flops.memory.comm` prices for a trained base that a
+    frozen one does not run: under sequence parallelism the weight-gradient all-gathers of the
+    column-parallel layers and the output layer and the embedding's gradient all-gather; on the
+    first stage, unless its decoder input requires grad (``started``), the backward collectives
+    of the base layers up to the first adapter (column-parallel: the input gradient's all-reduce
+    or reduce-scatter; row-parallel under sequence parallelism: the output gradient's all-gather),
+    and under sequence parallelism a first column-parallel adapter's input-gradient reduce-scatter."""
+    if not peft.frozen:
+        return {}
+    index = _first_target(peft)
+    before = _LAYER_ORDER[: index + 1] if first and not started else ()
+    column = sum(n in COLUMN_PARALLEL for n in before)
+    if not sp:
+        return {"tp/all_reduce": column}
+    row = len(before) - column
+    first_adapter = int(bool(before) and _LAYER_ORDER[index] in COLUMN_PARALLEL)
+    return {"tp/reduce_scatter": column + first_adapter, "tp/all_gather": row + 2 * layers + last + first}
+
+
+def _rerun_layers(recompute: RecomputeSpec | None, num_layers: int) -> int:
+    """Layers whose forward full recompute runs again (as :mod:`megatron_flops.memory.comm`)."""
+    if recompute is None or recompute.granularity != "full":
+        return 0
+    return min(recompute.num_layers or 0, num_layers) if recompute.method == "block" else num_layers
+
+
 def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
-                          peft: PeftSpec | None) -> dict[str, int]:
+                          peft: PeftSpec | None, recompute: RecomputeSpec | None = None) -> dict[str, int]:
     """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1),
-    less the frozen base's skipped input-gradient all-reduces (see the module doc); {} at TP 1."""
+    their forward collectives again for each layer full recompute re-runs, less what a frozen
+    base does not run (see :func:`_frozen_base_skips`); {} at TP 1."""
     if peft is None or peft.lora_rank is None or par.tp == 1:
         return {}
-    a, r, h = training.param_bytes, peft.lora_rank, spec.hidden_size
+    a, h, sp = training.param_bytes, spec.hidden_size, par.sequence_parallel
     tokens = training.seq_length * training.micro_batch_size
-    per_layer = adapter_forward_payload(peft, _LAYER_ORDER, tokens, h, a)
-    # Backward: every adapter all-reduces linear_out's input gradient [T, r]; a column-parallel
-    # target's linear_in also its input gradient [T, h].
-    column = sum(t in COLUMN_PARALLEL for t in peft.lora_targets)
-    per_layer["tp/all_reduce"] += len(peft.lora_targets) * tokens * r * a + column * tokens * h * a
-    layers = sum(len(par.chunk_layers(spec.num_layers, pp_rank, c)) for c in range(par.num_chunks))
-    layers += spec.mtp_num_layers if par.is_last_stage(pp_rank, par.num_chunks - 1) else 0
-    skipped = _skipped_base_dgrads(peft) if par.is_first_stage(pp_rank, 0) else 0
+    sizes = [len(par.chunk_layers(spec.num_layers, pp_rank, c)) for c in range(par.num_chunks)]
+    layers, rerun = sum(sizes), sum(_rerun_layers(recompute, n) for n in sizes)
+    forward = adapter_forward_payload(peft, _LAYER_ORDER, tokens, h, a, sp=sp)
+    out = {key: (layers + rerun) * value for key, value in forward.items()}
+    for key, value in _backward_payload(peft, tokens, h, a, sp=sp).items():
+        out[key] = out.get(key, 0) + layers * value
+    full = recompute is not None and recompute.granularity == "full"
+    skips = _frozen_base_skips(peft, sp=sp, layers=layers, first=par.is_first_stage(pp_rank, 0),
+                               last=par.is_last_stage(pp_rank, par.num_chunks - 1), started=full)
+    for key, count in skips.items():
+        out[key] = out.get(key, 0) - count * tokens * h * a
     m = training.num_microbatches
-    return {"tp/all_gather": m * layers * per_layer["tp/all_gather"],
-            "tp/all_reduce": m * (layers * per_layer["tp/all_reduce"] - skipped * tokens * h * a)}
+    return {key: m * value for key, value in out.items() if value}

@@ -34,7 +34,8 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
         dense -= 1  # (layer 0's MLP input requires no grad: its checkpoint never re-runs)
     tokens, act = training.seq_length * training.micro_batch_size, training.param_bytes
     hidden = tokens * spec.hidden_size * act
-    out = adapter_forward_payload(peft, ("linear_fc1", "linear_fc2"), tokens, spec.hidden_size, act)
+    out = adapter_forward_payload(peft, ("linear_fc1", "linear_fc2"), tokens, spec.hidden_size, act,
+                                  sp=par.sequence_parallel)
     if par.sequence_parallel:
         out["tp/all_gather"] += hidden
         out["tp/reduce_scatter"] = hidden

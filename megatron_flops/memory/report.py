@@ -89,7 +89,7 @@ def rank_memory(
             states[key] = states.get(key, 0) + value
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
-    for extra in (lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft),
+    for extra in (lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft)):
         for key, value in extra.items():
             comm[key] = comm.get(key, 0) + value
