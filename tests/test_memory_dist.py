@@ -99,6 +99,12 @@ RUNS = {
     # layer 0's linear_qkv and linear_proj run before the first adapter (no backward collectives).
     "DP2 x TP2 + SP, LoRA rank 4 on linear_proj + linear_fc1, frozen base, DDP, bf16": dict(
         layout=dict(tp=2, sp=True), model=dict(BASE), m=2, build=dict(lora=(("linear_proj", "linear_fc1"), 4))),
+    # Full recompute: Bridge makes the decoder's input require grad (no collective skipped in layer
+    # 0), and the re-run layer runs its adapters' forward collectives again.
+    "DP2 x TP2, LoRA rank 4 on linear_qkv + linear_fc2, frozen base, full recompute (block 1), DDP, fp32": dict(
+        layout=dict(tp=2), model=dict(BASE, recompute_granularity="full", recompute_method="block",
+                                      recompute_num_layers=1),
+        m=2, build=dict(params_dtype="fp32", lora=(("linear_qkv", "linear_fc2"), 4))),
 }
 
 
