@@ -115,8 +115,8 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     )],
     # megatron-core's own FSDP (use_megatron_fsdp, use_torch_fsdp2) for a GPT decoder.
     ("* | DP2 FSDP | *", r"refused: .*--fsdp is modelled for DiT model files"),
-    # LoRA/frozen decoders: under TP with sequence parallelism, with MoE/MLA/MTP.
-    ("* | TP2 SP | *", r"refused: .*LoRA adapters under tensor parallelism are modelled without --sequence-parallel"),
+    # LoRA/frozen decoders: under TP with MoE/MLA/MTP layers, activations with MoE/MLA/MTP.
+    ("* | TP2 SP | *LoRA*", r"refused: .*LoRA adapters under tensor parallelism are modelled for dense decoders"),
     ("* | * | *LoRA*", r"not modelled: activations of LoRA/frozen decoders are modelled for dense layers"),
     # Multi-latent attention under TP and with recompute; multi-token prediction under PP, TP, recompute.
     ("* | TP2* | *", r"refused: .*multi-latent attention is modelled with --tp 1"),

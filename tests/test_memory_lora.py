@@ -96,3 +96,23 @@ def test_selective_mlp_with_biases_refused():
     biased = DecoderOptions(add_bias_linear=True)
     assert "biases" in (check_activations_supported(SPEC, biased, Parallelism(), recompute) or "")
     assert check_activations_supported(SPEC, OPTIONS, Parallelism(), recompute) is None
+
+
+def test_sequence_parallel_payload_by_hand():
+    # DP2 x TP2 + SP, frozen base, LoRA on linear_proj and linear_fc1 (measured in
+    # tests/test_memory_dist.py). [T, h] = 3,072 bytes, [T, r] = 256; per micro-batch:
+    par = Parallelism(tp=2, dp=2, sequence_parallel=True)
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_proj", "linear_fc1"))
+    comm = rank_memory(SPEC, OPTIONS, par, TRAINING, pp_rank=0, peft=peft).communication
+    # all_gather: the trained base's 6 per layer + output layer 2 + embedding 1 = 15 [T, h], less
+    # what the frozen base skips: 2 weight-gradient gathers per layer, the output layer's, the
+    # embedding's gradient, layer 0's linear_proj output gradient (before the first adapter) = 7;
+    # adapters per layer: linear_proj's output 3,072 and gradient 3,072, linear_fc1's input 3,072
+    # and [T, r] 256 = 9,472.
+    assert comm["tp/all_gather"] == 2 * ((15 - 7) * 3_072 + 2 * 9_472)
+    # reduce_scatter: 4 per layer + output layer + embedding = 10, less layer 0's linear_qkv input
+    # gradient; linear_fc1's adapter reduce-scatters its input gradient, one per layer.
+    assert comm["tp/reduce_scatter"] == 2 * (10 - 1 + 2) * 3_072
+    # all_reduce: cross-entropy's 3 fp32 [T] (384); per layer linear_proj's [T, r] forward and
+    # both linear_out input gradients [T, r].
+    assert comm["tp/all_reduce"] == 2 * (384 + 2 * 3 * 256)

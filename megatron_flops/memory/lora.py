@@ -26,13 +26,21 @@ Either way every TP rank keeps the whole [T, r] intermediate for linear_out's we
 and linear_in keeps the wrapped layer's input (this rank's part): what
 :mod:`megatron_flops.memory.activations` counts at TP 1 holds per rank.
 
-A frozen base layer runs megatron-core's ``LinearWithFrozenWeight``: autograd records it only
-once its input requires grad, so a column-parallel base layer before the first adapter of the
-first pipeline stage does not all-reduce its input gradient in backward.
+Under sequence parallelism (Bridge's local-layer path, ``disable_sequence_parallel_comm``
+False) a column-parallel target's adapter all-gathers its [T/TP, h] input itself before
+linear_in (``tp/all_gather`` [T, h]; its gradient reduce-scattered in backward), with
+linear_in's own input-gradient all-reduce off, and keeps that gathered [T, h]; a row-parallel
+target's adapter splits its output back to [T/TP, h] (its gradient all-gathered in backward).
 
-NB: measured with megatron-core's local layers without sequence parallelism; Bridge's adapters
-around Transformer Engine's fused norm + linear (``return_layernorm_output_gathered``) and under
-sequence parallelism are not modelled here.
+A frozen base layer runs megatron-core's ``LinearWithFrozenWeight``: no weight gradient (under
+sequence parallelism, no weight-gradient all-gather), and autograd records it only once its input
+requires grad, so the base layers before the first adapter of the first pipeline stage run no
+backward collective (unless full recompute, where Bridge makes the decoder's input require grad).
+Full recompute re-runs the adapters' forward collectives with the layer.
+
+NB: measured with megatron-core's local layers and Bridge 0.3.1's adapter (gloo, CPU). Bridge's
+adapters around Transformer Engine's fused norm + linear (``return_layernorm_output_gathered``:
+no adapter all-gather under sequence parallelism) are not modelled here.
 """
 
 from __future__ import annotations
