@@ -155,7 +155,8 @@ class WanLike(nn.Module):
         lens = [z.shape[1] * z.shape[2] * z.shape[3] // math.prod(self.spec.patch_size) for z in latents]
         half = self.spec.freq_dim // 2
         angles = t[:, None].float() * torch.pow(10000.0, -torch.arange(half, device=t.device) / half)
-        e = self.time_embedding(torch.cat([torch.cos(angles), torch.sin(angles)], dim=1))
+        # The sinusoid is computed in fp32 and cast to the compute dtype (bf16 weights: no autocast needed).
+        e = self.time_embedding(torch.cat([torch.cos(angles), torch.sin(angles)], dim=1).to(x.dtype))
         repeats = torch.tensor(lens, device=x.device)
         e0 = self.time_projection(e).unflatten(1, (6, -1)).repeat_interleave(repeats, dim=0)
         context, text_lens = self.text_embedding(torch.cat(list(text))), [c.shape[0] for c in text]
@@ -315,7 +316,7 @@ class Trainer:
                 self.model.set_requires_gradient_sync(m == self.options.micro_batches - 1)
                 out = self.model([c.latent for c in batch], t, [c.text for c in batch],
                                  None if spec.image_dim is None else [c.image for c in batch])
-                loss = F.mse_loss(out, torch.cat([c.target for c in batch])) / self.options.micro_batches
+                loss = F.mse_loss(out.float(), torch.cat([c.target for c in batch])) / self.options.micro_batches
                 loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()

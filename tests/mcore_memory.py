@@ -60,14 +60,16 @@ def megatron_groups() -> List[Tuple[str, Any]]:
 
     getters = [
         ("tp", ps.get_tensor_model_parallel_group),
+        # Expert TP (= TP here): the alltoall dispatcher's gathers of the routed tokens.
+        ("tp", ps.get_expert_tensor_parallel_group),
         ("pp", ps.get_pipeline_model_parallel_group),
         ("embd", ps.get_embedding_group),
         ("dp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
         ("dp", ps.get_data_parallel_group),
         ("ep", ps.get_expert_model_parallel_group),
         ("expt_dp", ps.get_expert_data_parallel_group),
-        # The token counts the alltoall dispatcher gathers (expert TP = 1: the EP ranks).
-        ("ep", ps.get_expert_tensor_and_model_parallel_group),
+        # The expert TP x EP group: the token counts (alltoall) or the tokens (allgather) gathered.
+        ("tp_ep", ps.get_expert_tensor_and_model_parallel_group),
         ("mp", ps.get_model_parallel_group),
     ]
     out = []
@@ -81,6 +83,9 @@ def megatron_groups() -> List[Tuple[str, Any]]:
     return out
 
 
+_ACTIVE_METERS: List["CommMeter"] = []
+
+
 class CommMeter(TorchDispatchMode):
     """Payload bytes per ``group/kind`` of every collective run under it (see module doc)."""
 
@@ -89,6 +94,20 @@ class CommMeter(TorchDispatchMode):
         self.groups = groups
         self.bytes: Dict[str, int] = defaultdict(int)
         self.calls: Dict[str, int] = defaultdict(int)
+
+    def __enter__(self):
+        _ACTIVE_METERS.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE_METERS.remove(self)
+        return super().__exit__(*exc)
+
+    def record(self, group: Optional[dist.ProcessGroup], kind: str, tensors: Iterable[torch.Tensor]) -> None:
+        """Count a collective run outside the dispatcher (see :func:`patch_uneven_collectives`)."""
+        key = f"{self._name(group, kind)}/{kind}"
+        self.bytes[key] += sum(t.numel() * t.element_size() for t in tensors)
+        self.calls[key] += 1
 
     def _name(self, group: Optional[dist.ProcessGroup], kind: str) -> str:
         if kind == "send_recv":
@@ -217,6 +236,49 @@ def patch_alltoall_dispatcher() -> None:
         return tokens_per_expert
 
     cls._maybe_dtoh_and_synchronize = to_host
+
+
+def patch_uneven_collectives() -> None:
+    """Test-only: gloo has no all-gather of uneven sizes nor a list reduce-scatter, which
+    megatron-core's alltoall dispatcher runs over expert TP (``output_split_sizes``). Run them as
+    gloo's uneven all-to-all (each rank receives exactly what the all-gather would give it; the
+    reduce-scatter's chunks are summed where they land), out of the meters' sight, and count for
+    every active :class:`CommMeter` the payload NCCL's collective is handed: the all-gather's
+    output list, the reduce-scatter's input list."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if getattr(dist, "_uneven_patched", False):
+        return
+    all_gather = dist.all_gather
+
+    def gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.shape[0] for t in tensor_list]
+        if len(set(sizes)) == 1:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        world = len(tensor_list)
+        with _disable_current_modes():
+            received = torch.empty((sum(sizes), *tensor.shape[1:]), dtype=tensor.dtype)
+            dist.all_to_all_single(received, torch.cat([tensor] * world), output_split_sizes=sizes,
+                                   input_split_sizes=[tensor.shape[0]] * world, group=group)
+            for out, part in zip(tensor_list, received.split(sizes)):
+                out.copy_(part)
+        for meter in _ACTIVE_METERS:
+            meter.record(group, "all_gather", tensor_list)
+
+    def scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        assert op == dist.ReduceOp.SUM and not async_op
+        sizes = [t.shape[0] for t in input_list]
+        world, mine = len(input_list), output.shape[0]
+        with _disable_current_modes():
+            received = torch.empty((world * mine, *output.shape[1:]), dtype=output.dtype)
+            dist.all_to_all_single(received, torch.cat(input_list), output_split_sizes=[mine] * world,
+                                   input_split_sizes=sizes, group=group)
+            output.copy_(received.view(world, *output.shape).sum(0))
+        for meter in _ACTIVE_METERS:
+            meter.record(group, "reduce_scatter", input_list)
+
+    dist.all_gather, dist.reduce_scatter = gather, scatter
+    dist._uneven_patched = True
 
 
 def patch_sequence_parallel_norm() -> None:

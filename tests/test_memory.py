@@ -13,7 +13,7 @@ import pytest
 
 from megatron_flops.cli import main
 from megatron_flops.flops.dit import DiTParam, DiTPeftSpec, DiTSpec
-from megatron_flops.memory.activations import ChunkActivations, in_flight, schedule_peak
+from megatron_flops.memory.activations import ChunkActivations, chunk_activations, in_flight, schedule_peak
 from megatron_flops.memory.comm import step_communication
 from megatron_flops.memory.decoder import DecoderOptions, Param, chunk_parameters, parameter_counts
 from megatron_flops.memory.fsdp import fsdp_rank_memory, real_rows, shard_rows
@@ -219,7 +219,7 @@ def test_context_parallel_formula_is_consistent():
 
 
 def test_expert_all_to_all_range_by_hand():
-    from megatron_flops.memory.comm import all_to_all_range, balanced_all_to_all
+    from megatron_flops.memory.moe import all_to_all_range, moe_communication
 
     moe = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                                       vocab_size=256, num_moe_experts=4, moe_router_topk=2))
@@ -231,10 +231,18 @@ def test_expert_all_to_all_range_by_hand():
     own, most = 64, 128
     assert lo == 2 * (2 * own * 64 * 2 + own * 2)
     assert hi == lo + 2 * (2 * most * 64 * 2 + most * 2)
-    assert lo < balanced_all_to_all(moe, training, 2) == lo + 2 * (2 * own * 64 * 2 + own * 2) < hi
+    balanced = moe_communication(moe, options, Parallelism(ep=2, dp=2), training, moe_layers=2, rerun=0)
+    assert lo < balanced["ep/all_to_all"] == lo + 2 * (2 * own * 64 * 2 + own * 2) < hi
     report = decoder_memory(moe, options, Parallelism(ep=2, dp=2), training)
     assert report.stages[0].communication_ranges == {"ep/all_to_all": (lo, hi)}
     assert any("balanced routing" in a for a in report.assumptions)
+    # The allgather dispatcher has no all-to-all; full recompute (uniform) runs each MoE layer's
+    # forward again: its own tokens and probabilities out, received tokens back, once more.
+    allgather = dataclasses.replace(options, moe_token_dispatcher_type="allgather")
+    assert all_to_all_range(moe, allgather, Parallelism(ep=2, dp=2), training, moe_layers=2) is None
+    lo2, hi2 = all_to_all_range(moe, options, Parallelism(ep=2, dp=2), training, moe_layers=2, rerun=2)
+    assert lo2 == lo + 2 * (own * 64 * 2 + own * 2)
+    assert hi2 == hi + 2 * (own * 64 * 2 + own * 2) + 2 * most * 64 * 2
 
 
 def test_moe_tensor_and_expert_parallel_traffic_by_hand():
@@ -258,12 +266,89 @@ def test_moe_tensor_and_expert_parallel_traffic_by_hand():
     # and probabilities, to the experts and back, forward and backward; token counts int64 [4]
     # gathered over TP x EP = 4 ranks.
     assert comm["ep/all_to_all"] == 2 * (4 * 32 * 64 * 2 + 2 * 32 * 2)
-    assert comm["ep/all_gather"] == 2 * 4 * 4 * 8
+    assert comm["tp_ep/all_gather"] == 2 * 4 * 4 * 8
     report = decoder_memory(moe, options, par, training)
-    assert any("TP traffic under TP 2 x EP 2" in u for u in report.unmeasured)
-    assert report.not_modelled == ("MoE activations are modelled with --tp 1",)
+    assert report.not_modelled == () and not any("MoE" in u for u in report.unmeasured)
+    # What one rank gathers over TP follows the routing: from no token to every token of the
+    # TP x EP ranks picking one of its 2 experts, 2 x 32 x min(2, 2) = 128 (balanced: 64), each
+    # (2 x 64 + 1) x 2 B both ways, in each of the 2 layers.
+    per_token = (2 * 64 + 1) * 2
+    for key in ("tp/all_gather", "tp/reduce_scatter"):
+        assert report.stages[0].communication_ranges[key] == (comm[key] - 2 * 64 * per_token,
+                                                              comm[key] + 2 * (128 - 64) * per_token)
+    # Activations of a MoE layer (measured on TP2 x EP2 + SP in tests/test_memory_dist.py), per TP rank routing its
+    # T_l = 16 tokens: the router's input [16, 64] bf16, top-2 indices int64 and fp32 scores
+    # [16 x 2]; the routing map (bool) and probabilities (bf16) [4, 16], sorted indices int64
+    # [32]; the experts take 32 x 2 = 64 tokens (balanced, after the TP all-gather): [64, 64]
+    # bf16, probabilities [64], and per token 3 x ffn/TP = 3 x 16 GELU-MLP values.
+    act = chunk_activations(moe, options, par, training, pp_rank=0, chunk=0).components
+    assert act["moe/router"] == 2 * (16 * 64 * 2 + 32 * 8 + 32 * 4)
+    assert act["moe/dispatcher"] == 2 * (4 * 16 * (1 + 2) + 32 * 8)
+    assert act["moe/experts"] == 2 * (64 * 64 * 2 + 64 * 2 + 64 * 16 * 2 * 3)
     with pytest.raises(ValueError, match="--sequence-parallel"):
         decoder_memory(moe, options, Parallelism(tp=2, ep=2, dp=2), training)
+
+
+def test_moe_allgather_dispatcher_traffic_as_measured():
+    # The allgather dispatcher under TP 2 + SP, EP 1 (tests/test_memory_dist.py measures this
+    # layout on gloo): 2 layers, MoE every other one, h 48, 4 experts top-2, fp32, s 16 x b 2,
+    # 2 micro-batches. Over the expert TP x EP group (2 ranks) it all-gathers G = T x EP = 32 rows
+    # of tokens [32, 48], probabilities [32, 4] and the bool routing map [32, 4] forward and the
+    # output's gradient [32, 48] backward; reduce-scatters the output [32, 48] forward and the
+    # tokens' and probabilities' gradients backward.
+    spec = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
+                                       vocab_size=96, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=56,
+                                       moe_layer_freq=[0, 1]))
+    options = dataclasses.replace(PLAIN, moe_token_dispatcher_type="allgather", padded_vocab_size=96)
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=2, params_dtype="fp32")
+    par = Parallelism(tp=2, dp=2, sequence_parallel=True)
+    comm = step_communication(spec, options, par, training, pp_rank=0, buffers={})
+    assert comm["tp_ep/all_gather"] == 2 * 32 * (48 * 4 + 4 * 4 + 4 + 48 * 4) == 25_856  # measured
+    assert comm["tp_ep/reduce_scatter"] == 2 * 32 * (48 * 4 + 48 * 4 + 4 * 4) == 25_600  # measured
+    # The MoE layer has no dense MLP: [s, b, h] all-gathers 15 - 3 and reduce-scatters 10 - 2.
+    hidden = 32 * 48 * 4
+    assert (comm["tp/all_gather"], comm["tp/reduce_scatter"]) == (2 * 12 * hidden, 2 * 8 * hidden) == (147_456, 98_304)
+    report = decoder_memory(spec, options, par, training)
+    assert (report.not_modelled, report.unmeasured) == ((), ())
+    assert report.group_sizes["tp_ep"] == 2
+
+
+def test_moe_latent_projections_are_a_labelled_formula():
+    # moe_latent_size 16: fc1_latent_proj [16, 64] and fc2_latent_proj [64, 16] (Transformer
+    # Engine, whole on every TP rank) after the router; the experts work in the latent width.
+    spec = ModelSpec.from_mapping(dict(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                       vocab_size=256, num_moe_experts=2, moe_router_topk=1, moe_ffn_hidden_size=32,
+                                       moe_latent_size=16))
+    options = dataclasses.replace(PLAIN, moe_token_dispatcher_type="alltoall", add_bias_linear=False)
+    from megatron_flops.memory.decoder import chunk_parameters
+
+    params = {p.name: p.numel for p in chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0,
+                                                          seq_length=16)}
+    mlp = "decoder.layers.0.mlp."
+    assert params[mlp + "fc1_latent_proj.weight"] == params[mlp + "fc2_latent_proj.weight"] == 16 * 64
+    assert params[mlp + "experts.local_experts.0.linear_fc1.weight"] == 32 * 16
+    training = Training(seq_length=16, micro_batch_size=2, params_dtype="bf16")
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0).components
+    # 32 tokens top-1: the experts keep [32, 16] latent tokens, probabilities [32] and 3 x 32 GELU
+    # values per token; fc2_latent_proj keeps its input [32, 16] (bf16).
+    assert act["moe/experts"] == 32 * 16 * 2 + 32 * 2 + 32 * 32 * 2 * 3
+    assert act["moe/latent"] == 32 * 16 * 2
+    report = decoder_memory(spec, options, Parallelism(), training)
+    assert any("latent projections" in u for u in report.unmeasured)
+
+
+def test_moe_stages_text_names_forward_passes_in_flight(capsys):
+    # TP 2 + SP x EP 4 x PP 2 with the alltoall dispatcher: each stage says how many forward
+    # passes it holds (never "None"), and the TP traffic of routed tokens its range.
+    base = ["memory", "--model", "examples/mixtral_8x7b_hf_config.json", "--seq-length", "4096",
+            "--num-microbatches", "8", "--distributed-optimizer", "--tp", "2", "--ep", "4", "--dp", "4"]
+    assert main(base + ["--sequence-parallel", "--pp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "None forward passes" not in text
+    assert "stage 0 72.080 GB (2 forward passes in flight), stage 1 63.511 GB (1 forward passes in flight)" in text
+    assert "tp/all_gather per GPU with unbalanced routing:" in text
+    assert main(base) == 2  # no sequence parallelism: megatron-core refuses
+    assert "add --sequence-parallel" in capsys.readouterr().err
 
 
 def test_lora_activations_by_hand():

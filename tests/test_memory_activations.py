@@ -65,11 +65,22 @@ CASES = {
                                                  "learned_absolute", "fp32"),
     "MoE bf16, shared experts": (dict(MOE, moe_shared_expert_intermediate_size=80), "rope", "bf16"),
     "MoE selective core_attn": (dict(MOE, recompute_granularity="selective"), "rope", "fp32"),
+    # The shared experts' sigmoid gate keeps its output and the shared output it scales.
+    "MoE SwiGLU, gated shared experts, allgather": (dict(MOE, gated_linear_unit=True, activation_func="silu",
+                                                         moe_shared_expert_intermediate_size=80,
+                                                         moe_shared_expert_gate=True,
+                                                         moe_token_dispatcher_type="allgather"), "rope", "fp32"),
+    # Full recompute re-runs the MoE layers in backward (the peak holds one layer's routing).
+    "MoE full recompute, uniform 1, gated shared experts": (dict(MOE, **FULL_UNIFORM, recompute_num_layers=1,
+                                                                 moe_shared_expert_intermediate_size=80,
+                                                                 moe_shared_expert_gate=True), "rope", "fp32"),
+    "MoE every other layer, full recompute, block 1": (dict(MOE, recompute_granularity="full",
+                                                            recompute_method="block", recompute_num_layers=1,
+                                                            moe_layer_freq=[0, 1]), "learned_absolute", "fp32"),
     "selective mlp, SwiGLU unfused": (dict(recompute_granularity="selective", recompute_modules=["mlp"],
                                            gated_linear_unit=True, activation_func="silu"), "rope", "fp32"),
     "selective core_attn + mlp, GQA": (dict(recompute_granularity="selective",
-                                                    recompute_modules=["core_attn", "mlp"], num_query_groups=2,
-                                                    ), "rope", "fp32"),
+                                            recompute_modules=["core_attn", "mlp"], num_query_groups=2), "rope", "fp32"),
     # q/k norms per head (non-MLA): their inputs are views of the qkv output (GQA: q is a copy).
     "MHA, RoPE, qk_layernorm": (dict(qk_layernorm=True), "rope", "fp32"),
     "MHA, learned positions, qk_layernorm (q, k fresh storages)": (dict(qk_layernorm=True), "learned_absolute",
@@ -275,6 +286,24 @@ MLA_CASES = {
         MLA, q_lora_rank=24, qk_layernorm=True, moe_token_dispatcher_type="alltoall"),
     "dense GPT, 2 MTP layers": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                                     normalization="RMSNorm", add_bias_linear=False, mtp_num_layers=2),
+    # Recompute (LayerNorm, fp32: torch's CPU kernels save as the CUDA convention, so the
+    # backward peaks need no correction).
+    "q_lora, qk_layernorm, full recompute (uniform 1)": dict(
+        MLA_DENSE, q_lora_rank=24, qk_layernorm=True, normalization="LayerNorm", **FULL_UNIFORM,
+        recompute_num_layers=1),
+    "direct q, selective core_attn": dict(MLA_DENSE, q_lora_rank=None, normalization="LayerNorm",
+                                          recompute_granularity="selective"),
+    # MTP under full recompute: megatron-core checkpoints each MTP layer after its embedding
+    # (uniform, recompute_num_layers 1; block leaves it alone).
+    "dense GPT, RoPE, 2 MTP layers, full recompute (uniform 1)": dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, add_bias_linear=False,
+        normalization="LayerNorm", mtp_num_layers=2, **FULL_UNIFORM, recompute_num_layers=1),
+    "q_lora, 1 MTP layer, full recompute (block 1)": dict(
+        MLA_DENSE, q_lora_rank=24, normalization="LayerNorm", mtp_num_layers=1, recompute_granularity="full",
+        recompute_method="block", recompute_num_layers=1),
+    "q_lora, qk_layernorm, 1 MTP layer, selective core_attn": dict(
+        MLA_DENSE, q_lora_rank=24, qk_layernorm=True, normalization="LayerNorm", mtp_num_layers=1,
+        recompute_granularity="selective"),
 }
 
 
@@ -288,7 +317,8 @@ def test_mla_mtp_saved_bytes_match_megatron_core(mcore, name):
                                                position_embedding_type="rope"))
     par = Parallelism()
     training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype="fp32")
-    act = chunk_activations(spec, options, par, training, pp_rank=0, chunk=0)
+    act = chunk_activations(spec, options, par, training, pp_rank=0, chunk=0,
+                            recompute=RecomputeSpec.from_mapping(model))
     # torch's CPU RMSNorm is composite and also keeps x * rstd: [T, h] per main norm (2 per
     # layer + final), [T, q_lora] and [T, kv_lora] per layer for the latent norms.
     # An MTP layer adds 5 norms (enorm, hnorm, its layer's two, its final norm).
@@ -297,5 +327,24 @@ def test_mla_mtp_saved_bytes_match_megatron_core(mcore, name):
     delta = (2 * layers + 1 + 3 * mtp) * tokens * fields["hidden_size"] * 4
     if fields.get("qk_layernorm"):
         delta += layers * tokens * ((fields.get("q_lora_rank") or 0) + fields["kv_lora_rank"]) * 4
-    assert measured_forward == [act.forward + delta] * NUM_MB
+    if fields.get("normalization", "RMSNorm") == "LayerNorm" or "recompute_granularity" in fields:
+        assert fields.get("normalization") == "LayerNorm"  # (fp32 LayerNorm: no CPU correction)
+        delta = 0
+    assert measured_forward == [act.forward + act.shared + delta] * NUM_MB
     assert measured_peak == schedule_peak([act], in_flight(par, NUM_MB, 0))[0] + delta
+
+
+def test_non_gated_fused_experts_are_refused_like_megatron_core(mcore):
+    # megatron-core's experts pass the routing probabilities to MLP.forward, which fuses only
+    # SwiGLU and quick-GELU with them: a non-gated fused bias-GELU expert raises in forward.
+    fields = dict(MOE, add_bias_linear=True, bias_activation_fusion=True)
+    with pytest.raises(ValueError, match="Only support fusion of swiglu and quick_gelu"):
+        _measure(fields, "rope", "fp32")
+    model = dict(BASE, **fields, vocab_size=VOCAB)
+    spec = ModelSpec.from_mapping(model)
+    options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB))
+    from megatron_flops.memory.report import decoder_memory
+
+    with pytest.raises(ValueError, match="non-gated activation"):
+        decoder_memory(spec, options, Parallelism(), Training(seq_length=SEQ, micro_batch_size=MBS,
+                                                              num_microbatches=NUM_MB))

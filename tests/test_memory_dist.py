@@ -35,6 +35,9 @@ MBS = 2
 BASE = dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
             hidden_dropout=0.0, attention_dropout=0.0)
 
+MOE_AG = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=56, moe_layer_freq=[0, 1],
+              moe_token_dispatcher_type="allgather")
+
 # name -> layout (tp, pp, vpp, ep), model, training, build options
 RUNS = {
     "DP4, distributed optimizer, bf16, biases, learned positions, 3 buckets, Adam": dict(
@@ -76,14 +79,34 @@ RUNS = {
                                       moe_ffn_hidden_size=56, moe_shared_expert_intermediate_size=40,
                                       gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True),
         m=2, build=dict(params_dtype="fp32")),
-    # Built only (gloo cannot all-gather the dispatcher's uneven per-rank token counts over TP, so
-    # no step runs): parameters in order, weights, gradient buffers and the distributed
-    # optimizer's fp32 main copies, with the experts split over TP (expert TP = TP 2).
-    "TP2 x EP2 + SP, MoE top-2 of 4 (alltoall), shared experts, distributed optimizer, bf16, built only": dict(
+    # The alltoall dispatcher under TP all-gathers uneven per-rank token counts over expert TP
+    # (= TP 2), which gloo cannot: mcore_memory.patch_uneven_collectives runs it as gloo's uneven
+    # all-to-all and counts the payload NCCL's all-gather / reduce-scatter would be handed.
+    # (Full recompute, block 2: the peak holds both layers re-run, the MoE layer's TP traffic runs
+    # forward twice.)
+    "DP2 x TP2 + SP, MoE every other layer (alltoall), full recompute (block 2), DDP, fp32": dict(
+        layout=dict(tp=2, sp=True), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
+                                               recompute_granularity="full", recompute_method="block",
+                                               recompute_num_layers=2), m=2, build=dict(params_dtype="fp32")),
+    "TP2 x EP2 + SP, MoE top-2 of 4 (alltoall), shared experts, distributed optimizer, bf16": dict(
         layout=dict(tp=2, sp=True, ep=2), model=dict(BASE, num_moe_experts=4, moe_router_topk=2,
                                                      moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=48,
                                                      moe_shared_expert_intermediate_size=40),
-        m=2, build=dict(distributed_optimizer=True), build_only=True),
+        m=2, build=dict(distributed_optimizer=True)),
+    # MoE under TP + SP (megatron-core requires SP for MoE with TP): the allgather dispatcher
+    # gathers over the expert TP x EP group (even all-gathers: gloo runs them), experts split
+    # over TP; EP1 is exact per rank, EP2 in total (routing).
+    "DP2 x TP2 + SP, MoE top-2 of 4 every other layer (allgather), DDP, fp32": dict(
+        layout=dict(tp=2, sp=True), model=dict(BASE, **MOE_AG), m=2, build=dict(params_dtype="fp32")),
+    "TP2 x EP2 + SP, MoE (allgather), gated shared experts, distributed optimizer, bf16": dict(
+        layout=dict(tp=2, sp=True, ep=2), model=dict(BASE, **MOE_AG, moe_shared_expert_intermediate_size=40,
+                                                     moe_shared_expert_gate=True),
+        m=2, build=dict(distributed_optimizer=True)),
+    # Full recompute runs each MoE layer's forward again: the all-to-all and token counts too.
+    "DP4 x EP2, MoE (alltoall), full recompute (uniform 1), DDP, fp32": dict(
+        layout=dict(ep=2), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
+                                      recompute_granularity="full", recompute_method="uniform",
+                                      recompute_num_layers=1), m=2, build=dict(params_dtype="fp32")),
     # Activations: stage 0 saves nothing before layer 0's linear_qkv adapter; stage 1's received
     # hidden states require grad, so it saves as in full training but the frozen linears' inputs.
     "DP2 x PP2, LoRA rank 4 on linear_qkv/linear_fc2, frozen base, DDP, bf16, SGD, M=3": dict(
@@ -122,6 +145,7 @@ def memory_worker(rank: int, world_size: int, runs: dict) -> dict:
     mcore_dist.init_worker()
     mcore_memory.patch_alltoall_dispatcher()
     mcore_memory.patch_sequence_parallel_norm()
+    mcore_memory.patch_uneven_collectives()
     out = {}
     for name, run in runs.items():
         layout = run["layout"]
@@ -140,12 +164,6 @@ def memory_worker(rank: int, world_size: int, runs: dict) -> dict:
         comm = mcore_memory.CommMeter(groups)
         saved = mcore_memory.SavedTensorMeter([p for c in chunks for p in c.parameters()])
         m = run["m"]
-        if run.get("build_only"):
-            out[name] = dict(sizes=mcore_dist.parallel_sizes(),
-                             names=[[(n, p.numel()) for n, p in _inner(c).named_parameters()] for c in chunks],
-                             states=mcore_memory.state_bytes(chunks, optimizer))
-            del chunks, optimizer
-            continue
         with comm, saved.tracking():
             mcore_dist.run_schedule(
                 chunks, num_microbatches=m, micro_batch_size=MBS, seq_length=seq, vocab_size=VOCAB,
@@ -223,24 +241,23 @@ def test_parameters_in_megatron_order(measured, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_weights_gradients_optimizer_state(measured, name):
     for result in measured[name]:
-        want = expected(name, result).states
-        if RUNS[name].get("build_only"):  # (no step: Adam's moments do not exist yet)
-            want = {k: v for k, v in want.items() if k in ("weights", "gradients", "optimizer/main_params")}
-        assert want == result["states"], result["sizes"]
+        assert expected(name, result).states == result["states"], result["sizes"]
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if not RUNS[n].get("build_only")])
+@pytest.mark.parametrize("name", list(RUNS))
 def test_communication_per_step(measured, name):
-    # Every key equal per rank, but the expert all-to-all, whose per-rank bytes follow the
-    # routing: its total over each EP group equals the group size x the per-rank figure.
+    # Every key equal per rank, but those whose per-rank bytes follow the routing (the expert
+    # all-to-all; under TP x EP the TP all-gather and reduce-scatter of the routed tokens): their
+    # total over each expert group equals the balanced figure's, and each rank lies within the
+    # bounds over every routing.
     per_group: dict = {}
     for result in measured[name]:
-        want = expected(name, result).communication
-        got = dict(result["comm"])
-        a2a = got.pop("ep/all_to_all", None)
-        if a2a is not None:
-            group = (result["sizes"]["pp_rank"], result["expert_dp_rank"])
-            per_group.setdefault(group, []).append((a2a, want.pop("ep/all_to_all")))
+        report = expected(name, result)
+        want, got = dict(report.communication), dict(result["comm"])
+        for key, (lo, hi) in report.communication_ranges.items():
+            assert lo <= got[key] <= hi, (key, result["sizes"])
+            group = (result["sizes"]["pp_rank"], result["expert_dp_rank"], key)
+            per_group.setdefault(group, []).append((got.pop(key), want.pop(key)))
         assert want == got, result["sizes"]
     for pairs in per_group.values():
         assert sum(a for a, _ in pairs) == sum(w for _, w in pairs)
@@ -253,7 +270,12 @@ def cpu_delta(par: Parallelism, training: Training, num_norms: int) -> int:
     return num_norms * tokens * 2 * (training.param_bytes - 4)
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if "MoE" not in n])
+def _routed(name: str) -> bool:
+    """MoE under EP > 1: what one rank's experts save follows the routing."""
+    return "MoE" in name and RUNS[name]["layout"].get("ep", 1) > 1
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if not _routed(n)])
 def test_activations_per_forward_and_schedule_peak(measured, name):
     spec, options, par, training, peft, recompute = setup(name)
     for result in measured[name]:
@@ -274,11 +296,12 @@ def test_activations_per_forward_and_schedule_peak(measured, name):
         assert peak == result["peak"], result["sizes"]
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if "MoE" in n and not RUNS[n].get("build_only")])
+@pytest.mark.parametrize("name", [n for n in RUNS if _routed(n)])
 def test_moe_activations_balanced_in_total_bounded_per_rank(measured, name):
     # What one rank's experts save follows the routing; over all ranks every routed token is
     # saved once, so the measured sum equals the balanced figure times the ranks, and each rank
-    # lies within the bounds over every routing.
+    # (each forward, and the peak: with full recompute, the re-run MoE layer's) lies within the
+    # bounds over every routing.
     spec, options, par, training, peft, recompute = setup(name)
     total_measured = total_formula = 0
     for result in measured[name]:
@@ -286,7 +309,8 @@ def test_moe_activations_balanced_in_total_bounded_per_rank(measured, name):
         delta = cpu_delta(par, training, 2 * spec.num_layers + 1)
         forwards = [b for _, b in result["forward"]]
         total_measured += sum(forwards)
-        total_formula += (act.forward + delta) * len(forwards)
+        total_formula += (act.forward + act.shared + delta) * len(forwards)
         lo, hi = expected(name, result).activations_range
-        assert all(lo + delta <= b <= hi + delta for b in forwards), result["sizes"]
+        held = [result["peak"]] + (forwards if recompute is None else [])  # (recompute: forwards keep inputs only)
+        assert all(lo + delta <= b <= hi + delta for b in held), result["sizes"]
     assert total_measured == total_formula

@@ -1,6 +1,7 @@
-"""What the example WAN-like DiT's blocks (``examples/wan_dit_fsdp2.py``) save for backward, fully
-trained, against :mod:`megatron_flops.memory.dit_activations`, to the byte (single process, CPU:
-FSDP2 changes where the weights live, not what a block saves, and runs one micro-batch at a time).
+"""What the example WAN-like DiT (``examples/wan_dit_fsdp2.py``: its blocks, then the whole model
+and its loss) saves for backward, fully trained and LoRA, against
+:mod:`megatron_flops.memory.dit_activations`, to the byte (single process, CPU: FSDP2 changes where
+the weights live, not what a block saves, and runs one micro-batch at a time).
 
 Without checkpointing: the distinct storages the blocks hand to ``saved_tensors_hooks``
 (parameters and one-element tensors excluded). With checkpointing, non-reentrant
@@ -21,7 +22,8 @@ import torch
 
 import mcore_memory
 from megatron_flops.flops.dit import DiTPeftSpec, DiTSpec
-from megatron_flops.memory.dit_activations import DiTBatch, dit_activations, dit_block_saved
+from megatron_flops.memory.dit_activations import DiTBatch, dit_activations, dit_block_saved, dit_outside_saved
+from megatron_flops.memory.fsdp import FSDP_TRANSIENTS
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -92,8 +94,9 @@ def test_saved_without_checkpointing(name):
         _run(model, batch, **inputs, checkpointed=False)
     # CPU: LayerNorm keeps its mean and rstd in the input dtype (CUDA: fp32, the formula's default).
     want = dit_activations(spec, batch, act_bytes=a, attention="local", peft=peft, layer_norm_stats_bytes=a)
-    assert meter.forward == [want.total]
-    assert meter.peak == want.total
+    blocks = want.total - sum(want.outside.values())  # the blocks alone: no embeddings, head or loss
+    assert meter.forward == [blocks]
+    assert meter.peak == blocks
     # One block alone: its own saves plus the text/image embeddings.
     meter = mcore_memory.SavedTensorMeter(model.parameters())
     with meter.tracking(), meter.one_forward():
@@ -160,17 +163,24 @@ def test_flash_convention_and_partial_checkpointing():
     full = dit_activations(spec, batch, act_bytes=4, checkpointed_blocks=2)
     one = dit_activations(spec, batch, act_bytes=4, checkpointed_blocks=1)
     none = dit_activations(spec, batch, act_bytes=4)
-    own = sum(flash.values())
-    assert none.total == 2 * own + none.shared
-    assert one.total - none.total == 24 * 32 * 4 + 6 * 24 * 32 * 4 + own - 24 * 32 * 4 - own
-    assert full.total == 2 * 24 * 32 * 4 + 6 * 24 * 32 * 4 + (own - 24 * 32 * 4) + full.shared
+    own, outside = sum(flash.values()), sum(none.outside.values())
+    head = none.outside["head"] + none.outside["loss"]
+    assert none.total == 2 * own + none.shared + outside
+    # One checkpointed: it keeps its input and the modulation input; its re-run comes after the
+    # second block, head and loss have freed theirs (the re-run is smaller than those).
+    assert one.recompute == own - 24 * 32 * 4 < own + head
+    assert one.total - none.total == 24 * 32 * 4 + 6 * 24 * 32 * 4 - own
+    # Both: the re-run (the block less its input) outweighs the head and loss after the forward.
+    assert full.recompute > head
+    assert full.total == 2 * 24 * 32 * 4 + 6 * 24 * 32 * 4 + (own - 24 * 32 * 4) + full.shared + outside - head
     with pytest.raises(ValueError, match="attention"):
         dit_block_saved(spec, batch, act_bytes=4, attention="sdpa")
 
 
-def test_cli_reports_the_blocks_activations(capsys):
+def test_cli_reports_the_whole_models_activations(capsys):
     # The tiny DiT, 2 clips of 16 video tokens per micro-batch (text_len 12), fp32, every block
-    # checkpointed, the measured attention: the JSON activations are dit_activations' total.
+    # checkpointed, the measured attention: the JSON activations are dit_activations' total, the
+    # embeddings, head and loss included (measured above): nothing is left out.
     from megatron_flops.cli import main
 
     argv = ["memory", "--model", str(EXAMPLES / "wan_tiny_dit.json"), "--seq-length", "16",
@@ -183,7 +193,106 @@ def test_cli_reports_the_blocks_activations(capsys):
                            peft=peft, checkpointed_blocks=2)
     assert out["per_gpu"]["activations_bytes"] == want.total
     assert out["unmeasured"] == []
+    assert out["not_modelled"] == [FSDP_TRANSIENTS]  # not activations: FSDP2's transient unsharded copies
     assert main(argv) == 0  # the flash convention by default: named as unmeasured
     assert "flash attention kernel" in json.loads(capsys.readouterr().out)["unmeasured"][0]
     assert main([*argv, "--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]) == 2
     assert "per-block checkpointing" in capsys.readouterr().err
+
+
+# ---- the whole model: embeddings, blocks, head and loss --------------------------------------------
+
+WHOLE = ["t2v fp32, two clips", "i2v bf16, one clip", "LoRA q,k,v,o, t2v fp32", "LoRA q,k,v,o,k_img,v_img, i2v bf16"]
+
+
+def _whole_inputs(spec: DiTSpec, batch: DiTBatch, dtype):
+    """One micro-batch of data for ``WanLike``: latents ``[C_in, 1, 2, 2 s_i]`` (``s_i`` tokens of
+    patch (1, 2, 2)), timesteps, text, CLIP features and fp32 targets, cast to the compute dtype as
+    FSDP2's ``MixedPrecisionPolicy`` casts the root's inputs."""
+    assert spec.patch_size == (1, 2, 2)
+    gen = torch.Generator().manual_seed(0)
+
+    def data(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    return dict(latents=[data(spec.in_channels, 1, 2, 2 * s) for s in batch.video],
+                t=torch.arange(len(batch.video)) * 300, text=[data(c, spec.text_dim) for c in batch.text],
+                clip=None if batch.image is None else [data(m, spec.image_dim) for m in batch.image],
+                targets=torch.randn(sum(batch.video), spec.out_channels * 4, generator=gen))
+
+
+def _whole_loss(model, inputs) -> torch.Tensor:
+    pred = model(inputs["latents"], inputs["t"], inputs["text"], inputs["clip"])
+    return torch.nn.functional.mse_loss(pred.float(), inputs["targets"])
+
+
+@pytest.mark.parametrize("name", WHOLE)
+def test_whole_model_without_checkpointing(name):
+    spec, peft, model, batch, _ = _setup(name)
+    a, inputs = _act_bytes(model), _whole_inputs(spec, batch, next(model.parameters()).dtype)
+    meter = mcore_memory.SavedTensorMeter(model.parameters())
+    with meter.tracking(), meter.one_forward():
+        loss = _whole_loss(model, inputs)
+    want = dit_activations(spec, batch, act_bytes=a, attention="local", peft=peft, layer_norm_stats_bytes=a)
+    assert meter.forward == [want.total]
+    assert meter.peak == want.total
+    loss.backward()
+    assert meter.current == 0
+
+
+def test_outside_the_blocks_by_hand():
+    # Tiny t2v (h 32, C_in = C_out = 4, patch 4, freq 16, text_dim 24), fp32, two clips of 12 and 20
+    # video tokens with 7 and 3 text tokens: T 32, C 10, B 2, P 16; CPU LayerNorm statistics fp32.
+    spec = DiTSpec.from_mapping(RAW["dit"])
+    outside = dit_outside_saved(spec, CASES["t2v fp32, two clips"][2], act_bytes=4, trains=True)
+    assert outside == {
+        "patch_embed": 32 * 16 * 4,  # the latents, [32, 4 x 4]
+        "time_embed": 2 * 16 * 4 + 4 * 2 * 32 * 4 + 32 * 8,  # sinusoid, SiLU in/out twice, int64 index
+        "text_embed": 10 * 24 * 4 + 2 * 10 * 32 * 4,  # text, GELU's input and output
+        "image_embed": 0,
+        "head": 4 * 32 * 32 * 4 + 2 * 32 * 4 + 32 * 8,  # x, norm(x), 1 + scale, head input; stats; index
+        "loss": 2 * 32 * 16 * 4,  # fp32 prediction and target
+    }
+    frozen = dit_outside_saved(spec, CASES["t2v fp32, two clips"][2], act_bytes=4, trains=False)
+    assert frozen["head"] == 2 * 32 * 32 * 4 + 2 * 32 * 4 and frozen["loss"] == outside["loss"]
+    assert frozen["patch_embed"] == frozen["time_embed"] == frozen["text_embed"] == 0
+
+
+@pytest.mark.parametrize("name, checkpointed", [(WHOLE[0], 2), (WHOLE[1], 1), (WHOLE[2], 1), (WHOLE[3], 3)])
+def test_whole_model_checkpointed_peak(name, checkpointed):
+    """Checkpointing ``checkpointed`` blocks: the saved storages at the end of the forward, and at
+    the end of the last checkpointed block's re-run in backward, after the head, the loss and the
+    later blocks have freed theirs; the report's total is the larger."""
+    spec, peft, model, batch, _ = _setup(name)
+    a, inputs = _act_bytes(model), _whole_inputs(spec, batch, next(model.parameters()).dtype)
+    model.checkpoint_blocks = checkpointed
+    before = set(_python_storages(set())) | {p.untyped_storage().data_ptr() for p in model.parameters()}
+    meter = mcore_memory.SavedTensorMeter(model.parameters())
+
+    def alive(exclude: torch.Tensor | None = None) -> int:
+        """Distinct storages saved outside the checkpoints (the meter's) or kept or re-saved by them."""
+        found = {**_python_storages(before), **{k: n for k, (_, n) in meter.live.items()}}
+        found.pop(None if exclude is None else exclude.untyped_storage().data_ptr(), None)
+        return sum(found.values())
+
+    rerun: list[int] = []
+    done = False
+
+    def at_rerun_end(module, args, out) -> None:
+        # The last checkpointed block's re-run in backward has saved everything again.
+        if done:
+            rerun.append(alive(out))
+
+    model.blocks[checkpointed - 1].register_forward_hook(at_rerun_end)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False), meter.tracking():
+        loss = _whole_loss(model, inputs)
+    at_forward_end, done = alive(), True
+    loss.backward()
+    want = dit_activations(spec, batch, act_bytes=a, attention="local", peft=peft,
+                           checkpointed_blocks=checkpointed, layer_norm_stats_bytes=a)
+    embeddings = sum(want.outside.values()) - want.outside["head"] - want.outside["loss"]
+    later = sum(dit_block_saved(spec, batch, act_bytes=a, attention="local", peft=peft,
+                                layer_norm_stats_bytes=a).values()) * (spec.num_layers - checkpointed)
+    assert at_forward_end == embeddings + want.shared + want.kept + later + want.outside["head"] + want.outside["loss"]
+    assert rerun == [embeddings + want.shared + want.kept + want.recompute]
+    assert want.total == max(at_forward_end, rerun[0])

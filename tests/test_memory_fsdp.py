@@ -84,6 +84,8 @@ def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
                     pred = model([c.latent for c in batch], t, [c.text for c in batch],
                                  None if spec.image_dim is None else [c.image for c in batch])
                 torch.nn.functional.mse_loss(pred.float(), torch.cat([c.target for c in batch])).backward()
+                if m < num_mb - 1:  # no sync: every unit's whole gradients, accumulated
+                    accumulated = mcore_memory.unique_bytes(_unsharded_grads(model))
             grads = mcore_memory.unique_bytes([p.grad.to_local() for p in params if p.grad is not None])
             optimizer.step()
         state = {}
@@ -94,10 +96,23 @@ def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
                     state[f"optimizer/{key}"] = state.get(f"optimizer/{key}", 0) + local.numel() * local.element_size()
         out[name] = dict(
             names=[(n, tuple(p.shape)) for n, p in model.named_parameters()],
-            states={"weights": mcore_memory.unique_bytes([p.to_local() for p in params]), "gradients": grads, **state},
+            states={"weights": mcore_memory.unique_bytes([p.to_local() for p in params]), "gradients": grads, **state,
+                    **({"gradients/unsharded_accumulation": accumulated} if num_mb > 1 else {})},
             comm=dict(comm.bytes),
         )
     return out
+
+
+def _unsharded_grads(model) -> list:
+    """The whole gradients FSDP2 keeps between micro-batches without sync: each parameter's
+    accumulated gradient (upcast to the reduce dtype) or its unsharded parameter's ``grad``."""
+    grads = []
+    for module in (model, *model.blocks):
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            grad = fsdp_param.unsharded_accumulated_grad
+            grads.append(grad if grad is not None else fsdp_param._unsharded_param.grad)
+    return [g for g in grads if g is not None]
 
 
 @pytest.fixture(scope="module")
@@ -153,4 +168,8 @@ def test_lora_against_full_training():
     assert lora.states["weights"] - full.states["weights"] == adapters * 4 // WORLD
     assert lora.states["gradients"] == adapters * 4 // WORLD
     assert lora.communication["fsdp/reduce_scatter"] == adapters * 4
+    # The first micro-batch runs without sync: every adapter's whole fp32 gradient until the
+    # second's reduce-scatter (16,384 B); full training: every parameter's.
+    assert lora.states["gradients/unsharded_accumulation"] == adapters * 4
+    assert full.states["gradients/unsharded_accumulation"] == dit_parameter_counts(spec).num_params * 4
     assert lora.communication["fsdp/all_gather"] - full.communication["fsdp/all_gather"] == 2 * 2 * adapters * 2

@@ -155,13 +155,34 @@ def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, 
     if training.optimizer != "adam" and par.distributed_optimizer:
         raise ValueError("megatron-core's distributed optimizer supports Adam only")
     name = "LoRA" if peft is not None and peft.lora_rank else "this setup"
-    reports = {name: report_dict(decoder_memory(spec, options, par, training, peft=peft, recompute=recompute))}
+    frozen = peft is not None and peft.frozen
+    reports = {name: report_dict(decoder_memory(spec, options, par, training, peft=peft, recompute=recompute,
+                                                vision=_vision(args, raw, training, par, frozen=frozen)))}
     if args.compare_full:
-        reports["full"] = report_dict(decoder_memory(spec, options, par, training, recompute=recompute))
-    if "vision_config" in raw:
-        for report in reports.values():
-            report["not_modelled"].append("the vision tower: only the text decoder is counted")
+        reports["full"] = report_dict(decoder_memory(spec, options, par, training, recompute=recompute,
+                                                     vision=_vision(args, raw, training, par, full=True)))
     return reports
+
+
+def _vision(args: argparse.Namespace, raw: dict[str, Any], training: Training, par: Parallelism, *,
+            frozen: bool = False, full: bool = False) -> Any:
+    """A VLM's tower (None without one): trained unless ``--frozen`` or Megatron-Bridge's freeze
+    flags say otherwise (``full``: everything trains); activations over ``--grid-thw``."""
+    from megatron_flops.cli._common import json_list_arg
+    from megatron_flops.memory.vision import default_attention, vision_memory, vision_tower
+
+    tower = vision_tower(raw)
+    if tower is None:
+        if args.grid_thw or args.vision_attention or args.freeze_vision_model or args.freeze_vision_projection:
+            raise ValueError("--grid-thw, --vision-attention and --freeze-vision-* apply to a model file with a "
+                             "'vision_config'")
+        return None
+    grids = None if args.grid_thw is None else json_list_arg("--grid-thw", args.grid_thw)
+    attention = args.vision_attention or default_attention(raw)
+    return vision_memory(tower, grids, act_bytes=training.param_bytes, attention=attention, cp=par.cp,
+                         tokens=training.seq_length * training.micro_batch_size,
+                         embedding_trains=not frozen, model_trains=full or not (frozen or args.freeze_vision_model),
+                         projection_trains=full or not (frozen or args.freeze_vision_projection))
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
@@ -241,6 +262,17 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--lora-rank", type=int, metavar="R", help="add rank-R LoRA adapters")
     mem.add_argument("--lora-targets", metavar="NAMES",
                      help=f"decoder: of {','.join(LORA_TARGETS)}; DiT: WAN module names (q,k,v,o,k_img,...)")
+    mem.add_argument("--grid-thw", metavar="GRIDS",
+                     help="a VLM: JSON list of the [t, h, w] vision grids of one micro-batch (inline or a file): "
+                          "the vision tower's activations")
+    mem.add_argument("--vision-attention", choices=("eager", "sdpa", "flash_attention_2"),
+                     help="a VLM: the tower's attn_implementation (default: the model file's, else transformers' "
+                          "sdpa, which Megatron-Bridge keeps)")
+    mem.add_argument("--freeze-vision-model", action="store_true",
+                     help="a VLM: freeze the tower's patch embedding and blocks (Megatron-Bridge's "
+                          "freeze_vision_model)")
+    mem.add_argument("--freeze-vision-projection", action="store_true",
+                     help="a VLM: freeze the tower's merger (Megatron-Bridge's freeze_vision_projection)")
     mem.add_argument("--compare-full", action="store_true", help="also show full training (no LoRA, nothing frozen)")
     mem.add_argument("--json", action="store_true", help="print one JSON object")
     mem.set_defaults(func=_cmd_memory)

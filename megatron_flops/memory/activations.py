@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.mla_mtp import mtp_recomputed
+from megatron_flops.memory.moe import layer_is_moe, moe_activation_reason, moe_activations, shared_gate_activations
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -80,6 +82,8 @@ class _Dims:
     rot: int
     sp: int = 1  # TP with sequence parallelism (the [s, b, h] activations between layers are split), else 1
     received: int | None = None  # routed tokens reaching this rank's experts (None: balanced, T x topk)
+    tp: int = 1
+    ep: int = 1
 
     @property
     def tokens(self) -> int:
@@ -173,12 +177,8 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
     if peft is not None and (peft.frozen or peft.lora_rank is not None):
         if spec.moe is not None or spec.mla is not None or spec.mtp_num_layers:
             return "activations of LoRA/frozen decoders are modelled for dense layers (no MoE, MLA or MTP)"
-    if spec.mtp_num_layers and (par.tp > 1 or recompute is not None):
-        return "activations of multi-token prediction are modelled with --tp 1 and without recompute"
-    if spec.mla is not None and recompute is not None:
-        return "activations of multi-latent attention are modelled without recompute"
     if spec.moe is not None:
-        reason = _moe_reason(spec, options, par, recompute)
+        reason = moe_activation_reason(options)
         if reason is not None:
             return reason
     if recompute is not None and recompute.granularity == "selective":
@@ -203,7 +203,7 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
     return _Dims(s=training.seq_length, b=training.micro_batch_size, h=spec.hidden_size, d=spec.kv_channels,
                  heads=spec.num_attention_heads // par.tp, groups=spec.num_query_groups // par.tp,
                  ffn=spec.ffn_hidden_size // par.tp, vocab=padded_vocab(spec, options, par.tp) // par.tp,
-                 act=training.param_bytes, rot=rot, sp=sp)
+                 act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep)
 
 
 def _gathered(x: _Dims) -> int | None:
@@ -287,31 +287,43 @@ def _softmax(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool,
         w.act("attention", core)
 
 
-def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
-    """Multi-latent attention (TP 1) after the input norm: the norm's output (read by the query
-    and the kv down projections), the latents (with ``qk_layernorm``: their norms' inputs and
-    fp32 statistics, and outputs), RoPE's cos and sin, the concatenated query and key [T, heads,
-    qk + rope] and a contiguous value [T, heads, v], the core attention, ``linear_proj``'s input."""
+def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool) -> None:
+    """Multi-latent attention (heads per TP rank; the latents whole) after the input norm: the
+    norm's output (read by the query and the kv down projections), the latents (with
+    ``qk_layernorm``: their norms' inputs and fp32 statistics, and outputs), RoPE's cos and sin,
+    the concatenated query and key [T, heads, qk + rope] and a contiguous value [T, heads, v], the
+    core attention, ``linear_proj``'s input. Under sequence parallelism the norm's output, the
+    latent norms and the up projections' inputs are this rank's [T/TP] slices."""
     mla = spec.mla
     assert mla is not None
     T, a, heads = x.tokens, x.act, x.heads
-    norm = options.qk_layernorm
-    w.keep("attention", T * x.h * a)
+    norm, loc = options.qk_layernorm, x.local_tokens
+    stats = loc * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
+    w.keep("attention", loc * x.h * a)  # (this rank's slice under sequence parallelism)
     if mla.q_lora_rank is not None:
-        latent = T * mla.q_lora_rank * a  # q_down's output = q_up's input, or the q norm's input
-        w.keep("attention", latent + ((T * NORM_STATS_BYTES + latent) if norm else 0))
-    # kv_down's output [T, kv_lora + rope] (kv_up's input is a view of it, or the kv norm's).
-    w.keep("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a)
+        # The all-gathered q latent [T, q_lora] (q_up's input, or the q norm's; under sequence
+        # parallelism their [T/TP] slice is a view of it), the norm's statistics and output.
+        w.keep("attention", T * mla.q_lora_rank * a + ((stats + loc * mla.q_lora_rank * a) if norm else 0))
+    # kv_up's input (or the kv norm's): a view of the all-gathered kv_down output [T, kv_lora +
+    # rope], which it keeps whole; under sequence parallelism a [T/TP, kv_lora] copy of its slice
+    # (RoPE's product with cos/sin keeps only those), then the kv norm.
+    w.keep("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a if x.sp == 1
+           else loc * mla.kv_lora_rank * a)
     if norm:
-        w.keep("attention", T * NORM_STATS_BYTES + T * mla.kv_lora_rank * a)
+        w.keep("attention", stats + loc * mla.kv_lora_rank * a)
     w.keep("attention", 4 * x.s * mla.qk_pos_emb_head_dim * a)  # cos and sin, for q and for k
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
     v = T * heads * mla.v_head_dim * a
     w.keep("attention", 2 * qk + v)
     if options.attention_backend == "flash":
-        w.keep("attention", x.b * heads * x.s * 4 + v)  # fp32 log-sum-exp, the output
+        lse = x.b * heads * x.s * 4  # fp32 log-sum-exp
+        if checkpointed:
+            w.region(v + lse)  # re-run in backward: a second output and the log-sum-exp
+        else:
+            w.keep("attention", lse)
+        w.keep("attention", v)  # the output = linear_proj's input
         return
-    _softmax(w, x, options, checkpointed=False)
+    _softmax(w, x, options, checkpointed=checkpointed)  # (a checkpoint keeps q, k, v and the mask)
     w.keep("attention", v)  # linear_proj input
 
 
@@ -350,7 +362,7 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
            moe: bool = False) -> None:
     _norm(w, "norm", x, options)
     if spec.mla is not None:
-        _mla_attention(w, x, spec, options)
+        _mla_attention(w, x, spec, options, checkpointed=core_attn)
     else:
         _attention(w, x, options, checkpointed=core_attn)
     _dropout_mask(w, x, options)
@@ -364,64 +376,19 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     _dropout_mask(w, x, options)
 
 
-def _moe_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
-                recompute: RecomputeSpec | None) -> str | None:
-    moe = spec.moe
-    assert moe is not None
-    if par.tp > 1:
-        return "MoE activations are modelled with --tp 1"
-    if par.ep > 1 and options.moe_token_dispatcher_type != "alltoall":
-        return "MoE activations under expert parallelism are modelled with the alltoall dispatcher"
-    if moe.shared_expert_gate or moe.latent_size:
-        return "MoE activations are modelled without a shared-expert gate or latent projections"
-    if not spec.gated_linear_unit and options.bias_activation_fusion:
-        return "MoE activations are modelled for gated (SwiGLU) or unfused experts"
-    if recompute is not None and recompute.granularity == "full":
-        return "MoE activations are modelled without full recompute"
-    return None
-
-
 def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
-    """A MoE layer (megatron-core's router, token dispatcher and ``SequentialMLP`` experts) after
-    its norm, with ``n = T x topk`` routed tokens reaching this rank's experts.
-
-    NB: ``n`` assumes balanced routing under EP > 1 (a rank's experts receive as many routed
-    tokens as it sends); the expert-side bytes of one rank move with the router."""
+    """A MoE layer after its norm (:mod:`megatron_flops.memory.moe`); shared experts as a dense MLP."""
     moe = spec.moe
     assert moe is not None
-    T, a, h, E, k = x.tokens, x.act, x.h, moe.num_experts, moe.router_topk
-    n = T * k
-    # Router: its input [T, h] (the norm's output; the shared experts' fc1 reads the same
-    # storage), top-k indices (int64) and fp32 scores: softmax over the top-k logits, or over
-    # all experts before the top-k (pre-softmax), or sigmoid over all experts, normalised over
-    # the top-k when topk > 1.
-    w.keep("moe/router", T * h * a + n * INDEX_BYTES)
-    if options.moe_router_score_function == "sigmoid":
-        w.keep("moe/router", T * E * 4 + ((T * 4 + n * 4) if k > 1 else 0))
-    elif options.moe_router_pre_softmax:
-        w.keep("moe/router", T * E * 4)
-    else:
-        w.keep("moe/router", n * 4)
-    # Dispatcher: the routing map (bool [E, T]), the probabilities scattered to it [E, T] and
-    # the permutation's sorted indices (int64 [n]).
-    w.keep("moe/dispatcher", T * E + T * E * a + n * INDEX_BYTES)
-    # Routed experts: the permuted tokens [n, h] and their probabilities [n], then per token
-    # the expert MLP (fc1 output, activation, fc2 input) and the activation's output, which
-    # the probabilities multiply.
-    ffn = moe.ffn_hidden_size
-    if spec.gated_linear_unit and options.bias_activation_fusion:
-        per = 2 + 1  # fc1 output [n, 2 ffn], fc2 input
-    elif spec.gated_linear_unit:
-        per = 2 + 4  # fc1 output, silu(x1), x2 + offset, their product, the weighted product
-    else:
-        per = 3  # fc1 output, activation output, fc2 input
-    got = n if x.received is None else x.received
-    w.keep("moe/experts", got * h * a + got * a + got * ffn * a * per)
+    for key, nbytes in moe_activations(spec, options, tokens=x.tokens, local_tokens=x.local_tokens, act=x.act,
+                                       tp=x.tp, ep=x.ep, received=x.received).items():
+        w.keep(key, nbytes)
     shared = moe.shared_expert_ffn_hidden_size
     if shared:
         sub = _Walk()
-        _mlp(sub, dataclasses.replace(x, ffn=shared), options, spec.gated_linear_unit)
-        w.keep("moe/shared_experts", sub.kept - T * h * a)  # fc1's input is the router's
+        _mlp(sub, dataclasses.replace(x, ffn=shared // x.tp), options, spec.gated_linear_unit)
+        w.keep("moe/shared_experts", sub.kept - x.local_tokens * x.h * x.act  # fc1's input is the router's
+               + shared_gate_activations(spec, local_tokens=x.local_tokens, act=x.act))
 
 
 def chunk_activations(
@@ -460,15 +427,15 @@ def chunk_activations(
         # NB: with a frozen base, Megatron-Bridge makes the decoder's input require grad under
         # full recompute (maybe_enable_recompute_inputs_grad), or no checkpoint would run backward.
         w.grad.started = True
-        _full_recompute_layers(w, x, spec, options, recompute, len(layers))
+        _full_recompute_layers(w, x, spec, options, recompute, layer_is_moe(spec, layers))
     else:
         kinds = spec.layers
         for i, layer in enumerate(layers):
             _layer(w, x, spec, options, core_attn=core_attn, moe=kinds[layer][1] == "moe")
     if par.is_last_stage(pp_rank, chunk):
         _norm(w, "output", x, options)
-        for _ in range(spec.mtp_num_layers):
-            _mtp_layer(w, x, spec, options)
+        _mtp_layers(w, x, spec, options, vocab_parallel=par.tp > 1, core_attn=core_attn,
+                    recomputed=mtp_recomputed(spec, recompute))
         # output_layer input (a slice under sequence parallelism): with MTP, one storage holding
         # the main and every MTP layer's hidden states, which megatron-core chunks.
         w.linear("output", "output_layer", (1 + spec.mtp_num_layers) * x.local_tokens * x.h * x.act, x.tokens,
@@ -479,21 +446,37 @@ def chunk_activations(
     return w.out
 
 
-def _mtp_layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
-    """One multi-token-prediction layer (TP 1): the embedding's rolled ids (and positions), its
+def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, vocab_parallel: bool,
+                core_attn: bool, recomputed: bool) -> None:
+    """The multi-token-prediction layers, then their losses. Each layer: the embedding's ids
+    (the rolled ids; with TP > 1 the vocab-parallel lookup's shifted ids and bool mask), its
     ``enorm`` and ``hnorm`` (of the previous hidden states), ``eh_proj``'s input [T, 2h], a
-    decoder layer of the last layer's kind, its final norm, and its loss: cross-entropy, the
-    rolled fp32 loss mask and the scaled per-token loss ``MTPLossAutoScaler`` keeps."""
+    decoder layer of the last layer's kind and its final norm. Full recompute (``recomputed``)
+    checkpoints all but the embedding: the checkpoint keeps the previous hidden states, the
+    embedding's output, the mask and the cached RoPE frequencies (shared; none for MLA, which
+    makes its own). Each loss: cross-entropy, the rolled fp32 loss mask and the scaled per-token
+    loss ``MTPLossAutoScaler`` keeps."""
     T, a = x.tokens, x.act
     positions = options.position_embedding_type == "learned_absolute"
-    w.keep("mtp", T * INDEX_BYTES * (2 if positions else 1))
-    _dropout_mask(w, x, options)
-    _norm(w, "mtp", x, options)
-    _norm(w, "mtp", x, options)
-    w.keep("mtp", T * 2 * x.h * a)
-    _layer(w, x, spec, options, core_attn=False, moe=spec.mtp_ffn == "moe")
-    _norm(w, "mtp", x, options)
-    w.keep("mtp", T * (x.vocab * 4 + 1 + INDEX_BYTES) + T * 4 + T * 4)
+    for _ in range(spec.mtp_num_layers):
+        w.keep("mtp", T * INDEX_BYTES * (2 if positions else 1) + (T if vocab_parallel else 0))
+        _dropout_mask(w, x, options)
+        body = _Walk(_Grad(mask_saved=True)) if recomputed else w
+        _norm(body, "mtp", x, options)
+        _norm(body, "mtp", x, options)
+        body.keep("mtp", x.local_tokens * 2 * x.h * a)
+        # NB: under sequence parallelism eh_proj's output is all-gathered and sliced again: the
+        # layer's input is a view of the whole [T, h] storage, which its first norm keeps alive.
+        body.keep("mtp", (T - x.local_tokens) * x.h * a)
+        _layer(body, x, spec, options, core_attn=core_attn, moe=spec.mtp_ffn == "moe")
+        _norm(body, "mtp", x, options)
+        if recomputed:
+            inputs = 2 * x.local_tokens * x.h * a  # the norms' inputs (the checkpoint keeps them)
+            w.keep("recompute", inputs)
+            w.region(body.kept - inputs)
+            if x.rot and spec.mla is None:
+                w.out.shared = x.s * x.rot * 4
+    w.keep("mtp", spec.mtp_num_layers * (T * (x.vocab * 4 + 1 + INDEX_BYTES) + T * 4 + T * 4))
 
 
 def _peft_grad(peft: PeftSpec | None, *, first_stage: bool) -> _Grad:
@@ -507,10 +490,11 @@ def _peft_grad(peft: PeftSpec | None, *, first_stage: bool) -> _Grad:
 
 
 def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
-                           recompute: RecomputeSpec, num_layers: int) -> None:
+                           recompute: RecomputeSpec, moe: list[bool]) -> None:
     """Full recompute: checkpointed groups keep their input (hidden states, the mask, the cached
     RoPE frequencies); ``block`` checkpoints the first ``recompute_num_layers`` layers one by
-    one and runs the rest plainly."""
+    one and runs the rest plainly. ``moe``: whether each layer of the chunk is a MoE layer."""
+    num_layers = len(moe)
     group = recompute.num_layers or 1
     if recompute.method == "block":
         starts = list(range(min(group, num_layers)))
@@ -525,13 +509,13 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
             w.keep("recompute", x.b * x.s * x.s if options.attention_backend == "unfused" else 0)
             w.grad.mask_saved = True
         inner = _Walk(dataclasses.replace(w.grad, mask_saved=True))
-        for j in range(size):
-            _layer(inner, x, spec, options, core_attn=False)
+        for j in range(start, start + size):
+            _layer(inner, x, spec, options, core_attn=False, moe=moe[j])
         w.region(inner.kept - hidden)  # the group input is the first norm's input
     plain = num_layers - sum(sizes)
-    for j in range(plain):
-        _layer(w, x, spec, options, core_attn=False)
-    if x.rot:
+    for j in range(num_layers - plain, num_layers):
+        _layer(w, x, spec, options, core_attn=False, moe=moe[j])
+    if x.rot and spec.mla is None:  # (MLA computes its RoPE inside the attention: no checkpoint input)
         w.out.shared = x.s * x.rot * 4
 
 

@@ -12,12 +12,14 @@ one-element ones (loss averaging, grad norm, found-inf). Keys are ``<group>/<kin
   padding included, once per step (the all-gather twice with expert-parallel buffers: see
   :func:`data_parallel_bytes`); ``expt_dp/...`` the same for expert-parallel buffers.
 - ``embd/all_reduce``: the tied embedding/output weight's gradient between the first and the
-  last pipeline stage (PP > 1; none when that weight is frozen).
+  last pipeline stage (PP > 1; none when that weight is frozen); with multi-token prediction the
+  last stage's copy of the word embeddings, tied or not (:mod:`~megatron_flops.memory.mla_mtp`).
 - ``tp/all_reduce``, ``tp/all_gather``, ``tp/reduce_scatter``, per micro-batch: [s, b, h]
   activations and their gradients (:func:`tensor_parallel_activations`; full recompute runs the
   forward's collectives again) and vocab-parallel cross-entropy's three fp32 [s, b] reductions;
   once per step the gradients of the weights every TP rank holds whole, under sequence
-  parallelism (:func:`tp_replicated_numel`).
+  parallelism (:func:`tp_replicated_numel`). Multi-latent attention's latent all-gathers and
+  multi-token prediction's layers: :func:`~megatron_flops.memory.mla_mtp.mla_mtp_tensor_parallel`.
 - ``pp/send_recv``, per micro-batch and model chunk: the [s, b, h] activation ([s/TP, b, h] under
   sequence parallelism) received from the previous virtual stage and its gradient sent back, the
   activation sent to the next and its gradient received.
@@ -25,8 +27,11 @@ one-element ones (loss averaging, grad norm, found-inf). Keys are ``<group>/<kin
   [s*b*topk, h] and their probabilities [s*b*topk] to the experts and back, forward and backward.
   NB: the bytes a rank sends back depend on how many tokens it received; the figure assumes
   balanced routing (every rank receives s*b*topk tokens), which the EP group's total always is;
-  :func:`all_to_all_range` bounds it per rank.
-  ``ep/all_gather``: each rank's token count per expert (int64 [num_experts]).
+  :func:`~megatron_flops.memory.moe.all_to_all_range` bounds it per rank.
+- ``tp_ep/all_gather``, ``tp_ep/reduce_scatter`` (the expert TP x EP group), per MoE layer and
+  micro-batch: each rank's token count per expert (alltoall), or the tokens, probabilities and
+  routing map gathered and the output reduce-scattered (allgather); see
+  :func:`~megatron_flops.memory.moe.moe_communication`.
 - ``cp/send_recv`` (CP > 1): a formula, not measured (see :func:`step_communication`).
 """
 
@@ -37,6 +42,8 @@ from dataclasses import replace
 
 from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
+from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -136,13 +143,7 @@ def step_communication(
     hidden = tokens * spec.hidden_size * act  # one [s, b, h] activation
     m = training.num_microbatches
     add = lambda key, value: out.__setitem__(key, out.get(key, 0) + value) if value else None  # noqa: E731
-    tied_trains = any(p.shared_embedding for group in buffers.values() for b in group for p, _, _ in b.params)
-    if par.pp > 1 and spec.tied_output and tied_trains:  # (a frozen tied weight has no gradient to reduce)
-        for chunk in range(par.num_chunks):
-            if par.is_first_stage(pp_rank, chunk) or par.is_last_stage(pp_rank, chunk):
-                vocab = padded_vocab(spec, options, par.tp)
-                add("embd/all_reduce", vocab // par.tp * spec.hidden_size * training.grad_bytes)
-                break
+    add("embd/all_reduce", embedding_all_reduce(spec, options, par, training, pp_rank=pp_rank, buffers=buffers))
     kinds = spec.layers  # (mixer, ffn) per layer, expanded once
     for chunk in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
@@ -158,26 +159,36 @@ def step_communication(
             rerun = fully_recomputed_layers(recompute, len(layers))
             for key, count in tensor_parallel_activations(options, par, len(layers), rerun, first, last).items():
                 add(key, m * hidden * count)
-            if moe_layers:
-                for key, value in tensor_parallel_moe(spec, options, par, training, moe_layers, rerun).items():
-                    add(key, m * value)
             if last:
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
+            learned = options.position_embedding_type == "learned_absolute"
+            for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=len(layers), rerun=rerun,
+                                                      last=last, recompute=recompute, learned_positions=learned).items():
+                add(key, m * value)
         if par.cp > 1:
             # NB: a formula, not measured (no context-parallel attention on CPU): Transformer
             # Engine's ring attention passes each layer's K and V [s/CP, b, groups/TP, d] round
             # the CP ring, CP-1 steps forward, and K, V and their gradients backward.
             kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
             add("cp/send_recv", m * len(layers) * (par.cp - 1) * 2 * (kv + 2 * kv))
-        if par.ep > 1 and moe_layers:
-            local = sequence_parallel_slice(training, par)
-            all_to_all_range(spec, options, par, local, moe_layers)  # (checks the dispatcher)
-            add("ep/all_to_all", m * balanced_all_to_all(spec, local, moe_layers))
-            moe = spec.moe
-            assert moe is not None
-            # Token counts per expert (int64 [E]) gathered over the expert TP x EP group.
-            add("ep/all_gather", m * moe_layers * par.tp * par.ep * moe.num_experts * 8)
+        if moe_layers:
+            rerun_moe = rerun_moe_layers(spec, recompute, layers)
+            for key, value in moe_communication(spec, options, par, training, moe_layers, rerun_moe).items():
+                add(key, m * value)
     return out
+
+
+def embedding_all_reduce(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
+                         pp_rank: int, buffers: Mapping[str, Sequence[Bucket]]) -> int:
+    """``embd/all_reduce`` bytes per step: the word embeddings' gradient shared by the first and
+    the last pipeline stage (PP > 1), tied to the output weight or, with MTP, the last stage's
+    copy; none on other stages or when that weight is frozen (no gradient)."""
+    shared_trains = any(p.shared_embedding for group in buffers.values() for b in group for p, _, _ in b.params)
+    if par.pp == 1 or not (spec.tied_output or spec.mtp_num_layers) or not shared_trains:
+        return 0
+    if not any(par.is_first_stage(pp_rank, c) or par.is_last_stage(pp_rank, c) for c in range(par.num_chunks)):
+        return 0
+    return padded_vocab(spec, options, par.tp) // par.tp * spec.hidden_size * training.grad_bytes
 
 
 def sequence_parallel_slice(training: Training, par: Parallelism) -> Training:
@@ -187,67 +198,9 @@ def sequence_parallel_slice(training: Training, par: Parallelism) -> Training:
     return replace(training, seq_length=training.seq_length // par.tp)
 
 
-def tensor_parallel_moe(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
-                        moe_layers: int, rerun: int) -> dict[str, int]:
-    """``tp/*`` payload per micro-batch of a chunk's MoE layers beyond the dense layers' count of
-    :func:`tensor_parallel_activations` (which prices an MLP per layer), under TP > 1 with
-    sequence parallelism and the alltoall dispatcher, experts split over TP (megatron-core's
-    default ``expert_tensor_parallel_size = TP``): the MoE layer routes this rank's [s/TP, b]
-    slice (no all-gather before it), and the dispatcher all-gathers over TP the routed tokens
-    [s*b*topk/TP, h] and probabilities it received from the EP ranks (forward; their gradients
-    reduce-scattered in backward) and reduce-scatters the experts' output (its gradient
-    all-gathered in backward), all in the activation dtype (the router's). Shared experts run as
-    a dense MLP. NB: balanced routing, as :func:`balanced_all_to_all`."""
-    moe = spec.moe
-    assert moe is not None
-    if not par.sequence_parallel or par.ep == 1 or options.moe_token_dispatcher_type != "alltoall":
-        raise ValueError("MoE layers under tensor parallelism are modelled with --sequence-parallel, --ep > 1 "
-                         "and the alltoall dispatcher (megatron-core needs sequence parallelism for TP with EP)")
-    if rerun:
-        raise ValueError("MoE layers under tensor parallelism are modelled without full recompute")
-    act = training.param_bytes
-    tokens = training.seq_length * training.micro_batch_size
-    hidden = tokens * spec.hidden_size * act
-    dense_mlp = {"tp/all_gather": 3 * hidden, "tp/reduce_scatter": 2 * hidden}  # fc1 twice + fc2's gradient; fc1 and fc2
-    routed = tokens * moe.router_topk * (2 * spec.hidden_size + 1) * act  # tokens and probs in, output out
-    out = {}
-    for key, value in dense_mlp.items():
-        out[key] = moe_layers * (routed - (0 if moe.shared_expert_ffn_hidden_size else value))
-    return out
-
-
 def mtp_moe_layers(spec: ModelSpec, last: bool) -> int:
     """MoE layers inside the multi-token-prediction block (on the last stage)."""
     return spec.mtp_num_layers if last and spec.mtp_ffn == "moe" else 0
-
-
-def balanced_all_to_all(spec: ModelSpec, training: Training, moe_layers: int) -> int:
-    """``ep/all_to_all`` payload of one micro-batch when every EP rank receives as many routed
-    tokens as it sends (balanced routing): the routed tokens [s*b*topk, h] and their
-    probabilities [s*b*topk] to the experts and back, forward and backward."""
-    assert spec.moe is not None
-    act = training.param_bytes
-    routed = training.seq_length * training.micro_batch_size * spec.moe.router_topk
-    return moe_layers * (4 * routed * spec.hidden_size * act + 2 * routed * act)
-
-
-def all_to_all_range(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
-                     moe_layers: int) -> tuple[int, int]:
-    """The least and the most ``ep/all_to_all`` payload one GPU can hand over per micro-batch,
-    whatever the routing. NB: what a rank sends of its own tokens (dispatch forward, combine
-    backward) is fixed; what it sends of the tokens it received (combine forward, dispatch
-    backward) runs from none to ``EP x s*b x min(topk, local experts)`` (every token of the EP
-    group routed here), with no token dropped."""
-    moe = spec.moe
-    assert moe is not None
-    if options.moe_token_dispatcher_type != "alltoall":
-        raise ValueError("expert parallelism is modelled with moe_token_dispatcher_type='alltoall'")
-    act = training.param_bytes
-    tokens = training.seq_length * training.micro_batch_size
-    own = tokens * moe.router_topk
-    most = par.ep * tokens * min(moe.router_topk, moe.num_experts // par.ep)
-    fixed = moe_layers * (2 * own * spec.hidden_size * act + own * act)
-    return fixed, fixed + moe_layers * (2 * most * spec.hidden_size * act + most * act)
 
 
 def bus_bytes(payload: Mapping[str, int], group_sizes: Mapping[str, int]) -> dict[str, int]:

@@ -20,6 +20,7 @@ from typing import Any
 from megatron_flops.model.hf_config import hf_text_config
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
+from megatron_flops.memory.mla_mtp import check_mla_mtp
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -154,11 +155,7 @@ def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) ->
             or any(mixer != "attention" or ffn == "none" for mixer, ffn in kinds):
         raise ValueError("memory is modelled for GPT decoders (dense and MoE layers, MLA, MTP): no Mamba, Gated "
                          "DeltaNet, KDA, DSA, gated attention or hybrid layers without attention or an MLP")
-    if spec.mla is not None and par.tp > 1:
-        raise ValueError("multi-latent attention is modelled with --tp 1")
-    if spec.mtp_num_layers and par.pp > 1:
-        raise ValueError("multi-token prediction is modelled with --pp 1 (megatron-core adds an embedding to the "
-                         "last stage for it)")
+    check_mla_mtp(spec, par)
     if spec.window_size is not None:
         raise ValueError("memory is not modelled for sliding-window attention")
     tp = par.tp
@@ -199,11 +196,13 @@ def chunk_parameters(
     out: list[Param] = []
     h, tp, vocab = spec.hidden_size, par.tp, padded_vocab(spec, options, par.tp)
     first, last = par.is_first_stage(pp_rank, chunk), par.is_last_stage(pp_rank, chunk)
-    tied = spec.tied_output
+    tied, has_mtp = spec.tied_output, bool(spec.mtp_num_layers)
     base = not peft.frozen
-    if first:
+    # NB: with MTP, megatron-core keeps a copy of the word embeddings on the last stage (for the
+    # MTP layers' inputs), all-reduced with the first stage's like a tied output weight.
+    if first or (last and has_mtp):
         out.append(Param("embedding.word_embeddings.weight", vocab // tp * h, base,
-                         shared_embedding=tied and par.pp > 1))
+                         shared_embedding=(tied or has_mtp) and par.pp > 1))
         if options.position_embedding_type == "learned_absolute":
             rows = options.max_position_embeddings or seq_length
             out.append(Param("embedding.position_embeddings.weight", rows * h, base))
@@ -213,15 +212,18 @@ def chunk_parameters(
     if last:
         out += _norm(options, "decoder.final_layernorm.", h, base)
         for i in range(spec.mtp_num_layers):
-            # NB: an MTP layer: norms of the embedding and of the hidden state, eh_proj [h, 2h], a
+            # NB: an MTP layer: norms of the embedding and of the hidden state, eh_proj [h/TP, 2h], a
             # decoder layer of the last layer's kind, and its own final norm.
             mtp = f"mtp.layers.{i}."
             out += _norm(options, mtp + "enorm.", h, base) + _norm(options, mtp + "hnorm.", h, base)
-            out += _linear(mtp, "eh_proj", 2 * h, h, False, peft)
+            out += _linear(mtp, "eh_proj", 2 * h, h // tp, False, peft)  # (column parallel)
             out += _layer(spec, options, par, peft, mtp + "transformer_layer.", spec.mtp_ffn)
             out += _norm(options, mtp + "final_layernorm.", h, base)
         if not tied or not first:
-            out.append(Param("output_layer.weight", vocab // tp * h, base, shared_embedding=tied and par.pp > 1))
+            # (With MTP the tied weight the last stage reduces is its embedding copy: this one,
+            # allocated but unused when tied, is not marked.)
+            out.append(Param("output_layer.weight", vocab // tp * h, base,
+                             shared_embedding=tied and par.pp > 1 and not has_mtp))
     return tuple(out)
 
 
@@ -260,7 +262,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     attn = prefix + "self_attention."
     out = _norm(options, prefix + "input_layernorm.", h, base)
     if spec.mla is not None:
-        out += _mla(spec, options, peft, attn, bias)
+        out += _mla(spec, options, peft, attn, bias, tp)
     else:
         # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
         out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft, tp=tp)
@@ -276,33 +278,43 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     assert moe is not None
     mlp = prefix + "mlp."
     out.append(Param(mlp + "router.weight", moe.num_experts * h, base, tp_replicated=True))
+    latent = moe.latent_size
+    if latent:  # NB: Transformer Engine's duplicated TELinear: whole on every TP rank
+        for name, shape in (("fc1_latent_proj.", (latent, h)), ("fc2_latent_proj.", (h, latent))):
+            out.append(Param(mlp + name + "weight", shape[0] * shape[1], base, tp_replicated=True))
+            if bias:
+                out.append(Param(mlp + name + "bias", shape[0], base, tp_replicated=True))
     for j in range(moe.num_experts // par.ep):
         out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // tp, bias,
-                    expert=par.ep > 1)
+                    expert=par.ep > 1, width=latent or h)
     if moe.shared_expert_ffn_hidden_size:
-        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias, tp=tp)
-        if moe.shared_expert_gate:
+        if moe.shared_expert_gate:  # (registered before the MLP's layers)
             out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True))
+        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias, tp=tp)
     return out
 
 
-def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bias: bool) -> list[Param]:
-    """Multi-latent attention (TP 1), as megatron-core registers it: linear_proj [h, heads*v],
-    the query projection (direct [heads*(qk+rope), h], or down [q_lora, h] and up
-    [heads*(qk+rope), q_lora]), kv down [kv_lora + rope, h] and up [heads*(qk+v), kv_lora], then
-    with ``qk_layernorm`` the norms of the query and key/value latents."""
+def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bias: bool, tp: int) -> list[Param]:
+    """Multi-latent attention, as megatron-core's local spec registers it on one TP rank:
+    linear_proj [h, heads*v/TP] (row parallel), the query projection (direct [heads*(qk+rope)/TP,
+    h], or down [q_lora/TP, h] and up [heads*(qk+rope)/TP, q_lora]), kv down [(kv_lora + rope)/TP,
+    h] and up [heads*(qk+v)/TP, kv_lora] (all column parallel), then with ``qk_layernorm`` the
+    norms of the query and key/value latents (whole on every TP rank).
+    NB: the local spec splits the down projections over TP (their outputs are all-gathered);
+    Transformer Engine's spec keeps them whole on every rank (``parallel_mode="duplicated"``)."""
     mla = spec.mla
     assert mla is not None
     h, heads, base = spec.hidden_size, spec.num_attention_heads, not peft.frozen
-    q_out = heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim)
-    out = _linear(attn, "linear_proj", heads * mla.v_head_dim, h, bias, peft)
+    q_out = heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) // tp
+    out = _linear(attn, "linear_proj", heads * mla.v_head_dim // tp, h, bias, peft)
     if mla.q_lora_rank is None:
         out += _linear(attn, "linear_q_proj", h, q_out, bias, peft)
     else:
-        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank, bias, peft)
+        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank // tp, bias, peft)
         out += _linear(attn, "linear_q_up_proj", mla.q_lora_rank, q_out, bias, peft)
-    out += _linear(attn, "linear_kv_down_proj", h, mla.kv_lora_rank + mla.qk_pos_emb_head_dim, bias, peft)
-    out += _linear(attn, "linear_kv_up_proj", mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim), bias, peft)
+    out += _linear(attn, "linear_kv_down_proj", h, (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) // tp, bias, peft)
+    out += _linear(attn, "linear_kv_up_proj", mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim) // tp,
+                   bias, peft)
     if options.qk_layernorm:
         if mla.q_lora_rank is not None:
             out += _norm(options, attn + "q_layernorm.", mla.q_lora_rank, base)
@@ -311,8 +323,8 @@ def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bi
 
 
 def _mlp(spec: ModelSpec, peft: PeftSpec, prefix: str, ffn: int, bias: bool, *, expert: bool = False,
-         tp: int = 1) -> list[Param]:
-    h, gate = spec.hidden_size, 2 if spec.gated_linear_unit else 1
+         width: int | None = None, tp: int = 1) -> list[Param]:
+    h, gate = width or spec.hidden_size, 2 if spec.gated_linear_unit else 1
     # linear_fc1: [ffn*(2 if gated)/tp, h]; linear_fc2: [h, ffn/tp].
     return (_linear(prefix, "linear_fc1", h, gate * ffn, bias, peft, expert=expert, tp=tp)
             + _linear(prefix, "linear_fc2", ffn, h, bias, peft, expert=expert, tp=tp))

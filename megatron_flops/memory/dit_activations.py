@@ -1,5 +1,6 @@
-"""Activations of a WAN-style DiT's blocks (``examples/wan_dit_fsdp2.py``'s ``WanAttentionBlock``),
-fully trained or LoRA on a frozen base, with and without per-block checkpointing (stdlib only).
+"""Activations of a WAN-style DiT (``examples/wan_dit_fsdp2.py``'s ``WanLike``: its blocks,
+``WanAttentionBlock``, then the embeddings, head and loss around them), fully trained or LoRA on a
+frozen base, with and without per-block checkpointing (stdlib only).
 
 The block's forward is walked op by op with torch's rule for what an op saves for backward (an
 operand is saved when another operand, or the weight, needs a gradient), counting distinct
@@ -31,10 +32,35 @@ NB: a checkpointed block keeps its inputs until its backward: the hidden states 
 and once per forward the per-token modulation input ``[T, 6, h]`` and the text/image embeddings;
 backward re-runs one block at a time, which saves a whole block again except its input.
 FSDP2 runs forward and backward of one micro-batch before the next: one micro-batch in flight.
+
+Outside the blocks (``WanLike.forward`` and the loss; ``B`` clips, ``freq``, ``text_dim`` and
+``w = image_dim`` the embeddings' input widths, ``P = out_channels x prod(patch_size)``), the same
+GEMM inputs the FLOPs side prices (:func:`megatron_flops.flops.dit.dit_forward_gemms`):
+
+- ``patch_embed``: the Conv3d's input, each clip's latents, ``T x in_channels x prod(patch_size)``;
+- ``time_embed``: the sinusoid ``[B, freq]``, SiLU's input and output ``[B, h]`` twice
+  (``time_embedding``, ``time_projection``) and the int64 index ``[T]`` that repeats each clip's
+  projection per token;
+- ``text_embed``: the text ``[C, text_dim]``, GELU's input and output ``[C, h]``;
+- ``image_embed`` (image-to-video): ``img_emb``'s two LayerNorms' inputs and statistics
+  (``[M, w]``, ``[M, h]``), its Linear's input, GELU's input and output ``[M, w]``;
+- ``head``: its LayerNorm's input (the last block's output) and statistics, ``1 + scale`` ``[T, h]``;
+  trained, also the normalised ``x``, the head Linear's input and the int64 repeat index ``[T]``;
+- ``loss``: MSE in fp32 (the prediction cast with ``.float()``): the prediction and the target,
+  ``[T, P]`` each.
+
+With a frozen base only the head (its input needs a gradient) and the loss save. Backward frees the
+head's and the loss's saves first, then each block's: a checkpointed block re-runs after the blocks
+behind it have freed theirs, so the peak is the embeddings', the shared embeddings' and the
+checkpoints' storages plus the larger of (the un-checkpointed blocks, head and loss) and (one
+block re-run).
+NB: the sinusoid is cast to the compute dtype (the example's ``.to(x.dtype)``); WAN runs the time
+embedding in fp32 under autocast: another implementation saves differently.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,6 +68,8 @@ from megatron_flops.flops.dit import DiTPeftSpec, DiTSpec
 from megatron_flops.flops.passes import PeftSpec
 
 LAYER_NORM_STATS_BYTES = 4  # fp32 mean and rstd per token (CUDA)
+INDEX_BYTES = 8  # int64 indices (repeat_interleave's)
+LOSS_BYTES = 4  # the MSE loss in fp32
 ATTENTION_CONVENTIONS = ("local", "flash")
 
 
@@ -62,11 +90,13 @@ class DiTBatch:
 
 @dataclass(frozen=True, kw_only=True)
 class DiTActivations:
-    """Bytes per micro-batch: ``block`` (one block's own saved storages, by part), ``shared`` (the
-    text/image embeddings all blocks save), ``kept`` (what the checkpointed blocks keep),
-    ``recompute`` (the largest region re-run in backward), ``total`` (the peak of saved storages)."""
+    """Bytes per micro-batch: ``block`` (one block's own saved storages, by part), ``outside``
+    (the embeddings', head's and loss's, by part), ``shared`` (the text/image embeddings all blocks
+    save), ``kept`` (what the checkpointed blocks keep), ``recompute`` (the largest region re-run
+    in backward), ``total`` (the peak of saved storages)."""
 
     block: dict[str, int]
+    outside: dict[str, int]
     shared: int
     kept: int
     recompute: int
@@ -220,12 +250,37 @@ def dit_block_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
     return parts
 
 
+def dit_outside_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, trains: bool, head_grad: bool = True,
+                      layer_norm_stats_bytes: int = LAYER_NORM_STATS_BYTES) -> dict[str, int]:
+    """What the model saves outside its blocks, by part (see the module NB): the base ``trains``
+    or is frozen; ``head_grad``: whether the last block's output needs a gradient."""
+    B, T, C, M = len(batch.video), sum(batch.video), sum(batch.text), sum(batch.image or ())
+    h, a, s, patch = spec.hidden_size, act_bytes, layer_norm_stats_bytes, math.prod(spec.patch_size)
+    out = dict.fromkeys(("patch_embed", "time_embed", "text_embed", "image_embed", "head", "loss"), 0)
+    if trains:
+        out["patch_embed"] = T * spec.in_channels * patch * a  # Conv3d's input: [T, C_in * patch]
+        # time_embedding.0's input [B, freq]; SiLU's input and output [B, h], twice; the repeat's index.
+        out["time_embed"] = B * spec.freq_dim * a + 4 * B * h * a + T * INDEX_BYTES
+        out["text_embed"] = C * spec.text_dim * a + 2 * C * h * a  # [C, text_dim]; GELU's in and out
+        if spec.image_dim is not None:
+            # LayerNorm(w): input and statistics; Linear(w, w)'s input; GELU's input and output;
+            # LayerNorm(h): input and statistics.
+            out["image_embed"] = 4 * M * spec.image_dim * a + M * h * a + 2 * 2 * M * s
+    if head_grad or trains:
+        # LayerNorm: the last block's output and statistics; (1 + scale), read by the norm's gradient.
+        out["head"] = 2 * T * h * a + 2 * T * s
+        if trains:  # the normalised x (scale's gradient), the head's input, e's repeat index
+            out["head"] += 2 * T * h * a + T * INDEX_BYTES
+        out["loss"] = 2 * T * spec.out_channels * patch * LOSS_BYTES  # prediction and target, fp32
+    return out
+
+
 def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
                     peft: PeftSpec | None = None, checkpointed_blocks: int = 0,
                     layer_norm_stats_bytes: int = LAYER_NORM_STATS_BYTES) -> DiTActivations:
-    """Peak saved bytes of the blocks for one micro-batch, the first ``checkpointed_blocks``
-    blocks checkpointed (see the module NB). ``block``: the parts of a block whose input needs a
-    gradient (every block but a frozen base's first)."""
+    """Peak saved bytes of the model and its loss for one micro-batch, the first
+    ``checkpointed_blocks`` blocks checkpointed (see the module NB). ``block``: the parts of a
+    block whose input needs a gradient (every block but a frozen base's first)."""
     if not 0 <= checkpointed_blocks <= spec.num_layers:
         raise ValueError(f"checkpointing {checkpointed_blocks} of {spec.num_layers} blocks")
     peft = DiTPeftSpec.of(peft)
@@ -249,5 +304,10 @@ def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
     shared = sum(sources[k] for k in shared_names)
     parts = dit_block_saved(spec, batch, act_bytes=a, attention=attention, peft=peft, input_grad=True,
                             layer_norm_stats_bytes=layer_norm_stats_bytes)
-    total = sum(own[checkpointed_blocks:]) + shared + kept + recompute
-    return DiTActivations(block=parts, shared=shared, kept=kept, recompute=recompute, total=total)
+    outside = dit_outside_saved(spec, batch, act_bytes=a, trains=not peft.frozen, head_grad=x_grad,
+                                layer_norm_stats_bytes=layer_norm_stats_bytes)
+    # Backward frees the head's and loss's saves, then the later blocks', before a checkpoint re-runs.
+    embeddings = sum(outside.values()) - outside["head"] - outside["loss"]
+    after = sum(own[checkpointed_blocks:]) + outside["head"] + outside["loss"]
+    total = embeddings + shared + kept + max(after, recompute)
+    return DiTActivations(block=parts, outside=outside, shared=shared, kept=kept, recompute=recompute, total=total)

@@ -7,14 +7,20 @@ into ``ceil(dim0 / dp)`` rows per rank, and each rank allocates that many rows, 
 ``params_dtype`` bf16/fp16 they are cast for compute by ``MixedPrecisionPolicy(param_dtype=...,
 reduce_dtype=fp32)`` (``grad_reduce_in_fp32``), so the fp32 shards are the main copies: no
 separate ``optimizer/main_params``. Gradients are fp32 shards of the trainable parameters,
-padding included (views into the reduce-scatter output); Adam moments cover the real rows. Per micro-batch each block's parameters are all-gathered twice
+padding included (views into the reduce-scatter output); Adam moments cover the real rows.
+NB: with more than one micro-batch, the micro-batches before the last run without gradient sync:
+FSDP2 keeps every trainable parameter's whole (unsharded, unpadded) gradient, in the reduce dtype
+(``to_accumulated_grad_if_needed``), until the last micro-batch's reduce-scatter:
+``gradients/unsharded_accumulation``. Per micro-batch each block's parameters are all-gathered twice
 (forward and backward) and the root's once; gradients are reduce-scattered once per step (the
 last micro-batch, with ``set_requires_gradient_sync`` off before it), for units that train.
 Payloads as in :mod:`megatron_flops.memory.comm`: the all-gather output and the reduce-scatter
 input, padded, in the compute and reduce dtypes.
 
-Activations: :mod:`megatron_flops.memory.dit_activations` (the blocks).
-Not modelled: the all-gathered unit(s) alive during compute.
+Activations: :mod:`megatron_flops.memory.dit_activations` (the embeddings, the blocks, the head
+and an fp32 MSE loss).
+Not modelled (the report says so): the all-gathered unit(s) alive during compute and a unit's whole
+gradients before its reduce-scatter.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ from megatron_flops.memory.dit_activations import DiTBatch, dit_activations
 from megatron_flops.memory.layout import Training
 from megatron_flops.memory.states import optimizer_keys
 from megatron_flops.flops.passes import PeftSpec
+
+
+FSDP_TRANSIENTS = ("FSDP2's all-gathered parameters (the root's, kept through forward and backward, and "
+                   "those of the block(s) in compute) and a block's whole gradients before its reduce-scatter")
 
 
 def shard_rows(param: DiTParam, dp: int) -> int:
@@ -79,6 +89,9 @@ def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 
     grads = total(lambda p: shard_rows(p, dp) * _row_numel(p), trainable_only=True)
     trained = total(lambda p: real_rows(p, dp, rank) * _row_numel(p), trainable_only=True)
     states = {"weights": weights, "gradients": grads * shard}
+    if training.num_microbatches > 1:
+        # Accumulated without sync: whole gradients of every trainable parameter, reduce dtype.
+        states["gradients/unsharded_accumulation"] = total(lambda p: p.numel, trainable_only=True) * training.grad_bytes
     for key in optimizer_keys(training):
         if key != "optimizer/main_params":
             states[key] = trained * 4
@@ -96,22 +109,21 @@ def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 
 def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftSpec | None = None,
                       attention: str = "flash", checkpointed_blocks: int = 0) -> dict[str, object]:
     """The JSON form of :func:`fsdp_rank_memory` for the most loaded rank (rank 0 holds the most
-    real rows), in the keys the decoder report uses; activations of the blocks for micro-batches
+    real rows), in the keys the decoder report uses; activations for micro-batches
     of ``training.micro_batch_size`` clips of ``training.seq_length`` video tokens and WAN's
-    ``text_len`` (padded) text tokens."""
+    ``text_len`` (padded) text tokens: the whole model and its loss."""
     from megatron_flops.flops.dit import dit_parameter_counts
 
     top = fsdp_rank_memory(spec, training, dp=dp, rank=0, peft=peft)
     counts = dit_parameter_counts(spec, peft)
     optimizer = sum(v for k, v in top.states.items() if k.startswith("optimizer/"))
     bus = bus_bytes(top.communication, {"fsdp": dp})
-    not_modelled = ["activations outside the blocks (patch, text, time and image embeddings, head, loss)"]
     batch = DiTBatch.uniform(spec, video_tokens=training.seq_length, num_clips=training.micro_batch_size)
     activations = dit_activations(spec, batch, act_bytes=training.param_bytes, attention=attention, peft=peft,
                                   checkpointed_blocks=checkpointed_blocks).total
     rank = {
         "weights_bytes": top.states["weights"],
-        "gradients_bytes": top.states["gradients"],
+        "gradients_bytes": sum(v for k, v in top.states.items() if k.startswith("gradients")),
         "optimizer_bytes": optimizer,
         "activations_bytes": activations,
         "total_bytes": top.total + activations,
@@ -126,7 +138,7 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
         "per_gpu": rank,
         "communication_per_step": {**top.communication, "total_bytes": sum(top.communication.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
-        "not_modelled": not_modelled,
+        "not_modelled": [] if dp == 1 else [FSDP_TRANSIENTS],
         "unmeasured": unmeasured,
         "modelling_assumptions": dit_assumptions(attention, checkpointed_blocks, spec.num_layers),
     }
@@ -141,5 +153,10 @@ def dit_assumptions(attention: str, checkpointed_blocks: int, num_layers: int) -
         f"DiT blocks: {kernel}",
         "adaLN modulation per token ([T, 6, h], as the example packs clips), torch's composite RMSNorm "
         "(fp32), LayerNorm statistics in fp32 (CUDA), bf16/fp16 compute by casting the weights (no autocast)",
+        "outside the blocks: the time sinusoid cast to the compute dtype, each clip's time projection repeated "
+        "per token (an int64 index), an MSE loss in fp32 against fp32 targets [T, out_channels x patch]",
         f"{checkpointed_blocks} of {num_layers} blocks checkpointed; FSDP2: one micro-batch in flight",
+        "gradient accumulation without sync (set_requires_gradient_sync(False) before the last micro-batch, as "
+        "the example does): whole gradients held until the last reduce-scatter (gradients/unsharded_accumulation); "
+        "syncing every micro-batch instead holds no whole gradients and reduce-scatters once per micro-batch",
     ]

@@ -15,7 +15,6 @@ from megatron_flops.memory.activations import (
     schedule_peak,
 )
 from megatron_flops.memory.comm import (
-    all_to_all_range,
     bus_bytes,
     mtp_moe_layers,
     sequence_parallel_slice,
@@ -24,8 +23,18 @@ from megatron_flops.memory.comm import (
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import lora_tp_communication
+from megatron_flops.memory.mla_mtp import mla_mtp_assumptions
+from megatron_flops.memory.moe import (
+    all_to_all_range,
+    check_moe,
+    layer_is_moe,
+    moe_communication,
+    moe_unmeasured,
+    rerun_moe_layers,
+)
 from megatron_flops.memory.recompute import selective_rerun_communication
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
+from megatron_flops.memory.vision import VisionMemory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -68,8 +77,12 @@ def rank_memory(
     dp_rank: int = 0,
     peft: PeftSpec | None = None,
     recompute: RecomputeSpec | None = None,
+    vision: VisionMemory | None = None,
 ) -> RankMemory:
-    """Everything on the GPU of pipeline rank ``pp_rank`` and data-parallel rank ``dp_rank``."""
+    """Everything on the GPU of pipeline rank ``pp_rank`` and data-parallel rank ``dp_rank``
+    (``vision``: a VLM's tower, on model chunk 0 of pipeline rank 0)."""
+    check_moe(spec, options, par)
+    vision = vision or VisionMemory(params=(), activations=None)
     states: dict[str, int] = {}
     buffers: dict[str, list[Bucket]] = {"dp": [], "expt_dp": []}
     sizes = {"dp": par.dp * par.cp, "expt_dp": par.expert_dp}
@@ -77,6 +90,7 @@ def rank_memory(
     for chunk in range(par.num_chunks):
         params = chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk,
                                   seq_length=training.seq_length, peft=peft)
+        params = vision.chunk_params(par.is_first_stage(pp_rank, chunk)) + params
         # NB: megatron-core buckets only the first model chunk of the first pipeline rank.
         bucket_size = training.bucket_size if chunk == 0 and pp_rank == 0 else None
         chunk_buckets = chunk_buffers(params, dp=sizes["dp"], expert_dp=sizes["expt_dp"],
@@ -90,7 +104,8 @@ def rank_memory(
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
     for extra in (lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
-                  selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft)):
+                  selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft),
+                  vision.communication(par.tp, training.grad_bytes, pp_rank == 0)):
         for key, value in extra.items():
             comm[key] = comm.get(key, 0) + value
     peak = count = None
@@ -100,6 +115,9 @@ def rank_memory(
         def peak_of(received: int | None) -> tuple[int, int, list[ChunkActivations]]:
             chunks = [chunk_activations(spec, options, par, local, pp_rank=pp_rank, chunk=c, recompute=recompute,
                                         peft=peft, received=received) for c in range(par.num_chunks)]
+            chunks = [replace(c, components={**c.components,
+                                             **vision.chunk_activations(par.is_first_stage(pp_rank, i))})
+                      for i, c in enumerate(chunks)]
             return (*schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank)), chunks)
 
         peak, count, chunks = peak_of(None)
@@ -109,7 +127,7 @@ def rank_memory(
             bounds = (peak_of(lo)[0], peak_of(hi)[0])
     return RankMemory(pp_rank=pp_rank, dp_rank=dp_rank, states=states, activations=peak, in_flight=count,
                       activations_per_microbatch=per_mb, communication=comm,
-                      communication_ranges=_all_to_all_ranges(spec, options, par, local, pp_rank),
+                      communication_ranges=_routing_ranges(spec, options, par, local, pp_rank, recompute, comm),
                       activations_range=bounds)
 
 
@@ -127,18 +145,31 @@ def context_parallel_view(par: Parallelism, training: Training,
             replace(options, attention_backend="flash"))
 
 
-def _all_to_all_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
-                       pp_rank: int) -> dict[str, tuple[int, int]]:
+def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
+                    pp_rank: int, recompute: RecomputeSpec | None, comm: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Per-rank bounds over every routing of the payloads that follow it: the expert all-to-all,
+    and under TP x EP (alltoall) the TP all-gather and reduce-scatter of the routed tokens."""
     if par.ep == 1 or spec.moe is None:
         return {}
-    kinds = spec.layers
-    moe_layers = sum(sum(kinds[i][1] == "moe" for i in par.chunk_layers(spec.num_layers, pp_rank, c))
-                     + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c)) for c in range(par.num_chunks))
-    if not moe_layers:
-        return {}
-    lo, hi = all_to_all_range(spec, options, par, sequence_parallel_slice(training, par), moe_layers)
-    m = training.num_microbatches
-    return {"ep/all_to_all": (m * lo, m * hi)}
+    out: dict[str, tuple[int, int]] = {}
+    m, fewest, most = training.num_microbatches, *received_bounds(spec, par, training)
+    for c in range(par.num_chunks):
+        layers = par.chunk_layers(spec.num_layers, pp_rank, c)
+        moe_layers = sum(layer_is_moe(spec, layers)) + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c))
+        rerun = rerun_moe_layers(spec, recompute, layers)
+        span = all_to_all_range(spec, options, par, sequence_parallel_slice(training, par), moe_layers,
+                                rerun) if moe_layers else None
+        if span is not None:
+            lo, hi = out.get("ep/all_to_all", (0, 0))
+            out["ep/all_to_all"] = (lo + m * span[0], hi + m * span[1])
+        if moe_layers and par.tp > 1 and options.moe_token_dispatcher_type == "alltoall":
+            at = [moe_communication(spec, options, par, training, moe_layers, rerun, received)
+                  for received in (None, fewest, most)]
+            for key in ("tp/all_gather", "tp/reduce_scatter"):
+                lo, hi = out.get(key, (comm[key], comm[key]))
+                balanced = at[0].get(key, 0)
+                out[key] = (lo + m * (at[1].get(key, 0) - balanced), hi + m * (at[2].get(key, 0) - balanced))
+    return out
 
 
 # Bounds on the work of one report (each is about a second here at its limit): every layer's
@@ -189,9 +220,11 @@ def decoder_memory(
     *,
     peft: PeftSpec | None = None,
     recompute: RecomputeSpec | None = None,
+    vision: VisionMemory | None = None,
 ) -> MemoryReport:
     """Memory and traffic of every pipeline stage (the data-parallel rank whose optimizer shard
-    is largest) of a megatron-core GPT trained as ``training`` says on ``par``."""
+    is largest) of a megatron-core GPT trained as ``training`` says on ``par`` (with a VLM's
+    ``vision`` tower on the first stage)."""
     check_supported(spec, par, peft)
     _check_size(spec, par, training)
     if par.fsdp:
@@ -204,20 +237,24 @@ def decoder_memory(
                                   virtual_pipeline_model_parallel_size=par.vpp)
     stages = []
     for pp_rank in range(par.pp):
-        ranks = [rank_memory(spec, options, par, training, pp_rank=pp_rank, dp_rank=d, peft=peft, recompute=recompute)
+        ranks = [rank_memory(spec, options, par, training, pp_rank=pp_rank, dp_rank=d, peft=peft, recompute=recompute,
+                             vision=vision)
                  for d in (range(par.dp) if par.distributed_optimizer else (0,))]
         stages.append(max(ranks, key=lambda r: (r.total, -r.dp_rank)))
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
+    tower = vision or VisionMemory(params=(), activations=None)
+    counts = parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp)
     return MemoryReport(
-        parameters=parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp),
+        parameters={k: v + tower.parameter_counts()[k] for k, v in counts.items()},
         stages=tuple(stages),
         group_sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2,
+                     "tp_ep": par.tp * par.ep,
                      "cp": par.cp},
-        not_modelled=(reason,) if reason else (),
-        assumptions=assumptions,
-        unmeasured=unmeasured,
+        not_modelled=((reason,) if reason else ()) + tower.not_modelled,
+        assumptions=assumptions + tower.assumptions,
+        unmeasured=unmeasured + tower.unmeasured,
     )
 
 
@@ -253,14 +290,13 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
         assumptions.append("routed experts save as megatron-core's SequentialMLP (local spec); grouped-GEMM experts "
                            "(moe_grouped_gemm, Transformer Engine) are not measured")
     if par.ep > 1 and spec.moe is not None:
-        assumptions.append("ep/all_to_all and the routed experts' activations assume balanced routing (each EP "
-                           "rank receives as many routed tokens as it sends): a rank's figures move with the "
-                           "router (measured: within +/-4.3% per rank on 4-rank tests), the EP group's total "
-                           "is exact; the per-rank range over all routings is shown")
-    if par.tp > 1 and par.ep > 1 and spec.moe is not None:
-        unmeasured.append(f"MoE layers' TP traffic under TP {par.tp} x EP {par.ep} (expert TP = TP): the "
-                          "dispatcher's tp/all_gather of routed tokens and tp/reduce_scatter of the experts' output "
-                          "(gloo cannot all-gather the uneven per-rank token counts: no CPU step runs)")
+        assumptions.append("ep/all_to_all (with TP, the TP all-gather and reduce-scatter of routed tokens too) and "
+                           "the routed experts' activations assume balanced routing (each EP rank receives as many "
+                           "routed tokens as it sends): a rank's figures move with the router (measured: within "
+                           "+/-6.3% per rank on 4-rank tests), the EP group's total is exact; the per-rank range "
+                           "over all routings is shown")
+    assumptions += mla_mtp_assumptions(spec, par)
+    unmeasured += moe_unmeasured(spec, options)
     if par.cp > 1:
         unmeasured.append(f"context parallelism (CP {par.cp}): activations and collectives as s/CP tokens per rank "
                           "through a fused attention, and the cp/send_recv ring of K/V (no context-parallel "

@@ -1,0 +1,141 @@
+"""Multi-latent attention (MLA) under tensor parallelism and multi-token prediction (MTP) under
+tensor and pipeline parallelism and recompute: what they add to a megatron-core GPT's memory and
+traffic beyond a dense decoder layer (stdlib only).
+
+As megatron-core 0.16's local layer spec builds them (measured on CPU with gloo):
+
+- MLA: every projection is column parallel but ``linear_proj`` (row parallel). The down
+  projections' outputs (``linear_q_down_proj`` [T, q_lora/TP], ``linear_kv_down_proj`` [T,
+  (kv_lora + rope)/TP]) are all-gathered over TP in forward (split again in backward, no
+  collective), so the latent norms and the up projections run on whole latents on every rank.
+  Backward all-reduces the input gradients of both down projections (the hidden states, twice:
+  a dense layer's ``linear_qkv`` once) and of both up projections (the latents).
+- MTP: with PP > 1 the last stage holds a copy of the word embeddings (and learned positions)
+  for the MTP layers' inputs, all-reduced with the first stage's over the embedding group like
+  a tied output weight (whether or not the output weight is tied). Per MTP layer under TP: the
+  vocab-parallel embedding's forward all-reduce, ``eh_proj``'s input gradient [T, 2h] all-reduced
+  in backward and its output all-gathered in forward, the decoder layer's collectives, the
+  output layer's input gradient and cross-entropy's three fp32 reductions.
+- Full recompute (``uniform``) checkpoints each MTP layer after its embedding lookup
+  (megatron-core asserts ``recompute_num_layers == 1`` then); ``block`` leaves MTP layers alone.
+"""
+
+from __future__ import annotations
+
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.model.spec import ModelSpec
+
+CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials (as comm.CE_REDUCTIONS)
+
+
+def check_mla_mtp(spec: ModelSpec, par: Parallelism) -> None:
+    """ValueError for MLA/MTP layouts megatron-core refuses or these figures do not model."""
+    if spec.mtp_num_layers and spec.hidden_size % par.tp:
+        raise ValueError(f"multi-token prediction splits eh_proj's hidden_size={spec.hidden_size} outputs over TP: "
+                         f"not divisible by --tp {par.tp}")
+    mla = spec.mla
+    if mla is None or par.tp == 1:
+        return
+    # NB: ColumnParallelLinear splits every output over TP (megatron-core's divide() asserts).
+    widths = {"q_lora_rank": mla.q_lora_rank or 0,
+              "kv_lora_rank + qk_pos_emb_head_dim": mla.kv_lora_rank + mla.qk_pos_emb_head_dim}
+    for name, value in widths.items():
+        if value % par.tp:
+            raise ValueError(f"multi-latent attention splits {name}={value} over TP: not divisible by --tp {par.tp}")
+
+
+def mtp_recomputed(spec: ModelSpec, recompute: RecomputeSpec | None) -> bool:
+    """Whether full recompute checkpoints the MTP layers (``uniform``; ValueError for a group of
+    more than one layer, which megatron-core refuses for MTP)."""
+    if not spec.mtp_num_layers or recompute is None or recompute.granularity != "full":
+        return False
+    if recompute.method == "block":
+        return False
+    if (recompute.num_layers or 1) != 1:
+        raise ValueError("megatron-core checkpoints multi-token prediction layers only with "
+                         "recompute_num_layers=1 under --recompute-method uniform")
+    return True
+
+
+def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Training, *, num_layers: int,
+                            rerun: int, last: bool, recompute: RecomputeSpec | None,
+                            learned_positions: bool) -> dict[str, int]:
+    """``tp/*`` payload bytes per micro-batch of one model chunk beyond
+    :func:`~megatron_flops.memory.comm.tensor_parallel_activations`'s dense layers and main output
+    (TP > 1): the MLA layers' latent collectives and extra input-gradient reductions (``rerun``
+    main layers run their forward twice), and on the last stage every MTP layer. Activations in
+    the parameter dtype, cross-entropy's reductions in fp32."""
+    if par.tp == 1:
+        return {}
+    tokens = training.seq_length * training.micro_batch_size
+    mtp = spec.mtp_num_layers if last else 0
+    mtp_rerun = mtp if mtp_recomputed(spec, recompute) else 0
+    out: dict[str, int] = {}
+    for part in (_mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp, rerun + mtp_rerun),
+                 _mtp_tp(spec.hidden_size * tokens, par.sequence_parallel, mtp, mtp_rerun, learned_positions)):
+        for key, count in part.items():
+            out[key] = out.get(key, 0) + count * training.param_bytes
+    if mtp:
+        out["tp/all_reduce"] = out.get("tp/all_reduce", 0) + mtp * tokens * 4 * CE_REDUCTIONS
+    return {k: v for k, v in out.items() if v}
+
+
+def _mla_tp(spec: ModelSpec, sp: bool, tokens: int, layers: int, rerun: int) -> dict[str, int]:
+    """Elements per micro-batch of ``layers`` MLA layers beyond a dense attention's.
+
+    Without sequence parallelism: the q and kv latents all-gathered in forward; in backward the
+    second down projection's input (the hidden states) and both up projections' inputs all-reduced.
+    Under sequence parallelism every column-parallel layer all-gathers its input in forward and
+    again in backward and reduce-scatters its input gradient: the second down projection (the
+    hidden states) and both up projections (the latents, this rank's [s/TP] slice); the latents
+    are all-gathered over the hidden dimension in forward and, scattered back to [s/TP] slices,
+    their gradients all-gathered in backward (kv's RoPE part stays whole)."""
+    mla = spec.mla
+    if mla is None or not layers:
+        return {}
+    h, q, kv, rope = spec.hidden_size, mla.q_lora_rank or 0, mla.kv_lora_rank, mla.qk_pos_emb_head_dim
+    if not sp:
+        return {"tp/all_gather": (layers + rerun) * tokens * (q + kv + rope),
+                "tp/all_reduce": layers * tokens * (h + q + kv)}
+    forward = tokens * (h + q + (kv + rope) + q + kv)  # 2nd down input, latents, up inputs
+    backward = tokens * (h + q + kv + q + kv)  # 2nd down input again, latent grads, up inputs again
+    return {"tp/all_gather": layers * (forward + backward) + rerun * forward,
+            "tp/reduce_scatter": layers * tokens * (h + q + kv)}
+
+
+def _mtp_tp(hidden: int, sp: bool, mtp: int, rerun: int, learned_positions: bool) -> dict[str, int]:
+    """Elements per micro-batch of ``mtp`` MTP layers (``rerun`` of them recomputed) beyond their
+    MLA terms: the embedding, ``eh_proj`` [T, 2h] -> [T, h/TP] and its output's all-gather, a
+    dense decoder layer's collectives and one more output-layer call (``hidden``: elements of
+    one [s, b, h] activation).
+
+    Without sequence parallelism: all-reduces of the embedding (forward), eh_proj's input
+    gradient, the layer (2 forward, 2 backward) and the output layer's input gradient; eh_proj's
+    output all-gathered. Under sequence parallelism: the embedding reduce-scattered (learned
+    positions: all-reduced, then sliced) and its gradient all-gathered; eh_proj all-gathers its
+    input twice and reduce-scatters its gradient, its output all-gathered over the hidden
+    dimension and the slice's gradient all-gathered back; the layer as a dense one (6 gathers, 4
+    reduce-scatters); the output layer's call (2 gathers, 1 reduce-scatter)."""
+    if not mtp:
+        return {}
+    if not sp:
+        return {"tp/all_reduce": mtp * (1 + 2 + 4 + 1) * hidden + rerun * 2 * hidden,
+                "tp/all_gather": (mtp + rerun) * hidden}
+    return {"tp/all_gather": mtp * (1 + 2 * 2 + 2 + 6 + 2) * hidden + rerun * (2 + 1 + 2) * hidden,
+            "tp/reduce_scatter": mtp * ((0 if learned_positions else 1) + 2 + 4 + 1) * hidden + rerun * 2 * hidden,
+            "tp/all_reduce": mtp * hidden if learned_positions else 0}
+
+
+def mla_mtp_assumptions(spec: ModelSpec, par: Parallelism) -> list[str]:
+    """What can make an MLA/MTP figure differ from a real run (the report's ``assumptions``)."""
+    out = []
+    if spec.mla is not None and par.tp > 1:
+        out.append("multi-latent attention as megatron-core's local spec splits it over TP (measured): the q and kv "
+                   "down projections column parallel, their outputs all-gathered (tp/all_gather); Transformer "
+                   "Engine's spec keeps the down projections whole on every TP rank (parallel_mode='duplicated': "
+                   "more weight, gradient and optimizer bytes, no latent all-gather), which is not modelled")
+    if spec.mtp_num_layers and par.pp > 1:
+        out.append("multi-token prediction on the last pipeline stage (megatron-core's default placement), with a "
+                   "copy of the word embeddings there, all-reduced with the first stage's (embd/all_reduce)")
+    return out
