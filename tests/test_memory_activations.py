@@ -79,8 +79,8 @@ CASES = {
                                                             moe_layer_freq=[0, 1]), "learned_absolute", "fp32"),
     "selective mlp, SwiGLU unfused": (dict(recompute_granularity="selective", recompute_modules=["mlp"],
                                            gated_linear_unit=True, activation_func="silu"), "rope", "fp32"),
-    "selective core_attn + mlp, GQA": (dict(recompute_granularity="selective",
-                                            recompute_modules=["core_attn", "mlp"], num_query_groups=2), "rope", "fp32"),
+    "selective core_attn + mlp, GQA": (dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"],
+                                            num_query_groups=2), "rope", "fp32"),
     # q/k norms per head (non-MLA): their inputs are views of the qkv output (GQA: q is a copy).
     "MHA, RoPE, qk_layernorm": (dict(qk_layernorm=True), "rope", "fp32"),
     "MHA, learned positions, qk_layernorm (q, k fresh storages)": (dict(qk_layernorm=True), "learned_absolute",

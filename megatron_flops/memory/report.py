@@ -103,11 +103,9 @@ def rank_memory(
             states[key] = states.get(key, 0) + value
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
-    for extra in (lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
+    _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft),
-                  vision.communication(par.tp, training.grad_bytes, pp_rank == 0)):
-        for key, value in extra.items():
-            comm[key] = comm.get(key, 0) + value
+                  vision.communication(par.tp, training.grad_bytes, pp_rank == 0))
     peak = count = None
     per_mb = None
     bounds = None
@@ -129,6 +127,12 @@ def rank_memory(
                       activations_per_microbatch=per_mb, communication=comm,
                       communication_ranges=_routing_ranges(spec, options, par, local, pp_rank, recompute, comm),
                       activations_range=bounds)
+
+
+def _add_payloads(total: dict[str, int], *extras: dict[str, int]) -> None:
+    for extra in extras:
+        for key, value in extra.items():
+            total[key] = total.get(key, 0) + value
 
 
 def context_parallel_view(par: Parallelism, training: Training,
