@@ -241,6 +241,13 @@ PEFT_CASES = {
     "frozen, all four targets, selective core_attn + mlp": (dict(recompute_granularity="selective",
                                                                  recompute_modules=["core_attn", "mlp"]), "rope",
                                                             "fp32", ALL, True, 0, 0, 0),
+    # Multi-token prediction: a frozen embedding's output requires no grad (no ids, no enorm input),
+    # eh_proj (not a target) keeps no input; the MTP layer saves as any layer.
+    "frozen, all four targets, 1 MTP layer": (dict(mtp_num_layers=1), "rope", "fp32", ALL, True, 0, 0, 0),
+    "base trains, linear_qkv, 2 MTP layers": (dict(mtp_num_layers=2), "rope", "fp32", ("linear_qkv",), False,
+                                               0, 0, 0),
+    "frozen, linear_fc2 only, 1 MTP layer, full recompute (uniform 1)": (
+        dict(FULL_UNIFORM, recompute_num_layers=1, mtp_num_layers=1), "rope", "fp32", ("linear_fc2",), True, 0, 0, 0),
     "base trains, linear_qkv, selective core_attn": (dict(recompute_granularity="selective"), "rope", "fp32",
                                                      ("linear_qkv",), False, 0, 0, 0),
 }
@@ -268,8 +275,9 @@ def test_lora_saved_bytes_match_megatron_core(mcore, name):
     # The CPU kernels' extra bytes (see cpu_kernel_delta), for the sites that save.
     delta = norms * tokens * 2 * (a - 4) + hidden_sites * tokens * h * (a - 1)
     delta += attn_sites * MBS * BASE["num_attention_heads"] * SEQ * SEQ * (a - 1)
-    if "recompute_granularity" not in fields:  # Every adapter's [T, r] intermediate, in each layer.
-        assert act.components["lora"] == BASE["num_layers"] * len(targets) * tokens * LORA_RANK * a
+    if "recompute_granularity" not in fields:  # Every adapter's [T, r] intermediate, in each layer (MTP's too).
+        layers = BASE["num_layers"] + fields.get("mtp_num_layers", 0)
+        assert act.components["lora"] == layers * len(targets) * tokens * LORA_RANK * a
     assert measured_forward == [act.forward + act.shared + delta] * NUM_MB
     assert measured_peak == schedule_peak([act], in_flight(par, NUM_MB, 0))[0] + delta
 

@@ -175,8 +175,8 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
     if peft is not None and (peft.frozen or peft.lora_rank is not None):
-        if spec.moe is not None or spec.mla is not None or spec.mtp_num_layers:
-            return "activations of LoRA/frozen decoders are modelled for dense layers (no MoE, MLA or MTP)"
+        if spec.moe is not None or spec.mla is not None:
+            return "activations of LoRA/frozen decoders are modelled for dense layers (no MoE or MLA)"
     if spec.moe is not None:
         reason = moe_activation_reason(options)
         if reason is not None:
@@ -456,15 +456,17 @@ def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
     embedding's output, the mask and the cached RoPE frequencies (shared; none for MLA, which
     makes its own). Each loss: cross-entropy, the rolled fp32 loss mask and the scaled per-token
     loss ``MTPLossAutoScaler`` keeps."""
-    T, a = x.tokens, x.act
+    T, a, base = x.tokens, x.act, w.grad.base
     positions = options.position_embedding_type == "learned_absolute"
     for _ in range(spec.mtp_num_layers):
-        w.keep("mtp", T * INDEX_BYTES * (2 if positions else 1) + (T if vocab_parallel else 0))
-        _dropout_mask(w, x, options)
-        body = _Walk(_Grad(mask_saved=True)) if recomputed else w
+        if base:  # (a frozen embedding's output requires no grad: no ids, mask, dropout or enorm input)
+            w.keep("mtp", T * INDEX_BYTES * (2 if positions else 1) + (T if vocab_parallel else 0))
+            _dropout_mask(w, x, options)
+        body = _Walk(dataclasses.replace(w.grad, mask_saved=True)) if recomputed else w
+        if base:
+            _norm(body, "mtp", x, options)
         _norm(body, "mtp", x, options)
-        _norm(body, "mtp", x, options)
-        body.keep("mtp", x.local_tokens * 2 * x.h * a)
+        body.linear("mtp", "eh_proj", x.local_tokens * 2 * x.h * a, T, a)
         # NB: under sequence parallelism eh_proj's output is all-gathered and sliced again: the
         # layer's input is a view of the whole [T, h] storage, which its first norm keeps alive.
         body.keep("mtp", (T - x.local_tokens) * x.h * a)
@@ -473,7 +475,7 @@ def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
         if recomputed:
             inputs = 2 * x.local_tokens * x.h * a  # the norms' inputs (the checkpoint keeps them)
             w.keep("recompute", inputs)
-            w.region(body.kept - inputs)
+            w.region(body.kept - inputs // (1 if base else 2))  # (of which the norms keep their own)
             if x.rot and spec.mla is None:
                 w.out.shared = x.s * x.rot * 4
     w.keep("mtp", spec.mtp_num_layers * (T * (x.vocab * 4 + 1 + INDEX_BYTES) + T * 4 + T * 4))
