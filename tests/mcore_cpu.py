@@ -448,6 +448,7 @@ def build_gpt(
     post_process: bool = True,
     vp_stage: Optional[int] = None,
     config=None,
+    rotary_percent: float = 1.0,
 ):
     """Build a megatron-core ``GPTModel`` in fp32 on CPU with the local layer spec.
 
@@ -481,6 +482,7 @@ def build_gpt(
         post_process=post_process,
         share_embeddings_and_output_weights=share_embeddings,
         position_embedding_type=position_embedding_type,
+        rotary_percent=rotary_percent,
         mtp_block_spec=mtp_block_spec,
         vp_stage=vp_stage,
     )

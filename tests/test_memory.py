@@ -345,7 +345,7 @@ def test_moe_stages_text_names_forward_passes_in_flight(capsys):
     assert main(base + ["--sequence-parallel", "--pp", "2"]) == 0
     text = capsys.readouterr().out
     assert "None forward passes" not in text
-    assert "stage 0 72.080 GB (2 forward passes in flight), stage 1 63.511 GB (1 forward passes in flight)" in text
+    assert "stage 0 72.080 GB (2 forward passes in flight), stage 1 63.511 GB (1 forward pass in flight)" in text
     assert "tp/all_gather per GPU with unbalanced routing:" in text
     assert main(base) == 2  # no sequence parallelism: megatron-core refuses
     assert "add --sequence-parallel" in capsys.readouterr().err

@@ -40,6 +40,9 @@ CASES = {
     "biases, fused bias-GELU": (dict(add_bias_linear=True, bias_activation_fusion=True), "rope", "fp32"),
     "dropout 0.1 (hidden and attention)": (dict(hidden_dropout=0.1, attention_dropout=0.1), "rope", "fp32"),
     "RMSNorm": (dict(normalization="RMSNorm"), "rope", "fp32"),
+    # Partial rotary (glm, stablelm, gpt_neox, nemotron files): cos and sin of the rotated part only.
+    "GQA, RoPE on half of each head": (dict(num_query_groups=2, rotary_percent=0.5), "rope", "fp32"),
+    "MHA, RoPE on a quarter of each head, bf16": (dict(rotary_percent=0.25), "rope", "bf16"),
     "bf16 (fp32 softmax + bf16 probabilities)": ({}, "rope", "bf16"),
     "bf16, softmax in bf16": (dict(attention_softmax_in_fp32=False), "rope", "bf16"),
     "bf16, dropout": (dict(hidden_dropout=0.1, attention_dropout=0.1), "rope", "bf16"),
@@ -138,12 +141,14 @@ def _measure(fields: dict, position: str, dtype: str, lora=None):
     from megatron.core.transformer.module import Float16Module
 
     config = dict(BASE, **fields)
+    rotary_percent = config.pop("rotary_percent", 1.0)  # (a GPTModel argument)
     if config.get("activation_func") == "silu":
         config["activation_func"] = torch.nn.functional.silu
     if dtype == "bf16":
         config.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     torch.manual_seed(0)
-    model = mcore_cpu.build_gpt(config, vocab_size=VOCAB, max_seq_len=SEQ, position_embedding_type=position)
+    model = mcore_cpu.build_gpt(config, vocab_size=VOCAB, max_seq_len=SEQ, position_embedding_type=position,
+                                rotary_percent=rotary_percent)
     if lora is not None:
         targets, rank, frozen = lora
         base = list(model.parameters())

@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS, Row, SeqStats, parse_rows, training_flops
@@ -21,9 +20,10 @@ from megatron_flops.flops.passes import (
     price,
 )
 from megatron_flops.cli._common import format_components, json_list_arg
+from megatron_flops.cli._model_args import add_model_arguments, load_model
 from megatron_flops.cli._dit import add_arguments as add_dit_arguments, estimate_dit
-from megatron_flops.model.hf_config import HF_FAMILIES, hf_text_config, is_hf_config
-from megatron_flops.model.spec import ModelOptions, ModelSpec, load_model_file
+from megatron_flops.model.hf_config import hf_text_config, is_hf_config
+from megatron_flops.model.spec import ModelSpec
 
 # --batch-size builds one row per sample only for a DiT file; the decoder prices it in O(1).
 MAX_BATCH_SIZE = 1 << 20
@@ -191,29 +191,6 @@ def _training_setup(
     return peft, RecomputeSpec.from_mapping(fields, source=source)
 
 
-def _load(args: argparse.Namespace) -> tuple[ModelSpec | None, dict[str, Any], str, int | None]:
-    """The model (from --model or --megatron-args), the raw mapping its other sections come from,
-    a source name for messages, and the training sequence length."""
-    options = ModelOptions(hf_family=args.hf_family, vocab_multiple=args.pad_vocab_to_multiple,
-                           mtp_num_layers=args.mtp_num_layers)
-    if args.megatron_args is not None:
-        from megatron_flops.model.megatron_args import load_megatron_args, model_spec, training_fields
-
-        if args.hf_family is not None:
-            raise ValueError("--hf-family applies to a Hugging Face config.json (--model), not to --megatron-args")
-        namespace, source = load_megatron_args(args.megatron_args, release=args.megatron_release)
-        spec: ModelSpec | None = model_spec(namespace, source, options=options)
-        seq_length = args.seq_length if args.seq_length is not None else namespace.seq_length
-        return spec, training_fields(namespace), source, seq_length
-    if args.megatron_release is not None:
-        raise ValueError("--megatron-release applies to --megatron-args, not to --model")
-    spec, raw = load_model_file(args.model, options=options)
-    if args.hf_family is not None and not is_hf_config(raw):
-        raise ValueError(f"--hf-family applies to a Hugging Face config.json; {Path(args.model).name} holds "
-                         "megatron-core fields")
-    return spec, raw, Path(args.model).name, args.seq_length
-
-
 def _notes(args: argparse.Namespace, raw: dict[str, Any]) -> list[str]:
     """Conventions the user should know about for this model file."""
     if args.megatron_args is not None or not is_hf_config(raw) or args.mtp_num_layers is not None:
@@ -227,7 +204,8 @@ def _notes(args: argparse.Namespace, raw: dict[str, Any]) -> list[str]:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    spec, raw, source, seq_length = _load(args)
+    model = load_model(args)
+    spec, raw, source, seq_length = model.spec, model.raw, model.source, model.seq_length
     rows = _rows_from_args(args, seq_length)
     if "dit" in raw:
         return estimate_dit(args, raw, rows)
@@ -288,17 +266,8 @@ def add_parser(sub: Any) -> None:
         description="Training FLOPs (forward + backward GEMMs) of a model over the rows of a step, with the "
                     "static number the stock formula reports for them.",
     )
-    source = est.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", metavar="FILE",
-                        help="a JSON/YAML file of megatron-core TransformerConfig fields + vocab_size, or a Hugging "
-                             "Face config.json (YAML needs pip install 'megatron-flops[yaml]')")
-    source.add_argument("--megatron-args", metavar="ARGS",
-                        help='the Megatron-LM arguments you launch with, quoted ("--num-layers 32 --hidden-size '
-                             '4096 ... --swiglu"), or a file holding them or an args dump (.json/.yaml of vars(args))')
-    est.add_argument("--megatron-release", metavar="TAG",
-                     help="with --megatron-args: accept only this Megatron-LM release's options and use its "
-                          "defaults (core_v0.14.0, core_v0.16.1 or core_v0.19.0; default: any of them, with the "
-                          "defaults of the newest release that has every option given)")
+    add_model_arguments(est, model_help="a JSON/YAML file of megatron-core TransformerConfig fields + vocab_size, "
+                                        "or a Hugging Face config.json (YAML needs pip install 'megatron-flops[yaml]')")
     est.add_argument("--seqlens", metavar="ROWS", help=_SEQLENS_HELP)
     est.add_argument("--seq-length", type=int, metavar="N",
                      help="the training sequence length: with --batch-size, B rows of one N-token sequence; "
@@ -311,17 +280,6 @@ def add_parser(sub: Any) -> None:
                           "default), full counts every query/key pair")
     est.add_argument("--kv-seqlens", metavar="ROWS",
                      help="DiT model file: JSON list of text (key/value) tokens per sample, paired with --seqlens")
-    est.add_argument("--hf-family", choices=HF_FAMILIES,
-                     help="price a Hugging Face config.json of a model_type we do not know with this family's "
-                          "rules; refused (exit 2, the key named) when the file shows another architecture")
-    est.add_argument("--pad-vocab-to-multiple", type=int, metavar="N",
-                     help="pad the vocabulary to a multiple of N, as Megatron-LM does with "
-                          "make_vocab_size_divisible_by x TP (1: no padding). Default: the file's "
-                          "make_vocab_size_divisible_by; else 128 x TP for megatron-core fields and "
-                          "Megatron-LM args, no padding for a Hugging Face config.json")
-    est.add_argument("--mtp-num-layers", type=int, metavar="N",
-                     help="multi-token-prediction layers trained, overriding the model file (a Hugging Face "
-                          "file's num_nextn_predict_layers is counted only with this flag)")
     est.add_argument("--frozen", action="store_true", help="freeze every base weight (train only the LoRA adapters)")
     est.add_argument("--lora-rank", type=int, metavar="R",
                      help="add rank-R LoRA adapters (model file: 'lora': {'dim': R})")

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
-from megatron_flops.memory.decoder import ATTENTION_BACKENDS, DecoderOptions, backend_convention
+from megatron_flops.cli._memory_model import decoder_options, layout_defaults
+from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
+from megatron_flops.memory.decoder import ATTENTION_BACKENDS, backend_convention
 from megatron_flops.memory.layout import DTYPE_BYTES, OPTIMIZERS, Parallelism, Training
 from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
@@ -78,28 +79,37 @@ def format_reports(reports: dict[str, dict[str, Any]], assumptions: list[str]) -
 
 def _in_flight(stage: dict[str, Any]) -> str:
     count = stage["forward_passes_in_flight"]
-    return "activations not modelled" if count is None else f"{count} forward passes in flight"
+    if count is None:
+        return "activations not modelled"
+    return f"{count} forward pass{'' if count == 1 else 'es'} in flight"
 
 
-def _training(args: argparse.Namespace) -> Training:
+def _training(args: argparse.Namespace, seq_length: int) -> Training:
     bucket = args.bucket_size
     if args.overlap_grad_reduce and bucket is None:
         from megatron_flops.memory.report import default_bucket_size
 
         bucket = default_bucket_size(args.dp)
-    return Training(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+    return Training(seq_length=seq_length, micro_batch_size=args.micro_batch_size,
                     num_microbatches=args.num_microbatches, params_dtype=args.params_dtype,
                     grad_reduce_in_fp32=not args.no_grad_reduce_in_fp32, optimizer=args.optimizer,
                     bucket_size=bucket)
 
 
+def _resolve_layout(args: argparse.Namespace, model: LoadedModel) -> None:
+    """Fill the layout flags left unset from a Megatron-LM command line, else their defaults."""
+    for name, value in layout_defaults(model).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def _parallelism(args: argparse.Namespace) -> Parallelism:
     return Parallelism(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, dp=args.dp,
                        sequence_parallel=args.sequence_parallel,
-                       distributed_optimizer=args.distributed_optimizer, fsdp=args.fsdp)
+                       distributed_optimizer=args.distributed_optimizer, fsdp=bool(args.fsdp))
 
 
-def _dit(args: argparse.Namespace, raw: dict[str, Any], training: Training, par: Parallelism) -> dict[str, dict]:
+def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: Parallelism) -> dict[str, dict]:
     from megatron_flops.flops.dit_passes import dit_setup
     from megatron_flops.memory.fsdp import dit_memory_report
 
@@ -111,10 +121,10 @@ def _dit(args: argparse.Namespace, raw: dict[str, Any], training: Training, par:
         raise ValueError("a DiT model file with --dp > 1 needs --fsdp (torch FSDP2)")
     if training.optimizer != "adam":
         raise ValueError("a DiT under FSDP2 is modelled with Adam(W)")
-    setup = dit_setup(raw, frozen=args.frozen, lora_rank=args.lora_rank,
+    setup = dit_setup(model.raw, frozen=args.frozen, lora_rank=args.lora_rank,
                       lora_targets=None if args.lora_targets is None else args.lora_targets.split(","),
                       recompute=args.recompute, recompute_method=args.recompute_method,
-                      recompute_num_layers=args.recompute_num_layers, source=Path(args.model).name)
+                      recompute_num_layers=args.recompute_num_layers, source=model.source)
     backend = "flash" if args.attention_backend is None else backend_convention(args.attention_backend)
     attention = "local" if backend == "unfused" else backend
     checkpointed = _checkpointed_dit_blocks(setup.spec.num_layers, setup.recompute)
@@ -137,21 +147,15 @@ def _checkpointed_dit_blocks(num_layers: int, recompute: Any) -> int:
     return num_layers if recompute.method == "uniform" else min(recompute.num_layers or num_layers, num_layers)
 
 
-def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, par: Parallelism) -> dict[str, dict]:
+def _decoder(args: argparse.Namespace, model: LoadedModel, training: Training, par: Parallelism) -> dict[str, dict]:
     from megatron_flops.cli.estimate import _training_setup
-    from megatron_flops.model.hf_config import is_hf_config
     from megatron_flops.memory.report import decoder_memory, report_dict
-    from megatron_flops.model.spec import load_model_file
 
-    spec, _ = load_model_file(args.model)
+    spec, raw = model.spec, model.raw
     if spec is None:
-        raise ValueError(f"{args.model}: holds no decoder (a vision tower alone is not modelled)")
-    options = DecoderOptions.from_mapping(raw, hf=is_hf_config(raw))
-    if args.attention_backend is not None:
-        options = DecoderOptions(**{**vars(options), "attention_backend": backend_convention(args.attention_backend)})
-    if args.moe_token_dispatcher is not None:
-        options = DecoderOptions(**{**vars(options), "moe_token_dispatcher_type": args.moe_token_dispatcher})
-    peft, recompute = _training_setup(args, raw, Path(args.model).name)
+        raise ValueError(f"{model.source}: holds no decoder (a vision tower alone is not modelled)")
+    options, differences = decoder_options(args, model)
+    peft, recompute = _training_setup(args, raw, model.source)
     if training.optimizer != "adam" and par.distributed_optimizer:
         raise ValueError("megatron-core's distributed optimizer supports Adam only")
     name = "LoRA" if peft is not None and peft.lora_rank else "this setup"
@@ -161,6 +165,8 @@ def _decoder(args: argparse.Namespace, raw: dict[str, Any], training: Training, 
     if args.compare_full:
         reports["full"] = report_dict(decoder_memory(spec, options, par, training, recompute=recompute,
                                                      vision=_vision(args, raw, training, par, full=True)))
+    for report in reports.values():
+        report["not_modelled"] += differences
     return reports
 
 
@@ -186,12 +192,13 @@ def _vision(args: argparse.Namespace, raw: dict[str, Any], training: Training, p
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    from megatron_flops.model.spec import load_model_file
-
-    _, raw = load_model_file(args.model)
-    training, par = _training(args), _parallelism(args)
-    dit = "dit" in raw
-    reports = (_dit if dit else _decoder)(args, raw, training, par)
+    model = load_model(args)
+    if model.seq_length is None:
+        raise ValueError("give --seq-length N (or a --megatron-args command line with --seq-length)")
+    _resolve_layout(args, model)
+    training, par = _training(args, model.seq_length), _parallelism(args)
+    dit = "dit" in model.raw
+    reports = (_dit if dit else _decoder)(args, model, training, par)
     assumptions = [
         f"{args.params_dtype} weights" + (" (fp32 shards cast for compute)" if dit and args.params_dtype != "fp32"
                                           else " + fp32 main copies" if args.params_dtype != "fp32" else ""),
@@ -201,7 +208,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         + f" x DP {par.dp}" + (f", VPP {par.vpp}" if par.vpp else "") + (f", EP {par.ep}" if par.ep > 1 else "")
         + (", sequence parallel" if par.sequence_parallel and par.tp > 1 else "") + ")",
         "FSDP2" if par.fsdp else "distributed optimizer" if par.distributed_optimizer else "DDP",
-        f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {args.seq_length} tokens",
+        f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {training.seq_length} tokens",
     ]
     if args.json:
         out = dict(next(iter(reports.values())))
@@ -223,23 +230,28 @@ def add_parser(sub: Any) -> None:
                     "collective per training step, as megatron-core (DDP, distributed optimizer) or torch FSDP2 "
                     "allocate and send them.",
     )
-    mem.add_argument("--model", required=True, metavar="FILE",
-                     help="a JSON/YAML model file (megatron-core TransformerConfig fields, a Hugging Face config.json, "
-                          "or a DiT file with a 'dit' section)")
-    mem.add_argument("--seq-length", type=int, required=True, metavar="S",
-                     help="tokens per sequence (a DiT: video tokens per sample)")
+    add_model_arguments(mem, model_help="a JSON/YAML model file (megatron-core TransformerConfig fields, a Hugging "
+                                        "Face config.json, or a DiT file with a 'dit' section)")
+    mem.add_argument("--seq-length", type=int, metavar="S",
+                     help="tokens per sequence (a DiT: video tokens per sample; default: --megatron-args' "
+                          "--seq-length)")
     mem.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="sequences per micro-batch")
     mem.add_argument("--num-microbatches", type=int, default=1, metavar="N", help="micro-batches per step per DP rank")
+    # NB: --tp, --pp, --vpp, --sequence-parallel, --distributed-optimizer and --params-dtype default to
+    # a --megatron-args command line's, else 1, none, off, off, bf16.
     for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"), ("dp", "data")):
-        mem.add_argument(f"--{flag}", type=int, default=1, metavar="N", help=f"{what}-parallel size")
+        mem.add_argument(f"--{flag}", type=int, default=1 if flag in ("cp", "ep", "dp") else None, metavar="N",
+                         help=f"{what}-parallel size")
     mem.add_argument("--vpp", type=int, metavar="N", help="model chunks per pipeline rank (interleaved 1F1B)")
-    mem.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (the activations between layers split over TP)")
+    mem.add_argument("--sequence-parallel", action="store_true", default=None,
+                     help="sequence parallelism (the activations between layers split over TP)")
     shard = mem.add_mutually_exclusive_group()
-    shard.add_argument("--distributed-optimizer", action="store_true",
+    shard.add_argument("--distributed-optimizer", action="store_true", default=None,
                        help="megatron-core's DistributedOptimizer (optimizer state sharded over DP)")
     shard.add_argument("--fsdp", action="store_true", help="torch FSDP2 (DiT model files)")
-    mem.add_argument("--params-dtype", choices=sorted(DTYPE_BYTES), default="bf16",
-                     help="weight dtype (16-bit: fp32 main copies; FSDP2: the compute dtype over fp32 shards)")
+    mem.add_argument("--params-dtype", choices=sorted(DTYPE_BYTES),
+                     help="weight dtype (16-bit: fp32 main copies; FSDP2: the compute dtype over fp32 shards; "
+                          "default bf16)")
     mem.add_argument("--no-grad-reduce-in-fp32", action="store_true",
                      help="accumulate and reduce gradients in the parameter dtype")
     mem.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="Adam (two moments) or SGD (momentum)")

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_flops.model.hf_config import hf_text_config
+from megatron_flops.memory.hf_layers import hf_decoder_fields
+from megatron_flops.model.hf_config import hf_family_of, hf_text_config
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
 from megatron_flops.memory.mla_mtp import check_mla_mtp
@@ -30,7 +31,6 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 ATTENTION_BACKENDS = {"local": "unfused", "unfused": "unfused", "flash": "flash", "fused": "flash", "auto": "flash"}
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 _HF_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
-_HF_NO_BIAS_FAMILIES = ("gpt2", "gpt_neox", "opt", "bloom")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,35 +74,29 @@ class DecoderOptions:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent!r}")
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], *, hf: bool = False) -> DecoderOptions:
+    def from_mapping(cls, data: Mapping[str, Any], *, hf: bool = False, hf_family: str | None = None) -> DecoderOptions:
         """From a model file: ``TransformerConfig`` field names, or a Hugging Face ``config.json``
-        (``hf=True``: no linear biases, RMSNorm, RoPE, the file's attention dropout, the fused
-        SwiGLU that Megatron-Bridge's providers enable)."""
+        (``hf=True``, read with ``hf_family``'s rules, else its model_type's: the norm, biases,
+        rotary fraction and q/k norms its layers have (:mod:`megatron_flops.memory.hf_layers`), no
+        hidden dropout, the file's attention dropout, the fused SwiGLU that Megatron-Bridge's
+        providers enable)."""
         if hf:
             text = hf_text_config(data)
             if text is None:
                 raise ValueError("a Hugging Face config without a text decoder has no decoder to model")
-            family = str(text.get("model_type", "llama"))
-            classic = family in _HF_NO_BIAS_FAMILIES
+            family = hf_family_of(text, hf_family)
             fields: dict[str, Any] = {
-                "normalization": "LayerNorm" if classic else "RMSNorm",
-                "add_bias_linear": classic,
-                "add_qkv_bias": bool(text.get("attention_bias", family == "qwen2")),
-                "qk_layernorm": family in ("qwen3", "qwen3_moe"),
-                "position_embedding_type": "learned_absolute" if classic else "rope",
-                "max_position_embeddings": text.get("max_position_embeddings"),
+                **hf_decoder_fields(text, family),
                 "hidden_dropout": 0.0,
                 "attention_dropout": float(text.get("attention_dropout", 0.0) or 0.0),
                 "bias_activation_fusion": True,
             }
             if any(text.get(k) for k in _HF_EXPERT_KEYS):
                 # NB: Megatron-Bridge's MoE providers use the alltoall dispatcher; DeepSeek-V3 routes
-                # with sigmoid scores and normalises its q/kv latents (qk_layernorm).
+                # with sigmoid scores.
                 fields["moe_token_dispatcher_type"] = "alltoall"
                 if text.get("scoring_func") == "sigmoid":
                     fields["moe_router_score_function"] = "sigmoid"
-            if family.startswith("deepseek"):
-                fields["qk_layernorm"] = True
         else:
             names = set(cls.__dataclass_fields__) - {"attention_backend"}
             fields = {k: data[k] for k in names if data.get(k) is not None}

@@ -185,6 +185,12 @@ _HF_LINEAR_KEYS = {"linear_num_key_heads": "linear_num_key_heads", "linear_num_v
                    "linear_conv_kernel_dim": "linear_conv_kernel_dim"}
 
 
+def hf_family_of(hf: Mapping[str, Any], family: str | None = None) -> str:
+    """The family whose rules read ``hf`` (a text decoder's keys): ``family`` (--hf-family, checked
+    against the file), else its model_type's."""
+    return _hf_family(hf, family)
+
+
 def _hf_family(hf: Mapping[str, Any], family: str | None) -> str:
     if family is not None:
         _check_override(hf, family)

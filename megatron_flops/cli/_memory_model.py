@@ -1,0 +1,81 @@
+"""What ``memory`` reads from the model estimate reads (:mod:`megatron_flops.cli._model_args`): the
+decoder's byte options and the differences it cannot express, and a Megatron-LM command line's
+layout where the flags leave it open."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+from megatron_flops.cli._model_args import LoadedModel
+from megatron_flops.memory.decoder import DecoderOptions, backend_convention
+from megatron_flops.memory.hf_layers import hf_differences
+from megatron_flops.model.hf_config import hf_family_of, hf_text_config, is_hf_config
+
+# Megatron-LM options that shape bytes but are not read from --megatron-args (the command line is
+# read for the model's shape): Megatron-LM's defaults stand in for them.
+MEGATRON_ARGS_NOT_READ = (
+    "--megatron-args: --normalization, --position-embedding-type, --rotary-percent, --max-position-embeddings, "
+    "--hidden-dropout, --attention-dropout, --attention-backend, --moe-token-dispatcher-type, --micro-batch-size and "
+    "--global-batch-size are not read from the command line: Megatron-LM's defaults are counted (LayerNorm, learned absolute positions of "
+    "--seq-length rows, dropout 0.1, a fused attention kernel, the allgather dispatcher; --attention-backend and "
+    "--moe-token-dispatcher, --micro-batch-size and --num-microbatches here set them)"
+)
+
+
+def decoder_options(args: argparse.Namespace, model: LoadedModel) -> tuple[DecoderOptions, tuple[str, ...]]:
+    """The decoder's options (the model file's or command line's, then the flags), and what the
+    model holds or saves that they cannot express (for ``not_modelled``)."""
+    notes: tuple[str, ...] = ()
+    if model.megatron_args is not None:
+        options, notes = _megatron_options(model.megatron_args), (MEGATRON_ARGS_NOT_READ,)
+    elif is_hf_config(model.raw):
+        options = DecoderOptions.from_mapping(model.raw, hf=True, hf_family=args.hf_family)
+        text = hf_text_config(model.raw)
+        assert text is not None  # (a file without a text decoder has no spec)
+        notes = hf_differences(text, hf_family_of(text, args.hf_family))
+    else:
+        options = DecoderOptions.from_mapping(model.raw)
+    overrides: dict[str, Any] = {}
+    if args.pad_vocab_to_multiple is not None:
+        overrides.update(make_vocab_size_divisible_by=args.pad_vocab_to_multiple, padded_vocab_size=None)
+    if args.attention_backend is not None:
+        overrides["attention_backend"] = backend_convention(args.attention_backend)
+    if args.moe_token_dispatcher is not None:
+        overrides["moe_token_dispatcher_type"] = args.moe_token_dispatcher
+    return replace(options, **overrides), notes
+
+
+def _megatron_options(namespace: SimpleNamespace) -> DecoderOptions:
+    """A Megatron-LM command line's options as ``core_transformer_config_from_args`` passes them
+    (the switches it carries; Megatron-LM's defaults for the rest)."""
+    gated = bool(namespace.swiglu or namespace.quick_geglu)
+    fusion = getattr(namespace, "bias_swiglu_fusion" if gated else "bias_gelu_fusion", True)
+    return DecoderOptions(
+        normalization="LayerNorm", position_embedding_type="learned_absolute",
+        add_bias_linear=getattr(namespace, "add_bias_linear", True),
+        add_qkv_bias=getattr(namespace, "add_qkv_bias", False),
+        qk_layernorm=getattr(namespace, "qk_layernorm", False),
+        bias_activation_fusion=fusion,
+        attention_softmax_in_fp32=getattr(namespace, "attention_softmax_in_fp32", False),
+        make_vocab_size_divisible_by=namespace.make_vocab_size_divisible_by,
+        padded_vocab_size=namespace.padded_vocab_size,
+    )
+
+
+def layout_defaults(model: LoadedModel) -> dict[str, Any]:
+    """What a Megatron-LM command line says of the layout (flags given override it), else the
+    flags' defaults."""
+    ns = model.megatron_args
+    if ns is None:
+        return {"tp": 1, "pp": 1, "vpp": None, "sequence_parallel": False, "distributed_optimizer": False,
+                "params_dtype": "bf16"}
+    return {
+        "tp": ns.tensor_model_parallel_size or 1, "pp": ns.pipeline_model_parallel_size or 1,
+        "vpp": model.raw.get("virtual_pipeline_model_parallel_size"),
+        "sequence_parallel": bool(getattr(ns, "sequence_parallel", False)),
+        "distributed_optimizer": bool(getattr(ns, "use_distributed_optimizer", False)),
+        "params_dtype": "bf16" if getattr(ns, "bf16", False) else "fp16" if getattr(ns, "fp16", False) else "fp32",
+    }

@@ -1,0 +1,142 @@
+"""What a Hugging Face family's decoder layers hold and save beyond the GEMM shapes (stdlib only):
+the ``TransformerConfig`` options that express it (norm, biases, rotary fraction, q/k norms,
+position embeddings), and, named, what megatron-core's GPT layer cannot express (parallel
+attention and MLP, norms after the sublayers, norms without weights or bias, per-head q/k norm
+weights, xIELU), which the memory report then lists as not modelled.
+
+NB: parameters checked against the transformers model's ``named_parameters()`` (tests/test_memory_hf_families.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# Families whose norms are LayerNorms (weight and bias) in transformers: megatron-core's LayerNorm.
+# (nemotron's LayerNorm1P: weight + 1, megatron-core's layernorm_zero_centered_gamma: the same bytes.)
+_LAYERNORM = ("starcoder2", "nemotron", "stablelm", "gpt_neox", "falcon")
+# Families whose norm is a LayerNorm without a bias (cohere) or without any weight (olmo).
+_LAYERNORM_NO_BIAS = ("cohere",)
+_LAYERNORM_NO_AFFINE = ("olmo",)
+# Families with partial rotary, and transformers' default fraction where the file may omit it.
+_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt_neox": 0.25, "nemotron": 0.5, "phi3": 1.0}
+# attention_bias puts a bias on q, k and v only (not o_proj) in these families.
+_QKV_ONLY_ATTENTION_BIAS = ("glm", "glm4", "helium", "seed_oss")
+
+
+def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
+    """``DecoderOptions`` fields for the text decoder ``text`` of ``family``: what a
+    megatron-core GPT with the same parameters and saved tensors sets."""
+    norm = "LayerNorm" if family in _LAYERNORM + _LAYERNORM_NO_BIAS + _LAYERNORM_NO_AFFINE else "RMSNorm"
+    qkv, out, mlp = _biases(text, family)
+    alibi = family == "falcon" and bool(text.get("alibi"))
+    return {
+        "normalization": norm,
+        "add_bias_linear": qkv and out and mlp,
+        "add_qkv_bias": qkv,
+        "qk_layernorm": _qk_norm(text, family),
+        "position_embedding_type": "none" if alibi else "rope",
+        "rotary_percent": _rotary_fraction(text, family),
+        "max_position_embeddings": text.get("max_position_embeddings"),
+    }
+
+
+def _biases(text: Mapping[str, Any], family: str) -> tuple[bool, bool, bool]:
+    """Whether the q/k/v projections, o_proj and the MLP have biases, as the family's modeling
+    code reads its keys."""
+    if family == "qwen2":
+        return True, False, False  # q, k and v always; o_proj and the MLP never
+    if family == "qwen2_moe":
+        return bool(text.get("qkv_bias", True)), False, False
+    if family in ("starcoder2", "ernie4_5"):
+        every = bool(text.get("use_bias", family == "starcoder2"))
+        return every, every, every
+    if family == "falcon":
+        every = bool(text.get("bias", False))
+        return every, every, every
+    if family == "stablelm":
+        return bool(text.get("use_qkv_bias", False)), False, False
+    if family == "gpt_neox":
+        attention = bool(text.get("attention_bias", True))
+        return attention, attention, True  # the MLP always has biases
+    attention, mlp = bool(text.get("attention_bias", False)), bool(text.get("mlp_bias", False))
+    if family in _QKV_ONLY_ATTENTION_BIAS:
+        return attention, bool(text.get("attention_out_bias", False)), mlp
+    return attention, attention, mlp
+
+
+def _qk_norm(text: Mapping[str, Any], family: str) -> bool:
+    if family in ("qwen3", "qwen3_moe", "olmo2", "apertus") or family.startswith("deepseek"):
+        return True  # (deepseek: its q/kv latents' norms)
+    if family in ("cohere", "hunyuan_v1_dense"):
+        return bool(text.get("use_qk_norm", False))
+    if family == "stablelm":
+        return bool(text.get("qk_layernorm", False))
+    return False
+
+
+def _rotary_fraction(text: Mapping[str, Any], family: str) -> float:
+    """The fraction of each head RoPE rotates: ``rope_parameters``'s (transformers 5),
+    ``rope_scaling``'s or the top-level ``partial_rotary_factor``, gpt_neox's ``rotary_pct``; 1 in
+    families that rotate whole heads (their modeling code ignores the key)."""
+    if family not in _ROTARY_DEFAULTS:
+        return 1.0
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = text.get(name)
+        if isinstance(rope, Mapping) and rope.get("partial_rotary_factor") is not None:
+            return float(rope["partial_rotary_factor"])
+    for key in ("partial_rotary_factor", "rotary_pct"):
+        if text.get(key) is not None:
+            return float(text[key])
+    return _ROTARY_DEFAULTS.get(family, 1.0)
+
+
+def hf_differences(text: Mapping[str, Any], family: str) -> tuple[str, ...]:
+    """What the family's layers hold or save that megatron-core's GPT layer (and so this report)
+    does not: one entry per difference, naming what is counted instead."""
+    out = [f"Hugging Face {family}: {what}" for what in _layer_differences(text, family)]
+    qkv, o_bias, mlp_bias = _biases(text, family)
+    if not (qkv and o_bias and mlp_bias) and (o_bias or mlp_bias):
+        missing = " and ".join(n for n, b in (("o_proj's bias", o_bias), ("the MLP's biases", mlp_bias)) if b)
+        out.append(f"Hugging Face {family}: {missing} (megatron-core adds them only with add_bias_linear, on every "
+                   "linear layer): not counted")
+    return tuple(out)
+
+
+def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
+    out = []
+    parallel = (family == "cohere" or (family == "stablelm" and text.get("use_parallel_residual", False))
+                or (family == "gpt_neox" and text.get("use_parallel_residual", True))
+                or (family == "falcon" and text.get("parallel_attn", True)))
+    if parallel:
+        out.append("attention and the MLP run in parallel on the layer's input (counted as megatron-core's "
+                   "sequential layer: the MLP's norm reads the residual after attention, with its own saved input"
+                   + ("; a pre-MLP norm per layer the model does not have" if _one_norm(text, family) else "") + ")")
+    if family in _LAYERNORM_NO_BIAS:
+        out.append("its LayerNorms have no bias (counted with megatron-core's LayerNorm bias)")
+    if family in _LAYERNORM_NO_AFFINE:
+        out.append("its LayerNorms have no weight or bias (counted with megatron-core's LayerNorm weight and bias)")
+    if family in ("olmo2", "glm4"):
+        where = "instead of before them" if family == "olmo2" else "as well as before them"
+        out.append(f"RMSNorms after attention and after the MLP {where} (counted as megatron-core's pre-norms"
+                   + ("" if family == "olmo2" else ": two norms per layer and their saved inputs left out") + ")")
+    if _qk_norm(text, family):
+        shape = {"olmo2": "over the whole q and k projections ([heads x head_dim], [groups x head_dim])",
+                 "cohere": "with a weight per head ([heads, head_dim], [groups, head_dim])",
+                 "stablelm": "with a LayerNorm per head, without bias"}.get(family)
+        if shape is not None:
+            out.append(f"q/k norms {shape} (counted as megatron-core's qk_layernorm: one [head_dim] norm shared "
+                       "by the heads)")
+    if family == "falcon" and text.get("alibi"):
+        out.append("ALiBi attention biases (megatron-core has none: counted without position embeddings)")
+    if family == "apertus":
+        out.append("xIELU activation: 2 trainable scalars per layer (alpha_p, alpha_n) left out, its saved "
+                   "tensors counted as one elementwise activation's")
+    return out
+
+
+def _one_norm(text: Mapping[str, Any], family: str) -> bool:
+    """Whether a parallel layer has one norm (megatron-core's layer has two)."""
+    if family == "falcon":
+        return not text.get("new_decoder_architecture") or text.get("num_ln_in_parallel_attn") == 1
+    return family in ("cohere", "stablelm")
