@@ -353,37 +353,111 @@ def state_bytes(chunks: List[Any], optimizer: Any) -> Dict[str, int]:
 # ---------------------------------------------------------------------------
 
 
-class LoRA(torch.nn.Module):
-    """Megatron-Bridge's layout: ``to_wrap`` (the frozen layer) + ``adapter.linear_in`` [r, in]
-    and ``adapter.linear_out`` [out, r], both megatron ``ColumnParallelLinear`` (TP = 1)."""
+BRIDGE_VENV = "megatron-bridge-0.3.1"
 
-    def __init__(self, to_wrap: torch.nn.Module, rank: int) -> None:
+
+def bridge_peft(module: str = "utils") -> Optional[Any]:
+    """Megatron-Bridge 0.3.1's ``peft/<module>.py`` (``utils``: ``ParallelLinearAdapter``,
+    ``get_adapter_attributes_from_linear``; ``recompute``: ``maybe_enable_recompute_inputs_grad``)
+    from its cached venv (tests/frameworks/envs.py), imported against this environment's
+    megatron-core 0.16.1 (the version that venv pins): empty namespace packages stand in for
+    ``megatron.bridge`` and its ``utils`` and ``peft`` (their ``__init__`` imports transformers).
+    ``HAVE_TE`` set False: megatron-core's TE extension imports here but its classes are
+    placeholders. None when that venv is absent."""
+    import importlib
+    import os
+    import sys
+    import types
+    from pathlib import Path
+
+    venvs = Path(os.environ.get("MEGATRON_FLOPS_TEST_VENVS") or Path.home() / ".cache" / "megatron-flops" / "venvs")
+    root = venvs / BRIDGE_VENV / "lib" / "python3.11" / "site-packages" / "megatron" / "bridge"
+    if not (root / "peft" / f"{module}.py").is_file():
+        return None
+    for name, sub in (("megatron.bridge", root), ("megatron.bridge.utils", root / "utils"),
+                      ("megatron.bridge.peft", root / "peft")):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [str(sub)]
+            sys.modules[name] = package
+    loaded = importlib.import_module(f"megatron.bridge.peft.{module}")
+    if module == "utils":
+        loaded.HAVE_TE = False
+    return loaded
+
+
+class _StandInAdapter(torch.nn.Module):
+    """Bridge's ``ParallelLinearAdapter`` (identity activation, no dropout, local layers, no
+    sequence parallelism) where its venv is absent: ``linear_in`` a ``RowParallelLinear`` for a
+    row-parallel base, else a ``ColumnParallelLinear`` gathering its output; ``linear_out`` a
+    ``ColumnParallelLinear`` gathering its output for a row-parallel base."""
+
+    def __init__(self, base: torch.nn.Module, rank: int) -> None:
         super().__init__()
-        from megatron.core.tensor_parallel import ColumnParallelLinear
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+        row = isinstance(base, RowParallelLinear)
+        config, init = base.config, lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
+        if row:
+            self.linear_in = RowParallelLinear(base.input_size, rank, config=config, init_method=init, bias=False,
+                                               input_is_parallel=True, skip_bias_add=True)
+        else:
+            self.linear_in = ColumnParallelLinear(base.input_size, rank, config=config, init_method=init, bias=False,
+                                                  gather_output=True)
+        self.linear_out = ColumnParallelLinear(rank, base.output_size, config=config, init_method=init, bias=False,
+                                               gather_output=row)
+
+    def forward(self, x):
+        return self.linear_out(self.linear_in(x)[0])[0]
+
+
+class LoRALinear(torch.nn.Module):
+    """Megatron-Bridge's ``LoRALinear`` forward (its module imports Transformer Engine):
+    ``to_wrap`` (the frozen layer) + ``adapter`` applied to the same input."""
+
+    def __init__(self, to_wrap: torch.nn.Module, adapter: torch.nn.Module) -> None:
+        super().__init__()
         self.to_wrap = to_wrap
-        d_out, d_in = to_wrap.weight.shape
-        config = to_wrap.config
-        init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
-        self.adapter = torch.nn.Module()
-        self.adapter.linear_in = ColumnParallelLinear(d_in, rank, config=config, init_method=init, bias=False,
-                                                      gather_output=True)
-        self.adapter.linear_out = ColumnParallelLinear(rank, d_out, config=config, init_method=init, bias=False,
-                                                       gather_output=True)
+        self.adapter = adapter
 
     def forward(self, x, *args, **kwargs):
         out, bias = self.to_wrap(x, *args, **kwargs)
-        return out + self.adapter.linear_out(self.adapter.linear_in(x)[0])[0], bias
+        return out + self.adapter(x.contiguous()).reshape(out.shape), bias
 
 
-def apply_lora(model: torch.nn.Module, targets: Tuple[str, ...], rank: int) -> None:
-    """Freeze every parameter, then wrap every module named in ``targets``."""
+def _adapter(utils: Optional[Any], base: torch.nn.Module, full_name: str, rank: int) -> torch.nn.Module:
+    """As Bridge's ``LoRA.transform`` builds it for a megatron-core local linear layer."""
+    if utils is None:
+        return _StandInAdapter(base, rank)
+    expert = utils.is_expert_linear(full_name)
+    attrs = utils.get_adapter_attributes_from_linear(base, is_expert=expert)
+    return utils.ParallelLinearAdapter(
+        attrs.in_features, attrs.out_features, rank, base_linear_name=full_name, activation="identity",
+        norm_type=None, column_init_method="xavier", row_init_method="zero", gather_output=False,
+        input_is_parallel=attrs.input_is_parallel, dropout=0.0, dropout_position="pre",
+        model_parallel_config=base.config, alpha=rank, is_expert=expert, a2a_experimental=False,
+        disable_tensor_parallel_comm=attrs.disable_tensor_parallel_comm,
+        disable_sequence_parallel_comm=attrs.disable_sequence_parallel_comm,
+        base_linear_is_parallel=attrs.base_linear_is_parallel)
+
+
+def apply_lora(model: torch.nn.Module, targets: Tuple[str, ...], rank: int) -> bool:
+    """Freeze every parameter, then wrap every module named in ``targets`` as Megatron-Bridge's
+    LoRA does: where its venv exists (returns True), its real ``ParallelLinearAdapter`` and its
+    recompute fix (``maybe_enable_recompute_inputs_grad``), else the stand-in and no fix."""
     for p in model.parameters():
         p.requires_grad_(False)
-    for parent in list(model.modules()):
+    utils = bridge_peft()
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if name in targets and not isinstance(parent, LoRA):
-                setattr(parent, name, LoRA(child, rank))
+            if name in targets and not isinstance(parent, LoRALinear):
+                full = f"{prefix}.{name}" if prefix else name
+                setattr(parent, name, LoRALinear(child, _adapter(utils, child, full, rank)))
+    if utils is not None:
+        # As Bridge's PEFT.__call__: under full recompute the decoder's input requires grad. (A
+        # registry of its own: Bridge's global one holds ids of models built before.)
+        bridge_peft("recompute").maybe_enable_recompute_inputs_grad(model, {-1})
+    return utils is not None
 
 
 class _CudaTypeNames(torch.overrides.TorchFunctionMode):

@@ -113,11 +113,6 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
         "hf:glm_moe_dsa")],
     ("hf:kimi_linear | TP2* | ", r"refused: .*Kimi Delta Attention is modelled with --tp 1"),
     ("mcore:hybrid mamba | PP2 VPP2 | ", r"refused: .*virtual pipeline stages of a hybrid pattern"),
-    # q/k layer norms (qwen3, qwen3_moe, olmo2 and apertus files have them, cohere and hunyuan files set
-    # them): activations left out.
-    *[(f"{model} | *", r"not modelled: activations are modelled without qk_layernorm")
-      for model in ("hf:qwen3", "hf:qwen3_moe", "mcore:qk_layernorm", "hf:apertus", "hf:cohere",
-                    "hf:hunyuan_v1_dense", "hf:olmo2", "hf:olmo3", "hf:gemma3*")],
     # Hugging Face layers megatron-core's GPT layer cannot express (memory/hf_layers.py): counted as
     # the nearest megatron-core layer, the difference named.
     *[(f"hf:{model} | *", rf"not modelled: Hugging Face {model.split()[0]}: {what}") for model, what in (
@@ -141,11 +136,9 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # field files tie by default: "mcore:untied mla moe mtp" is the one decoder file FSDP2 reports on).
     ("* | DP2 FSDP | *", r"refused: .*--use-torch-fsdp2 \(--fsdp\) is not supported with tied embeddings"),
     ("examples/qwen2_5_vl_7b_config.json | DP2 FSDP | *", r"refused: .*a VLM's vision tower under FSDP2 is not"),
-    # LoRA/frozen decoders: under TP, with MoE/MLA/MTP, with recompute.
-    ("* | TP2* | *", r"refused: .*LoRA adapters are modelled without tensor parallelism"),
+    # LoRA/frozen decoders: under TP with MoE/MLA/MTP layers, activations with MoE/MLA/MTP.
+    ("* | TP2 SP | *LoRA*", r"refused: .*LoRA adapters under tensor parallelism are modelled for dense decoders"),
     ("* | * | *LoRA*", r"not modelled: activations of LoRA/frozen decoders are modelled for dense layers"),
-    ("mcore:lora and recompute in the file | *", r"not modelled: activations of LoRA/frozen decoders are modelled "
-                                                 r"without recompute"),
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),

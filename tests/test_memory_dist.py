@@ -120,6 +120,22 @@ RUNS = {
     "DP2 x PP2, LoRA rank 4 on linear_qkv/linear_fc2, frozen base, DDP, bf16, SGD, M=3": dict(
         layout=dict(pp=2), model=dict(BASE, num_layers=4), m=3,
         build=dict(optimizer="sgd", lora=(("linear_qkv", "linear_fc2"), 4))),
+    # LoRA under TP (Megatron-Bridge's ParallelLinearAdapter: column-parallel targets split
+    # linear_in's rows and all-gather its output, row-parallel ones split linear_out's rows).
+    # Selective mlp recompute re-runs each MLP's forward (fc2's all-reduce) in backward.
+    "DP2 x TP2, LoRA rank 4 on all four targets, frozen base, selective core_attn + mlp, DDP, bf16, Adam": dict(
+        layout=dict(tp=2), model=dict(BASE, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+        m=2, build=dict(lora=(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), 4))),
+    # Under sequence parallelism a column-parallel target's adapter all-gathers its input itself;
+    # layer 0's linear_qkv and linear_proj run before the first adapter (no backward collectives).
+    "DP2 x TP2 + SP, LoRA rank 4 on linear_proj + linear_fc1, frozen base, DDP, bf16": dict(
+        layout=dict(tp=2, sp=True), model=dict(BASE), m=2, build=dict(lora=(("linear_proj", "linear_fc1"), 4))),
+    # Full recompute: Bridge makes the decoder's input require grad (no collective skipped in layer
+    # 0), and the re-run layer runs its adapters' forward collectives again.
+    "DP2 x TP2, LoRA rank 4 on linear_qkv + linear_fc2, frozen base, full recompute (block 1), DDP, fp32": dict(
+        layout=dict(tp=2), model=dict(BASE, recompute_granularity="full", recompute_method="block",
+                                      recompute_num_layers=1),
+        m=2, build=dict(params_dtype="fp32", lora=(("linear_qkv", "linear_fc2"), 4))),
 }
 
 

@@ -46,7 +46,7 @@ Recompute: a checkpointed region keeps its inputs (megatron-core's ``CheckpointF
 re-saves its activations while its backward runs. Full recompute checkpoints groups of layers
 (hidden states, mask and the cached RoPE frequencies, fp32 [s, rot], shared by the micro-batches
 of a model chunk); selective ``core_attn`` checkpoints the core attention (q, k, the qkv output
-behind v, the mask).
+behind v, the mask), selective ``mlp`` each dense layer's MLP (its input).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from megatron_flops.model.spec import ModelSpec
 
 NORM_STATS_BYTES = 4  # fp32 mean/rstd per token (CUDA kernels)
 INDEX_BYTES = 8  # int64 token ids, positions, targets
-SUPPORTED_SELECTIVE = ("core_attn",)
+SUPPORTED_SELECTIVE = ("core_attn", "mlp")
 
 
 @dataclass(frozen=True)
@@ -131,10 +131,11 @@ class _Grad:
 class _Walk:
     """Forward-order accumulation of kept bytes, and recompute regions' peaks."""
 
-    def __init__(self, grad: _Grad | None = None) -> None:
+    def __init__(self, grad: _Grad | None = None, *, recompute_mlp: bool = False) -> None:
         self.out = ChunkActivations()
         self.kept = 0
         self.grad = grad or _Grad()
+        self.recompute_mlp = recompute_mlp  # selective ``mlp``: dense MLPs are checkpointed
 
     def keep(self, key: str, nbytes: int) -> None:
         if nbytes:
@@ -146,14 +147,18 @@ class _Walk:
         if self.grad.started:
             self.keep(key, nbytes)
 
-    def linear(self, key: str, name: str, input_bytes: int, tokens: int, act: int) -> None:
+    def linear(self, key: str, name: str, input_bytes: int, tokens: int, act: int,
+               gathered: int | None = None) -> None:
         """A linear layer ``name`` reading ``input_bytes``: a trainable weight saves its input
         (megatron-core's frozen-weight path saves only the weight); a LoRA adapter's
-        ``linear_in`` saves the same input and its ``linear_out`` the [T, r] intermediate,
-        after which the hidden states require grad."""
+        ``linear_in`` saves the same input, or under sequence parallelism the ``gathered``
+        input it all-gathers itself (a column-parallel target), and its ``linear_out`` the
+        [T, r] intermediate, after which the hidden states require grad."""
         g = self.grad
         adapted = name in g.adapted
-        if g.base or adapted:
+        if gathered is not None and adapted:
+            self.keep(key, gathered + (input_bytes if g.base else 0))
+        elif g.base or adapted:
             self.keep(key, input_bytes)
         if adapted:
             self.keep("lora", tokens * g.rank * act)
@@ -161,7 +166,10 @@ class _Walk:
 
     def region(self, transient: int) -> None:
         # NB: when a region's backward runs, everything saved before it (in forward order) is
-        # still held, everything after it is already freed.
+        # still held, everything after it is already freed. A region whose inputs require no
+        # grad (before a frozen model's first adapter) saves nothing and never re-runs.
+        if not self.grad.started:
+            return
         self.out.backward_peak = max(self.out.backward_peak, self.kept + transient)
 
 
@@ -169,10 +177,8 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
     if peft is not None and (peft.frozen or peft.lora_rank is not None):
-        if spec.moe is not None or spec.mla is not None or spec.mtp_num_layers:
-            return "activations of LoRA/frozen decoders are modelled for dense layers (no MoE, MLA or MTP)"
-        if recompute is not None:
-            return "activations of LoRA/frozen decoders are modelled without recompute"
+        if spec.moe is not None or spec.mla is not None:
+            return "activations of LoRA/frozen decoders are modelled for dense layers (no MoE or MLA)"
     reason = ssm_activation_reason(spec, recompute)
     if reason is not None:
         return reason
@@ -180,12 +186,14 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
         reason = moe_activation_reason(options)
         if reason is not None:
             return reason
-    if options.qk_layernorm and spec.mla is None:
-        return "activations are modelled without qk_layernorm (but for multi-latent attention's latent norms)"
     if recompute is not None and recompute.granularity == "selective":
         other = [m for m in recompute.modules if m not in SUPPORTED_SELECTIVE]
         if other:
             return f"selective recompute of {other} is not modelled (only {SUPPORTED_SELECTIVE})"
+        if "mlp" in recompute.modules and options.add_bias_linear:
+            # (fc2's bias, returned through the checkpoint, gets the checkpoint as its grad_fn: its
+            # backward re-enters itself without end; seen on CPU, not a CPU effect.)
+            return "selective mlp recompute with linear biases does not run on megatron-core 0.16.1"
     return None
 
 
@@ -203,6 +211,12 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
                  act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep, gate=spec.attention_output_gate)
 
 
+def _gathered(x: _Dims) -> int | None:
+    """Under sequence parallelism, the [T, h] input a column-parallel target's LoRA adapter
+    all-gathers and keeps (Bridge's ``gather_from_sequence_parallel_region``); else None."""
+    return x.tokens * x.h * x.act if x.sp > 1 else None
+
+
 def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions) -> None:
     # Input [T/sp, h] and fp32 statistics per token (LayerNorm: mean and rstd; RMSNorm: rstd).
     w.act(key, x.local_tokens * x.h * x.act)
@@ -215,17 +229,22 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
     gqa = x.heads > x.groups
     # linear_qkv input (the norm's output; under sequence parallelism this rank's slice: the
     # layer saves it and all-gathers it again in backward).
-    w.linear("attention", "linear_qkv", x.local_tokens * x.h * a, T, a)
+    w.linear("attention", "linear_qkv", x.local_tokens * x.h * a, T, a, _gathered(x))
     qkv_out = T * (x.heads + 2 * x.groups + (x.heads if x.gate else 0)) * d * a
     # NB: the output gate (megatron-core's fused ``_apply_output_gate``) keeps the core output and
     # the gate (a view of the qkv output; with GQA the reshape into heads copies it) and hands
     # linear_proj a new [T, heads*d] tensor.
     gated = T * x.heads * d * a * (2 if gqa else 1) if x.gate else 0
+    # q and k are storages of their own after RoPE or the q/k norms, else views of the qkv output.
+    fresh = bool(x.rot) or options.qk_layernorm
+    if options.qk_layernorm:
+        _qk_norms(w, x, options, qkv_out if gqa and options.attention_backend == "unfused" and not checkpointed else 0)
     if x.rot:
         w.act("attention", 4 * x.s * x.rot * a)  # cos and sin, for q and for k
     if options.attention_backend == "flash":
-        # q, k (after RoPE when used; views of the qkv output otherwise) and v (a view of it).
-        w.act("attention", qkv_out if not x.rot else T * (x.heads + x.groups) * d * a + qkv_out)
+        # q, k (after RoPE or the q/k norms when used; views of the qkv output otherwise) and v
+        # (a view of it).
+        w.act("attention", qkv_out if not fresh else T * (x.heads + x.groups) * d * a + qkv_out)
         lse = x.b * x.heads * x.s * 4  # fp32 log-sum-exp [b, heads, s]
         out = T * x.heads * d * a  # the kernel's output = linear_proj's input
         if checkpointed:
@@ -239,15 +258,24 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
     q = T * x.heads * d * a  # q after RoPE, or GQA's reshaped copy
     if checkpointed:
         # The checkpoint keeps q, k (before GQA's repeat) and the qkv output behind v.
-        kept = (q + T * x.groups * d * a + qkv_out) if x.rot else (qkv_out + (q if gqa else 0))
+        kept = (q + T * x.groups * d * a + qkv_out) if fresh else (qkv_out + (q if gqa else 0))
         transient = 2 * T * x.heads * d * a if gqa else 0
     else:
-        kept = 3 * q if gqa else (2 * q + qkv_out if x.rot else qkv_out)
+        kept = 3 * q if gqa else (2 * q + qkv_out if fresh else qkv_out)
         transient = 0
     w.act("attention", kept)
     _softmax(w, x, options, checkpointed=checkpointed, transient=transient)
     w.act("attention", gated)
     w.linear("attention", "linear_proj", T * x.heads * d * a, T, a)
+
+
+def _qk_norms(w: _Walk, x: _Dims, options: DecoderOptions, qkv_out: int) -> None:
+    """``qk_layernorm`` (non-MLA): per head, the q norm's and the k norm's input and fp32
+    statistics per token and head. k's input is a view of the qkv output (``qkv_out``: its bytes
+    where nothing else keeps it), and so is q's but with GQA, whose query is a reshaped copy."""
+    q_copy = x.tokens * x.heads * x.d * x.act if x.heads > x.groups else 0
+    stats = x.tokens * (x.heads + x.groups) * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
+    w.act("attention", q_copy + qkv_out + stats)
 
 
 def _softmax(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool, transient: int = 0) -> None:
@@ -312,7 +340,7 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
 def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
     T, a = x.tokens, x.act
     # linear_fc1 input (this rank's slice under sequence parallelism).
-    w.linear("mlp", "linear_fc1", x.local_tokens * x.h * a, T, a)
+    w.linear("mlp", "linear_fc1", x.local_tokens * x.h * a, T, a, _gathered(x))
     if gated and not options.bias_activation_fusion:
         # fc1 output [T, 2 ffn] (silu's input is a view), silu(x1), x2 + offset.
         w.act("mlp", T * x.ffn * a * (2 + 2))
@@ -320,6 +348,19 @@ def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
         # fc1 output (the activation's input).
         w.act("mlp", T * x.ffn * a * (2 if gated else 1))
     w.linear("mlp", "linear_fc2", T * x.ffn * a, T, a)  # fc2's input (the activation's output)
+
+
+def _checkpointed_mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
+    """Selective ``mlp`` recompute (dense layers): megatron-core's ``CheckpointFunction`` keeps
+    the MLP's input (the norm's output, this rank's slice) and re-runs the MLP in backward. An
+    input that requires no grad (a frozen model before its first adapter): nothing saved or re-run."""
+    if not w.grad.started:
+        return
+    inner = _Walk(dataclasses.replace(w.grad))
+    _mlp(inner, x, options, gated)
+    g, inp = w.grad, x.local_tokens * x.h * x.act
+    w.keep("recompute", inp)
+    w.region(inner.kept - (inp if g.base or "linear_fc1" in g.adapted else 0))  # (fc1's input is the checkpoint's)
 
 
 def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:
@@ -345,6 +386,8 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     _norm(w, "norm", x, options)
     if moe:
         _moe(w, x, spec, options)
+    elif w.recompute_mlp:
+        _checkpointed_mlp(w, x, options, spec.gated_linear_unit)
     else:
         _mlp(w, x, options, spec.gated_linear_unit)
     _dropout_mask(w, x, options)
@@ -394,19 +437,23 @@ def chunk_activations(
         raise ValueError(reason)
     x = dataclasses.replace(_dims(spec, options, par, training), received=received)
     first = par.is_first_stage(pp_rank, chunk)
-    w = _Walk(_peft_grad(peft, first_stage=first))
+    selective = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
+    w = _Walk(_peft_grad(peft, first_stage=first), recompute_mlp="mlp" in selective)
     layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
     if first:
         positions = options.position_embedding_type == "learned_absolute"
         if w.grad.base:  # the lookup saves the ids for the embedding's weight gradient
             w.keep("embedding", x.tokens * INDEX_BYTES * (2 if positions else 1))
-        if par.tp > 1:
+        if par.tp > 1 and w.grad.base:  # (a frozen lookup's output requires no grad: its masking saves nothing)
             w.keep("embedding", x.tokens)  # vocab-parallel lookup: bool mask of ids outside this rank's rows
         _dropout_mask(w, x, options)
     full = recompute is not None and recompute.granularity == "full"
     core_attn = recompute is not None and recompute.granularity == "selective" and "core_attn" in recompute.modules
     if full:
         assert recompute is not None
+        # NB: with a frozen base, Megatron-Bridge makes the decoder's input require grad under
+        # full recompute (maybe_enable_recompute_inputs_grad), or no checkpoint would run backward.
+        w.grad.started = True
         _full_recompute_layers(w, x, spec, options, recompute, layer_is_moe(spec, layers))
     else:
         kinds = spec.layers
@@ -437,15 +484,17 @@ def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
     embedding's output, the mask and the cached RoPE frequencies (shared; none for MLA, which
     makes its own). Each loss: cross-entropy, the rolled fp32 loss mask and the scaled per-token
     loss ``MTPLossAutoScaler`` keeps."""
-    T, a = x.tokens, x.act
+    T, a, base = x.tokens, x.act, w.grad.base
     positions = options.position_embedding_type == "learned_absolute"
     for _ in range(spec.mtp_num_layers):
-        w.keep("mtp", T * INDEX_BYTES * (2 if positions else 1) + (T if vocab_parallel else 0))
-        _dropout_mask(w, x, options)
-        body = _Walk(_Grad(mask_saved=True)) if recomputed else w
+        if base:  # (a frozen embedding's output requires no grad: no ids, mask, dropout or enorm input)
+            w.keep("mtp", T * INDEX_BYTES * (2 if positions else 1) + (T if vocab_parallel else 0))
+            _dropout_mask(w, x, options)
+        body = _Walk(dataclasses.replace(w.grad, mask_saved=True)) if recomputed else w
+        if base:
+            _norm(body, "mtp", x, options)
         _norm(body, "mtp", x, options)
-        _norm(body, "mtp", x, options)
-        body.keep("mtp", x.local_tokens * 2 * x.h * a)
+        body.linear("mtp", "eh_proj", x.local_tokens * 2 * x.h * a, T, a)
         # NB: under sequence parallelism eh_proj's output is all-gathered and sliced again: the
         # layer's input is a view of the whole [T, h] storage, which its first norm keeps alive.
         body.keep("mtp", (T - x.local_tokens) * x.h * a)
@@ -454,7 +503,7 @@ def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
         if recomputed:
             inputs = 2 * x.local_tokens * x.h * a  # the norms' inputs (the checkpoint keeps them)
             w.keep("recompute", inputs)
-            w.region(body.kept - inputs)
+            w.region(body.kept - inputs // (1 if base else 2))  # (of which the norms keep their own)
             if x.rot and spec.mla is None:
                 w.out.shared = x.s * x.rot * 4
     w.keep("mtp", spec.mtp_num_layers * (T * (x.vocab * 4 + 1 + INDEX_BYTES) + T * 4 + T * 4))
@@ -489,7 +538,7 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
         if i == 0:
             w.keep("recompute", x.b * x.s * x.s if options.attention_backend == "unfused" else 0)
             w.grad.mask_saved = True
-        inner = _Walk(_Grad(mask_saved=True))
+        inner = _Walk(dataclasses.replace(w.grad, mask_saved=True))
         for j in range(start, start + size):
             _layer(inner, x, spec, options, core_attn=False, moe=moe[j])
         w.region(inner.kept - hidden)  # the group input is the first norm's input

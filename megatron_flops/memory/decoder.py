@@ -20,6 +20,7 @@ from typing import Any
 from megatron_flops.memory.hf_layers import hf_decoder_fields
 from megatron_flops.model.hf_config import hf_family_of, hf_text_config
 from megatron_flops.memory.layout import Parallelism
+from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS, check_mla_mtp
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.ssm import MIXERS_WITH_PARAMETERS, dsa_indexer_tensors, mixer_tensors, ssm_reason
@@ -175,8 +176,9 @@ def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, op
                 raise ValueError(f"{name}={value} is not divisible by --tp {tp}")
     elif par.ep > 1:
         raise ValueError(f"--ep {par.ep} needs a MoE model (num_moe_experts)")
-    if peft is not None and peft.lora_rank is not None and tp > 1:
-        raise ValueError("LoRA adapters are modelled without tensor parallelism (--tp 1)")
+    reason = lora_tp_reason(spec, par, peft)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def chunk_parameters(
@@ -235,9 +237,10 @@ def _norm(options: DecoderOptions, prefix: str, width: int, trainable: bool) -> 
 
 
 def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: PeftSpec,
-            *, expert: bool = False, duplicated: bool = False) -> list[Param]:
+            *, expert: bool = False, duplicated: bool = False, tp: int = 1) -> list[Param]:
     """A linear layer's weight [d_out, d_in] (+ bias [d_out]) on one TP rank, LoRA-wrapped when
-    ``name`` is a target: A [r, d_in] and B [d_out, r] train, the wrapped layer is frozen.
+    ``name`` is a target: A [r, d_in] and B [d_out, r] train, the wrapped layer is frozen (under
+    TP, as Megatron-Bridge splits them: :func:`~megatron_flops.memory.lora.adapter_numels`).
     NB: a row-parallel layer's (``linear_proj``, ``linear_fc2``) bias is whole on every TP rank, as
     is a ``duplicated`` layer's weight (Transformer Engine's MLA down projections)."""
     base = not peft.frozen
@@ -247,10 +250,12 @@ def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: Pef
     if bias:
         params.append(Param(inner + "bias", d_out, base, expert, tp_replicated=name in ROW_PARALLEL))
     if adapted:
-        r = peft.lora_rank
-        assert r is not None
-        params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", r * d_in, True, expert, rows=r))
-        params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", d_out * r, True, expert, rows=d_out))
+        assert peft.lora_rank is not None
+        numel_in, numel_out = adapter_numels(name, d_in, d_out, peft.lora_rank, tp)
+        params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", numel_in, True, expert,
+                            rows=numel_in // d_in))
+        params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", numel_out, True, expert,
+                            rows=numel_out // peft.lora_rank))
     return params
 
 
@@ -272,17 +277,18 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
         out += _mla(spec, options, peft, attn, bias, tp)
     elif mixer != "none":
         # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
-        out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft)
+        out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft, tp=tp)
         # linear_qkv: [(nq + 2*ng)*d/tp (+ nq*d/tp output gate), h] (column parallel).
         gate = nq * d // tp if spec.attention_output_gate else 0
-        out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp + gate, bias or options.add_qkv_bias, peft)
+        out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp + gate, bias or options.add_qkv_bias, peft,
+                       tp=tp)
         if options.qk_layernorm:
             out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
     if ffn == "none":
         return out
     out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
     if ffn == "mlp":
-        out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias)
+        out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias, tp=tp)
         return out
     moe = spec.moe
     assert moe is not None
@@ -300,7 +306,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     if moe.shared_expert_ffn_hidden_size:
         if moe.shared_expert_gate:  # (registered before the MLP's layers)
             out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True, rows=1))
-        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
+        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias, tp=tp)
     return out
 
 
@@ -337,11 +343,11 @@ def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bi
 
 
 def _mlp(spec: ModelSpec, peft: PeftSpec, prefix: str, ffn: int, bias: bool, *, expert: bool = False,
-         width: int | None = None) -> list[Param]:
+         width: int | None = None, tp: int = 1) -> list[Param]:
     h, gate = width or spec.hidden_size, 2 if spec.gated_linear_unit else 1
     # linear_fc1: [ffn*(2 if gated)/tp, h]; linear_fc2: [h, ffn/tp].
-    return (_linear(prefix, "linear_fc1", h, gate * ffn, bias, peft, expert=expert)
-            + _linear(prefix, "linear_fc2", ffn, h, bias, peft, expert=expert))
+    return (_linear(prefix, "linear_fc1", h, gate * ffn, bias, peft, expert=expert, tp=tp)
+            + _linear(prefix, "linear_fc2", ffn, h, bias, peft, expert=expert, tp=tp))
 
 
 def parameter_counts(spec: ModelSpec, options: DecoderOptions, *, seq_length: int,

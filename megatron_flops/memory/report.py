@@ -22,6 +22,7 @@ from megatron_flops.memory.comm import (
 )
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.lora import lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
 from megatron_flops.memory.moe import (
     all_to_all_range,
@@ -31,6 +32,7 @@ from megatron_flops.memory.moe import (
     moe_unmeasured,
     rerun_moe_layers,
 )
+from megatron_flops.memory.recompute import selective_rerun_communication
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
@@ -102,8 +104,9 @@ def rank_memory(
             states[key] = states.get(key, 0) + value
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
-    for key, value in vision.communication(par.tp, training.grad_bytes, pp_rank == 0).items():
-        comm[key] = comm.get(key, 0) + value
+    _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
+                  selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft),
+                  vision.communication(par.tp, training.grad_bytes, pp_rank == 0))
     peak = count = None
     per_mb = None
     bounds = None
@@ -125,6 +128,12 @@ def rank_memory(
                       activations_per_microbatch=per_mb, communication=comm,
                       communication_ranges=_routing_ranges(spec, options, par, local, pp_rank, recompute, comm),
                       activations_range=bounds)
+
+
+def _add_payloads(total: dict[str, int], *extras: dict[str, int]) -> None:
+    for extra in extras:
+        for key, value in extra.items():
+            total[key] = total.get(key, 0) + value
 
 
 def context_parallel_view(par: Parallelism, training: Training,
@@ -288,7 +297,12 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
     unmeasured += more_unmeasured
     if activations and lora:
         assumptions.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each "
-                           "saves the projection's input and the [tokens, rank] intermediate")
+                           "saves the projection's input and the [tokens, rank] intermediate; under full recompute "
+                           "of a frozen base the decoder's input requires grad, as Bridge makes it")
+    if lora and par.tp > 1:
+        assumptions.append("LoRA adapters split over TP and communicate as Bridge's ParallelLinearAdapter around "
+                           "megatron-core's local linear layers (column-parallel targets split linear_in and "
+                           "all-gather [tokens, rank]; row-parallel ones all-reduce it and all-gather their output)")
     if activations and spec.moe is not None:
         assumptions.append("routed experts save as megatron-core's SequentialMLP (local spec); grouped-GEMM experts "
                            "(moe_grouped_gemm, Transformer Engine) are not measured")

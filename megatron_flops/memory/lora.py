@@ -1,0 +1,171 @@
+"""LoRA adapters as Megatron-Bridge builds them around megatron-core's local linear layers
+(``peft/utils.py``'s ``ParallelLinearAdapter``), under tensor parallelism: their parameters per
+TP rank, the bases' collectives a frozen model skips, and the adapters' own collectives
+(stdlib only).
+
+Bridge's adapter for a rank-``r`` target, ``linear_out(linear_in(x))`` added to the wrapped
+layer's output:
+
+- column-parallel target (``linear_qkv``, ``linear_fc1``; input whole on every TP rank):
+  ``linear_in = ColumnParallelLinear(in, r, gather_output=True)`` [r/TP, in] and
+  ``linear_out = ColumnParallelLinear(r, out, gather_output=False)`` [out/TP, r]. Per
+  micro-batch: forward, ``tp/all_gather`` of linear_in's output [T, r]; backward,
+  ``tp/all_reduce`` of linear_out's input gradient [T, r] and of linear_in's input gradient
+  [T, h] (megatron-core's linear computes and all-reduces the input gradient even where the
+  input needs none: the first adapter of a frozen model).
+- row-parallel target (``linear_proj``, ``linear_fc2``; input split over TP):
+  ``linear_in = RowParallelLinear(in, r, input_is_parallel=True)`` [r, in/TP] and
+  ``linear_out = ColumnParallelLinear(r, out, gather_output=True)`` [out/TP, r]. Per
+  micro-batch: forward, ``tp/all_reduce`` of linear_in's output [T, r] and ``tp/all_gather`` of
+  linear_out's output [T, out]; backward, ``tp/all_reduce`` of linear_out's input gradient [T, r].
+
+A checkpoint that re-runs an adapter's forward (selective ``mlp`` recompute) runs its forward
+collectives again (:mod:`megatron_flops.memory.recompute`).
+
+Either way every TP rank keeps the whole [T, r] intermediate for linear_out's weight gradient,
+and linear_in keeps the wrapped layer's input (this rank's part): what
+:mod:`megatron_flops.memory.activations` counts at TP 1 holds per rank.
+
+Under sequence parallelism (Bridge's local-layer path, ``disable_sequence_parallel_comm``
+False) a column-parallel target's adapter all-gathers its [T/TP, h] input itself before
+linear_in (``tp/all_gather`` [T, h]; its gradient reduce-scattered in backward), with
+linear_in's own input-gradient all-reduce off, and keeps that gathered [T, h]; a row-parallel
+target's adapter splits its output back to [T/TP, h] (its gradient all-gathered in backward).
+
+A frozen base layer runs megatron-core's ``LinearWithFrozenWeight``: no weight gradient (under
+sequence parallelism, no weight-gradient all-gather), and autograd records it only once its input
+requires grad, so the base layers before the first adapter of the first pipeline stage run no
+backward collective (unless full recompute, where Bridge makes the decoder's input require grad).
+Full recompute re-runs the adapters' forward collectives with the layer.
+
+NB: measured with megatron-core's local layers and Bridge 0.3.1's adapter (gloo, CPU). Bridge's
+adapters around Transformer Engine's fused norm + linear (``return_layernorm_output_gathered``:
+no adapter all-gather under sequence parallelism) are not modelled here.
+"""
+
+from __future__ import annotations
+
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.model.spec import ModelSpec
+
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
+# The order in which a dense layer runs its linear layers (forward).
+_LAYER_ORDER = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def adapter_numels(name: str, d_in: int, d_out: int, rank: int, tp: int) -> tuple[int, int]:
+    """Elements of ``linear_in`` and ``linear_out`` on one TP rank, for a target ``name`` whose
+    weight on that rank is [d_out, d_in]: a column-parallel target splits linear_in's rank rows,
+    a row-parallel one linear_out's (whole) output rows."""
+    if name in ROW_PARALLEL:
+        return rank * d_in, d_out // tp * rank
+    return rank // tp * d_in, d_out * rank
+
+
+def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str | None:
+    """Why LoRA adapters under tensor parallelism are not modelled (None: they are, or TP 1)."""
+    if peft is None or peft.lora_rank is None or par.tp == 1:
+        return None
+    if spec.moe is not None or spec.mla is not None or spec.mtp_num_layers:
+        return "LoRA adapters under tensor parallelism are modelled for dense decoders (no MoE, MLA or MTP layers)"
+    other = [t for t in peft.lora_targets if t not in COLUMN_PARALLEL + ROW_PARALLEL]
+    if other:
+        return f"LoRA adapters under tensor parallelism are modelled on {', '.join(_LAYER_ORDER)} (not {other})"
+    if peft.lora_rank % par.tp:
+        return f"--lora-rank {peft.lora_rank} is not divisible by --tp {par.tp} (Bridge splits linear_in's rows)"
+    if spec.hidden_size % par.tp:
+        return f"hidden_size={spec.hidden_size} is not divisible by --tp {par.tp} (LoRA's linear_out rows)"
+    return None
+
+
+def _first_target(peft: PeftSpec) -> int:
+    return min(_LAYER_ORDER.index(t) for t in peft.lora_targets)
+
+
+def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tokens: int, hidden: int, act: int,
+                            *, sp: bool = False) -> dict[str, int]:
+    """``tp/*`` payload of the forward passes of one layer's adapters on ``targets`` (among
+    ``peft.lora_targets``), for ``tokens`` tokens at TP > 1 (see the module doc)."""
+    out = {"tp/all_gather": 0, "tp/all_reduce": 0}
+    if peft is None or peft.lora_rank is None:
+        return out
+    r = peft.lora_rank
+    for target in (t for t in targets if t in peft.lora_targets):
+        if target in ROW_PARALLEL:
+            out["tp/all_reduce"] += tokens * r * act  # linear_in's partial [T, r]
+            out["tp/all_gather"] += tokens * hidden * act  # linear_out's output [T, out]
+        else:
+            # linear_in's output [T, r]; under sequence parallelism first its input [T, h].
+            out["tp/all_gather"] += tokens * r * act + (tokens * hidden * act if sp else 0)
+    return out
+
+
+def _backward_payload(peft: PeftSpec, tokens: int, hidden: int, act: int, *, sp: bool) -> dict[str, int]:
+    """One layer's adapters in backward: every linear_out all-reduces its input gradient
+    [T, r]; a column-parallel target's input gradient [T, h] is all-reduced (reduce-scattered
+    under sequence parallelism), a row-parallel target's output gradient all-gathered under
+    sequence parallelism."""
+    assert peft.lora_rank is not None
+    column = sum(t in COLUMN_PARALLEL for t in peft.lora_targets)
+    row = len(peft.lora_targets) - column
+    out = {"tp/all_reduce": len(peft.lora_targets) * tokens * peft.lora_rank * act}
+    if sp:
+        out["tp/reduce_scatter"] = column * tokens * hidden * act
+        out["tp/all_gather"] = row * tokens * hidden * act
+    else:
+        out["tp/all_reduce"] += column * tokens * hidden * act
+    return out
+
+
+def _frozen_base_skips(peft: PeftSpec, *, sp: bool, layers: int, first: bool, last: bool,
+                       started: bool) -> dict[str, int]:
+    """[s, b, h] collectives :mod:`megatron_flops.memory.comm` prices for a trained base that a
+    frozen one does not run: under sequence parallelism the weight-gradient all-gathers of the
+    column-parallel layers and the output layer and the embedding's gradient all-gather; on the
+    first stage, unless its decoder input requires grad (``started``), the backward collectives
+    of the base layers up to the first adapter (column-parallel: the input gradient's all-reduce
+    or reduce-scatter; row-parallel under sequence parallelism: the output gradient's all-gather),
+    and under sequence parallelism a first column-parallel adapter's input-gradient reduce-scatter."""
+    if not peft.frozen:
+        return {}
+    index = _first_target(peft)
+    before = _LAYER_ORDER[: index + 1] if first and not started else ()
+    column = sum(n in COLUMN_PARALLEL for n in before)
+    if not sp:
+        return {"tp/all_reduce": column}
+    row = len(before) - column
+    first_adapter = int(bool(before) and _LAYER_ORDER[index] in COLUMN_PARALLEL)
+    return {"tp/reduce_scatter": column + first_adapter, "tp/all_gather": row + 2 * layers + last + first}
+
+
+def _rerun_layers(recompute: RecomputeSpec | None, num_layers: int) -> int:
+    """Layers whose forward full recompute runs again (as :mod:`megatron_flops.memory.comm`)."""
+    if recompute is None or recompute.granularity != "full":
+        return 0
+    return min(recompute.num_layers or 0, num_layers) if recompute.method == "block" else num_layers
+
+
+def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
+                          peft: PeftSpec | None, recompute: RecomputeSpec | None = None) -> dict[str, int]:
+    """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1),
+    their forward collectives again for each layer full recompute re-runs, less what a frozen
+    base does not run (see :func:`_frozen_base_skips`); {} at TP 1."""
+    if peft is None or peft.lora_rank is None or par.tp == 1:
+        return {}
+    a, h, sp = training.param_bytes, spec.hidden_size, par.sequence_parallel
+    tokens = training.seq_length * training.micro_batch_size
+    sizes = [len(par.chunk_layers(spec.num_layers, pp_rank, c)) for c in range(par.num_chunks)]
+    layers, rerun = sum(sizes), sum(_rerun_layers(recompute, n) for n in sizes)
+    forward = adapter_forward_payload(peft, _LAYER_ORDER, tokens, h, a, sp=sp)
+    out = {key: (layers + rerun) * value for key, value in forward.items()}
+    for key, value in _backward_payload(peft, tokens, h, a, sp=sp).items():
+        out[key] = out.get(key, 0) + layers * value
+    full = recompute is not None and recompute.granularity == "full"
+    skips = _frozen_base_skips(peft, sp=sp, layers=layers, first=par.is_first_stage(pp_rank, 0),
+                               last=par.is_last_stage(pp_rank, par.num_chunks - 1), started=full)
+    for key, count in skips.items():
+        out[key] = out.get(key, 0) - count * tokens * h * a
+    m = training.num_microbatches
+    return {key: m * value for key, value in out.items() if value}

@@ -1,0 +1,118 @@
+"""LoRA adapters under tensor parallelism and selective ``mlp`` recompute, by hand: parameters per
+TP rank as Megatron-Bridge splits them, the adapters' and the re-run's ``tp/*`` payloads, and
+what is refused. The same layout is measured to the byte in tests/test_memory_dist.py (DP2 x TP2,
+LoRA on all four targets, frozen base)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.memory.activations import check_activations_supported
+from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.lora import adapter_numels
+from megatron_flops.memory.report import rank_memory
+from megatron_flops.model.spec import ModelSpec
+
+ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# As tests/test_memory_dist.py's BASE: 2 layers, h 48, 4 heads of 12, ffn 72, vocab 96.
+SPEC = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
+                                   vocab_size=96))
+OPTIONS = DecoderOptions(add_bias_linear=False, position_embedding_type="rope", attention_backend="unfused",
+                         hidden_dropout=0.0, attention_dropout=0.0, padded_vocab_size=96)
+TRAINING = Training(seq_length=16, micro_batch_size=2, num_microbatches=2, params_dtype="bf16")
+TP2 = Parallelism(tp=2, dp=2)
+LORA = PeftSpec(frozen=True, lora_rank=4, lora_targets=ALL)
+
+
+def test_adapter_numels_split_as_bridge():
+    # Column-parallel target (linear_qkv, weight [(4 + 2 x 4) x 12 / 2, 48] = [72, 48] per rank):
+    # linear_in [r/TP, 48] = [2, 48], linear_out [72, r] = [72, 4].
+    assert adapter_numels("linear_qkv", 48, 72, 4, 2) == (96, 288)
+    # Row-parallel target (linear_proj, weight [48, 48/2] per rank): linear_in [r, 24],
+    # linear_out [48/TP, r] = [24, 4].
+    assert adapter_numels("linear_proj", 24, 48, 4, 2) == (96, 96)
+    assert adapter_numels("linear_fc2", 36, 48, 4, 1) == (144, 192)  # TP 1: A [r, in], B [out, r]
+
+
+def test_parameters_per_tp_rank():
+    params = {p.name: p.numel for p in chunk_parameters(SPEC, OPTIONS, TP2, pp_rank=0, chunk=0, seq_length=16,
+                                                       peft=LORA)}
+    prefix = "decoder.layers.0."
+    assert params[prefix + "self_attention.linear_qkv.adapter.linear_in.weight"] == 2 * 48
+    assert params[prefix + "self_attention.linear_qkv.adapter.linear_out.weight"] == 72 * 4
+    assert params[prefix + "mlp.linear_fc1.adapter.linear_out.weight"] == 36 * 4  # fc1 [72/2, 48]
+    assert params[prefix + "mlp.linear_fc2.adapter.linear_in.weight"] == 4 * 36
+    assert params[prefix + "mlp.linear_fc2.adapter.linear_out.weight"] == 24 * 4
+
+
+def test_tp_payload_by_hand():
+    # T = 32 tokens, bf16 (2 bytes), r = 4, h = 48: [T, r] = 256 bytes, [T, h] = 3,072 bytes.
+    comm = rank_memory(SPEC, OPTIONS, TP2, TRAINING, pp_rank=0, peft=LORA).communication
+    # all_gather, per layer and micro-batch: linear_qkv's and linear_fc1's [T, r] (2 x 256),
+    # linear_proj's and linear_fc2's output [T, h] (2 x 3,072) = 6,656; x 2 layers x 2 = 26,624.
+    assert comm["tp/all_gather"] == 26_624
+    # all_reduce, per micro-batch: the base's 4 per layer + embedding + output layer (10 x 3,072)
+    # and cross-entropy's 3 fp32 [T] (384) = 31,104; less layer 0's frozen linear_qkv, whose input
+    # requires no grad (3,072); the adapters' per layer: column targets [T, r] + [T, h] each
+    # (2 x 3,328), row targets [T, r] twice each (2 x 512) = 7,680, x 2 layers.
+    # 2 x (31,104 - 3,072 + 15,360) = 86,784.
+    assert comm["tp/all_reduce"] == 86_784
+    # Selective mlp recompute re-runs each MLP: fc2's all-reduce [T, h] and the fc1/fc2 adapters'
+    # forward collectives (all_gather 256 + 3,072, all_reduce 256), x 2 layers x 2 micro-batches.
+    recompute = RecomputeSpec(granularity="selective", modules=("core_attn", "mlp"))
+    rerun = rank_memory(SPEC, OPTIONS, TP2, TRAINING, pp_rank=0, peft=LORA, recompute=recompute).communication
+    assert rerun["tp/all_gather"] - comm["tp/all_gather"] == 4 * 3_328
+    assert rerun["tp/all_reduce"] - comm["tp/all_reduce"] == 4 * (3_072 + 256)
+
+
+def test_frozen_first_layer_mlp_checkpoint_never_reruns():
+    # Only fc2 adapted: layer 0's MLP input requires no grad, so only layer 1's MLP re-runs.
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc2",))
+    recompute = RecomputeSpec(granularity="selective", modules=("mlp",))
+    plain = rank_memory(SPEC, OPTIONS, TP2, TRAINING, pp_rank=0, peft=peft).communication
+    rerun = rank_memory(SPEC, OPTIONS, TP2, TRAINING, pp_rank=0, peft=peft, recompute=recompute).communication
+    # 1 layer x 2 micro-batches: fc2 [T, h] + its adapter's [T, r] all-reduced; [T, h] gathered.
+    assert rerun["tp/all_reduce"] - plain["tp/all_reduce"] == 2 * (3_072 + 256)
+    assert rerun["tp/all_gather"] - plain["tp/all_gather"] == 2 * 3_072
+
+
+@pytest.mark.parametrize("par, peft, match", [
+    (TP2, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj",)), "modelled on linear_qkv"),
+    (TP2, PeftSpec(frozen=True, lora_rank=3, lora_targets=ALL), "not divisible by --tp 2"),
+])
+def test_lora_under_tp_refusals(par, peft, match):
+    with pytest.raises(ValueError, match=match):
+        check_supported(SPEC, par, peft)
+    moe = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
+                                      vocab_size=96, num_moe_experts=4, moe_router_topk=2))
+    with pytest.raises(ValueError, match="dense decoders"):
+        check_supported(moe, TP2, LORA)
+
+
+def test_selective_mlp_with_biases_refused():
+    recompute = RecomputeSpec(granularity="selective", modules=("mlp",))
+    biased = DecoderOptions(add_bias_linear=True)
+    assert "biases" in (check_activations_supported(SPEC, biased, Parallelism(), recompute) or "")
+    assert check_activations_supported(SPEC, OPTIONS, Parallelism(), recompute) is None
+
+
+def test_sequence_parallel_payload_by_hand():
+    # DP2 x TP2 + SP, frozen base, LoRA on linear_proj and linear_fc1 (measured in
+    # tests/test_memory_dist.py). [T, h] = 3,072 bytes, [T, r] = 256; per micro-batch:
+    par = Parallelism(tp=2, dp=2, sequence_parallel=True)
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_proj", "linear_fc1"))
+    comm = rank_memory(SPEC, OPTIONS, par, TRAINING, pp_rank=0, peft=peft).communication
+    # all_gather: the trained base's 6 per layer + output layer 2 + embedding 1 = 15 [T, h], less
+    # what the frozen base skips: 2 weight-gradient gathers per layer, the output layer's, the
+    # embedding's gradient, layer 0's linear_proj output gradient (before the first adapter) = 7;
+    # adapters per layer: linear_proj's output 3,072 and gradient 3,072, linear_fc1's input 3,072
+    # and [T, r] 256 = 9,472.
+    assert comm["tp/all_gather"] == 2 * ((15 - 7) * 3_072 + 2 * 9_472)
+    # reduce_scatter: 4 per layer + output layer + embedding = 10, less layer 0's linear_qkv input
+    # gradient; linear_fc1's adapter reduce-scatters its input gradient, one per layer.
+    assert comm["tp/reduce_scatter"] == 2 * (10 - 1 + 2) * 3_072
+    # all_reduce: cross-entropy's 3 fp32 [T] (384); per layer linear_proj's [T, r] forward and
+    # both linear_out input gradients [T, r].
+    assert comm["tp/all_reduce"] == 2 * (384 + 2 * 3 * 256)
