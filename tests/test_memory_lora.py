@@ -84,11 +84,11 @@ def test_frozen_first_layer_mlp_checkpoint_never_reruns():
 ])
 def test_lora_under_tp_refusals(par, peft, match):
     with pytest.raises(ValueError, match=match):
-        check_supported(SPEC, par, peft)
+        check_supported(SPEC, par, peft, OPTIONS)
     moe = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
                                       vocab_size=96, num_moe_experts=4, moe_router_topk=2))
     with pytest.raises(ValueError, match="dense decoders"):
-        check_supported(moe, TP2, LORA)
+        check_supported(moe, TP2, LORA, OPTIONS)
 
 
 def test_selective_mlp_with_biases_refused():
