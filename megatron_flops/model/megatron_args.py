@@ -36,6 +36,10 @@ READ = (
     "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
     "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
+    # what ``memory`` reads besides: the layers' byte options and the batch
+    "normalization", "position_embedding_type", "rotary_percent", "max_position_embeddings", "hidden_dropout",
+    "attention_dropout", "attention_backend", "moe_token_dispatcher_type", "moe_router_score_function",
+    "micro_batch_size", "global_batch_size",
 )
 
 
