@@ -1,4 +1,4 @@
-"""``memory --megatron-args``: the command line's valued layer options and batch are read, each
+"""``memory --megatron-args``: the command line's valued layer options, batch and CP/EP sizes are read, each
 equal to the same model given as megatron-core fields (``--model``) with the same flags, exactly."""
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ CASES: dict[str, tuple[str, dict[str, Any], tuple[str, ...], str, dict[str, Any]
                                   {"moe_token_dispatcher_type": "alltoall"}, ()),
     "moe_router_score_function": (MOE, MOE_FIELDS, (), "--moe-router-score-function sigmoid",
                                   {"moe_router_score_function": "sigmoid"}, ()),
+    "moe_router_pre_softmax": (MOE, MOE_FIELDS, (), "--moe-router-pre-softmax", {"moe_router_pre_softmax": True}, ()),
+    "context_parallel_size": (DENSE, DENSE_FIELDS, (), "--context-parallel-size 2", {}, ("--cp", "2")),
+    "expert_model_parallel_size": (MOE, MOE_FIELDS, ("--dp", "2"), "--expert-model-parallel-size 2", {},
+                                   ("--ep", "2")),
     "micro_batch_size": (DENSE, DENSE_FIELDS, (), "--micro-batch-size 3", {}, ("--micro-batch-size", "3")),
     # 24 / (micro-batch 3 x DP 2) = 4 micro-batches per step: 2 in flight on the first of 2 stages
     "global_batch_size": (f"{DENSE} --micro-batch-size 3 --pipeline-model-parallel-size 2", DENSE_FIELDS,

@@ -65,11 +65,12 @@ def layout_defaults(model: LoadedModel) -> dict[str, Any]:
     flags' defaults."""
     ns = model.megatron_args
     if ns is None:
-        return {"tp": 1, "pp": 1, "vpp": None, "sequence_parallel": False, "distributed_optimizer": False,
+        return {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vpp": None, "sequence_parallel": False, "distributed_optimizer": False,
                 "params_dtype": "bf16", "micro_batch_size": 1}
     return {
         "micro_batch_size": ns.micro_batch_size or 1,
         "tp": ns.tensor_model_parallel_size or 1, "pp": ns.pipeline_model_parallel_size or 1,
+        "cp": ns.context_parallel_size or 1, "ep": ns.expert_model_parallel_size or 1,
         "vpp": model.raw.get("virtual_pipeline_model_parallel_size"),
         "sequence_parallel": bool(getattr(ns, "sequence_parallel", False)),
         "distributed_optimizer": bool(getattr(ns, "use_distributed_optimizer", False)),

@@ -242,10 +242,10 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--num-microbatches", type=int, metavar="N",
                      help="micro-batches per step per DP rank (default: --megatron-args' --global-batch-size / "
                           "(B x DP), else 1)")
-    # NB: --tp, --pp, --vpp, --sequence-parallel, --distributed-optimizer and --params-dtype default to
-    # a --megatron-args command line's, else 1, none, off, off, bf16.
+    # NB: --tp, --pp, --cp, --ep, --vpp, --sequence-parallel, --distributed-optimizer and --params-dtype
+    # default to a --megatron-args command line's, else 1, 1, 1, 1, none, off, off, bf16.
     for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"), ("dp", "data")):
-        mem.add_argument(f"--{flag}", type=int, default=1 if flag in ("cp", "ep", "dp") else None, metavar="N",
+        mem.add_argument(f"--{flag}", type=int, default=1 if flag == "dp" else None, metavar="N",
                          help=f"{what}-parallel size")
     mem.add_argument("--vpp", type=int, metavar="N", help="model chunks per pipeline rank (interleaved 1F1B)")
     mem.add_argument("--sequence-parallel", action="store_true", default=None,
@@ -268,7 +268,7 @@ def add_parser(sub: Any) -> None:
                           "flash/fused/auto (default: the model file's attention_backend or --megatron-args' "
                           "--attention-backend, else auto)")
     mem.add_argument("--moe-token-dispatcher", choices=("alltoall", "allgather"),
-                     help="megatron-core's moe_token_dispatcher_type (default: the model file's; Hugging Face MoE "
+                     help="megatron-core's moe_token_dispatcher_type (default: the model file's or --megatron-args'; Hugging Face MoE "
                           "configs: alltoall, as Megatron-Bridge sets it)")
     mem.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES,
                      help="activation recompute granularity (default: the model file's)")
