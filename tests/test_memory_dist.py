@@ -107,6 +107,14 @@ RUNS = {
         layout=dict(ep=2), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
                                       recompute_granularity="full", recompute_method="uniform",
                                       recompute_num_layers=1), m=2, build=dict(params_dtype="fp32")),
+    # A MoE multi-token-prediction layer (the last layer's kind) under TP + SP, checkpointed by
+    # full recompute (uniform 1): its dispatcher's TP traffic runs forward twice, as the main
+    # MoE layer's does.
+    "DP2 x TP2 + SP, MoE every other layer (alltoall) + 1 MoE MTP layer, full recompute (uniform 1), DDP, fp32":
+        dict(layout=dict(tp=2, sp=True), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
+                                                    mtp_num_layers=1, recompute_granularity="full",
+                                                    recompute_method="uniform", recompute_num_layers=1),
+             m=2, build=dict(params_dtype="fp32")),
     # Activations: stage 0 saves nothing before layer 0's linear_qkv adapter; stage 1's received
     # hidden states require grad, so it saves as in full training but the frozen linears' inputs.
     "DP2 x PP2, LoRA rank 4 on linear_qkv/linear_fc2, frozen base, DDP, bf16, SGD, M=3": dict(

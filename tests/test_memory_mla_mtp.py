@@ -3,6 +3,8 @@ with the derivations written out (the gloo measurements: tests/test_memory_mla_m
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_flops.flops.passes import RecomputeSpec
@@ -20,7 +22,7 @@ MLA = dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=
 def _setup(fields: dict, **layout):
     spec = ModelSpec.from_mapping(dict(fields, vocab_size=VOCAB))
     options = DecoderOptions.from_mapping(dict(fields, padded_vocab_size=VOCAB, attention_backend="local",
-                                               position_embedding_type="rope"))
+                                               position_embedding_type="rope", transformer_impl="local"))
     return spec, options, Parallelism(**layout)
 
 
@@ -74,3 +76,73 @@ def test_refused_layouts():
     with pytest.raises(ValueError, match="recompute_num_layers=1"):
         decoder_memory(spec, options, par, Training(seq_length=SEQ, micro_batch_size=MBS),
                        recompute=RecomputeSpec(granularity="full", method="uniform", num_layers=2))
+
+
+def _te_minus_local(key_fn, **layout):
+    spec, local, par = _setup(MLA, **layout)
+    te = DecoderOptions(**{**vars(local), "transformer_impl": "transformer_engine"})
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, params_dtype="fp32")
+    return [key_fn(spec, options, par, training) for options in (te, local)]
+
+
+def test_mla_transformer_engine_keeps_the_down_projections_whole_on_every_tp_rank():
+    def down(spec, options, par, training):
+        return {p.name: (p.numel, p.tp_replicated) for p in chunk_parameters(spec, options, par, pp_rank=0, chunk=0,
+                                                                              seq_length=SEQ) if "down_proj" in p.name}
+    te, local = _te_minus_local(down, tp=2, dp=2)
+    attn = "decoder.layers.0.self_attention."
+    assert te[attn + "linear_q_down_proj.weight"] == (24 * 48, True)  # [q_lora, h], whole
+    assert te[attn + "linear_kv_down_proj.weight"] == ((32 + 8) * 48, True)  # [kv_lora + rope, h], whole
+    assert local[attn + "linear_kv_down_proj.weight"] == ((32 + 8) // 2 * 48, False)
+    # 3 MLA layers (2 + the MTP layer's) each hold half of [24 + 40, 48] more: 4,608 elements,
+    # x 4 bytes (fp32, DDP) in weights, gradients and both Adam moments.
+    states = _te_minus_local(lambda *a: rank_memory(*a, pp_rank=0).states, tp=2, dp=2)
+    assert {k: states[0][k] - states[1][k] for k in states[0]} == {
+        "weights": 18_432, "gradients": 18_432, "optimizer/exp_avg": 18_432, "optimizer/exp_avg_sq": 18_432}
+
+
+def test_mla_transformer_engine_tp_traffic():
+    def comm(*args):
+        return rank_memory(*args, pp_rank=0).communication
+
+    # T = 32 tokens, h = 48, q = 24, kv = 32, rope = 8, fp32, 3 MLA layers, one micro-batch.
+    te, local = _te_minus_local(comm, tp=2, dp=2)
+    assert te["dp/all_reduce"] - local["dp/all_reduce"] == 4_608 * 4  # the gradients above
+    # No latent all-gather: only the MTP layer's eh_proj output [T, h] = 6,144 bytes.
+    assert te["tp/all_gather"] == 32 * 48 * 4 == 6_144
+    # Backward all-reduces: local, hidden states twice + both latents; TE, the latents only
+    # (a dense layer's one hidden-state reduction taken off): 2h fewer per token and layer.
+    # Once per step, finalize_model_grads matches q_layernorm by name, which TE fuses into
+    # linear_q_up_proj (layer_norm_weight/bias): 3 x 2 x 24 elements fewer reduced (fp32).
+    assert local["tp/all_reduce"] - te["tp/all_reduce"] == 3 * 32 * 2 * 48 * 4 + 3 * 2 * 24 * 4 == 37_440
+    te, local = _te_minus_local(comm, tp=2, dp=2, sequence_parallel=True)
+    # Under SP, per layer and token beyond a dense layer: local gathers the second down
+    # projection's input (h), the latents (q + kv + rope) and the up projections' inputs (q + kv)
+    # forward, and in backward the same but the RoPE part: 2h + 4q + 4kv + rope. TE gathers the
+    # up projections' inputs both ways (2q + 2kv) and the RoPE key part (rope), and lacks the
+    # dense linear_qkv's two hidden-state gathers: 2q + 2kv + rope - 2h. Difference 4h + 2q + 2kv.
+    assert local["tp/all_gather"] - te["tp/all_gather"] == 3 * 32 * (4 * 48 + 2 * 24 + 2 * 32) * 4 == 116_736
+    # Reduce-scatters: local h + q + kv extra, TE rope + q + kv - h: 2h - rope fewer.
+    assert local["tp/reduce_scatter"] - te["tp/reduce_scatter"] == 3 * 32 * (2 * 48 - 8) * 4 == 33_792
+    # The down projections' gradients join finalize_model_grads' TP all-reduce (their
+    # sequence_parallel attribute): 3 x (24 + 40) x 48 = 9,216 elements, fp32.
+    assert te["tp/all_reduce"] - local["tp/all_reduce"] == 3 * 64 * 48 * 4 == 36_864
+    spec, local, _ = _setup(dict(MLA, kv_lora_rank=31))  # TE: the latents need not divide by TP
+    te = DecoderOptions(**{**vars(local), "transformer_impl": "transformer_engine"})
+    report = decoder_memory(spec, te, Parallelism(tp=2), Training(seq_length=SEQ, micro_batch_size=MBS))
+    assert report.unmeasured and "parallel_mode='duplicated'" in report.unmeasured[0]
+
+
+def test_cli_transformer_impl_flag(tmp_path, capsys):
+    from megatron_flops.cli import main
+
+    path = tmp_path / "mla.json"
+    path.write_text(json.dumps(dict(MLA, vocab_size=VOCAB)))
+    weights = {}
+    for impl in ("transformer_engine", "local"):
+        main(["memory", "--model", str(path), "--seq-length", str(SEQ), "--tp", "2", "--params-dtype", "fp32",
+              "--transformer-impl", impl, "--json"])
+        report = json.loads(capsys.readouterr().out)
+        weights[impl] = report["per_gpu"]["weights_bytes"]
+    # 3 MLA layers x half of [24 + 40, 48] more elements per TP rank, fp32 (as above).
+    assert weights["transformer_engine"] - weights["local"] == 4_608 * 4

@@ -66,6 +66,7 @@ def setup(name: str):
     tied = build.get("share_embeddings", True)
     spec = ModelSpec.from_mapping(dict(model, vocab_size=VOCAB, share_embeddings_and_output_weights=tied))
     options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
+                                               transformer_impl="local",  # (the spec these runs build)
                                                position_embedding_type=build.get("position_embedding_type", "rope"),
                                                add_bias_linear=False))
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)

@@ -34,6 +34,8 @@ def decoder_options(args: argparse.Namespace, model: LoadedModel) -> tuple[Decod
         overrides["attention_backend"] = backend_convention(args.attention_backend)
     if args.moe_token_dispatcher is not None:
         overrides["moe_token_dispatcher_type"] = args.moe_token_dispatcher
+    if args.transformer_impl is not None:
+        overrides["transformer_impl"] = args.transformer_impl
     return replace(options, **overrides), notes
 
 
@@ -57,6 +59,7 @@ def _megatron_options(namespace: SimpleNamespace) -> DecoderOptions:
         attention_softmax_in_fp32=getattr(namespace, "attention_softmax_in_fp32", False),
         make_vocab_size_divisible_by=namespace.make_vocab_size_divisible_by,
         padded_vocab_size=namespace.padded_vocab_size,
+        transformer_impl=getattr(namespace, "transformer_impl", None) or "transformer_engine",
     )
 
 
@@ -65,8 +68,8 @@ def layout_defaults(model: LoadedModel) -> dict[str, Any]:
     flags' defaults."""
     ns = model.megatron_args
     if ns is None:
-        return {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vpp": None, "sequence_parallel": False, "distributed_optimizer": False,
-                "params_dtype": "bf16", "micro_batch_size": 1}
+        return {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vpp": None, "sequence_parallel": False,
+                "distributed_optimizer": False, "params_dtype": "bf16", "micro_batch_size": 1}
     return {
         "micro_batch_size": ns.micro_batch_size or 1,
         "tp": ns.tensor_model_parallel_size or 1, "pp": ns.pipeline_model_parallel_size or 1,

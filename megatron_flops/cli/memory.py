@@ -11,6 +11,7 @@ from typing import Any
 from megatron_flops.cli._memory_model import decoder_options, layout_defaults, num_microbatches
 from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, backend_convention
+from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS
 from megatron_flops.memory.layout import DTYPE_BYTES, OPTIMIZERS, Parallelism, Training
 from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
@@ -267,6 +268,10 @@ def add_parser(sub: Any) -> None:
                      help="saved-activation convention: local/unfused (megatron-core's DotProductAttention) or "
                           "flash/fused/auto (default: the model file's attention_backend or --megatron-args' "
                           "--attention-backend, else auto)")
+    mem.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS,
+                     help="Megatron-LM's layer spec: moves multi-latent attention's down projections under TP "
+                          "(transformer_engine: whole on every TP rank, a formula; local: split, measured; "
+                          "default: the model file's transformer_impl, else transformer_engine as Megatron-LM)")
     mem.add_argument("--moe-token-dispatcher", choices=("alltoall", "allgather"),
                      help="megatron-core's moe_token_dispatcher_type (default: the model file's or --megatron-args'; Hugging Face MoE "
                           "configs: alltoall, as Megatron-Bridge sets it)")

@@ -111,13 +111,17 @@ def tensor_parallel_activations(options: DecoderOptions, par: Parallelism, num_l
     }
 
 
-def tp_replicated_numel(buffers: Mapping[str, Sequence[Bucket]], par: Parallelism, options: DecoderOptions) -> int:
+def tp_replicated_numel(buffers: Mapping[str, Sequence[Bucket]], par: Parallelism, options: DecoderOptions, *,
+                        fused_latent_norms: bool = False) -> int:
     """Gradient elements megatron-core's ``finalize_model_grads`` all-reduces over TP once per
     step, in one coalesced tensor: weights every TP rank holds whole (norms, row-parallel
-    biases, router, shared-expert gate) under sequence parallelism, and the q/k norms with
-    ``qk_layernorm`` (always). NB: counted from the gradient buffers (trainable parameters)."""
+    biases, router, shared-expert gate, Transformer Engine's duplicated MLA down projections)
+    under sequence parallelism, and the q/k norms with ``qk_layernorm`` (always, matched by name;
+    ``fused_latent_norms``: Transformer Engine's MLA spec, whose latent norms are the up
+    projections' ``layer_norm_weight``, which the name match misses). NB: counted from the
+    gradient buffers (trainable parameters)."""
     def reduced(p: Param) -> bool:
-        qk = options.qk_layernorm and ("q_layernorm" in p.name or "k_layernorm" in p.name)
+        qk = options.qk_layernorm and not fused_latent_norms and ("q_layernorm" in p.name or "k_layernorm" in p.name)
         return qk or (par.sequence_parallel and p.tp_replicated)
 
     return sum(p.numel for buckets in buffers.values() for b in buckets for p, _, _ in b.params if reduced(p))
@@ -135,7 +139,8 @@ def step_communication(
 ) -> dict[str, int]:
     """Payload bytes per ``group/kind`` on one GPU of pipeline rank ``pp_rank`` for one step."""
     out = data_parallel_bytes(buffers, par, training, {"dp": par.dp * par.cp, "expt_dp": par.expert_dp})
-    replicated = tp_replicated_numel(buffers, par, options)
+    replicated = tp_replicated_numel(buffers, par, options,
+                                     fused_latent_norms=spec.mla is not None and options.duplicated_mla_down)
     if par.tp > 1 and replicated > 1:
         out["tp/all_reduce"] = replicated * training.grad_bytes
     act = training.param_bytes
@@ -163,7 +168,8 @@ def step_communication(
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
             learned = options.position_embedding_type == "learned_absolute"
             for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=len(layers), rerun=rerun,
-                                                      last=last, recompute=recompute, learned_positions=learned).items():
+                                                      last=last, recompute=recompute, learned_positions=learned,
+                                                      duplicated=options.duplicated_mla_down).items():
                 add(key, m * value)
         if par.cp > 1:
             # NB: a formula, not measured (no context-parallel attention on CPU): Transformer
@@ -172,7 +178,7 @@ def step_communication(
             kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
             add("cp/send_recv", m * len(layers) * (par.cp - 1) * 2 * (kv + 2 * kv))
         if moe_layers:
-            rerun_moe = rerun_moe_layers(spec, recompute, layers)
+            rerun_moe = rerun_moe_layers(spec, recompute, layers, last=last)
             for key, value in moe_communication(spec, options, par, training, moe_layers, rerun_moe).items():
                 add(key, m * value)
     return out

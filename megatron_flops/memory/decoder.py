@@ -20,7 +20,7 @@ from typing import Any
 from megatron_flops.memory.hf_layers import hf_decoder_fields
 from megatron_flops.model.hf_config import hf_family_of, hf_text_config
 from megatron_flops.memory.layout import Parallelism
-from megatron_flops.memory.mla_mtp import check_mla_mtp
+from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS, check_mla_mtp
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -36,7 +36,9 @@ _HF_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
 class DecoderOptions:
     """Layer details that bytes depend on, named as ``TransformerConfig``/``GPTModel`` name them,
     with their defaults. ``attention_backend`` is the saved-tensor convention: ``unfused``
-    (megatron-core's local ``DotProductAttention``) or ``flash`` (a fused/flash kernel)."""
+    (megatron-core's local ``DotProductAttention``) or ``flash`` (a fused/flash kernel).
+    ``transformer_impl`` (Megatron-LM's ``--transformer-impl``): the layer spec, which moves
+    bytes only for multi-latent attention under TP (:mod:`~megatron_flops.memory.mla_mtp`)."""
 
     normalization: str = "LayerNorm"
     add_bias_linear: bool = True
@@ -55,6 +57,12 @@ class DecoderOptions:
     moe_router_pre_softmax: bool = False
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int | None = None
+    transformer_impl: str = "transformer_engine"
+
+    @property
+    def duplicated_mla_down(self) -> bool:
+        """Transformer Engine's MLA spec: the down projections whole on every TP rank."""
+        return self.transformer_impl == "transformer_engine"
 
     def __post_init__(self) -> None:
         if self.normalization not in NORMALIZATIONS:
@@ -63,6 +71,8 @@ class DecoderOptions:
             raise ValueError(
                 f"position_embedding_type must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding_type!r}"
             )
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, got {self.transformer_impl!r}")
         if self.attention_backend not in ("unfused", "flash"):
             raise ValueError(f"attention backend must be one of {sorted(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         for name in ("hidden_dropout", "attention_dropout"):
@@ -141,14 +151,14 @@ def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
     return -(-spec.vocab_size // multiple) * multiple
 
 
-def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> None:
+def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, options: DecoderOptions) -> None:
     """ValueError for what these parameter lists do not model, or sizes that do not divide."""
     kinds = {kind for kind, _ in spec.layer_runs + (spec.mtp_layer_runs if spec.mtp_num_layers else ())}
     if any(m is not None for m in (spec.mamba, spec.gdn, spec.kda, spec.dsa)) or spec.attention_output_gate \
             or any(mixer != "attention" or ffn == "none" for mixer, ffn in kinds):
         raise ValueError("memory is modelled for GPT decoders (dense and MoE layers, MLA, MTP): no Mamba, Gated "
                          "DeltaNet, KDA, DSA, gated attention or hybrid layers without attention or an MLP")
-    check_mla_mtp(spec, par)
+    check_mla_mtp(spec, par, duplicated=options.duplicated_mla_down)
     if spec.window_size is not None:
         raise ValueError("memory is not modelled for sliding-window attention")
     tp = par.tp
@@ -227,14 +237,15 @@ def _norm(options: DecoderOptions, prefix: str, width: int, trainable: bool) -> 
 
 
 def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: PeftSpec,
-            *, expert: bool = False) -> list[Param]:
+            *, expert: bool = False, duplicated: bool = False) -> list[Param]:
     """A linear layer's weight [d_out, d_in] (+ bias [d_out]) on one TP rank, LoRA-wrapped when
     ``name`` is a target: A [r, d_in] and B [d_out, r] train, the wrapped layer is frozen.
-    NB: a row-parallel layer's (``linear_proj``, ``linear_fc2``) bias is whole on every TP rank."""
+    NB: a row-parallel layer's (``linear_proj``, ``linear_fc2``) bias is whole on every TP rank, as
+    is a ``duplicated`` layer's weight (Transformer Engine's MLA down projections)."""
     base = not peft.frozen
     adapted = peft.lora_rank is not None and name in peft.lora_targets
     inner = f"{prefix}{name}.to_wrap." if adapted else f"{prefix}{name}."
-    params = [Param(inner + "weight", d_out * d_in, base, expert)]
+    params = [Param(inner + "weight", d_out * d_in, base, expert, tp_replicated=duplicated)]
     if bias:
         params.append(Param(inner + "bias", d_out, base, expert, tp_replicated=name in ROW_PARALLEL))
     if adapted:
@@ -286,26 +297,30 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
 
 
 def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bias: bool, tp: int) -> list[Param]:
-    """Multi-latent attention, as megatron-core's local spec registers it on one TP rank:
-    linear_proj [h, heads*v/TP] (row parallel), the query projection (direct [heads*(qk+rope)/TP,
-    h], or down [q_lora/TP, h] and up [heads*(qk+rope)/TP, q_lora]), kv down [(kv_lora + rope)/TP,
-    h] and up [heads*(qk+v)/TP, kv_lora] (all column parallel), then with ``qk_layernorm`` the
-    norms of the query and key/value latents (whole on every TP rank).
+    """Multi-latent attention on one TP rank: linear_proj [h, heads*v/TP] (row parallel), the query
+    projection (direct [heads*(qk+rope)/TP, h], or down [q_lora/TP, h] and up [heads*(qk+rope)/TP,
+    q_lora]), kv down [(kv_lora + rope)/TP, h] and up [heads*(qk+v)/TP, kv_lora] (column
+    parallel), then with ``qk_layernorm`` the norms of the query and key/value latents (whole on
+    every TP rank).
     NB: the local spec splits the down projections over TP (their outputs are all-gathered);
-    Transformer Engine's spec keeps them whole on every rank (``parallel_mode="duplicated"``)."""
+    Transformer Engine's spec keeps them whole on every rank (``parallel_mode="duplicated"``, a
+    formula). Only ``linear_proj`` has a bias (megatron-core builds the others with bias=False)."""
     mla = spec.mla
     assert mla is not None
     h, heads, base = spec.hidden_size, spec.num_attention_heads, not peft.frozen
+    dup = options.duplicated_mla_down and tp > 1
+    down = 1 if dup else tp
     q_out = heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) // tp
     out = _linear(attn, "linear_proj", heads * mla.v_head_dim // tp, h, bias, peft)
     if mla.q_lora_rank is None:
-        out += _linear(attn, "linear_q_proj", h, q_out, bias, peft)
+        out += _linear(attn, "linear_q_proj", h, q_out, False, peft)
     else:
-        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank // tp, bias, peft)
-        out += _linear(attn, "linear_q_up_proj", mla.q_lora_rank, q_out, bias, peft)
-    out += _linear(attn, "linear_kv_down_proj", h, (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) // tp, bias, peft)
+        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank // down, False, peft, duplicated=dup)
+        out += _linear(attn, "linear_q_up_proj", mla.q_lora_rank, q_out, False, peft)
+    out += _linear(attn, "linear_kv_down_proj", h, (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) // down, False, peft,
+                   duplicated=dup)
     out += _linear(attn, "linear_kv_up_proj", mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim) // tp,
-                   bias, peft)
+                   False, peft)
     if options.qk_layernorm:
         if mla.q_lora_rank is not None:
             out += _norm(options, attn + "q_layernorm.", mla.q_lora_rank, base)

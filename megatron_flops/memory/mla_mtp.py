@@ -10,6 +10,13 @@ As megatron-core 0.16's local layer spec builds them (measured on CPU with gloo)
   collective), so the latent norms and the up projections run on whole latents on every rank.
   Backward all-reduces the input gradients of both down projections (the hidden states, twice:
   a dense layer's ``linear_qkv`` once) and of both up projections (the latents).
+- MLA with Transformer Engine's spec (``transformer_impl="transformer_engine"``, Megatron-LM's
+  default; a formula: no Transformer Engine on CPU): the down projections are ``TELinear`` with
+  ``parallel_mode="duplicated"``, whole on every TP rank, their gradients all-reduced over TP
+  under sequence parallelism (their ``sequence_parallel`` attribute, in ``finalize_model_grads``'
+  coalesced all-reduce); no latent all-gather; only the up projections (or ``linear_q_proj``)
+  reduce input gradients; under sequence parallelism the kv latent's RoPE part [T_l, rope] is
+  all-gathered over the sequence (reduce-scattered in backward).
 - MTP: with PP > 1 the last stage holds a copy of the word embeddings (and learned positions)
   for the MTP layers' inputs, all-reduced with the first stage's over the embedding group like
   a tied output weight (whether or not the output weight is tied). Per MTP layer under TP: the
@@ -29,13 +36,17 @@ from megatron_flops.model.spec import ModelSpec
 CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials (as comm.CE_REDUCTIONS)
 
 
-def check_mla_mtp(spec: ModelSpec, par: Parallelism) -> None:
-    """ValueError for MLA/MTP layouts megatron-core refuses or these figures do not model."""
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+
+
+def check_mla_mtp(spec: ModelSpec, par: Parallelism, *, duplicated: bool) -> None:
+    """ValueError for MLA/MTP layouts megatron-core refuses or these figures do not model
+    (``duplicated``: Transformer Engine's spec, down projections whole on every TP rank)."""
     if spec.mtp_num_layers and spec.hidden_size % par.tp:
         raise ValueError(f"multi-token prediction splits eh_proj's hidden_size={spec.hidden_size} outputs over TP: "
                          f"not divisible by --tp {par.tp}")
     mla = spec.mla
-    if mla is None or par.tp == 1:
+    if mla is None or par.tp == 1 or duplicated:
         return
     # NB: ColumnParallelLinear splits every output over TP (megatron-core's divide() asserts).
     widths = {"q_lora_rank": mla.q_lora_rank or 0,
@@ -60,19 +71,21 @@ def mtp_recomputed(spec: ModelSpec, recompute: RecomputeSpec | None) -> bool:
 
 def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Training, *, num_layers: int,
                             rerun: int, last: bool, recompute: RecomputeSpec | None,
-                            learned_positions: bool) -> dict[str, int]:
+                            learned_positions: bool, duplicated: bool) -> dict[str, int]:
     """``tp/*`` payload bytes per micro-batch of one model chunk beyond
     :func:`~megatron_flops.memory.comm.tensor_parallel_activations`'s dense layers and main output
     (TP > 1): the MLA layers' latent collectives and extra input-gradient reductions (``rerun``
     main layers run their forward twice), and on the last stage every MTP layer. Activations in
-    the parameter dtype, cross-entropy's reductions in fp32."""
+    the parameter dtype, cross-entropy's reductions in fp32. ``duplicated``: Transformer Engine's
+    MLA spec (see the module doc)."""
     if par.tp == 1:
         return {}
     tokens = training.seq_length * training.micro_batch_size
     mtp = spec.mtp_num_layers if last else 0
     mtp_rerun = mtp if mtp_recomputed(spec, recompute) else 0
     out: dict[str, int] = {}
-    for part in (_mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp, rerun + mtp_rerun),
+    mla_tp = _mla_tp_duplicated if duplicated else _mla_tp
+    for part in (mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp, rerun + mtp_rerun),
                  _mtp_tp(spec.hidden_size * tokens, par.sequence_parallel, mtp, mtp_rerun, learned_positions)):
         for key, count in part.items():
             out[key] = out.get(key, 0) + count * training.param_bytes
@@ -104,6 +117,27 @@ def _mla_tp(spec: ModelSpec, sp: bool, tokens: int, layers: int, rerun: int) -> 
             "tp/reduce_scatter": layers * tokens * (h + q + kv)}
 
 
+def _mla_tp_duplicated(spec: ModelSpec, sp: bool, tokens: int, layers: int, rerun: int) -> dict[str, int]:
+    """As :func:`_mla_tp` for Transformer Engine's spec (a formula): the down projections
+    duplicated, so no latent all-gather and no reduction of their input gradients (the hidden
+    states' gradient a dense layer's ``linear_qkv`` reduces: counted there, taken off here with a
+    q latent; ``linear_q_proj`` reduces it as ``linear_qkv`` does).
+
+    Without sequence parallelism: the up projections' input gradients all-reduced [T, q] and
+    [T, kv]. Under sequence parallelism: each up projection all-gathers its latent input in
+    forward and again in backward and reduce-scatters its gradient, and the RoPE part of the kv
+    latent [T_l, rope] is all-gathered (its gradient reduce-scattered)."""
+    mla = spec.mla
+    if mla is None or not layers:
+        return {}
+    q, kv, rope = mla.q_lora_rank or 0, mla.kv_lora_rank, mla.qk_pos_emb_head_dim
+    h = spec.hidden_size if q else 0  # the dense linear_qkv's hidden-state terms this layer lacks
+    if not sp:
+        return {"tp/all_reduce": layers * tokens * (q + kv - h)}
+    return {"tp/all_gather": layers * tokens * (rope + 2 * (q + kv - h)) + rerun * tokens * (rope + q + kv - h),
+            "tp/reduce_scatter": layers * tokens * (rope + q + kv - h)}
+
+
 def _mtp_tp(hidden: int, sp: bool, mtp: int, rerun: int, learned_positions: bool) -> dict[str, int]:
     """Elements per micro-batch of ``mtp`` MTP layers (``rerun`` of them recomputed) beyond their
     MLA terms: the embedding, ``eh_proj`` [T, 2h] -> [T, h/TP] and its output's all-gather, a
@@ -127,15 +161,26 @@ def _mtp_tp(hidden: int, sp: bool, mtp: int, rerun: int, learned_positions: bool
             "tp/all_reduce": mtp * hidden if learned_positions else 0}
 
 
-def mla_mtp_assumptions(spec: ModelSpec, par: Parallelism) -> list[str]:
+def mla_mtp_assumptions(spec: ModelSpec, par: Parallelism, *, duplicated: bool) -> list[str]:
     """What can make an MLA/MTP figure differ from a real run (the report's ``assumptions``)."""
     out = []
-    if spec.mla is not None and par.tp > 1:
-        out.append("multi-latent attention as megatron-core's local spec splits it over TP (measured): the q and kv "
-                   "down projections column parallel, their outputs all-gathered (tp/all_gather); Transformer "
-                   "Engine's spec keeps the down projections whole on every TP rank (parallel_mode='duplicated': "
-                   "more weight, gradient and optimizer bytes, no latent all-gather), which is not modelled")
+    if spec.mla is not None and par.tp > 1 and not duplicated:
+        out.append("multi-latent attention as megatron-core's local spec splits it over TP (--transformer-impl "
+                   "local, measured): the q and kv down projections column parallel, their outputs all-gathered "
+                   "(tp/all_gather); Megatron-LM's default Transformer Engine spec keeps them whole on every TP rank "
+                   "(parallel_mode='duplicated')")
     if spec.mtp_num_layers and par.pp > 1:
         out.append("multi-token prediction on the last pipeline stage (megatron-core's default placement), with a "
                    "copy of the word embeddings there, all-reduced with the first stage's (embd/all_reduce)")
     return out
+
+
+def mla_unmeasured(spec: ModelSpec, par: Parallelism, *, duplicated: bool) -> list[str]:
+    """The MLA figures that are formulas no CPU step could check (Transformer Engine's spec under TP)."""
+    if spec.mla is None or par.tp == 1 or not duplicated:
+        return []
+    return ["multi-latent attention as Transformer Engine's spec builds it (--transformer-impl transformer_engine, "
+            "Megatron-LM's default; no Transformer Engine on CPU, --transformer-impl local is measured): the q and "
+            "kv down projections whole on every TP rank (parallel_mode='duplicated': their weights, gradients and "
+            "optimizer state not split; gradients all-reduced over TP under sequence parallelism), no latent "
+            "all-gather, the TP traffic of the up projections only; activations as the local spec saves them"]

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -122,15 +123,19 @@ def layer_is_moe(spec: ModelSpec, layers: Sequence[int]) -> list[bool]:
     return [kinds[i][1] == "moe" for i in layers]
 
 
-def rerun_moe_layers(spec: ModelSpec, recompute: RecomputeSpec | None, layers: Sequence[int]) -> int:
+def rerun_moe_layers(spec: ModelSpec, recompute: RecomputeSpec | None, layers: Sequence[int], *,
+                     last: bool = False) -> int:
     """MoE layers of a model chunk whose forward full recompute runs again in backward: all
-    (``uniform``) or those among the first ``recompute_num_layers`` (``block``)."""
+    (``uniform``) or those among the first ``recompute_num_layers`` (``block``), and on the last
+    stage (``last``) the MoE layers of the multi-token-prediction block when ``uniform`` checkpoints
+    them (:func:`~megatron_flops.memory.mla_mtp.mtp_recomputed`)."""
     if recompute is None or recompute.granularity != "full":
         return 0
     moe = layer_is_moe(spec, layers)
     if recompute.method == "block":
         moe = moe[:recompute.num_layers or 0]
-    return sum(moe)
+    mtp = spec.mtp_num_layers if last and spec.mtp_ffn == "moe" and mtp_recomputed(spec, recompute) else 0
+    return sum(moe) + mtp
 
 
 def moe_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,

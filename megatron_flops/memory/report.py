@@ -22,7 +22,7 @@ from megatron_flops.memory.comm import (
 )
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.mla_mtp import mla_mtp_assumptions
+from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
 from megatron_flops.memory.moe import (
     all_to_all_range,
     check_moe,
@@ -150,8 +150,9 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
     m, fewest, most = training.num_microbatches, *received_bounds(spec, par, training)
     for c in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, c)
-        moe_layers = sum(layer_is_moe(spec, layers)) + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c))
-        rerun = rerun_moe_layers(spec, recompute, layers)
+        last = par.is_last_stage(pp_rank, c)
+        moe_layers = sum(layer_is_moe(spec, layers)) + mtp_moe_layers(spec, last)
+        rerun = rerun_moe_layers(spec, recompute, layers, last=last)
         span = all_to_all_range(spec, options, par, sequence_parallel_slice(training, par), moe_layers,
                                 rerun) if moe_layers else None
         if span is not None:
@@ -220,7 +221,7 @@ def decoder_memory(
     """Memory and traffic of every pipeline stage (the data-parallel rank whose optimizer shard
     is largest) of a megatron-core GPT trained as ``training`` says on ``par`` (with a VLM's
     ``vision`` tower on the first stage)."""
-    check_supported(spec, par, peft)
+    check_supported(spec, par, peft, options)
     _check_size(spec, par, training)
     if par.fsdp:
         raise ValueError("--fsdp is modelled for DiT model files (torch FSDP2); for a megatron-core "
@@ -285,8 +286,8 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                            "routed tokens as it sends): a rank's figures move with the router (measured: within "
                            "+/-6.3% per rank on 4-rank tests), the EP group's total is exact; the per-rank range "
                            "over all routings is shown")
-    assumptions += mla_mtp_assumptions(spec, par)
-    unmeasured += moe_unmeasured(spec, options)
+    assumptions += mla_mtp_assumptions(spec, par, duplicated=options.duplicated_mla_down)
+    unmeasured += mla_unmeasured(spec, par, duplicated=options.duplicated_mla_down) + moe_unmeasured(spec, options)
     if par.cp > 1:
         unmeasured.append(f"context parallelism (CP {par.cp}): activations and collectives as s/CP tokens per rank "
                           "through a fused attention, and the cp/send_recv ring of K/V (no context-parallel "
