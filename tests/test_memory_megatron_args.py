@@ -21,6 +21,10 @@ DENSE_FIELDS: dict[str, Any] = dict(num_layers=2, hidden_size=64, num_attention_
 MOE = f"{DENSE} --swiglu --num-experts 4 --moe-ffn-hidden-size 32 --moe-router-topk 2"
 MOE_FIELDS = dict(DENSE_FIELDS, gated_linear_unit=True, activation_func="silu", num_moe_experts=4,
                   moe_ffn_hidden_size=32, moe_router_topk=2)
+MLA = (f"{DENSE} --multi-latent-attention --q-lora-rank 24 --kv-lora-rank 32 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+       "--v-head-dim 16 --position-embedding-type rope --tensor-model-parallel-size 2")
+MLA_FIELDS = dict(DENSE_FIELDS, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16,
+                  qk_pos_emb_head_dim=8, v_head_dim=16, position_embedding_type="rope")
 LOCAL = f"{DENSE} --attention-backend local"  # (a flash kernel keeps no attention-dropout mask)
 LOCAL_FIELDS = dict(DENSE_FIELDS, attention_backend="local")
 
@@ -44,6 +48,8 @@ CASES: dict[str, tuple[str, dict[str, Any], tuple[str, ...], str, dict[str, Any]
     "context_parallel_size": (DENSE, DENSE_FIELDS, (), "--context-parallel-size 2", {}, ("--cp", "2")),
     "expert_model_parallel_size": (MOE, MOE_FIELDS, ("--dp", "2"), "--expert-model-parallel-size 2", {},
                                    ("--ep", "2")),
+    # (MLA's down projections: whole on every TP rank with Transformer Engine's spec, split with the local one)
+    "transformer_impl": (MLA, MLA_FIELDS, ("--tp", "2"), "--transformer-impl local", {"transformer_impl": "local"}, ()),
     "micro_batch_size": (DENSE, DENSE_FIELDS, (), "--micro-batch-size 3", {}, ("--micro-batch-size", "3")),
     # 24 / (micro-batch 3 x DP 2) = 4 micro-batches per step: 2 in flight on the first of 2 stages
     "global_batch_size": (f"{DENSE} --micro-batch-size 3 --pipeline-model-parallel-size 2", DENSE_FIELDS,

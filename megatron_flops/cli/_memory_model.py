@@ -59,7 +59,7 @@ def _megatron_options(namespace: SimpleNamespace) -> DecoderOptions:
         attention_softmax_in_fp32=getattr(namespace, "attention_softmax_in_fp32", False),
         make_vocab_size_divisible_by=namespace.make_vocab_size_divisible_by,
         padded_vocab_size=namespace.padded_vocab_size,
-        transformer_impl=getattr(namespace, "transformer_impl", None) or "transformer_engine",
+        transformer_impl=namespace.transformer_impl,
     )
 
 

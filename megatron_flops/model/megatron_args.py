@@ -39,7 +39,7 @@ READ = (
     "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
     "normalization", "position_embedding_type", "rotary_percent", "max_position_embeddings", "hidden_dropout",
     "attention_dropout", "attention_backend", "moe_token_dispatcher_type", "moe_router_score_function",
-    "micro_batch_size", "global_batch_size", "context_parallel_size", "expert_model_parallel_size",
+    "transformer_impl", "micro_batch_size", "global_batch_size", "context_parallel_size", "expert_model_parallel_size",
 )
 
 
