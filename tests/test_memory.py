@@ -413,12 +413,21 @@ def test_fsdp_lora_vs_full_tiny():
 # ---- bad input -------------------------------------------------------------------------------
 
 
-def test_hybrid_layers_without_attention_or_mlp_are_refused():
-    # "*-*-": attention-only and MLP-only layers (no Mamba): not GPT layers.
-    spec = ModelSpec.from_mapping(dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
-                                       hybrid_override_pattern="*-*-"))
-    with pytest.raises(ValueError, match="hybrid layers without attention or an MLP"):
-        decoder_memory(spec, PLAIN, Parallelism(), Training(seq_length=8, micro_batch_size=1))
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_hybrid_attention_and_mlp_layers_cost_what_gpt_layers_cost(sequence_parallel):
+    # "*-*-": attention-only and MLP-only layers, each behind its own norm: a pair is one GPT layer's
+    # parameters, saved tensors and TP collectives (half a layer's each), under TP 2 (+ SP) with DDP.
+    sizes = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256)
+    hybrid = ModelSpec.from_mapping(dict(sizes, hybrid_override_pattern="*-*-"))
+    gpt = ModelSpec.from_mapping(dict(sizes, num_layers=2))
+    options = dataclasses.replace(PLAIN, attention_backend="unfused")
+    par = Parallelism(tp=2, dp=2, sequence_parallel=sequence_parallel)
+    training = Training(seq_length=8, micro_batch_size=1, num_microbatches=2)
+    reports = [decoder_memory(spec, options, par, training) for spec in (hybrid, gpt)]
+    assert reports[0].parameters == reports[1].parameters
+    assert reports[0].per_gpu.states == reports[1].per_gpu.states
+    assert reports[0].per_gpu.activations == reports[1].per_gpu.activations
+    assert reports[0].per_gpu.communication == reports[1].per_gpu.communication
 
 
 @pytest.mark.parametrize("layout, message", [
@@ -426,7 +435,7 @@ def test_hybrid_layers_without_attention_or_mlp_are_refused():
     (dict(pp=3), r"num_layers=2 is not divisible by PP x VPP = 3"),
     (dict(pp=2, vpp=2), r"num_layers=2 is not divisible by PP x VPP = 4"),
     (dict(ep=2, dp=2), "--ep 2 needs a MoE model"),
-    (dict(fsdp=True, dp=2), "--fsdp is modelled for DiT model files"),
+    (dict(fsdp=True, dp=2), r"--use-torch-fsdp2 \(--fsdp\) is not supported with tied embeddings"),
     (dict(cp=3, dp=1), "splits each sequence into 2 x CP chunks: --seq-length 8 is not divisible by 6"),
 ])
 def test_bad_layouts(layout, message):

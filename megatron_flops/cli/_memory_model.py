@@ -14,6 +14,7 @@ from megatron_flops.memory.decoder import DecoderOptions, backend_convention
 from megatron_flops.memory.hf_layers import hf_differences
 from megatron_flops.model.hf_config import hf_family_of, hf_text_config, is_hf_config
 
+
 def decoder_options(args: argparse.Namespace, model: LoadedModel) -> tuple[DecoderOptions, tuple[str, ...]]:
     """The decoder's options (the model file's or command line's, then the flags), and what the
     model holds or saves that they cannot express (for ``not_modelled``)."""
@@ -69,7 +70,7 @@ def layout_defaults(model: LoadedModel) -> dict[str, Any]:
     ns = model.megatron_args
     if ns is None:
         return {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vpp": None, "sequence_parallel": False,
-                "distributed_optimizer": False, "params_dtype": "bf16", "micro_batch_size": 1}
+                "distributed_optimizer": False, "fsdp": False, "params_dtype": "bf16", "micro_batch_size": 1}
     return {
         "micro_batch_size": ns.micro_batch_size or 1,
         "tp": ns.tensor_model_parallel_size or 1, "pp": ns.pipeline_model_parallel_size or 1,
@@ -77,6 +78,7 @@ def layout_defaults(model: LoadedModel) -> dict[str, Any]:
         "vpp": model.raw.get("virtual_pipeline_model_parallel_size"),
         "sequence_parallel": bool(getattr(ns, "sequence_parallel", False)),
         "distributed_optimizer": bool(getattr(ns, "use_distributed_optimizer", False)),
+        "fsdp": bool(getattr(ns, "use_torch_fsdp2", False)),
         "params_dtype": "bf16" if getattr(ns, "bf16", False) else "fp16" if getattr(ns, "fp16", False) else "fp32",
     }
 

@@ -205,7 +205,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     assumptions = [
         f"{args.params_dtype} weights" + (" (fp32 shards cast for compute)" if dit and args.params_dtype != "fp32"
                                           else " + fp32 main copies" if args.params_dtype != "fp32" else ""),
-        f"gradients reduced in {'fp32' if training.grad_bytes == 4 else args.params_dtype}",
+        # NB: Megatron-LM's --use-torch-fsdp2 reduces in the params dtype (no MixedPrecisionPolicy).
+        f"gradients reduced in {'fp32' if training.grad_bytes == 4 and (dit or not par.fsdp) else args.params_dtype}",
         f"{args.optimizer} ({'exp_avg, exp_avg_sq' if args.optimizer == 'adam' else 'momentum'}, fp32)",
         f"{par.world_size} GPUs (TP {par.tp} x PP {par.pp}" + (f" x CP {par.cp}" if par.cp > 1 else "")
         + f" x DP {par.dp}" + (f", VPP {par.vpp}" if par.vpp else "") + (f", EP {par.ep}" if par.ep > 1 else "")
@@ -254,7 +255,8 @@ def add_parser(sub: Any) -> None:
     shard = mem.add_mutually_exclusive_group()
     shard.add_argument("--distributed-optimizer", action="store_true", default=None,
                        help="megatron-core's DistributedOptimizer (optimizer state sharded over DP)")
-    shard.add_argument("--fsdp", action="store_true", help="torch FSDP2 (DiT model files)")
+    shard.add_argument("--fsdp", action="store_true", default=None,
+                       help="torch FSDP2 (a DiT file: the example's; a decoder: Megatron-LM's --use-torch-fsdp2)")
     mem.add_argument("--params-dtype", choices=sorted(DTYPE_BYTES),
                      help="weight dtype (16-bit: fp32 main copies; FSDP2: the compute dtype over fp32 shards; "
                           "default bf16)")

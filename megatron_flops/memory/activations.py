@@ -55,6 +55,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
+from megatron_flops.memory.ssm import gdn_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.moe import layer_is_moe, moe_activation_reason, moe_activations, shared_gate_activations
@@ -83,6 +84,7 @@ class _Dims:
     sp: int = 1  # TP with sequence parallelism (the [s, b, h] activations between layers are split), else 1
     received: int | None = None  # routed tokens reaching this rank's experts (None: balanced, T x topk)
     tp: int = 1
+    gate: bool = False  # attention_output_gate: linear_qkv also projects a sigmoid gate per query channel
     ep: int = 1
 
     @property
@@ -171,6 +173,9 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
             return "activations of LoRA/frozen decoders are modelled for dense layers (no MoE, MLA or MTP)"
         if recompute is not None:
             return "activations of LoRA/frozen decoders are modelled without recompute"
+    reason = ssm_activation_reason(spec, recompute)
+    if reason is not None:
+        return reason
     if spec.moe is not None:
         reason = moe_activation_reason(options)
         if reason is not None:
@@ -195,7 +200,7 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
     return _Dims(s=training.seq_length, b=training.micro_batch_size, h=spec.hidden_size, d=spec.kv_channels,
                  heads=spec.num_attention_heads // par.tp, groups=spec.num_query_groups // par.tp,
                  ffn=spec.ffn_hidden_size // par.tp, vocab=padded_vocab(spec, options, par.tp) // par.tp,
-                 act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep)
+                 act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep, gate=spec.attention_output_gate)
 
 
 def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions) -> None:
@@ -211,7 +216,11 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
     # linear_qkv input (the norm's output; under sequence parallelism this rank's slice: the
     # layer saves it and all-gathers it again in backward).
     w.linear("attention", "linear_qkv", x.local_tokens * x.h * a, T, a)
-    qkv_out = T * (x.heads + 2 * x.groups) * d * a
+    qkv_out = T * (x.heads + 2 * x.groups + (x.heads if x.gate else 0)) * d * a
+    # NB: the output gate (megatron-core's fused ``_apply_output_gate``) keeps the core output and
+    # the gate (a view of the qkv output; with GQA the reshape into heads copies it) and hands
+    # linear_proj a new [T, heads*d] tensor.
+    gated = T * x.heads * d * a * (2 if gqa else 1) if x.gate else 0
     if x.rot:
         w.act("attention", 4 * x.s * x.rot * a)  # cos and sin, for q and for k
     if options.attention_backend == "flash":
@@ -223,7 +232,7 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
             w.region(out + lse)  # re-run in backward: a second output and the log-sum-exp
         else:
             w.act("attention", lse)
-        w.act("attention", out)
+        w.act("attention", out + gated)
         w.linear("attention", "linear_proj", 0, T, a)  # (its input is the kernel's output, kept above)
         return
     # Unfused: storages behind q, k, v as the local DotProductAttention reads them.
@@ -237,6 +246,7 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
         transient = 0
     w.act("attention", kept)
     _softmax(w, x, options, checkpointed=checkpointed, transient=transient)
+    w.act("attention", gated)
     w.linear("attention", "linear_proj", T * x.heads * d * a, T, a)
 
 
@@ -318,19 +328,36 @@ def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:
 
 
 def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core_attn: bool,
-           moe: bool = False) -> None:
-    _norm(w, "norm", x, options)
-    if spec.mla is not None:
-        _mla_attention(w, x, spec, options, checkpointed=core_attn)
-    else:
-        _attention(w, x, options, checkpointed=core_attn)
-    _dropout_mask(w, x, options)
+           moe: bool = False, mixer: str = "attention", ffn: bool = True) -> None:
+    """One layer: its mixer (none: a hybrid MLP layer) and its MLP or MoE (``ffn=False``: a
+    hybrid mixer layer), each after its norm and before its dropout."""
+    if mixer != "none":
+        _norm(w, "norm", x, options)
+        if mixer in ("mamba", "gdn"):
+            _ssm_mixer(w, x, spec, mixer)
+        elif spec.mla is not None:
+            _mla_attention(w, x, spec, options, checkpointed=core_attn)
+        else:
+            _attention(w, x, options, checkpointed=core_attn)
+        _dropout_mask(w, x, options)
+    if not ffn:
+        return
     _norm(w, "norm", x, options)
     if moe:
         _moe(w, x, spec, options)
     else:
         _mlp(w, x, options, spec.gated_linear_unit)
     _dropout_mask(w, x, options)
+
+
+def _ssm_mixer(w: _Walk, x: _Dims, spec: ModelSpec, mixer: str) -> None:
+    """A Mamba or Gated DeltaNet mixer (formulas, :mod:`.ssm`): ``in_proj``'s input (this rank's
+    slice under sequence parallelism), then what the kernels keep."""
+    w.act(mixer, x.local_tokens * x.h * x.act)
+    if mixer == "mamba":
+        w.act(mixer, mamba_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act))
+    else:  # NB: parameters in the activation dtype (Float16Module), so exp(A_log) too
+        w.act(mixer, gdn_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act, param=x.act))
 
 
 def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
@@ -384,7 +411,8 @@ def chunk_activations(
     else:
         kinds = spec.layers
         for i, layer in enumerate(layers):
-            _layer(w, x, spec, options, core_attn=core_attn, moe=kinds[layer][1] == "moe")
+            mixer, ffn = kinds[layer]
+            _layer(w, x, spec, options, core_attn=core_attn, moe=ffn == "moe", mixer=mixer, ffn=ffn != "none")
     if par.is_last_stage(pp_rank, chunk):
         _norm(w, "output", x, options)
         _mtp_layers(w, x, spec, options, vocab_parallel=par.tp > 1, core_attn=core_attn,

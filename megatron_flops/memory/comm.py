@@ -44,6 +44,7 @@ from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
+from megatron_flops.memory.ssm import missing_blocks
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -164,6 +165,9 @@ def step_communication(
             rerun = fully_recomputed_layers(recompute, len(layers))
             for key, count in tensor_parallel_activations(options, par, len(layers), rerun, first, last).items():
                 add(key, m * hidden * count)
+            for key, count in tensor_parallel_activations(options, par, missing_blocks(kinds, layers), 0, False,
+                                                          False).items():
+                add(key, -m * hidden * count // 2)  # a hybrid layer has one sub-block: half a layer's traffic
             if last:
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
             learned = options.position_embedding_type == "learned_absolute"

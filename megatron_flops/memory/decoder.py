@@ -14,7 +14,7 @@ distributed optimizer's 64-element alignment padding only).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_flops.memory.hf_layers import hf_decoder_fields
@@ -22,6 +22,7 @@ from megatron_flops.model.hf_config import hf_family_of, hf_text_config
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS, check_mla_mtp
 from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.memory.ssm import MIXERS_WITH_PARAMETERS, dsa_indexer_tensors, mixer_tensors, ssm_reason
 from megatron_flops.model.spec import ModelSpec
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -130,7 +131,7 @@ class Param:
     the first and last pipeline stage; ``tp_replicated`` a weight every tensor-parallel rank holds
     whole whose gradient megatron-core all-reduces over TP under sequence parallelism (norms,
     row-parallel biases, the router, the shared-expert gate: their ``sequence_parallel``
-    attribute)."""
+    attribute); ``rows`` its dim 0 (None: a 1-D tensor), which FSDP2 shards."""
 
     name: str
     numel: int
@@ -138,6 +139,7 @@ class Param:
     expert: bool = False
     shared_embedding: bool = False
     tp_replicated: bool = False
+    rows: int | None = field(default=None, compare=False)
 
 
 def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
@@ -153,14 +155,10 @@ def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
 
 def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, options: DecoderOptions) -> None:
     """ValueError for what these parameter lists do not model, or sizes that do not divide."""
-    kinds = {kind for kind, _ in spec.layer_runs + (spec.mtp_layer_runs if spec.mtp_num_layers else ())}
-    if any(m is not None for m in (spec.mamba, spec.gdn, spec.kda, spec.dsa)) or spec.attention_output_gate \
-            or any(mixer != "attention" or ffn == "none" for mixer, ffn in kinds):
-        raise ValueError("memory is modelled for GPT decoders (dense and MoE layers, MLA, MTP): no Mamba, Gated "
-                         "DeltaNet, KDA, DSA, gated attention or hybrid layers without attention or an MLP")
+    reason = ssm_reason(spec, par, peft)
+    if reason is not None:
+        raise ValueError(reason)
     check_mla_mtp(spec, par, duplicated=options.duplicated_mla_down)
-    if spec.window_size is not None:
-        raise ValueError("memory is not modelled for sliding-window attention")
     tp = par.tp
     for name, value in (("num_attention_heads", spec.num_attention_heads), ("num_query_groups", spec.num_query_groups),
                         ("ffn_hidden_size", spec.ffn_hidden_size)):
@@ -204,13 +202,13 @@ def chunk_parameters(
     # MTP layers' inputs), all-reduced with the first stage's like a tied output weight.
     if first or (last and has_mtp):
         out.append(Param("embedding.word_embeddings.weight", vocab // tp * h, base,
-                         shared_embedding=(tied or has_mtp) and par.pp > 1))
+                         shared_embedding=(tied or has_mtp) and par.pp > 1, rows=vocab // tp))
         if options.position_embedding_type == "learned_absolute":
             rows = options.max_position_embeddings or seq_length
-            out.append(Param("embedding.position_embeddings.weight", rows * h, base))
+            out.append(Param("embedding.position_embeddings.weight", rows * h, base, rows=rows))
     layers, kinds = par.chunk_layers(spec.num_layers, pp_rank, chunk), spec.layers
     for local, layer in enumerate(layers):  # NB: layer numbering is per chunk (megatron's local index)
-        out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1])
+        out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1], kinds[layer][0])
     if last:
         out += _norm(options, "decoder.final_layernorm.", h, base)
         for i in range(spec.mtp_num_layers):
@@ -225,7 +223,7 @@ def chunk_parameters(
             # (With MTP the tied weight the last stage reduces is its embedding copy: this one,
             # allocated but unused when tied, is not marked.)
             out.append(Param("output_layer.weight", vocab // tp * h, base,
-                             shared_embedding=tied and par.pp > 1 and not has_mtp))
+                             shared_embedding=tied and par.pp > 1 and not has_mtp, rows=vocab // tp))
     return tuple(out)
 
 
@@ -245,33 +243,43 @@ def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: Pef
     base = not peft.frozen
     adapted = peft.lora_rank is not None and name in peft.lora_targets
     inner = f"{prefix}{name}.to_wrap." if adapted else f"{prefix}{name}."
-    params = [Param(inner + "weight", d_out * d_in, base, expert, tp_replicated=duplicated)]
+    params = [Param(inner + "weight", d_out * d_in, base, expert, tp_replicated=duplicated, rows=d_out)]
     if bias:
         params.append(Param(inner + "bias", d_out, base, expert, tp_replicated=name in ROW_PARALLEL))
     if adapted:
         r = peft.lora_rank
         assert r is not None
-        params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", r * d_in, True, expert))
-        params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", d_out * r, True, expert))
+        params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", r * d_in, True, expert, rows=r))
+        params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", d_out * r, True, expert, rows=d_out))
     return params
 
 
 def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: PeftSpec, prefix: str,
-           ffn: str) -> list[Param]:
+           ffn: str, mixer: str = "attention") -> list[Param]:
+    """One decoder layer: its mixer (softmax attention, MLA/DSA, Mamba, GDN, KDA or none: a hybrid
+    MLP layer) and its feed-forward part (none: a hybrid mixer layer), each behind its norm."""
     h, tp, d = spec.hidden_size, par.tp, spec.kv_channels
     nq, ng = spec.num_attention_heads, spec.num_query_groups
     base, bias = not peft.frozen, options.add_bias_linear
     attn = prefix + "self_attention."
-    out = _norm(options, prefix + "input_layernorm.", h, base)
-    if spec.mla is not None:
+    out = _norm(options, prefix + "input_layernorm.", h, base) if mixer != "none" else []
+    if mixer in MIXERS_WITH_PARAMETERS:
+        out += [Param(n, k, base, tp_replicated=r) for n, k, r in
+                mixer_tensors(spec, mixer, prefix, tp, options.normalization == "LayerNorm")]
+    elif spec.mla is not None and mixer != "none":
+        if mixer == "dsa":
+            out += [Param(n, k, base, tp_replicated=r) for n, k, r in dsa_indexer_tensors(spec, prefix)]
         out += _mla(spec, options, peft, attn, bias, tp)
-    else:
+    elif mixer != "none":
         # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
         out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft)
-        # linear_qkv: [(nq + 2*ng)*d/tp, h] (column parallel).
-        out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp, bias or options.add_qkv_bias, peft)
+        # linear_qkv: [(nq + 2*ng)*d/tp (+ nq*d/tp output gate), h] (column parallel).
+        gate = nq * d // tp if spec.attention_output_gate else 0
+        out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp + gate, bias or options.add_qkv_bias, peft)
         if options.qk_layernorm:
             out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
+    if ffn == "none":
+        return out
     out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
     if ffn == "mlp":
         out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias)
@@ -279,11 +287,11 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     moe = spec.moe
     assert moe is not None
     mlp = prefix + "mlp."
-    out.append(Param(mlp + "router.weight", moe.num_experts * h, base, tp_replicated=True))
+    out.append(Param(mlp + "router.weight", moe.num_experts * h, base, tp_replicated=True, rows=moe.num_experts))
     latent = moe.latent_size
     if latent:  # NB: Transformer Engine's duplicated TELinear: whole on every TP rank
         for name, shape in (("fc1_latent_proj.", (latent, h)), ("fc2_latent_proj.", (h, latent))):
-            out.append(Param(mlp + name + "weight", shape[0] * shape[1], base, tp_replicated=True))
+            out.append(Param(mlp + name + "weight", shape[0] * shape[1], base, tp_replicated=True, rows=shape[0]))
             if bias:
                 out.append(Param(mlp + name + "bias", shape[0], base, tp_replicated=True))
     for j in range(moe.num_experts // par.ep):
@@ -291,7 +299,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
                     expert=par.ep > 1, width=latent or h)
     if moe.shared_expert_ffn_hidden_size:
         if moe.shared_expert_gate:  # (registered before the MLP's layers)
-            out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True))
+            out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True, rows=1))
         out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias)
     return out
 

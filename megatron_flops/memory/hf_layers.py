@@ -22,6 +22,8 @@ _LAYERNORM_NO_AFFINE = ("olmo",)
 _ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt_neox": 0.25, "nemotron": 0.5, "phi3": 1.0}
 # attention_bias puts a bias on q, k and v only (not o_proj) in these families.
 _QKV_ONLY_ATTENTION_BIAS = ("glm", "glm4", "helium", "seed_oss")
+# Families with norms after attention and after the MLP (olmo2/olmo3: instead of the pre-norms).
+_POST_NORMS = ("olmo2", "olmo3", "glm4", "gemma2", "gemma3", "gemma3_text")
 
 
 def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
@@ -66,7 +68,8 @@ def _biases(text: Mapping[str, Any], family: str) -> tuple[bool, bool, bool]:
 
 
 def _qk_norm(text: Mapping[str, Any], family: str) -> bool:
-    if family in ("qwen3", "qwen3_moe", "olmo2", "apertus") or family.startswith("deepseek"):
+    if family in ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3", "gemma3_text", "apertus") \
+            or family.startswith("deepseek"):
         return True  # (deepseek: its q/kv latents' norms)
     if family in ("cohere", "hunyuan_v1_dense"):
         return bool(text.get("use_qk_norm", False))
@@ -116,12 +119,16 @@ def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
         out.append("its LayerNorms have no bias (counted with megatron-core's LayerNorm bias)")
     if family in _LAYERNORM_NO_AFFINE:
         out.append("its LayerNorms have no weight or bias (counted with megatron-core's LayerNorm weight and bias)")
-    if family in ("olmo2", "glm4"):
-        where = "instead of before them" if family == "olmo2" else "as well as before them"
-        out.append(f"RMSNorms after attention and after the MLP {where} (counted as megatron-core's pre-norms"
-                   + ("" if family == "olmo2" else ": two norms per layer and their saved inputs left out") + ")")
+    if family in _POST_NORMS:
+        instead = family in ("olmo2", "olmo3")
+        out.append(f"RMSNorms after attention and after the MLP {'instead of' if instead else 'as well as'} before "
+                   "them (counted as megatron-core's pre-norms"
+                   + ("" if instead else ": two norms per layer and their saved inputs left out") + ")")
+    if text.get("final_logit_softcapping") or text.get("attn_logit_softcapping"):
+        out.append("logit soft-capping (tanh of the scores or logits: its saved output left out)")
     if _qk_norm(text, family):
-        shape = {"olmo2": "over the whole q and k projections ([heads x head_dim], [groups x head_dim])",
+        whole = "over the whole q and k projections ([heads x head_dim], [groups x head_dim])"
+        shape = {"olmo2": whole, "olmo3": whole,
                  "cohere": "with a weight per head ([heads, head_dim], [groups, head_dim])",
                  "stablelm": "with a LayerNorm per head, without bias"}.get(family)
         if shape is not None:

@@ -31,6 +31,7 @@ from megatron_flops.memory.moe import (
     moe_unmeasured,
     rerun_moe_layers,
 )
+from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -223,9 +224,12 @@ def decoder_memory(
     ``vision`` tower on the first stage)."""
     check_supported(spec, par, peft, options)
     _check_size(spec, par, training)
-    if par.fsdp:
-        raise ValueError("--fsdp is modelled for DiT model files (torch FSDP2); for a megatron-core "
-                         "decoder use --distributed-optimizer")
+    fsdp = None
+    if par.fsdp:  # torch FSDP2 (Megatron-LM's --use-torch-fsdp2): its states and dp/ traffic, the rest as DDP's
+        from megatron_flops.memory.decoder_fsdp import fsdp_notes, fsdp_stage
+
+        fsdp = fsdp_stage(spec, options, par, training, peft=peft, vision=bool(vision and vision.params))
+        par = replace(par, fsdp=False)
     if recompute is not None and recompute.pipeline_model_parallel_size != par.pp:
         recompute = RecomputeSpec(granularity=recompute.granularity, method=recompute.method,
                                   num_layers=recompute.num_layers, modules=recompute.modules,
@@ -240,6 +244,11 @@ def decoder_memory(
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
+    if fsdp is not None:
+        comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
+        stages = [replace(stages[0], states=fsdp[0], communication={**fsdp[1], **comm})]
+        more = fsdp_notes(par, recompute)
+        assumptions, unmeasured = assumptions + tuple(more[0]), unmeasured + tuple(more[1])
     tower = vision or VisionMemory(params=(), activations=None)
     counts = parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp)
     return MemoryReport(
@@ -274,6 +283,9 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
         if options.hidden_dropout > 0 or options.attention_dropout > 0:
             assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
                                "activation-dtype mask)")
+    more_assumptions, more_unmeasured = ssm_notes(spec, par, activations=activations)
+    assumptions += more_assumptions
+    unmeasured += more_unmeasured
     if activations and lora:
         assumptions.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each "
                            "saves the projection's input and the [tokens, rank] intermediate")

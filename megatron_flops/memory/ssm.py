@@ -1,0 +1,239 @@
+"""Parameters and saved-for-backward bytes of the mixers beside softmax attention: Mamba-2, Gated
+DeltaNet, Kimi Delta Attention and DeepSeek sparse attention's indexer (stdlib only).
+
+Parameters come as ``(name, numel, tp_replicated)`` in ``named_parameters()`` order on one
+tensor-parallel rank (:mod:`.decoder` turns them into its ``Param``): megatron-core 0.16's
+``MambaMixer``, ``GatedDeltaNet`` and ``DSAIndexer``, and transformers' ``KimiLinearDeltaAttention``
+(megatron-core has no KDA). ``tests/test_memory_ssm.py`` builds each of those modules on CPU and
+compares names and shapes.
+
+NB: megatron-core builds hybrid and GDN layers with Transformer Engine only: the layer's input norm
+is fused into ``in_proj``/``linear_qkv``/``linear_fc1`` (``layer_norm_weight``); it is listed here
+as the local spec's separate norm (the same elements; see :mod:`.decoder`).
+
+Activations of these mixers are formulas from what the CUDA kernels keep for backward (mamba_ssm's
+``mamba_split_conv1d_scan_combined`` and gated RMSNorm, causal-conv1d, fla's
+``chunk_gated_delta_rule`` and ``l2norm``), read from their source: none of them runs on CPU, so
+none is measured (the report lists them under ``unmeasured``).
+"""
+
+from __future__ import annotations
+
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.memory.layout import Parallelism
+from megatron_flops.model.spec import ModelSpec
+
+Tensor = tuple[str, int, bool]  # (name, elements on one TP rank, whole on every TP rank)
+# megatron-core's MambaMixer defaults (not TransformerConfig fields): conv width 4, conv bias.
+MAMBA_CONV_WIDTH = 4
+FLA_CHUNK = 64  # fla's chunk size: the solved [chunk, chunk] WY matrix per chunk and head
+FP32 = 4
+MIXERS_WITH_PARAMETERS = ("mamba", "gdn", "kda")
+
+
+def mamba_inner(spec: ModelSpec) -> int:
+    """Mamba's inner width: heads x head dim (``expand x hidden`` by default)."""
+    m = spec.mamba
+    assert m is not None
+    return m.num_heads * m.head_dim
+
+
+def mixer_tensors(spec: ModelSpec, mixer: str, prefix: str, tp: int, layer_norm: bool) -> list[Tensor]:
+    """The mixer's own parameters (no input norm) of a ``mamba``/``gdn``/``kda`` layer, under
+    ``prefix`` (``decoder.layers.N.``); ``layer_norm``: GDN's per-head output norm is a LayerNorm."""
+    if mixer == "mamba":
+        return _mamba(spec, prefix + "mixer.", tp)
+    if mixer == "gdn":
+        return _gdn(spec, prefix + "self_attention.", tp, layer_norm)
+    if mixer == "kda":
+        return _kda(spec, prefix + "self_attention.")
+    raise ValueError(f"no parameter list for mixer {mixer!r}")
+
+
+def _mamba(spec: ModelSpec, p: str, tp: int) -> list[Tensor]:
+    m = spec.mamba
+    assert m is not None
+    h, inner = spec.hidden_size, mamba_inner(spec)
+    heads, conv = m.num_heads // tp, (inner + 2 * m.num_groups * m.state_dim) // tp
+    # NB: the mixer's own parameters (dt_bias, A_log, D: [heads/tp]) come before its submodules'.
+    return [
+        (p + "dt_bias", heads, False), (p + "A_log", heads, False), (p + "D", heads, False),
+        # in_proj: [(2*inner + 2*groups*state + heads)/tp, h] (z, x, B, C, dt; column parallel, no bias).
+        (p + "in_proj.weight", (2 * inner + 2 * m.num_groups * m.state_dim + m.num_heads) // tp * h, False),
+        # Depthwise conv over x, B, C: weight [conv, 1, 4], bias [conv].
+        (p + "conv1d.weight", conv * MAMBA_CONV_WIDTH, False),
+        (p + "conv1d.bias", conv, False),
+        # Gated RMSNorm over this rank's inner channels, then out_proj [h, inner/tp] (row parallel).
+        (p + "norm.weight", inner // tp, False),
+        (p + "out_proj.weight", h * (inner // tp), False),
+    ]
+
+
+def _gdn(spec: ModelSpec, p: str, tp: int, layer_norm: bool) -> list[Tensor]:
+    g = spec.gdn
+    assert g is not None
+    h = spec.hidden_size
+    qk, v, nv = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim, g.num_value_heads
+    out = [
+        # The module's own dt_bias and A_log [nv/tp] first, then its submodules'.
+        (p + "dt_bias", nv // tp, False), (p + "A_log", nv // tp, False),
+        # in_proj: [(2*qk + 2*v + 2*nv)/tp, h] (q, k, v, gate z, beta, alpha; column parallel, no bias).
+        (p + "in_proj.weight", (2 * qk + 2 * v + 2 * nv) // tp * h, False),
+        # Depthwise causal conv over q, k, v: [(2*qk + v)/tp, 1, K], no bias (megatron-core's default).
+        (p + "conv1d.weight", (2 * qk + v) // tp * g.conv_kernel_dim, False),
+        # The output norm is per value head: [value_head_dim], whole on every TP rank.
+        (p + "out_norm.weight", g.value_head_dim, True),
+    ]
+    if layer_norm:
+        out.append((p + "out_norm.bias", g.value_head_dim, True))
+    return out + [(p + "out_proj.weight", h * (v // tp), False)]
+
+
+def _kda(spec: ModelSpec, p: str) -> list[Tensor]:
+    """transformers' ``KimiLinearDeltaAttention`` (TP 1)."""
+    k = spec.kda
+    assert k is not None
+    h, d, dim = spec.hidden_size, k.head_dim, k.num_heads * k.head_dim
+    return [
+        (p + "q_proj.weight", dim * h, False), (p + "k_proj.weight", dim * h, False), (p + "v_proj.weight", dim * h, False),
+        (p + "conv1d.weight", 3 * dim * k.conv_kernel_dim, False),  # one depthwise conv over q, k, v
+        (p + "forget_gate.dt_bias", dim, False), (p + "forget_gate.A_log", k.num_heads, False),
+        (p + "forget_gate.f_a_proj.weight", d * h, False), (p + "forget_gate.f_b_proj.weight", dim * d, False),
+        (p + "b_proj.weight", k.num_heads * h, False),
+        (p + "g_a_proj.weight", d * h, False), (p + "g_b_proj.weight", dim * d, False),
+        (p + "o_norm.weight", d, False),
+        (p + "o_proj.weight", h * dim, False),
+    ]
+
+
+def dsa_indexer_tensors(spec: ModelSpec, prefix: str) -> list[Tensor]:
+    """megatron-core's ``DSAIndexer`` (``self_attention.core_attention.indexer.``, registered before
+    ``linear_proj``): duplicated (not TP-split) linears and a LayerNorm of the key."""
+    mla, dsa = spec.mla, spec.dsa
+    assert mla is not None and dsa is not None
+    h, p = spec.hidden_size, prefix + "self_attention.core_attention.indexer."
+    return [
+        (p + "linear_wq_b.weight", dsa.num_heads * dsa.head_dim * (mla.q_lora_rank or h), False),
+        (p + "linear_wk.weight", dsa.head_dim * h, False),
+        (p + "k_norm.weight", dsa.head_dim, True), (p + "k_norm.bias", dsa.head_dim, True),
+        (p + "linear_weights_proj.weight", dsa.num_heads * h, False),
+    ]
+
+
+def mamba_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int) -> int:
+    """Bytes one Mamba mixer keeps for backward after ``in_proj`` (whose input the caller counts):
+    the combined kernel's contiguous ``zxBCdt`` [T, in/tp] and ``out_x`` (the scan output before
+    the z gate) [T, inner/tp], ``A = -exp(A_log)`` and ``exp``'s output (fp32 [heads] each) and
+    ``dt_bias.float()`` (a copy for 16-bit parameters); the gated RMSNorm's input [T, inner/tp] and fp32 rstd per token and
+    group; ``out_proj``'s input [T, inner/tp]. The conv output, dt and the chunk states are
+    recomputed in backward."""
+    m = spec.mamba
+    assert m is not None
+    inner, heads, groups = mamba_inner(spec) // tp, m.num_heads // tp, m.num_groups // tp
+    in_dim = (2 * mamba_inner(spec) + 2 * m.num_groups * m.state_dim + m.num_heads) // tp
+    kernel = tokens * in_dim * act + tokens * inner * act + 2 * heads * FP32 + (heads * FP32 if act < FP32 else 0)
+    return kernel + tokens * inner * act + tokens * groups * FP32 + tokens * inner * act
+
+
+def gdn_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int, param: int) -> int:
+    """Bytes one Gated DeltaNet mixer keeps for backward after ``in_proj`` (production path:
+    causal-conv1d and fla kernels, q/k L2-normalised):
+
+    - causal-conv1d: its input, the transposed contiguous q, k, v [T, (2qk + v)/tp];
+    - fla's ``l2norm`` of q and of k: output [T, qk/tp] and fp32 rstd per token and key head;
+      GQA's ``repeat_interleave`` (value heads > key heads) makes new q and k of [T, nv/tp x dk];
+    - the decay ``g = -exp(A_log) * softplus(alpha + dt_bias)``: softplus's fp32 input and output
+      [T, nv/tp], ``exp``'s output and its negation [nv/tp] (parameter dtype); ``beta = sigmoid(b)``
+      [T, nv/tp];
+    - ``chunk_gated_delta_rule``: q, k, the contiguous v [T, v/tp], the chunk-cumulated fp32 g,
+      beta, the solved WY matrix ``A`` [T, nv/tp, 64] in the activation dtype;
+    - the gated output norm: the norm's input [T, v/tp] and fp32 rstd per token and value head,
+      its output and the contiguous gate z [T, v/tp] (the fused ``y * silu(z)``); ``out_proj``'s
+      input [T, v/tp].
+    """
+    g = spec.gdn
+    assert g is not None
+    nk, nv = g.num_key_heads // tp, g.num_value_heads // tp
+    qk, v = nk * g.key_head_dim, nv * g.value_head_dim
+    t = tokens
+    conv = t * (2 * qk + v) * act
+    l2 = 2 * (t * qk * act + t * nk * FP32)
+    repeated = 2 * t * nv * g.key_head_dim * act if nv > nk else 0
+    decay = 2 * t * nv * FP32 + 2 * nv * param + t * nv * act
+    core = t * v * act + t * nv * FP32 + t * nv * FLA_CHUNK * act
+    norm = 3 * t * v * act + t * nv * FP32
+    return conv + l2 + repeated + decay + core + norm + t * v * act
+
+
+def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str | None:
+    """Why the parameters of this model are not modelled on ``par`` (None: they are)."""
+    kinds = {kind for kind, _ in spec.layer_runs}
+    mixers = {mixer for mixer, _ in kinds}
+    if spec.mtp_num_layers and any(m != "attention" or f == "none" for (m, f), _ in spec.mtp_layer_runs):
+        return "multi-token prediction is modelled for attention MTP layers (not Mamba, GDN, DSA or hybrid MTP parts)"
+    if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
+                                                            or any(f == "none" for _, f in kinds)):
+        return "LoRA adapters are modelled on attention + MLP layers (not Mamba, GDN, KDA, DSA or hybrid layers)"
+    if par.vpp is not None and is_hybrid(spec):
+        return "virtual pipeline stages of a hybrid pattern follow its '|' separators, which this report does not read"
+    if par.cp > 1 and not mixers <= {"attention", "window", "none"}:
+        return "context parallelism is modelled for softmax-attention layers (not Mamba, GDN, KDA or DSA)"
+    if "kda" in mixers and par.tp > 1:
+        return "Kimi Delta Attention is modelled with --tp 1 (transformers' layer: megatron-core has none)"
+    sizes = []
+    if spec.mamba is not None:
+        sizes += [("mamba_num_heads", spec.mamba.num_heads), ("mamba_num_groups", spec.mamba.num_groups)]
+    if spec.gdn is not None:
+        sizes += [("linear_num_key_heads", spec.gdn.num_key_heads), ("linear_num_value_heads", spec.gdn.num_value_heads)]
+    for name, value in sizes:
+        if value % par.tp:
+            return f"{name}={value} is not divisible by --tp {par.tp}"
+    return None
+
+
+def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> str | None:
+    """Why activations are not modelled for these layers (None: they are, or there are none)."""
+    kinds = {kind for kind, _ in spec.layer_runs}
+    mixers = {mixer for mixer, _ in kinds}
+    if mixers & {"kda", "dsa", "dsa_shared"}:
+        return "activations are not modelled for Kimi Delta Attention or DeepSeek sparse attention layers"
+    plain = mixers <= {"attention", "window"} and all(f != "none" for _, f in kinds)
+    if recompute is not None and recompute.granularity == "full" and not plain:
+        return "activations of Mamba, Gated DeltaNet and hybrid layers are modelled without full recompute"
+    return None
+
+
+def is_hybrid(spec: ModelSpec) -> bool:
+    """Built by megatron-core's hybrid stack: Mamba layers, or layers with one sub-block."""
+    return any(m in ("mamba", "none") or f == "none" for (m, f), _ in spec.layer_runs)
+
+
+def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[list[str], list[str]]:
+    """(assumptions, unmeasured) for these layers: every activation formula here is unmeasured."""
+    mixers = {mixer for (mixer, _), _ in spec.layer_runs}
+    assumptions, unmeasured = [], []
+    if "gdn" in mixers or is_hybrid(spec):
+        assumptions.append("Mamba, GDN and hybrid layers as megatron-core builds them (Transformer Engine specs: a "
+                           "layer's norm fused into its first linear layer, listed as a separate norm: same bytes)")
+    if is_hybrid(spec) and par.pp > 1:
+        assumptions.append(f"the hybrid pattern's layers split evenly over the {par.pp} pipeline stages, as "
+                           "megatron-core splits a pattern without '|' separators ('|' boundaries are not read here)")
+    if activations and "mamba" in mixers:
+        unmeasured.append("activations of Mamba layers: a formula from what mamba_ssm's fused conv1d + chunked scan "
+                          "and gated RMSNorm save for backward (CUDA/Triton kernels: they do not run on CPU)")
+    if activations and "gdn" in mixers:
+        unmeasured.append("activations of Gated DeltaNet layers: a formula from what causal-conv1d and fla's "
+                          "l2norm and chunk_gated_delta_rule save for backward (CUDA/Triton kernels: they do not run "
+                          "on CPU)")
+    if par.tp > 1 and mixers & {"mamba", "gdn"}:
+        unmeasured.append("tp/* traffic of Mamba and GDN layers: in_proj and out_proj priced as an attention block's "
+                          "column- and row-parallel pair (the layers do not run on CPU)")
+    if "kda" in mixers:
+        assumptions.append("Kimi Delta Attention layers as transformers' KimiLinearDeltaAttention (TP 1)")
+    return assumptions, unmeasured
+
+
+def missing_blocks(kinds: tuple[tuple[str, str], ...], layers: range | list[int]) -> int:
+    """Sub-blocks (a mixer or a feed-forward part, each with one TP collective pair) that the
+    hybrid layers among ``layers`` lack: :mod:`.comm` prices two per layer."""
+    return sum((kinds[i][0] == "none") + (kinds[i][1] == "none") for i in layers)

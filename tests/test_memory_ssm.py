@@ -1,0 +1,271 @@
+"""Memory of the layers beside a GPT's: Mamba-2, Gated DeltaNet, Kimi Delta Attention, DeepSeek
+sparse attention's indexer, gated and sliding-window attention, hybrid layer patterns.
+
+Measured here: every mixer's parameter names and shapes against the real module built on CPU
+(megatron-core 0.16.1's ``GatedDeltaNet``, ``MambaMixer`` and ``DSAIndexer``, transformers'
+``KimiLinearDeltaAttention``), a gated-attention GPT's parameters in ``named_parameters()``
+order, and the saved-for-backward bytes of gated and sliding-window attention through real
+megatron-core steps. Not measurable here (CUDA/Triton kernels): Mamba's and GDN's activations,
+formulas checked as integers below and labelled ``unmeasured`` in the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+import mcore_cpu
+from megatron_flops.cli import main
+from megatron_flops.memory.activations import chunk_activations, in_flight, schedule_peak
+from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.report import decoder_memory
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.memory.ssm import dsa_indexer_tensors, gdn_saved, mamba_saved, mixer_tensors
+from megatron_flops.model.spec import ModelSpec
+
+SMALL = dict(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, normalization="RMSNorm",
+             add_bias_linear=False, vocab_size=256,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+             linear_conv_kernel_dim=4, mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
+HYBRID = dict(SMALL, num_layers=4, hybrid_override_pattern="MG*-")  # one Mamba, one GDN, one attention, one MLP layer
+DSA = dict(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
+           multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+           v_head_dim=16, experimental_attention_variant="dsa", dsa_indexer_n_heads=2, dsa_indexer_head_dim=16,
+           dsa_indexer_topk=8)
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    if not mcore_cpu.HAVE_MCORE:
+        pytest.skip(mcore_cpu.SKIP_REASON)
+    import mcore_memory
+
+    mcore_cpu.init_single_process()
+    mcore_memory.patch_alltoall_dispatcher()
+
+
+def _shapes(module: torch.nn.Module) -> list[tuple[str, int]]:
+    return [(name, p.numel()) for name, p in module.named_parameters()]
+
+
+def _ours(tensors, prefix: str) -> list[tuple[str, int]]:
+    return [(name.removeprefix(prefix), numel) for name, numel, _ in tensors]
+
+
+def _stub_mamba_ssm(monkeypatch) -> None:
+    """MambaMixer refuses to build without mamba_ssm (its kernels run in forward only): a gated
+    RMSNorm that allocates the same ``weight`` stands in for mamba_ssm's."""
+    from megatron.core.ssm import mamba_mixer
+
+    class GatedRMSNorm(torch.nn.Module):
+        def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    for name, value in (("HAVE_MAMBA_SSM", True), ("HAVE_EINOPS", True), ("RMSNormGated", GatedRMSNorm),
+                        ("ExtendedRMSNorm", GatedRMSNorm)):
+        monkeypatch.setattr(mamba_mixer, name, value, raising=False)
+
+
+def test_mixer_parameters_match_megatron_core_modules(mcore, monkeypatch):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm import gated_delta_net, mamba_mixer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    spec = ModelSpec.from_mapping(HYBRID)
+    fields = {k: v for k, v in SMALL.items() if k != "vocab_size"}
+    config = mcore_cpu.make_config(dict(fields, activation_func=torch.nn.functional.silu))
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    monkeypatch.setattr(gated_delta_net, "HAVE_FLA", True)  # (fla's kernels run in forward only)
+    _stub_mamba_ssm(monkeypatch)
+    with mcore_cpu.cuda_to_cpu_mode():
+        gdn = gated_delta_net.GatedDeltaNet(config, gated_delta_net.GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear),
+            layer_number=1, pg_collection=groups)
+        mamba = mamba_mixer.MambaMixer(config, mamba_mixer.MambaMixerSubmodules(
+            in_proj=ColumnParallelLinear, out_proj=RowParallelLinear), d_model=64, layer_number=1, pg_collection=groups)
+    assert _ours(mixer_tensors(spec, "gdn", "", 1, False), "self_attention.") == _shapes(gdn)
+    # in_proj [2*32 + 2*32 + 2*4, 64]; conv1d [2*32 + 32, 1, 4]; per-head out_norm [8].
+    assert _shapes(gdn)[2:] == [("in_proj.weight", 136 * 64), ("conv1d.weight", 96 * 4), ("out_norm.weight", 8),
+                                ("out_proj.weight", 64 * 32)]
+    assert _ours(mixer_tensors(spec, "mamba", "", 1, False), "mixer.") == _shapes(mamba)
+    # 8 heads of 16 (inner 128): in_proj [2*128 + 2*2*16 + 8, 64], conv over x, B, C [128 + 64, 1, 4].
+    assert _shapes(mamba)[3] == ("in_proj.weight", 328 * 64) and _shapes(mamba)[4] == ("conv1d.weight", 192 * 4)
+
+
+def test_dsa_indexer_parameters_match_megatron_core(mcore):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.experimental_attention_variant import dsa
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    class Duplicated(torch.nn.Linear):  # TELinear(parallel_mode="duplicated"): a whole weight on every rank
+        def __init__(self, d_in, d_out, *, bias=False, **_):
+            super().__init__(d_in, d_out, bias=bias)
+
+    fields = {k: v for k, v in DSA.items() if k not in ("vocab_size", "experimental_attention_variant")}
+    config = MLATransformerConfig(**fields, normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+                                  rope_type="rope")
+    with mcore_cpu.cuda_to_cpu_mode():
+        indexer = dsa.DSAIndexer(config, dsa.DSAIndexerSubmodules(
+            linear_wq_b=Duplicated, linear_wk=Duplicated, k_norm=WrappedTorchNorm, linear_weights_proj=Duplicated),
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    prefix = "self_attention.core_attention.indexer."
+    assert _ours(dsa_indexer_tensors(ModelSpec.from_mapping(DSA), ""), prefix) == _shapes(indexer)
+
+
+def test_kda_parameters_match_transformers():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.kimi_linear import modeling_kimi_linear
+
+    from test_linear_attention import KIMI
+
+    config = transformers.AutoConfig.for_model("kimi_linear", **KIMI)
+    layer = modeling_kimi_linear.KimiLinearDeltaAttention(config, layer_idx=0)
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    assert spec.layers[0][0] == "kda"
+    assert _ours(mixer_tensors(spec, "kda", "", 1, False), "self_attention.") == _shapes(layer)
+
+
+def test_gated_attention_parameters_in_megatron_order(mcore):
+    fields = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                  attention_output_gate=True, add_bias_linear=False)
+    model = mcore_cpu.build_gpt(fields, vocab_size=256, max_seq_len=16, share_embeddings=False)
+    spec = ModelSpec.from_mapping(dict(fields, vocab_size=256, share_embeddings_and_output_weights=False))
+    options = DecoderOptions.from_mapping(dict(fields, padded_vocab_size=256, position_embedding_type="rope"))
+    ours = chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0, seq_length=16)
+    assert [(p.name, p.numel) for p in ours] == _shapes(model)
+    # linear_qkv: [(4 + 2*2 + 4 gate) * 16, 64].
+    assert ("decoder.layers.0.self_attention.linear_qkv.weight", 12 * 16 * 64) in _shapes(model)
+
+
+# Saved bytes of attention variants that run on CPU (the local unfused attention).
+ATTENTION_CASES = {
+    "gated, MHA, RoPE": (dict(attention_output_gate=True), "rope", "fp32"),
+    "gated, GQA, learned positions": (dict(attention_output_gate=True, num_query_groups=2), "learned_absolute", "fp32"),
+    "gated, bf16": (dict(attention_output_gate=True), "rope", "bf16"),
+    "sliding window 4 (the [s, s] softmax is saved whatever the window)": (dict(window_size=(4, 0)), "rope", "fp32"),
+    "gated, full recompute, uniform 1": (dict(attention_output_gate=True, recompute_granularity="full",
+                                              recompute_method="uniform", recompute_num_layers=1), "rope", "fp32"),
+    "gated, selective core_attn, MHA": (dict(attention_output_gate=True, recompute_granularity="selective"),
+                                        "rope", "fp32"),
+    "gated, selective core_attn, GQA": (dict(attention_output_gate=True, recompute_granularity="selective",
+                                             num_query_groups=2), "rope", "fp32"),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+def test_gated_and_windowed_attention_saved_bytes(mcore, name):
+    import test_memory_activations as base
+
+    fields, position, dtype = ATTENTION_CASES[name]
+    measured_forward, measured_peak = base._measure(fields, position, dtype)
+    model = dict(base.BASE, **fields, vocab_size=base.VOCAB)
+    spec = ModelSpec.from_mapping(model)
+    options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=base.VOCAB, attention_backend="local",
+                                               position_embedding_type=position, add_bias_linear=False))
+    training = Training(seq_length=base.SEQ, micro_batch_size=base.MBS, num_microbatches=base.NUM_MB,
+                        params_dtype=dtype)
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0,
+                            recompute=RecomputeSpec.from_mapping(model))
+    delta = base.cpu_kernel_delta(fields, training.param_bytes, 2 * base.BASE["num_layers"] + 1, base.SEQ * base.MBS,
+                                  base.BASE["hidden_size"], 0)
+    act = dataclasses.replace(act, components={**act.components, "cpu": delta})
+    assert measured_forward == [act.forward + act.shared] * base.NUM_MB
+    assert measured_peak == schedule_peak([act], in_flight(Parallelism(), base.NUM_MB, 0))[0]
+
+
+def test_gate_adds_two_head_widths_per_layer():
+    # MHA with RoPE, fp32, T = 32 tokens, 4 heads x 16: the qkv output grows by the gate [T, 64] and
+    # the gated output [T, 64] is kept beside the core output: 2 x 32 x 64 x 4 = 16,384 per layer.
+    plain = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256)
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=1, params_dtype="fp32")
+    options = DecoderOptions(attention_backend="unfused", position_embedding_type="rope", padded_vocab_size=256)
+    sizes = [chunk_activations(ModelSpec.from_mapping(dict(plain, attention_output_gate=g)), options, Parallelism(),
+                               training, pp_rank=0, chunk=0).forward for g in (False, True)]
+    assert sizes[1] - sizes[0] == 2 * 16_384
+
+
+def test_mamba_and_gdn_formulas():
+    spec = ModelSpec.from_mapping(HYBRID)
+    # Mamba, T = 32, bf16: inner 128, 8 heads, 2 groups, in_proj width 2*128 + 2*2*16 + 8 = 328.
+    # zxBCdt 32*328*2 = 20,992; out_x 32*128*2 = 8,192; A, exp(A_log) and the dt_bias copy 3 x 8*4 = 96;
+    # norm input 8,192 and rstd 32*2*4 = 256; out_proj input 8,192: 45,920.
+    assert mamba_saved(spec, tokens=32, tp=1, act=2) == 45_920
+    # GDN, T = 32, bf16: 2 key heads x 16 (qk 32), 4 value heads x 8 (v 32).
+    # conv input 32*96*2 = 6,144; l2norm of q and k 2*(32*32*2 + 32*2*4) = 4,608; q, k repeated to 4
+    # heads 2*32*4*16*2 = 8,192; softplus in/out 2*32*4*4 + exp and -exp 2*4*2 + beta 32*4*2 = 1,296;
+    # v 2,048, cumulated g 512, WY matrix 32*4*64*2 = 16,384; gated norm: input, output and gate
+    # 3*2,048 + rstd 512 = 6,656; out_proj input 2,048: 47,888.
+    assert gdn_saved(spec, tokens=32, tp=1, act=2, param=2) == 47_888
+    # TP 2 halves the heads: the per-rank figures shrink (groups, heads and widths per rank).
+    assert mamba_saved(spec, tokens=32, tp=2, act=2) < 45_920
+
+
+def test_hybrid_report_lists_every_layer_and_labels_formulas():
+    spec = ModelSpec.from_mapping(HYBRID)
+    options = DecoderOptions(normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
+                             padded_vocab_size=256, attention_backend="unfused")
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=2, params_dtype="bf16")
+    report = decoder_memory(spec, options, Parallelism(), training)
+    names = [p.name for p in chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0, seq_length=16)]
+    assert "decoder.layers.0.mixer.in_proj.weight" in names and "decoder.layers.1.self_attention.conv1d.weight" in names
+    assert "decoder.layers.2.self_attention.linear_qkv.weight" in names and "decoder.layers.3.mlp.linear_fc1.weight" in names
+    assert not any(n.startswith("decoder.layers.3.input_layernorm") or n.startswith("decoder.layers.2.pre_mlp")
+                   for n in names)
+    assert report.per_gpu.activations is not None and not report.not_modelled
+    assert {"mamba", "gdn", "attention", "mlp"} <= set(report.per_gpu.activations_per_microbatch[0])
+    assert any("Mamba layers" in u for u in report.unmeasured) and any("Gated DeltaNet" in u for u in report.unmeasured)
+
+
+def test_cli_hybrid_model_shows_unmeasured_formulas(capsys, tmp_path):
+    nemotron_h_like = dict(hybrid_override_pattern="M-M*-M-M-", hidden_size=256, num_attention_heads=8,
+                           num_query_groups=2, ffn_hidden_size=512, mamba_state_dim=64, mamba_head_dim=32,
+                           mamba_num_groups=4, vocab_size=1000, normalization="RMSNorm", add_bias_linear=False,
+                           activation_func="squared_relu", position_embedding_type="none")
+    model = tmp_path / "nemotron_h_like.json"
+    model.write_text(json.dumps(nemotron_h_like))
+    assert main(["memory", "--model", str(model), "--seq-length", "1024", "--tp", "2", "--dp", "2",
+                 "--distributed-optimizer"]) == 0
+    out = capsys.readouterr().out
+    assert "activations" in out and "n/m" not in out
+    assert "unmeasured formula (this setup): activations of Mamba layers" in out
+    assert "unmeasured formula (this setup): tp/* traffic of Mamba and GDN layers" in out
+    assert main(["memory", "--model", str(model), "--seq-length", "1024", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"]["total"] == report["parameters"]["trainable"] > 0
+    assert any("Mamba" in u for u in report["unmeasured"])
+
+
+def test_refusals_name_what_is_not_modelled(capsys, tmp_path):
+    model = tmp_path / "hybrid.json"
+    model.write_text(json.dumps(HYBRID))
+    assert main(["memory", "--model", str(model), "--seq-length", "16", "--cp", "2"]) == 2
+    assert "context parallelism is modelled for softmax-attention layers" in capsys.readouterr().err
+    assert main(["memory", "--model", str(model), "--seq-length", "16", "--recompute", "full",
+                 "--recompute-method", "uniform", "--recompute-num-layers", "1"]) == 0
+    assert "not modelled (this setup): activations of Mamba, Gated DeltaNet and hybrid layers are modelled " \
+           "without full recompute" in capsys.readouterr().out
+    assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2", "--vpp", "2"]) == 2
+    assert "virtual pipeline stages of a hybrid pattern follow its '|' separators" in capsys.readouterr().err
+    assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2"]) == 0
+    assert "split evenly over the 2 pipeline stages" in capsys.readouterr().out
+
+
+def test_selective_recompute_touches_only_the_attention_layers():
+    # core_attn recompute checkpoints softmax attention's core; Mamba and GDN layers save the same.
+    spec = ModelSpec.from_mapping(HYBRID)
+    options = DecoderOptions(normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
+                             padded_vocab_size=256, attention_backend="unfused", hidden_dropout=0.0)
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=1, params_dtype="bf16")
+    plain, selective = (chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0,
+                                          recompute=r) for r in (None, RecomputeSpec(granularity="selective")))
+    assert {k: v for k, v in plain.components.items() if k != "attention"} == \
+        {k: v for k, v in selective.components.items() if k != "attention"}
+    assert selective.components["attention"] < plain.components["attention"] and selective.backward_peak
