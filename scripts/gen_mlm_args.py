@@ -10,6 +10,7 @@ the framework tests' environment for that release (``tests/frameworks/envs.py``:
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import os
 import subprocess
@@ -39,6 +40,8 @@ def dump() -> dict:
             options[option] = (action.dest, _kind(action, option))
         if action.dest in READ:
             default = action.default
+            if isinstance(default, enum.Enum):  # --attention-backend: AttnBackend.auto, stored by its name
+                default = default.name
             assert default is None or isinstance(default, (bool, int, float, str, list)), (action.dest, default)
             defaults[action.dest] = default
             types[action.dest] = _type_name(action)
@@ -62,6 +65,8 @@ def _kind(action: argparse.Action, option: str) -> str:
 
 
 def _type_name(action: argparse.Action) -> str:
+    if isinstance(action.default, enum.Enum):  # a name looked up in the enum (AttnBackend[...])
+        return type(action.default).__name__
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
         return "bool"
     if action.type in (int, float, str) or action.type is None:

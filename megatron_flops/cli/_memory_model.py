@@ -14,23 +14,13 @@ from megatron_flops.memory.decoder import DecoderOptions, backend_convention
 from megatron_flops.memory.hf_layers import hf_differences
 from megatron_flops.model.hf_config import hf_family_of, hf_text_config, is_hf_config
 
-# Megatron-LM options that shape bytes but are not read from --megatron-args (the command line is
-# read for the model's shape): Megatron-LM's defaults stand in for them.
-MEGATRON_ARGS_NOT_READ = (
-    "--megatron-args: --normalization, --position-embedding-type, --rotary-percent, --max-position-embeddings, "
-    "--hidden-dropout, --attention-dropout, --attention-backend, --moe-token-dispatcher-type, --micro-batch-size and "
-    "--global-batch-size are not read from the command line: Megatron-LM's defaults are counted (LayerNorm, learned absolute positions of "
-    "--seq-length rows, dropout 0.1, a fused attention kernel, the allgather dispatcher; --attention-backend and "
-    "--moe-token-dispatcher, --micro-batch-size and --num-microbatches here set them)"
-)
-
 
 def decoder_options(args: argparse.Namespace, model: LoadedModel) -> tuple[DecoderOptions, tuple[str, ...]]:
     """The decoder's options (the model file's or command line's, then the flags), and what the
     model holds or saves that they cannot express (for ``not_modelled``)."""
     notes: tuple[str, ...] = ()
     if model.megatron_args is not None:
-        options, notes = _megatron_options(model.megatron_args), (MEGATRON_ARGS_NOT_READ,)
+        options = _megatron_options(model.megatron_args)
     elif is_hf_config(model.raw):
         options = DecoderOptions.from_mapping(model.raw, hf=True, hf_family=args.hf_family)
         text = hf_text_config(model.raw)
@@ -52,11 +42,17 @@ def decoder_options(args: argparse.Namespace, model: LoadedModel) -> tuple[Decod
 
 def _megatron_options(namespace: SimpleNamespace) -> DecoderOptions:
     """A Megatron-LM command line's options as ``core_transformer_config_from_args`` passes them
-    (the switches it carries; Megatron-LM's defaults for the rest)."""
+    (its valued options, and the switches it carries; Megatron-LM's defaults for the rest)."""
     gated = bool(namespace.swiglu or namespace.quick_geglu)
     fusion = getattr(namespace, "bias_swiglu_fusion" if gated else "bias_gelu_fusion", True)
     return DecoderOptions(
-        normalization="LayerNorm", position_embedding_type="learned_absolute",
+        normalization=namespace.normalization, position_embedding_type=namespace.position_embedding_type,
+        max_position_embeddings=namespace.max_position_embeddings, rotary_percent=namespace.rotary_percent,
+        hidden_dropout=namespace.hidden_dropout, attention_dropout=namespace.attention_dropout,
+        attention_backend=backend_convention(str(namespace.attention_backend)),
+        moe_token_dispatcher_type=namespace.moe_token_dispatcher_type,
+        moe_router_score_function=namespace.moe_router_score_function,
+        moe_router_pre_softmax=getattr(namespace, "moe_router_pre_softmax", False),
         add_bias_linear=getattr(namespace, "add_bias_linear", True),
         add_qkv_bias=getattr(namespace, "add_qkv_bias", False),
         qk_layernorm=getattr(namespace, "qk_layernorm", False),
@@ -64,7 +60,7 @@ def _megatron_options(namespace: SimpleNamespace) -> DecoderOptions:
         attention_softmax_in_fp32=getattr(namespace, "attention_softmax_in_fp32", False),
         make_vocab_size_divisible_by=namespace.make_vocab_size_divisible_by,
         padded_vocab_size=namespace.padded_vocab_size,
-        transformer_impl=getattr(namespace, "transformer_impl", None) or "transformer_engine",
+        transformer_impl=namespace.transformer_impl,
     )
 
 
@@ -73,13 +69,29 @@ def layout_defaults(model: LoadedModel) -> dict[str, Any]:
     flags' defaults."""
     ns = model.megatron_args
     if ns is None:
-        return {"tp": 1, "pp": 1, "vpp": None, "sequence_parallel": False, "distributed_optimizer": False,
-                "fsdp": False, "params_dtype": "bf16"}
+        return {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vpp": None, "sequence_parallel": False,
+                "distributed_optimizer": False, "fsdp": False, "params_dtype": "bf16", "micro_batch_size": 1}
     return {
+        "micro_batch_size": ns.micro_batch_size or 1,
         "tp": ns.tensor_model_parallel_size or 1, "pp": ns.pipeline_model_parallel_size or 1,
+        "cp": ns.context_parallel_size or 1, "ep": ns.expert_model_parallel_size or 1,
         "vpp": model.raw.get("virtual_pipeline_model_parallel_size"),
         "sequence_parallel": bool(getattr(ns, "sequence_parallel", False)),
         "distributed_optimizer": bool(getattr(ns, "use_distributed_optimizer", False)),
         "fsdp": bool(getattr(ns, "use_torch_fsdp2", False)),
         "params_dtype": "bf16" if getattr(ns, "bf16", False) else "fp16" if getattr(ns, "fp16", False) else "fp32",
     }
+
+
+def num_microbatches(model: LoadedModel, *, micro_batch_size: int, dp: int) -> int:
+    """Micro-batches per step per DP rank as Megatron-LM's ``validate_args`` derives them: a
+    command line's ``--global-batch-size`` / (micro-batch size x DP); one without it (Megatron-LM's
+    default global batch is micro-batch size x DP) or without a command line."""
+    ns = model.megatron_args
+    per_step = micro_batch_size * dp
+    if ns is None or ns.global_batch_size is None or per_step < 1:  # (Training/Parallelism refuse < 1)
+        return 1
+    if ns.global_batch_size % per_step:
+        raise ValueError(f"{model.source}: --global-batch-size {ns.global_batch_size} is not divisible by the "
+                         f"micro-batch size {micro_batch_size} x DP {dp}")
+    return ns.global_batch_size // per_step

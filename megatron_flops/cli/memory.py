@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from megatron_flops.cli._memory_model import decoder_options, layout_defaults
+from megatron_flops.cli._memory_model import decoder_options, layout_defaults, num_microbatches
 from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, backend_convention
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS
@@ -98,10 +98,12 @@ def _training(args: argparse.Namespace, seq_length: int) -> Training:
 
 
 def _resolve_layout(args: argparse.Namespace, model: LoadedModel) -> None:
-    """Fill the layout flags left unset from a Megatron-LM command line, else their defaults."""
+    """Fill the layout and batch flags left unset from a Megatron-LM command line, else their defaults."""
     for name, value in layout_defaults(model).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.num_microbatches is None:
+        args.num_microbatches = num_microbatches(model, micro_batch_size=args.micro_batch_size, dp=args.dp)
 
 
 def _parallelism(args: argparse.Namespace) -> Parallelism:
@@ -237,12 +239,15 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--seq-length", type=int, metavar="S",
                      help="tokens per sequence (a DiT: video tokens per sample; default: --megatron-args' "
                           "--seq-length)")
-    mem.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="sequences per micro-batch")
-    mem.add_argument("--num-microbatches", type=int, default=1, metavar="N", help="micro-batches per step per DP rank")
-    # NB: --tp, --pp, --vpp, --sequence-parallel, --distributed-optimizer and --params-dtype default to
-    # a --megatron-args command line's, else 1, none, off, off, bf16.
+    mem.add_argument("--micro-batch-size", type=int, metavar="B",
+                     help="sequences per micro-batch (default: --megatron-args' --micro-batch-size, else 1)")
+    mem.add_argument("--num-microbatches", type=int, metavar="N",
+                     help="micro-batches per step per DP rank (default: --megatron-args' --global-batch-size / "
+                          "(B x DP), else 1)")
+    # NB: --tp, --pp, --cp, --ep, --vpp, --sequence-parallel, --distributed-optimizer and --params-dtype
+    # default to a --megatron-args command line's, else 1, 1, 1, 1, none, off, off, bf16.
     for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"), ("dp", "data")):
-        mem.add_argument(f"--{flag}", type=int, default=1 if flag in ("cp", "ep", "dp") else None, metavar="N",
+        mem.add_argument(f"--{flag}", type=int, default=1 if flag == "dp" else None, metavar="N",
                          help=f"{what}-parallel size")
     mem.add_argument("--vpp", type=int, metavar="N", help="model chunks per pipeline rank (interleaved 1F1B)")
     mem.add_argument("--sequence-parallel", action="store_true", default=None,
@@ -263,13 +268,14 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--bucket-size", type=int, metavar="N", help="DDP bucket size in parameters")
     mem.add_argument("--attention-backend", choices=sorted(ATTENTION_BACKENDS),
                      help="saved-activation convention: local/unfused (megatron-core's DotProductAttention) or "
-                          "flash/fused/auto (default: the model file's attention_backend, else auto)")
+                          "flash/fused/auto (default: the model file's attention_backend or --megatron-args' "
+                          "--attention-backend, else auto)")
     mem.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS,
                      help="Megatron-LM's layer spec: moves multi-latent attention's down projections under TP "
                           "(transformer_engine: whole on every TP rank, a formula; local: split, measured; "
                           "default: the model file's transformer_impl, else transformer_engine as Megatron-LM)")
     mem.add_argument("--moe-token-dispatcher", choices=("alltoall", "allgather"),
-                     help="megatron-core's moe_token_dispatcher_type (default: the model file's; Hugging Face MoE "
+                     help="megatron-core's moe_token_dispatcher_type (default: the model file's or --megatron-args'; Hugging Face MoE "
                           "configs: alltoall, as Megatron-Bridge sets it)")
     mem.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES,
                      help="activation recompute granularity (default: the model file's)")

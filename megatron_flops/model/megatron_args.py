@@ -20,7 +20,8 @@ from typing import Any
 from megatron_flops.model.inputs import read_document, read_text, show
 from megatron_flops.model.spec import ModelOptions, ModelSpec
 
-# Megatron-LM dests that megatron-flops reads (the model, recompute, pipeline split, seq_length).
+# Megatron-LM dests that megatron-flops reads (the model, recompute, pipeline split, seq_length; the
+# last lines: what ``memory`` reads besides).
 READ = (
     "num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups",
     "kv_channels", "ffn_hidden_size", "swiglu", "squared_relu", "quick_geglu", "attention_output_gate",
@@ -36,6 +37,9 @@ READ = (
     "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
     "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
+    "normalization", "position_embedding_type", "rotary_percent", "max_position_embeddings", "hidden_dropout",
+    "attention_dropout", "attention_backend", "moe_token_dispatcher_type", "moe_router_score_function",
+    "transformer_impl", "micro_batch_size", "global_batch_size", "context_parallel_size", "expert_model_parallel_size",
 )
 
 
