@@ -103,10 +103,26 @@ def test_global_batch_not_divisible_is_refused():
 
 def test_attention_backend_of_an_args_dump(tmp_path):
     # vars(args) holds the AttnBackend enum; a JSON dump writes it as its str(). (A dump's layout
-    # flags, --bf16 here, are not read: fp32 on both sides.)
+    # switches are read too: --bf16 is left out on both sides.)
     dump = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128, "seq_length": 16,
             "max_position_embeddings": 16, "vocab_size": 100, "micro_batch_size": 2, "global_batch_size": 8}
     path = tmp_path / "args.json"
     path.write_text(json.dumps({**dump, "attention_backend": "AttnBackend.local"}))
     line = f"{DENSE.replace(' --bf16', '')} --attention-backend local --micro-batch-size 2 --global-batch-size 8"
     assert _memory("--megatron-args", str(path)) == _memory("--megatron-args", line)
+
+
+def test_an_args_dump_keeps_its_switches(tmp_path):
+    # vars(args) of a bf16, sequence-parallel, distributed-optimizer run: the dump prices what the
+    # command line does (before, only the valued keys were read and the run was priced fp32/DDP).
+    dump = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128, "seq_length": 16,
+            "max_position_embeddings": 16, "vocab_size": 100, "tensor_model_parallel_size": 2, "bf16": True,
+            "sequence_parallel": True, "use_distributed_optimizer": True, "data_parallel_size": 2}
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps(dump))
+    line = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 16 "
+            "--max-position-embeddings 16 --vocab-size 100 --tensor-model-parallel-size 2 --bf16 "
+            "--sequence-parallel --use-distributed-optimizer")
+    assert _memory("--megatron-args", str(path), "--dp", "2") == _memory("--megatron-args", line, "--dp", "2")
+    assert _memory("--megatron-args", str(path), "--dp", "2") != _memory("--megatron-args", line.replace(" --bf16", ""),
+                                                                         "--dp", "2")

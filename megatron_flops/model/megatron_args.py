@@ -142,7 +142,8 @@ def training_fields(args: SimpleNamespace) -> dict[str, Any]:
 
 
 def args_from_dump(dump: Mapping[str, Any], *, source: str, release: str | None = None) -> SimpleNamespace:
-    """An args dump (``vars(args)`` as JSON/YAML): the keys megatron-flops reads, over Megatron-LM's
+    """An args dump (``vars(args)`` as JSON/YAML): the keys megatron-flops reads and every on/off
+    switch (``bf16``, ``sequence_parallel``, ``use_distributed_optimizer``, ...), over Megatron-LM's
     defaults (``release``'s, else the newest release's). Other keys are Megatron-LM state and are
     ignored, except near-misses of a key we read (a typo), which are an error with the suggestion."""
     from megatron_flops.model import _mlm_args
@@ -156,8 +157,9 @@ def args_from_dump(dump: Mapping[str, Any], *, source: str, release: str | None 
         close = difflib.get_close_matches(key, READ, n=1, cutoff=0.85)
         if close:
             raise ValueError(f"{source}: unknown Megatron-LM argument {key!r} (did you mean {close[0]!r}?)")
-    values = {**_defaults(index, None, source), **{k: v for k, v in dump.items() if k in READ}}
-    return SimpleNamespace(**values)
+    switches = {dest for dest, kind, _ in _mlm_args.OPTIONS.values() if kind in ("true", "false")}
+    kept = {k: v for k, v in dump.items() if k in READ or (k in switches and isinstance(v, bool))}
+    return SimpleNamespace(**{**_defaults(index, None, source), **kept})
 
 
 def parse_command_line(text: str, *, source: str, release: str | None = None) -> SimpleNamespace:
