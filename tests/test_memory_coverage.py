@@ -142,9 +142,8 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),
-    # DiT: FSDP2's transient unsharded parameters and gradients; layouts but FSDP2 over DP (DDP,
-    # distributed optimizer, TP, PP, CP), which Megatron-Bridge's WAN also trains with.
-    ("examples/wan* | DP2 FSDP | *", r"not modelled: FSDP2's all-gathered parameters"),
+    # DiT: layouts but FSDP2 over DP (DDP, distributed optimizer, TP, PP, CP), which Megatron-Bridge's
+    # WAN also trains with.
     ("examples/wan* | DP2 | ", r"refused: .*a DiT model file with --dp > 1 needs --fsdp"),
     ("examples/wan* | DP2 distopt | ", r"refused: .*a DiT model file is modelled under --fsdp .* this layout"),
     ("examples/wan* | TP2* | ", r"refused: .*a DiT model file is modelled under --fsdp .* --tp 2 is"),

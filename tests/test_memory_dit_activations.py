@@ -12,6 +12,7 @@ re-run in backward is one block's saves, measured without checkpointing."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import json
 import sys
@@ -23,7 +24,9 @@ import torch
 import mcore_memory
 from megatron_flops.flops.dit import DiTPeftSpec, DiTSpec
 from megatron_flops.memory.dit_activations import DiTBatch, dit_activations, dit_block_saved, dit_outside_saved
-from megatron_flops.memory.fsdp import FSDP_TRANSIENTS
+from megatron_flops.memory.fsdp import FSDP_TRANSIENTS, fsdp_working_copies
+from megatron_flops.memory.fsdp_transients import unsharded_working_copies
+from megatron_flops.memory.layout import Training
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -192,8 +195,11 @@ def test_cli_reports_the_whole_models_activations(capsys):
     want = dit_activations(spec, DiTBatch(video=(16, 16), text=(12, 12)), act_bytes=4, attention="local",
                            peft=peft, checkpointed_blocks=2)
     assert out["per_gpu"]["activations_bytes"] == want.total
-    assert out["unmeasured"] == []
-    assert out["not_modelled"] == [FSDP_TRANSIENTS]  # not activations: FSDP2's transient unsharded copies
+    # FSDP2's transient whole copies: a formula, named as unmeasured (not activations), in the total.
+    assert (out["unmeasured"], out["not_modelled"]) == ([FSDP_TRANSIENTS], [])
+    gpu = out["per_gpu"]
+    assert gpu["components"]["fsdp/unsharded_working_copies"] == 174_272  # test_fsdp_working_copies_exact
+    assert gpu["total_bytes"] == sum(gpu["components"].values()) + want.total
     assert main(argv) == 0  # the flash convention by default: named as unmeasured
     assert "flash attention kernel" in json.loads(capsys.readouterr().out)["unmeasured"][0]
     assert main([*argv, "--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]) == 2
@@ -296,3 +302,28 @@ def test_whole_model_checkpointed_peak(name, checkpointed):
     assert at_forward_end == embeddings + want.shared + want.kept + later + want.outside["head"] + want.outside["loss"]
     assert rerun == [embeddings + want.shared + want.kept + want.recompute]
     assert want.total == max(at_forward_end, rerun[0])
+
+
+# ---- FSDP2's transient whole copies (a formula: gloo cannot show which gathered units overlap) -------
+
+def test_fsdp_working_copies_exact():
+    # The tiny DiT over DP 2: a block gathers 13,024 elements + 192 padding (the adaLN table [1, 6, 32]:
+    # ceil(1 / 2) = 1 row per rank) = 13,216; the root 10,928 + 64 (head.modulation [1, 2, 32]) = 10,992.
+    # LoRA rank 4 on q,k,v,o (self and cross): 8 x (A [4, 32] + B [32, 4]) = 2,048 more per block, the
+    # only trainable ones, no padding (4 and 32 rows over 2 ranks).
+    spec = DiTSpec.from_mapping(RAW["dit"])
+    fp32 = Training(seq_length=16, micro_batch_size=2, params_dtype="fp32")
+    bf16 = dataclasses.replace(fp32, params_dtype="bf16")
+    # Full training, fp32: the root's gathered parameters and whole gradients (10,992 x (4 + 4)),
+    # two blocks gathered (2 x 13,216 x 4) and one block's whole gradients (13,216 x 4).
+    assert fsdp_working_copies(spec, fp32, dp=2) == 10_992 * 8 + 3 * 13_216 * 4 == 246_528
+    # bf16 compute, fp32 reduce: gathered in 2 bytes, gradients (the reduce-scatter input) in 4.
+    assert fsdp_working_copies(spec, bf16, dp=2) == 10_992 * 6 + 2 * 13_216 * 2 + 13_216 * 4 == 171_680
+    # LoRA, fp32: the frozen root is gathered only; the blocks gather their adapters too.
+    peft = DiTPeftSpec(frozen=True, lora_rank=4, lora_targets=("q", "k", "v", "o"))
+    assert fsdp_working_copies(spec, fp32, dp=2, peft=peft) == 10_992 * 4 + 2 * 15_264 * 4 + 2_048 * 4 == 174_272
+    # One block: nothing to prefetch; the shared formula the decoder's FSDP2 path uses.
+    one = dataclasses.replace(spec, num_layers=1)
+    assert fsdp_working_copies(one, fp32, dp=2) == 10_992 * 8 + 2 * 13_216 * 4
+    assert unsharded_working_copies([3, 5, 2], [1, 0, 4], resident=7) == 7 + max(3 + 5 + 1, 5 + 2 + 4) == 18
+    assert unsharded_working_copies([], [], resident=7) == 7

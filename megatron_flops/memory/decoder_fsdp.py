@@ -34,6 +34,7 @@ from dataclasses import replace
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.decoder import DecoderOptions, Param, chunk_parameters
+from megatron_flops.memory.fsdp_transients import unsharded_working_copies
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import optimizer_keys
 from megatron_flops.model.spec import ModelSpec
@@ -99,9 +100,8 @@ def fsdp_decoder_rank(params: Sequence[Param], training: Training, *, dp: int,
     grads = [dp * _padded(u, dp, True) for u in units]
     # NB: two neighbouring units (in forward order) gathered at once, the one computing and the one
     # prefetched, with the larger one's unsharded gradient waiting for its reduce-scatter.
-    pairs = list(zip(range(len(units)), range(1, len(units)))) or [(0, 0)]
-    states["fsdp/unsharded_working_copies"] = dtype * max(
-        gathered[a] + gathered[b] * (a != b) + max(grads[a], grads[b]) for a, b in pairs)
+    states["fsdp/unsharded_working_copies"] = unsharded_working_copies([g * dtype for g in gathered],
+                                                                       [g * dtype for g in grads])
     if dp == 1:
         return states, {}
     m = training.num_microbatches

@@ -19,8 +19,12 @@ input, padded, in the compute and reduce dtypes.
 
 Activations: :mod:`megatron_flops.memory.dit_activations` (the embeddings, the blocks, the head
 and an fp32 MSE loss).
-Not modelled (the report says so): the all-gathered unit(s) alive during compute and a unit's whole
-gradients before its reduce-scatter.
+NB: ``fsdp/unsharded_working_copies`` (a formula, not measured; shared with the decoder path:
+:func:`megatron_flops.memory.fsdp_transients.unsharded_working_copies`): the root's all-gathered
+parameters and whole gradients, kept through forward and backward, plus two neighbouring blocks'
+all-gathered parameters (the one computing and the one prefetched) and one block's whole
+gradients before its reduce-scatter; each unit as its step payloads count it: the padded
+all-gather output in the compute dtype, the padded reduce-scatter input in the reduce dtype.
 """
 
 from __future__ import annotations
@@ -32,13 +36,17 @@ from dataclasses import dataclass
 from megatron_flops.flops.dit import DiTParam, DiTSpec, dit_block_parameters, dit_root_parameters
 from megatron_flops.memory.comm import bus_bytes
 from megatron_flops.memory.dit_activations import DiTBatch, dit_activations
+from megatron_flops.memory.fsdp_transients import unsharded_working_copies
 from megatron_flops.memory.layout import Training
 from megatron_flops.memory.states import optimizer_keys
 from megatron_flops.flops.passes import PeftSpec
 
 
-FSDP_TRANSIENTS = ("FSDP2's all-gathered parameters (the root's, kept through forward and backward, and "
-                   "those of the block(s) in compute) and a block's whole gradients before its reduce-scatter")
+FSDP_TRANSIENTS = ("fsdp/unsharded_working_copies: the root's all-gathered parameters and whole gradients (kept "
+                   "through forward and backward), two neighbouring blocks' all-gathered parameters (computing and "
+                   "prefetched) and one block's whole gradients before its reduce-scatter (when CUDA streams prefetch "
+                   "the next all-gather; gloo on CPU runs each collective to completion, so which gathered units are "
+                   "alive at once cannot be measured here)")
 
 
 def shard_rows(param: DiTParam, dp: int) -> int:
@@ -106,6 +114,18 @@ def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 
     return FsdpRank(rank=rank, states=states, communication={k: v for k, v in comm.items() if v})
 
 
+def fsdp_working_copies(spec: DiTSpec, training: Training, *, dp: int, peft: PeftSpec | None = None) -> int:
+    """``fsdp/unsharded_working_copies`` bytes (see the module NB): the root resident, the blocks
+    in forward order."""
+    def whole(params: tuple[DiTParam, ...], trainable_only: bool) -> int:
+        return sum(dp * shard_rows(p, dp) * _row_numel(p) for p in params if p.trainable or not trainable_only)
+
+    block, root = dit_block_parameters(spec, peft), dit_root_parameters(spec, peft)
+    gathered, grads = whole(block, False) * training.param_bytes, whole(block, True) * training.grad_bytes
+    resident = whole(root, False) * training.param_bytes + whole(root, True) * training.grad_bytes
+    return unsharded_working_copies([gathered] * spec.num_layers, [grads] * spec.num_layers, resident=resident)
+
+
 def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftSpec | None = None,
                       attention: str = "flash", checkpointed_blocks: int = 0) -> dict[str, object]:
     """The JSON form of :func:`fsdp_rank_memory` for the most loaded rank (rank 0 holds the most
@@ -121,24 +141,27 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
     batch = DiTBatch.uniform(spec, video_tokens=training.seq_length, num_clips=training.micro_batch_size)
     activations = dit_activations(spec, batch, act_bytes=training.param_bytes, attention=attention, peft=peft,
                                   checkpointed_blocks=checkpointed_blocks).total
+    # NB: one rank (dp 1) is no FSDP: the CLI asks --fsdp only with --dp > 1.
+    transients = {"fsdp/unsharded_working_copies": fsdp_working_copies(spec, training, dp=dp, peft=peft)} if dp > 1 else {}
     rank = {
         "weights_bytes": top.states["weights"],
         "gradients_bytes": sum(v for k, v in top.states.items() if k.startswith("gradients")),
         "optimizer_bytes": optimizer,
         "activations_bytes": activations,
-        "total_bytes": top.total + activations,
-        "components": dict(top.states),
+        "total_bytes": top.total + sum(transients.values()) + activations,
+        "components": {**top.states, **transients},
     }
     unmeasured = [] if attention == "local" else [
         "activations of the flash attention kernel (fp32 log-sum-exp and outputs; the example's "
         "explicit-matmul attention is measured: --attention-backend local)"]
+    unmeasured += [FSDP_TRANSIENTS] if transients else []
     return {
         "parameters": {"total": counts.num_params, "trainable": counts.num_trainable_params,
                        "per_block": counts.num_block_params, "adapters": counts.num_adapters},
         "per_gpu": rank,
         "communication_per_step": {**top.communication, "total_bytes": sum(top.communication.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
-        "not_modelled": [] if dp == 1 else [FSDP_TRANSIENTS],
+        "not_modelled": [],
         "unmeasured": unmeasured,
         "modelling_assumptions": dit_assumptions(attention, checkpointed_blocks, spec.num_layers),
     }
