@@ -3,10 +3,13 @@
 NB: what ``fully_shard`` keeps whole during a step (torch 2.x, ``reshard_after_forward=True``): the
 unit computing, and the next one, prefetched (one unit ahead in forward and in backward by
 default), have their parameters all-gathered; a unit's whole gradients wait for its
-reduce-scatter after its backward. The root unit is not resharded after forward: its gathered
+reduce-scatter after its backward. With ``reshard_after_forward`` left to its default, the root
+unit is not resharded after forward (torch's ``_auto_reshard_after_forward``): its gathered
 parameters, and from the head's backward on its whole gradients, stay through forward and backward
-(``resident``). A formula, not measured: gloo on CPU runs each collective to completion, so which
-gathered units are alive at once (a CUDA-stream overlap) cannot be seen here.
+(``resident``: a DiT as ``examples/wan_dit_fsdp2.py`` wraps it). megatron-core passes ``True`` to the
+root too, so a decoder's root is an ordinary unit, last in forward order. A formula, not measured:
+gloo on CPU runs each collective to completion, so which gathered units are alive at once (a
+CUDA-stream overlap) cannot be seen here.
 """
 
 from __future__ import annotations
