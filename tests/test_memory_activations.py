@@ -206,6 +206,9 @@ def test_mla_mtp_parameters_in_megatron_order(mcore, fields):
     assert [(p.name, p.numel) for p in params] == [(n, p.numel()) for n, p in model.named_parameters()]
 
 
+# MLA layers (fp32 LayerNorm: torch's CPU kernels save as the CUDA convention).
+MLA_LN = dict(multi_latent_attention=True, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+              normalization="LayerNorm", add_bias_linear=False)
 # LoRA (Megatron-Bridge's adapter layout, tests/mcore_memory.apply_lora) on a frozen base or beside a
 # trained one: name -> (TransformerConfig fields, position embedding, dtype, targets, frozen,
 # norms that save (of 2 x layers + 1), hidden-dropout sites that save, attention-dropout sites).
@@ -255,6 +258,22 @@ PEFT_CASES = {
         dict(FULL_UNIFORM, recompute_num_layers=1, mtp_num_layers=1), "rope", "fp32", ("linear_fc2",), True, 0, 0, 0),
     "base trains, linear_qkv, selective core_attn": (dict(recompute_granularity="selective"), "rope", "fp32",
                                                      ("linear_qkv",), False, 0, 0, 0),
+    # MoE: a frozen expert keeps neither the permuted tokens (fc1's input) nor fc2's input; the
+    # router's gating function keeps its input regardless (fp32 LayerNorm: no CPU delta).
+    "frozen MoE top-2 of 4, alltoall, linear_qkv + linear_proj": (dict(MOE), "rope", "fp32",
+                                                                  ("linear_qkv", "linear_proj"), True, 0, 0, 0),
+    "frozen MoE SwiGLU unfused, gated shared experts, allgather, linear_proj": (
+        dict(MOE, gated_linear_unit=True, activation_func="silu", moe_shared_expert_intermediate_size=80,
+             moe_shared_expert_gate=True, moe_token_dispatcher_type="allgather"), "rope", "fp32", ("linear_proj",),
+        True, 0, 0, 0),
+    # MLA: a frozen projection keeps no input; the latents only as their norms' inputs.
+    "frozen MLA, q_lora, qk_layernorm, linear_proj + linear_fc1": (
+        dict(MLA_LN, q_lora_rank=24, qk_layernorm=True), "rope", "fp32", ("linear_proj", "linear_fc1"), True,
+        0, 0, 0),
+    "frozen MLA, direct q, MoE every other layer, linear_proj": (
+        dict(MLA_LN, q_lora_rank=None, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+             moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall"),
+        "rope", "fp32", ("linear_proj",), True, 0, 0, 0),
 }
 
 

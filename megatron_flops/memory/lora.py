@@ -80,6 +80,27 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> 
     return None
 
 
+def lora_activation_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str | None:
+    """Why activations of a LoRA/frozen decoder with MoE or MLA layers are not modelled (None:
+    they are). Measured: a frozen MoE layer (router, dispatcher, experts, shared experts) with
+    adapters on the attention's projections, and MLA layers with adapters on ``linear_proj``,
+    ``linear_fc1``, ``linear_fc2``."""
+    if peft is None or peft.lora_rank is None:
+        return None
+    if spec.moe is not None:
+        mlp = [t for t in peft.lora_targets if t not in ("linear_qkv", "linear_proj")]
+        if mlp:
+            return (f"activations of LoRA adapters on {mlp} in a MoE decoder are not modelled (Megatron-Bridge "
+                    "also wraps every routed and shared expert's linear layers; measured: linear_qkv, linear_proj)")
+    if spec.mla is not None:
+        other = [t for t in peft.lora_targets if t not in ROW_PARALLEL + ("linear_fc1",)]
+        if other:
+            return (f"activations of LoRA adapters on {other} in an MLA decoder are not modelled (an MLA layer has "
+                    "no linear_qkv; its linear_q_*/linear_kv_* projections are not modelled as targets; measured: "
+                    "linear_proj, linear_fc1, linear_fc2)")
+    return None
+
+
 def _first_target(peft: PeftSpec) -> int:
     return min(_LAYER_ORDER.index(t) for t in peft.lora_targets)
 

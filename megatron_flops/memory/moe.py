@@ -59,9 +59,11 @@ def moe_activation_reason(options: DecoderOptions) -> str | None:
 
 
 def moe_activations(spec: ModelSpec, options: DecoderOptions, *, tokens: int, local_tokens: int, act: int,
-                    tp: int, ep: int, received: int | None) -> dict[str, int]:
+                    tp: int, ep: int, received: int | None, frozen: bool = False) -> dict[str, int]:
     """Saved-for-backward bytes of one MoE layer (the shared experts aside) by key, after its
-    norm; ``received``: routed tokens reaching this rank's experts (None: balanced, ``T x k``)."""
+    norm; ``received``: routed tokens reaching this rank's experts (None: balanced, ``T x k``);
+    ``frozen``: the experts' weights do not train (the hidden states require grad), so their
+    fc1 and fc2 keep no input. NB: the router's gating function saves its input regardless."""
     moe = spec.moe
     assert moe is not None
     E, k, h, a = moe.num_experts, moe.router_topk, spec.hidden_size, act
@@ -98,9 +100,11 @@ def moe_activations(spec: ModelSpec, options: DecoderOptions, *, tokens: int, lo
     else:
         per = 3  # fc1 output, activation output, fc2 input
     width = moe.latent_size or h
+    if frozen:  # (neither the permuted tokens, fc1's input, nor fc2's input)
+        width, per = 0, per - 1
     out = {"moe/router": router, "moe/dispatcher": dispatcher,
            "moe/experts": got * width * a + got * a + got * ffn * a * per}
-    if moe.latent_size:
+    if moe.latent_size and not frozen:
         # NB: a formula (latent projections need Transformer Engine): fc2_latent_proj's input,
         # the combined output [T_l, latent]; fc1_latent_proj reads the router's input.
         out["moe/latent"] = local_tokens * moe.latent_size * a
