@@ -274,6 +274,18 @@ PEFT_CASES = {
         dict(MLA_LN, q_lora_rank=None, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
              moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall"),
         "rope", "fp32", ("linear_proj",), True, 0, 0, 0),
+    # Bridge wraps every routed expert's and the shared experts' linear_fc1/linear_fc2: each
+    # adapter keeps its [n, r] intermediate over the tokens routed to it and, the base frozen,
+    # the wrapped layer's input (the permuted tokens, the weighted activation).
+    "frozen MoE, shared experts, all four targets (every expert's fc1, fc2)": (
+        dict(MOE, moe_shared_expert_intermediate_size=80), "rope", "fp32", ALL, True, 0, 0, 0),
+    "base trains, MoE SwiGLU fused every other layer, linear_fc1 + linear_fc2": (
+        dict(MOE, gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True, moe_layer_freq=[0, 1]),
+        "rope", "fp32", ("linear_fc1", "linear_fc2"), False, 0, 0, 0),
+    "frozen MLA + MoE, q_lora, all four targets (no linear_qkv in MLA)": (
+        dict(MLA_LN, q_lora_rank=24, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+             moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall"),
+        "rope", "fp32", ALL, True, 0, 0, 0),
 }
 
 
@@ -299,7 +311,8 @@ def test_lora_saved_bytes_match_megatron_core(mcore, name):
     # The CPU kernels' extra bytes (see cpu_kernel_delta), for the sites that save.
     delta = norms * tokens * 2 * (a - 4) + hidden_sites * tokens * h * (a - 1)
     delta += attn_sites * MBS * BASE["num_attention_heads"] * SEQ * SEQ * (a - 1)
-    if "recompute_granularity" not in fields:  # Every adapter's [T, r] intermediate, in each layer (MTP's too).
+    if "recompute_granularity" not in fields and "num_moe_experts" not in fields and "kv_lora_rank" not in fields:
+        # Every adapter's [T, r] intermediate, in each layer (MTP's too).
         layers = BASE["num_layers"] + fields.get("mtp_num_layers", 0)
         assert act.components["lora"] == layers * len(targets) * tokens * LORA_RANK * a
     assert measured_forward == [act.forward + act.shared + delta] * NUM_MB

@@ -59,7 +59,7 @@ from megatron_flops.memory.lora import lora_activation_reason
 from megatron_flops.memory.ssm import gdn_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
-from megatron_flops.memory.moe import layer_is_moe, moe_activation_reason, moe_activations, shared_gate_activations
+from megatron_flops.memory.moe import expert_lora_activations, layer_is_moe, moe_activation_reason, moe_activations, shared_gate_activations
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -409,21 +409,26 @@ def _ssm_mixer(w: _Walk, x: _Dims, spec: ModelSpec, mixer: str) -> None:
 
 def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
     """A MoE layer after its norm (:mod:`megatron_flops.memory.moe`); shared experts as a dense
-    MLP. Under a frozen base (no LoRA adapter on the experts, :func:`.lora.lora_activation_reason`):
-    nothing before the hidden states require grad, then no expert linear keeps its input."""
+    MLP. Under a frozen base nothing before the hidden states require grad, then no expert linear
+    keeps its input but for its LoRA adapter (routed and shared experts' ``linear_fc1``/``fc2``)."""
     moe = spec.moe
     assert moe is not None
     if not w.grad.started:
         return
-    frozen = not w.grad.base
+    g, frozen = w.grad, not w.grad.base
     for key, nbytes in moe_activations(spec, options, tokens=x.tokens, local_tokens=x.local_tokens, act=x.act,
                                        tp=x.tp, ep=x.ep, received=x.received, frozen=frozen).items():
         w.keep(key, nbytes)
+    w.keep("lora", expert_lora_activations(spec, adapted=g.adapted, rank=g.rank, frozen=frozen, tokens=x.tokens,
+                                           act=x.act, tp=x.tp, received=x.received))
     shared = moe.shared_expert_ffn_hidden_size
     if shared:
-        sub = _Walk(_Grad(base=not frozen))
+        sub = _Walk(_Grad(base=g.base, adapted=g.adapted, rank=g.rank))
         _mlp(sub, dataclasses.replace(x, ffn=shared // x.tp), options, spec.gated_linear_unit)
-        w.keep("moe/shared_experts", sub.kept - (0 if frozen else x.local_tokens * x.h * x.act)  # fc1's input is the router's
+        lora = sub.out.components.pop("lora", 0)
+        fc1_input = x.local_tokens * x.h * x.act if g.base or "linear_fc1" in g.adapted else 0
+        w.keep("lora", lora)
+        w.keep("moe/shared_experts", sub.kept - lora - fc1_input  # fc1's input is the router's
                + shared_gate_activations(spec, local_tokens=x.local_tokens, act=x.act))
 
 

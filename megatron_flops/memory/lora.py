@@ -82,22 +82,24 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> 
 
 def lora_activation_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str | None:
     """Why activations of a LoRA/frozen decoder with MoE or MLA layers are not modelled (None:
-    they are). Measured: a frozen MoE layer (router, dispatcher, experts, shared experts) with
-    adapters on the attention's projections, and MLA layers with adapters on ``linear_proj``,
-    ``linear_fc1``, ``linear_fc2``."""
-    if peft is None or peft.lora_rank is None:
+    they are). Measured at TP 1: frozen MoE layers (router, dispatcher, routed and shared
+    experts, adapters on every expert's ``linear_fc1``/``linear_fc2``) and MLA layers with
+    adapters on ``linear_proj``, ``linear_fc1``, ``linear_fc2`` (an MLA layer has no
+    ``linear_qkv``: that target adapts nothing there, as in Bridge)."""
+    if peft is None or not (peft.frozen or peft.lora_rank is not None) or (spec.moe is None and spec.mla is None):
         return None
-    if spec.moe is not None:
-        mlp = [t for t in peft.lora_targets if t not in ("linear_qkv", "linear_proj")]
-        if mlp:
-            return (f"activations of LoRA adapters on {mlp} in a MoE decoder are not modelled (Megatron-Bridge "
-                    "also wraps every routed and shared expert's linear layers; measured: linear_qkv, linear_proj)")
-    if spec.mla is not None:
-        other = [t for t in peft.lora_targets if t not in ROW_PARALLEL + ("linear_fc1",)]
+    if par.tp > 1:
+        return "activations of LoRA/frozen decoders with MoE or MLA layers are modelled at TP 1 (measured there)"
+    if peft.lora_rank is not None and spec.mla is not None:
+        other = [t for t in peft.lora_targets if t not in _LAYER_ORDER]
         if other:
-            return (f"activations of LoRA adapters on {other} in an MLA decoder are not modelled (an MLA layer has "
-                    "no linear_qkv; its linear_q_*/linear_kv_* projections are not modelled as targets; measured: "
-                    "linear_proj, linear_fc1, linear_fc2)")
+            return (f"activations of LoRA adapters on MLA's {other} are not modelled (measured: linear_proj, "
+                    "linear_fc1, linear_fc2)")
+    attention = {"linear_proj"} if spec.mla is not None else {"linear_qkv", "linear_proj"}
+    if (peft.frozen and peft.lora_rank is not None and spec.moe is not None and spec.layers[0][1] == "moe"
+            and not attention & set(peft.lora_targets)):
+        return ("activations of a frozen MoE layer before the model's first adapter (the experts' adapters start "
+                "the gradient inside it) are not modelled: add an attention target (linear_proj)")
     return None
 
 

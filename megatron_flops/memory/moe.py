@@ -111,6 +111,21 @@ def moe_activations(spec: ModelSpec, options: DecoderOptions, *, tokens: int, lo
     return out
 
 
+def expert_lora_activations(spec: ModelSpec, *, adapted: tuple[str, ...], rank: int, frozen: bool, tokens: int,
+                            act: int, tp: int, received: int | None) -> int:
+    """What Megatron-Bridge's LoRA adapters on the routed experts' ``linear_fc1``/``linear_fc2``
+    (every expert's, at TP 1) keep beyond :func:`moe_activations`: each adapter's [n, r]
+    intermediates over the ``n`` routed tokens, and under a frozen base the wrapped layer's
+    input its ``linear_in`` keeps (the permuted tokens [n, h], or fc2's input [n, ffn]), which the
+    frozen layer itself does not."""
+    moe = spec.moe
+    assert moe is not None
+    got = tokens * moe.router_topk if received is None else received
+    width = {"linear_fc1": moe.latent_size or spec.hidden_size, "linear_fc2": moe.ffn_hidden_size // tp}
+    targets = [t for t in ("linear_fc1", "linear_fc2") if t in adapted]
+    return sum(got * rank * act + (got * width[t] * act if frozen else 0) for t in targets)
+
+
 def shared_gate_activations(spec: ModelSpec, *, local_tokens: int, act: int) -> int:
     """The shared experts' sigmoid gate: its output [T_l, 1] and the shared experts' output
     [T_l, h] it multiplies (its input is the router's)."""
