@@ -40,7 +40,9 @@ ops whose inputs require grad. With a frozen base nothing does before the first 
 first pipeline stage (a later stage's received hidden states do); a frozen linear layer keeps no
 input (megatron-core's frozen-weight path saves only the weight), a frozen embedding no ids; a
 LoRA adapter (Megatron-Bridge's ``linear_in``, ``linear_out``, no adapter dropout) keeps the
-projection's input and the [T, r] intermediate.
+projection's input and the [T, r] intermediate. MoE and MLA layers (TP 1): frozen experts and MLA
+projections keep no input (the router's gating function keeps its own); every routed and shared
+expert's ``linear_fc1``/``linear_fc2`` is a target (:func:`.moe.expert_lora_activations`).
 
 Recompute: a checkpointed region keeps its inputs (megatron-core's ``CheckpointFunction``) and
 re-saves its activations while its backward runs. Full recompute checkpoints groups of layers
