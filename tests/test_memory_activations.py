@@ -286,6 +286,11 @@ PEFT_CASES = {
         dict(MLA_LN, q_lora_rank=24, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
              moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall"),
         "rope", "fp32", ALL, True, 0, 0, 0),
+    # Multi-token prediction with an MLA + MoE layer (the last layer's kind).
+    "frozen MLA + MoE, 1 MTP layer, linear_proj + linear_fc2": (
+        dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+             moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall",
+             mtp_num_layers=1), "rope", "fp32", ("linear_proj", "linear_fc2"), True, 0, 0, 0),
 }
 
 
