@@ -61,7 +61,8 @@ from megatron_flops.memory.lora import lora_activation_reason
 from megatron_flops.memory.ssm import gdn_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
-from megatron_flops.memory.moe import expert_lora_activations, layer_is_moe, moe_activation_reason, moe_activations, shared_gate_activations
+from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_activation_reason, moe_activations,
+                                       shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -179,7 +180,7 @@ class _Walk:
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
-    reason = lora_activation_reason(spec, par, peft) or ssm_activation_reason(spec, recompute)
+    reason = lora_activation_reason(spec, peft) or ssm_activation_reason(spec, recompute)
     if reason is not None:
         return reason
     if spec.moe is not None:
