@@ -206,6 +206,9 @@ def test_mla_mtp_parameters_in_megatron_order(mcore, fields):
     assert [(p.name, p.numel) for p in params] == [(n, p.numel()) for n, p in model.named_parameters()]
 
 
+# MLA layers (fp32 LayerNorm: torch's CPU kernels save as the CUDA convention).
+MLA_LN = dict(multi_latent_attention=True, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+              normalization="LayerNorm", add_bias_linear=False)
 # LoRA (Megatron-Bridge's adapter layout, tests/mcore_memory.apply_lora) on a frozen base or beside a
 # trained one: name -> (TransformerConfig fields, position embedding, dtype, targets, frozen,
 # norms that save (of 2 x layers + 1), hidden-dropout sites that save, attention-dropout sites).
@@ -255,6 +258,39 @@ PEFT_CASES = {
         dict(FULL_UNIFORM, recompute_num_layers=1, mtp_num_layers=1), "rope", "fp32", ("linear_fc2",), True, 0, 0, 0),
     "base trains, linear_qkv, selective core_attn": (dict(recompute_granularity="selective"), "rope", "fp32",
                                                      ("linear_qkv",), False, 0, 0, 0),
+    # MoE: a frozen expert keeps neither the permuted tokens (fc1's input) nor fc2's input; the
+    # router's gating function keeps its input regardless (fp32 LayerNorm: no CPU delta).
+    "frozen MoE top-2 of 4, alltoall, linear_qkv + linear_proj": (dict(MOE), "rope", "fp32",
+                                                                  ("linear_qkv", "linear_proj"), True, 0, 0, 0),
+    "frozen MoE SwiGLU unfused, gated shared experts, allgather, linear_proj": (
+        dict(MOE, gated_linear_unit=True, activation_func="silu", moe_shared_expert_intermediate_size=80,
+             moe_shared_expert_gate=True, moe_token_dispatcher_type="allgather"), "rope", "fp32", ("linear_proj",),
+        True, 0, 0, 0),
+    # MLA: a frozen projection keeps no input; the latents only as their norms' inputs.
+    "frozen MLA, q_lora, qk_layernorm, linear_proj + linear_fc1": (
+        dict(MLA_LN, q_lora_rank=24, qk_layernorm=True), "rope", "fp32", ("linear_proj", "linear_fc1"), True,
+        0, 0, 0),
+    "frozen MLA, direct q, MoE every other layer, linear_proj": (
+        dict(MLA_LN, q_lora_rank=None, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+             moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall"),
+        "rope", "fp32", ("linear_proj",), True, 0, 0, 0),
+    # Bridge wraps every routed expert's and the shared experts' linear_fc1/linear_fc2: each
+    # adapter keeps its [n, r] intermediate over the tokens routed to it and, the base frozen,
+    # the wrapped layer's input (the permuted tokens, the weighted activation).
+    "frozen MoE, shared experts, all four targets (every expert's fc1, fc2)": (
+        dict(MOE, moe_shared_expert_intermediate_size=80), "rope", "fp32", ALL, True, 0, 0, 0),
+    "base trains, MoE SwiGLU fused every other layer, linear_fc1 + linear_fc2": (
+        dict(MOE, gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True, moe_layer_freq=[0, 1]),
+        "rope", "fp32", ("linear_fc1", "linear_fc2"), False, 0, 0, 0),
+    "frozen MLA + MoE, q_lora, all four targets (no linear_qkv in MLA)": (
+        dict(MLA_LN, q_lora_rank=24, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+             moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall"),
+        "rope", "fp32", ALL, True, 0, 0, 0),
+    # Multi-token prediction with an MLA + MoE layer (the last layer's kind).
+    "frozen MLA + MoE, 1 MTP layer, linear_proj + linear_fc2": (
+        dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+             moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall",
+             mtp_num_layers=1), "rope", "fp32", ("linear_proj", "linear_fc2"), True, 0, 0, 0),
 }
 
 
@@ -280,7 +316,8 @@ def test_lora_saved_bytes_match_megatron_core(mcore, name):
     # The CPU kernels' extra bytes (see cpu_kernel_delta), for the sites that save.
     delta = norms * tokens * 2 * (a - 4) + hidden_sites * tokens * h * (a - 1)
     delta += attn_sites * MBS * BASE["num_attention_heads"] * SEQ * SEQ * (a - 1)
-    if "recompute_granularity" not in fields:  # Every adapter's [T, r] intermediate, in each layer (MTP's too).
+    if "recompute_granularity" not in fields and "num_moe_experts" not in fields and "kv_lora_rank" not in fields:
+        # Every adapter's [T, r] intermediate, in each layer (MTP's too).
         layers = BASE["num_layers"] + fields.get("mtp_num_layers", 0)
         assert act.components["lora"] == layers * len(targets) * tokens * LORA_RANK * a
     assert measured_forward == [act.forward + act.shared + delta] * NUM_MB

@@ -5,6 +5,8 @@ LoRA on all four targets, frozen base)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -116,3 +118,31 @@ def test_sequence_parallel_payload_by_hand():
     # all_reduce: cross-entropy's 3 fp32 [T] (384); per layer linear_proj's [T, r] forward and
     # both linear_out input gradients [T, r].
     assert comm["tp/all_reduce"] == 2 * (384 + 2 * 3 * 256)
+
+
+_MOE_SPEC = dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72, vocab_size=64,
+                 num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+_MLA_SPEC = dict(_MOE_SPEC, multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=12, qk_pos_emb_head_dim=4,
+                 v_head_dim=12, moe_layer_freq=[0, 1])
+
+
+@pytest.mark.parametrize("fields, par, peft, reason", [
+    (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_down_proj",)),
+     r"MLA's \['linear_q_down_proj'\]"),
+    (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)),
+     "frozen MoE layer before the model's first adapter"),
+    (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
+    (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
+    (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
+], ids=["MLA down projection", "MoE first layer, experts only", "MoE default targets",
+        "MLA + MoE default targets (linear_qkv adapts nothing)", "MLA, dense first layer, fc1"])
+def test_lora_moe_mla_activations_refused_with_a_reason(fields, par, peft, reason):
+    # Activations of LoRA/frozen MoE and MLA decoders are measured at TP 1 (tests/test_memory_activations.py);
+    # what was not measured is refused, never silently priced.
+    spec = ModelSpec.from_mapping(fields)
+    options = DecoderOptions.from_mapping(dict(fields, padded_vocab_size=64))
+    got = check_activations_supported(spec, options, par, None, peft)
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and re.search(reason, got)

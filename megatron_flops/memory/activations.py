@@ -40,7 +40,9 @@ ops whose inputs require grad. With a frozen base nothing does before the first 
 first pipeline stage (a later stage's received hidden states do); a frozen linear layer keeps no
 input (megatron-core's frozen-weight path saves only the weight), a frozen embedding no ids; a
 LoRA adapter (Megatron-Bridge's ``linear_in``, ``linear_out``, no adapter dropout) keeps the
-projection's input and the [T, r] intermediate.
+projection's input and the [T, r] intermediate. MoE and MLA layers (TP 1): frozen experts and MLA
+projections keep no input (the router's gating function keeps its own); every routed and shared
+expert's ``linear_fc1``/``linear_fc2`` is a target (:func:`.moe.expert_lora_activations`).
 
 Recompute: a checkpointed region keeps its inputs (megatron-core's ``CheckpointFunction``) and
 re-saves its activations while its backward runs. Full recompute checkpoints groups of layers
@@ -55,10 +57,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
+from megatron_flops.memory.lora import lora_activation_reason
 from megatron_flops.memory.ssm import gdn_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
-from megatron_flops.memory.moe import layer_is_moe, moe_activation_reason, moe_activations, shared_gate_activations
+from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_activation_reason, moe_activations,
+                                       shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -176,10 +180,7 @@ class _Walk:
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
-    if peft is not None and (peft.frozen or peft.lora_rank is not None):
-        if spec.moe is not None or spec.mla is not None:
-            return "activations of LoRA/frozen decoders are modelled for dense layers (no MoE or MLA)"
-    reason = ssm_activation_reason(spec, recompute)
+    reason = lora_activation_reason(spec, peft) or ssm_activation_reason(spec, recompute)
     if reason is not None:
         return reason
     if spec.moe is not None:
@@ -303,38 +304,44 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     ``qk_layernorm``: their norms' inputs and fp32 statistics, and outputs), RoPE's cos and sin,
     the concatenated query and key [T, heads, qk + rope] and a contiguous value [T, heads, v], the
     core attention, ``linear_proj``'s input. Under sequence parallelism the norm's output, the
-    latent norms and the up projections' inputs are this rank's [T/TP] slices."""
+    latent norms and the up projections' inputs are this rank's [T/TP] slices. A frozen base
+    (``w.grad.base`` False): no projection keeps its input (the latents only as their norms'
+    inputs); nothing before the hidden states require grad."""
     mla = spec.mla
     assert mla is not None
-    T, a, heads = x.tokens, x.act, x.heads
+    T, a, heads, base = x.tokens, x.act, x.heads, w.grad.base
     norm, loc = options.qk_layernorm, x.local_tokens
     stats = loc * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
-    w.keep("attention", loc * x.h * a)  # (this rank's slice under sequence parallelism)
-    if mla.q_lora_rank is not None:
+    if base:
+        w.keep("attention", loc * x.h * a)  # (this rank's slice under sequence parallelism)
+    if mla.q_lora_rank is not None and (base or norm):
         # The all-gathered q latent [T, q_lora] (q_up's input, or the q norm's; under sequence
         # parallelism their [T/TP] slice is a view of it), the norm's statistics and output.
-        w.keep("attention", T * mla.q_lora_rank * a + ((stats + loc * mla.q_lora_rank * a) if norm else 0))
+        w.act("attention", T * mla.q_lora_rank * a + ((stats + (loc * mla.q_lora_rank * a if base else 0))
+                                                      if norm else 0))
     # kv_up's input (or the kv norm's): a view of the all-gathered kv_down output [T, kv_lora +
     # rope], which it keeps whole; under sequence parallelism a [T/TP, kv_lora] copy of its slice
     # (RoPE's product with cos/sin keeps only those), then the kv norm.
-    w.keep("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a if x.sp == 1
-           else loc * mla.kv_lora_rank * a)
+    if base or norm:
+        w.act("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a if x.sp == 1
+              else loc * mla.kv_lora_rank * a)
     if norm:
-        w.keep("attention", stats + loc * mla.kv_lora_rank * a)
-    w.keep("attention", 4 * x.s * mla.qk_pos_emb_head_dim * a)  # cos and sin, for q and for k
+        w.act("attention", stats + (loc * mla.kv_lora_rank * a if base else 0))
+    w.act("attention", 4 * x.s * mla.qk_pos_emb_head_dim * a)  # cos and sin, for q and for k
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
     v = T * heads * mla.v_head_dim * a
-    w.keep("attention", 2 * qk + v)
+    w.act("attention", 2 * qk + v)
     if options.attention_backend == "flash":
         lse = x.b * heads * x.s * 4  # fp32 log-sum-exp
         if checkpointed:
             w.region(v + lse)  # re-run in backward: a second output and the log-sum-exp
         else:
-            w.keep("attention", lse)
-        w.keep("attention", v)  # the output = linear_proj's input
+            w.act("attention", lse)
+        w.act("attention", v)  # the output = linear_proj's input
+        w.linear("attention", "linear_proj", 0, T, a)
         return
     _softmax(w, x, options, checkpointed=checkpointed)  # (a checkpoint keeps q, k, v and the mask)
-    w.keep("attention", v)  # linear_proj input
+    w.linear("attention", "linear_proj", v, T, a)
 
 
 def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
@@ -404,17 +411,27 @@ def _ssm_mixer(w: _Walk, x: _Dims, spec: ModelSpec, mixer: str) -> None:
 
 
 def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
-    """A MoE layer after its norm (:mod:`megatron_flops.memory.moe`); shared experts as a dense MLP."""
+    """A MoE layer after its norm (:mod:`megatron_flops.memory.moe`); shared experts as a dense
+    MLP. Under a frozen base nothing before the hidden states require grad, then no expert linear
+    keeps its input but for its LoRA adapter (routed and shared experts' ``linear_fc1``/``fc2``)."""
     moe = spec.moe
     assert moe is not None
+    if not w.grad.started:
+        return
+    g, frozen = w.grad, not w.grad.base
     for key, nbytes in moe_activations(spec, options, tokens=x.tokens, local_tokens=x.local_tokens, act=x.act,
-                                       tp=x.tp, ep=x.ep, received=x.received).items():
+                                       tp=x.tp, ep=x.ep, received=x.received, frozen=frozen).items():
         w.keep(key, nbytes)
+    w.keep("lora", expert_lora_activations(spec, adapted=g.adapted, rank=g.rank, frozen=frozen, tokens=x.tokens,
+                                           act=x.act, tp=x.tp, received=x.received))
     shared = moe.shared_expert_ffn_hidden_size
     if shared:
-        sub = _Walk()
+        sub = _Walk(_Grad(base=g.base, adapted=g.adapted, rank=g.rank))
         _mlp(sub, dataclasses.replace(x, ffn=shared // x.tp), options, spec.gated_linear_unit)
-        w.keep("moe/shared_experts", sub.kept - x.local_tokens * x.h * x.act  # fc1's input is the router's
+        lora = sub.out.components.pop("lora", 0)
+        fc1_input = x.local_tokens * x.h * x.act if g.base or "linear_fc1" in g.adapted else 0
+        w.keep("lora", lora)
+        w.keep("moe/shared_experts", sub.kept - lora - fc1_input  # fc1's input is the router's
                + shared_gate_activations(spec, local_tokens=x.local_tokens, act=x.act))
 
 

@@ -80,6 +80,27 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> 
     return None
 
 
+def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None) -> str | None:
+    """Why activations of a LoRA decoder with MoE or MLA layers are not modelled (None: they
+    are). Measured at TP 1 (under TP :func:`lora_tp_reason` refuses them): frozen MoE layers
+    (router, dispatcher, routed and shared experts, adapters on every expert's ``linear_fc1``/
+    ``linear_fc2``) and MLA layers with adapters on ``linear_proj``, ``linear_fc1``,
+    ``linear_fc2`` (an MLA layer has no ``linear_qkv``: that target adapts nothing there, as in
+    Bridge)."""
+    if peft is None or peft.lora_rank is None or (spec.moe is None and spec.mla is None):
+        return None
+    if spec.mla is not None:
+        other = [t for t in peft.lora_targets if t not in _LAYER_ORDER]
+        if other:
+            return (f"activations of LoRA adapters on MLA's {other} are not modelled (measured: linear_proj, "
+                    "linear_fc1, linear_fc2)")
+    attention = {"linear_proj"} if spec.mla is not None else {"linear_qkv", "linear_proj"}
+    if peft.frozen and spec.moe is not None and spec.layers[0][1] == "moe" and not attention & set(peft.lora_targets):
+        return ("activations of a frozen MoE layer before the model's first adapter (the experts' adapters start "
+                "the gradient inside it) are not modelled: add an attention target (linear_proj)")
+    return None
+
+
 def _first_target(peft: PeftSpec) -> int:
     return min(_LAYER_ORDER.index(t) for t in peft.lora_targets)
 

@@ -59,9 +59,11 @@ def moe_activation_reason(options: DecoderOptions) -> str | None:
 
 
 def moe_activations(spec: ModelSpec, options: DecoderOptions, *, tokens: int, local_tokens: int, act: int,
-                    tp: int, ep: int, received: int | None) -> dict[str, int]:
+                    tp: int, ep: int, received: int | None, frozen: bool = False) -> dict[str, int]:
     """Saved-for-backward bytes of one MoE layer (the shared experts aside) by key, after its
-    norm; ``received``: routed tokens reaching this rank's experts (None: balanced, ``T x k``)."""
+    norm; ``received``: routed tokens reaching this rank's experts (None: balanced, ``T x k``);
+    ``frozen``: the experts' weights do not train (the hidden states require grad), so their
+    fc1 and fc2 keep no input. NB: the router's gating function saves its input regardless."""
     moe = spec.moe
     assert moe is not None
     E, k, h, a = moe.num_experts, moe.router_topk, spec.hidden_size, act
@@ -98,13 +100,30 @@ def moe_activations(spec: ModelSpec, options: DecoderOptions, *, tokens: int, lo
     else:
         per = 3  # fc1 output, activation output, fc2 input
     width = moe.latent_size or h
+    if frozen:  # (neither the permuted tokens, fc1's input, nor fc2's input)
+        width, per = 0, per - 1
     out = {"moe/router": router, "moe/dispatcher": dispatcher,
            "moe/experts": got * width * a + got * a + got * ffn * a * per}
-    if moe.latent_size:
+    if moe.latent_size and not frozen:
         # NB: a formula (latent projections need Transformer Engine): fc2_latent_proj's input,
         # the combined output [T_l, latent]; fc1_latent_proj reads the router's input.
         out["moe/latent"] = local_tokens * moe.latent_size * a
     return out
+
+
+def expert_lora_activations(spec: ModelSpec, *, adapted: tuple[str, ...], rank: int, frozen: bool, tokens: int,
+                            act: int, tp: int, received: int | None) -> int:
+    """What Megatron-Bridge's LoRA adapters on the routed experts' ``linear_fc1``/``linear_fc2``
+    (every expert's, at TP 1) keep beyond :func:`moe_activations`: each adapter's [n, r]
+    intermediates over the ``n`` routed tokens, and under a frozen base the wrapped layer's
+    input its ``linear_in`` keeps (the permuted tokens [n, h], or fc2's input [n, ffn]), which the
+    frozen layer itself does not."""
+    moe = spec.moe
+    assert moe is not None
+    got = tokens * moe.router_topk if received is None else received
+    width = {"linear_fc1": moe.latent_size or spec.hidden_size, "linear_fc2": moe.ffn_hidden_size // tp}
+    targets = [t for t in ("linear_fc1", "linear_fc2") if t in adapted]
+    return sum(got * rank * act + (got * width[t] * act if frozen else 0) for t in targets)
 
 
 def shared_gate_activations(spec: ModelSpec, *, local_tokens: int, act: int) -> int:
