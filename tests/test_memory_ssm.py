@@ -247,7 +247,7 @@ def test_refusals_name_what_is_not_modelled(capsys, tmp_path):
     model = tmp_path / "hybrid.json"
     model.write_text(json.dumps(HYBRID))
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--cp", "2"]) == 2
-    assert "context parallelism is modelled for softmax-attention layers" in capsys.readouterr().err
+    assert "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet" in capsys.readouterr().err
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--recompute", "full",
                  "--recompute-method", "uniform", "--recompute-num-layers", "1"]) == 0
     assert "not modelled (this setup): activations of Mamba, Gated DeltaNet and hybrid layers are modelled " \

@@ -177,7 +177,7 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     if par.vpp is not None and is_hybrid(spec):
         return "virtual pipeline stages of a hybrid pattern follow its '|' separators, which this report does not read"
     if par.cp > 1 and not mixers <= {"attention", "window", "none"}:
-        return "context parallelism is modelled for softmax-attention layers (not Mamba, GDN, KDA or DSA)"
+        return _cp_reason(mixers)
     if "kda" in mixers and par.tp > 1:
         return "Kimi Delta Attention is modelled with --tp 1 (transformers' layer: megatron-core has none)"
     sizes = []
@@ -189,6 +189,20 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
         if value % par.tp:
             return f"{name}={value} is not divisible by --tp {par.tp}"
     return None
+
+
+def _cp_reason(mixers: set[str]) -> str:
+    """Why ``--cp`` > 1 is refused for these mixers: megatron-core 0.16.1's own refusals first."""
+    if "gdn" in mixers:
+        return ("megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet layers ('Gated delta net does "
+                "not support context parallel for now'; 0.19 adds a head-parallel all-to-all, not modelled here)")
+    if mixers & {"dsa", "dsa_shared"}:
+        return ("megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention ('Currently context "
+                "parallelism is not supported by DSAttention!'; 0.19 allows cp_comm_type allgather, not modelled here)")
+    if "kda" in mixers:
+        return "Kimi Delta Attention is transformers' KimiLinearDeltaAttention, which has no context parallelism"
+    return ("context parallelism of Mamba layers (megatron-core's MambaContextParallel: an all-to-all from sequence "
+            "to head shards around the scan) is not modelled")
 
 
 def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> str | None:
