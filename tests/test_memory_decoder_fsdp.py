@@ -259,3 +259,34 @@ def test_megatron_args_use_torch_fsdp2(tmp_path):
     from_file = memory("--model", str(path), "--seq-length", "16", "--fsdp", "--dp", "2")
     assert "FSDP2" in from_args["assumptions"]
     assert {**from_args, "not_modelled": []} == {**from_file, "not_modelled": []}
+
+
+def _cli_report(*extra: str) -> dict:
+    import contextlib
+    import io
+    import json
+    from pathlib import Path
+
+    from megatron_flops.cli import main
+
+    model = str(Path(__file__).resolve().parent.parent / "examples" / "llama3_8b.json")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["memory", "--model", model, "--seq-length", "4096", "--dp", "8", "--num-microbatches", "4",
+                     "--params-dtype", "bf16", "--json", *extra]) == 0
+    report = json.loads(out.getvalue())
+    return report if "per_gpu" in report else next(iter(report.values()))
+
+
+@pytest.mark.parametrize("extra, shown", [
+    (("--fsdp",), {"weights": 2.0, "gradients": 2.0, "fsdp/unsharded_working_copies": 2.5, "activations": 21.9,
+                   "total": 40.5, "dp/all_gather": 128.5, "dp/reduce_scatter": 64.2}),
+    (("--distributed-optimizer",), {"weights": 16.1, "gradients": 32.1, "total": 82.1, "moved": 48.2}),
+    (("--fsdp", "--frozen", "--lora-rank", "16"), {"total": 25.4, "dp/reduce_scatter": 0.3}),
+])
+def test_docs_llama3_fsdp_figures(extra, shown):
+    # docs/memory.md's Llama-3-8B paragraph (8 GPUs, 4 micro-batches of 4096 tokens, bf16), in GB.
+    report = _cli_report(*extra)
+    gpu, comm = report["per_gpu"], report["communication_per_step"]
+    got = {**gpu["components"], **comm, "total": gpu["total_bytes"], "moved": comm["total_bytes"]}
+    assert {key: round(got[key] / 1e9, 1) for key in shown} == shown
