@@ -349,3 +349,18 @@ def test_dsa_attention_saved_bytes(mcore, monkeypatch, seq, mbs):
         # attention: fp32 q and k 2 x [8, 16, 24] x 4 = 24,576, softmax [2, 4, 16, 16] fp32 8,192
         # and bf16 4,096, v [8, 16, 16] bf16 4,096: 40,960. Total 75,136 (measured: 75,136 - 128).
         assert ours == dsa_saved(spec, s=16, b=2, heads=4, act=2) + 13_312 == 75_136
+
+
+def test_hybrid_mla_layers_have_no_latent_norms():
+    # megatron-core's hybrid specs build an MLA layer's q_layernorm and kv_layernorm as IdentityOp:
+    # qk_layernorm changes nothing there (a GPT's MLA layer would gain 24 + 32 norm weights).
+    mla = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+               v_head_dim=16)
+    spec = ModelSpec.from_mapping(dict(SMALL, num_layers=3, hybrid_override_pattern="M+-", **mla))
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=2, params_dtype="bf16")
+    reports = [decoder_memory(spec, DecoderOptions(normalization="RMSNorm", add_bias_linear=False, qk_layernorm=qk,
+                                                   position_embedding_type="rope", padded_vocab_size=256,
+                                                   attention_backend="unfused"), Parallelism(), training)
+               for qk in (False, True)]
+    assert reports[0].parameters == reports[1].parameters and reports[0].per_gpu == reports[1].per_gpu
+    assert any("IdentityOp" in a for a in reports[1].assumptions)

@@ -33,7 +33,7 @@ from megatron_flops.memory.moe import (
     rerun_moe_layers,
 )
 from megatron_flops.memory.recompute import selective_rerun_communication
-from megatron_flops.memory.ssm import ssm_notes
+from megatron_flops.memory.ssm import is_hybrid, ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -233,6 +233,8 @@ def decoder_memory(
     ``vision`` tower on the first stage)."""
     check_supported(spec, par, peft, options)
     _check_size(spec, par, training)
+    if spec.mla is not None and is_hybrid(spec):  # megatron-core's hybrid MLA layers: IdentityOp latent norms
+        options = replace(options, qk_layernorm=False)
     fsdp = None
     if par.fsdp:  # torch FSDP2 (Megatron-LM's --use-torch-fsdp2): its states and dp/ traffic, the rest as DDP's
         from megatron_flops.memory.decoder_fsdp import fsdp_notes, fsdp_stage

@@ -263,6 +263,9 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
     if "gdn" in mixers or is_hybrid(spec):
         assumptions.append("Mamba, GDN and hybrid layers as megatron-core builds them (Transformer Engine specs: a "
                            "layer's norm fused into its first linear layer, listed as a separate norm: same bytes)")
+    if is_hybrid(spec) and spec.mla is not None:
+        assumptions.append("hybrid multi-latent attention layers without latent norms (megatron-core's hybrid specs "
+                           "build q_layernorm and kv_layernorm as IdentityOp, whatever qk_layernorm says)")
     if is_hybrid(spec) and par.pp > 1:
         assumptions.append(f"the hybrid pattern's layers split evenly over the {par.pp} pipeline stages, as "
                            "megatron-core splits a pattern without '|' separators ('|' boundaries are not read here)")
