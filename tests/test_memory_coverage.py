@@ -103,14 +103,20 @@ MISSING_MEMORY_FLAGS: set[str] = set()
 # Gaps as of this commit: (model | layout | setup glob, reason regex). Every observed gap must match
 # an entry, and every entry must match a gap: delete an entry when its gap is closed.
 EXPECTED_GAPS: list[tuple[str, str]] = [
-    # Kimi Delta Attention and DeepSeek sparse attention: states and traffic, no activations; KDA at TP 1
-    # (transformers' layer); no context parallelism beside Mamba, GDN, KDA or DSA layers; a hybrid
-    # pattern's virtual pipeline stages ('|' separators, which the spec does not keep).
-    *[(f"{model} | *", r"not modelled: activations are not modelled for Kimi Delta Attention or DeepSeek sparse")
-      for model in ("hf:kimi_linear", "mcore:dsa", "hf:deepseek_v32", "hf:glm_moe_dsa")],
-    *[(f"{model} | CP2 | ", r"refused: .*context parallelism is modelled for softmax-attention layers") for model in (
-        "hf:kimi_linear", "hf:qwen3_next", "mcore:gdn", "mcore:hybrid mamba", "mcore:dsa", "hf:deepseek_v32",
-        "hf:glm_moe_dsa")],
+    # Kimi Delta Attention: states and traffic, no activations, TP 1 (transformers' layer); DeepSeek
+    # sparse attention's activations at TP 1 (measured); no context parallelism beside Mamba, GDN, KDA
+    # or DSA layers; a hybrid pattern's virtual pipeline stages ('|' separators, which the spec does not keep).
+    ("hf:kimi_linear | *", r"not modelled: activations are not modelled for Kimi Delta Attention layers"),
+    *[(f"{model} | TP2* | ", r"not modelled: activations of DeepSeek sparse attention layers are modelled with --tp 1")
+      for model in ("mcore:dsa", "hf:deepseek_v32", "hf:glm_moe_dsa")],
+    # (GDN and DSA: megatron-core 0.16.1 itself refuses CP; transformers' KDA layer has none.)
+    *[(f"{model} | CP2 | ", rf"refused: .*{what}") for model, what in (
+        ("hf:kimi_linear", "KimiLinearDeltaAttention, which has no context parallelism"),
+        ("hf:qwen3_next", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
+        ("mcore:gdn", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
+        ("mcore:hybrid mamba", "context parallelism of Mamba layers .* is not modelled"),
+        *[(m, "megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention")
+          for m in ("mcore:dsa", "hf:deepseek_v32", "hf:glm_moe_dsa")])],
     ("hf:kimi_linear | TP2* | ", r"refused: .*Kimi Delta Attention is modelled with --tp 1"),
     ("mcore:hybrid mamba | PP2 VPP2 | ", r"refused: .*virtual pipeline stages of a hybrid pattern"),
     # Hugging Face layers megatron-core's GPT layer cannot express (memory/hf_layers.py): counted as

@@ -25,7 +25,7 @@ from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.report import decoder_memory
 from megatron_flops.flops.passes import RecomputeSpec
-from megatron_flops.memory.ssm import dsa_indexer_tensors, gdn_saved, mamba_saved, mixer_tensors
+from megatron_flops.memory.ssm import dsa_indexer_tensors, dsa_saved, gdn_saved, mamba_saved, mixer_tensors
 from megatron_flops.model.spec import ModelSpec
 
 SMALL = dict(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, normalization="RMSNorm",
@@ -247,7 +247,7 @@ def test_refusals_name_what_is_not_modelled(capsys, tmp_path):
     model = tmp_path / "hybrid.json"
     model.write_text(json.dumps(HYBRID))
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--cp", "2"]) == 2
-    assert "context parallelism is modelled for softmax-attention layers" in capsys.readouterr().err
+    assert "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet" in capsys.readouterr().err
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--recompute", "full",
                  "--recompute-method", "uniform", "--recompute-num-layers", "1"]) == 0
     assert "not modelled (this setup): activations of Mamba, Gated DeltaNet and hybrid layers are modelled " \
@@ -269,6 +269,86 @@ def test_selective_recompute_touches_only_the_attention_layers():
     assert {k: v for k, v in plain.components.items() if k != "attention"} == \
         {k: v for k, v in selective.components.items() if k != "attention"}
     assert selective.components["attention"] < plain.components["attention"] and selective.backward_peak
+
+
+class _Hadamard(torch.autograd.Function):
+    """fast_hadamard_transform's stand-in (a Sylvester Hadamard matrix by matmul): like the CUDA
+    kernel's autograd function it saves nothing for backward, so the saved bytes are unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return _Hadamard.rotate(x, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Hadamard.rotate(grad, ctx.scale), None
+
+    @staticmethod
+    def rotate(x, scale):
+        h = torch.ones(1, 1)
+        while h.size(0) < x.size(-1):
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+        return (x.float() @ h * scale).to(x.dtype)
+
+
+def _dsa_attention(monkeypatch):
+    """megatron-core 0.16.1's MLA self-attention with DSAttention as its core (the DSA spec's,
+    built from the local spec's layers: the indexer's duplicated linears as torch linears), bf16."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.experimental_attention_variant import dsa
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    class Duplicated(torch.nn.Linear):  # TELinear(parallel_mode="duplicated"): (output, bias)
+        def __init__(self, d_in, d_out, *, bias=False, **_):
+            super().__init__(d_in, d_out, bias=bias)
+
+        def forward(self, x):
+            return super().forward(x), None
+
+    monkeypatch.setattr(dsa, "hadamard_transform", _Hadamard.apply)
+    fields = {k: v for k, v in DSA.items() if k not in ("vocab_size", "experimental_attention_variant")}
+    config = MLATransformerConfig(**fields, experimental_attention_variant="dsa", dsa_indexer_loss_coeff=0.01,
+                                  normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+                                  rope_type="rope", bf16=True, params_dtype=torch.bfloat16)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm").submodules.self_attention
+    spec.submodules.core_attention = ModuleSpec(module=dsa.DSAttention, submodules=dsa.DSAttentionSubmodules(
+        indexer=ModuleSpec(module=dsa.DSAIndexer, submodules=dsa.DSAIndexerSubmodules(
+            linear_wq_b=Duplicated, linear_wk=Duplicated, k_norm=WrappedTorchNorm, linear_weights_proj=Duplicated))))
+    with mcore_cpu.cuda_to_cpu_mode():
+        return build_module(spec, config=config, layer_number=1).bfloat16()
+
+
+@pytest.mark.parametrize("seq, mbs", [(16, 2), (12, 1)])
+def test_dsa_attention_saved_bytes(mcore, monkeypatch, seq, mbs):
+    import mcore_memory
+
+    attention = _dsa_attention(monkeypatch)
+    meter = mcore_memory.SavedTensorMeter(attention.parameters())
+    x = torch.randn(seq, mbs, 64, dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).expand(mbs, 1, seq, seq)
+    with meter.tracking(), meter.one_forward(), mcore_cpu.cuda_to_cpu_mode():
+        out, _ = attention(x, attention_mask=mask)
+    out.float().sum().backward()
+    spec = ModelSpec.from_mapping(DSA)
+    options = DecoderOptions.from_mapping(dict(DSA, padded_vocab_size=256, attention_backend="local",
+                                               position_embedding_type="rope", add_bias_linear=False))
+    training = Training(seq_length=seq, micro_batch_size=mbs, num_microbatches=1)
+    ours = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0).components["attention"]
+    t = seq * mbs
+    # NB: torch's CPU LayerNorm keeps k_norm's mean and rstd in bf16 (CUDA: fp32): 2 x T x 2 bytes less.
+    assert meter.forward == [ours - 2 * t * 2]
+    if (seq, mbs) == (16, 2):
+        # T = 32, bf16. MLA: the input [T, 64], the q latent [T, 24], the kv latent [T, 32 + 8],
+        # cos/sin 4 x [16, 8], linear_proj's input [T, 4 x 16]: 4,096 + 1,536 + 2,560 + 1,024 + 4,096
+        # = 13,312. Indexer: cos/sin 4 x 256, k_norm's input [T, 16] 1,024 and stats 2 x 32 x 4, fp32
+        # q [T, 2, 16] 4,096 and k [T, 16] 2,048, ReLU's [2, 2, 16, 16] fp32 4,096, weights [T, 2]
+        # 128, top-k [2, 16, 8] int64 2,048: 14,720. KL loss: 3 x [2, 16, 16] fp32 = 6,144. Sparse
+        # attention: fp32 q and k 2 x [8, 16, 24] x 4 = 24,576, softmax [2, 4, 16, 16] fp32 8,192
+        # and bf16 4,096, v [8, 16, 16] bf16 4,096: 40,960. Total 75,136 (measured: 75,136 - 128).
+        assert ours == dsa_saved(spec, s=16, b=2, heads=4, act=2) + 13_312 == 75_136
 
 
 def test_hybrid_mla_layers_have_no_latent_norms():

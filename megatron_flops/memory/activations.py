@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.lora import lora_activation_reason
-from megatron_flops.memory.ssm import gdn_saved, mamba_saved, ssm_activation_reason
+from megatron_flops.memory.ssm import dsa_saved, gdn_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_activation_reason, moe_activations,
@@ -180,7 +180,7 @@ class _Walk:
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
-    reason = lora_activation_reason(spec, peft) or ssm_activation_reason(spec, recompute)
+    reason = lora_activation_reason(spec, peft) or ssm_activation_reason(spec, recompute, par.tp)
     if reason is not None:
         return reason
     if spec.moe is not None:
@@ -298,7 +298,8 @@ def _softmax(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool,
         w.act("attention", core)
 
 
-def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool) -> None:
+def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool,
+                   dsa: bool = False) -> None:
     """Multi-latent attention (heads per TP rank; the latents whole) after the input norm: the
     norm's output (read by the query and the kv down projections), the latents (with
     ``qk_layernorm``: their norms' inputs and fp32 statistics, and outputs), RoPE's cos and sin,
@@ -328,8 +329,11 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     if norm:
         w.act("attention", stats + (loc * mla.kv_lora_rank * a if base else 0))
     w.act("attention", 4 * x.s * mla.qk_pos_emb_head_dim * a)  # cos and sin, for q and for k
-    qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
     v = T * heads * mla.v_head_dim * a
+    if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`)
+        w.act("attention", dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a) + v)
+        return
+    qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
     w.act("attention", 2 * qk + v)
     if options.attention_backend == "flash":
         lse = x.b * heads * x.s * 4  # fp32 log-sum-exp
@@ -384,7 +388,7 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
         if mixer in ("mamba", "gdn"):
             _ssm_mixer(w, x, spec, mixer)
         elif spec.mla is not None:
-            _mla_attention(w, x, spec, options, checkpointed=core_attn)
+            _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer == "dsa")
         else:
             _attention(w, x, options, checkpointed=core_attn)
         _dropout_mask(w, x, options)

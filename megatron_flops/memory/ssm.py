@@ -1,5 +1,5 @@
 """Parameters and saved-for-backward bytes of the mixers beside softmax attention: Mamba-2, Gated
-DeltaNet, Kimi Delta Attention and DeepSeek sparse attention's indexer (stdlib only).
+DeltaNet, Kimi Delta Attention and DeepSeek sparse attention (stdlib only).
 
 Parameters come as ``(name, numel, tp_replicated)`` in ``named_parameters()`` order on one
 tensor-parallel rank (:mod:`.decoder` turns them into its ``Param``): megatron-core 0.16's
@@ -165,6 +165,33 @@ def gdn_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int, param: int) ->
     return conv + l2 + repeated + decay + core + norm + t * v * act
 
 
+def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int) -> int:
+    """Bytes megatron-core 0.16.1's ``DSAttention`` (its torch implementation; TP 1) keeps for
+    backward, in place of MLA's core attention: measured on CPU (``tests/test_memory_ssm.py``).
+
+    The indexer (its inputs, the detached norm output and q latent, are MLA's own): RoPE's cos and
+    sin for its q and k [s, rope]; ``k_norm``'s input [T, d] and fp32 mean and rstd per token; the
+    fp32 q [T, nh, d] and k [T, d] of the score einsum, ReLU's fp32 output [b, nh, s, s], the
+    weights [T, nh]; top-k's int64 indices [b, s, min(topk, s)]. The KL indexer loss: the index
+    softmax's output, ``log``'s input and the normalised attention target (fp32 [b, s, s] each).
+    The unfused sparse attention: fp32 q and k [b x heads, s, qk + rope], the fp32 softmax
+    [b, heads, s, s] and its copy in the activation dtype (none in fp32), a contiguous v [T, heads, v].
+
+    NB: the graph is the same whatever ``dsa_indexer_loss_coeff`` (a zero coefficient still builds it).
+    NB: fast_hadamard_transform saves nothing for backward (the test's stand-in neither).
+    """
+    mla, dsa = spec.mla, spec.dsa
+    assert mla is not None and dsa is not None
+    t, nh, d, rope = s * b, dsa.num_heads, dsa.head_dim, mla.qk_pos_emb_head_dim
+    indexer = (4 * s * rope * act + t * d * act + 2 * t * FP32 + t * nh * d * FP32 + t * d * FP32
+               + b * nh * s * s * FP32 + t * nh * act + b * s * min(dsa.topk, s) * 8)
+    loss = 3 * b * s * s * FP32
+    scores = b * heads * s * s
+    sparse = (2 * t * heads * (mla.qk_head_dim + rope) * FP32 + scores * FP32 + (scores * act if act < FP32 else 0)
+              + t * heads * mla.v_head_dim * act)
+    return indexer + loss + sparse
+
+
 def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str | None:
     """Why the parameters of this model are not modelled on ``par`` (None: they are)."""
     kinds = {kind for kind, _ in spec.layer_runs}
@@ -177,7 +204,7 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     if par.vpp is not None and is_hybrid(spec):
         return "virtual pipeline stages of a hybrid pattern follow its '|' separators, which this report does not read"
     if par.cp > 1 and not mixers <= {"attention", "window", "none"}:
-        return "context parallelism is modelled for softmax-attention layers (not Mamba, GDN, KDA or DSA)"
+        return _cp_reason(mixers)
     if "kda" in mixers and par.tp > 1:
         return "Kimi Delta Attention is modelled with --tp 1 (transformers' layer: megatron-core has none)"
     sizes = []
@@ -191,12 +218,33 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     return None
 
 
-def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> str | None:
+def _cp_reason(mixers: set[str]) -> str:
+    """Why ``--cp`` > 1 is refused for these mixers: megatron-core 0.16.1's own refusals first."""
+    if "gdn" in mixers:
+        return ("megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet layers ('Gated delta net does "
+                "not support context parallel for now'; 0.19 adds a head-parallel all-to-all, not modelled here)")
+    if mixers & {"dsa", "dsa_shared"}:
+        return ("megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention ('Currently context "
+                "parallelism is not supported by DSAttention!'; 0.19 allows cp_comm_type allgather, not modelled here)")
+    if "kda" in mixers:
+        return "Kimi Delta Attention is transformers' KimiLinearDeltaAttention, which has no context parallelism"
+    return ("context parallelism of Mamba layers (megatron-core's MambaContextParallel: an all-to-all from sequence "
+            "to head shards around the scan) is not modelled")
+
+
+def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None, tp: int) -> str | None:
     """Why activations are not modelled for these layers (None: they are, or there are none)."""
     kinds = {kind for kind, _ in spec.layer_runs}
     mixers = {mixer for mixer, _ in kinds}
-    if mixers & {"kda", "dsa", "dsa_shared"}:
-        return "activations are not modelled for Kimi Delta Attention or DeepSeek sparse attention layers"
+    if "kda" in mixers:
+        return "activations are not modelled for Kimi Delta Attention layers"
+    if "dsa_shared" in mixers:
+        return "activations are not modelled for DeepSeek sparse attention layers that reuse an earlier top-k"
+    if "dsa" in mixers and tp > 1:
+        return ("activations of DeepSeek sparse attention layers are modelled with --tp 1 (the indexer loss's TP "
+                "all-reduce and the indexer's sequence-parallel gathers are not)")
+    if "dsa" in mixers and recompute is not None:
+        return "activations of DeepSeek sparse attention layers are modelled without recompute"
     plain = mixers <= {"attention", "window"} and all(f != "none" for _, f in kinds)
     if recompute is not None and recompute.granularity == "full" and not plain:
         return "activations of Mamba, Gated DeltaNet and hybrid layers are modelled without full recompute"
@@ -233,6 +281,10 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
                           "column- and row-parallel pair (the layers do not run on CPU)")
     if "kda" in mixers:
         assumptions.append("Kimi Delta Attention layers as transformers' KimiLinearDeltaAttention (TP 1)")
+    if activations and "dsa" in mixers:
+        assumptions.append("DeepSeek sparse attention as megatron-core 0.16.1's DSAttention runs it (torch, unfused: "
+                           "fp32 [b, heads, s, s] scores, the indexer's KL loss graph); measured on CPU with a "
+                           "stand-in for fast_hadamard_transform, which saves nothing for backward")
     return assumptions, unmeasured
 
 
