@@ -126,3 +126,10 @@ def test_an_args_dump_keeps_its_switches(tmp_path):
     assert _memory("--megatron-args", str(path), "--dp", "2") == _memory("--megatron-args", line, "--dp", "2")
     assert _memory("--megatron-args", str(path), "--dp", "2") != _memory("--megatron-args", line.replace(" --bf16", ""),
                                                                          "--dp", "2")
+
+
+def test_megatron_fsdp_is_refused_not_priced_as_ddp():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["memory", "--megatron-args", f"{DENSE} --use-megatron-fsdp", "--dp", "2"]) == 2
+    assert "Megatron-FSDP (--use-megatron-fsdp) is not modelled" in err.getvalue()

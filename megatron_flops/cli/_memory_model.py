@@ -71,6 +71,9 @@ def layout_defaults(model: LoadedModel) -> dict[str, Any]:
     if ns is None:
         return {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vpp": None, "sequence_parallel": False,
                 "distributed_optimizer": False, "fsdp": False, "params_dtype": "bf16", "micro_batch_size": 1}
+    if getattr(ns, "use_megatron_fsdp", False):
+        raise ValueError(f"{model.source}: Megatron-FSDP (--use-megatron-fsdp) is not modelled; torch FSDP2 "
+                         "(--use-torch-fsdp2, --fsdp) is")
     return {
         "micro_batch_size": ns.micro_batch_size or 1,
         "tp": ns.tensor_model_parallel_size or 1, "pp": ns.pipeline_model_parallel_size or 1,
