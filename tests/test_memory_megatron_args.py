@@ -133,3 +133,15 @@ def test_megatron_fsdp_is_refused_not_priced_as_ddp():
     with contextlib.redirect_stderr(err):
         assert main(["memory", "--megatron-args", f"{DENSE} --use-megatron-fsdp", "--dp", "2"]) == 2
     assert "Megatron-FSDP (--use-megatron-fsdp) is not modelled" in err.getvalue()
+
+
+@pytest.mark.parametrize("etp, refused", [("1", True), ("2", False)])
+def test_expert_tensor_parallel_size_other_than_tp_is_refused(etp, refused):
+    # Experts are split over TP (expert TP = TP, megatron-core's default); another value is refused,
+    # not priced as if it were TP.
+    line = f"{DENSE} --tensor-model-parallel-size 2 --expert-tensor-parallel-size {etp}"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["memory", "--megatron-args", line])
+    assert (code, "is not modelled: memory splits experts over TP" in err.getvalue()) == ((2, True) if refused
+                                                                                        else (0, False))

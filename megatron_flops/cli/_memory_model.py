@@ -71,6 +71,10 @@ def layout_defaults(model: LoadedModel) -> dict[str, Any]:
     if ns is None:
         return {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vpp": None, "sequence_parallel": False,
                 "distributed_optimizer": False, "fsdp": False, "params_dtype": "bf16", "micro_batch_size": 1}
+    etp = getattr(ns, "_unread", {}).get("expert_tensor_parallel_size")
+    if etp and etp[0] != str(ns.tensor_model_parallel_size or 1):
+        raise ValueError(f"{model.source}: --expert-tensor-parallel-size {etp[0]} is not modelled: memory splits "
+                         "experts over TP (megatron-core's default, expert TP = TP)")
     if getattr(ns, "use_megatron_fsdp", False):
         raise ValueError(f"{model.source}: Megatron-FSDP (--use-megatron-fsdp) is not modelled; torch FSDP2 "
                          "(--use-torch-fsdp2, --fsdp) is")

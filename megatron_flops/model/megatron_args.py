@@ -159,7 +159,9 @@ def args_from_dump(dump: Mapping[str, Any], *, source: str, release: str | None 
             raise ValueError(f"{source}: unknown Megatron-LM argument {key!r} (did you mean {close[0]!r}?)")
     switches = {dest for dest, kind, _ in _mlm_args.OPTIONS.values() if kind in ("true", "false")}
     kept = {k: v for k, v in dump.items() if k in READ or (k in switches and isinstance(v, bool))}
-    return SimpleNamespace(**{**_defaults(index, None, source), **kept})
+    args = SimpleNamespace(**{**_defaults(index, None, source), **kept})
+    args._unread = {k: [str(v)] for k, v in dump.items() if k not in kept and v is not None}
+    return args
 
 
 def parse_command_line(text: str, *, source: str, release: str | None = None) -> SimpleNamespace:
@@ -179,6 +181,7 @@ def parse_command_line(text: str, *, source: str, release: str | None = None) ->
     if scripts:
         tokens = tokens[scripts[-1] + 1:]
     values: dict[str, Any] = {}
+    unread: dict[str, list[str]] = {}  # valued options megatron-flops does not read, as given
     i = 0
     while i < len(tokens):
         token = tokens[i]
@@ -208,8 +211,11 @@ def parse_command_line(text: str, *, source: str, release: str | None = None) ->
                 raise ValueError(f"{source}: {option} expects {count or 'one or more'} value(s)")
         if dest in _mlm_args.TYPES:
             values[dest] = _convert(option, _mlm_args.TYPES[dest], given if kind != "value" else given[0], source)
+        else:
+            unread[dest] = given
     args = SimpleNamespace(**{**_defaults(index, having, source), **values})
     args._from_command_line = True
+    args._unread = unread
     return args
 
 
