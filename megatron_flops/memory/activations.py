@@ -59,15 +59,13 @@ from dataclasses import dataclass, field
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.lora import lora_activation_reason
 from megatron_flops.memory.ssm import dsa_saved, gdn_saved, mamba_saved, ssm_activation_reason
-from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.layout import INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_activation_reason, moe_activations,
                                        shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
-NORM_STATS_BYTES = 4  # fp32 mean/rstd per token (CUDA kernels)
-INDEX_BYTES = 8  # int64 token ids, positions, targets
 SUPPORTED_SELECTIVE = ("core_attn", "mlp")
 
 

@@ -66,10 +66,8 @@ from dataclasses import dataclass
 
 from megatron_flops.flops.dit import DiTPeftSpec, DiTSpec
 from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES
 
-LAYER_NORM_STATS_BYTES = 4  # fp32 mean and rstd per token (CUDA)
-INDEX_BYTES = 8  # int64 indices (repeat_interleave's)
-LOSS_BYTES = 4  # the MSE loss in fp32
 ATTENTION_CONVENTIONS = ("local", "flash")
 
 
@@ -240,7 +238,7 @@ def _walk(spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int,
 
 def dit_block_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
                     peft: PeftSpec | None = None, input_grad: bool = True,
-                    layer_norm_stats_bytes: int = LAYER_NORM_STATS_BYTES) -> dict[str, int]:
+                    layer_norm_stats_bytes: int = NORM_STATS_BYTES) -> dict[str, int]:
     """One block's own saved bytes per part (see the module NB); the shared embeddings excluded."""
     saved, _ = _walk(spec, batch, DiTPeftSpec.of(peft), act_bytes, layer_norm_stats_bytes, attention, input_grad)
     parts: dict[str, int] = dict.fromkeys(("adaln", "norm", "self_attn", "cross_attn", "ffn"), 0)
@@ -251,7 +249,7 @@ def dit_block_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
 
 
 def dit_outside_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, trains: bool, head_grad: bool = True,
-                      layer_norm_stats_bytes: int = LAYER_NORM_STATS_BYTES) -> dict[str, int]:
+                      layer_norm_stats_bytes: int = NORM_STATS_BYTES) -> dict[str, int]:
     """What the model saves outside its blocks, by part (see the module NB): the base ``trains``
     or is frozen; ``head_grad``: whether the last block's output needs a gradient."""
     B, T, C, M = len(batch.video), sum(batch.video), sum(batch.text), sum(batch.image or ())
@@ -271,13 +269,13 @@ def dit_outside_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, trains:
         out["head"] = 2 * T * h * a + 2 * T * s
         if trains:  # the normalised x (scale's gradient), the head's input, e's repeat index
             out["head"] += 2 * T * h * a + T * INDEX_BYTES
-        out["loss"] = 2 * T * spec.out_channels * patch * LOSS_BYTES  # prediction and target, fp32
+        out["loss"] = 2 * T * spec.out_channels * patch * FP32_BYTES  # prediction and target, fp32
     return out
 
 
 def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
                     peft: PeftSpec | None = None, checkpointed_blocks: int = 0,
-                    layer_norm_stats_bytes: int = LAYER_NORM_STATS_BYTES) -> DiTActivations:
+                    layer_norm_stats_bytes: int = NORM_STATS_BYTES) -> DiTActivations:
     """Peak saved bytes of the model and its loss for one micro-batch, the first
     ``checkpointed_blocks`` blocks checkpointed (see the module NB). ``block``: the parts of a
     block whose input needs a gradient (every block but a frozen base's first)."""

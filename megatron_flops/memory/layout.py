@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP32_BYTES = DTYPE_BYTES["fp32"]
+NORM_STATS_BYTES = FP32_BYTES  # a norm's mean/rstd per token, in fp32 as CUDA kernels keep them
+INDEX_BYTES = 8  # int64 token ids, positions, targets, top-k and gather indices
 OPTIMIZERS = ("adam", "sgd")
 
 

@@ -27,12 +27,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron_flops.memory.decoder import DecoderOptions
-from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
-INDEX_BYTES = 8  # int64 top-k indices, sorted indices, token counts
 SCORE_BYTES = 4  # fp32 router scores
 DISPATCHERS = ("alltoall", "allgather")
 

@@ -20,14 +20,13 @@ none is measured (the report lists them under ``unmeasured``).
 from __future__ import annotations
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
-from megatron_flops.memory.layout import Parallelism
+from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism
 from megatron_flops.model.spec import ModelSpec
 
 Tensor = tuple[str, int, bool]  # (name, elements on one TP rank, whole on every TP rank)
 # megatron-core's MambaMixer defaults (not TransformerConfig fields): conv width 4, conv bias.
 MAMBA_CONV_WIDTH = 4
 FLA_CHUNK = 64  # fla's chunk size: the solved [chunk, chunk] WY matrix per chunk and head
-FP32 = 4
 MIXERS_WITH_PARAMETERS = ("mamba", "gdn", "kda")
 
 
@@ -131,8 +130,8 @@ def mamba_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int) -> int:
     assert m is not None
     inner, heads, groups = mamba_inner(spec) // tp, m.num_heads // tp, m.num_groups // tp
     in_dim = (2 * mamba_inner(spec) + 2 * m.num_groups * m.state_dim + m.num_heads) // tp
-    kernel = tokens * in_dim * act + tokens * inner * act + 2 * heads * FP32 + (heads * FP32 if act < FP32 else 0)
-    return kernel + tokens * inner * act + tokens * groups * FP32 + tokens * inner * act
+    kernel = tokens * in_dim * act + tokens * inner * act + 2 * heads * FP32_BYTES + (heads * FP32_BYTES if act < FP32_BYTES else 0)
+    return kernel + tokens * inner * act + tokens * groups * FP32_BYTES + tokens * inner * act
 
 
 def gdn_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int, param: int) -> int:
@@ -157,11 +156,11 @@ def gdn_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int, param: int) ->
     qk, v = nk * g.key_head_dim, nv * g.value_head_dim
     t = tokens
     conv = t * (2 * qk + v) * act
-    l2 = 2 * (t * qk * act + t * nk * FP32)
+    l2 = 2 * (t * qk * act + t * nk * FP32_BYTES)
     repeated = 2 * t * nv * g.key_head_dim * act if nv > nk else 0
-    decay = 2 * t * nv * FP32 + 2 * nv * param + t * nv * act
-    core = t * v * act + t * nv * FP32 + t * nv * FLA_CHUNK * act
-    norm = 3 * t * v * act + t * nv * FP32
+    decay = 2 * t * nv * FP32_BYTES + 2 * nv * param + t * nv * act
+    core = t * v * act + t * nv * FP32_BYTES + t * nv * FLA_CHUNK * act
+    norm = 3 * t * v * act + t * nv * FP32_BYTES
     return conv + l2 + repeated + decay + core + norm + t * v * act
 
 
@@ -183,11 +182,11 @@ def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int) -> int:
     mla, dsa = spec.mla, spec.dsa
     assert mla is not None and dsa is not None
     t, nh, d, rope = s * b, dsa.num_heads, dsa.head_dim, mla.qk_pos_emb_head_dim
-    indexer = (4 * s * rope * act + t * d * act + 2 * t * FP32 + t * nh * d * FP32 + t * d * FP32
-               + b * nh * s * s * FP32 + t * nh * act + b * s * min(dsa.topk, s) * 8)
-    loss = 3 * b * s * s * FP32
+    indexer = (4 * s * rope * act + t * d * act + 2 * t * FP32_BYTES + t * nh * d * FP32_BYTES + t * d * FP32_BYTES
+               + b * nh * s * s * FP32_BYTES + t * nh * act + b * s * min(dsa.topk, s) * INDEX_BYTES)
+    loss = 3 * b * s * s * FP32_BYTES
     scores = b * heads * s * s
-    sparse = (2 * t * heads * (mla.qk_head_dim + rope) * FP32 + scores * FP32 + (scores * act if act < FP32 else 0)
+    sparse = (2 * t * heads * (mla.qk_head_dim + rope) * FP32_BYTES + scores * FP32_BYTES + (scores * act if act < FP32_BYTES else 0)
               + t * heads * mla.v_head_dim * act)
     return indexer + loss + sparse
 

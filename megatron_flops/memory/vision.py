@@ -55,11 +55,10 @@ from megatron_flops.flops.vision import (
     vision_spec_from_model_mapping,
 )
 from megatron_flops.memory.decoder import Param
+from megatron_flops.memory.layout import INDEX_BYTES, NORM_STATS_BYTES
 
 # Towers whose activations are measured (the Hugging Face module Megatron-Bridge trains).
 MEASURED_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-NORM_STATS_BYTES = 4  # fp32 LayerNorm mean and rstd per patch (CUDA)
-INDEX_BYTES = 8  # int64 gather indices
 
 
 @dataclass(frozen=True, kw_only=True)
