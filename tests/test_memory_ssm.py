@@ -25,7 +25,7 @@ from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.report import decoder_memory
 from megatron_flops.flops.passes import RecomputeSpec
-from megatron_flops.memory.ssm import dsa_indexer_tensors, dsa_saved, gdn_saved, mamba_saved, mixer_tensors
+from megatron_flops.memory.ssm import dsa_indexer_tensors, dsa_saved, gdn_saved, kda_saved, mamba_saved, mixer_tensors
 from megatron_flops.model.spec import ModelSpec
 
 SMALL = dict(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, normalization="RMSNorm",
@@ -131,6 +131,57 @@ def test_kda_parameters_match_transformers():
     spec = ModelSpec.from_hf_config(config.to_dict())
     assert spec.layers[0][0] == "kda"
     assert _ours(mixer_tensors(spec, "kda", "", 1, False), "self_attention.") == _shapes(layer)
+
+
+# (seq, micro-batch, dtype, heads, head dim, conv width): one chunk of 64 (padded), two (70: the
+# state carried across chunks), three in bf16, and no padding (64).
+KDA_CASES = [(16, 2, "fp32", 2, 8, 4), (70, 1, "fp32", 2, 8, 4), (130, 1, "bf16", 3, 4, 3), (64, 2, "fp32", 2, 8, 4)]
+
+
+@pytest.mark.parametrize("seq, mbs, dtype, heads, d, conv", KDA_CASES)
+def test_kda_saved_bytes_match_transformers(seq, mbs, dtype, heads, d, conv):
+    """transformers' KimiLinearDeltaAttention (its torch path: no fla here), one forward under
+    saved-tensor hooks: the storages still held when the forward returns, against the report's
+    KDA component (its input + :func:`kda_saved`)."""
+    import gc
+
+    import mcore_memory
+
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.kimi_linear import modeling_kimi_linear
+
+    from test_linear_attention import KIMI
+
+    class DetachingMeter(mcore_memory.SavedTensorMeter):
+        # A saved output packed as itself references its own grad_fn: a cycle through the graph that
+        # keeps alive what the forward drops (the last chunk's state update). Detached, it does not.
+        def _pack(self, t):
+            return super()._pack(t.detach())
+
+    kw = dict(KIMI, linear_num_heads=heads, linear_head_dim=d, linear_conv_kernel_dim=conv)
+    config = transformers.AutoConfig.for_model("kimi_linear", **kw)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    layer = modeling_kimi_linear.KimiLinearDeltaAttention(config, layer_idx=0).to(torch_dtype)
+    meter = DetachingMeter(layer.parameters())
+    x = torch.randn(mbs, seq, 64, dtype=torch_dtype, requires_grad=True)
+    with meter.tracking():
+        out = layer(x)
+    gc.collect()
+    held = meter.current
+    out.float().sum().backward()
+    spec = ModelSpec.from_hf_config(dict(kw, model_type="kimi_linear"))
+    training = Training(seq_length=seq, micro_batch_size=mbs, num_microbatches=1, params_dtype=dtype)
+    options = DecoderOptions(normalization="RMSNorm", add_bias_linear=False, padded_vocab_size=100)
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0)
+    assert held == act.components["kda"] // 2  # (two KDA layers in KIMI's three)
+    if (seq, mbs, dtype) == (16, 2, "fp32"):
+        # T = 32, 2 heads x 8 (dim 16), one chunk of 64: the decay mask and its product 2 x 4 x 64 x 64
+        # x 8 x 4 = 1,048,576; the row loop's clones 4 x 4 x (2,016 + 85,344) = 1,397,760; the solved
+        # matrix, intra scores 2 x 4 x 4,096 x 4 = 131,072 and intra product 524,288; seven padded
+        # [4, 64, 8] 57,344 and beta 1,024; masks 3 x 4,096; the state 1,024, exp(g) and new values
+        # 2 x 8,192; the conv 13,440, gates 8,976, L2 norms 4,608 and output norm + o_proj 10,496:
+        # 3,227,280 in all, beside the [T, 64] input 8,192.
+        assert kda_saved(spec, s=16, b=2, act=4) == 3_227_280 and held == 3_227_280 + 8_192
 
 
 def test_gated_attention_parameters_in_megatron_order(mcore):
@@ -250,8 +301,8 @@ def test_refusals_name_what_is_not_modelled(capsys, tmp_path):
     assert "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet" in capsys.readouterr().err
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--recompute", "full",
                  "--recompute-method", "uniform", "--recompute-num-layers", "1"]) == 0
-    assert "not modelled (this setup): activations of Mamba, Gated DeltaNet and hybrid layers are modelled " \
-           "without full recompute" in capsys.readouterr().out
+    assert "not modelled (this setup): activations of Mamba, Gated DeltaNet, Kimi Delta Attention and hybrid layers " \
+           "are modelled without full recompute" in capsys.readouterr().out
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2", "--vpp", "2"]) == 2
     assert "virtual pipeline stages of a hybrid pattern follow its '|' separators" in capsys.readouterr().err
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2"]) == 0
