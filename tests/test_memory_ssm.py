@@ -343,9 +343,11 @@ class _Hadamard(torch.autograd.Function):
         return (x.float() @ h * scale).to(x.dtype)
 
 
-def _dsa_attention(monkeypatch):
+def _dsa_attention(sequence_parallel: bool = False):
     """megatron-core 0.16.1's MLA self-attention with DSAttention as its core (the DSA spec's,
-    built from the local spec's layers: the indexer's duplicated linears as torch linears), bf16."""
+    built from the local spec's layers: the indexer's duplicated linears as torch linears), bf16,
+    on this process's TP group. Test-only: fast_hadamard_transform's CUDA kernel is replaced by
+    :class:`_Hadamard` (in this process, for the process' life)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.experimental_attention_variant import dsa
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -359,11 +361,15 @@ def _dsa_attention(monkeypatch):
         def forward(self, x):
             return super().forward(x), None
 
-    monkeypatch.setattr(dsa, "hadamard_transform", _Hadamard.apply)
+    dsa.hadamard_transform = _Hadamard.apply
     fields = {k: v for k, v in DSA.items() if k not in ("vocab_size", "experimental_attention_variant")}
+    from megatron.core import parallel_state as ps
+
     config = MLATransformerConfig(**fields, experimental_attention_variant="dsa", dsa_indexer_loss_coeff=0.01,
                                   normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
-                                  rope_type="rope", bf16=True, params_dtype=torch.bfloat16)
+                                  rope_type="rope", bf16=True, params_dtype=torch.bfloat16,
+                                  tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                                  sequence_parallel=sequence_parallel)
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm").submodules.self_attention
     spec.submodules.core_attention = ModuleSpec(module=dsa.DSAttention, submodules=dsa.DSAttentionSubmodules(
         indexer=ModuleSpec(module=dsa.DSAIndexer, submodules=dsa.DSAIndexerSubmodules(
@@ -372,17 +378,38 @@ def _dsa_attention(monkeypatch):
         return build_module(spec, config=config, layer_number=1).bfloat16()
 
 
-@pytest.mark.parametrize("seq, mbs", [(16, 2), (12, 1)])
-def test_dsa_attention_saved_bytes(mcore, monkeypatch, seq, mbs):
+def _dsa_saved_forward(seq: int, mbs: int, sequence_parallel: bool = False, tp: int = 1) -> int:
+    """Bytes of the distinct storages one forward of :func:`_dsa_attention` saves (its input is
+    this rank's [seq / tp, mbs, 64] slice under sequence parallelism)."""
     import mcore_memory
 
-    attention = _dsa_attention(monkeypatch)
+    attention = _dsa_attention(sequence_parallel)
     meter = mcore_memory.SavedTensorMeter(attention.parameters())
-    x = torch.randn(seq, mbs, 64, dtype=torch.bfloat16, requires_grad=True)
+    torch.manual_seed(0)
+    x = torch.randn(seq // (tp if sequence_parallel else 1), mbs, 64, dtype=torch.bfloat16, requires_grad=True)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).expand(mbs, 1, seq, seq)
     with meter.tracking(), meter.one_forward(), mcore_cpu.cuda_to_cpu_mode():
         out, _ = attention(x, attention_mask=mask)
     out.float().sum().backward()
+    return meter.forward[0]
+
+
+def dsa_tp_worker(rank: int, world_size: int, runs: dict) -> dict:
+    """A 2-rank gloo worker: :func:`_dsa_saved_forward` under TP 2 for each run (seq, mbs, SP)."""
+    import mcore_dist
+    import mcore_memory
+
+    mcore_dist.init_worker(tp=world_size)
+    mcore_memory.patch_sequence_parallel_norm()
+    return {name: _dsa_saved_forward(*run, tp=world_size) for name, run in runs.items()}
+
+
+@pytest.mark.parametrize("seq, mbs", [(16, 2), (12, 1)])
+def test_dsa_attention_saved_bytes(mcore, monkeypatch, seq, mbs):
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    monkeypatch.setattr(dsa, "hadamard_transform", dsa.hadamard_transform)  # (restored after the test)
+    measured = _dsa_saved_forward(seq, mbs)
     spec = ModelSpec.from_mapping(DSA)
     options = DecoderOptions.from_mapping(dict(DSA, padded_vocab_size=256, attention_backend="local",
                                                position_embedding_type="rope", add_bias_linear=False))
@@ -390,7 +417,7 @@ def test_dsa_attention_saved_bytes(mcore, monkeypatch, seq, mbs):
     ours = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0).components["attention"]
     t = seq * mbs
     # NB: torch's CPU LayerNorm keeps k_norm's mean and rstd in bf16 (CUDA: fp32): 2 x T x 2 bytes less.
-    assert meter.forward == [ours - 2 * t * 2]
+    assert measured == ours - 2 * t * 2
     if (seq, mbs) == (16, 2):
         # T = 32, bf16. MLA: the input [T, 64], the q latent [T, 24], the kv latent [T, 32 + 8],
         # cos/sin 4 x [16, 8], linear_proj's input [T, 4 x 16]: 4,096 + 1,536 + 2,560 + 1,024 + 4,096
@@ -400,6 +427,32 @@ def test_dsa_attention_saved_bytes(mcore, monkeypatch, seq, mbs):
         # attention: fp32 q and k 2 x [8, 16, 24] x 4 = 24,576, softmax [2, 4, 16, 16] fp32 8,192
         # and bf16 4,096, v [8, 16, 16] bf16 4,096: 40,960. Total 75,136 (measured: 75,136 - 128).
         assert ours == dsa_saved(spec, s=16, b=2, heads=4, act=2) + 13_312 == 75_136
+
+
+DSA_TP_RUNS = {"TP2": (16, 2, False), "TP2 SP": (16, 2, True)}
+
+
+@pytest.mark.dist
+def test_dsa_attention_saved_bytes_under_tensor_parallelism(mcore):
+    import mcore_dist
+
+    measured = mcore_dist.run_distributed(dsa_tp_worker, 2, DSA_TP_RUNS, timeout=600)
+    spec = ModelSpec.from_mapping(DSA)
+    options = DecoderOptions.from_mapping(dict(DSA, padded_vocab_size=256, attention_backend="local",
+                                               position_embedding_type="rope", add_bias_linear=False))
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=1)
+    for name, (_, _, sp) in DSA_TP_RUNS.items():
+        ours = chunk_activations(spec, options, Parallelism(tp=2, sequence_parallel=sp), training, pp_rank=0,
+                                 chunk=0).components["attention"]
+        # NB: CPU k_norm statistics in bf16, as at TP 1 (the indexer sees all T = 32 tokens).
+        assert [r[name] for r in measured] == [ours - 2 * 32 * 2] * 2, name
+    # TP 2 halves the sparse attention's heads (4 -> 2): its fp32 q, k, softmax, bf16 softmax and v
+    # (40,960 at TP 1, see above) to 20,480; the indexer (14,720) and the KL loss (6,144) stay whole.
+    # Sequence parallelism adds the indexer's gathered copies of the norm output [32, 64] and the q
+    # latent [32, 24] in bf16: 32 x 88 x 2 = 5,632.
+    tp2 = dsa_saved(spec, s=16, b=2, heads=2, act=2)
+    assert tp2 == 75_136 - 13_312 - 20_480
+    assert dsa_saved(spec, s=16, b=2, heads=2, act=2, sequence_parallel=True) - tp2 == 5_632
 
 
 def test_hybrid_mla_layers_have_no_latent_norms():

@@ -210,9 +210,11 @@ def kda_saved(spec: ModelSpec, *, s: int, b: int, act: int) -> int:
     return conv + gates + l2 + padded + chunks + per_chunk + out
 
 
-def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int) -> int:
-    """Bytes megatron-core 0.16.1's ``DSAttention`` (its torch implementation; TP 1) keeps for
-    backward, in place of MLA's core attention: measured on CPU (``tests/test_memory_ssm.py``).
+def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence_parallel: bool = False) -> int:
+    """Bytes megatron-core 0.16.1's ``DSAttention`` (its torch implementation) keeps for backward,
+    in place of MLA's core attention, with ``heads`` attention heads on this TP rank: measured on
+    CPU (``tests/test_memory_ssm.py``: TP 1, and TP 2 with and without sequence parallelism in
+    2 gloo processes).
 
     The indexer (its inputs, the detached norm output and q latent, are MLA's own): RoPE's cos and
     sin for its q and k [s, rope]; ``k_norm``'s input [T, d] and fp32 mean and rstd per token; the
@@ -221,6 +223,12 @@ def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int) -> int:
     softmax's output, ``log``'s input and the normalised attention target (fp32 [b, s, s] each).
     The unfused sparse attention: fp32 q and k [b x heads, s, qk + rope], the fp32 softmax
     [b, heads, s, s] and its copy in the activation dtype (none in fp32), a contiguous v [T, heads, v].
+
+    Under TP the indexer is whole on every rank (its linears duplicated) and sees every token: its
+    figures and the KL loss's [b, s, s] do not shrink; the loss's head sum over this rank's heads is
+    all-reduced over TP in place (nothing more saved). Under sequence parallelism the indexer
+    all-gathers its detached inputs and its linears keep the gathered copies: the norm output
+    [T, h] and the q latent [T, q_lora] (without q_lora, the norm output again: [T, h]).
 
     NB: the graph is the same whatever ``dsa_indexer_loss_coeff`` (a zero coefficient still builds it).
     NB: fast_hadamard_transform saves nothing for backward (the test's stand-in neither).
@@ -234,7 +242,8 @@ def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int) -> int:
     scores = b * heads * s * s
     sparse = (2 * t * heads * (mla.qk_head_dim + rope) * FP32_BYTES + scores * FP32_BYTES + (scores * act if act < FP32_BYTES else 0)
               + t * heads * mla.v_head_dim * act)
-    return indexer + loss + sparse
+    gathered = t * (spec.hidden_size + (mla.q_lora_rank or spec.hidden_size)) * act if sequence_parallel else 0
+    return indexer + loss + sparse + gathered
 
 
 def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str | None:
@@ -279,15 +288,12 @@ def _cp_reason(mixers: set[str]) -> str:
             "to head shards around the scan) is not modelled")
 
 
-def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None, tp: int) -> str | None:
+def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> str | None:
     """Why activations are not modelled for these layers (None: they are, or there are none)."""
     kinds = {kind for kind, _ in spec.layer_runs}
     mixers = {mixer for mixer, _ in kinds}
     if "dsa_shared" in mixers:
         return "activations are not modelled for DeepSeek sparse attention layers that reuse an earlier top-k"
-    if "dsa" in mixers and tp > 1:
-        return ("activations of DeepSeek sparse attention layers are modelled with --tp 1 (the indexer loss's TP "
-                "all-reduce and the indexer's sequence-parallel gathers are not)")
     if "dsa" in mixers and recompute is not None:
         return "activations of DeepSeek sparse attention layers are modelled without recompute"
     plain = mixers <= {"attention", "window"} and all(f != "none" for _, f in kinds)
@@ -333,8 +339,9 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
                            "far less (not modelled)")
     if activations and "dsa" in mixers:
         assumptions.append("DeepSeek sparse attention as megatron-core 0.16.1's DSAttention runs it (torch, unfused: "
-                           "fp32 [b, heads, s, s] scores, the indexer's KL loss graph); measured on CPU with a "
-                           "stand-in for fast_hadamard_transform, which saves nothing for backward")
+                           "fp32 [b, heads, s, s] scores, the indexer's KL loss graph, the indexer whole on every TP rank); "
+                           "measured on CPU (TP 1, TP 2 with and without sequence parallelism) with a stand-in for "
+                           "fast_hadamard_transform, which saves nothing for backward")
     return assumptions, unmeasured
 
 
