@@ -103,12 +103,9 @@ MISSING_MEMORY_FLAGS: set[str] = set()
 # Gaps as of this commit: (model | layout | setup glob, reason regex). Every observed gap must match
 # an entry, and every entry must match a gap: delete an entry when its gap is closed.
 EXPECTED_GAPS: list[tuple[str, str]] = [
-    # Kimi Delta Attention: states and traffic, no activations, TP 1 (transformers' layer); DeepSeek
-    # sparse attention's activations at TP 1 (measured); no context parallelism beside Mamba, GDN, KDA
+    # Kimi Delta Attention at TP 1 only (no KDA layer has tensor parallelism: not megatron-core through
+    # 0.19.2, not Megatron-Bridge 0.6.2, not transformers); no context parallelism beside Mamba, GDN, KDA
     # or DSA layers; a hybrid pattern's virtual pipeline stages ('|' separators, which the spec does not keep).
-    ("hf:kimi_linear | *", r"not modelled: activations are not modelled for Kimi Delta Attention layers"),
-    *[(f"{model} | TP2* | ", r"not modelled: activations of DeepSeek sparse attention layers are modelled with --tp 1")
-      for model in ("mcore:dsa", "hf:deepseek_v32", "hf:glm_moe_dsa")],
     # (GDN and DSA: megatron-core 0.16.1 itself refuses CP; transformers' KDA layer has none.)
     *[(f"{model} | CP2 | ", rf"refused: .*{what}") for model, what in (
         ("hf:kimi_linear", "KimiLinearDeltaAttention, which has no context parallelism"),
