@@ -343,11 +343,11 @@ class _Hadamard(torch.autograd.Function):
         return (x.float() @ h * scale).to(x.dtype)
 
 
-def _dsa_attention(sequence_parallel: bool = False):
+def _dsa_attention(model: dict, sequence_parallel: bool = False):
     """megatron-core 0.16.1's MLA self-attention with DSAttention as its core (the DSA spec's,
     built from the local spec's layers: the indexer's duplicated linears as torch linears), bf16,
-    on this process's TP group. Test-only: fast_hadamard_transform's CUDA kernel is replaced by
-    :class:`_Hadamard` (in this process, for the process' life)."""
+    on this process's TP group, for the fields ``model`` (as :data:`DSA`)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.experimental_attention_variant import dsa
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -361,9 +361,9 @@ def _dsa_attention(sequence_parallel: bool = False):
         def forward(self, x):
             return super().forward(x), None
 
+    # Test-only: fast_hadamard_transform's CUDA kernel replaced (in this process, for its life).
     dsa.hadamard_transform = _Hadamard.apply
-    fields = {k: v for k, v in DSA.items() if k not in ("vocab_size", "experimental_attention_variant")}
-    from megatron.core import parallel_state as ps
+    fields = {k: v for k, v in model.items() if k not in ("vocab_size", "experimental_attention_variant")}
 
     config = MLATransformerConfig(**fields, experimental_attention_variant="dsa", dsa_indexer_loss_coeff=0.01,
                                   normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
@@ -378,12 +378,12 @@ def _dsa_attention(sequence_parallel: bool = False):
         return build_module(spec, config=config, layer_number=1).bfloat16()
 
 
-def _dsa_saved_forward(seq: int, mbs: int, sequence_parallel: bool = False, tp: int = 1) -> int:
+def _dsa_saved_forward(seq: int, mbs: int, sequence_parallel: bool = False, model: dict = DSA, tp: int = 1) -> int:
     """Bytes of the distinct storages one forward of :func:`_dsa_attention` saves (its input is
     this rank's [seq / tp, mbs, 64] slice under sequence parallelism)."""
     import mcore_memory
 
-    attention = _dsa_attention(sequence_parallel)
+    attention = _dsa_attention(model, sequence_parallel)
     meter = mcore_memory.SavedTensorMeter(attention.parameters())
     torch.manual_seed(0)
     x = torch.randn(seq // (tp if sequence_parallel else 1), mbs, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -395,7 +395,7 @@ def _dsa_saved_forward(seq: int, mbs: int, sequence_parallel: bool = False, tp: 
 
 
 def dsa_tp_worker(rank: int, world_size: int, runs: dict) -> dict:
-    """A 2-rank gloo worker: :func:`_dsa_saved_forward` under TP 2 for each run (seq, mbs, SP)."""
+    """A 2-rank gloo worker: :func:`_dsa_saved_forward` under TP 2 for each run (seq, mbs, SP, model)."""
     import mcore_dist
     import mcore_memory
 
@@ -429,7 +429,8 @@ def test_dsa_attention_saved_bytes(mcore, monkeypatch, seq, mbs):
         assert ours == dsa_saved(spec, s=16, b=2, heads=4, act=2) + 13_312 == 75_136
 
 
-DSA_TP_RUNS = {"TP2": (16, 2, False), "TP2 SP": (16, 2, True)}
+DSA_TP_RUNS = {"TP2": (16, 2, False, DSA), "TP2 SP": (16, 2, True, DSA),
+               "TP2 SP, no q latent": (16, 2, True, dict(DSA, q_lora_rank=None))}
 
 
 @pytest.mark.dist
@@ -437,19 +438,19 @@ def test_dsa_attention_saved_bytes_under_tensor_parallelism(mcore):
     import mcore_dist
 
     measured = mcore_dist.run_distributed(dsa_tp_worker, 2, DSA_TP_RUNS, timeout=600)
-    spec = ModelSpec.from_mapping(DSA)
-    options = DecoderOptions.from_mapping(dict(DSA, padded_vocab_size=256, attention_backend="local",
-                                               position_embedding_type="rope", add_bias_linear=False))
     training = Training(seq_length=16, micro_batch_size=2, num_microbatches=1)
-    for name, (_, _, sp) in DSA_TP_RUNS.items():
-        ours = chunk_activations(spec, options, Parallelism(tp=2, sequence_parallel=sp), training, pp_rank=0,
-                                 chunk=0).components["attention"]
+    for name, (_, _, sp, model) in DSA_TP_RUNS.items():
+        options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=256, attention_backend="local",
+                                                   position_embedding_type="rope", add_bias_linear=False))
+        ours = chunk_activations(ModelSpec.from_mapping(model), options, Parallelism(tp=2, sequence_parallel=sp),
+                                 training, pp_rank=0, chunk=0).components["attention"]
         # NB: CPU k_norm statistics in bf16, as at TP 1 (the indexer sees all T = 32 tokens).
         assert [r[name] for r in measured] == [ours - 2 * 32 * 2] * 2, name
     # TP 2 halves the sparse attention's heads (4 -> 2): its fp32 q, k, softmax, bf16 softmax and v
     # (40,960 at TP 1, see above) to 20,480; the indexer (14,720) and the KL loss (6,144) stay whole.
     # Sequence parallelism adds the indexer's gathered copies of the norm output [32, 64] and the q
-    # latent [32, 24] in bf16: 32 x 88 x 2 = 5,632.
+    # latent [32, 24] in bf16: 32 x 88 x 2 = 5,632 (without a q latent, the norm output twice).
+    spec = ModelSpec.from_mapping(DSA)
     tp2 = dsa_saved(spec, s=16, b=2, heads=2, act=2)
     assert tp2 == 75_136 - 13_312 - 20_480
     assert dsa_saved(spec, s=16, b=2, heads=2, act=2, sequence_parallel=True) - tp2 == 5_632
