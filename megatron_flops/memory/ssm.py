@@ -298,7 +298,8 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> s
         return "activations of DeepSeek sparse attention layers are modelled without recompute"
     plain = mixers <= {"attention", "window"} and all(f != "none" for _, f in kinds)
     if recompute is not None and recompute.granularity == "full" and not plain:
-        return "activations of Mamba, Gated DeltaNet, Kimi Delta Attention and hybrid layers are modelled without full recompute"
+        return ("activations of Mamba, Gated DeltaNet, Kimi Delta Attention and hybrid layers are modelled "
+                "without full recompute")
     return None
 
 
@@ -339,9 +340,9 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
                            "far less (not modelled)")
     if activations and "dsa" in mixers:
         assumptions.append("DeepSeek sparse attention as megatron-core 0.16.1's DSAttention runs it (torch, unfused: "
-                           "fp32 [b, heads, s, s] scores, the indexer's KL loss graph, the indexer whole on every TP rank); "
-                           "measured on CPU (TP 1, TP 2 with and without sequence parallelism) with a stand-in for "
-                           "fast_hadamard_transform, which saves nothing for backward")
+                           "fp32 [b, heads, s, s] scores, the indexer's KL loss graph, the indexer whole on every TP "
+                           "rank); measured on CPU (TP 1, TP 2 with and without sequence parallelism) with a "
+                           "stand-in for fast_hadamard_transform, which saves nothing for backward")
     return assumptions, unmeasured
 
 
