@@ -91,7 +91,8 @@ class DiTActivations:
     """Bytes per micro-batch: ``block`` (one block's own saved storages, by part), ``outside``
     (the embeddings', head's and loss's, by part), ``shared`` (the text/image embeddings all blocks
     save), ``kept`` (what the checkpointed blocks keep), ``recompute`` (the largest region re-run
-    in backward), ``total`` (the peak of saved storages)."""
+    in backward), ``total`` (the peak of saved storages), ``held`` (what it holds from the end
+    of its forward until its backward starts)."""
 
     block: dict[str, int]
     outside: dict[str, int]
@@ -99,6 +100,7 @@ class DiTActivations:
     kept: int
     recompute: int
     total: int
+    held: int
 
 
 @dataclass(frozen=True)
@@ -275,15 +277,19 @@ def dit_outside_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, trains:
 
 def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
                     peft: PeftSpec | None = None, checkpointed_blocks: int = 0,
-                    layer_norm_stats_bytes: int = NORM_STATS_BYTES) -> DiTActivations:
+                    layer_norm_stats_bytes: int = NORM_STATS_BYTES, first: bool = True,
+                    last: bool = True) -> DiTActivations:
     """Peak saved bytes of the model and its loss for one micro-batch, the first
     ``checkpointed_blocks`` blocks checkpointed (see the module NB). ``block``: the parts of a
-    block whose input needs a gradient (every block but a frozen base's first)."""
+    block whose input needs a gradient (every block but a frozen base's first). A pipeline
+    stage (``spec.num_layers`` its blocks): not ``first``, no patch embedding and an input that
+    needs a gradient; not ``last``, no head and loss."""
     if not 0 <= checkpointed_blocks <= spec.num_layers:
         raise ValueError(f"checkpointing {checkpointed_blocks} of {spec.num_layers} blocks")
     peft = DiTPeftSpec.of(peft)
     walks = {g: _walk(spec, batch, peft, act_bytes, layer_norm_stats_bytes, attention, g) for g in (False, True)}
-    x_grad, blocks = not peft.frozen, []  # the patch embedding's output needs a grad if it trains
+    # the patch embedding's output needs a grad if it trains; a received activation always does
+    x_grad, blocks = not (peft.frozen and first), []
     for _ in range(spec.num_layers):
         saved, out_grad = walks[x_grad]
         blocks.append(saved)
@@ -304,8 +310,11 @@ def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
                             layer_norm_stats_bytes=layer_norm_stats_bytes)
     outside = dit_outside_saved(spec, batch, act_bytes=a, trains=not peft.frozen, head_grad=x_grad,
                                 layer_norm_stats_bytes=layer_norm_stats_bytes)
+    outside.update({"patch_embed": outside["patch_embed"] * first, "head": outside["head"] * last,
+                    "loss": outside["loss"] * last})
     # Backward frees the head's and loss's saves, then the later blocks', before a checkpoint re-runs.
     embeddings = sum(outside.values()) - outside["head"] - outside["loss"]
     after = sum(own[checkpointed_blocks:]) + outside["head"] + outside["loss"]
     total = embeddings + shared + kept + max(after, recompute)
-    return DiTActivations(block=parts, outside=outside, shared=shared, kept=kept, recompute=recompute, total=total)
+    return DiTActivations(block=parts, outside=outside, shared=shared, kept=kept, recompute=recompute, total=total,
+                          held=embeddings + shared + kept + after)
