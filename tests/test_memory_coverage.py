@@ -147,10 +147,9 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),
-    # DiT (memory/dit_layouts.py): activations under TP (Megatron-Bridge's WanModel is Transformer Engine only:
-    # no CPU run to check a per-rank split against), sequence parallelism, and virtual pipeline stages
-    # (Bridge 0.6.2's WanModelProvider builds each stage without its vp_stage).
-    ("examples/wan* | TP2 | ", r"not modelled: activations of a DiT under tensor parallelism"),
+    # DiT (memory/dit_layouts.py): sequence parallelism (Megatron-Bridge's WanModel is Transformer Engine only, and
+    # its text context through sequence-parallel column-parallel layers could not be checked on CPU), and virtual
+    # pipeline stages (Bridge 0.6.2's WanModelProvider builds each stage without its vp_stage).
     ("examples/wan* | TP2 SP | ", r"refused: .*sequence parallelism of a DiT is not modelled"),
     ("examples/wan* | PP2 VPP2 | ", r"refused: .*virtual pipeline stages of a DiT are not modelled"),
     # A VLM without --grid-thw (the survey passes no grids): the vision tower's activations.

@@ -221,6 +221,21 @@ def test_tensor_parallel_ranks_sum_to_the_model():
     assert comm["tp/all_gather"] == 2 * (3 * 16 + 12) * 32 * 2 * 2 * 4
 
 
+def test_tensor_parallel_activations_split_what_the_heads_and_ffn_hold():
+    # TP 2, bf16, flash, 16 video and 12 text tokens, h 32, f 64, 4 heads: per block the norms' fp32
+    # copies over the gathered q and k stay whole; the split q, k, v and attention output [16, 16]
+    # (4 x 512 B) and half the log-sum-exp (2 heads x 16 x 4 B) leave self-attention (-2,176 B); the
+    # cross q and output [16, 16], k and v [12, 16] and half its log-sum-exp leave cross-attention
+    # (-1,920 B); half of ffn.0's output and of GELU's [16, 64] leave the FFN (-2,048 B). Embeddings,
+    # head and loss are whole on every TP rank.
+    batch = DiTBatch.uniform(SPEC, video_tokens=16, num_clips=1)
+    one, tp2 = (dit_activations(SPEC, batch, act_bytes=2, tp=tp) for tp in (1, 2))
+    assert {k: one.block[k] - tp2.block[k] for k in one.block} == {"adaln": 0, "norm": 0, "self_attn": 2_176,
+                                                                   "cross_attn": 1_920, "ffn": 2_048}
+    assert one.total - tp2.total == 2 * (2_176 + 1_920 + 2_048)
+    assert dit_layout_report(SPEC, Parallelism(tp=2), TRAINING)["per_gpu"]["activations_bytes"] == tp2.total
+
+
 def test_pipeline_stages_sum_to_the_model():
     whole = dit_parameter_counts(SPEC).num_params
     stages = [dit_rank_params(SPEC, Parallelism(pp=2), pp_rank=r) for r in range(2)]

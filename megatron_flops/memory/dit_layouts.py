@@ -36,7 +36,8 @@ run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/
   cross k/v input gradients (backward); ``tp/all_gather`` of q and k (self and cross) for norms
   across heads (``layernorm_across_heads``), forward, and of their gradients, backward. LoRA
   adapters as Bridge's ``ParallelLinearAdapter`` (:mod:`megatron_flops.memory.lora`). Activations
-  under TP: not modelled.
+  per TP rank: the example's ops with the column-parallel outputs, attention heads and FFN split
+  over TP, q and k all-gathered whole for the norms (``dit_activations(tp=...)``).
 - PP: ``num_layers / PP`` blocks per stage; the patch embedding on the first, the head and loss on
   the last, the text and time embeddings (and ``img_emb``) on every stage (``WanModel`` builds them
   whatever the stage); 1F1B keeps ``min(PP - rank, micro-batches)`` micro-batches in flight;
@@ -49,18 +50,18 @@ run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from megatron_flops.flops.dit import DiTParam, DiTSpec, dit_block_parameters, dit_parameter_counts, dit_root_parameters
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.comm import bus_bytes, data_parallel_bytes
 from megatron_flops.memory.decoder import Param
-from megatron_flops.memory.dit_activations import DiTBatch, dit_activations
+from megatron_flops.memory.dit_activations import TP_COLUMN_PARALLEL, DiTBatch, dit_activations
 from megatron_flops.memory.fsdp import dit_assumptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import Bucket, StateBytes, chunk_buffers, chunk_state_bytes
 
-COLUMN_PARALLEL = ("self_attn.q", "self_attn.k", "self_attn.v", "cross_attn.q", "cross_attn.k", "cross_attn.v",
-                   "cross_attn.k_img", "cross_attn.v_img", "ffn.0")
+COLUMN_PARALLEL = TP_COLUMN_PARALLEL
 ROW_PARALLEL = ("self_attn.o", "cross_attn.o", "ffn.2")
 _SUFFIXES = (".base_layer.weight", ".base_layer.bias", ".lora_A.weight", ".lora_B.weight", ".weight", ".bias")
 
@@ -152,7 +153,7 @@ def tp_block_collectives(spec: DiTSpec, tokens: tuple[int, int, int], peft: Peft
     fwd_reduce, bwd_reduce = 3 * T * h, (3 * T + (C + M) * trains) * h  # o, cross o, ffn.2 / q,k,v, cross q, ffn.0
     gathered = (3 * T + C + M) * h if spec.qk_norm else 0  # q, k, cross q, cross k (k_img): across heads
     fwd_gather, bwd_gather = gathered, gathered
-    rank = None if peft is None else peft.lora_rank
+    rank = peft.lora_rank if peft is not None and peft.lora_rank else 0
     for p in dit_block_parameters(spec, peft) if rank else ():
         if not p.name.endswith("lora_A.weight"):
             continue
@@ -194,18 +195,15 @@ def dit_step_communication(spec: DiTSpec, par: Parallelism, training: Training, 
 
 
 def dit_stage_activations(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int,
-                          peft: PeftSpec | None, attention: str, checkpointed_blocks: int) -> tuple[int | None, int]:
-    """(peak saved bytes, micro-batches in flight) on pipeline rank ``pp_rank``: ``None`` under TP
-    (not modelled). 1F1B holds ``min(PP - rank, micro-batches)`` forward passes, all but the one in
-    backward whole."""
+                          peft: PeftSpec | None, attention: str, checkpointed_blocks: int) -> tuple[int, int]:
+    """(peak saved bytes, micro-batches in flight) on pipeline rank ``pp_rank``. 1F1B holds
+    ``min(PP - rank, micro-batches)`` forward passes, all but the one in backward whole."""
     in_flight = min(par.pp - pp_rank, training.num_microbatches)
-    if par.tp > 1:
-        return None, in_flight
     stage = replace(spec, num_layers=spec.num_layers // par.pp)
     batch = DiTBatch.uniform(spec, video_tokens=training.seq_length // par.cp, num_clips=training.micro_batch_size)
     act = dit_activations(stage, batch, act_bytes=training.param_bytes, attention="flash" if par.cp > 1 else attention,
                           peft=peft, checkpointed_blocks=checkpointed_blocks, first=pp_rank == 0,
-                          last=pp_rank == par.pp - 1)
+                          last=pp_rank == par.pp - 1, tp=par.tp)
     return (in_flight - 1) * act.held + act.total, in_flight
 
 
@@ -217,7 +215,7 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
     reason = dit_layout_reason(spec, par, training, peft)
     if reason is not None:
         raise ValueError(reason)
-    stages = []
+    stages: list[dict[str, Any]] = []
     for pp_rank in range(par.pp):
         states, buffers, params = dit_rank_states(spec, par, training, pp_rank=pp_rank, peft=peft)
         comm = dit_step_communication(spec, par, training, pp_rank=pp_rank, buffers=buffers, params=params, peft=peft,
@@ -228,12 +226,11 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
         stages.append({
             "pp_rank": pp_rank, "weights_bytes": c["weights"], "gradients_bytes": c["gradients"],
             "optimizer_bytes": sum(v for k, v in c.items() if k.startswith("optimizer/")),
-            "activations_bytes": act, "total_bytes": states.total + (act or 0),
-            "components": {**c, **({"activations": act} if act is not None else {})},
+            "activations_bytes": act, "total_bytes": states.total + act, "components": {**c, "activations": act},
             "forward_passes_in_flight": in_flight, "communication": comm,
         })
     top = max(stages, key=lambda r: r["total_bytes"])
-    busiest = max(stages, key=lambda r: sum(r["communication"].values()))["communication"]
+    busiest: dict[str, int] = max(stages, key=lambda r: sum(r["communication"].values()))["communication"]
     bus = bus_bytes(busiest, {"dp": par.dp * par.cp, "tp": par.tp, "pp": par.pp, "cp": par.cp})
     counts = dit_parameter_counts(spec, peft)
     return {
@@ -243,8 +240,7 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
         "per_stage": [{k: v for k, v in r.items() if k != "communication"} for r in stages],
         "communication_per_step": {**busiest, "total_bytes": sum(busiest.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
-        "not_modelled": [f"activations of a DiT under tensor parallelism (TP {par.tp}) are not modelled"]
-        if par.tp > 1 else [],
+        "not_modelled": [],
         "unmeasured": layout_unmeasured(par, attention),
         "modelling_assumptions": [*dit_assumptions(attention, checkpointed_blocks, spec.num_layers)[:3],
                                   _layout_assumption(par, checkpointed_blocks, spec.num_layers // par.pp)],
@@ -266,8 +262,9 @@ def layout_unmeasured(par: Parallelism, attention: str) -> list[str]:
     if par.tp > 1:
         out.append(f"tensor parallelism (TP {par.tp}): Megatron-Bridge's WanModel split (q, k, v, the cross-attention's "
                    "q, k, v and ffn.0 column-parallel; o and ffn.2 row-parallel; the rest whole, its gradients "
-                   "all-reduced over TP) and the tp/all_reduce and tp/all_gather payloads (Transformer Engine "
-                   "layers: no CPU run)")
+                   "all-reduced over TP), the tp/all_reduce and tp/all_gather payloads and the activations per TP "
+                   "rank (the example's ops with q/k/v, attention and the FFN split over TP, q and k gathered for "
+                   "the norms across heads; Transformer Engine layers: no CPU run)")
     if par.pp > 1:
         out.append(f"pipeline parallelism (PP {par.pp}): blocks split evenly, the text and time embeddings on every "
                    "stage, 1F1B in-flight micro-batches, pp/send_recv of the hidden states")
