@@ -236,6 +236,27 @@ def test_tensor_parallel_activations_split_what_the_heads_and_ffn_hold():
     assert dit_layout_report(SPEC, Parallelism(tp=2), TRAINING)["per_gpu"]["activations_bytes"] == tp2.total
 
 
+def test_tensor_parallel_lora_collectives():
+    # TP 2, LoRA rank 4 on q,k,v,o (self and cross), frozen base, bf16, one micro-batch of 16 video and
+    # 12 text tokens, h 32. No whole weight trains: no per-step all-reduce. Per block:
+    # - base: o, cross o, ffn.2 outputs forward and q/k/v, cross q, ffn.0 input gradients backward, [16, 32]
+    #   each (the cross k/v input, the frozen text embedding's output, needs none): 6 x 512 elements;
+    # - column-parallel adapters (self q,k,v and cross q over 16 tokens, cross k,v over 12: 88 rows):
+    #   linear_in's output gathered [88, 4], linear_out's and linear_in's input gradients all-reduced [88, 4 + 32];
+    # - row-parallel adapters (o, cross o: 32 rows): linear_in's output all-reduced [32, 4] and linear_out's
+    #   gathered [32, 32] forward, linear_out's input gradient all-reduced [32, 4] backward;
+    # - q, k, cross q [16, 32] and cross k [12, 32] gathered for the norms, forward and backward.
+    # The first block's q/k/v input needs no gradient: one [16, 32] all-reduce less.
+    peft = DiTPeftSpec(frozen=True, lora_rank=4, lora_targets=("q", "k", "v", "o"))
+    training = Training(seq_length=16, micro_batch_size=1)
+    comm = dit_layout_report(SPEC, Parallelism(tp=2), training, peft=peft)["communication_per_step"]
+    per_block_reduce = 6 * 512 + 88 * 36 + 2 * 32 * 4
+    per_block_gather = 88 * 4 + 32 * 32 + 2 * (3 * 16 + 12) * 32
+    assert comm == {"tp/all_reduce": (2 * per_block_reduce - 512) * 2, "tp/all_gather": 2 * per_block_gather * 2,
+                    "total_bytes": 24_960 + 20_864}
+    assert comm["tp/all_reduce"] == 24_960
+
+
 def test_pipeline_stages_sum_to_the_model():
     whole = dit_parameter_counts(SPEC).num_params
     stages = [dit_rank_params(SPEC, Parallelism(pp=2), pp_rank=r) for r in range(2)]

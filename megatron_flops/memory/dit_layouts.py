@@ -34,7 +34,9 @@ run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/
   norms). Per micro-batch and block, ``tp/all_reduce`` of the o, cross o and ``ffn.2`` outputs
   (forward) and of the q/k/v, cross q and ``ffn.0`` input gradients and, when the base trains, the
   cross k/v input gradients (backward); ``tp/all_gather`` of q and k (self and cross) for norms
-  across heads (``layernorm_across_heads``), forward, and of their gradients, backward. LoRA
+  across heads (``layernorm_across_heads``), forward, and of their gradients, backward. With a
+  frozen base the first block's q/k/v input needs no gradient (no all-reduce of it); every other
+  block's input does, as when adapters in the self-attention make the residual stream need one. LoRA
   adapters as Bridge's ``ParallelLinearAdapter`` (:mod:`megatron_flops.memory.lora`). Activations
   per TP rank: the example's ops with the column-parallel outputs, attention heads and FFN split
   over TP, q and k all-gathered whole for the norms (``dit_activations(tp=...)``).
