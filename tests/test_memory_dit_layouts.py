@@ -271,13 +271,15 @@ def test_pipeline_stages_sum_to_the_model():
 
 
 def test_context_parallel_activations_are_a_shorter_clip():
-    # CP 2: each rank runs 8 of the 16 video tokens through the flash convention, the text whole.
+    # CP 2: each rank runs 8 of the 16 video tokens and 6 of the 12 text tokens (Bridge splits the
+    # context embeddings over CP too) through the flash convention.
     report = dit_layout_report(SPEC, Parallelism(cp=2), TRAINING, attention="local")
-    half = dit_activations(SPEC, DiTBatch.uniform(SPEC, video_tokens=8, num_clips=1), act_bytes=2, attention="flash")
+    half = dit_activations(SPEC, DiTBatch(video=(8,), text=(6,)), act_bytes=2, attention="flash")
     assert report["per_gpu"]["activations_bytes"] == half.total
-    # The ring: per block and micro-batch, (CP - 1) x 2 x (K, V forward + K, V and their gradients
-    # backward), K and V [8, 32] bf16 = 1,024 B: 2 blocks x 4 micro-batches x 2 x 3 x 1,024.
-    assert report["communication_per_step"]["cp/send_recv"] == 2 * 4 * 2 * 3 * 1_024
+    # The ring: per block and micro-batch, (CP - 1) x 2 (sent, received) x 3 (K, V forward; K, V and
+    # their gradients backward), K and V of self-attention [8, 32] and cross-attention [6, 32] bf16:
+    # 2 x (8 + 6) x 32 x 2 B = 1,792 B; 2 blocks x 4 micro-batches.
+    assert report["communication_per_step"]["cp/send_recv"] == 2 * 4 * 1 * 2 * 3 * 1_792
     assert any("context parallelism (CP 2)" in u for u in report["unmeasured"])
 
 

@@ -44,9 +44,11 @@ run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/
   the last, the text and time embeddings (and ``img_emb``) on every stage (``WanModel`` builds them
   whatever the stage); 1F1B keeps ``min(PP - rank, micro-batches)`` micro-batches in flight;
   ``pp/send_recv`` the [T, h] hidden states and their gradients.
-- CP: ``s / CP`` video tokens per rank through the flash convention, the text whole; ``cp/send_recv``
-  the self-attention's K and V round the CP ring (CP - 1 steps; backward K, V and their gradients),
-  as :func:`~megatron_flops.memory.comm.step_communication` prices it for a decoder.
+- CP: ``s / CP`` video tokens per rank through the flash convention, and ``1 / CP`` of the text
+  (and CLIP) tokens, each padded to a multiple of 2 x CP (Bridge's flow-matching pipeline splits the
+  context embeddings too: ``thd_split_inputs_cp``); ``cp/send_recv`` the self- and cross-attention's
+  K and V round the CP ring (CP - 1 steps; backward K, V and their gradients; a checkpointed block's
+  forward again), as :func:`~megatron_flops.memory.comm.step_communication` prices it for a decoder.
 """
 
 from __future__ import annotations
@@ -140,6 +142,15 @@ def dit_rank_states(spec: DiTSpec, par: Parallelism, training: Training, *, pp_r
     return states, buffers["dp"], params
 
 
+def clip_tokens(spec: DiTSpec, training: Training, par: Parallelism) -> tuple[int, int, int]:
+    """(video, text, CLIP) tokens of one clip on one CP rank: ``s / CP``, and the text (CLIP)
+    tokens padded to a multiple of 2 x CP, over CP (0 CLIP tokens for text-to-video)."""
+    def split(n: int) -> int:
+        return n if par.cp == 1 else -(-n // (2 * par.cp)) * 2
+
+    return training.seq_length // par.cp, split(spec.text_len), split(spec.image_len) if spec.image_dim else 0
+
+
 def _rows(module: str, video: int, text: int, image: int) -> int:
     """Tokens a block projection runs over: the cross-attention's k/v the text's, k_img/v_img the
     CLIP tokens', the rest the video's."""
@@ -176,7 +187,8 @@ def dit_step_communication(spec: DiTSpec, par: Parallelism, training: Training, 
     out = data_parallel_bytes({"dp": buffers}, par, training, {"dp": par.dp * par.cp})
     m, a, h = training.num_microbatches, training.param_bytes, spec.hidden_size
     b = training.micro_batch_size
-    tokens = (training.seq_length // par.cp * b, spec.text_len * b, spec.image_len * b * (spec.image_dim is not None))
+    video, text, image = clip_tokens(spec, training, par)
+    tokens = (video * b, text * b, image * b)
     blocks = spec.num_layers // par.pp
     first, last = pp_rank == 0, pp_rank == par.pp - 1
     if par.tp > 1:
@@ -191,7 +203,7 @@ def dit_step_communication(spec: DiTSpec, par: Parallelism, training: Training, 
     if par.pp > 1:
         out["pp/send_recv"] = m * hidden * 2 * ((not first) + (not last))
     if par.cp > 1:
-        kv = 2 * tokens[0] * h // par.tp * a  # this rank's K and V
+        kv = 2 * sum(tokens) * h // par.tp * a  # this rank's K and V: self-attention's, cross-attention's
         out["cp/send_recv"] = m * (par.cp - 1) * 2 * (blocks * 3 * kv + checkpointed_blocks * kv)
     return {k: v for k, v in out.items() if v}
 
@@ -202,7 +214,9 @@ def dit_stage_activations(spec: DiTSpec, par: Parallelism, training: Training, *
     ``min(PP - rank, micro-batches)`` forward passes, all but the one in backward whole."""
     in_flight = min(par.pp - pp_rank, training.num_microbatches)
     stage = replace(spec, num_layers=spec.num_layers // par.pp)
-    batch = DiTBatch.uniform(spec, video_tokens=training.seq_length // par.cp, num_clips=training.micro_batch_size)
+    video, text, image = clip_tokens(spec, training, par)
+    b = training.micro_batch_size
+    batch = DiTBatch(video=(video,) * b, text=(text,) * b, image=None if spec.image_dim is None else (image,) * b)
     act = dit_activations(stage, batch, act_bytes=training.param_bytes, attention="flash" if par.cp > 1 else attention,
                           peft=peft, checkpointed_blocks=checkpointed_blocks, first=pp_rank == 0,
                           last=pp_rank == par.pp - 1, tp=par.tp)
@@ -272,5 +286,5 @@ def layout_unmeasured(par: Parallelism, attention: str) -> list[str]:
                    "stage, 1F1B in-flight micro-batches, pp/send_recv of the hidden states")
     if par.cp > 1:
         out.append(f"context parallelism (CP {par.cp}): s/CP video tokens per rank through the flash convention, "
-                   "the text whole, cp/send_recv of the self-attention's K/V ring (cross-attention K/V: none)")
+                   "and 1/CP of the text (padded to 2 x CP), cp/send_recv of the self- and cross-attention's K/V ring")
     return out
