@@ -36,12 +36,15 @@ RAW = json.loads((EXAMPLES / "wan_tiny_dit.json").read_text())
 I2V = {"image_dim": 20, "image_len": 5}
 LORA = {"dim": 4, "target_modules": ["q", "k", "v", "o"]}
 
-# name -> (dit overrides, lora section or None, params dtype, distributed optimizer, micro-batches)
+# name -> (dit overrides, lora section or None, params dtype, distributed optimizer, micro-batches,
+# DDP options: grad_reduce_in_fp32, bucket_size)
 RUNS = {
-    "DDP, full training, bf16": ({}, None, "bf16", False, 2),
+    "DDP, full training, bf16": ({}, None, "bf16", False, 2, (True, None)),
     "distributed optimizer, full training, image-to-video (widths not multiples of 64), bf16": (
-        I2V, None, "bf16", True, 2),
-    "distributed optimizer, LoRA rank 4 on q,k,v,o, frozen base, fp32": ({}, LORA, "fp32", True, 2),
+        I2V, None, "bf16", True, 2, (True, None)),
+    "distributed optimizer, LoRA rank 4 on q,k,v,o, frozen base, fp32": ({}, LORA, "fp32", True, 2, (True, None)),
+    "distributed optimizer, bf16, gradients reduced in bf16 (Bridge's WAN recipe), buckets of 15,000": (
+        {}, None, "bf16", True, 1, (False, 15_000)),
 }
 
 
@@ -69,7 +72,7 @@ def ddp_worker(rank: int, world_size: int, runs: dict) -> dict:
 
     mcore_dist.init_worker()
     out = {}
-    for name, (raw, dtype, distributed, num_mb) in runs.items():
+    for name, (raw, dtype, distributed, num_mb, (fp32_grads, bucket)) in runs.items():
         spec = DiTSpec.from_mapping(raw["dit"])
         bf16 = dtype == "bf16"
         params_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -80,7 +83,8 @@ def ddp_worker(rank: int, world_size: int, runs: dict) -> dict:
         if bf16:
             model = Float16Module(config, model)
         ddp = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed))
+            grad_reduce_in_fp32=fp32_grads, use_distributed_optimizer=distributed, bucket_size=bucket,
+            overlap_grad_reduce=bucket is not None))
         with mcore_memory.on_cpu():
             optimizer = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=1e-4, bf16=bf16, params_dtype=params_dtype, use_distributed_optimizer=distributed,
@@ -118,8 +122,9 @@ def _setup(name: str):
     spec = DiTSpec.from_mapping(raw["dit"])
     lora = raw.get("lora")
     peft = DiTPeftSpec(frozen=True, lora_rank=lora["dim"], lora_targets=tuple(lora["target_modules"])) if lora else None
-    _, _, dtype, distributed, num_mb = RUNS[name]
-    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=num_mb, params_dtype=dtype)
+    _, _, dtype, distributed, num_mb, (fp32_grads, bucket) = RUNS[name]
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=num_mb, params_dtype=dtype,
+                        grad_reduce_in_fp32=fp32_grads, bucket_size=bucket)
     return spec, peft, Parallelism(dp=WORLD, distributed_optimizer=distributed), training
 
 
@@ -140,6 +145,17 @@ def test_states_and_communication_every_rank(measured, name):
         assert states.components == result["states"], rank
         assert dit_step_communication(spec, par, training, pp_rank=0, buffers=buffers, params=params,
                                       peft=peft) == result["comm"], rank
+
+
+def test_buckets_of_the_bridge_recipe_run():
+    # Buckets close once they reach 15,000 elements (in reverse named_parameters() order), each padded
+    # to a multiple of lcm(2, 128): 16,256 + 17,792 + 4,224 = 38,272 elements, 128 more than one bucket
+    # (38,144); bf16 weights and, reduced in bf16, bf16 gradients: 2 B each.
+    spec, peft, par, training = _setup("distributed optimizer, bf16, gradients reduced in bf16 (Bridge's WAN "
+                                       "recipe), buckets of 15,000")
+    states, buffers, _ = dit_rank_states(spec, par, training, pp_rank=0, peft=peft)
+    assert [b.numel for b in buffers] == [16_256, 17_792, 4_224]
+    assert states.components["weights"] == states.components["gradients"] == 2 * 38_272
 
 
 SPEC = DiTSpec.from_mapping(RAW["dit"])  # h 32, f 64, 2 blocks, text_dim 24: 36,976 parameters

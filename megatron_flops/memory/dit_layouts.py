@@ -65,7 +65,6 @@ from megatron_flops.memory.fsdp import dit_assumptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import Bucket, StateBytes, chunk_buffers, chunk_state_bytes
 
-COLUMN_PARALLEL = TP_COLUMN_PARALLEL
 ROW_PARALLEL = ("self_attn.o", "cross_attn.o", "ffn.2")
 _SUFFIXES = (".base_layer.weight", ".base_layer.bias", ".lora_A.weight", ".lora_B.weight", ".weight", ".bias")
 
@@ -104,7 +103,7 @@ def _tp_param(p: DiTParam, tp: int, prefix: str = "") -> Param:
     over TP once per step."""
     module = _module(p.name)
     row = module in ROW_PARALLEL
-    if tp == 1 or not (row or module in COLUMN_PARALLEL):
+    if tp == 1 or not (row or module in TP_COLUMN_PARALLEL):
         return Param(prefix + p.name, p.numel, p.trainable, tp_replicated=tp > 1)
     if p.name.endswith(".bias") and row:  # a row-parallel bias: whole, all-reduced under SP only
         return Param(prefix + p.name, p.numel, p.trainable)
