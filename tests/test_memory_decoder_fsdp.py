@@ -50,8 +50,9 @@ RUNS = {
 
 
 def _fsdp_training(model_kwargs: dict, *, params_dtype: str, position_embedding_type: str = "rope",
-                   lora: tuple | None = None):
-    """Megatron-LM's ``get_model`` + ``get_megatron_optimizer`` with ``--use-torch-fsdp2``."""
+                   lora: tuple | None = None, wrap=None):
+    """Megatron-LM's ``get_model`` + ``get_megatron_optimizer`` with ``--use-torch-fsdp2``
+    (``wrap``: the GPT to the model FSDP2 wraps, e.g. a VLM holding it)."""
     import torch
     from megatron.core.distributed import TorchFullyShardedDataParallelConfig, finalize_model_grads
     from megatron.core.distributed import torch_fully_sharded_data_parallel as tfsdp
@@ -78,6 +79,8 @@ def _fsdp_training(model_kwargs: dict, *, params_dtype: str, position_embedding_
     model = chunks[0]
     if lora is not None:
         mcore_memory.apply_lora(model, *lora)
+    if wrap is not None:
+        model = wrap(model)
     if params_dtype != "fp32":
         model = Float16Module(config, model)
     model = tfsdp.TorchFullyShardedDataParallel(config=config, ddp_config=TorchFullyShardedDataParallelConfig(),

@@ -344,20 +344,14 @@ def test_docs_vlm_example(capsys, monkeypatch):
 IMAGE_TOKEN = 255
 
 
-def _vlm_schedule(grids: list, num_microbatches: int):
-    """Megatron-core's no-pipelining schedule over a GPT behind the Qwen2.5-VL tower (fp32, local
-    spec), each forward as Megatron-Bridge's ``Qwen25VLModel.forward`` runs it: word embeddings,
-    ``[b, s, h]``, the tower, ``masked_scatter`` of its output at the image tokens, the decoder
-    from ``decoder_input``. Returns the bytes each forward saves and the peak held."""
-    import mcore_cpu
-    import mcore_dist
-    import mcore_memory
+def vlm_module(gpt, grids: list, tower_fields: dict, image_token: int = IMAGE_TOKEN):
+    """A GPT behind the Hugging Face Qwen2.5-VL tower (``tower_fields``, eager attention) in one
+    ``MegatronModule``, ``visual`` registered first, each forward as Megatron-Bridge's
+    ``Qwen25VLModel.forward`` runs it over one micro-batch of ``grids``: word embeddings, ``[b, s, h]``,
+    the tower, ``masked_scatter`` of its output at the image tokens, the decoder from ``decoder_input``."""
     from megatron.core.transformer.module import MegatronModule
 
-    mcore_cpu.init_single_process()
-    torch.manual_seed(0)
-    gpt = mcore_cpu.build_gpt({k: v for k, v in SPEC.items() if k != "vocab_size"}, vocab_size=256, max_seq_len=16)
-    cls, config = _hf_tower("qwen2_5_vl", dict(QWEN25, out_hidden_size=64))
+    cls, config = _hf_tower("qwen2_5_vl", tower_fields)
     config._attn_implementation = "eager"
 
     class VLM(MegatronModule):
@@ -375,21 +369,40 @@ def _vlm_schedule(grids: list, num_microbatches: int):
             pixels = torch.randn(int(grid.prod(dim=1).sum()), 24)
             embeds = self.language_model.embedding(input_ids=input_ids, position_ids=None).transpose(1, 0).contiguous()
             image = self.visual(pixels, grid_thw=grid).pooler_output
-            embeds = embeds.masked_scatter((input_ids == IMAGE_TOKEN).unsqueeze(-1), image).transpose(1, 0)
+            embeds = embeds.masked_scatter((input_ids == image_token).unsqueeze(-1), image).transpose(1, 0)
             return self.language_model(None, position_ids, attention_mask, decoder_input=embeds, labels=labels,
                                        loss_mask=loss_mask)
 
-    def data():
-        for batch in mcore_memory.batches(num_microbatches, 2, 16, IMAGE_TOKEN):
-            batch["input_ids"][0, :sum(t * h * w // 4 for t, h, w in grids)] = IMAGE_TOKEN
-            yield batch
+    return VLM()
 
-    vlm = VLM()
+
+def vlm_batches(grids: list, num_microbatches: int, micro_batch_size: int, seq_length: int, seed: int = 0,
+                image_token: int = IMAGE_TOKEN):
+    """mcore_memory.batches (tokens below ``image_token``) with the first row's leading tokens the
+    image tokens of ``grids``."""
+    import mcore_memory
+
+    for batch in mcore_memory.batches(num_microbatches, micro_batch_size, seq_length, image_token, seed=seed):
+        batch["input_ids"][0, :sum(t * h * w // 4 for t, h, w in grids)] = image_token
+        yield batch
+
+
+def _vlm_schedule(grids: list, num_microbatches: int):
+    """Megatron-core's no-pipelining schedule over :func:`vlm_module` (fp32, local spec). Returns
+    the bytes each forward saves and the peak held."""
+    import mcore_cpu
+    import mcore_dist
+    import mcore_memory
+
+    mcore_cpu.init_single_process()
+    torch.manual_seed(0)
+    gpt = mcore_cpu.build_gpt({k: v for k, v in SPEC.items() if k != "vocab_size"}, vocab_size=256, max_seq_len=16)
+    vlm = vlm_module(gpt, grids, dict(QWEN25, out_hidden_size=64))
     meter = mcore_memory.SavedTensorMeter(vlm.parameters())
     with meter.tracking():
         mcore_dist.run_schedule([vlm], num_microbatches=num_microbatches, micro_batch_size=2, seq_length=16,
                                 vocab_size=256, forward_step_func=mcore_memory.metered_forward_step(meter, [vlm]),
-                                data_iterators=[data()], count_flops=False)
+                                data_iterators=[vlm_batches(grids, num_microbatches, 2, 16)], count_flops=False)
     return meter.forward, meter.peak
 
 

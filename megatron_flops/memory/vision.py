@@ -58,7 +58,7 @@ from megatron_flops.memory.decoder import Param
 from megatron_flops.memory.layout import INDEX_BYTES, NORM_STATS_BYTES
 
 # Towers whose activations are measured (the Hugging Face module Megatron-Bridge trains).
-MEASURED_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+MEASURED_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +106,7 @@ def default_attention(raw: Mapping[str, Any]) -> str:
 
 
 def _linear(name: str, n_in: int, n_out: int, trains: bool) -> list[Param]:
-    return [Param(f"{name}.weight", n_in * n_out, trains), Param(f"{name}.bias", n_out, trains)]
+    return [Param(f"{name}.weight", n_in * n_out, trains, rows=n_out), Param(f"{name}.bias", n_out, trains)]
 
 
 def _norm(tower: VisionTower, name: str, width: int, trains: bool) -> list[Param]:
@@ -122,10 +122,11 @@ def vision_parameters(tower: VisionTower, *, model_trains: bool = True,
     d, f, m2 = s.hidden_size, s.intermediate_size, s.spatial_merge_size**2
     qwen3 = tower.family == "qwen3_vl"
     pixels = s.in_channels * s.temporal_patch_size * s.patch_size**2
-    out = [Param("visual.patch_embed.proj.weight", pixels * d, t)]
+    out = [Param("visual.patch_embed.proj.weight", pixels * d, t, rows=d)]  # (Conv3d: [D, C, t, p, p])
     if qwen3:
         out += [Param("visual.patch_embed.proj.bias", d, t),
-                Param("visual.pos_embed.weight", tower.num_position_embeddings * d, t)]
+                Param("visual.pos_embed.weight", tower.num_position_embeddings * d, t,
+                      rows=tower.num_position_embeddings)]
     mlp = {"qwen2_vl": ("fc1", "fc2"), "qwen3_vl": ("linear_fc1", "linear_fc2")}.get(tower.family)
     for i in range(s.depth):
         block = f"visual.blocks.{i}."
@@ -216,17 +217,38 @@ def vision_activations(tower: VisionTower, stats: VisionStats, *, act_bytes: int
         out["vit/patch_embed"] = a * p * pixels
         out["vit/rope"] = 2 * 4 * p * spec.head_dim  # fp32 cos and sin [P, d]
         out.update(_block_bytes(tower, stats, a, norm_stats_bytes, attention))
+        if tower.family == "qwen3_vl":
+            # NB: the learned grid resampled per patch: embedding(indices [P, 4] int64) x fp32 weights [P, 4].
+            out["vit/pos_embed"] = (INDEX_BYTES + 4) * 4 * p
     if model_trains or projection_trains:
         # NB: a frozen linear layer keeps no input; the GELU keeps its input when it needs a gradient.
         linears = 2 * a * p * d if projection_trains else 0
         norm = _norm_bytes(tower, p, d, a, norm_stats_bytes, weight_trains=projection_trains, input_grad=model_trains)
         out["vit/merger"] = norm + linears + a * p * d
+        if tower.family == "qwen3_vl":
+            out["vit/deepstack_merger"] = _deepstack_bytes(tower, p, a, norm_stats_bytes, model_trains=model_trains,
+                                                           projection_trains=projection_trains)
     if tower.family == "qwen2_5_vl":
         # NB: int64 indices of the window order (gathering the patch embeddings) and of its inverse
         # (gathering the merger's output), each saved when its gather's input needs a gradient.
         out["vit/patch_embed"] = out.get("vit/patch_embed", 0) + INDEX_BYTES * merged * model_trains
         out["vit/merger"] = out.get("vit/merger", 0) + INDEX_BYTES * merged * (model_trains or projection_trains)
     return {k: v for k, v in out.items() if v}
+
+
+def _deepstack_bytes(tower: VisionTower, p: int, a: int, s: int, *, model_trains: bool,
+                     projection_trains: bool) -> int:
+    """Qwen3-VL's deep-stack mergers: each a LayerNorm over ``P / m^2`` rows of ``m^2 D`` (after the
+    shuffle), its two linear layers' inputs and the GELU's input, as the main merger."""
+    spec = tower.spec
+    d, merged = spec.hidden_size, p // spec.spatial_merge_size**2
+    total = 0
+    for index in spec.deepstack_visual_indexes:
+        # NB: the norm's input is the block's output, which the next block's norm1 (trained) or, after the
+        # last block, the main merger's norm saves already; only behind frozen blocks is it kept anew.
+        own_input = projection_trains and not model_trains and index < spec.depth - 1
+        total += a * p * d * own_input + 2 * s * merged + (2 * a * p * d) * projection_trains + a * p * d
+    return total
 
 
 @dataclass(frozen=True, kw_only=True)
