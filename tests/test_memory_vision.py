@@ -26,7 +26,9 @@ QWEN25 = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=48, out_hi
               window_size=8, fullatt_block_indexes=[1])
 QWEN3 = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=24, patch_size=2,
              num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
-TOWERS = {"qwen2_vl": QWEN2, "qwen2_5_vl": QWEN25, "qwen3_vl": QWEN3}
+# Qwen3-Omni's tower (Qwen3OmniMoeVisionEncoder, built as Qwen3-VL's): deep-stack after blocks 1 and 2.
+TOWERS = {"qwen2_vl": QWEN2, "qwen2_5_vl": QWEN25, "qwen3_vl": QWEN3,
+          "qwen3_omni_moe": dict(QWEN3, deepstack_visual_indexes=[1, 2])}
 
 
 def _hf_tower(family: str, fields: dict):
@@ -38,13 +40,20 @@ def _hf_tower(family: str, fields: dict):
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mod
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as config
         return mod.Qwen2_5_VisionTransformerPretrainedModel, config(**fields)
+    if family == "qwen3_omni_moe":
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as mod
+        from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+            Qwen3OmniMoeVisionEncoderConfig as config,
+        )
+        return mod.Qwen3OmniMoeVisionEncoder, config(**fields)
     from transformers.models.qwen3_vl import modeling_qwen3_vl as mod
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig as config
     return mod.Qwen3VLVisionModel, config(**fields)
 
 
 def _tower(family: str, fields: dict | None = None):
-    return vision_tower({"model_type": family, "vision_config": fields or TOWERS[family]})
+    vision = {"vision_config": fields or TOWERS[family]}
+    return vision_tower({"model_type": family, **({"thinker_config": vision} if family == "qwen3_omni_moe" else vision)})
 
 
 @pytest.mark.parametrize("family", list(TOWERS))
@@ -75,7 +84,7 @@ def _measure(family: str, grids: list, dtype: torch.dtype, model_trains: bool, p
     torch.manual_seed(0)
     module = cls._from_config(config).to(dtype).train()
     for name, p in module.named_parameters():
-        p.requires_grad_(projection_trains if name.startswith("merger") else model_trains)
+        p.requires_grad_(projection_trains if "merger" in name else model_trains)  # (deep-stack mergers too)
     grid = torch.tensor(grids)
     pixels = torch.randn(int(grid.prod(dim=1).sum()), 24, dtype=dtype)
     meter = mcore_memory.SavedTensorMeter(module.parameters())
@@ -91,12 +100,15 @@ FREEZE = {"trained": (True, True), "frozen blocks": (False, True), "frozen merge
 
 
 # Eager: every freeze setting on the images and a video in fp32 and bf16, the single image trained and
-# fully frozen; sdpa (torch's CPU kernel): trained, both dtypes, both grid sets.
-_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# fully frozen; sdpa (torch's CPU kernel): trained, both dtypes, both grid sets. Qwen3-Omni's tower (the
+# same code as Qwen3-VL's, deep-stack after other blocks): eager in bf16, every freeze setting; sdpa trained.
+_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 CASES = ([(f, "eager", d, "images and a video", z) for f in _FAMILIES for d in (torch.float32, torch.bfloat16)
           for z in FREEZE]
          + [(f, "eager", torch.bfloat16, "image", z) for f in _FAMILIES for z in ("trained", "frozen")]
-         + [(f, "sdpa", d, g, "trained") for f in _FAMILIES for d in (torch.float32, torch.bfloat16) for g in GRIDS])
+         + [(f, "sdpa", d, g, "trained") for f in _FAMILIES for d in (torch.float32, torch.bfloat16) for g in GRIDS]
+         + [("qwen3_omni_moe", "eager", torch.bfloat16, "images and a video", z) for z in FREEZE]
+         + [("qwen3_omni_moe", "sdpa", torch.bfloat16, "images and a video", "trained")])
 
 
 @pytest.mark.parametrize("family, attention, dtype, grids, freeze", CASES,
@@ -302,10 +314,14 @@ def test_placeholder_mask_is_one_byte_per_token():
     assert frozen.activations == {}
 
 
-def test_qwen3_vl_tower_is_labelled():
-    tower = vision_memory(_tower("qwen3_vl"), [[1, 4, 4]], act_bytes=2, attention="flash_attention_2")
-    assert tower.activations is None and "qwen3_vl" in tower.not_modelled[0]
-    assert "splits them over TP" in tower.unmeasured[0]
+def test_qwen3_towers_are_labelled():
+    # Their activations are the Hugging Face module's (measured above); Bridge's megatron-core tower is labelled.
+    for family, name in (("qwen3_vl", "Qwen3-VL"), ("qwen3_omni_moe", "Qwen3-Omni")):
+        tower = vision_memory(_tower(family), [[1, 4, 4]], act_bytes=2, attention="sdpa")
+        assert tower.not_modelled == () and set(tower.activations) >= {"vit/pos_embed", "vit/deepstack_merger"}
+        assert f"the {name} vision tower as the Hugging Face module" in tower.unmeasured[0]
+    assert vision_memory(_tower("qwen3_vl"), None, act_bytes=2, attention="sdpa").not_modelled[0].endswith(
+        "give --grid-thw (the [t, h, w] grids of one micro-batch)")
     flash = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="flash_attention_2", cp=2,
                           tokens=32)
     assert any("flash_attention_2" in u for u in flash.unmeasured) and any("context" in u for u in flash.unmeasured)
