@@ -357,6 +357,34 @@ def test_docs_vlm_example(capsys, monkeypatch):
         assert line in printed, line
 
 
+def test_docs_vlm_tower_per_image(capsys, monkeypatch):
+    # docs/memory.md: "One 896 x 896 image ... costs the trained tower X GB": the vit/ rows of one
+    # micro-batch of the documented command without --freeze-vision-model (bf16, sdpa); with it, the
+    # merger's (and the placeholder mask's) only.
+    import re
+    import shlex
+    from pathlib import Path
+
+    from megatron_flops.cli import main
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)
+    text = (root / "docs" / "memory.md").read_text()
+    shown = float(re.search(r"One 896 x 896 image \(4,096 patches\) costs the trained tower ([\d.]+) GB", text)[1])
+    command = text.split("```text\n$ megatron-flops memory ")[1].split("\n")[0]
+    argv = ["memory", *shlex.split(command), "--json"]
+
+    def tower_rows(args: list) -> dict:
+        assert main(args) == 0
+        report = json.loads(capsys.readouterr().out)
+        report = report if "per_gpu" in report else next(iter(report.values()))
+        return {k: v for k, v in report["per_gpu"]["activations_per_microbatch"][0].items() if k.startswith("vit/")}
+
+    trained = tower_rows([a for a in argv if a != "--freeze-vision-model"])
+    assert round(sum(trained.values()) / 1e9, 1) == shown == 8.7
+    assert set(tower_rows(argv)) == {"vit/merger", "vit/placeholder_mask"}
+
+
 IMAGE_TOKEN = 255
 
 
