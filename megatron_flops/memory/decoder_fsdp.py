@@ -22,9 +22,9 @@ and no ``MixedPrecisionPolicy``. So:
   unit runs, and resharded at its post-forward, after all of them; gathered again for the whole
   backward and reduce-scattered at its end. So its gathered weights stay while the other units
   gather, compute and reduce-scatter, beside its whole gradients as they appear (the output layer's
-  from the start of backward; a VLM's vision tower, which joins the root, its own after the
-  decoder's backward, then the embedding's backward). Measured on CPU, where each collective runs to
-  completion; on GPU (a formula, not measured) two neighbouring units are gathered at once (the one
+  and final norm's from the start of backward; those of a VLM's vision tower, which joins the root,
+  once the tower's backward has run: after the decoder's, before the embedding's, which is last).
+  Measured on CPU, where each collective runs to completion; on GPU (a formula, not measured) two neighbouring units are gathered at once (the one
   computing and the one prefetched) with the larger unsharded gradient of the two.
 
 Megatron-LM refuses ``--use-torch-fsdp2`` with PP > 1, EP > 1, the distributed optimizer, tied
@@ -142,9 +142,11 @@ def fsdp_notes(par: Parallelism, recompute: RecomputeSpec | None, *,
                   "CUDA streams prefetch the next all-gather; gloo on CPU runs each collective to completion, so the "
                   "overlap cannot be measured here)"]
     if par.tp > 1:
-        unmeasured.append(f"FSDP2 x TP {par.tp}: the tp/ collectives as without FSDP; with sequence parallelism or "
-                          "qk_layernorm megatron-core all-gathers the TP-replicated gradient shards over DP before "
-                          "their TP all-reduce and re-shards them after (not counted; no TP x DP step measured)")
+        unmeasured.append(f"FSDP2 x TP {par.tp}: the tp/ collectives as without FSDP" + (
+                          " (the vision tower's gradient all-reduce too, counted whole)" if vision else "")
+                          + "; with sequence parallelism or qk_layernorm megatron-core all-gathers the TP-replicated "
+                          "gradient shards over DP before their TP all-reduce and re-shards them after (not counted; "
+                          "no TP x DP step measured)")
     if recompute is not None and recompute.granularity == "full":
         unmeasured.append("FSDP2 x full recompute: dp/all_gather counts two gathers per layer and micro-batch; the "
                           "re-run forward of checkpointed layers may gather them once more (not counted, not measured)")
