@@ -9,6 +9,9 @@
 - :class:`SavedTensorMeter`: ``saved_tensors_hooks`` that track every storage autograd saves
   for backward (parameters and one-element tensors excluded), per forward pass (``forward``)
   and as a time-resolved peak of the storages alive (``peak``).
+- :class:`WholeCopiesMeter`: a ``TorchDispatchMode`` that, after every operator, adds up the whole
+  (unsharded) parameters and gradients torch FSDP2 holds (``peak``: their largest sum, with
+  each ``fully_shard`` unit's part then in ``parts``).
 - :func:`state_bytes`: weights, gradient buffers and optimizer state read from the real
   model chunks and optimizer.
 
@@ -134,6 +137,38 @@ class CommMeter(TorchDispatchMode):
                     self.bytes[key] += sum(t.numel() * t.element_size() for t in tensors)
                     self.calls[key] += 1
         return func(*args, **(kwargs or {}))
+
+
+class WholeCopiesMeter(TorchDispatchMode):
+    """Bytes of the whole (unsharded) parameters and gradients of ``model``'s FSDP2 units, sampled
+    after every operator run under it (distinct storages: FSDP2 frees a resharded unit's by
+    resizing them to 0): ``peak`` their largest sum, ``parts`` then ``(unit, weights, gradients)``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        super().__init__()
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.peak = 0
+        self.parts: List[Tuple[str, int, int]] = []
+
+    def _sample(self) -> None:
+        parts, whole = [], []
+        for unit in self.units:
+            group = unit._get_fsdp_state()._fsdp_param_group
+            params = [getattr(fp, "_unsharded_param", None) for fp in (group.fsdp_params if group else ())]
+            weights = [p for p in params if p is not None]
+            grads = [p.grad for p in weights if p.grad is not None]
+            parts.append((type(unit).__name__, unique_bytes(weights), unique_bytes(grads)))
+            whole += weights + grads
+        total = unique_bytes(whole)
+        if total > self.peak:
+            self.peak, self.parts = total, parts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sample()
+        return out
 
 
 class _Handle:

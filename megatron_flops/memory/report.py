@@ -239,7 +239,7 @@ def decoder_memory(
     if par.fsdp:  # torch FSDP2 (Megatron-LM's --use-torch-fsdp2): its states and dp/ traffic, the rest as DDP's
         from megatron_flops.memory.decoder_fsdp import fsdp_notes, fsdp_stage
 
-        fsdp = fsdp_stage(spec, options, par, training, peft=peft, vision=bool(vision and vision.params))
+        fsdp = fsdp_stage(spec, options, par, training, peft=peft, vision=vision.params if vision else ())
         par = replace(par, fsdp=False)
     if recompute is not None and recompute.pipeline_model_parallel_size != par.pp:
         recompute = RecomputeSpec(granularity=recompute.granularity, method=recompute.method,
@@ -258,7 +258,7 @@ def decoder_memory(
     if fsdp is not None:
         comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
         stages = [replace(stages[0], states=fsdp[0], communication={**fsdp[1], **comm})]
-        more = fsdp_notes(par, recompute)
+        more = fsdp_notes(par, recompute, vision=bool(vision and vision.params))
         assumptions, unmeasured = assumptions + tuple(more[0]), unmeasured + tuple(more[1])
     tower = vision or VisionMemory(params=(), activations=None)
     counts = parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp)
