@@ -60,6 +60,11 @@ class DecoderOptions:
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int | None = None
     transformer_impl: str = "transformer_engine"
+    # Megatron-Bridge's gemma2/gemma3 layer spec (memory/hf_layers.py): an RMSNorm on linear_proj's and
+    # linear_fc2's outputs, and tanh soft-capping of the attention scores and the output logits.
+    post_layernorms: bool = False
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def duplicated_mla_down(self) -> bool:
@@ -236,6 +241,12 @@ def _norm(options: DecoderOptions, prefix: str, width: int, trainable: bool) -> 
     return params
 
 
+def _post_norm(options: DecoderOptions, prefix: str, width: int, trainable: bool) -> list[Param]:
+    """Bridge's ``TERowParallelLinearLayerNorm``: an RMSNorm [h] on the row-parallel layer's
+    (reduced) output, whole on every TP rank, registered after the layer's own weight."""
+    return _norm(options, prefix + "post_layernorm.", width, trainable) if options.post_layernorms else []
+
+
 def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: PeftSpec,
             *, expert: bool = False, duplicated: bool = False, tp: int = 1) -> list[Param]:
     """A linear layer's weight [d_out, d_in] (+ bias [d_out]) on one TP rank, LoRA-wrapped when
@@ -278,6 +289,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     elif mixer != "none":
         # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
         out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft, tp=tp)
+        out += _post_norm(options, attn + "linear_proj.", h, base)
         # linear_qkv: [(nq + 2*ng)*d/tp (+ nq*d/tp output gate), h] (column parallel).
         gate = nq * d // tp if spec.attention_output_gate else 0
         out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp + gate, bias or options.add_qkv_bias, peft,
@@ -289,7 +301,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
     if ffn == "mlp":
         out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias, tp=tp)
-        return out
+        return out + _post_norm(options, prefix + "mlp.linear_fc2.", h, base)
     moe = spec.moe
     assert moe is not None
     mlp = prefix + "mlp."

@@ -22,8 +22,13 @@ _LAYERNORM_NO_AFFINE = ("olmo",)
 _ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt_neox": 0.25, "nemotron": 0.5, "phi3": 1.0}
 # attention_bias puts a bias on q, k and v only (not o_proj) in these families.
 _QKV_ONLY_ATTENTION_BIAS = ("glm", "glm4", "helium", "seed_oss")
-# Families with norms after attention and after the MLP (olmo2/olmo3: instead of the pre-norms).
-_POST_NORMS = ("olmo2", "olmo3", "glm4", "gemma2", "gemma3", "gemma3_text")
+# Families with norms after attention and after the MLP instead of the pre-norms (not modelled).
+_POST_NORMS_INSTEAD = ("olmo2", "olmo3")
+# Families with RMSNorms after attention and after the MLP as well as the pre-norms, and their logit
+# soft-capping: Megatron-Bridge 0.6.2's gemma2/gemma3 layer spec (TERowParallelLinearLayerNorm on
+# linear_proj and linear_fc2, Gemma2DotProductAttention, Gemma2OutputLayer). glm4's layer has the
+# same norms in the same places; Bridge has no glm4 dense provider: counted as that spec.
+_BRIDGE_POST_NORMS = ("gemma2", "gemma3", "gemma3_text", "glm4")
 
 
 def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
@@ -40,7 +45,32 @@ def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
         "position_embedding_type": "none" if alibi else "rope",
         "rotary_percent": _rotary_fraction(text, family),
         "max_position_embeddings": text.get("max_position_embeddings"),
+        **_bridge_post_norm_fields(text, family),
     }
+
+
+def _bridge_post_norm_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
+    if family not in _BRIDGE_POST_NORMS:
+        return {}
+    caps = {k: float(text[k]) if text.get(k) else None for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return {"post_layernorms": True, **caps}
+
+
+def hf_layer_unmeasured(*, post_layernorms: bool, attn_cap: bool, final_cap: bool) -> list[str]:
+    """The figures of Megatron-Bridge's gemma2/gemma3 spec that are formulas (its layers are
+    Transformer Engine's: not run on CPU)."""
+    out = []
+    if post_layernorms:
+        out.append("post-norms on linear_proj's and linear_fc2's outputs (Megatron-Bridge's gemma2/gemma3 "
+                   "TERowParallelLinearLayerNorm, Transformer Engine only; glm4's, which Bridge has no dense provider for, "
+                   "counted the same): each saves its [tokens, h] input and an "
+                   "fp32 rstd per token, as megatron-core's norms (measured) do")
+    if attn_cap:
+        out.append("attention logit soft-capping (Bridge's Gemma2DotProductAttention): tanh keeps its [b, heads, s, "
+                   "s] output with the local attention; none inside a fused kernel (FlexAttention's score_mod)")
+    if final_cap:
+        out.append("final logit soft-capping (Bridge's Gemma2OutputLayer): tanh keeps its [tokens, vocab/TP] output")
+    return out
 
 
 def _biases(text: Mapping[str, Any], family: str) -> tuple[bool, bool, bool]:
@@ -119,12 +149,10 @@ def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
         out.append("its LayerNorms have no bias (counted with megatron-core's LayerNorm bias)")
     if family in _LAYERNORM_NO_AFFINE:
         out.append("its LayerNorms have no weight or bias (counted with megatron-core's LayerNorm weight and bias)")
-    if family in _POST_NORMS:
-        instead = family in ("olmo2", "olmo3")
-        out.append(f"RMSNorms after attention and after the MLP {'instead of' if instead else 'as well as'} before "
-                   "them (counted as megatron-core's pre-norms"
-                   + ("" if instead else ": two norms per layer and their saved inputs left out") + ")")
-    if text.get("final_logit_softcapping") or text.get("attn_logit_softcapping"):
+    if family in _POST_NORMS_INSTEAD:
+        out.append("RMSNorms after attention and after the MLP instead of before them (counted as megatron-core's "
+                   "pre-norms)")
+    if family not in _BRIDGE_POST_NORMS and (text.get("final_logit_softcapping") or text.get("attn_logit_softcapping")):
         out.append("logit soft-capping (tanh of the scores or logits: its saved output left out)")
     if _qk_norm(text, family):
         whole = "over the whole q and k projections ([heads x head_dim], [groups x head_dim])"
