@@ -56,21 +56,20 @@ def _bridge_post_norm_fields(text: Mapping[str, Any], family: str) -> dict[str, 
     return {"post_layernorms": True, **caps}
 
 
-def hf_layer_unmeasured(*, post_layernorms: bool, attn_cap: bool, final_cap: bool) -> list[str]:
-    """The figures of Megatron-Bridge's gemma2/gemma3 spec that are formulas (its layers are
-    Transformer Engine's: not run on CPU)."""
-    out = []
-    if post_layernorms:
-        out.append("post-norms on linear_proj's and linear_fc2's outputs (Megatron-Bridge's gemma2/gemma3 "
-                   "TERowParallelLinearLayerNorm, Transformer Engine only; glm4's, which Bridge has no dense provider for, "
-                   "counted the same): each saves its [tokens, h] input and an "
-                   "fp32 rstd per token, as megatron-core's norms (measured) do")
-    if attn_cap:
-        out.append("attention logit soft-capping (Bridge's Gemma2DotProductAttention): tanh keeps its [b, heads, s, "
-                   "s] output with the local attention; none inside a fused kernel (FlexAttention's score_mod)")
-    if final_cap:
-        out.append("final logit soft-capping (Bridge's Gemma2OutputLayer): tanh keeps its [tokens, vocab/TP] output")
-    return out
+def hf_layer_assumptions(*, post_layernorms: bool, attn_cap: bool, final_cap: bool) -> list[str]:
+    """How Megatron-Bridge's gemma2/gemma3 spec (Transformer Engine's layers) is counted: as
+    megatron-core's local modules in the same places save (measured: tests/test_memory_hf_layers.py)."""
+    parts = [what for what, used in (
+        ("an RMSNorm on linear_proj's and on linear_fc2's output (TERowParallelLinearLayerNorm: its input and fp32 "
+         "rstd per token; glm4's norms, which Bridge has no dense provider for, counted the same)", post_layernorms),
+        ("tanh soft-capping of the attention scores (Gemma2DotProductAttention: its [b, heads, s, s] output kept by "
+         "the local attention, none inside a fused kernel's score_mod)", attn_cap),
+        ("tanh soft-capping of the logits (Gemma2OutputLayer: its [tokens, vocab/TP] output)", final_cap),
+    ) if used]
+    if not parts:
+        return []
+    return ["layers as Megatron-Bridge 0.6.2's gemma2/gemma3 spec, counted as megatron-core's local modules in the "
+            "same places save: " + "; ".join(parts)]
 
 
 def _biases(text: Mapping[str, Any], family: str) -> tuple[bool, bool, bool]:
