@@ -1,8 +1,9 @@
 """What a Hugging Face family's decoder layers hold and save beyond the GEMM shapes (stdlib only):
 the ``TransformerConfig`` options that express it (norm, biases, rotary fraction, q/k norms,
-position embeddings), and, named, what megatron-core's GPT layer cannot express (parallel
-attention and MLP, norms after the sublayers, norms without weights or bias, per-head q/k norm
-weights, xIELU), which the memory report then lists as not modelled.
+position embeddings, Megatron-Bridge's gemma2/gemma3 post-norms and logit soft-capping), and, named,
+what megatron-core's GPT layer cannot express (parallel attention and MLP, norms after the
+sublayers instead of before them, norms without weights or bias, per-head or whole-projection q/k
+norm weights, xIELU), which the memory report then lists as not modelled.
 
 NB: parameters checked against the transformers model's ``named_parameters()`` (tests/test_memory_hf_families.py).
 """
