@@ -119,8 +119,7 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # Hugging Face layers megatron-core's GPT layer cannot express (memory/hf_layers.py): counted as
     # the nearest megatron-core layer, the difference named.
     *[(f"hf:{model} | *", rf"not modelled: Hugging Face {model.split()[0]}: {what}") for model, what in (
-        ("apertus", "xIELU activation"), ("olmo", "its LayerNorms have no weight or bias"),
-        ("cohere", "attention and the MLP run in parallel"), ("cohere", "its LayerNorms have no bias"),
+        ("apertus", "xIELU activation"), ("cohere", "attention and the MLP run in parallel"),
         ("cohere", "q/k norms with a weight per head"), ("olmo2", "q/k norms over the whole q and k projections"),
         ("olmo2", "RMSNorms after attention and after the MLP instead"),
         ("olmo3", "q/k norms over the whole q and k projections"), ("olmo3", "RMSNorms after attention and after the "

@@ -30,13 +30,10 @@ PARAMETER_DIFFERENCES = {
     # xIELU's alpha_p and alpha_n per layer: 2 x 2.
     "apertus": 4,
     # One weight-only LayerNorm per layer (h) and q/k norms per head ((4 + 2) d) against megatron-core's two
-    # LayerNorms (2 x 2h) and q/k LayerNorms (2 x 2d), per layer; the final norm h against 2h:
-    # 2 x (64 + 96 - 256 - 64) + (64 - 128) = -384.
-    "cohere": -384,
+    # weight-only LayerNorms (2h) and q/k norms (2d), per layer: 2 x (64 + 96 - 128 - 32) = 0 (still named).
+    "cohere": 0,
     # Parallel attention and MLP from one LayerNorm (2h) per layer; megatron-core has two: -2 x 128.
     "falcon": -256,
-    # LayerNorms without weights: megatron-core's 2L + 1 LayerNorms have 2h each: -5 x 128.
-    "olmo": -640,
     # q/k RMSNorms over the whole projections (4d + 2d) against megatron-core's per head (2d): 2 x 64.
     "olmo2": 128,
     "olmo3": 4 * 64,  # (the same, 4 layers)

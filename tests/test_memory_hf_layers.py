@@ -141,3 +141,37 @@ def test_bridge_gemma_spec_saves_and_holds_as_counted(mcore, monkeypatch, name):
     forward, peak = _measure(model)
     assert forward == [act.forward + act.shared] * NUM_MB
     assert peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]
+
+
+@pytest.mark.parametrize("affine", ["weight", "none"], ids=["LayerNorms without bias (cohere)",
+                                                           "LayerNorms without weight or bias (olmo)"])
+def test_layernorms_without_affine_parameters_save_as_megatron_cores(mcore, affine):
+    # megatron-core's local LayerNorms (torch's) with their bias, or weight and bias, removed: the
+    # parameters as hf_layers counts them, and the same saved bytes (input, mean and rstd: fp32 here,
+    # where torch's CPU kernel keeps them as CUDA's).
+    fields = dict(BASE, add_bias_linear=False, qk_layernorm=True, num_query_groups=2)
+    torch.manual_seed(0)
+    model = mcore_cpu.build_gpt(fields, vocab_size=VOCAB, max_seq_len=SEQ)
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            names = ("bias",) if affine == "weight" else ("weight", "bias")
+            for name in names:
+                delattr(module, name)
+                module.register_parameter(name, None)
+    model_file = dict(fields, vocab_size=VOCAB)
+    spec = ModelSpec.from_mapping(model_file)
+    options = DecoderOptions.from_mapping(dict(model_file, padded_vocab_size=VOCAB, attention_backend="local",
+                                               position_embedding_type="rope", norm_weight=affine == "weight",
+                                               norm_bias=False))
+    assert [(p.name, p.numel) for p in chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0,
+                                                        seq_length=SEQ)] == \
+        [(n, p.numel()) for n, p in model.named_parameters()]
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype="fp32")
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0)
+    assert act == chunk_activations(spec, DecoderOptions.from_mapping(dict(model_file, padded_vocab_size=VOCAB,
+                                                                           attention_backend="local",
+                                                                           position_embedding_type="rope")),
+                                    Parallelism(), training, pp_rank=0, chunk=0)
+    forward, peak = _measure(model)
+    assert forward == [act.forward + act.shared] * NUM_MB
+    assert peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]

@@ -65,6 +65,9 @@ class DecoderOptions:
     post_layernorms: bool = False
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Hugging Face olmo's LayerNorms have no weight or bias, cohere's no bias (every norm of the model).
+    norm_weight: bool = True
+    norm_bias: bool = True
 
     @property
     def duplicated_mla_down(self) -> bool:
@@ -235,8 +238,10 @@ def chunk_parameters(
 
 
 def _norm(options: DecoderOptions, prefix: str, width: int, trainable: bool) -> list[Param]:
+    if not options.norm_weight:  # (olmo: no affine parameters at all)
+        return []
     params = [Param(prefix + "weight", width, trainable, tp_replicated=True)]
-    if options.normalization == "LayerNorm":
+    if options.normalization == "LayerNorm" and options.norm_bias:
         params.append(Param(prefix + "bias", width, trainable, tp_replicated=True))
     return params
 

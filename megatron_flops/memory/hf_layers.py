@@ -16,7 +16,8 @@ from typing import Any
 # Families whose norms are LayerNorms (weight and bias) in transformers: megatron-core's LayerNorm.
 # (nemotron's LayerNorm1P: weight + 1, megatron-core's layernorm_zero_centered_gamma: the same bytes.)
 _LAYERNORM = ("starcoder2", "nemotron", "stablelm", "gpt_neox", "falcon")
-# Families whose norm is a LayerNorm without a bias (cohere) or without any weight (olmo).
+# Families whose norm is a LayerNorm without a bias (cohere) or without any weight (olmo): saved as
+# megatron-core's LayerNorm (input, fp32 mean and rstd), parameters without them.
 _LAYERNORM_NO_BIAS = ("cohere",)
 _LAYERNORM_NO_AFFINE = ("olmo",)
 # Families with partial rotary, and transformers' default fraction where the file may omit it.
@@ -47,6 +48,8 @@ def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
         "rotary_percent": _rotary_fraction(text, family),
         "max_position_embeddings": text.get("max_position_embeddings"),
         **_bridge_post_norm_fields(text, family),
+        "norm_weight": family not in _LAYERNORM_NO_AFFINE,
+        "norm_bias": family not in _LAYERNORM_NO_BIAS + _LAYERNORM_NO_AFFINE,
     }
 
 
@@ -145,10 +148,6 @@ def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
         out.append("attention and the MLP run in parallel on the layer's input (counted as megatron-core's "
                    "sequential layer: the MLP's norm reads the residual after attention, with its own saved input"
                    + ("; a pre-MLP norm per layer the model does not have" if _one_norm(text, family) else "") + ")")
-    if family in _LAYERNORM_NO_BIAS:
-        out.append("its LayerNorms have no bias (counted with megatron-core's LayerNorm bias)")
-    if family in _LAYERNORM_NO_AFFINE:
-        out.append("its LayerNorms have no weight or bias (counted with megatron-core's LayerNorm weight and bias)")
     if family in _POST_NORMS_INSTEAD:
         out.append("RMSNorms after attention and after the MLP instead of before them (counted as megatron-core's "
                    "pre-norms)")
