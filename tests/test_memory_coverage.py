@@ -121,9 +121,7 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     *[(f"hf:{model} | *", rf"not modelled: Hugging Face {model.split()[0]}: {what}") for model, what in (
         ("apertus", "xIELU activation"), ("cohere", "attention and the MLP run in parallel"),
         ("cohere", "q/k norms with a weight per head"), ("olmo2", "q/k norms over the whole q and k projections"),
-        ("olmo2", "RMSNorms after attention and after the MLP instead"),
-        ("olmo3", "q/k norms over the whole q and k projections"), ("olmo3", "RMSNorms after attention and after the "
-                                                                            "MLP instead"),
+        ("olmo3", "q/k norms over the whole q and k projections"),
         ("falcon", "attention and the MLP run in parallel"), ("falcon new decoder", "attention and the MLP run in "
                                                                                     "parallel"),
         ("falcon MHA alibi serial", "ALiBi attention biases"), ("gpt_neox", "attention and the MLP run in parallel"),

@@ -42,9 +42,9 @@ class _CappedSoftmax(torch.nn.Module):
         return self.softmax(_capped(scores, self.cap), *args, **kwargs)
 
 
-def _bridge_gemma_spec(spec, config):
+def _bridge_gemma_spec(spec, config, *, olmo2: bool):
     """The local spec with Bridge's ``TERowParallelLinearLayerNorm`` (local port) as linear_proj and
-    linear_fc2, and the capped softmax in the core attention."""
+    linear_fc2, and the capped softmax in the core attention; ``olmo2``: no pre-norms, no capping."""
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl
     from megatron.core.tensor_parallel import RowParallelLinear
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -64,19 +64,26 @@ def _bridge_gemma_spec(spec, config):
             super().__init__(*args, **kwargs)
             self.scale_mask_softmax = _CappedSoftmax(self.scale_mask_softmax, CAPS["attn_logit_softcapping"])
 
+    from megatron.core.transformer.identity_op import IdentityOp
+
     layer = spec.submodules
     layer.self_attention.submodules.linear_proj = PostNormRowParallelLinear
-    layer.self_attention.submodules.core_attention = CappedAttention
+    if olmo2:
+        layer.input_layernorm = layer.pre_mlp_layernorm = IdentityOp
+    else:
+        layer.self_attention.submodules.core_attention = CappedAttention
     layer.mlp.submodules.linear_fc2 = PostNormRowParallelLinear
     return spec
 
 
-def _build(fields: dict, monkeypatch):
+def _build(fields: dict, monkeypatch, *, olmo2: bool):
     build_spec = mcore_cpu.build_layer_spec
     monkeypatch.setattr(mcore_cpu, "build_layer_spec",
-                        lambda config, **kw: _bridge_gemma_spec(build_spec(config, **kw), config))
+                        lambda config, **kw: _bridge_gemma_spec(build_spec(config, **kw), config, olmo2=olmo2))
     torch.manual_seed(0)
     model = mcore_cpu.build_gpt(fields, vocab_size=VOCAB, max_seq_len=SEQ)
+    if olmo2:
+        return model
     output_forward = model.output_layer.forward
 
     def capped_output(*args, **kwargs):  # Bridge's Gemma2OutputLayer
@@ -106,18 +113,27 @@ CASES = {
     "RMSNorm, GQA, fused SwiGLU (gemma-like)": dict(GEMMA, normalization="RMSNorm"),
     "LayerNorm, GQA, selective core_attn + mlp": dict(GEMMA, recompute_granularity="selective",
                                                       recompute_modules=["core_attn", "mlp"]),
+    # olmo2/olmo3: the post-norms instead of the pre-norms (and no capping).
+    "olmo2: RMSNorm, qk_layernorm, SwiGLU": dict(GEMMA, normalization="RMSNorm", qk_layernorm=True, olmo2=True),
+    "olmo2: LayerNorm, selective mlp": dict(GEMMA, recompute_granularity="selective", recompute_modules=["mlp"],
+                                            olmo2=True),
+    "olmo2: LayerNorm, full recompute": dict(GEMMA, recompute_granularity="full", recompute_method="uniform",
+                                             recompute_num_layers=1, olmo2=True),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bridge_gemma_spec_saves_and_holds_as_counted(mcore, monkeypatch, name):
     fields = dict(BASE, **CASES[name])
+    olmo2 = fields.pop("olmo2", False)
     config = dict(fields, activation_func=torch.nn.functional.silu) if "activation_func" in fields else fields
-    model = _build(config, monkeypatch)
+    model = _build(config, monkeypatch, olmo2=olmo2)
+    caps = {} if olmo2 else CAPS
     model_file = dict(fields, vocab_size=VOCAB)
     spec = ModelSpec.from_mapping(model_file)
     options = DecoderOptions.from_mapping(dict(model_file, padded_vocab_size=VOCAB, attention_backend="local",
-                                               position_embedding_type="rope", post_layernorms=True, **CAPS))
+                                               position_embedding_type="rope", post_layernorms=True,
+                                               pre_layernorms=not olmo2, **caps))
     assert [(p.name, p.numel) for p in chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0,
                                                         seq_length=SEQ)] == \
         [(n, p.numel()) for n, p in model.named_parameters()]
@@ -125,7 +141,7 @@ def test_bridge_gemma_spec_saves_and_holds_as_counted(mcore, monkeypatch, name):
     act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0,
                             recompute=RecomputeSpec.from_mapping(model_file))
     plain = chunk_activations(spec, dataclasses.replace(options, post_layernorms=False, attn_logit_softcapping=None,
-                                                        final_logit_softcapping=None),
+                                                        final_logit_softcapping=None, pre_layernorms=True),
                               Parallelism(), training, pp_rank=0, chunk=0, recompute=RecomputeSpec.from_mapping(model_file))
     # What the spec adds, fp32, T = 32 tokens, h = 64, 4 heads, 2 layers: per layer two norms' inputs
     # [T, h] and rstd (LayerNorm: mean too) [T], and tanh's [b, heads, s, s] scores (inside the
@@ -134,10 +150,14 @@ def test_bridge_gemma_spec_saves_and_holds_as_counted(mcore, monkeypatch, name):
     scores = 0 if "core_attn" in fields.get("recompute_modules", ()) else MBS * 4 * SEQ * SEQ * 4
     # (the fc2 post-norm inside the mlp checkpoint: re-saved in backward only)
     fc2_norm = 0 if "mlp" in fields.get("recompute_modules", ()) else T * (h * 4 + stats)
-    assert act.forward - plain.forward == layers * (T * (h * 4 + stats) + fc2_norm + scores) + T * VOCAB * 4
+    if olmo2:  # (a norm moved: each linear after it saves the residual in place of the norm's output)
+        assert act.forward - plain.forward == (-T * (h * 4 + stats) * layers if fc2_norm == 0 else 0)
+    else:
+        assert act.forward - plain.forward == layers * (T * (h * 4 + stats) + fc2_norm + scores) + T * VOCAB * 4
     # (torch's CPU RMSNorm also saves x * rstd: 4 norms per layer and the final one.)
     act = dataclasses.replace(act, components={**act.components,
-                                               "cpu": cpu_kernel_delta(fields, 4, 4 * layers + 1, T, h, 0)})
+                                               "cpu": cpu_kernel_delta(fields, 4, (2 if olmo2 else 4) * layers + 1,
+                                                                       T, h, 0)})
     forward, peak = _measure(model)
     assert forward == [act.forward + act.shared] * NUM_MB
     assert peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]

@@ -386,7 +386,8 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     """One layer: its mixer (none: a hybrid MLP layer) and its MLP or MoE (``ffn=False``: a
     hybrid mixer layer), each after its norm and before its dropout."""
     if mixer != "none":
-        _norm(w, "norm", x, options)
+        if options.pre_layernorms:
+            _norm(w, "norm", x, options)
         if mixer in ("mamba", "gdn", "kda"):
             _ssm_mixer(w, x, spec, mixer)
         elif spec.mla is not None:
@@ -398,7 +399,8 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
         _dropout_mask(w, x, options)
     if not ffn:
         return
-    _norm(w, "norm", x, options)
+    if options.pre_layernorms:
+        _norm(w, "norm", x, options)
     if moe:
         _moe(w, x, spec, options)
     elif w.recompute_mlp:

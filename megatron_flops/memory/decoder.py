@@ -63,6 +63,7 @@ class DecoderOptions:
     # Megatron-Bridge's gemma2/gemma3 layer spec (memory/hf_layers.py): an RMSNorm on linear_proj's and
     # linear_fc2's outputs, and tanh soft-capping of the attention scores and the output logits.
     post_layernorms: bool = False
+    pre_layernorms: bool = True  # (olmo2, olmo3: the norms after the sublayers only)
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     # Hugging Face olmo's LayerNorms have no weight or bias, cohere's no bias (every norm of the model).
@@ -283,7 +284,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     nq, ng = spec.num_attention_heads, spec.num_query_groups
     base, bias = not peft.frozen, options.add_bias_linear
     attn = prefix + "self_attention."
-    out = _norm(options, prefix + "input_layernorm.", h, base) if mixer != "none" else []
+    out = _norm(options, prefix + "input_layernorm.", h, base) if mixer != "none" and options.pre_layernorms else []
     if mixer in MIXERS_WITH_PARAMETERS:
         out += [Param(n, k, base, tp_replicated=r) for n, k, r in
                 mixer_tensors(spec, mixer, prefix, tp, options.normalization == "LayerNorm")]
@@ -303,7 +304,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
             out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
     if ffn == "none":
         return out
-    out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
+    out += _norm(options, prefix + "pre_mlp_layernorm.", h, base) if options.pre_layernorms else []
     if ffn == "mlp":
         out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias, tp=tp)
         return out + _post_norm(options, prefix + "mlp.linear_fc2.", h, base)

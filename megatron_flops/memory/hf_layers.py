@@ -24,7 +24,8 @@ _LAYERNORM_NO_AFFINE = ("olmo",)
 _ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt_neox": 0.25, "nemotron": 0.5, "phi3": 1.0}
 # attention_bias puts a bias on q, k and v only (not o_proj) in these families.
 _QKV_ONLY_ATTENTION_BIAS = ("glm", "glm4", "helium", "seed_oss")
-# Families with norms after attention and after the MLP instead of the pre-norms (not modelled).
+# Families with norms after attention and after the MLP instead of the pre-norms: counted as the spec
+# below without its pre-norms (no framework has a megatron-core layer for them).
 _POST_NORMS_INSTEAD = ("olmo2", "olmo3")
 # Families with RMSNorms after attention and after the MLP as well as the pre-norms, and their logit
 # soft-capping: Megatron-Bridge 0.6.2's gemma2/gemma3 layer spec (TERowParallelLinearLayerNorm on
@@ -54,18 +55,23 @@ def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
 
 
 def _bridge_post_norm_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
+    if family in _POST_NORMS_INSTEAD:
+        return {"post_layernorms": True, "pre_layernorms": False}
     if family not in _BRIDGE_POST_NORMS:
         return {}
     caps = {k: float(text[k]) if text.get(k) else None for k in ("attn_logit_softcapping", "final_logit_softcapping")}
     return {"post_layernorms": True, **caps}
 
 
-def hf_layer_assumptions(*, post_layernorms: bool, attn_cap: bool, final_cap: bool) -> list[str]:
+def hf_layer_assumptions(*, post_layernorms: bool, attn_cap: bool, final_cap: bool, pre_layernorms: bool = True) \
+        -> list[str]:
     """How Megatron-Bridge's gemma2/gemma3 spec (Transformer Engine's layers) is counted: as
     megatron-core's local modules in the same places save (measured: tests/test_memory_hf_layers.py)."""
     parts = [what for what, used in (
         ("an RMSNorm on linear_proj's and on linear_fc2's output (TERowParallelLinearLayerNorm: its input and fp32 "
          "rstd per token; glm4's norms, which Bridge has no dense provider for, counted the same)", post_layernorms),
+        ("no norms before attention and the MLP (olmo2, olmo3: no framework has their layer; counted as this spec "
+         "without its pre-norms)", not pre_layernorms),
         ("tanh soft-capping of the attention scores (Gemma2DotProductAttention: its [b, heads, s, s] output kept by "
          "the local attention, none inside a fused kernel's score_mod)", attn_cap),
         ("tanh soft-capping of the logits (Gemma2OutputLayer: its [tokens, vocab/TP] output)", final_cap),
@@ -148,9 +154,6 @@ def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
         out.append("attention and the MLP run in parallel on the layer's input (counted as megatron-core's "
                    "sequential layer: the MLP's norm reads the residual after attention, with its own saved input"
                    + ("; a pre-MLP norm per layer the model does not have" if _one_norm(text, family) else "") + ")")
-    if family in _POST_NORMS_INSTEAD:
-        out.append("RMSNorms after attention and after the MLP instead of before them (counted as megatron-core's "
-                   "pre-norms)")
     if family not in _BRIDGE_POST_NORMS and (text.get("final_logit_softcapping") or text.get("attn_logit_softcapping")):
         out.append("logit soft-capping (tanh of the scores or logits: its saved output left out)")
     if _qk_norm(text, family):

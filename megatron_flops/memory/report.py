@@ -297,7 +297,8 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                "activation-dtype mask)")
     assumptions += hf_layer_assumptions(post_layernorms=options.post_layernorms and activations,
                                         attn_cap=bool(options.attn_logit_softcapping) and activations,
-                                        final_cap=bool(options.final_logit_softcapping) and activations)
+                                        final_cap=bool(options.final_logit_softcapping) and activations,
+                                        pre_layernorms=options.pre_layernorms or not activations)
     more_assumptions, more_unmeasured = ssm_notes(spec, par, activations=activations)
     assumptions += more_assumptions
     unmeasured += more_unmeasured
