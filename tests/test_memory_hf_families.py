@@ -27,8 +27,6 @@ SEQ = 16
 # transformers' parameters minus the report's, where megatron-core cannot express the layer. Tiny
 # configs: L = 2 layers (falcon: 2), h = 64, head_dim d = 16, 4 heads, 2 key/value groups.
 PARAMETER_DIFFERENCES = {
-    # xIELU's alpha_p and alpha_n per layer: 2 x 2.
-    "apertus": 4,
     # One weight-only LayerNorm per layer (h) and q/k norms per head ((4 + 2) d) against megatron-core's two
     # weight-only LayerNorms (2h) and q/k norms (2d), per layer: 2 x (64 + 96 - 128 - 32) = 0 (still named).
     "cohere": 0,

@@ -195,3 +195,34 @@ def test_layernorms_without_affine_parameters_save_as_megatron_cores(mcore, affi
     forward, peak = _measure(model)
     assert forward == [act.forward + act.shared] * NUM_MB
     assert peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]
+
+
+@pytest.mark.parametrize("recompute", [{}, dict(recompute_granularity="selective", recompute_modules=["mlp"])],
+                         ids=["plain", "selective mlp"])
+def test_xielu_saves_as_counted(mcore, recompute):
+    # apertus: transformers' XIELUActivation (its python path, as on CPU) in each megatron-core MLP.
+    # Per layer, beyond one elementwise activation: alpha_p * x, expm1(min(x, eps)), expm1(...) - x
+    # (fp32) and where's bool condition, [T, ffn] each: 2 x 32 x 128 x 13 = 106496 bytes.
+    from transformers.activations import XIELUActivation
+
+    fields = dict(BASE, add_bias_linear=False, **recompute)
+    torch.manual_seed(0)
+    model = mcore_cpu.build_gpt(fields, vocab_size=VOCAB, max_seq_len=SEQ)
+    for layer in model.decoder.layers:
+        layer.mlp.activation_func = XIELUActivation(dtype=torch.float32)
+    model_file = dict(fields, vocab_size=VOCAB)
+    spec = ModelSpec.from_mapping(model_file)
+    options = DecoderOptions.from_mapping(dict(model_file, padded_vocab_size=VOCAB, attention_backend="local",
+                                               position_embedding_type="rope", xielu=True))
+    assert [(p.name, p.numel) for p in chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0,
+                                                        seq_length=SEQ)] == \
+        [(n, p.numel()) for n, p in model.named_parameters()]
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype="fp32")
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0,
+                            recompute=RecomputeSpec.from_mapping(model_file))
+    plain = chunk_activations(spec, dataclasses.replace(options, xielu=False), Parallelism(), training, pp_rank=0,
+                              chunk=0, recompute=RecomputeSpec.from_mapping(model_file))
+    assert act.forward - plain.forward == (0 if recompute else 2 * 32 * 128 * 13)
+    forward, peak = _measure(model)
+    assert forward == [act.forward + act.shared] * NUM_MB
+    assert peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]

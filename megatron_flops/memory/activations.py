@@ -358,6 +358,10 @@ def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
     else:
         # fc1 output (the activation's input).
         w.act("mlp", T * x.ffn * a * (2 if gated else 1))
+    if options.xielu:
+        # transformers' xIELU (its python path): alpha_p * x, expm1(min(x, eps)), expm1(...) - x and the
+        # bool x > 0 that torch.where keeps, each [T, ffn].
+        w.act("mlp", T * x.ffn * (3 * a + 1))
     w.linear("mlp", "linear_fc2", T * x.ffn * a, T, a)  # fc2's input (the activation's output)
     if options.post_layernorms:  # (Bridge's fc2 post-norm: inside the MLP, so inside its checkpoint)
         _norm(w, "mlp", x, options)

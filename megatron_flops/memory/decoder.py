@@ -69,6 +69,8 @@ class DecoderOptions:
     # Hugging Face olmo's LayerNorms have no weight or bias, cohere's no bias (every norm of the model).
     norm_weight: bool = True
     norm_bias: bool = True
+    # Hugging Face apertus's xIELU activation (transformers' XIELUActivation in each MLP: alpha_p, alpha_n).
+    xielu: bool = False
 
     @property
     def duplicated_mla_down(self) -> bool:
@@ -307,6 +309,9 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     out += _norm(options, prefix + "pre_mlp_layernorm.", h, base) if options.pre_layernorms else []
     if ffn == "mlp":
         out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias, tp=tp)
+        if options.xielu:  # (registered after linear_fc2: transformers' module set on megatron-core's MLP)
+            out += [Param(f"{prefix}mlp.activation_func.{n}", 1, base, tp_replicated=True, rows=1)
+                    for n in ("alpha_p", "alpha_n")]
         return out + _post_norm(options, prefix + "mlp.linear_fc2.", h, base)
     moe = spec.moe
     assert moe is not None

@@ -51,6 +51,7 @@ def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
         **_bridge_post_norm_fields(text, family),
         "norm_weight": family not in _LAYERNORM_NO_AFFINE,
         "norm_bias": family not in _LAYERNORM_NO_BIAS + _LAYERNORM_NO_AFFINE,
+        "xielu": family == "apertus",
     }
 
 
@@ -166,9 +167,6 @@ def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
                        "by the heads)")
     if family == "falcon" and text.get("alibi"):
         out.append("ALiBi attention biases (megatron-core has none: counted without position embeddings)")
-    if family == "apertus":
-        out.append("xIELU activation: 2 trainable scalars per layer (alpha_p, alpha_n) left out, its saved "
-                   "tensors counted as one elementwise activation's")
     return out
 
 
