@@ -18,6 +18,29 @@ from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
 _BEFORE_MLP = ("linear_qkv", "linear_proj")
+# Modules whose activations are modelled beside core_attn and mlp (at TP 1 and EP 1 but layernorm,
+# without LoRA or a frozen base), measured on CPU (tests/test_memory_recompute_modules.py).
+_LATER = ("layernorm", "mla_up_proj", "moe", "shared_experts")
+
+
+def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...], peft: PeftSpec | None) -> str | None:
+    """Why the activations of selective recompute of ``modules`` are not modelled (None: they are)."""
+    if "moe_act" in modules:
+        return ("selective recompute of moe_act is not modelled: megatron-core recomputes it in its grouped-GEMM "
+                "experts only (moe_grouped_gemm: GroupedMLP or TEGroupedMLP, CUDA kernels), not in the "
+                "SequentialMLP experts these figures follow")
+    if "mla_up_proj" in modules and spec.mla is None:
+        return "megatron-core refuses selective recompute of mla_up_proj without multi-latent attention"
+    later = [m for m in modules if m in _LATER]
+    if later and peft is not None and (peft.frozen or peft.lora_rank is not None):
+        return f"selective recompute of {later} is modelled without LoRA or a frozen base"
+    collectives = [m for m in later if m != "layernorm"]
+    if collectives and par.tp * par.ep > 1:
+        return (f"selective recompute of {collectives} is modelled with --tp 1 and --ep 1 (the collectives it "
+                "re-runs are not)")
+    if "layernorm" in modules and any(m in ("mamba", "gdn") or f == "none" for (m, f), _ in spec.layer_runs):
+        return "selective recompute of layernorm is modelled for attention layers (no Mamba, GDN or hybrid layers)"
+    return None
 
 
 def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
