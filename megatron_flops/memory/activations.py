@@ -350,11 +350,11 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
     # Selective ``mla_up_proj`` (CheckpointWithoutOutput around the up projections and RoPE,
-    # whose inputs are kept above): no cos and sin, and q, k, v freed after the core attention;
-    # restored, with cos and sin saved again, once linear_proj's backward has run.
+    # whose inputs are kept above, and the layer's fp32 RoPE frequencies [s, rope]): no cos and
+    # sin, and q, k, v freed after the core attention; restored, with cos and sin saved again,
+    # once linear_proj's backward has run.
     restored = rope + 2 * qk + v if "mla_up_proj" in w.selective and w.grad.started else 0
-    if not restored:
-        w.act("attention", rope + 2 * qk + v)
+    w.act("attention", x.s * mla.qk_pos_emb_head_dim * 4 if restored else rope + 2 * qk + v)
     w.restored += restored
     if options.attention_backend == "flash":
         lse = x.b * heads * x.s * 4  # fp32 log-sum-exp

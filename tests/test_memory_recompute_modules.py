@@ -1,0 +1,84 @@
+"""Selective recompute of megatron-core 0.16.1's other modules (``layernorm``, ``mla_up_proj``,
+``moe``, ``shared_experts``), measured: the saved-for-backward bytes of real megatron-core GPT
+micro-batches (tests/test_memory_activations.py's single-process fixture) against
+:func:`megatron_flops.memory.activations.chunk_activations`.
+
+``layernorm`` and ``mla_up_proj`` run under ``CheckpointWithoutOutput``, which frees the storage
+of an output other ops saved (``resize_(0)``) and restores it in backward: the saved-tensor hooks
+see the storage when it is saved, at its full size, so these are measured with
+:class:`mcore_memory.LiveStorageMeter`, which sizes each saved storage when it reads it (at the
+end of each forward, and at every pack and unpack for the peak). fp32 LayerNorm without dropout:
+torch's CPU kernels save as the CUDA convention (no CPU correction)."""
+
+from __future__ import annotations
+
+import pytest
+
+import mcore_memory
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.memory.activations import (check_activations_supported, chunk_activations, in_flight,
+                                               schedule_peak)
+from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.model.spec import ModelSpec
+from test_memory_activations import BASE, MBS, MLA_LN, MOE, NUM_MB, SEQ, VOCAB, _measure, mcore  # noqa: F401
+
+
+def _selective(*modules: str) -> dict:
+    return dict(recompute_granularity="selective", recompute_modules=list(modules))
+
+
+SHARED = dict(MOE, moe_shared_expert_intermediate_size=80)
+MLA_MOE = dict(MLA_LN, q_lora_rank=24, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+               moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall")
+CASES = {
+    "layernorm": _selective("layernorm"),
+    "layernorm, GQA, SwiGLU": dict(_selective("layernorm"), num_query_groups=2, gated_linear_unit=True,
+                                   activation_func="silu"),
+    "layernorm + core_attn + mlp, GQA": dict(_selective("layernorm", "core_attn", "mlp"), num_query_groups=2),
+    "layernorm, 1 MTP layer": dict(_selective("layernorm"), mtp_num_layers=1),
+    "MoE: moe": dict(SHARED, **_selective("moe")),
+    "MoE: shared_experts": dict(SHARED, **_selective("shared_experts")),
+    "MoE: moe + shared_experts (gated), allgather": dict(SHARED, **_selective("moe", "shared_experts"),
+                                                         moe_shared_expert_gate=True,
+                                                         moe_token_dispatcher_type="allgather"),
+    "MoE: layernorm + shared_experts, every other layer": dict(SHARED, **_selective("layernorm", "shared_experts"),
+                                                               moe_layer_freq=[0, 1]),
+    "MoE: layernorm + moe + core_attn": dict(SHARED, **_selective("layernorm", "moe", "core_attn")),
+    "MLA: mla_up_proj, q_lora": dict(MLA_LN, q_lora_rank=24, **_selective("mla_up_proj")),
+    "MLA: mla_up_proj, direct q, qk_layernorm": dict(MLA_LN, q_lora_rank=None, qk_layernorm=True,
+                                                     **_selective("mla_up_proj")),
+    "MLA: mla_up_proj + core_attn, q_lora, qk_layernorm": dict(MLA_LN, q_lora_rank=24, qk_layernorm=True,
+                                                               **_selective("mla_up_proj", "core_attn")),
+    # Where the most held is in backward (the restored q, k, v; the wide shared experts re-run).
+    "MLA: mla_up_proj, 16 heads": dict(MLA_LN, q_lora_rank=24, num_attention_heads=16, **_selective("mla_up_proj")),
+    "MoE: shared_experts, wide shared experts": dict(SHARED, moe_shared_expert_intermediate_size=1024,
+                                                     **_selective("shared_experts")),
+    "MLA + MoE, 1 MTP layer: every module": dict(
+        MLA_MOE, mtp_num_layers=1, **_selective("layernorm", "mla_up_proj", "core_attn", "moe", "shared_experts")),
+}
+
+
+def _model(fields: dict, dtype: str = "fp32"):
+    model = dict(BASE, **fields, vocab_size=VOCAB)
+    spec = ModelSpec.from_mapping(model)
+    options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
+                                               position_embedding_type="rope", add_bias_linear=False))
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype=dtype)
+    return spec, options, training, RecomputeSpec.from_mapping(model)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_selective_recompute_saved_bytes_match_megatron_core(mcore, name):  # noqa: F811
+    fields = CASES[name]
+    measured_forward, measured_peak = _measure(fields, "rope", "fp32", meter_cls=mcore_memory.LiveStorageMeter)
+    spec, options, training, recompute = _model(fields)
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0, recompute=recompute)
+    assert measured_forward == [act.forward + act.shared] * NUM_MB
+    assert measured_peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]
+    assert (measured_peak > measured_forward[0]) == (name in BACKWARD_PEAKS)
+
+
+# Cases whose peak is in a backward pass (a recompute region's), not at the end of a forward.
+BACKWARD_PEAKS = ("MoE: moe", "MoE: moe + shared_experts (gated), allgather", "MoE: layernorm + moe + core_attn",
+                  "MLA: mla_up_proj, 16 heads", "MoE: shared_experts, wide shared experts")
