@@ -12,6 +12,8 @@ torch's CPU kernels save as the CUDA convention (no CPU correction)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import mcore_memory
@@ -63,7 +65,8 @@ def _model(fields: dict, dtype: str = "fp32"):
     model = dict(BASE, **fields, vocab_size=VOCAB)
     spec = ModelSpec.from_mapping(model)
     options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
-                                               position_embedding_type="rope", add_bias_linear=False))
+                                               position_embedding_type="rope", add_bias_linear=False,
+                                               transformer_impl="local"))
     training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype=dtype)
     return spec, options, training, RecomputeSpec.from_mapping(model)
 
@@ -82,3 +85,22 @@ def test_selective_recompute_saved_bytes_match_megatron_core(mcore, name):  # no
 # Cases whose peak is in a backward pass (a recompute region's), not at the end of a forward.
 BACKWARD_PEAKS = ("MoE: moe", "MoE: moe + shared_experts (gated), allgather", "MoE: layernorm + moe + core_attn",
                   "MLA: mla_up_proj, 16 heads", "MoE: shared_experts, wide shared experts")
+
+
+def test_transformer_engine_spec_recomputes_only_its_separate_norms():
+    # Transformer Engine's spec fuses the input norm into linear_qkv and a dense layer's pre-MLP
+    # norm into linear_fc1 (IdentityOp: nothing to recompute); MLA's input norm and a MoE layer's
+    # pre-MLP norm are modules of their own. T = 32 tokens, h = 64, fp32: each recomputed norm
+    # frees its [T, h] output and its fp32 mean and rstd, 32 * 64 * 4 + 32 * 2 * 4 = 8448 bytes.
+    def forward(fields: dict, impl: str) -> int:
+        spec, options, training, recompute = _model(fields)
+        options = dataclasses.replace(options, transformer_impl=impl)
+        act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0, recompute=recompute)
+        return act.forward
+
+    per_norm = SEQ * MBS * 64 * 4 + SEQ * MBS * 2 * 4
+    for fields, separate in ((BASE, 0), (dict(SHARED, moe_layer_freq=[0, 1]), 1), (dict(MLA_LN, q_lora_rank=24), 2)):
+        plain = forward(fields, "transformer_engine")
+        with_norms = dict(fields, **_selective("layernorm"))
+        assert plain - forward(with_norms, "transformer_engine") == separate * per_norm
+        assert plain - forward(with_norms, "local") == 2 * BASE["num_layers"] * per_norm  # (every norm)

@@ -409,7 +409,8 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     """One layer: its mixer (none: a hybrid MLP layer) and its MLP or MoE (``ffn=False``: a
     hybrid mixer layer), each after its norm and before its dropout."""
     if mixer != "none":
-        with _recomputed_norm(w, x, options, "attention"):
+        with _recomputed_norm(w, x, options, "attention", fused=options.transformer_impl == "transformer_engine"
+                              and spec.mla is None):
             if mixer in ("mamba", "gdn"):
                 _ssm_mixer(w, x, spec, mixer)
             elif spec.mla is not None:
@@ -422,7 +423,7 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     selective = w.selective
     reader = ("recompute" if "moe" in selective else "moe/router") if moe else \
         ("recompute" if "mlp" in selective else "mlp")
-    with _recomputed_norm(w, x, options, reader):
+    with _recomputed_norm(w, x, options, reader, fused=options.transformer_impl == "transformer_engine" and not moe):
         if moe:
             _moe(w, x, spec, options)
         elif "mlp" in selective:
@@ -433,14 +434,16 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
 
 
 @contextlib.contextmanager
-def _recomputed_norm(w: _Walk, x: _Dims, options: DecoderOptions, reader: str) -> Iterator[None]:
+def _recomputed_norm(w: _Walk, x: _Dims, options: DecoderOptions, reader: str, *, fused: bool) -> Iterator[None]:
     """A layer's input or pre-MLP norm, then (the body) what reads its output. Selective
     ``layernorm`` (megatron-core's ``CheckpointWithoutOutput``): the norm runs under no_grad
     (its checkpoint keeps its input), and the output the reader keeps (under key ``reader``) is
     freed after the reader's forward; in backward, once the reader's output gradient is
     computed, the output is restored and the norm re-run, which saves its statistics again:
-    both are held from then on, through the reader's own recompute regions."""
-    recomputed = "layernorm" in w.selective and w.grad.started
+    both are held from then on, through the reader's own recompute regions. NB: a norm that
+    Transformer Engine's spec fuses into the next linear layer (``fused``: the input norm but
+    for MLA, the pre-MLP norm but for MoE layers) is an ``IdentityOp`` there, never recomputed."""
+    recomputed = "layernorm" in w.selective and w.grad.started and not fused
     _norm(w, "norm", x, options, recomputed=recomputed)
     if not recomputed:
         yield

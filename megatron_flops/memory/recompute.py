@@ -34,7 +34,9 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
     later = [m for m in modules if m in _LATER]
     if later and peft is not None and (peft.frozen or peft.lora_rank is not None):
         return f"selective recompute of {later} is modelled without LoRA or a frozen base"
-    collectives = [m for m in later if m != "layernorm"]
+    applies = {"mla_up_proj": spec.mla is not None, "moe": spec.moe is not None,
+               "shared_experts": spec.moe is not None and bool(spec.moe.shared_expert_ffn_hidden_size)}
+    collectives = [m for m in later if applies.get(m)]
     if collectives and par.tp * par.ep > 1:
         return (f"selective recompute of {collectives} is modelled with --tp 1 and --ep 1 (the collectives it "
                 "re-runs are not)")
