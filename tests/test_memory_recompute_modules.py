@@ -104,3 +104,56 @@ def test_transformer_engine_spec_recomputes_only_its_separate_norms():
         with_norms = dict(fields, **_selective("layernorm"))
         assert plain - forward(with_norms, "transformer_engine") == separate * per_norm
         assert plain - forward(with_norms, "local") == 2 * BASE["num_layers"] * per_norm  # (every norm)
+
+
+# ---- FLOPs: `estimate` prices what each module's recompute re-runs ------------------------------
+
+# 4 layers (layer 0 dense, 1-3 MoE: top-2 of 4 experts, ffn 48, shared experts 32), MLA (q_lora 24,
+# kv_lora 16, 4 heads of qk 16 + rope 8 and v 16), h = 64, one sequence of T = 16 tokens.
+FLOPS_MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=100,
+                   num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                   moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1, 1, 1], multi_latent_attention=True,
+                   q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+T = 16
+# The MLA up projections per layer: q_up [T, 24] @ [24, 4 * 24], kv_up [T, 16] @ [16, 4 * (16 + 16)].
+UP_PROJ = 4 * (2 * T * 24 * 96 + 2 * T * 16 * 128)
+
+
+def _estimate(path, *flags: str) -> dict:
+    import contextlib
+    import io
+    import json
+
+    from megatron_flops.cli import build_parser
+
+    args = build_parser().parse_args(["estimate", "--model", str(path), "--seq-length", str(T),
+                                      "--convention", "train_passes", "--json", *flags])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert args.func(args) == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.parametrize("modules, delta", [
+    # One forward of the module's GEMMs (train_passes: a component is 3 x its forward FLOPs).
+    ("layernorm", {}), ("core_attn", {"attn/core": "/3"}), ("mlp", {"mlp": "/3"}),
+    ("mla_up_proj", {"attn/qkv": UP_PROJ}),
+    ("moe", {"moe/router": "/3", "moe/routed": "/3", "moe/shared": "/3"}),
+    ("shared_experts", {"moe/shared": "/3"}),
+    ("moe,shared_experts", {"moe/router": "/3", "moe/routed": "/3", "moe/shared": "2/3"}),  # (the inner re-run too)
+])
+def test_estimate_adds_one_forward_of_each_recomputed_module(tmp_path, modules, delta):
+    import json
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(FLOPS_MODEL))
+    plain = _estimate(path)
+    report = _estimate(path, "--recompute", "selective", "--recompute-modules", modules)
+    model = plain["components"]
+    expected = {key: {"/3": model[key] // 3, "2/3": 2 * model[key] // 3}.get(value, value)  # type: ignore[arg-type]
+                for key, value in delta.items()}
+    got = {key: value - plain["executed_components"][key] for key, value in report["executed_components"].items()
+           if value != plain["executed_components"][key]}
+    assert got == expected
+    assert report["recompute_flops"] == sum(expected.values())
+    assert report["components"] == model  # (model FLOPs do not count recompute)
