@@ -26,22 +26,24 @@ _LATER = ("layernorm", "mla_up_proj", "moe", "shared_experts")
 def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...], peft: PeftSpec | None) -> str | None:
     """Why the activations of selective recompute of ``modules`` are not modelled (None: they are)."""
     if "moe_act" in modules:
-        return ("selective recompute of moe_act is not modelled: megatron-core recomputes it in its grouped-GEMM "
-                "experts only (moe_grouped_gemm: GroupedMLP or TEGroupedMLP, CUDA kernels), not in the "
+        return ("activations under selective recompute of moe_act are not modelled: megatron-core recomputes it "
+                "in its grouped-GEMM experts only (moe_grouped_gemm: GroupedMLP or TEGroupedMLP, CUDA kernels), not in the "
                 "SequentialMLP experts these figures follow")
     if "mla_up_proj" in modules and spec.mla is None:
-        return "megatron-core refuses selective recompute of mla_up_proj without multi-latent attention"
+        return ("activations under selective recompute of mla_up_proj: megatron-core refuses it without "
+                "multi-latent attention")
     later = [m for m in modules if m in _LATER]
     if later and peft is not None and (peft.frozen or peft.lora_rank is not None):
-        return f"selective recompute of {later} is modelled without LoRA or a frozen base"
+        return f"activations under selective recompute of {later} are modelled without LoRA or a frozen base"
     applies = {"mla_up_proj": spec.mla is not None, "moe": spec.moe is not None,
                "shared_experts": spec.moe is not None and bool(spec.moe.shared_expert_ffn_hidden_size)}
     collectives = [m for m in later if applies.get(m)]
     if collectives and par.tp * par.ep > 1:
-        return (f"selective recompute of {collectives} is modelled with --tp 1 and --ep 1 (the collectives it "
-                "re-runs are not)")
+        return (f"activations under selective recompute of {collectives} are modelled with --tp 1 and --ep 1 "
+                "(the collectives it re-runs are not)")
     if "layernorm" in modules and any(m in ("mamba", "gdn") or f == "none" for (m, f), _ in spec.layer_runs):
-        return "selective recompute of layernorm is modelled for attention layers (no Mamba, GDN or hybrid layers)"
+        return ("activations under selective recompute of layernorm are modelled for attention layers (no Mamba, "
+                "GDN or hybrid layers)")
     return None
 
 
