@@ -146,12 +146,6 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     ("examples/qwen2_5_vl_7b_config.json | DP2 FSDP | *", r"refused: .*a VLM's vision tower under FSDP2 is not"),
     # LoRA/frozen decoders: under TP with MoE/MLA/MTP layers.
     ("* | TP2 SP | *LoRA*", r"refused: .*LoRA adapters under tensor parallelism are modelled for dense decoders"),
-    # Selective recompute of moe, shared_experts (and mla_up_proj, which the survey leaves out: megatron-core
-    # refuses it without MLA) re-runs their TP/EP collectives in backward, which are not modelled (their
-    # activations are measured at TP 1, EP 1: tests/test_memory_recompute_modules.py).
-    ("* | TP2 SP | selective recompute of every module", r"not modelled: activations under selective recompute of "
-                                                          r"\['moe'(, 'shared_experts')?\] are modelled with --tp 1 and "
-                                                          r"--ep 1"),
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),

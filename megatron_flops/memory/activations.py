@@ -48,7 +48,14 @@ Recompute: a checkpointed region keeps its inputs (megatron-core's ``CheckpointF
 re-saves its activations while its backward runs. Full recompute checkpoints groups of layers
 (hidden states, mask and the cached RoPE frequencies, fp32 [s, rot], shared by the micro-batches
 of a model chunk); selective ``core_attn`` checkpoints the core attention (q, k, the qkv output
-behind v, the mask), selective ``mlp`` each dense layer's MLP (its input).
+behind v, the mask), selective ``mlp`` each dense layer's MLP (its input), ``moe`` each MoE layer
+(its input), ``shared_experts`` the shared experts (their input is the router's). ``layernorm``
+and ``mla_up_proj`` run under ``CheckpointWithoutOutput``: the norm (MLA's up projections and
+RoPE) runs under no_grad, its checkpoint keeps its inputs, and the output the next layers save
+(the norm's output; MLA's q, k, v) is freed after their forward and restored in backward, with
+what the re-run saves (the norm's statistics; RoPE's cos and sin), once their output gradient
+is computed. Measured on CPU (tests/test_memory_recompute_modules.py, with a meter that sees
+the freed storages); ``moe_act`` (grouped-GEMM experts only) is not modelled.
 """
 
 from __future__ import annotations
