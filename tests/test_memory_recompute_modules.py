@@ -13,6 +13,7 @@ torch's CPU kernels save as the CUDA convention (no CPU correction)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -157,3 +158,35 @@ def test_estimate_adds_one_forward_of_each_recomputed_module(tmp_path, modules, 
     assert got == expected
     assert report["recompute_flops"] == sum(expected.values())
     assert report["components"] == model  # (model FLOPs do not count recompute)
+
+
+@pytest.mark.parametrize("fields, par, peft, reason", [
+    (dict(SHARED, **_selective("moe_act")), Parallelism(), None, "megatron-core recomputes it in its grouped-GEMM"),
+    (_selective("mla_up_proj"), Parallelism(), None, "megatron-core refuses it without multi-latent attention"),
+    (dict(MLA_LN, q_lora_rank=24, **_selective("mla_up_proj")), Parallelism(tp=2, sequence_parallel=True), None,
+     "mla_up_proj are modelled with --tp 1"),
+    (dict(SHARED, **_selective("layernorm", "moe")), Parallelism(), PeftSpec(frozen=True, lora_rank=4),
+     r"\['layernorm', 'moe'\] are modelled without LoRA or a frozen base"),
+])
+def test_what_is_not_modelled_says_why(fields, par, peft, reason):
+    spec, options, _, recompute = _model(fields)
+    assert recompute is not None
+    got = check_activations_supported(spec, options, par, recompute, peft)
+    assert got is not None and got.startswith("activations under selective recompute of")
+    assert re.search(reason, got)
+
+
+def test_moe_and_shared_experts_rerun_their_collectives_under_tp():
+    # TP2 + SP, 3 MoE layers with shared experts, M = 2 micro-batches of [s, b, h] = [16, 2, 64] in
+    # bf16 (hidden = 16 * 2 * 64 * 2 = 4096 bytes): each re-run of the shared experts all-gathers
+    # fc1's input and reduce-scatters fc2's output, one hidden each. moe: 3 re-runs per
+    # micro-batch; shared_experts: 3; both: 6 (the inner checkpoint re-runs after the outer one).
+    from megatron_flops.memory.recompute import selective_rerun_communication
+
+    spec = ModelSpec.from_mapping(dict(FLOPS_MODEL, multi_latent_attention=False))
+    par = Parallelism(tp=2, sequence_parallel=True)
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=2)
+    for modules, runs in ((("moe",), 3), (("shared_experts",), 3), (("moe", "shared_experts"), 6), (("core_attn",), 0)):
+        got = selective_rerun_communication(spec, par, training, pp_rank=0,
+                                            recompute=RecomputeSpec(granularity="selective", modules=modules), peft=None)
+        assert got == ({"tp/all_gather": 2 * runs * 4096, "tp/reduce_scatter": 2 * runs * 4096} if runs else {})

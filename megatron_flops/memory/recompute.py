@@ -25,8 +25,8 @@ from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
 _BEFORE_MLP = ("linear_qkv", "linear_proj")
-# Modules whose activations are modelled beside core_attn and mlp (at TP 1 and EP 1 but layernorm,
-# without LoRA or a frozen base), measured on CPU (tests/test_memory_recompute_modules.py).
+# Modules whose activations are modelled beside core_attn and mlp (without LoRA or a frozen base;
+# mla_up_proj at TP 1), measured on CPU (tests/test_memory_recompute_modules.py, tests/test_memory_dist.py).
 _LATER = ("layernorm", "mla_up_proj", "moe", "shared_experts")
 
 
@@ -34,17 +34,15 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
     """Why the activations of selective recompute of ``modules`` are not modelled (None: they are)."""
     if "moe_act" in modules:
         return ("activations under selective recompute of moe_act are not modelled: megatron-core recomputes it "
-                "in its grouped-GEMM experts only (moe_grouped_gemm: GroupedMLP or TEGroupedMLP, CUDA kernels), not in the "
-                "SequentialMLP experts these figures follow")
+                "in its grouped-GEMM experts only (moe_grouped_gemm: GroupedMLP or TEGroupedMLP, CUDA kernels), "
+                "not in the SequentialMLP experts these figures follow")
     if "mla_up_proj" in modules and spec.mla is None:
         return ("activations under selective recompute of mla_up_proj: megatron-core refuses it without "
                 "multi-latent attention")
     later = [m for m in modules if m in _LATER]
     if later and peft is not None and (peft.frozen or peft.lora_rank is not None):
         return f"activations under selective recompute of {later} are modelled without LoRA or a frozen base"
-    applies = {"mla_up_proj": spec.mla is not None, "moe": spec.moe is not None,
-               "shared_experts": spec.moe is not None and bool(spec.moe.shared_expert_ffn_hidden_size)}
-    if applies["mla_up_proj"] and "mla_up_proj" in modules and par.tp > 1:
+    if "mla_up_proj" in modules and par.tp > 1:
         return ("activations under selective recompute of mla_up_proj are modelled with --tp 1 (the collectives "
                 "it re-runs are not)")
     if "layernorm" in modules and any(m in ("mamba", "gdn") or f == "none" for (m, f), _ in spec.layer_runs):
