@@ -190,3 +190,16 @@ def test_moe_and_shared_experts_rerun_their_collectives_under_tp():
         got = selective_rerun_communication(spec, par, training, pp_rank=0,
                                             recompute=RecomputeSpec(granularity="selective", modules=modules), peft=None)
         assert got == ({"tp/all_gather": 2 * runs * 4096, "tp/reduce_scatter": 2 * runs * 4096} if runs else {})
+
+
+def test_transformer_engine_mla_up_proj_recomputes_the_fused_latent_norms():
+    # Transformer Engine's MLA spec fuses the q and kv latent norms into the up projections:
+    # selective mla_up_proj re-runs them, so forward keeps neither their fp32 mean and rstd nor
+    # their outputs. Per layer (T = 32, fp32): q norm 32 * 2 * 4 + 32 * 24 * 4 = 3328, kv norm
+    # 32 * 2 * 4 + 32 * 32 * 4 = 4352; 2 layers: 15360 bytes fewer than the local spec keeps.
+    fields = dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, **_selective("mla_up_proj"))
+    spec, options, training, recompute = _model(fields)
+    kept = {impl: chunk_activations(spec, dataclasses.replace(options, transformer_impl=impl), Parallelism(),
+                                    training, pp_rank=0, chunk=0, recompute=recompute)
+            for impl in ("local", "transformer_engine")}
+    assert kept["local"].forward - kept["transformer_engine"].forward == 2 * (3328 + 4352)

@@ -332,16 +332,21 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     inputs); nothing before the hidden states require grad."""
     mla = spec.mla
     assert mla is not None
-    T, a, heads, base = x.tokens, x.act, x.heads, w.grad.base
+    T, a, base = x.tokens, x.act, w.grad.base
     norm, loc = options.qk_layernorm, x.local_tokens
     stats = loc * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
+    # NB: Transformer Engine's spec fuses the latent norms into the up projections, so selective
+    # ``mla_up_proj`` re-runs them too: their statistics and outputs are saved in backward only.
+    fused = "mla_up_proj" in w.selective and norm and options.transformer_impl == "transformer_engine"
+    moved = 0
     if base:
         w.keep("attention", loc * x.h * a)  # (this rank's slice under sequence parallelism)
     if mla.q_lora_rank is not None and (base or norm):
         # The all-gathered q latent [T, q_lora] (q_up's input, or the q norm's; under sequence
         # parallelism their [T/TP] slice is a view of it), the norm's statistics and output.
-        w.act("attention", T * mla.q_lora_rank * a + ((stats + (loc * mla.q_lora_rank * a if base else 0))
-                                                      if norm else 0))
+        q_norm = (stats + (loc * mla.q_lora_rank * a if base else 0)) if norm else 0
+        moved += q_norm if fused else 0
+        w.act("attention", T * mla.q_lora_rank * a + (0 if fused else q_norm))
     # kv_up's input (or the kv norm's): a view of the all-gathered kv_down output [T, kv_lora +
     # rope], which it keeps whole; under sequence parallelism a [T/TP, kv_lora] copy of its slice
     # (RoPE's product with cos/sin keeps only those), then the kv norm.
@@ -349,18 +354,30 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
         w.act("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a if x.sp == 1
               else loc * mla.kv_lora_rank * a)
     if norm:
-        w.act("attention", stats + (loc * mla.kv_lora_rank * a if base else 0))
+        kv_norm = stats + (loc * mla.kv_lora_rank * a if base else 0)
+        moved += kv_norm if fused else 0
+        w.act("attention", 0 if fused else kv_norm)
+    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved)
+
+
+def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: bool,
+              moved: int) -> None:
+    """MLA after its latents: RoPE, q, k, v, the core attention and linear_proj's input.
+    Selective ``mla_up_proj`` (CheckpointWithoutOutput around the up projections and RoPE,
+    whose inputs the latents keep, and the layer's fp32 RoPE frequencies [s, rope]): no cos and
+    sin, and q, k, v freed after the core attention; restored, with cos and sin (and ``moved``:
+    what the re-run saves of the latent norms fused into it) saved again, once linear_proj's
+    backward has run."""
+    mla = spec.mla
+    assert mla is not None
+    T, a, heads = x.tokens, x.act, x.heads
     rope = 4 * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
     v = T * heads * mla.v_head_dim * a
     if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`)
         w.act("attention", rope + dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a) + v)
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
-    # Selective ``mla_up_proj`` (CheckpointWithoutOutput around the up projections and RoPE,
-    # whose inputs are kept above, and the layer's fp32 RoPE frequencies [s, rope]): no cos and
-    # sin, and q, k, v freed after the core attention; restored, with cos and sin saved again,
-    # once linear_proj's backward has run.
-    restored = rope + 2 * qk + v if "mla_up_proj" in w.selective and w.grad.started else 0
+    restored = rope + 2 * qk + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
     w.act("attention", x.s * mla.qk_pos_emb_head_dim * 4 if restored else rope + 2 * qk + v)
     w.restored += restored
     if options.attention_backend == "flash":

@@ -19,6 +19,7 @@ and TP2 x EP2 + SP (tests/test_memory_dist.py). ``mla_up_proj`` is modelled at T
 
 from __future__ import annotations
 
+from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import adapter_forward_payload
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -49,6 +50,21 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
         return ("activations under selective recompute of layernorm are modelled for attention layers (no Mamba, "
                 "GDN or hybrid layers)")
     return None
+
+
+def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | None) -> list[str]:
+    """The selective recompute figures that are formulas (Transformer Engine's spec: no CPU step)."""
+    if recompute is None or recompute.granularity != "selective" or options.transformer_impl != "transformer_engine":
+        return []
+    out = []
+    if "layernorm" in recompute.modules:
+        out.append("selective layernorm recompute as Transformer Engine's spec builds the layers (the input norm fused "
+                   "into linear_qkv and a dense layer's pre-MLP norm into linear_fc1, not recomputed; MLA's input norm "
+                   "and MoE layers' pre-MLP norm recomputed); --transformer-impl local is measured")
+    if "mla_up_proj" in recompute.modules and options.qk_layernorm:
+        out.append("selective mla_up_proj recompute as Transformer Engine's spec builds MLA (the latent norms fused "
+                   "into the up projections, re-run with them); --transformer-impl local is measured")
+    return out
 
 
 def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
