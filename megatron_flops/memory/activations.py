@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.lora import lora_activation_reason
-from megatron_flops.memory.ssm import dsa_saved, gdn_saved, mamba_saved, ssm_activation_reason
+from megatron_flops.memory.ssm import dsa_saved, gdn_saved, kda_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
@@ -195,7 +195,7 @@ class _Walk:
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
-    reason = lora_activation_reason(spec, peft) or ssm_activation_reason(spec, recompute, par.tp)
+    reason = lora_activation_reason(spec, peft) or ssm_activation_reason(spec, recompute)
     if reason is not None:
         return reason
     if spec.moe is not None:
@@ -374,7 +374,7 @@ def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, c
     rope = 4 * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
     v = T * heads * mla.v_head_dim * a
     if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`)
-        w.act("attention", rope + dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a) + v)
+        w.act("attention", rope + dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) + v)
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
     restored = rope + 2 * qk + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
@@ -435,7 +435,7 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     if mixer != "none":
         with _recomputed_norm(w, x, options, "attention", fused=options.transformer_impl == "transformer_engine"
                               and spec.mla is None):
-            if mixer in ("mamba", "gdn"):
+            if mixer in ("mamba", "gdn", "kda"):
                 _ssm_mixer(w, x, spec, mixer)
             elif spec.mla is not None:
                 _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer == "dsa")
@@ -481,10 +481,13 @@ def _recomputed_norm(w: _Walk, x: _Dims, options: DecoderOptions, reader: str, *
 
 
 def _ssm_mixer(w: _Walk, x: _Dims, spec: ModelSpec, mixer: str) -> None:
-    """A Mamba or Gated DeltaNet mixer (formulas, :mod:`.ssm`): ``in_proj``'s input (this rank's
-    slice under sequence parallelism), then what the kernels keep."""
+    """A Mamba, Gated DeltaNet or Kimi Delta Attention mixer (:mod:`.ssm`): ``in_proj``'s input
+    (KDA: the one input of its projections; this rank's slice under sequence parallelism), then
+    what the kernels keep."""
     w.act(mixer, x.local_tokens * x.h * x.act)
-    if mixer == "mamba":
+    if mixer == "kda":
+        w.act(mixer, kda_saved(spec, s=x.s, b=x.b, act=x.act))
+    elif mixer == "mamba":
         w.act(mixer, mamba_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act))
     else:  # NB: parameters in the activation dtype (Float16Module), so exp(A_log) too
         w.act(mixer, gdn_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act, param=x.act))

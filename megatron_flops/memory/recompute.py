@@ -46,8 +46,8 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
     if "mla_up_proj" in modules and par.tp > 1:
         return ("activations under selective recompute of mla_up_proj are modelled with --tp 1 (the collectives "
                 "it re-runs are not)")
-    if "layernorm" in modules and any(m in ("mamba", "gdn") or f == "none" for (m, f), _ in spec.layer_runs):
-        return ("activations under selective recompute of layernorm are modelled for attention layers (no Mamba, "
+    if "layernorm" in modules and any(m in ("mamba", "gdn", "kda") or f == "none" for (m, f), _ in spec.layer_runs):
+        return ("activations under selective recompute of layernorm are modelled for attention layers (no Mamba, KDA, "
                 "GDN or hybrid layers)")
     return None
 
