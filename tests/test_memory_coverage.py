@@ -79,6 +79,8 @@ SETUPS = {
     "": [],
     "full recompute": ["--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
     "selective recompute": ["--recompute", "selective"],
+    "selective recompute of every module": ["--recompute", "selective", "--recompute-modules",
+                                            "core_attn,layernorm,moe,shared_experts"],
     "LoRA": ["--lora-rank", "4"],
     "LoRA proj, fc1, fc2": ["--lora-rank", "4", "--lora-targets", "linear_proj,linear_fc1,linear_fc2"],
     "frozen LoRA": ["--frozen", "--lora-rank", "4"],

@@ -32,7 +32,7 @@ from megatron_flops.memory.moe import (
     moe_unmeasured,
     rerun_moe_layers,
 )
-from megatron_flops.memory.recompute import selective_rerun_communication
+from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
 from megatron_flops.memory.ssm import is_hybrid, ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
@@ -255,6 +255,8 @@ def decoder_memory(
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
+    if reason is None:
+        unmeasured += tuple(selective_unmeasured(options, recompute))
     if fsdp is not None:
         comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
         stages = [replace(stages[0], states=fsdp[0], communication={**fsdp[1], **comm})]
