@@ -20,6 +20,7 @@ none is measured (the report lists them under ``unmeasured``).
 from __future__ import annotations
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.memory.hybrid_pipeline import hybrid_pipeline_notes, is_hybrid
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism
 from megatron_flops.model.spec import ModelSpec
 
@@ -200,8 +201,6 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
                                                             or any(f == "none" for _, f in kinds)):
         return "LoRA adapters are modelled on attention + MLP layers (not Mamba, GDN, KDA, DSA or hybrid layers)"
-    if par.vpp is not None and is_hybrid(spec):
-        return "virtual pipeline stages of a hybrid pattern follow its '|' separators, which this report does not read"
     if par.cp > 1 and not mixers <= {"attention", "window", "none"}:
         return _cp_reason(mixers)
     if "kda" in mixers and par.tp > 1:
@@ -250,11 +249,6 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None, tp: 
     return None
 
 
-def is_hybrid(spec: ModelSpec) -> bool:
-    """Built by megatron-core's hybrid stack: Mamba layers, or layers with one sub-block."""
-    return any(m in ("mamba", "none") or f == "none" for (m, f), _ in spec.layer_runs)
-
-
 def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[list[str], list[str]]:
     """(assumptions, unmeasured) for these layers: every activation formula here is unmeasured."""
     mixers = {mixer for (mixer, _), _ in spec.layer_runs}
@@ -265,9 +259,7 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
     if is_hybrid(spec) and spec.mla is not None:
         assumptions.append("hybrid multi-latent attention layers without latent norms (megatron-core's hybrid specs "
                            "build q_layernorm and kv_layernorm as IdentityOp, whatever qk_layernorm says)")
-    if is_hybrid(spec) and par.pp > 1:
-        assumptions.append(f"the hybrid pattern's layers split evenly over the {par.pp} pipeline stages, as "
-                           "megatron-core splits a pattern without '|' separators ('|' boundaries are not read here)")
+    assumptions += hybrid_pipeline_notes(spec, par)
     if activations and "mamba" in mixers:
         unmeasured.append("activations of Mamba layers: a formula from what mamba_ssm's fused conv1d + chunked scan "
                           "and gated RMSNorm save for backward (CUDA/Triton kernels: they do not run on CPU)")
