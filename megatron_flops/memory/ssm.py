@@ -267,13 +267,16 @@ def _mamba_cp_reason(spec: ModelSpec, par: Parallelism) -> str | None:
 
 
 def _cp_reason(mixers: set[str]) -> str:
-    """Why ``--cp`` > 1 is refused for these mixers: megatron-core 0.16.1's own refusals first."""
+    """Why ``--cp`` > 1 is refused for these mixers: megatron-core 0.16.1's own refusals (the release
+    whose layers this report lists); 0.19.0 supports both, with layers rewritten (not modelled)."""
     if "gdn" in mixers:
         return ("megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet layers ('Gated delta net does "
-                "not support context parallel for now'; 0.19 adds a head-parallel all-to-all, not modelled here)")
+                "not support context parallel for now'); 0.19.0 runs it (all-to-alls from sequence to head shards) "
+                "in a rewritten layer whose saved tensors this report does not model")
     if mixers & {"dsa", "dsa_shared"}:
         return ("megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention ('Currently context "
-                "parallelism is not supported by DSAttention!'; 0.19 allows cp_comm_type allgather, not modelled here)")
+                "parallelism is not supported by DSAttention!'); 0.19.0 runs it with cp_comm_type allgather only, in a "
+                "rewritten DSAttention whose saved tensors this report does not model")
     return "Kimi Delta Attention is transformers' KimiLinearDeltaAttention, which has no context parallelism"
 
 
