@@ -1,12 +1,23 @@
 """Context parallelism of Mamba layers (megatron-core's ``MambaContextParallel``): the scan's saved
-bytes and the ``cp/all_to_all`` payload, formulas labelled unmeasured (the scan is a CUDA/Triton
-kernel: no Mamba layer runs on CPU), consistent with the report without CP."""
+bytes and the ``cp/all_to_all`` payload, labelled unmeasured in the report (the scan is a
+CUDA/Triton kernel: no Mamba layer runs on CPU), consistent with the report without CP.
+
+What megatron-core's own code does around the kernels does run on CPU: a real ``MambaMixer``
+(megatron-core 0.16.1) in 2 gloo processes under CP 2, the scan and the gated norm replaced by
+stand-ins that save what mamba_ssm's kernels save (their inputs as handed over, and ``out_x`` and
+``rstd`` of the kernels' sizes). Measured there: the ``cp/all_to_all`` payloads forward and backward,
+and every storage saved for backward (the sequence-to-head ``zxBCdt``, the sliced conv weight and
+bias, ``A``, the ``dt_bias`` copy, the norm's and the projections' inputs)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
+
+import mcore_cpu
+import mcore_dist
 
 from megatron_flops.cli import main
 from megatron_flops.memory.decoder import DecoderOptions
@@ -76,7 +87,7 @@ def test_cp2_prices_mamba_all_to_all_and_the_attention_ring():
     act = report.per_gpu.activations_per_microbatch[0]["mamba"]
     # Two Mamba layers: in_proj's input [16, 64] bf16 and the formula above.
     assert act == 2 * (16 * 64 * 2 + mamba_saved(spec, tokens=16, tp=1, act=2, cp=2))
-    assert any("context parallelism of Mamba layers (CP 2)" in u for u in report.unmeasured)
+    assert any("context parallelism of Mamba layers (CP 2)" in u and "out_x" in u for u in report.unmeasured)
     assert not report.not_modelled
 
 
@@ -92,3 +103,105 @@ def test_megatron_core_cp_limits(tmp_path, capsys, flags, message):
         assert rc == 0 and "cp/all_to_all" in capsys.readouterr().out
     else:
         assert rc == 2 and message in capsys.readouterr().err
+
+
+class _Scan(torch.autograd.Function):
+    """mamba_ssm's ``mamba_split_conv1d_scan_combined`` stand-in: saves what the kernel saves
+    (``zxbcdt``, the conv weight and bias, ``out_x`` [b, l, inner], ``A``, ``D``, ``dt_bias``) and
+    returns [b, l, inner] (the z part: no scan)."""
+
+    @staticmethod
+    def forward(ctx, zxbcdt, weight, bias, dt_bias, A, D, inner):
+        out_x = torch.empty(*zxbcdt.shape[:2], inner, dtype=zxbcdt.dtype)
+        ctx.save_for_backward(zxbcdt, weight, bias, out_x, A, D, dt_bias)
+        return zxbcdt[..., :inner].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        zxbcdt = ctx.saved_tensors[0]
+        dx = torch.zeros_like(zxbcdt)
+        dx[..., :grad.shape[-1]] = grad
+        return dx, None, None, None, None, None, None
+
+
+class _NormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, groups):
+        rstd = torch.empty(x.shape[0] * x.shape[1] * groups, dtype=torch.float32)
+        ctx.save_for_backward(x, rstd)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatedNorm(torch.nn.Module):
+    """mamba_ssm's gated RMSNorm stand-in: its ``weight``; saves the input and fp32 rstd per token and group."""
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.groups = hidden_size // group_size
+
+    def forward(self, x, z=None):
+        return _NormFn.apply(x, self.groups)
+
+
+def _mamba_cp_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm import mamba_mixer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    import mcore_memory
+
+    mcore_dist.init_worker()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(context_parallel_size=world_size)
+    for name, value in (("HAVE_MAMBA_SSM", True), ("RMSNormGated", _GatedNorm), ("ExtendedRMSNorm", _GatedNorm)):
+        setattr(mamba_mixer, name, value)
+    out = []
+    for case in cases:
+        fields = {k: v for k, v in case["model"].items() if k not in ("vocab_size", "hybrid_override_pattern")}
+        config = mcore_cpu.make_config(dict(fields, num_layers=1, context_parallel_size=world_size))
+        inner = 2 * fields["hidden_size"] // world_size
+        mamba_mixer.mamba_split_conv1d_scan_combined = (
+            lambda z, w, b, dt, A, D=None, **_: _Scan.apply(z, w, b, dt, A, D, inner))
+        with mcore_cpu.cuda_to_cpu_mode():
+            mixer = mamba_mixer.MambaMixer(config, mamba_mixer.MambaMixerSubmodules(
+                in_proj=ColumnParallelLinear, out_proj=RowParallelLinear), d_model=fields["hidden_size"],
+                layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups()).bfloat16()
+        meter = mcore_memory.SavedTensorMeter(mixer.parameters())
+        comm = mcore_memory.CommMeter([("cp", ps.get_context_parallel_group())])
+        x = torch.randn(case["seq"] // world_size, case["mbs"], fields["hidden_size"], dtype=torch.bfloat16,
+                        requires_grad=True)
+        with comm, meter.tracking(), meter.one_forward(), mcore_cpu.cuda_to_cpu_mode():
+            y, _ = mixer(x)
+        forward_comm = dict(comm.bytes)
+        with comm:
+            y.float().sum().backward()
+        out.append(dict(saved=meter.forward[0], forward=forward_comm, step=dict(comm.bytes)))
+    dist.barrier()
+    return out
+
+
+# 8 heads of 16 (inner 128), state 16: 2 groups (one per CP rank), 1 group (repeated to both ranks).
+CP_CASES = [dict(model=dict(SMALL, hybrid_override_pattern="M"), seq=16, mbs=2),
+            dict(model=dict(SMALL, hybrid_override_pattern="M", mamba_num_groups=1), seq=8, mbs=1)]
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)
+def test_mamba_cp_collectives_and_saved_storages_on_gloo():
+    ranks = mcore_dist.run_distributed(_mamba_cp_worker, 2, CP_CASES, timeout=600)
+    for case, *measured in zip(CP_CASES, *ranks):
+        spec = ModelSpec.from_mapping(case["model"])
+        tokens = case["seq"] // 2 * case["mbs"]
+        one_way = mamba_cp_all_to_all(spec, tokens=tokens, tp=1, cp=2, act=2)
+        for rank in measured:
+            assert rank["forward"] == {"cp/all_to_all": one_way}
+            assert rank["step"] == {"cp/all_to_all": 2 * one_way}
+            # in_proj's input [T, 64] bf16, then the formula.
+            assert rank["saved"] == tokens * 64 * 2 + mamba_saved(spec, tokens=tokens, tp=1, act=2, cp=2)

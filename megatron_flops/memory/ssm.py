@@ -314,9 +314,10 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
         unmeasured.append("activations of Mamba layers: a formula from what mamba_ssm's fused conv1d + chunked scan "
                           "and gated RMSNorm save for backward (CUDA/Triton kernels: they do not run on CPU)")
     if par.cp > 1 and "mamba" in mixers:
-        unmeasured.append(f"context parallelism of Mamba layers (CP {par.cp}): megatron-core's MambaContextParallel "
-                          "all-to-alls from sequence to head shards and back (cp/all_to_all), the scan's saved bytes "
-                          "on the whole sequence and 1/CP of the heads (a formula: the kernels do not run on CPU)")
+        unmeasured.append(f"context parallelism of Mamba layers (CP {par.cp}): the scan's saved bytes on the whole "
+                          "sequence and 1/CP of the heads; megatron-core's MambaContextParallel around it (cp/all_to_all "
+                          "and the storages it hands the kernels) is measured on gloo at TP 1, what mamba_ssm's CUDA "
+                          "kernels keep of their own (out_x, the norm's rstd) is a formula")
     if activations and "gdn" in mixers:
         unmeasured.append("activations of Gated DeltaNet layers: a formula from what causal-conv1d and fla's "
                           "l2norm and chunk_gated_delta_rule save for backward (CUDA/Triton kernels: they do not run "
