@@ -73,6 +73,18 @@ def test_flops_read_the_pattern_without_its_pipes():
     assert _spec("|M*-M*-|").num_layers == 6  # empty stages hold no layers
 
 
+def test_megatron_lm_019_pattern_flag_is_read():
+    # Megatron-LM 0.19's --hybrid-layer-pattern (no --num-layers: the pattern gives it) is the same model
+    # as 0.16.1's --hybrid-override-pattern with --num-layers; it was read as a GPT before.
+    from megatron_flops.model.megatron_args import load_megatron_args, model_spec
+
+    common = ("--hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --mamba-state-dim 16 "
+              "--mamba-head-dim 16 --mamba-num-groups 2 --vocab-size 256 ")
+    new = model_spec(*load_megatron_args(common + "--hybrid-layer-pattern 'M*-|M*-'"))
+    old = model_spec(*load_megatron_args(common + "--num-layers 6 --hybrid-override-pattern 'M*-M*-'"))
+    assert new.layer_runs == old.layer_runs and new.pipeline_segments == (3, 3) and new.mamba is not None
+
+
 @pytest.mark.parametrize("pattern, flags, message", [
     ("M*-|M*-", [], "need --pp > 1"),
     ("M*-|M*-|M-", ["--pp", "2"], "3 '|'-delimited pipeline segments are not divisible by --pp 2"),
