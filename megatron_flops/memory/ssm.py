@@ -129,9 +129,9 @@ def mamba_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int, cp: int = 1)
     output, dt and the chunk states are recomputed in backward.
 
     Under context parallelism (megatron-core's ``MambaContextParallel``) the kernel runs on the
-    whole sequence (CP x ``tokens``) with the widths of :func:`mamba_cp_widths`, and it keeps the conv weight [conv/CP, 4] and bias sliced and
-    concatenated for this CP rank (new storages, in the parameter dtype); the norm and
-    ``out_proj`` run after the all-to-all back, on ``tokens``.
+    whole sequence (CP x ``tokens``) with the widths of :func:`mamba_cp_widths`, and keeps the
+    conv weight [conv/CP, 4] and bias sliced and concatenated for this CP rank (new storages, in
+    the parameter dtype); the norm and ``out_proj`` run after the all-to-all back, on ``tokens``.
     """
     m = spec.mamba
     assert m is not None
