@@ -98,16 +98,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def mcore():
-    if not mcore_cpu.HAVE_MCORE:
-        pytest.skip(mcore_cpu.SKIP_REASON)
-    import mcore_memory
-
-    mcore_cpu.init_single_process()
-    mcore_memory.patch_alltoall_dispatcher()
-
-
 def cpu_kernel_delta(fields: dict, act: int, num_norms: int, tokens: int, hidden: int, scores: int) -> int:
     """Bytes torch's CPU kernels save beyond the CUDA convention, by name:
     LayerNorm keeps mean/rstd in the input dtype (CUDA: fp32); RMSNorm is composite and also

@@ -153,8 +153,7 @@ def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def measured():
-    results = mcore_dist.run_distributed(fsdp_worker, WORLD, RUNS, timeout=600)
-    return {name: [r[name] for r in results] for name in RUNS}
+    return mcore_dist.run_by_name(fsdp_worker, WORLD, RUNS, timeout=600)
 
 
 def setup(name: str):
