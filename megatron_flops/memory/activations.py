@@ -97,6 +97,7 @@ class _Dims:
     tp: int = 1
     gate: bool = False  # attention_output_gate: linear_qkv also projects a sigmoid gate per query channel
     ep: int = 1
+    cp: int = 1  # context parallelism: s is this rank's s/CP tokens of each sequence
 
     @property
     def tokens(self) -> int:
@@ -224,7 +225,8 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
     return _Dims(s=training.seq_length, b=training.micro_batch_size, h=spec.hidden_size, d=spec.kv_channels,
                  heads=spec.num_attention_heads // par.tp, groups=spec.num_query_groups // par.tp,
                  ffn=spec.ffn_hidden_size // par.tp, vocab=padded_vocab(spec, options, par.tp) // par.tp,
-                 act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep, gate=spec.attention_output_gate)
+                 act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep, gate=spec.attention_output_gate,
+                 cp=par.cp)
 
 
 def _gathered(x: _Dims) -> int | None:
@@ -488,7 +490,7 @@ def _ssm_mixer(w: _Walk, x: _Dims, spec: ModelSpec, mixer: str) -> None:
     if mixer == "kda":
         w.act(mixer, kda_saved(spec, s=x.s, b=x.b, act=x.act))
     elif mixer == "mamba":
-        w.act(mixer, mamba_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act))
+        w.act(mixer, mamba_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act, cp=x.cp))
     else:  # NB: parameters in the activation dtype (Float16Module), so exp(A_log) too
         w.act(mixer, gdn_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act, param=x.act))
 

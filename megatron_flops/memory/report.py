@@ -21,6 +21,7 @@ from megatron_flops.memory.comm import (
     step_communication,
 )
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
+from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
@@ -33,7 +34,7 @@ from megatron_flops.memory.moe import (
     rerun_moe_layers,
 )
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
-from megatron_flops.memory.ssm import is_hybrid, ssm_notes
+from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -82,6 +83,7 @@ def rank_memory(
 ) -> RankMemory:
     """Everything on the GPU of pipeline rank ``pp_rank`` and data-parallel rank ``dp_rank``
     (``vision``: a VLM's tower, on model chunk 0 of pipeline rank 0)."""
+    par = hybrid_stages(spec, par)
     check_moe(spec, options, par)
     vision = vision or VisionMemory(params=(), activations=None)
     states: dict[str, int] = {}
@@ -230,7 +232,8 @@ def decoder_memory(
 ) -> MemoryReport:
     """Memory and traffic of every pipeline stage (the data-parallel rank whose optimizer shard
     is largest) of a megatron-core GPT trained as ``training`` says on ``par`` (with a VLM's
-    ``vision`` tower on the first stage)."""
+    ``vision`` tower on the first stage; a hybrid pattern's ``|`` segments make its stages)."""
+    par = hybrid_stages(spec, par)
     check_supported(spec, par, peft, options)
     _check_size(spec, par, training)
     if spec.mla is not None and is_hybrid(spec):  # megatron-core's hybrid MLA layers: IdentityOp latent norms
