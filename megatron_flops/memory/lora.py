@@ -38,6 +38,8 @@ requires grad, so the base layers before the first adapter of the first pipeline
 backward collective (unless full recompute, where Bridge makes the decoder's input require grad).
 Full recompute re-runs the adapters' forward collectives with the layer.
 
+MoE, MLA and multi-token prediction layers: :mod:`megatron_flops.memory.lora_layers`.
+
 NB: measured with megatron-core's local layers and Bridge 0.3.1's adapter (gloo, CPU). Bridge's
 adapters around Transformer Engine's fused norm + linear (``return_layernorm_output_gathered``:
 no adapter all-gather under sequence parallelism) are not modelled here.
@@ -87,7 +89,7 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> 
 
 def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None) -> str | None:
     """Why activations of a LoRA decoder with MoE or MLA layers are not modelled (None: they
-    are). Measured at TP 1 (under TP :func:`lora_tp_reason` refuses them): frozen MoE layers
+    are). Measured at TP 1 and under TP (+ sequence parallelism, EP): frozen MoE layers
     (router, dispatcher, routed and shared experts, adapters on every expert's ``linear_fc1``/
     ``linear_fc2``) and MLA layers with adapters on ``linear_proj``, ``linear_fc1``,
     ``linear_fc2`` (an MLA layer has no ``linear_qkv``: that target adapts nothing there, as in
