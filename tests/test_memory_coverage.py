@@ -142,8 +142,6 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # field files tie by default: "mcore:untied mla moe mtp" is the one decoder file FSDP2 reports on).
     ("* | DP2 FSDP | *", r"refused: .*--use-torch-fsdp2 \(--fsdp\) is not supported with tied embeddings"),
     ("examples/qwen2_5_vl_7b_config.json | DP2 FSDP | *", r"refused: .*a VLM's vision tower under FSDP2 is not"),
-    # LoRA/frozen decoders: under TP with MoE/MLA/MTP layers.
-    ("* | TP2 SP | *LoRA*", r"refused: .*LoRA adapters under tensor parallelism are modelled for dense decoders"),
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),

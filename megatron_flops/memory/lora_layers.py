@@ -60,13 +60,13 @@ def adapted_layers(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec |
     """(chunk, layer) for every layer of pipeline rank ``pp_rank`` in forward order, MTP layers
     after the last stage's decoder."""
     full = recompute is not None and recompute.granularity == "full"
+    block = recompute.num_layers or 0 if recompute is not None and recompute.method == "block" else None
     shared = spec.moe is not None and bool(spec.moe.shared_expert_ffn_hidden_size)
     kinds, mla, out = spec.layers, spec.mla is not None, []
     for chunk in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
         for i, layer in enumerate(layers):
-            assert recompute is not None or not full
-            rerun = full and (recompute.method != "block" or i < (recompute.num_layers or 0))  # type: ignore[union-attr]
+            rerun = full and (block is None or i < block)
             moe = kinds[layer][1] == "moe"
             out.append((chunk, AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun)))
         if par.is_last_stage(pp_rank, chunk):
@@ -88,15 +88,17 @@ def expert_adapter_payload(spec: ModelSpec, peft: PeftSpec, *, routed: int, act:
 
 def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
                           peft: PeftSpec | None, recompute: RecomputeSpec | None = None,
-                          received: int | None = None) -> dict[str, int]:
+                          received: int | None = None, duplicated: bool = False) -> dict[str, int]:
     """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1):
     every layer's adapters (forward again where full recompute re-runs it), less what a frozen
     base does not run (:func:`_frozen_skips`); ``received``: routed tokens per MoE layer reaching
-    this rank's experts (None: balanced, ``s*b x topk``). {} at TP 1."""
+    this rank's experts (None: balanced, ``s*b x topk``); ``duplicated``: Transformer Engine's MLA
+    down projections, whole on every TP rank (a formula). {} at TP 1."""
     if peft is None or peft.lora_rank is None or par.tp == 1:
         return {}
     a, h, sp = training.param_bytes, spec.hidden_size, par.sequence_parallel
     tokens = training.seq_length * training.micro_batch_size
+    routed = received if received is not None or spec.moe is None else tokens * spec.moe.router_topk
     out: dict[str, int] = {}
 
     def add(key: str, value: int) -> None:
@@ -109,18 +111,18 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
             add(key, (1 + layer.rerun) * value)
         for key, value in adapter_backward_payload(peft, targets, tokens, h, a, sp=sp).items():
             add(key, value)
-        if layer.experts:
-            routed = tokens * spec.moe.router_topk if received is None else received  # type: ignore[union-attr]
+        if layer.experts and routed is not None:
             add("tp/all_gather", (1 + layer.rerun) * expert_adapter_payload(spec, peft, routed=routed, act=a))
     full = recompute is not None and recompute.granularity == "full"
-    for key, count in _frozen_skips(spec, par, peft, layers, pp_rank=pp_rank, started=full).items():
+    skips = _frozen_skips(spec, par, peft, layers, pp_rank=pp_rank, started=full, duplicated=duplicated)
+    for key, count in skips.items():
         add(key, -count * tokens * a)
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
 
 
 def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: list[tuple[int, AdaptedLayer]], *,
-                  pp_rank: int, started: bool) -> dict[str, int]:
+                  pp_rank: int, started: bool, duplicated: bool) -> dict[str, int]:
     """Elements per token of the collectives :mod:`megatron_flops.memory.comm` prices for a
     trained base that a frozen one does not run. Under sequence parallelism: every layer's
     column-parallel weight-gradient all-gathers (``linear_qkv`` or MLA's, ``linear_fc1``), the
@@ -132,27 +134,30 @@ def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: lis
         return {}
     h, sp = spec.hidden_size, par.sequence_parallel
     first = par.is_first_stage(pp_rank, 0) and not started
-    out = _before_first_adapter(spec, peft, layers[0][1], sp=sp) if first and layers else {}
+    out = _before_first_adapter(spec, peft, layers[0][1], sp=sp, duplicated=duplicated) if first and layers else {}
     if not sp:
         return out
     gathers = 0
     for _, layer in layers:
-        gathers += h * (1 + layer.dense) + _mla_weight_gathers(spec, layer) + (4 * h if layer.mtp else 0)
+        gathers += h * (1 + layer.dense) + _mla_weight_gathers(spec, layer, duplicated) + (4 * h if layer.mtp else 0)
     gathers += h * (par.is_last_stage(pp_rank, par.num_chunks - 1) + par.is_first_stage(pp_rank, 0))
     out["tp/all_gather"] = out.get("tp/all_gather", 0) + gathers
     return out
 
 
-def _mla_weight_gathers(spec: ModelSpec, layer: AdaptedLayer) -> int:
+def _mla_weight_gathers(spec: ModelSpec, layer: AdaptedLayer, duplicated: bool) -> int:
     """An MLA layer's column-parallel weight-gradient all-gathers beyond a dense layer's
-    ``linear_qkv``: the second down projection's input [T, h] and the up projections' latents."""
+    ``linear_qkv``: the up projections' latents and the second down projection's input [T, h]
+    (duplicated down projections: none, nor the first's, unless ``linear_q_proj`` reads it)."""
     mla = spec.mla
     if not layer.mla or mla is None:
         return 0
-    return spec.hidden_size + (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    hidden = (-spec.hidden_size if mla.q_lora_rank else 0) if duplicated else spec.hidden_size
+    return hidden + (mla.q_lora_rank or 0) + mla.kv_lora_rank
 
 
-def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, *, sp: bool) -> dict[str, int]:
+def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, *, sp: bool,
+                          duplicated: bool) -> dict[str, int]:
     """The first layer's base linears up to its first adapter run no backward (their input
     requires no grad): per column-parallel one its input gradient's all-reduce (reduce-scatter
     under sequence parallelism), per row-parallel one under sequence parallelism its output
@@ -165,7 +170,7 @@ def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, 
     before = order[: index + 1]
     h = spec.hidden_size
     column = h * sum(n in COLUMN_PARALLEL for n in before)
-    out = _mla_before_proj(spec, sp=sp) if layer.mla else {}
+    out = _mla_before_proj(spec, sp=sp, duplicated=duplicated) if layer.mla else {}
     if not sp:
         out["tp/all_reduce"] = out.get("tp/all_reduce", 0) + column
         return out
@@ -176,14 +181,20 @@ def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, 
     return out
 
 
-def _mla_before_proj(spec: ModelSpec, *, sp: bool) -> dict[str, int]:
+def _mla_before_proj(spec: ModelSpec, *, sp: bool, duplicated: bool) -> dict[str, int]:
     """An MLA layer's frozen projections before ``linear_proj`` (no backward): without sequence
-    parallelism the input-gradient all-reduces of both down projections [T, h] and both up
-    projections' latents; under sequence parallelism their reduce-scatters and the latents'
-    gradient all-gathers."""
+    parallelism the input-gradient all-reduces of both down projections [T, h] (duplicated:
+    none but ``linear_q_proj``'s) and both up projections' latents; under sequence parallelism
+    their reduce-scatters and the latents' gradient all-gathers (duplicated: no latent
+    gathers, the reduce-scatter of the kv latent's RoPE part)."""
     mla = spec.mla
     assert mla is not None
     h, latents = spec.hidden_size, (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    if duplicated:
+        hidden = 0 if mla.q_lora_rank else h
+        if not sp:
+            return {"tp/all_reduce": hidden + latents}
+        return {"tp/reduce_scatter": hidden + latents + mla.qk_pos_emb_head_dim}
     if not sp:
         return {"tp/all_reduce": 2 * h + latents}
     return {"tp/reduce_scatter": 2 * h + latents, "tp/all_gather": latents}

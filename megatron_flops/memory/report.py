@@ -104,7 +104,8 @@ def rank_memory(
             states[key] = states.get(key, 0) + value
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
-    _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
+    _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute,
+                                        duplicated=options.duplicated_mla_down),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0))
     peak = count = None
@@ -179,7 +180,8 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
                 out[key] = (lo + m * (at[1].get(key, 0) - balanced), hi + m * (at[2].get(key, 0) - balanced))
     if peft is not None and peft.lora_rank is not None and par.tp > 1:
         lora = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
-                                      received=received).get("tp/all_gather", 0) for received in (None, fewest, most)]
+                                      received=received, duplicated=options.duplicated_mla_down).get("tp/all_gather", 0)
+                for received in (None, fewest, most)]
         if lora[1] != lora[2]:
             lo, hi = out.get("tp/all_gather", (comm["tp/all_gather"], comm["tp/all_gather"]))
             out["tp/all_gather"] = (lo + lora[1] - lora[0], hi + lora[2] - lora[0])
