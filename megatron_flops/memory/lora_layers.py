@@ -56,22 +56,23 @@ class AdaptedLayer:
 
 
 def adapted_layers(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec | None, *,
-                   pp_rank: int) -> list[tuple[int, AdaptedLayer]]:
-    """(chunk, layer) for every layer of pipeline rank ``pp_rank`` in forward order, MTP layers
-    after the last stage's decoder."""
+                   pp_rank: int) -> list[AdaptedLayer]:
+    """Every layer of pipeline rank ``pp_rank`` in forward order (its model chunks in turn), MTP
+    layers after the last stage's decoder."""
     full = recompute is not None and recompute.granularity == "full"
     block = recompute.num_layers or 0 if recompute is not None and recompute.method == "block" else None
     shared = spec.moe is not None and bool(spec.moe.shared_expert_ffn_hidden_size)
-    kinds, mla, out = spec.layers, spec.mla is not None, []
+    kinds, mla = spec.layers, spec.mla is not None
+    out: list[AdaptedLayer] = []
     for chunk in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
         for i, layer in enumerate(layers):
             rerun = full and (block is None or i < block)
             moe = kinds[layer][1] == "moe"
-            out.append((chunk, AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun)))
+            out.append(AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun))
         if par.is_last_stage(pp_rank, chunk):
             moe, rerun = spec.mtp_ffn == "moe", mtp_recomputed(spec, recompute)
-            out += [(chunk, AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun, mtp=True))
+            out += [AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun, mtp=True)
                     for _ in range(spec.mtp_num_layers)]
     return out
 
@@ -105,7 +106,7 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         out[key] = out.get(key, 0) + value
 
     layers = adapted_layers(spec, par, recompute, pp_rank=pp_rank)
-    for _, layer in layers:
+    for layer in layers:
         targets = layer.targets(peft)
         for key, value in adapter_forward_payload(peft, targets, tokens, h, a, sp=sp).items():
             add(key, (1 + layer.rerun) * value)
@@ -121,7 +122,7 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
     return {key: m * value for key, value in out.items() if value}
 
 
-def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: list[tuple[int, AdaptedLayer]], *,
+def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: list[AdaptedLayer], *,
                   pp_rank: int, started: bool, duplicated: bool) -> dict[str, int]:
     """Elements per token of the collectives :mod:`megatron_flops.memory.comm` prices for a
     trained base that a frozen one does not run. Under sequence parallelism: every layer's
@@ -134,11 +135,11 @@ def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: lis
         return {}
     h, sp = spec.hidden_size, par.sequence_parallel
     first = par.is_first_stage(pp_rank, 0) and not started
-    out = _before_first_adapter(spec, peft, layers[0][1], sp=sp, duplicated=duplicated) if first and layers else {}
+    out = _before_first_adapter(spec, peft, layers[0], sp=sp, duplicated=duplicated) if first and layers else {}
     if not sp:
         return out
     gathers = 0
-    for _, layer in layers:
+    for layer in layers:
         gathers += h * (1 + layer.dense) + _mla_weight_gathers(spec, layer, duplicated) + (4 * h if layer.mtp else 0)
     gathers += h * (par.is_last_stage(pp_rank, par.num_chunks - 1) + par.is_first_stage(pp_rank, 0))
     out["tp/all_gather"] = out.get("tp/all_gather", 0) + gathers
