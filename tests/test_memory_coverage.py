@@ -142,8 +142,6 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # torch FSDP2 for a decoder with tied embeddings, which Megatron-LM's --use-torch-fsdp2 refuses (megatron-core
     # field files tie by default: "mcore:untied mla moe mtp" is the one decoder file FSDP2 reports on).
     ("* | DP2 FSDP | *", r"refused: .*--use-torch-fsdp2 \(--fsdp\) is not supported with tied embeddings"),
-    # LoRA/frozen decoders: under TP with MoE/MLA/MTP layers.
-    ("* | TP2 SP | *LoRA*", r"refused: .*LoRA adapters under tensor parallelism are modelled for dense decoders"),
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),
