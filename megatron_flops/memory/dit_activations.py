@@ -32,6 +32,11 @@ NB: a checkpointed block keeps its inputs until its backward: the hidden states 
 and once per forward the per-token modulation input ``[T, 6, h]`` and the text/image embeddings;
 backward re-runs one block at a time, which saves a whole block again except its input.
 FSDP2 runs forward and backward of one micro-batch before the next: one micro-batch in flight.
+NB: ``tp`` > 1 (a formula): the column-parallel outputs, heads and FFN split over TP, q and k
+gathered whole for the norms; with ``sequence_parallel`` also the residual stream (and what the
+adaLN ops, LayerNorms, checkpoints and head save) on ``T / TP`` tokens, each column-parallel
+input saved as this rank's slice, and the text (CLIP) side of cross-attention ``TP`` times over
+(Megatron-Bridge's ``linear_kv`` all-gathers the whole context as if it were a slice).
 
 Outside the blocks (``WanLike.forward`` and the loss; ``B`` clips, ``freq``, ``text_dim`` and
 ``w = image_dim`` the embeddings' input widths, ``P = out_channels x prod(patch_size)``), the same

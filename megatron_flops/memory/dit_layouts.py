@@ -40,6 +40,14 @@ run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/
   adapters as Bridge's ``ParallelLinearAdapter`` (:mod:`megatron_flops.memory.lora`). Activations
   per TP rank: the example's ops with the column-parallel outputs, attention heads and FFN split
   over TP, q and k all-gathered whole for the norms (``dit_activations(tp=...)``).
+- TP + sequence parallelism (Bridge's WAN 14B recipe): the residual stream, adaLN ops, LayerNorms,
+  head and checkpoints on ``T / TP`` video tokens; per block and micro-batch
+  :func:`sp_block_collectives` in place of the all-reduces; the patch embedding's output scattered
+  (its gradient all-gathered, first stage), the head's output all-gathered (its gradient
+  reduce-scattered, last stage); once per step the row-parallel biases' gradients join the TP
+  all-reduce (``sequence_parallel``). NB: the text (CLIP) embeddings, whole on every TP rank, are
+  all-gathered by the cross-attention's sequence-parallel ``linear_kv``: ``TP x C`` rows of k and v
+  (activations, collectives, the CP ring). LoRA or a frozen base under SP: not modelled.
 - PP: ``num_layers / PP`` blocks per stage; the patch embedding on the first, the head and loss on
   the last, the text and time embeddings (and ``img_emb``) on every stage (``WanModel`` builds them
   whatever the stage); 1F1B keeps ``min(PP - rank, micro-batches)`` micro-batches in flight;
