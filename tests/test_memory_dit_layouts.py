@@ -390,4 +390,5 @@ def test_cli_reports_the_wan_14b_recipe_layout(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["not_modelled"] == [] and isinstance(report["per_gpu"]["activations_bytes"], int)
     assert any(u.startswith("sequence parallelism (TP 2)") for u in report["unmeasured"])
-    assert {"tp/all_gather", "tp/reduce_scatter", "tp/all_reduce", "cp/send_recv"} <= set(report["communication_per_step"])
+    comm = report["communication_per_step"]
+    assert {"tp/all_gather", "tp/reduce_scatter", "tp/all_reduce", "cp/send_recv"} <= set(comm)

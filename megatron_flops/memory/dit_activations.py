@@ -223,7 +223,8 @@ class _Block:
         outs = [self.attention(name, q, self.rms_norm(f"cross_attn.norm_k{suffix}",
                                                       self.linear(f"cross_attn.k{suffix}", src, g * sum(lens)),
                                                       g * sum(lens)),
-                               self.linear(f"cross_attn.v{suffix}", src, g * sum(lens)), [g * n for n in lens], attention)
+                               self.linear(f"cross_attn.v{suffix}", src, g * sum(lens)), [g * n for n in lens],
+                               attention)
                 for name, suffix, src, lens in sources]
         summed = outs[0] if len(outs) == 1 else self.new("cross.sum", T, any(t.grad for t in outs),
                                                          self.spec.hidden_size // self.tp)

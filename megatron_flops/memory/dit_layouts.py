@@ -84,8 +84,8 @@ def dit_layout_reason(spec: DiTSpec, par: Parallelism, training: Training, peft:
         return ("virtual pipeline stages of a DiT are not modelled (Megatron-Bridge 0.6.2's WanModelProvider builds "
                 "each stage without its vp_stage)")
     if _sp(par) and peft is not None:
-        return ("LoRA adapters or a frozen base under sequence parallelism of a DiT are not modelled (Megatron-Bridge's "
-                "ParallelLinearAdapter around Transformer Engine layers)")
+        return ("LoRA adapters or a frozen base under sequence parallelism of a DiT are not modelled "
+                "(Megatron-Bridge's ParallelLinearAdapter around Transformer Engine layers)")
     if _sp(par) and training.seq_length % (par.cp * par.tp):
         return (f"sequence parallelism splits each rank's video tokens over TP: --seq-length {training.seq_length} is "
                 f"not divisible by CP x TP = {par.cp * par.tp}")
