@@ -39,16 +39,6 @@ DSA = dict(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=
            dsa_indexer_topk=8)
 
 
-@pytest.fixture(scope="module")
-def mcore():
-    if not mcore_cpu.HAVE_MCORE:
-        pytest.skip(mcore_cpu.SKIP_REASON)
-    import mcore_memory
-
-    mcore_cpu.init_single_process()
-    mcore_memory.patch_alltoall_dispatcher()
-
-
 def _shapes(module: torch.nn.Module) -> list[tuple[str, int]]:
     return [(name, p.numel()) for name, p in module.named_parameters()]
 

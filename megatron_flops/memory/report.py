@@ -32,7 +32,7 @@ from megatron_flops.memory.moe import (
     moe_unmeasured,
     rerun_moe_layers,
 )
-from megatron_flops.memory.recompute import selective_rerun_communication
+from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
 from megatron_flops.memory.ssm import is_hybrid, ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
@@ -239,7 +239,7 @@ def decoder_memory(
     if par.fsdp:  # torch FSDP2 (Megatron-LM's --use-torch-fsdp2): its states and dp/ traffic, the rest as DDP's
         from megatron_flops.memory.decoder_fsdp import fsdp_notes, fsdp_stage
 
-        fsdp = fsdp_stage(spec, options, par, training, peft=peft, vision=bool(vision and vision.params))
+        fsdp = fsdp_stage(spec, options, par, training, peft=peft, vision=vision.params if vision else ())
         par = replace(par, fsdp=False)
     if recompute is not None and recompute.pipeline_model_parallel_size != par.pp:
         recompute = RecomputeSpec(granularity=recompute.granularity, method=recompute.method,
@@ -255,10 +255,12 @@ def decoder_memory(
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
+    if reason is None:
+        unmeasured += tuple(selective_unmeasured(options, recompute))
     if fsdp is not None:
         comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
         stages = [replace(stages[0], states=fsdp[0], communication={**fsdp[1], **comm})]
-        more = fsdp_notes(par, recompute)
+        more = fsdp_notes(par, recompute, vision=bool(vision and vision.params))
         assumptions, unmeasured = assumptions + tuple(more[0]), unmeasured + tuple(more[1])
     tower = vision or VisionMemory(params=(), activations=None)
     counts = parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp)
