@@ -246,6 +246,67 @@ class SavedTensorMeter:
             self._in_forward = outer
 
 
+class LiveStorageMeter(SavedTensorMeter):
+    """:class:`SavedTensorMeter` that also sees storages resized in place: megatron-core's
+    ``CheckpointWithoutOutput`` frees the storage of an output other ops saved
+    (``untyped_storage().resize_(0)``) and restores it in backward. Storages are keyed by their
+    identity (``_cdata``, which a resize keeps; a freed pointer can be reused) and sized when
+    read: ``forward`` is the bytes of the storages saved in each :meth:`one_forward` block as
+    they are at its end, ``peak`` the most bytes the live saved storages hold at any pack or
+    unpack (a restored storage is read by the backward op that unpacks it)."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        super().__init__(params)
+        self._tensors: Dict[int, torch.Tensor] = {}  # storage id -> a tensor on it (while live)
+        self._block: Optional[Dict[int, torch.Tensor]] = None
+
+    def _now(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._tensors.values())
+
+    def _release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self.live[key]
+            del self._tensors[key]
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self.param_storages or t.numel() <= 1:
+            return t
+        key = storage._cdata
+        if self._block is not None:
+            self._block.setdefault(key, t)
+        if key in self.live:
+            self.live[key][0] += 1
+        else:
+            self.live[key] = [1, 0]
+            self._tensors[key] = t
+        self.peak = max(self.peak, self._now())
+        handle = _Handle(t, key)
+        weakref.finalize(handle, self._release, key)
+        return handle
+
+    def _unpack(self, packed: Any) -> torch.Tensor:  # type: ignore[override]
+        self.peak = max(self.peak, self._now())
+        return packed.tensor if isinstance(packed, _Handle) else packed
+
+    @contextlib.contextmanager
+    def one_forward(self, extend: bool = False) -> Iterator[None]:
+        if not extend:
+            self._forwards.append({})
+        outer, self._block = self._block, {}
+        try:
+            yield
+        finally:
+            block, self._block = self._block, outer
+            sizes = self._forwards[-1]
+            for key, t in block.items():
+                sizes[key] = t.untyped_storage().nbytes()
+            if outer is not None:
+                outer.update(block)
+
+
 def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen: Dict[int, int] = {}

@@ -125,7 +125,7 @@ def cpu_kernel_delta(fields: dict, act: int, num_norms: int, tokens: int, hidden
     return delta
 
 
-def _measure(fields: dict, position: str, dtype: str, lora=None):
+def _measure(fields: dict, position: str, dtype: str, lora=None, meter_cls=None):
     import mcore_dist
     import mcore_memory
     from megatron.core.transformer.module import Float16Module
@@ -147,7 +147,7 @@ def _measure(fields: dict, position: str, dtype: str, lora=None):
             p.requires_grad_(not frozen)
     if dtype == "bf16":
         model = Float16Module(model.config, model)
-    meter = mcore_memory.SavedTensorMeter(model.parameters())
+    meter = (meter_cls or mcore_memory.SavedTensorMeter)(model.parameters())
     with meter.tracking():
         mcore_dist.run_schedule([model], num_microbatches=NUM_MB, micro_batch_size=MBS, seq_length=SEQ,
                                 vocab_size=VOCAB, forward_step_func=mcore_memory.metered_forward_step(meter, [model]),

@@ -115,6 +115,23 @@ RUNS = {
                                                     mtp_num_layers=1, recompute_granularity="full",
                                                     recompute_method="uniform", recompute_num_layers=1),
              m=2, build=dict(params_dtype="fp32")),
+    # Selective recompute of layernorm (CheckpointWithoutOutput: measured with the live-storage meter),
+    # moe (the whole layer: the dispatcher's traffic and the shared experts' all-gather and
+    # reduce-scatter run forward again) and shared_experts (inside a re-run moe checkpoint, twice), the
+    # MoE MTP layer's too.
+    "DP2 x TP2 + SP, MoE every other layer (alltoall) + 1 MoE MTP layer, shared experts, selective layernorm + "
+    "moe + shared_experts, DDP, fp32": dict(
+        layout=dict(tp=2, sp=True), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
+                                               moe_shared_expert_intermediate_size=40, mtp_num_layers=1,
+                                               recompute_granularity="selective",
+                                               recompute_modules=["layernorm", "moe", "shared_experts"]),
+        m=2, build=dict(params_dtype="fp32"), live=True),
+    "TP2 x EP2 + SP, MoE top-2 of 4 (alltoall), shared experts, selective moe, DDP, fp32": dict(
+        layout=dict(tp=2, sp=True, ep=2), model=dict(BASE, num_moe_experts=4, moe_router_topk=2,
+                                                     moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=48,
+                                                     moe_shared_expert_intermediate_size=40,
+                                                     recompute_granularity="selective", recompute_modules=["moe"]),
+        m=2, build=dict(params_dtype="fp32")),
     # Activations: stage 0 saves nothing before layer 0's linear_qkv adapter; stage 1's received
     # hidden states require grad, so it saves as in full training but the frozen linears' inputs.
     "DP2 x PP2, LoRA rank 4 on linear_qkv/linear_fc2, frozen base, DDP, bf16, SGD, M=3": dict(
@@ -170,7 +187,8 @@ def memory_worker(rank: int, world_size: int, runs: dict) -> dict:
         chunks, optimizer, config = mcore_memory.build_training(model, vocab_size=VOCAB, seq_length=seq, **run["build"])
         groups = mcore_memory.megatron_groups()
         comm = mcore_memory.CommMeter(groups)
-        saved = mcore_memory.SavedTensorMeter([p for c in chunks for p in c.parameters()])
+        meter = mcore_memory.LiveStorageMeter if run.get("live") else mcore_memory.SavedTensorMeter
+        saved = meter([p for c in chunks for p in c.parameters()])
         m = run["m"]
         with comm, saved.tracking():
             mcore_dist.run_schedule(
@@ -216,7 +234,8 @@ def setup(run: dict):
     options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
                                                transformer_impl="local",  # (the spec memory_worker builds)
                                                position_embedding_type=build.get("position_embedding_type", "rope"),
-                                               add_bias_linear=model.get("add_bias_linear", False)))
+                                               add_bias_linear=model.get("add_bias_linear", False),
+                                               transformer_impl="local"))
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
     par = Parallelism(tp=tp, pp=pp, vpp=layout.get("vpp"), ep=layout.get("ep", 1), dp=WORLD // (tp * pp),
                       sequence_parallel=layout.get("sp", False),
