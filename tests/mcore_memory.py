@@ -60,8 +60,9 @@ def megatron_groups() -> List[Tuple[str, Any]]:
 
     getters = [
         ("tp", ps.get_tensor_model_parallel_group),
-        # Expert TP (= TP here): the alltoall dispatcher's gathers of the routed tokens.
-        ("tp", ps.get_expert_tensor_parallel_group),
+        # Expert TP: the alltoall dispatcher's gathers of the routed tokens ("etp" when its ranks
+        # are not the TP group's).
+        (_expert_tp_name(), ps.get_expert_tensor_parallel_group),
         ("pp", ps.get_pipeline_model_parallel_group),
         ("embd", ps.get_embedding_group),
         ("dp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
@@ -81,6 +82,14 @@ def megatron_groups() -> List[Tuple[str, Any]]:
         if group is not None:
             out.append((name, group))
     return out
+
+
+def _expert_tp_name() -> str:
+    from megatron.core import parallel_state as ps
+
+    ranks = [dist.get_process_group_ranks(g) for g in (ps.get_tensor_model_parallel_group(),
+                                                       ps.get_expert_tensor_parallel_group())]
+    return "tp" if ranks[0] == ranks[1] else "etp"
 
 
 _ACTIVE_METERS: List["CommMeter"] = []
@@ -308,15 +317,17 @@ def patch_sequence_parallel_norm() -> None:
     cls._sequence_parallel_patched = True
 
 
-def reinit_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, seed: int = 1234) -> None:
-    """(Re)create megatron's parallel groups (expert parallelism included) in one process group."""
+def reinit_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, seed: int = 1234,
+                    etp: Optional[int] = None) -> None:
+    """(Re)create megatron's parallel groups (expert parallelism and expert TP, None: TP, included)
+    in one process group."""
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vpp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 

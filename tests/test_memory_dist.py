@@ -102,6 +102,21 @@ RUNS = {
         layout=dict(tp=2, sp=True, ep=2), model=dict(BASE, **MOE_AG, moe_shared_expert_intermediate_size=40,
                                                      moe_shared_expert_gate=True),
         m=2, build=dict(distributed_optimizer=True)),
+    # An expert TP other than TP (megatron-core's expert_tensor_parallel_size): the experts' own
+    # grid ETP x EP x expert DP over the TP x DP ranks. TP2 + SP with ETP1: each TP rank routes its
+    # sequence slice over EP, the experts whole (biases: megatron-core allows them with ETP 1
+    # only); TP1 with ETP2: the experts split over two DP ranks, which gather each other's tokens.
+    "TP2 x EP2 + SP, expert TP 1, MoE top-2 of 4 (alltoall), biases, distributed optimizer, bf16": dict(
+        layout=dict(tp=2, sp=True, ep=2, etp=1), model=dict(BASE, num_moe_experts=4, moe_router_topk=2,
+                                                             moe_token_dispatcher_type="alltoall",
+                                                             moe_ffn_hidden_size=48, add_bias_linear=True),
+        m=2, build=dict(distributed_optimizer=True)),
+    "DP4 x expert TP2 x EP2, MoE every other layer (alltoall), shared experts, DDP, fp32": dict(
+        layout=dict(ep=2, etp=2), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
+                                             moe_shared_expert_intermediate_size=40),
+        m=2, build=dict(params_dtype="fp32")),
+    "DP4 x expert TP2 x EP2, MoE every other layer (allgather), distributed optimizer, bf16": dict(
+        layout=dict(ep=2, etp=2), model=dict(BASE, **MOE_AG), m=2, build=dict(distributed_optimizer=True)),
     # Full recompute runs each MoE layer's forward again: the all-to-all and token counts too.
     "DP4 x EP2, MoE (alltoall), full recompute (uniform 1), DDP, fp32": dict(
         layout=dict(ep=2), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
@@ -157,11 +172,14 @@ def memory_worker(rank: int, world_size: int, runs: dict) -> dict:
     out = {}
     for name, run in runs.items():
         layout = run["layout"]
-        ep = layout.get("ep", 1)
-        mcore_memory.reinit_parallel(tp=layout.get("tp", 1), pp=layout.get("pp", 1), vpp=layout.get("vpp"), ep=ep)
+        ep, etp = layout.get("ep", 1), layout.get("etp")
+        mcore_memory.reinit_parallel(tp=layout.get("tp", 1), pp=layout.get("pp", 1), vpp=layout.get("vpp"), ep=ep,
+                                     etp=etp)
         model = dict(run["model"])
         if ep > 1:
             model["expert_model_parallel_size"] = ep
+        if etp is not None:
+            model["expert_tensor_parallel_size"] = etp
         if layout.get("sp"):
             model["sequence_parallel"] = True
         if model.get("activation_func") == "silu":
@@ -215,6 +233,7 @@ def setup(name: str):
                                                add_bias_linear=model.get("add_bias_linear", False)))
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
     par = Parallelism(tp=tp, pp=pp, vpp=layout.get("vpp"), ep=layout.get("ep", 1), dp=WORLD // (tp * pp),
+                      etp=layout.get("etp"),
                       sequence_parallel=layout.get("sp", False),
                       distributed_optimizer=build.get("distributed_optimizer", False))
     training = Training(seq_length=run.get("seq", SEQ), micro_batch_size=MBS, num_microbatches=run["m"],

@@ -107,7 +107,7 @@ def _resolve_layout(args: argparse.Namespace, model: LoadedModel) -> None:
 
 
 def _parallelism(args: argparse.Namespace) -> Parallelism:
-    return Parallelism(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, dp=args.dp,
+    return Parallelism(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, dp=args.dp, etp=args.etp,
                        sequence_parallel=args.sequence_parallel,
                        distributed_optimizer=args.distributed_optimizer, fsdp=bool(args.fsdp))
 
@@ -210,6 +210,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         f"{args.optimizer} ({'exp_avg, exp_avg_sq' if args.optimizer == 'adam' else 'momentum'}, fp32)",
         f"{par.world_size} GPUs (TP {par.tp} x PP {par.pp}" + (f" x CP {par.cp}" if par.cp > 1 else "")
         + f" x DP {par.dp}" + (f", VPP {par.vpp}" if par.vpp else "") + (f", EP {par.ep}" if par.ep > 1 else "")
+        + (f", expert TP {par.expert_tp}" if par.expert_tp != par.tp else "")
         + (", sequence parallel" if par.sequence_parallel and par.tp > 1 else "") + ")",
         "FSDP2" if par.fsdp else "distributed optimizer" if par.distributed_optimizer else "DDP",
         f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {training.seq_length} tokens",
@@ -249,6 +250,9 @@ def add_parser(sub: Any) -> None:
     for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"), ("dp", "data")):
         mem.add_argument(f"--{flag}", type=int, default=1 if flag == "dp" else None, metavar="N",
                          help=f"{what}-parallel size")
+    mem.add_argument("--etp", type=int, metavar="N",
+                     help="the routed experts' tensor-parallel size (megatron-core's expert_tensor_parallel_size; "
+                          "default: --megatron-args' --expert-tensor-parallel-size, else --tp)")
     mem.add_argument("--vpp", type=int, metavar="N", help="model chunks per pipeline rank (interleaved 1F1B)")
     mem.add_argument("--sequence-parallel", action="store_true", default=None,
                      help="sequence parallelism (the activations between layers split over TP)")

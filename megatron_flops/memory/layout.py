@@ -1,8 +1,9 @@
 """Parallel layout and training settings that memory and traffic depend on (stdlib only).
 
-Sizes follow megatron-core's ``initialize_model_parallel``: world = TP x PP x CP x DP; expert
-parallelism (EP) splits the DP x CP ranks, with expert tensor parallelism equal to TP, so the
-expert data-parallel size is ``DP x CP / EP``. Pipeline stages hold ``num_layers / (PP x VPP)``
+Sizes follow megatron-core's ``initialize_model_parallel``: world = TP x PP x CP x DP; the
+experts have their own grid over each pipeline stage's TP x CP x DP ranks: expert tensor
+parallelism (ETP, TP unless given) x expert parallelism (EP) x expert data parallelism, so the
+expert data-parallel size is ``TP x CP x DP / (ETP x EP)`` (``DP x CP / EP`` with ETP = TP). Pipeline stages hold ``num_layers / (PP x VPP)``
 layers per model chunk; virtual stage ``v x PP + r`` is chunk ``v`` of pipeline rank ``r``.
 """
 
@@ -27,7 +28,7 @@ class Parallelism:
     """Parallel sizes. ``vpp`` is the number of model chunks per pipeline rank (None: no
     interleaving); ``distributed_optimizer`` shards optimizer state over DP (megatron-core's
     ``DistributedOptimizer``); ``fsdp`` shards parameters, gradients and optimizer state over DP
-    (torch FSDP2, DiT models)."""
+    (torch FSDP2, DiT models); ``etp`` the routed experts' tensor-parallel size (None: TP)."""
 
     tp: int = 1
     pp: int = 1
@@ -38,6 +39,7 @@ class Parallelism:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     fsdp: bool = False
+    etp: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "dp"):
@@ -48,8 +50,13 @@ class Parallelism:
                 raise ValueError("--vpp needs --pp > 1 (interleaving splits each pipeline rank's layers)")
         if self.distributed_optimizer and self.fsdp:
             raise ValueError("--distributed-optimizer and --fsdp are two ways to shard over DP: choose one")
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"--ep {self.ep} does not divide DP x CP = {self.dp * self.cp}")
+        if self.etp is not None:
+            _positive("--etp", self.etp)
+        if (self.tp * self.dp * self.cp) % (self.expert_tp * self.ep):
+            what = "DP x CP" if self.expert_tp == self.tp else "TP x DP x CP"
+            size = self.dp * self.cp if self.expert_tp == self.tp else self.tp * self.dp * self.cp
+            raise ValueError(f"--ep {self.ep}" + (f" x --etp {self.expert_tp}" if self.expert_tp != self.tp else "")
+                             + f" does not divide {what} = {size}")
 
     @property
     def world_size(self) -> int:
@@ -60,8 +67,17 @@ class Parallelism:
         return self.vpp or 1
 
     @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
     def expert_dp(self) -> int:
-        return self.dp * self.cp // self.ep
+        return self.tp * self.dp * self.cp // (self.expert_tp * self.ep)
+
+    def expert_dp_rank(self, dp_rank: int) -> int:
+        """The expert data-parallel rank of TP rank 0 of data-parallel rank ``dp_rank`` (megatron's
+        expert grid orders ETP, then EP, then expert DP)."""
+        return dp_rank * self.tp // (self.expert_tp * self.ep)
 
     def chunk_layers(self, num_layers: int, pp_rank: int, chunk: int) -> range:
         """Decoder layers of model chunk ``chunk`` on pipeline rank ``pp_rank``."""

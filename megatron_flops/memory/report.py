@@ -27,6 +27,7 @@ from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
 from megatron_flops.memory.moe import (
     all_to_all_range,
     check_moe,
+    expert_tp_group,
     layer_is_moe,
     moe_communication,
     moe_unmeasured,
@@ -87,7 +88,7 @@ def rank_memory(
     states: dict[str, int] = {}
     buffers: dict[str, list[Bucket]] = {"dp": [], "expt_dp": []}
     sizes = {"dp": par.dp * par.cp, "expt_dp": par.expert_dp}
-    ranks = {"dp": dp_rank, "expt_dp": dp_rank // par.ep}
+    ranks = {"dp": dp_rank, "expt_dp": par.expert_dp_rank(dp_rank)}
     for chunk in range(par.num_chunks):
         params = chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk,
                                   seq_length=training.seq_length, peft=peft)
@@ -168,10 +169,11 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
         if span is not None:
             lo, hi = out.get("ep/all_to_all", (0, 0))
             out["ep/all_to_all"] = (lo + m * span[0], hi + m * span[1])
-        if moe_layers and par.tp > 1 and options.moe_token_dispatcher_type == "alltoall":
+        if moe_layers and par.expert_tp > 1 and options.moe_token_dispatcher_type == "alltoall":
             at = [moe_communication(spec, options, par, training, moe_layers, rerun, received)
                   for received in (None, fewest, most)]
-            for key in ("tp/all_gather", "tp/reduce_scatter"):
+            group = expert_tp_group(par)
+            for key in (f"{group}/all_gather", f"{group}/reduce_scatter"):
                 lo, hi = out.get(key, (comm[key], comm[key]))
                 balanced = at[0].get(key, 0)
                 out[key] = (lo + m * (at[1].get(key, 0) - balanced), hi + m * (at[2].get(key, 0) - balanced))
@@ -266,7 +268,7 @@ def decoder_memory(
         parameters={k: v + tower.parameter_counts()[k] for k, v in counts.items()},
         stages=tuple(stages),
         group_sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2,
-                     "tp_ep": par.tp * par.ep,
+                     "tp_ep": par.expert_tp * par.ep, "etp": par.expert_tp,
                      "cp": par.cp},
         not_modelled=((reason,) if reason else ()) + tower.not_modelled,
         assumptions=assumptions + tower.assumptions,
