@@ -12,7 +12,7 @@ from megatron_flops.cli._memory_model import decoder_options, layout_defaults, n
 from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, backend_convention
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS
-from megatron_flops.memory.layout import DTYPE_BYTES, OPTIMIZERS, Parallelism, Training
+from megatron_flops.memory.layout import DTYPE_BYTES, FSDP_STRATEGIES, OPTIMIZERS, Parallelism, Training
 from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
 NOT_COUNTED = ("allocator caching and fragmentation", "workspaces (cuBLAS, NCCL, kernels)", "the CUDA context",
@@ -109,7 +109,8 @@ def _resolve_layout(args: argparse.Namespace, model: LoadedModel) -> None:
 def _parallelism(args: argparse.Namespace) -> Parallelism:
     return Parallelism(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, dp=args.dp, etp=args.etp,
                        sequence_parallel=args.sequence_parallel,
-                       distributed_optimizer=args.distributed_optimizer, fsdp=bool(args.fsdp))
+                       distributed_optimizer=bool(args.distributed_optimizer), fsdp=bool(args.fsdp),
+                       megatron_fsdp=args.megatron_fsdp)
 
 
 def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: Parallelism) -> dict[str, dict]:
@@ -117,7 +118,7 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
     from megatron_flops.memory.fsdp import dit_memory_report
 
     other = [f"--{k} {v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if v > 1]
-    if other or par.vpp or par.distributed_optimizer or par.sequence_parallel:
+    if other or par.vpp or par.distributed_optimizer or par.sequence_parallel or par.megatron_fsdp:
         raise ValueError(f"a DiT model file is modelled under --fsdp (torch FSDP2 over --dp ranks) only; "
                          f"{', '.join(other) or 'this layout'} is not modelled")
     if not par.fsdp and par.dp > 1:
@@ -212,7 +213,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         + f" x DP {par.dp}" + (f", VPP {par.vpp}" if par.vpp else "") + (f", EP {par.ep}" if par.ep > 1 else "")
         + (f", expert TP {par.expert_tp}" if par.expert_tp != par.tp and par.ep > 1 else "")
         + (", sequence parallel" if par.sequence_parallel and par.tp > 1 else "") + ")",
-        "FSDP2" if par.fsdp else "distributed optimizer" if par.distributed_optimizer else "DDP",
+        "FSDP2" if par.fsdp else f"Megatron-FSDP ({par.megatron_fsdp})" if par.megatron_fsdp
+        else "distributed optimizer" if par.distributed_optimizer else "DDP",
         f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {training.seq_length} tokens",
     ]
     if args.json:
@@ -261,6 +263,9 @@ def add_parser(sub: Any) -> None:
                        help="megatron-core's DistributedOptimizer (optimizer state sharded over DP)")
     shard.add_argument("--fsdp", action="store_true", default=None,
                        help="torch FSDP2 (a DiT file: the example's; a decoder: Megatron-LM's --use-torch-fsdp2)")
+    shard.add_argument("--megatron-fsdp", choices=FSDP_STRATEGIES, metavar="STRATEGY",
+                       help="Megatron-FSDP (Megatron-LM's --use-megatron-fsdp) with this "
+                            "--data-parallel-sharding-strategy: " + ", ".join(FSDP_STRATEGIES) + " (a formula)")
     mem.add_argument("--params-dtype", choices=sorted(DTYPE_BYTES),
                      help="weight dtype (16-bit: fp32 main copies; FSDP2: the compute dtype over fp32 shards; "
                           "default bf16)")

@@ -16,6 +16,8 @@ FP32_BYTES = DTYPE_BYTES["fp32"]
 NORM_STATS_BYTES = FP32_BYTES  # a norm's mean/rstd per token, in fp32 as CUDA kernels keep them
 INDEX_BYTES = 8  # int64 token ids, positions, targets, top-k and gather indices
 OPTIMIZERS = ("adam", "sgd")
+# Megatron-FSDP's data_parallel_sharding_strategy values, from nothing sharded to everything.
+FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def _positive(name: str, value: object) -> None:
@@ -28,7 +30,8 @@ class Parallelism:
     """Parallel sizes. ``vpp`` is the number of model chunks per pipeline rank (None: no
     interleaving); ``distributed_optimizer`` shards optimizer state over DP (megatron-core's
     ``DistributedOptimizer``); ``fsdp`` shards parameters, gradients and optimizer state over DP
-    (torch FSDP2, DiT models); ``etp`` the routed experts' tensor-parallel size (None: TP)."""
+    (torch FSDP2, DiT models); ``megatron_fsdp`` Megatron-FSDP's sharding strategy (None: not
+    Megatron-FSDP); ``etp`` the routed experts' tensor-parallel size (None: TP)."""
 
     tp: int = 1
     pp: int = 1
@@ -40,6 +43,7 @@ class Parallelism:
     distributed_optimizer: bool = False
     fsdp: bool = False
     etp: int | None = None
+    megatron_fsdp: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "dp"):
@@ -50,6 +54,11 @@ class Parallelism:
                 raise ValueError("--vpp needs --pp > 1 (interleaving splits each pipeline rank's layers)")
         if self.distributed_optimizer and self.fsdp:
             raise ValueError("--distributed-optimizer and --fsdp are two ways to shard over DP: choose one")
+        if self.megatron_fsdp is not None:
+            if self.megatron_fsdp not in FSDP_STRATEGIES:
+                raise ValueError(f"--megatron-fsdp takes one of {FSDP_STRATEGIES}, got {self.megatron_fsdp!r}")
+            if self.distributed_optimizer or self.fsdp:
+                raise ValueError("Megatron-FSDP shards over DP itself: not with --distributed-optimizer or --fsdp")
         if self.etp is not None:
             _positive("--etp", self.etp)
         if (self.tp * self.dp * self.cp) % (self.expert_tp * self.ep):

@@ -188,10 +188,10 @@ MAX_FORWARD_PASSES = 1 << 16
 
 
 def _check_size(spec: ModelSpec, par: Parallelism, training: Training) -> None:
-    ranks = par.dp if par.distributed_optimizer else 1
+    ranks = par.dp if par.distributed_optimizer or par.megatron_fsdp else 1
     if spec.num_layers * ranks > MAX_LAYER_RANKS:
         raise ValueError(f"the memory model lists every layer for each data-parallel rank it compares (every one "
-                         f"under --distributed-optimizer, else one): num_layers x those ranks must be at most "
+                         f"under --distributed-optimizer or --megatron-fsdp, else one): num_layers x those ranks must be at most "
                          f"{MAX_LAYER_RANKS:,}, got {spec.num_layers:,} x {ranks:,}")
     passes = training.num_microbatches * par.num_chunks
     if passes > MAX_FORWARD_PASSES:
@@ -254,9 +254,19 @@ def decoder_memory(
                              vision=vision)
                  for d in (range(par.dp) if par.distributed_optimizer else (0,))]
         stages.append(max(ranks, key=lambda r: (r.total, -r.dp_rank)))
+    if par.megatron_fsdp is not None:  # Megatron-FSDP: its states and dp/ traffic, the rest as DDP's
+        from megatron_flops.memory.megatron_fsdp import megatron_fsdp_stage
+
+        stages = [_with_states(r, *megatron_fsdp_stage(spec, options, par, training, pp_rank=r.pp_rank, peft=peft))
+                  for r in stages]
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
+    if par.megatron_fsdp is not None:
+        from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
+
+        more = megatron_fsdp_notes(par)
+        assumptions, unmeasured = assumptions + tuple(more[0]), unmeasured + tuple(more[1])
     if fsdp is not None:
         comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
         stages = [replace(stages[0], states=fsdp[0], communication={**fsdp[1], **comm})]
@@ -274,6 +284,12 @@ def decoder_memory(
         assumptions=assumptions + tower.assumptions,
         unmeasured=unmeasured + tower.unmeasured,
     )
+
+
+def _with_states(rank: RankMemory, states: dict[str, int], data_parallel: dict[str, int]) -> RankMemory:
+    """``rank`` with other states and ``dp``/``expt_dp`` payloads."""
+    comm = {k: v for k, v in rank.communication.items() if not k.startswith(("dp/", "expt_dp/"))}
+    return replace(rank, states=states, communication={**data_parallel, **comm})
 
 
 def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
