@@ -94,40 +94,40 @@ def fsdp_buckets(params: Sequence[Param], *, strategy: str, bucket_size: int | N
 
 def bucket_layout(bucket: FsdpBucket, dp: int, strategy: str) -> tuple[int, list[tuple[int, int]]]:
     """``build_data_parallel_buffer_index``: the bucket's size, padding included, and each
-    parameter's ``[start, end)`` in it."""
+    parameter's ``[start, end)`` in it (in ``bucket.params`` order)."""
     chunk = bucket.chunk
-    regular = [p for p in bucket.params if p.numel >= chunk]
-    fragments = [p for p in bucket.params if p.numel < chunk]
-    spans: list[tuple[int, int]] = []
+    numel = [p.numel for p in bucket.params]
+    regular = [i for i, n in enumerate(numel) if n >= chunk]
+    fragments = [i for i, n in enumerate(numel) if n < chunk]
+    starts: dict[int, int] = {}
     index = 0
     while regular:
-        p = regular.pop(0)
-        spans.append((index, index + p.numel))
-        if p.numel % chunk == 0:
-            index += p.numel
+        i = regular.pop(0)
+        starts[i] = index
+        if numel[i] % chunk == 0:
+            index += numel[i]
             continue
-        gap = index + p.numel
-        index += (p.numel // chunk + 1) * chunk
-        remain = p.numel % chunk
+        gap = index + numel[i]
+        index += (numel[i] // chunk + 1) * chunk
+        remain = numel[i] % chunk
         space = chunk - remain
-        partner = next((q for q in regular if q.numel % chunk and remain + q.numel % chunk <= chunk), None)
-        if partner is not None:
+        partner = next((j for j in regular if numel[j] % chunk and remain + numel[j] % chunk <= chunk), None)
+        if partner is not None:  # (its remainder ends where this one's chunk ends)
             regular.remove(partner)
-            start = index - partner.numel % chunk
-            spans.append((start, start + partner.numel))
-            space -= partner.numel % chunk
-            index += partner.numel // chunk * chunk
-        for frag in list(fragments):
-            if frag.numel <= space:
-                spans.append((gap, gap + frag.numel))
-                space -= frag.numel
-                gap += frag.numel
-                fragments.remove(frag)
-    for frag in fragments:
-        spans.append((index, index + frag.numel))
-        index += frag.numel
+            starts[partner] = index - numel[partner] % chunk
+            space -= numel[partner] % chunk
+            index += numel[partner] // chunk * chunk
+        for j in list(fragments):  # small parameters into the gap after this one
+            if numel[j] <= space:
+                starts[j] = gap
+                space -= numel[j]
+                gap += numel[j]
+                fragments.remove(j)
+    for j in fragments:
+        starts[j] = index
+        index += numel[j]
     size = index if strategy == "no_shard" else -(-index // (dp * chunk)) * dp * chunk
-    return size, spans
+    return size, [(starts[i], starts[i] + numel[i]) for i in range(len(numel))]
 
 
 def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy: str, sizes: dict[str, int],
