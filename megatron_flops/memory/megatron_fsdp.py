@@ -2,9 +2,8 @@
 ``--use-megatron-fsdp``, megatron-core 0.16.1's ``distributed/fsdp``), by sharding strategy
 (stdlib only).
 
-NB: a formula, not measured: Megatron-FSDP allocates its buffers on CUDA and runs its collectives
-on CUDA streams, which no CPU step here can run. It follows megatron-core 0.16.1's
-``ParamAndGradBuffer`` as the code allocates:
+NB: as megatron-core 0.16.1's ``ParamAndGradBuffer`` allocates and ``MegatronFSDP`` communicates
+(measured on CPU with gloo, its CUDA streams stubbed: tests/test_memory_megatron_fsdp.py):
 
 - parameter groups (``_get_parameter_groups``): parameters with the same expert-ness (``.experts.``
   in the name), ``requires_grad`` and FSDP unit (``optim_grads_params``: each ``TransformerLayer``;
@@ -13,17 +12,17 @@ on CUDA streams, which no CPU step here can run. It follows megatron-core 0.16.1
   ``chunk_size_factor`` (the lcm of the row sizes it needs: :func:`chunk_size_factor`);
 - each bucket's layout (``build_data_parallel_buffer_index``): parameters in order of decreasing
   row size, each starting on a chunk boundary unless its remainder fits beside another's, small
-  ones in the gaps; the bucket padded to a multiple of ``DP x chunk_size_factor`` (not with
-  ``no_shard``), each rank owning ``1 / DP`` of it (expert buckets: over the expert DP group);
-- buffers per bucket: model weights (params dtype; ``no_shard`` keeps the parameters themselves),
-  main weights (fp32, ``preserve_fp32_weights``, for trainable buckets, even of fp32 models),
-  main gradients (fp32 with ``grad_reduce_in_fp32``); sharded by strategy: ``optim`` the main
-  weights, ``optim_grads`` also the gradients, ``optim_grads_params`` also the model weights;
-- optimizer moments over the real elements of this rank's main-weight shard;
-- collectives: ``no_shard`` all-reduces the gradients once per step; ``optim`` reduce-scatters
-  them once per step, ``optim_grads``/``optim_grads_params`` every micro-batch; the model weights
-  are all-gathered once per step after the optimizer (``optim``, ``optim_grads``), or per
-  micro-batch in forward and again in backward (``optim_grads_params``).
+  ones in the gaps; the bucket padded to a multiple of ``DP x chunk_size_factor``, each rank
+  owning ``1 / DP`` of it (expert buckets: over the expert DP group);
+- buffers per bucket: model weights (params dtype), main weights (fp32, ``preserve_fp32_weights``,
+  for trainable buckets, even of fp32 models), main gradients (fp32 with ``grad_reduce_in_fp32``);
+  ``optim`` shards the main weights, ``optim_grads`` also the gradients, ``optim_grads_params``
+  also the model weights; optimizer moments over the real elements of this rank's shard;
+- collectives: see :func:`megatron_fsdp_rank`.
+
+``no_shard`` (Megatron-LM's default strategy) is refused: megatron-core 0.16.1 fails at its first
+optimizer step. ``megatron_fsdp/unsharded_working_copies`` (the gathered units and unsharded
+gradient buckets alive at once) is a formula: gloo on CPU runs each collective to completion.
 """
 
 from __future__ import annotations
@@ -80,7 +79,7 @@ def fsdp_buckets(params: Sequence[Param], *, strategy: str, bucket_size: int | N
     for (expert, trainable, unit), members in groups.items():
         cut: list[list[Param]] = [[]]
         for p in members:
-            if p.shared_embedding and strategy != "no_shard":  # (a bucket of its own)
+            if p.shared_embedding:  # (a bucket of its own)
                 cut += [[p], []]
                 continue
             cut[-1].append(p)
@@ -92,7 +91,7 @@ def fsdp_buckets(params: Sequence[Param], *, strategy: str, bucket_size: int | N
     return out
 
 
-def bucket_layout(bucket: FsdpBucket, dp: int, strategy: str) -> tuple[int, list[tuple[int, int]]]:
+def bucket_layout(bucket: FsdpBucket, dp: int) -> tuple[int, list[tuple[int, int]]]:
     """``build_data_parallel_buffer_index``: the bucket's size, padding included, and each
     parameter's ``[start, end)`` in it (in ``bucket.params`` order)."""
     chunk = bucket.chunk
@@ -126,57 +125,53 @@ def bucket_layout(bucket: FsdpBucket, dp: int, strategy: str) -> tuple[int, list
     for j in fragments:
         starts[j] = index
         index += numel[j]
-    size = index if strategy == "no_shard" else -(-index // (dp * chunk)) * dp * chunk
+    size = -(-index // (dp * chunk)) * dp * chunk
     return size, [(starts[i], starts[i] + numel[i]) for i in range(len(numel))]
 
 
 def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy: str, sizes: dict[str, int],
                        ranks: dict[str, int], bucket_size: int | None) -> tuple[dict[str, int], dict[str, int]]:
     """(state bytes, step payload per ``group/kind``) of one model chunk on the rank with
-    data-parallel ranks ``ranks`` (``dp``, ``expt_dp``) in groups of ``sizes`` (see the module NB)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"--data-parallel-sharding-strategy must be one of {STRATEGIES}, got {strategy!r}")
-    shard_w, shard_m, shard_g = (STRATEGIES.index(strategy) >= i for i in (3, 1, 2))
+    data-parallel ranks ``ranks`` (``dp``, ``expt_dp``) in groups of ``sizes`` (see the module NB).
+    ``bucket_size``: the DDP bucket size (None: ``overlap_grad_reduce`` off)."""
+    if strategy not in STRATEGIES[1:]:
+        raise ValueError(f"Megatron-FSDP is modelled with {', '.join(STRATEGIES[1:])}, not {strategy!r}: "
+                         "megatron-core 0.16.1's no_shard fails at the first optimizer step (start_param_sync "
+                         "all-gathers a model-weight buffer no_shard does not allocate)")
+    shard_w, shard_g = strategy == "optim_grads_params", strategy != "optim"
     a, g, m = training.param_bytes, training.grad_bytes, training.num_microbatches
-    states = dict.fromkeys(("weights", "gradients", *optimizer_keys(training)), 0)
+    states = dict.fromkeys(("weights", "gradients", "optimizer/main_params", *optimizer_keys(training)), 0)
     moments = [k for k in states if k.startswith("optimizer/") and k != "optimizer/main_params"]
     comm: dict[str, int] = {}
     gathered: list[int] = []
     grads: list[int] = []
     for bucket in fsdp_buckets(params, strategy=strategy, bucket_size=bucket_size):
         n, rank = sizes[bucket.group], ranks[bucket.group]
-        size, spans = bucket_layout(bucket, n, strategy)
+        size, spans = bucket_layout(bucket, n)
         part = size // n
-        states["weights"] += (part if shard_w and n > 1 else size) * a
+        states["weights"] += (part if shard_w else size) * a
         gathered.append(size * a if shard_w and n > 1 else 0)
         if not bucket.trainable:
             grads.append(0)
             continue
         # NB: fp32 main weights for every trainable bucket (preserve_fp32_weights), even of fp32 models.
-        states["optimizer/main_params"] = states.get("optimizer/main_params", 0) + (
-            part if shard_m and n > 1 else size) * FP32_BYTES
-        states["gradients"] += (part if shard_g and n > 1 else size) * g
+        states["optimizer/main_params"] += part * FP32_BYTES
+        states["gradients"] += (part if shard_g else size) * g
         grads.append(size * g if shard_g and n > 1 else 0)
-        lo, hi = (rank * part, (rank + 1) * part) if n > 1 and strategy != "no_shard" else (0, size)
-        real = sum(max(0, min(hi, end) - max(lo, start)) for start, end in spans)
+        real = sum(max(0, min((rank + 1) * part, end) - max(rank * part, start)) for start, end in spans)
         for key in moments:
             states[key] += real * FP32_BYTES
         if n > 1:
-            _add(comm, bucket.group, strategy, size=size, a=a, g=g, m=m)
+            # Gradients: optim reduce-scatters in the last micro-batch's backward and, without
+            # overlap_grad_reduce, again in finish_grad_sync; optim_grads(_params) every backward.
+            # Weights: all-gathered once per step, and with optim_grads_params each
+            # TransformerLayer's in every forward and again in backward (the rest stays gathered).
+            rs = (1 if bucket_size else 2) if strategy == "optim" else m
+            ag = 2 * m if bucket.unit is not None else 1
+            for kind, value in (("reduce_scatter", rs * size * g), ("all_gather", ag * size * a)):
+                comm[f"{bucket.group}/{kind}"] = comm.get(f"{bucket.group}/{kind}", 0) + value
     states["megatron_fsdp/unsharded_working_copies"] = unsharded_working_copies(gathered, grads)
     return {k: v for k, v in states.items() if v or k in ("weights", "gradients")}, comm
-
-
-def _add(comm: dict[str, int], group: str, strategy: str, *, size: int, a: int, g: int, m: int) -> None:
-    """One bucket's payloads per step (see the module NB)."""
-    per_step: dict[str, int] = {}
-    if strategy == "no_shard":
-        per_step["all_reduce"] = size * g
-    else:
-        per_step["reduce_scatter"] = size * g * (1 if strategy == "optim" else m)
-        per_step["all_gather"] = size * a * (2 * m if strategy == "optim_grads_params" else 1)
-    for kind, value in per_step.items():
-        comm[f"{group}/{kind}"] = comm.get(f"{group}/{kind}", 0) + value
 
 
 def megatron_fsdp_stage(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
@@ -185,7 +180,7 @@ def megatron_fsdp_stage(spec: ModelSpec, options: DecoderOptions, par: Paralleli
     data-parallel rank: one Megatron-FSDP wrapper per model chunk (bucketed: chunk 0 only)."""
     assert par.megatron_fsdp is not None
     best: tuple[dict[str, int], dict[str, int]] | None = None
-    for dp_rank in range(par.dp if par.megatron_fsdp != "no_shard" else 1):
+    for dp_rank in range(par.dp):
         states: dict[str, int] = {}
         comm: dict[str, int] = {}
         for chunk in range(par.num_chunks):
@@ -209,8 +204,12 @@ def megatron_fsdp_notes(par: Parallelism) -> tuple[list[str], list[str]]:
     assumptions = [f"Megatron-FSDP (--use-megatron-fsdp, --data-parallel-sharding-strategy {par.megatron_fsdp}) as "
                    "megatron-core 0.16.1 allocates it: fp32 main weights (preserve_fp32_weights), no FSDP double "
                    "buffer, no hybrid (outer) sharding, no FP8; activations as without it"]
-    unmeasured = [f"Megatron-FSDP ({par.megatron_fsdp}): weights, gradients, optimizer state, the dp/expt_dp "
-                  "collectives and megatron_fsdp/unsharded_working_copies (two neighbouring buckets' gathered "
-                  "weights and one unsharded gradient bucket) follow megatron-core's ParamAndGradBuffer as a "
-                  "formula (its buffers and streams are CUDA-only: no CPU step runs)"]
+    unmeasured = ["megatron_fsdp/unsharded_working_copies: two neighbouring buckets' gathered weights and one "
+                  "unsharded gradient bucket alive at once (gloo on CPU runs each collective to completion, so "
+                  "the CUDA-stream overlap cannot be measured here)"]
+    other = [f"{name} {size}" for name, size in (("TP", par.tp), ("PP", par.pp), ("EP", par.ep), ("CP", par.cp))
+             if size > 1]
+    if other:
+        unmeasured.append(f"Megatron-FSDP with {', '.join(other)}: its buffers and dp/expt_dp collectives as over "
+                          "data parallelism alone (measured: DP only), the other groups' traffic as without it")
     return assumptions, unmeasured
