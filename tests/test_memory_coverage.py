@@ -76,6 +76,7 @@ LAYOUTS = {
     "DP2 EP2": ["--dp", "2", "--ep", "2"],
     "TP2 SP DP2 EP2": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--ep", "2"],
     "TP2 SP DP2 EP2 ETP1": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--ep", "2", "--etp", "1"],
+    "DP2 Megatron-FSDP": ["--dp", "2", "--megatron-fsdp", "optim_grads_params"],
 }
 # name -> flags, each also given to `estimate`; crossed with the layouts in SETUP_LAYOUTS.
 SETUPS = {
