@@ -158,6 +158,8 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     ("examples/wan* | TP2* | ", r"refused: .*a DiT model file is modelled under --fsdp .* --tp 2 is"),
     ("examples/wan* | PP2* | ", r"refused: .*a DiT model file is modelled under --fsdp .* --pp 2 is"),
     ("examples/wan* | CP2 | ", r"refused: .*a DiT model file is modelled under --fsdp .* --cp 2 is"),
+    # DiT under Megatron-FSDP: the DiT path models torch FSDP2, as examples/wan_dit_fsdp2.py trains it.
+    ("examples/wan* | DP2 Megatron-FSDP | ", r"refused: .*a DiT model file is modelled under --fsdp .* this layout"),
     # A VLM without --grid-thw (the survey passes no grids): the vision tower's activations.
     ("examples/qwen2_5_vl_7b_config.json | *", r"not modelled: the vision tower's activations: give --grid-thw"),
 ]
