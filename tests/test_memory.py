@@ -494,7 +494,7 @@ def test_cli_dit_compare_full(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", TINY_DIT, "--seq-length", "16", "--tp", "2", "--dp", "2", "--fsdp"],
-     "a DiT model file is modelled under --fsdp"),
+     "a DiT model file under --fsdp (torch FSDP2) is modelled over --dp ranks only"),
     (["--model", LLAMA, "--seq-length", "16", "--tp", "3"], "not divisible by --tp 3"),
     (["--model", LLAMA, "--seq-length", "16", "--dp", "2", "--distributed-optimizer",
       "--optimizer", "sgd"], "distributed optimizer supports Adam only"),
@@ -519,7 +519,7 @@ def test_docs_memory_examples_are_the_commands_output(capsys, monkeypatch):
     monkeypatch.chdir(EXAMPLES.parent)
     text = (EXAMPLES.parent / "docs" / "memory.md").read_text()
     blocks = [b.split("\n```")[0] for b in text.split("```\n$ megatron-flops memory ")[1:]]
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     for block in blocks:
         command, *shown = block.splitlines()
         assert main(["memory", *shlex.split(command)]) == 0

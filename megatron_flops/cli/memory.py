@@ -1,6 +1,7 @@
 """``megatron-flops memory``: bytes per GPU (weights, gradients, optimizer state, activations) and
 bytes moved per training step, for a megatron-core GPT (DDP or distributed optimizer, TP/PP/VPP/EP)
-or a WAN-style DiT under FSDP2; LoRA and full training side by side with ``--compare-full``."""
+or a WAN-style DiT (FSDP2, or megatron-core DDP / distributed optimizer with TP/PP/CP); LoRA and full
+training side by side with ``--compare-full``."""
 
 from __future__ import annotations
 
@@ -118,12 +119,14 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
     from megatron_flops.memory.fsdp import dit_memory_report
 
     other = [f"--{k} {v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if v > 1]
-    if other or par.vpp or par.distributed_optimizer or par.sequence_parallel or par.megatron_fsdp:
-        raise ValueError(f"a DiT model file is modelled under --fsdp (torch FSDP2 over --dp ranks) only; "
+    if par.megatron_fsdp:
+        raise ValueError("a DiT model file under Megatron-FSDP is not modelled (torch FSDP2: --fsdp; megatron-core "
+                         "DDP or --distributed-optimizer)")
+    if par.fsdp and (other or par.vpp or par.sequence_parallel):
+        raise ValueError(f"a DiT model file under --fsdp (torch FSDP2) is modelled over --dp ranks only; "
                          f"{', '.join(other) or 'this layout'} is not modelled")
-    if not par.fsdp and par.dp > 1:
-        raise ValueError("a DiT model file with --dp > 1 needs --fsdp (torch FSDP2)")
-    if training.optimizer != "adam":
+    megatron = _dit_megatron(par)
+    if training.optimizer != "adam" and not megatron:
         raise ValueError("a DiT under FSDP2 is modelled with Adam(W)")
     setup = dit_setup(model.raw, frozen=args.frozen, lora_rank=args.lora_rank,
                       lora_targets=None if args.lora_targets is None else args.lora_targets.split(","),
@@ -131,14 +134,26 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
                       recompute_num_layers=args.recompute_num_layers, source=model.source)
     backend = "flash" if args.attention_backend is None else backend_convention(args.attention_backend)
     attention = "local" if backend == "unfused" else backend
-    checkpointed = _checkpointed_dit_blocks(setup.spec.num_layers, setup.recompute)
+    checkpointed = _checkpointed_dit_blocks(setup.spec.num_layers // (par.pp if megatron else 1), setup.recompute)
     name = "LoRA" if setup.peft is not None and setup.peft.lora_rank else "this setup"
+    if megatron:
+        from megatron_flops.memory.dit_layouts import dit_layout_report
+
+        return {n: dit_layout_report(setup.spec, par, training, peft=p, attention=attention, checkpointed_blocks=checkpointed)
+                for n, p in ((name, setup.peft), ("full", None)) if n == name or args.compare_full}
     reports = {name: dit_memory_report(setup.spec, training, dp=par.dp, peft=setup.peft, attention=attention,
                                        checkpointed_blocks=checkpointed)}
     if args.compare_full:
         reports["full"] = dit_memory_report(setup.spec, training, dp=par.dp, attention=attention,
                                             checkpointed_blocks=checkpointed)
     return reports
+
+
+def _dit_megatron(par: Parallelism) -> bool:
+    """A DiT under megatron-core DDP / distributed optimizer, as Megatron-Bridge trains WAN
+    (memory/dit_layouts.py): any layout but one GPU without a parallel flag (the example's module
+    alone) and --fsdp."""
+    return not par.fsdp and (par.world_size > 1 or par.distributed_optimizer or par.ep > 1)
 
 
 def _checkpointed_dit_blocks(num_layers: int, recompute: Any) -> int:
@@ -204,7 +219,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     dit = "dit" in model.raw
     reports = (_dit if dit else _decoder)(args, model, training, par)
     assumptions = [
-        f"{args.params_dtype} weights" + (" (fp32 shards cast for compute)" if dit and args.params_dtype != "fp32"
+        f"{args.params_dtype} weights" + (" (fp32 shards cast for compute)" if dit and not _dit_megatron(par)
+                                          and args.params_dtype != "fp32"
                                           else " + fp32 main copies" if args.params_dtype != "fp32" else ""),
         # NB: Megatron-LM's --use-torch-fsdp2 reduces in the params dtype (no MixedPrecisionPolicy).
         f"gradients reduced in {'fp32' if training.grad_bytes == 4 and (dit or not par.fsdp) else args.params_dtype}",

@@ -3,8 +3,8 @@
 Conventions, written once (each module's NB comments say where they apply):
 
 - Bytes are those of distinct storages on the rank, padding included, as megatron-core and torch
-  allocate them: megatron-core's DDP buffers (:mod:`.states`), FSDP2's dim-0 shards (:mod:`.fsdp` for a DiT,
-  :mod:`.decoder_fsdp` for a decoder as Megatron-LM's ``--use-torch-fsdp2``).
+  allocate them: megatron-core's DDP buffers (:mod:`.states`; a DiT: :mod:`.dit_layouts`), FSDP2's dim-0
+  shards (:mod:`.fsdp` for a DiT, :mod:`.decoder_fsdp` for a decoder as Megatron-LM's ``--use-torch-fsdp2``).
 - bf16/fp16 weights train with fp32 gradients (``grad_reduce_in_fp32``) and fp32 main copies in
   the optimizer; fp32 weights are their own main copy. Adam keeps ``exp_avg`` and ``exp_avg_sq``
   (its per-tensor ``step`` scalar is not counted); SGD one ``momentum_buffer``.
@@ -15,7 +15,8 @@ Conventions, written once (each module's NB comments say where they apply):
 
 Measured against megatron-core and torch FSDP2 on CPU with gloo to the byte:
 ``tests/test_memory_dist.py``, ``tests/test_memory_activations.py``, ``tests/test_memory_fsdp.py``,
-``tests/test_memory_dit_activations.py``, ``tests/test_memory_decoder_fsdp.py``.
+``tests/test_memory_dit_activations.py``, ``tests/test_memory_decoder_fsdp.py``,
+``tests/test_memory_dit_layouts.py``.
 """
 
 from megatron_flops.memory.decoder import DecoderOptions

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.lora import lora_activation_reason
-from megatron_flops.memory.ssm import dsa_saved, gdn_saved, mamba_saved, ssm_activation_reason
+from megatron_flops.memory.ssm import dsa_saved, gdn_saved, kda_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_activation_reason, moe_activations,
@@ -184,7 +184,7 @@ class _Walk:
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
-    reason = lora_activation_reason(spec, peft) or ssm_activation_reason(spec, recompute, par.tp)
+    reason = lora_activation_reason(spec, peft) or ssm_activation_reason(spec, recompute)
     if reason is not None:
         return reason
     if spec.moe is not None:
@@ -336,7 +336,7 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     w.act("attention", 4 * x.s * mla.qk_pos_emb_head_dim * a)  # cos and sin, for q and for k
     v = T * heads * mla.v_head_dim * a
     if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`)
-        w.act("attention", dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a) + v)
+        w.act("attention", dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) + v)
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
     w.act("attention", 2 * qk + v)
@@ -390,7 +390,7 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     hybrid mixer layer), each after its norm and before its dropout."""
     if mixer != "none":
         _norm(w, "norm", x, options)
-        if mixer in ("mamba", "gdn"):
+        if mixer in ("mamba", "gdn", "kda"):
             _ssm_mixer(w, x, spec, mixer)
         elif spec.mla is not None:
             _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer == "dsa")
@@ -410,10 +410,13 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
 
 
 def _ssm_mixer(w: _Walk, x: _Dims, spec: ModelSpec, mixer: str) -> None:
-    """A Mamba or Gated DeltaNet mixer (formulas, :mod:`.ssm`): ``in_proj``'s input (this rank's
-    slice under sequence parallelism), then what the kernels keep."""
+    """A Mamba, Gated DeltaNet or Kimi Delta Attention mixer (:mod:`.ssm`): ``in_proj``'s input
+    (KDA: the one input of its projections; this rank's slice under sequence parallelism), then
+    what the kernels keep."""
     w.act(mixer, x.local_tokens * x.h * x.act)
-    if mixer == "mamba":
+    if mixer == "kda":
+        w.act(mixer, kda_saved(spec, s=x.s, b=x.b, act=x.act))
+    elif mixer == "mamba":
         w.act(mixer, mamba_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act))
     else:  # NB: parameters in the activation dtype (Float16Module), so exp(A_log) too
         w.act(mixer, gdn_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act, param=x.act))

@@ -69,6 +69,10 @@ from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES
 
 ATTENTION_CONVENTIONS = ("local", "flash")
+# Megatron-Bridge's WanModel under tensor parallelism: column-parallel projections (output split over
+# TP); o and ffn.2 are row-parallel (input split, output whole).
+TP_COLUMN_PARALLEL = ("self_attn.q", "self_attn.k", "self_attn.v", "cross_attn.q", "cross_attn.k", "cross_attn.v",
+                      "cross_attn.k_img", "cross_attn.v_img", "ffn.0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +95,8 @@ class DiTActivations:
     """Bytes per micro-batch: ``block`` (one block's own saved storages, by part), ``outside``
     (the embeddings', head's and loss's, by part), ``shared`` (the text/image embeddings all blocks
     save), ``kept`` (what the checkpointed blocks keep), ``recompute`` (the largest region re-run
-    in backward), ``total`` (the peak of saved storages)."""
+    in backward), ``total`` (the peak of saved storages), ``held`` (what it holds from the end
+    of its forward until its backward starts)."""
 
     block: dict[str, int]
     outside: dict[str, int]
@@ -99,6 +104,7 @@ class DiTActivations:
     kept: int
     recompute: int
     total: int
+    held: int
 
 
 @dataclass(frozen=True)
@@ -114,8 +120,8 @@ class _Block:
     """One block's forward, op by op, with torch's rule of what each op saves for backward: an
     operand is saved when another operand (or the weight) needs a gradient."""
 
-    def __init__(self, spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int) -> None:
-        self.spec, self.batch, self.peft, self.a, self.stats = spec, batch, peft, a, stats
+    def __init__(self, spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int, tp: int = 1) -> None:
+        self.spec, self.batch, self.peft, self.a, self.stats, self.tp = spec, batch, peft, a, stats, tp
         self.saved: dict[str, tuple[str, int]] = {}  # storage -> (part, bytes)
         self.part = ""
 
@@ -132,7 +138,9 @@ class _Block:
             self.save(x)  # the weight's gradient reads the input
         if self.peft.adapts(module):
             self.save(x, self.new(f"{module}.lora", rows, True, self.peft.lora_rank))
-        return self.new(module, rows, x.grad or base or self.peft.adapts(module), width)
+        width = width or self.spec.hidden_size
+        return self.new(module, rows, x.grad or base or self.peft.adapts(module),
+                        width // self.tp if module in TP_COLUMN_PARALLEL else width)
 
     def layer_norm(self, name: str, x: _T, rows: int, affine: bool) -> _T:
         trains = affine and not self.peft.frozen
@@ -143,13 +151,17 @@ class _Block:
     def rms_norm(self, name: str, x: _T, rows: int) -> _T:
         # NB: torch's composite: an fp32 copy of the input (the input itself in fp32), fp32 rstd,
         # the fp32 normalised product (read by the weight's gradient), then the output in ``a``.
+        # Under TP the norm spans the heads of every rank: its input all-gathered [rows, h], its output
+        # split back ([rows, h/TP], a new storage).
         trains = not self.peft.frozen
+        if self.tp > 1:
+            x = self.new(x.name + ".gathered", rows, x.grad)
         copy = x if self.a == 4 else _T(x.name + ".f32", rows * self.spec.hidden_size * 4, x.grad)
         if x.grad:
             self.save(copy, _T(name + ".rstd", rows * 4, False))
         if trains:
             self.save(_T(name + ".normed", rows * self.spec.hidden_size * 4, True))
-        return self.new(name, rows, x.grad or trains)
+        return self.new(name, rows, x.grad or trains, self.spec.hidden_size // self.tp)
 
     def mul(self, name: str, x: _T, y: _T, rows: int) -> _T:
         if x.grad:
@@ -160,10 +172,10 @@ class _Block:
 
     def attention(self, name: str, q: _T, k: _T, v: _T, kv: Sequence[int], attention: str) -> _T:
         """Core attention of each clip's queries to its ``kv`` keys; returns the output [T, h]."""
-        T, heads = sum(self.batch.video), self.spec.num_heads
+        T, heads, width = sum(self.batch.video), self.spec.num_heads // self.tp, self.spec.hidden_size // self.tp
         grad = q.grad or k.grad or v.grad
         if attention == "flash":  # NB: the kernel keeps q, k, v, its output and fp32 log-sum-exp
-            out = self.new(name + ".out", T, grad)
+            out = self.new(name + ".out", T, grad, width)
             if grad:
                 self.save(q, k, v, out, _T(name + ".lse", heads * T * 4, False))
             return out
@@ -172,7 +184,8 @@ class _Block:
         self.mul(name + ".scores", q, k, T)
         if probs.grad:
             self.save(probs)
-        return self.mul(name + ".out", probs, v, T)
+        self.mul(name + ".out", probs, v, T)
+        return self.new(name + ".out", T, probs.grad or v.grad, width)
 
     def forward(self, x: _T, e: _T, context: _T, image: _T | None, attention: str) -> _T:
         """The block's forward (``WanAttentionBlock.forward``); returns its output."""
@@ -200,7 +213,8 @@ class _Block:
                                                       self.linear(f"cross_attn.k{suffix}", src, sum(lens)), sum(lens)),
                                self.linear(f"cross_attn.v{suffix}", src, sum(lens)), lens, attention)
                 for name, suffix, src, lens in sources]
-        summed = outs[0] if len(outs) == 1 else self.new("cross.sum", T, any(t.grad for t in outs))
+        summed = outs[0] if len(outs) == 1 else self.new("cross.sum", T, any(t.grad for t in outs),
+                                                         self.spec.hidden_size // self.tp)
         o = self.linear("cross_attn.o", summed, T)
         x2 = self.new("x2", T, x1.grad or o.grad)
         self.part = "norm"
@@ -212,7 +226,7 @@ class _Block:
         f0 = self.linear("ffn.0", m2, T, self.spec.ffn_hidden_size)
         if f0.grad:
             self.save(f0)  # GELU's input
-        gelu = self.new("gelu", T, f0.grad, self.spec.ffn_hidden_size)
+        gelu = self.new("gelu", T, f0.grad, self.spec.ffn_hidden_size // self.tp)
         f2 = self.linear("ffn.2", gelu, T)
         self.part = "adaln"
         gated = self.mul("gate2", f2, mod, T)
@@ -223,12 +237,12 @@ SHARED = ("context", "image")  # storages every block reads: saved once per forw
 
 
 def _walk(spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int, attention: str,
-          x_grad: bool) -> tuple[dict[str, tuple[str, int]], bool]:
+          x_grad: bool, tp: int = 1) -> tuple[dict[str, tuple[str, int]], bool]:
     """(one block's saved storages, whether its output requires grad) for an input that does
     (or does not: the first block of a frozen base) require grad."""
     if attention not in ATTENTION_CONVENTIONS:
         raise ValueError(f"DiT attention must be one of {ATTENTION_CONVENTIONS}, got {attention!r}")
-    walk = _Block(spec, batch, peft, a, stats)
+    walk = _Block(spec, batch, peft, a, stats, tp)
     trains = not peft.frozen  # NB: the embeddings (patch, time, text, image) train with the base
     image = None if batch.image is None else walk.new("image", sum(batch.image), trains)
     out = walk.forward(walk.new("x", sum(batch.video), x_grad), walk.new("e", sum(batch.video), trains, 6 * spec.hidden_size),
@@ -238,9 +252,9 @@ def _walk(spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int,
 
 def dit_block_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
                     peft: PeftSpec | None = None, input_grad: bool = True,
-                    layer_norm_stats_bytes: int = NORM_STATS_BYTES) -> dict[str, int]:
+                    layer_norm_stats_bytes: int = NORM_STATS_BYTES, tp: int = 1) -> dict[str, int]:
     """One block's own saved bytes per part (see the module NB); the shared embeddings excluded."""
-    saved, _ = _walk(spec, batch, DiTPeftSpec.of(peft), act_bytes, layer_norm_stats_bytes, attention, input_grad)
+    saved, _ = _walk(spec, batch, DiTPeftSpec.of(peft), act_bytes, layer_norm_stats_bytes, attention, input_grad, tp)
     parts: dict[str, int] = dict.fromkeys(("adaln", "norm", "self_attn", "cross_attn", "ffn"), 0)
     for name, (part, nbytes) in saved.items():
         if name not in SHARED:
@@ -275,15 +289,19 @@ def dit_outside_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, trains:
 
 def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
                     peft: PeftSpec | None = None, checkpointed_blocks: int = 0,
-                    layer_norm_stats_bytes: int = NORM_STATS_BYTES) -> DiTActivations:
+                    layer_norm_stats_bytes: int = NORM_STATS_BYTES, first: bool = True,
+                    last: bool = True, tp: int = 1) -> DiTActivations:
     """Peak saved bytes of the model and its loss for one micro-batch, the first
     ``checkpointed_blocks`` blocks checkpointed (see the module NB). ``block``: the parts of a
-    block whose input needs a gradient (every block but a frozen base's first)."""
+    block whose input needs a gradient (every block but a frozen base's first). A pipeline
+    stage (``spec.num_layers`` its blocks): not ``first``, no patch embedding and an input that
+    needs a gradient; not ``last``, no head and loss. ``tp``: one tensor-parallel rank's (a formula)."""
     if not 0 <= checkpointed_blocks <= spec.num_layers:
         raise ValueError(f"checkpointing {checkpointed_blocks} of {spec.num_layers} blocks")
     peft = DiTPeftSpec.of(peft)
-    walks = {g: _walk(spec, batch, peft, act_bytes, layer_norm_stats_bytes, attention, g) for g in (False, True)}
-    x_grad, blocks = not peft.frozen, []  # the patch embedding's output needs a grad if it trains
+    walks = {g: _walk(spec, batch, peft, act_bytes, layer_norm_stats_bytes, attention, g, tp) for g in (False, True)}
+    # the patch embedding's output needs a grad if it trains; a received activation always does
+    x_grad, blocks = not (peft.frozen and first), []
     for _ in range(spec.num_layers):
         saved, out_grad = walks[x_grad]
         blocks.append(saved)
@@ -301,11 +319,14 @@ def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
         recompute = max(n - (T * h * a if "x" in b else 0) for n, b in zip(own, blocks[:checkpointed_blocks]))
     shared = sum(sources[k] for k in shared_names)
     parts = dit_block_saved(spec, batch, act_bytes=a, attention=attention, peft=peft, input_grad=True,
-                            layer_norm_stats_bytes=layer_norm_stats_bytes)
+                            layer_norm_stats_bytes=layer_norm_stats_bytes, tp=tp)
     outside = dit_outside_saved(spec, batch, act_bytes=a, trains=not peft.frozen, head_grad=x_grad,
                                 layer_norm_stats_bytes=layer_norm_stats_bytes)
+    outside.update({"patch_embed": outside["patch_embed"] * first, "head": outside["head"] * last,
+                    "loss": outside["loss"] * last})
     # Backward frees the head's and loss's saves, then the later blocks', before a checkpoint re-runs.
     embeddings = sum(outside.values()) - outside["head"] - outside["loss"]
     after = sum(own[checkpointed_blocks:]) + outside["head"] + outside["loss"]
     total = embeddings + shared + kept + max(after, recompute)
-    return DiTActivations(block=parts, outside=outside, shared=shared, kept=kept, recompute=recompute, total=total)
+    return DiTActivations(block=parts, outside=outside, shared=shared, kept=kept, recompute=recompute, total=total,
+                          held=embeddings + shared + kept + after)

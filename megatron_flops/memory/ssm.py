@@ -11,10 +11,13 @@ NB: megatron-core builds hybrid and GDN layers with Transformer Engine only: the
 is fused into ``in_proj``/``linear_qkv``/``linear_fc1`` (``layer_norm_weight``); it is listed here
 as the local spec's separate norm (the same elements; see :mod:`.decoder`).
 
-Activations of these mixers are formulas from what the CUDA kernels keep for backward (mamba_ssm's
+Activations of Mamba and GDN are formulas from what the CUDA kernels keep for backward (mamba_ssm's
 ``mamba_split_conv1d_scan_combined`` and gated RMSNorm, causal-conv1d, fla's
 ``chunk_gated_delta_rule`` and ``l2norm``), read from their source: none of them runs on CPU, so
-none is measured (the report lists them under ``unmeasured``).
+none is measured (the report lists them under ``unmeasured``). Kimi Delta Attention's are what
+transformers' torch path keeps (it runs on CPU: measured), and DeepSeek sparse attention's what
+megatron-core's torch ``DSAttention`` keeps (measured, TP 1 and TP 2 with and without sequence
+parallelism).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ Tensor = tuple[str, int, bool]  # (name, elements on one TP rank, whole on every
 # megatron-core's MambaMixer defaults (not TransformerConfig fields): conv width 4, conv bias.
 MAMBA_CONV_WIDTH = 4
 FLA_CHUNK = 64  # fla's chunk size: the solved [chunk, chunk] WY matrix per chunk and head
+KDA_CHUNK = 64  # transformers' chunk_kimi_delta_attention's default chunk_size
 MIXERS_WITH_PARAMETERS = ("mamba", "gdn", "kda")
 
 
@@ -164,9 +168,53 @@ def gdn_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int, param: int) ->
     return conv + l2 + repeated + decay + core + norm + t * v * act
 
 
-def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int) -> int:
-    """Bytes megatron-core 0.16.1's ``DSAttention`` (its torch implementation; TP 1) keeps for
-    backward, in place of MLA's core attention: measured on CPU (``tests/test_memory_ssm.py``).
+def kda_saved(spec: ModelSpec, *, s: int, b: int, act: int) -> int:
+    """Bytes one Kimi Delta Attention mixer keeps for backward beside its input (which the caller
+    counts), as transformers 5.24's ``KimiLinearDeltaAttention`` runs without fla and causal-conv1d
+    (its torch path, the one that runs on CPU: measured in ``tests/test_memory_ssm.py``). Per head
+    and head dim ``d``, ``n`` chunks of C = 64 over the sequence padded to ``n x C``:
+
+    - the depthwise conv: its input, q, k, v concatenated [b, 3 dim, s], and its output (SiLU's
+      input) [b, 3 dim, s + K - 1] before the causal slice; ``f_a_proj``'s and ``g_a_proj``'s
+      outputs [T, d]; ``beta = sigmoid(b_proj)`` [T, H];
+    - the forget gate (fp32): ``exp(A_log)`` and its negation [H], the softplus's ``exp`` output,
+      ``log``'s input and its output [T, dim], the bool ``g > 20`` mask [T, dim];
+    - the chunked delta rule (fp32): q and k before their L2 norms [T, dim] and the norms [T, H];
+      padded beta [b, H, nC]; seven padded [b, H, nC, d] tensors (value, key, ``k * beta``,
+      ``v * beta``, ``exp(g)``, ``k * beta * exp(g)``, the scaled query; with two chunks or more
+      the cumulative decay ``k_cumdecay`` too); the decay mask and the product it scales
+      [b, H, n, C, C, d] each; the solved [C, C] matrix, and the clones its row loop saves
+      (row i: [i] and [i, i], for i < C); three bool [C, C] masks; per chunk: ``exp(g)``, the
+      new values [C, d], the state [d, d], the intra-chunk product [C, C, d] and scores [C, C];
+      per chunk but the last (whose state is dropped), the state update's ``exp`` outputs [C, d]
+      and [d] and its [C, d] product, and the query term the state's matmul keeps [C, d];
+    - the gated output norm (fp32): its input, the normalised input, the gate's sigmoid and the
+      weighted input [T, dim], rstd [T, H], a fp32 copy of its weight [d] (16-bit weights);
+      ``o_proj``'s input [T, dim].
+
+    NB: ``layer(x)`` as a training step runs it (no cache); with fla installed transformers
+    calls fla's ``chunk_kda`` instead, which keeps far less (not modelled: no fla on CPU).
+    """
+    k = spec.kda
+    assert k is not None
+    heads, d, c, f, t = k.num_heads, k.head_dim, KDA_CHUNK, FP32_BYTES, s * b
+    dim, n, bh = heads * d, -(-s // c), b * heads
+    conv = b * 3 * dim * (2 * s + k.conv_kernel_dim - 1) * act
+    gates = 2 * t * d * act + t * heads * act + 2 * heads * f + t * dim * (3 * f + 1)
+    l2 = 2 * t * (dim + heads) * f
+    rows = (c - 1) * c // 2 + (c - 1) * c * (2 * c - 1) // 6  # sum of i + i^2 for i < C
+    padded = bh * n * c * (1 + (7 + (n > 1)) * d) * f
+    chunks = bh * n * (2 * c * c * d + c * c + rows) * f + 3 * c * c
+    per_chunk = bh * (n * (2 * c * d + d * d + c * c * d + c * c) + (n - 1) * (3 * c * d + d)) * f
+    out = t * dim * (4 * f + act) + t * heads * f + (d * f if act < f else 0)
+    return conv + gates + l2 + padded + chunks + per_chunk + out
+
+
+def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence_parallel: bool = False) -> int:
+    """Bytes megatron-core 0.16.1's ``DSAttention`` (its torch implementation) keeps for backward,
+    in place of MLA's core attention, with ``heads`` attention heads on this TP rank: measured on
+    CPU (``tests/test_memory_ssm.py``: TP 1, and TP 2 with and without sequence parallelism in
+    2 gloo processes).
 
     The indexer (its inputs, the detached norm output and q latent, are MLA's own): RoPE's cos and
     sin for its q and k [s, rope]; ``k_norm``'s input [T, d] and fp32 mean and rstd per token; the
@@ -175,6 +223,12 @@ def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int) -> int:
     softmax's output, ``log``'s input and the normalised attention target (fp32 [b, s, s] each).
     The unfused sparse attention: fp32 q and k [b x heads, s, qk + rope], the fp32 softmax
     [b, heads, s, s] and its copy in the activation dtype (none in fp32), a contiguous v [T, heads, v].
+
+    Under TP the indexer is whole on every rank (its linears duplicated) and sees every token: its
+    figures and the KL loss's [b, s, s] do not shrink; the loss's head sum over this rank's heads is
+    all-reduced over TP in place (nothing more saved). Under sequence parallelism the indexer
+    all-gathers its detached inputs and its linears keep the gathered copies: the norm output
+    [T, h] and the q latent [T, q_lora] (without q_lora, the norm output again: [T, h]).
 
     NB: the graph is the same whatever ``dsa_indexer_loss_coeff`` (a zero coefficient still builds it).
     NB: fast_hadamard_transform saves nothing for backward (the test's stand-in neither).
@@ -188,7 +242,8 @@ def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int) -> int:
     scores = b * heads * s * s
     sparse = (2 * t * heads * (mla.qk_head_dim + rope) * FP32_BYTES + scores * FP32_BYTES + (scores * act if act < FP32_BYTES else 0)
               + t * heads * mla.v_head_dim * act)
-    return indexer + loss + sparse
+    gathered = t * (spec.hidden_size + (mla.q_lora_rank or spec.hidden_size)) * act if sequence_parallel else 0
+    return indexer + loss + sparse + gathered
 
 
 def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str | None:
@@ -205,7 +260,9 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     if par.cp > 1 and not mixers <= {"attention", "window", "none"}:
         return _cp_reason(mixers)
     if "kda" in mixers and par.tp > 1:
-        return "Kimi Delta Attention is modelled with --tp 1 (transformers' layer: megatron-core has none)"
+        return ("Kimi Delta Attention is modelled with --tp 1: neither megatron-core (0.16.1 to 0.19.2) nor "
+                "Megatron-Bridge 0.6.2 has a KDA layer, and transformers' KimiLinearDeltaAttention has no tensor "
+                "parallelism (Kimi Linear's TP plan splits only its MLPs and experts)")
     sizes = []
     if spec.mamba is not None:
         sizes += [("mamba_num_heads", spec.mamba.num_heads), ("mamba_num_groups", spec.mamba.num_groups)]
@@ -231,22 +288,18 @@ def _cp_reason(mixers: set[str]) -> str:
             "to head shards around the scan) is not modelled")
 
 
-def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None, tp: int) -> str | None:
+def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> str | None:
     """Why activations are not modelled for these layers (None: they are, or there are none)."""
     kinds = {kind for kind, _ in spec.layer_runs}
     mixers = {mixer for mixer, _ in kinds}
-    if "kda" in mixers:
-        return "activations are not modelled for Kimi Delta Attention layers"
     if "dsa_shared" in mixers:
         return "activations are not modelled for DeepSeek sparse attention layers that reuse an earlier top-k"
-    if "dsa" in mixers and tp > 1:
-        return ("activations of DeepSeek sparse attention layers are modelled with --tp 1 (the indexer loss's TP "
-                "all-reduce and the indexer's sequence-parallel gathers are not)")
     if "dsa" in mixers and recompute is not None:
         return "activations of DeepSeek sparse attention layers are modelled without recompute"
     plain = mixers <= {"attention", "window"} and all(f != "none" for _, f in kinds)
     if recompute is not None and recompute.granularity == "full" and not plain:
-        return "activations of Mamba, Gated DeltaNet and hybrid layers are modelled without full recompute"
+        return ("activations of Mamba, Gated DeltaNet, Kimi Delta Attention and hybrid layers are modelled "
+                "without full recompute")
     return None
 
 
@@ -280,9 +333,15 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
                           "column- and row-parallel pair (the layers do not run on CPU)")
     if "kda" in mixers:
         assumptions.append("Kimi Delta Attention layers as transformers' KimiLinearDeltaAttention (TP 1)")
+    if activations and "kda" in mixers:
+        assumptions.append("Kimi Delta Attention's activations as transformers' torch path keeps them (no fla or "
+                           "causal-conv1d installed; measured on CPU): fp32 [chunk, chunk, head dim] decay products "
+                           "per 64-token chunk; with fla installed transformers runs fla's chunk_kda, which keeps "
+                           "far less (not modelled)")
     if activations and "dsa" in mixers:
         assumptions.append("DeepSeek sparse attention as megatron-core 0.16.1's DSAttention runs it (torch, unfused: "
-                           "fp32 [b, heads, s, s] scores, the indexer's KL loss graph); measured on CPU with a "
+                           "fp32 [b, heads, s, s] scores, the indexer's KL loss graph, the indexer whole on every TP "
+                           "rank); measured on CPU (TP 1, TP 2 with and without sequence parallelism) with a "
                            "stand-in for fast_hadamard_transform, which saves nothing for backward")
     return assumptions, unmeasured
 

@@ -1,0 +1,289 @@
+"""Memory and traffic per GPU of a WAN-style DiT under megatron-core's ``DistributedDataParallel``,
+with or without its distributed optimizer, and under tensor, pipeline and context parallelism, as
+Megatron-Bridge trains WAN (stdlib only).
+
+NB: Megatron-Bridge 0.6.2's WAN recipes (``diffusion/recipes/wan/wan.py``) wrap ``WanModel`` in
+megatron-core's ``DistributedDataParallel`` with ``use_distributed_optimizer=True`` (WAN 1.3B:
+TP 1 x CP 8; 14B: TP 2 x CP 4, sequence parallel, full uniform recompute): not torch DDP. So the
+states are megatron-core's (:mod:`megatron_flops.memory.states`): a gradient buffer of the trainable
+parameters in reverse ``named_parameters()`` order (``grad_reduce_in_fp32``: fp32; Bridge's recipe
+turns it off), the 16-bit weights plus fp32 main copies and Adam moments, all whole per rank under
+DDP; with the distributed optimizer the weights in a parameter buffer of the same layout, every
+parameter at a multiple of 64 elements, the buffer padded to a multiple of ``lcm(DP x CP, 128)``,
+main copies and moments for this rank's real elements only. Once per step ``dp/all_reduce`` of the
+gradient buffer (DDP) or ``dp/reduce_scatter`` of it and ``dp/all_gather`` of the parameter buffer
+(distributed optimizer), over DP x CP ranks (:func:`~megatron_flops.memory.comm.data_parallel_bytes`).
+The parameters are those of ``examples/wan_dit_fsdp2.py``'s module in its order
+(:func:`~megatron_flops.flops.dit.dit_block_parameters`); Bridge's ``WanModel`` fuses q/k/v and
+the cross-attention's k/v into one weight each: the same elements, other alignment padding when a
+width is not a multiple of 64.
+
+Measured (tests/test_memory_dit_layouts.py: the example's module in megatron-core 0.16.1's DDP and
+``get_megatron_optimizer`` on 2 gloo ranks): the states and the DP collectives. Activations per rank:
+those of one GPU (:mod:`megatron_flops.memory.dit_activations`), one micro-batch at a time (no
+pipeline: forward and backward of each micro-batch before the next).
+
+Formulas, not measured (Bridge's ``WanModel`` builds Transformer Engine layers only, which do not
+run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/CLIP tokens, width
+``h``, activation bytes ``a``:
+
+- TP (Bridge's layer spec): column-parallel q, k, v, the cross-attention's q, k, v (k_img, v_img)
+  and ``ffn.0`` split their weights and biases, row-parallel o and ``ffn.2`` their weights; the rest
+  (embeddings, head, adaLN tables, norms) is whole on every TP rank, its gradients all-reduced over
+  TP once per step (``finalize_model_grads``: ``average_gradients_across_tp_domain`` and the q/k
+  norms). Per micro-batch and block, ``tp/all_reduce`` of the o, cross o and ``ffn.2`` outputs
+  (forward) and of the q/k/v, cross q and ``ffn.0`` input gradients and, when the base trains, the
+  cross k/v input gradients (backward); ``tp/all_gather`` of q and k (self and cross) for norms
+  across heads (``layernorm_across_heads``), forward, and of their gradients, backward. With a
+  frozen base the first block's q/k/v input needs no gradient (no all-reduce of it); every other
+  block's input does, as when adapters in the self-attention make the residual stream need one. LoRA
+  adapters as Bridge's ``ParallelLinearAdapter`` (:mod:`megatron_flops.memory.lora`). Activations
+  per TP rank: the example's ops with the column-parallel outputs, attention heads and FFN split
+  over TP, q and k all-gathered whole for the norms (``dit_activations(tp=...)``).
+- PP: ``num_layers / PP`` blocks per stage; the patch embedding on the first, the head and loss on
+  the last, the text and time embeddings (and ``img_emb``) on every stage (``WanModel`` builds them
+  whatever the stage); 1F1B keeps ``min(PP - rank, micro-batches)`` micro-batches in flight;
+  ``pp/send_recv`` the [T, h] hidden states and their gradients.
+- CP: ``s / CP`` video tokens per rank through the flash convention, and ``1 / CP`` of the text
+  (and CLIP) tokens, each padded to a multiple of 2 x CP (Bridge's flow-matching pipeline splits the
+  context embeddings too: ``thd_split_inputs_cp``); ``cp/send_recv`` the self- and cross-attention's
+  K and V round the CP ring (CP - 1 steps; backward K, V and their gradients; a checkpointed block's
+  forward again), as :func:`~megatron_flops.memory.comm.step_communication` prices it for a decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from megatron_flops.flops.dit import DiTParam, DiTSpec, dit_block_parameters, dit_parameter_counts, dit_root_parameters
+from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.memory.comm import bus_bytes, data_parallel_bytes
+from megatron_flops.memory.decoder import Param
+from megatron_flops.memory.dit_activations import TP_COLUMN_PARALLEL, DiTBatch, dit_activations
+from megatron_flops.memory.fsdp import dit_assumptions
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.states import Bucket, StateBytes, chunk_buffers, chunk_state_bytes
+
+ROW_PARALLEL = ("self_attn.o", "cross_attn.o", "ffn.2")
+_SUFFIXES = (".base_layer.weight", ".base_layer.bias", ".lora_A.weight", ".lora_B.weight", ".weight", ".bias")
+
+
+def dit_layout_reason(spec: DiTSpec, par: Parallelism, training: Training, peft: PeftSpec | None) -> str | None:
+    """Why this layout is not modelled for a DiT (None: it is)."""
+    if par.vpp:
+        return ("virtual pipeline stages of a DiT are not modelled (Megatron-Bridge 0.6.2's WanModelProvider builds "
+                "each stage without its vp_stage)")
+    if par.sequence_parallel and par.tp > 1:
+        return "sequence parallelism of a DiT is not modelled"
+    if par.ep > 1:
+        return "a DiT has no experts to split over --ep"
+    if par.distributed_optimizer and training.optimizer != "adam":
+        return "megatron-core's distributed optimizer supports Adam only"
+    sizes = {"hidden_size": spec.hidden_size, "num_heads": spec.num_heads, "ffn_hidden_size": spec.ffn_hidden_size}
+    if peft is not None and peft.lora_rank:
+        sizes["--lora-rank"] = peft.lora_rank
+    for name, value in sizes.items():
+        if value % par.tp:
+            return f"{name}={value} is not divisible by --tp {par.tp}"
+    if spec.num_layers % par.pp:
+        return f"num_layers={spec.num_layers} is not divisible by --pp {par.pp}"
+    if par.cp > 1 and training.seq_length % (2 * par.cp):
+        return (f"context parallelism splits each clip into 2 x CP chunks: --seq-length {training.seq_length} is not "
+                f"divisible by {2 * par.cp}")
+    return None
+
+
+def _module(name: str) -> str:
+    return next((name[: -len(s)] for s in _SUFFIXES if name.endswith(s)), name)
+
+
+def _tp_param(p: DiTParam, tp: int, prefix: str = "") -> Param:
+    """``p`` on one TP rank; ``tp_replicated``: whole on every TP rank, its gradient all-reduced
+    over TP once per step."""
+    module = _module(p.name)
+    row = module in ROW_PARALLEL
+    if tp == 1 or not (row or module in TP_COLUMN_PARALLEL):
+        return Param(prefix + p.name, p.numel, p.trainable, tp_replicated=tp > 1)
+    if p.name.endswith(".bias") and row:  # a row-parallel bias: whole, all-reduced under SP only
+        return Param(prefix + p.name, p.numel, p.trainable)
+    # NB: an adapter (Bridge's ParallelLinearAdapter) splits lora_A's rank rows (column-parallel
+    # target) or its input columns (row-parallel), and lora_B's output rows: 1/TP of each.
+    return Param(prefix + p.name, p.numel // tp, p.trainable)
+
+
+def dit_rank_params(spec: DiTSpec, par: Parallelism, *, pp_rank: int, peft: PeftSpec | None = None) -> list[Param]:
+    """The parameters on one GPU of pipeline rank ``pp_rank``, in ``named_parameters()`` order:
+    the embeddings (the patch embedding on the first stage), this stage's blocks, the head (last
+    stage) and ``img_emb``."""
+    first, last = pp_rank == 0, pp_rank == par.pp - 1
+    per_stage = spec.num_layers // par.pp
+    root = [p for p in dit_root_parameters(spec, peft)
+            if (first or not p.name.startswith("patch_embedding.")) and (last or not p.name.startswith("head."))]
+    late = [p for p in root if p.name.startswith(("head.", "img_emb."))]
+    block = dit_block_parameters(spec, peft)
+    blocks = [_tp_param(p, par.tp, f"blocks.{i}.") for i in range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+              for p in block]
+    return ([_tp_param(p, par.tp) for p in root if p not in late] + blocks + [_tp_param(p, par.tp) for p in late])
+
+
+def dit_rank_states(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int, dp_rank: int = 0,
+                    peft: PeftSpec | None = None) -> tuple[StateBytes, tuple[Bucket, ...], list[Param]]:
+    """(state bytes, the gradient buffer's buckets, the parameters) on data-parallel rank
+    ``dp_rank`` of pipeline rank ``pp_rank`` (one model chunk; DP x CP ranks share a buffer)."""
+    params = dit_rank_params(spec, par, pp_rank=pp_rank, peft=peft)
+    group = par.dp * par.cp
+    # NB: megatron-core buckets only the first pipeline rank's model chunk.
+    buffers = chunk_buffers(params, dp=group, expert_dp=1, distributed_optimizer=par.distributed_optimizer,
+                            bucket_size=training.bucket_size if pp_rank == 0 else None)
+    states = chunk_state_bytes(params, buffers, training, sizes={"dp": group, "expt_dp": 1},
+                               ranks={"dp": dp_rank, "expt_dp": 0}, distributed_optimizer=par.distributed_optimizer)
+    return states, buffers["dp"], params
+
+
+def clip_tokens(spec: DiTSpec, training: Training, par: Parallelism) -> tuple[int, int, int]:
+    """(video, text, CLIP) tokens of one clip on one CP rank: ``s / CP``, and the text (CLIP)
+    tokens padded to a multiple of 2 x CP, over CP (0 CLIP tokens for text-to-video)."""
+    def split(n: int) -> int:
+        return n if par.cp == 1 else -(-n // (2 * par.cp)) * 2
+
+    return training.seq_length // par.cp, split(spec.text_len), split(spec.image_len) if spec.image_dim else 0
+
+
+def _rows(module: str, video: int, text: int, image: int) -> int:
+    """Tokens a block projection runs over: the cross-attention's k/v the text's, k_img/v_img the
+    CLIP tokens', the rest the video's."""
+    return {"cross_attn.k": text, "cross_attn.v": text, "cross_attn.k_img": image,
+            "cross_attn.v_img": image}.get(module, video)
+
+
+def tp_block_collectives(spec: DiTSpec, tokens: tuple[int, int, int], peft: PeftSpec | None) -> dict[str, tuple[int, int]]:
+    """Elements one block hands to the TP group per micro-batch, by ``tp/<kind>``: (forward,
+    backward) for ``tokens`` (video, text, CLIP) tokens (see the module NB)."""
+    T, C, M = tokens
+    h, trains = spec.hidden_size, not (peft is not None and peft.frozen)
+    fwd_reduce, bwd_reduce = 3 * T * h, (3 * T + (C + M) * trains) * h  # o, cross o, ffn.2 / q,k,v, cross q, ffn.0
+    gathered = (3 * T + C + M) * h if spec.qk_norm else 0  # q, k, cross q, cross k (k_img): across heads
+    fwd_gather, bwd_gather = gathered, gathered
+    rank = peft.lora_rank if peft is not None and peft.lora_rank else 0
+    for p in dit_block_parameters(spec, peft) if rank else ():
+        if not p.name.endswith("lora_A.weight"):
+            continue
+        module = _module(p.name)
+        rows = _rows(module, T, C, M)
+        if module in ROW_PARALLEL:  # linear_in's output all-reduced, linear_out's output gathered
+            fwd_reduce, fwd_gather, bwd_reduce = fwd_reduce + rows * rank, fwd_gather + rows * h, bwd_reduce + rows * rank
+        else:  # linear_in's output gathered; linear_out's and linear_in's input gradients all-reduced
+            fwd_gather, bwd_reduce = fwd_gather + rows * rank, bwd_reduce + rows * (rank + p.shape[1])
+    return {"tp/all_reduce": (fwd_reduce, bwd_reduce), "tp/all_gather": (fwd_gather, bwd_gather)}
+
+
+def dit_step_communication(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int,
+                           buffers: tuple[Bucket, ...], params: list[Param], peft: PeftSpec | None = None,
+                           checkpointed_blocks: int = 0) -> dict[str, int]:
+    """Payload bytes per ``group/kind`` on one GPU of pipeline rank ``pp_rank`` for one step
+    (``checkpointed_blocks``: this stage's blocks whose forward runs twice)."""
+    out = data_parallel_bytes({"dp": buffers}, par, training, {"dp": par.dp * par.cp})
+    m, a, h = training.num_microbatches, training.param_bytes, spec.hidden_size
+    b = training.micro_batch_size
+    video, text, image = clip_tokens(spec, training, par)
+    tokens = (video * b, text * b, image * b)
+    blocks = spec.num_layers // par.pp
+    first, last = pp_rank == 0, pp_rank == par.pp - 1
+    if par.tp > 1:
+        # Once per step: the gradients of the weights every TP rank holds whole (not the row-parallel biases).
+        whole = sum(p.numel for p in params if p.trainable and p.tp_replicated)
+        out["tp/all_reduce"] = whole * training.grad_bytes
+        for key, (fwd, bwd) in tp_block_collectives(spec, tokens, peft).items():
+            out[key] = out.get(key, 0) + m * (blocks * (fwd + bwd) + checkpointed_blocks * fwd) * a
+        if first and peft is not None and peft.frozen:
+            out["tp/all_reduce"] -= m * tokens[0] * h * a  # the first block's q/k/v input needs no gradient
+    hidden = tokens[0] * h * a
+    if par.pp > 1:
+        out["pp/send_recv"] = m * hidden * 2 * ((not first) + (not last))
+    if par.cp > 1:
+        kv = 2 * sum(tokens) * h // par.tp * a  # this rank's K and V: self-attention's, cross-attention's
+        out["cp/send_recv"] = m * (par.cp - 1) * 2 * (blocks * 3 * kv + checkpointed_blocks * kv)
+    return {k: v for k, v in out.items() if v}
+
+
+def dit_stage_activations(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int,
+                          peft: PeftSpec | None, attention: str, checkpointed_blocks: int) -> tuple[int, int]:
+    """(peak saved bytes, micro-batches in flight) on pipeline rank ``pp_rank``. 1F1B holds
+    ``min(PP - rank, micro-batches)`` forward passes, all but the one in backward whole."""
+    in_flight = min(par.pp - pp_rank, training.num_microbatches)
+    stage = replace(spec, num_layers=spec.num_layers // par.pp)
+    video, text, image = clip_tokens(spec, training, par)
+    b = training.micro_batch_size
+    batch = DiTBatch(video=(video,) * b, text=(text,) * b, image=None if spec.image_dim is None else (image,) * b)
+    act = dit_activations(stage, batch, act_bytes=training.param_bytes, attention="flash" if par.cp > 1 else attention,
+                          peft=peft, checkpointed_blocks=checkpointed_blocks, first=pp_rank == 0,
+                          last=pp_rank == par.pp - 1, tp=par.tp)
+    return (in_flight - 1) * act.held + act.total, in_flight
+
+
+def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, peft: PeftSpec | None = None,
+                      attention: str = "flash", checkpointed_blocks: int = 0) -> dict[str, object]:
+    """The JSON form for megatron-core DDP / distributed optimizer with TP, PP, CP (the CLI's
+    keys): the most loaded stage, every stage, and the labels of what is a formula.
+    ``checkpointed_blocks``: per pipeline stage."""
+    reason = dit_layout_reason(spec, par, training, peft)
+    if reason is not None:
+        raise ValueError(reason)
+    stages: list[dict[str, Any]] = []
+    for pp_rank in range(par.pp):
+        states, buffers, params = dit_rank_states(spec, par, training, pp_rank=pp_rank, peft=peft)
+        comm = dit_step_communication(spec, par, training, pp_rank=pp_rank, buffers=buffers, params=params, peft=peft,
+                                      checkpointed_blocks=checkpointed_blocks)
+        act, in_flight = dit_stage_activations(spec, par, training, pp_rank=pp_rank, peft=peft, attention=attention,
+                                               checkpointed_blocks=checkpointed_blocks)
+        c = states.components
+        stages.append({
+            "pp_rank": pp_rank, "weights_bytes": c["weights"], "gradients_bytes": c["gradients"],
+            "optimizer_bytes": sum(v for k, v in c.items() if k.startswith("optimizer/")),
+            "activations_bytes": act, "total_bytes": states.total + act, "components": {**c, "activations": act},
+            "forward_passes_in_flight": in_flight, "communication": comm,
+        })
+    top = max(stages, key=lambda r: r["total_bytes"])
+    busiest: dict[str, int] = max(stages, key=lambda r: sum(r["communication"].values()))["communication"]
+    bus = bus_bytes(busiest, {"dp": par.dp * par.cp, "tp": par.tp, "pp": par.pp, "cp": par.cp})
+    counts = dit_parameter_counts(spec, peft)
+    return {
+        "parameters": {"total": counts.num_params, "trainable": counts.num_trainable_params,
+                       "per_block": counts.num_block_params, "adapters": counts.num_adapters},
+        "per_gpu": {k: v for k, v in top.items() if k != "communication"},
+        "per_stage": [{k: v for k, v in r.items() if k != "communication"} for r in stages],
+        "communication_per_step": {**busiest, "total_bytes": sum(busiest.values())},
+        "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
+        "not_modelled": [],
+        "unmeasured": layout_unmeasured(par, attention),
+        "modelling_assumptions": [*dit_assumptions(attention, checkpointed_blocks, spec.num_layers)[:3],
+                                  _layout_assumption(par, checkpointed_blocks, spec.num_layers // par.pp)],
+    }
+
+
+def _layout_assumption(par: Parallelism, checkpointed_blocks: int, stage_blocks: int) -> str:
+    optimizer = "distributed optimizer" if par.distributed_optimizer else "no distributed optimizer"
+    return (f"megatron-core DDP ({optimizer}) over the example module's parameters, as Megatron-Bridge's WAN recipe; "
+            f"{checkpointed_blocks} of {stage_blocks} blocks per stage checkpointed; gradients accumulated in the "
+            "buffer and reduced after the last micro-batch")
+
+
+def layout_unmeasured(par: Parallelism, attention: str) -> list[str]:
+    """The figures that are formulas, not measured (see the module NB)."""
+    out = [] if attention == "local" and par.cp == 1 else [
+        "activations of the flash attention kernel (fp32 log-sum-exp and outputs; the example's "
+        "explicit-matmul attention is measured: --attention-backend local)"]
+    if par.tp > 1:
+        out.append(f"tensor parallelism (TP {par.tp}): Megatron-Bridge's WanModel split (q, k, v, the cross-attention's "
+                   "q, k, v and ffn.0 column-parallel; o and ffn.2 row-parallel; the rest whole, its gradients "
+                   "all-reduced over TP), the tp/all_reduce and tp/all_gather payloads and the activations per TP "
+                   "rank (the example's ops with q/k/v, attention and the FFN split over TP, q and k gathered for "
+                   "the norms across heads; Transformer Engine layers: no CPU run)")
+    if par.pp > 1:
+        out.append(f"pipeline parallelism (PP {par.pp}): blocks split evenly, the text and time embeddings on every "
+                   "stage, 1F1B in-flight micro-batches, pp/send_recv of the hidden states")
+    if par.cp > 1:
+        out.append(f"context parallelism (CP {par.cp}): s/CP video tokens per rank through the flash convention, "
+                   "and 1/CP of the text (padded to 2 x CP), cp/send_recv of the self- and cross-attention's K/V ring")
+    return out
