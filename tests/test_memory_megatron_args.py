@@ -133,13 +133,6 @@ def test_an_args_dump_keeps_its_switches(tmp_path):
                                                                          "--dp", "2")
 
 
-def test_megatron_fsdp_is_refused_not_priced_as_ddp():
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        assert main(["memory", "--megatron-args", f"{DENSE} --use-megatron-fsdp", "--dp", "2"]) == 2
-    assert "Megatron-FSDP (--use-megatron-fsdp) is not modelled" in err.getvalue()
-
-
 @pytest.mark.parametrize("line, reason", [
     # With EP 1 megatron-core reduces expert gradients over the dense DP group: no training layout.
     (f"{MOE} --disable-bias-linear --tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1",
