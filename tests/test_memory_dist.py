@@ -102,21 +102,6 @@ RUNS = {
         layout=dict(tp=2, sp=True, ep=2), model=dict(BASE, **MOE_AG, moe_shared_expert_intermediate_size=40,
                                                      moe_shared_expert_gate=True),
         m=2, build=dict(distributed_optimizer=True)),
-    # An expert TP other than TP (megatron-core's expert_tensor_parallel_size): the experts' own
-    # grid ETP x EP x expert DP over the TP x DP ranks. TP2 + SP with ETP1: each TP rank routes its
-    # sequence slice over EP, the experts whole (biases: megatron-core allows them with ETP 1
-    # only); TP1 with ETP2: the experts split over two DP ranks, which gather each other's tokens.
-    "TP2 x EP2 + SP, expert TP 1, MoE top-2 of 4 (alltoall), biases, distributed optimizer, bf16": dict(
-        layout=dict(tp=2, sp=True, ep=2, etp=1), model=dict(BASE, num_moe_experts=4, moe_router_topk=2,
-                                                             moe_token_dispatcher_type="alltoall",
-                                                             moe_ffn_hidden_size=48, add_bias_linear=True),
-        m=2, build=dict(distributed_optimizer=True)),
-    "DP4 x expert TP2 x EP2, MoE every other layer (alltoall), shared experts, DDP, fp32": dict(
-        layout=dict(ep=2, etp=2), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
-                                             moe_shared_expert_intermediate_size=40),
-        m=2, build=dict(params_dtype="fp32")),
-    "DP4 x expert TP2 x EP2, MoE every other layer (allgather), distributed optimizer, bf16": dict(
-        layout=dict(ep=2, etp=2), model=dict(BASE, **MOE_AG), m=2, build=dict(distributed_optimizer=True)),
     # Full recompute runs each MoE layer's forward again: the all-to-all and token counts too.
     "DP4 x EP2, MoE (alltoall), full recompute (uniform 1), DDP, fp32": dict(
         layout=dict(ep=2), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
@@ -151,6 +136,26 @@ RUNS = {
         layout=dict(tp=2), model=dict(BASE, recompute_granularity="full", recompute_method="block",
                                       recompute_num_layers=1),
         m=2, build=dict(params_dtype="fp32", lora=(("linear_qkv", "linear_fc2"), 4))),
+}
+
+# Measured by tests/test_memory_etp_dist.py in a process group of its own (this module's one
+# group runs every RUNS entry within one timeout).
+ETP_RUNS = {
+    # An expert TP other than TP (megatron-core's expert_tensor_parallel_size): the experts' own
+    # grid ETP x EP x expert DP over the TP x DP ranks. TP2 + SP with ETP1: each TP rank routes its
+    # sequence slice over EP, the experts whole (biases: megatron-core allows them with ETP 1
+    # only); TP1 with ETP2: the experts split over two DP ranks, which gather each other's tokens.
+    "TP2 x EP2 + SP, expert TP 1, MoE top-2 of 4 (alltoall), biases, distributed optimizer, bf16": dict(
+        layout=dict(tp=2, sp=True, ep=2, etp=1), model=dict(BASE, num_moe_experts=4, moe_router_topk=2,
+                                                             moe_token_dispatcher_type="alltoall",
+                                                             moe_ffn_hidden_size=48, add_bias_linear=True),
+        m=2, build=dict(distributed_optimizer=True)),
+    "DP4 x expert TP2 x EP2, MoE every other layer (alltoall), shared experts, DDP, fp32": dict(
+        layout=dict(ep=2, etp=2), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
+                                             moe_shared_expert_intermediate_size=40),
+        m=2, build=dict(params_dtype="fp32")),
+    "DP4 x expert TP2 x EP2, MoE every other layer (allgather), distributed optimizer, bf16": dict(
+        layout=dict(ep=2, etp=2), model=dict(BASE, **MOE_AG), m=2, build=dict(distributed_optimizer=True)),
 }
 
 
@@ -224,7 +229,7 @@ def measured():
 
 def setup(name: str):
     """The pure description of run ``name``: spec, options, layout, training, PEFT, recompute."""
-    run = RUNS[name]
+    run = {**RUNS, **ETP_RUNS}[name]
     model, build, layout = run["model"], run["build"], run["layout"]
     fields = {k: v for k, v in model.items() if k != "moe_token_dispatcher_type"}
     spec = ModelSpec.from_mapping(dict(fields, vocab_size=VOCAB))
@@ -299,7 +304,7 @@ def cpu_delta(par: Parallelism, training: Training, num_norms: int) -> int:
 
 def _routed(name: str) -> bool:
     """MoE under EP > 1: what one rank's experts save follows the routing."""
-    return "MoE" in name and RUNS[name]["layout"].get("ep", 1) > 1
+    return "MoE" in name and {**RUNS, **ETP_RUNS}[name]["layout"].get("ep", 1) > 1
 
 
 @pytest.mark.parametrize("name", [n for n in RUNS if not _routed(n)])
