@@ -38,6 +38,7 @@ from megatron_flops.memory.fsdp_transients import unsharded_working_copies
 from megatron_flops.memory.layout import FP32_BYTES, FSDP_STRATEGIES as STRATEGIES, Parallelism, Training
 from megatron_flops.memory.states import optimizer_keys
 from megatron_flops.model.spec import ModelSpec
+
 _UNIT = re.compile(r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.transformer_layer\.)")
 
 
