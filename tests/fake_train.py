@@ -2,7 +2,7 @@
 numbers to ``$MEGATRON_FLOPS_TRACE`` (or ``--trace``), or fails, hangs, runs out of memory or
 writes no trace, as asked; ``banner`` prints a hint that mentions memory and fails,
 ``killed`` dies of SIGKILL, ``stubborn`` ignores SIGTERM and starts a child that does too. Step ``i`` (1-based) takes ``elapsed[(i - 1) % len(elapsed)]`` seconds
-(written, not slept)."""
+(written, not slept). ``wait_for`` and ``alive``: the tests' waits on its processes."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 
 def header(*, world_size: int = 1, warmup: int = 2, attention: str = "causal", num_layers: int = 4) -> dict:
@@ -29,6 +31,24 @@ def step(iteration: int, *, flops: int, tokens: int, elapsed_s: float, ok: bool 
     return {"iteration": iteration, "flops": flops, "executed_flops": flops, "static_flops": static,
             "num_tokens": tokens, "num_padded_tokens": tokens, "num_sequences": 1, "num_microbatches": 1,
             "elapsed_s": elapsed_s, "ok": ok}
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 600.0) -> None:
+    """Poll ``predicate`` every 0.1 s; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
 
 
 def main() -> int:

@@ -49,6 +49,7 @@ __all__ = [
     "WorkerError",
     "LAST_RUN_STATS",
     "run_distributed",
+    "run_by_name",
     "init_worker",
     "reinit_model_parallel",
     "parallel_sizes",
@@ -238,6 +239,13 @@ def run_distributed(
             f"(no result from ranks {missing}; exit codes {LAST_RUN_STATS['exitcodes']})"
         )
     return [payloads[r]["result"] for r in range(world_size)]
+
+
+def run_by_name(fn: Callable, world_size: int, runs: Dict[str, Any], *, timeout: float = 900.0) -> Dict[str, List[Any]]:
+    """:func:`run_distributed` of ``fn(rank, world_size, runs)``, whose result on every rank is a
+    dict by run name: regrouped as ``{name: [rank 0's result, rank 1's, ...]}``."""
+    results = run_distributed(fn, world_size, runs, timeout=timeout)
+    return {name: [r[name] for r in results] for name in runs}
 
 
 # ---------------------------------------------------------------------------

@@ -9,6 +9,9 @@
 - :class:`SavedTensorMeter`: ``saved_tensors_hooks`` that track every storage autograd saves
   for backward (parameters and one-element tensors excluded), per forward pass (``forward``)
   and as a time-resolved peak of the storages alive (``peak``).
+- :class:`WholeCopiesMeter`: a ``TorchDispatchMode`` that, after every operator, adds up the whole
+  (unsharded) parameters and gradients torch FSDP2 holds (``peak``: their largest sum, with
+  each ``fully_shard`` unit's part then in ``parts``).
 - :func:`state_bytes`: weights, gradient buffers and optimizer state read from the real
   model chunks and optimizer.
 
@@ -145,6 +148,38 @@ class CommMeter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class WholeCopiesMeter(TorchDispatchMode):
+    """Bytes of the whole (unsharded) parameters and gradients of ``model``'s FSDP2 units, sampled
+    after every operator run under it (distinct storages: FSDP2 frees a resharded unit's by
+    resizing them to 0): ``peak`` their largest sum, ``parts`` then ``(unit, weights, gradients)``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        super().__init__()
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.peak = 0
+        self.parts: List[Tuple[str, int, int]] = []
+
+    def _sample(self) -> None:
+        parts, whole = [], []
+        for unit in self.units:
+            group = unit._get_fsdp_state()._fsdp_param_group
+            params = [getattr(fp, "_unsharded_param", None) for fp in (group.fsdp_params if group else ())]
+            weights = [p for p in params if p is not None]
+            grads = [p.grad for p in weights if p.grad is not None]
+            parts.append((type(unit).__name__, unique_bytes(weights), unique_bytes(grads)))
+            whole += weights + grads
+        total = unique_bytes(whole)
+        if total > self.peak:
+            self.peak, self.parts = total, parts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sample()
+        return out
+
+
 class _Handle:
     """What the pack hook stores in the graph; its release marks the saved storage released."""
 
@@ -218,6 +253,67 @@ class SavedTensorMeter:
             yield
         finally:
             self._in_forward = outer
+
+
+class LiveStorageMeter(SavedTensorMeter):
+    """:class:`SavedTensorMeter` that also sees storages resized in place: megatron-core's
+    ``CheckpointWithoutOutput`` frees the storage of an output other ops saved
+    (``untyped_storage().resize_(0)``) and restores it in backward. Storages are keyed by their
+    identity (``_cdata``, which a resize keeps; a freed pointer can be reused) and sized when
+    read: ``forward`` is the bytes of the storages saved in each :meth:`one_forward` block as
+    they are at its end, ``peak`` the most bytes the live saved storages hold at any pack or
+    unpack (a restored storage is read by the backward op that unpacks it)."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        super().__init__(params)
+        self._tensors: Dict[int, torch.Tensor] = {}  # storage id -> a tensor on it (while live)
+        self._block: Optional[Dict[int, torch.Tensor]] = None
+
+    def _now(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._tensors.values())
+
+    def _release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self.live[key]
+            del self._tensors[key]
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self.param_storages or t.numel() <= 1:
+            return t
+        key = storage._cdata
+        if self._block is not None:
+            self._block.setdefault(key, t)
+        if key in self.live:
+            self.live[key][0] += 1
+        else:
+            self.live[key] = [1, 0]
+            self._tensors[key] = t
+        self.peak = max(self.peak, self._now())
+        handle = _Handle(t, key)
+        weakref.finalize(handle, self._release, key)
+        return handle
+
+    def _unpack(self, packed: Any) -> torch.Tensor:  # type: ignore[override]
+        self.peak = max(self.peak, self._now())
+        return packed.tensor if isinstance(packed, _Handle) else packed
+
+    @contextlib.contextmanager
+    def one_forward(self, extend: bool = False) -> Iterator[None]:
+        if not extend:
+            self._forwards.append({})
+        outer, self._block = self._block, {}
+        try:
+            yield
+        finally:
+            block, self._block = self._block, outer
+            sizes = self._forwards[-1]
+            for key, t in block.items():
+                sizes[key] = t.untyped_storage().nbytes()
+            if outer is not None:
+                outer.update(block)
 
 
 def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:

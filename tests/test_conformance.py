@@ -23,7 +23,8 @@ import mcore_cpu
 from megatron_flops.flops.formulas import estimate, parse_rows
 from megatron_flops.model.spec import ModelSpec
 
-pytestmark = pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)
+pytestmark = [pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON),
+              pytest.mark.usefixtures("mcore")]
 
 VOCAB = 128
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)
@@ -56,11 +57,6 @@ MATRIX = {
     "MTP": dict(BASE, mtp_num_layers=1),
 }
 VARIANTS = [("tied", True, "rope"), ("untied", False, "rope"), ("learned pos", True, "learned_absolute")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _mcore():
-    mcore_cpu.init_single_process()
 
 
 def _measure_rows(model, rows) -> int:

@@ -5,24 +5,22 @@ is refused rather than guessed."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
-import io
 import json
 import re
-import tempfile
 from pathlib import Path
 
 import pytest
 
+from hf_tiny import estimate_report, measured_flops, tiny_model
 from megatron_flops.cli import main
 from megatron_flops.flops.formulas import estimate, parse_rows
 from megatron_flops.model.hf_config import HF_FAMILIES
 from megatron_flops.model.spec import ModelOptions, ModelSpec
 
 transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
 DENSE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=100)
@@ -89,28 +87,12 @@ VARIANTS = {
 }
 
 
-def _hf_model(model_type: str, **kw):
-    config = transformers.AutoConfig.for_model(model_type, **kw)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    # The per-expert loop runs torch.mm that FlopCounterMode sees (grouped kernels it may not).
-    model.set_experts_implementation("eager")
-    return config, model
-
-
 def _measure(model, seqlens: list[int]) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
 
-    total = 0
-    for s in seqlens:
-        ids = torch.randint(0, 100, (1, s))
-        # Falcon runs SDPA whatever the config says: its math backend is bmm that FlopCounterMode sees.
-        with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
-            model(input_ids=ids).logits.float().sum().backward()
-        total += counter.get_total_flops()
-    return total
+    # Falcon runs SDPA whatever the config says: its math backend is bmm that FlopCounterMode sees.
+    with sdpa_kernel(SDPBackend.MATH):
+        return measured_flops(model, seqlens)
 
 
 CASES = {**{t: (t, kw) for t, kw in FAMILIES.items()}, **VARIANTS}
@@ -124,15 +106,8 @@ def measured_and_estimated(case: str) -> tuple[int, int]:
     """FLOPs of ``CASES[case]`` over SEQLENS: measured on the transformers model, and ``estimate
     --attention full`` of the config.json as save_pretrained writes it, through the CLI."""
     model_type, kw = CASES[case]
-    config, model = _hf_model(model_type, **kw)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "config.json"
-        path.write_text(config.to_json_string())
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            assert main(["estimate", "--model", str(path), "--seqlens", json.dumps([SEQLENS]), "--attention", "full",
-                         "--json"]) == 0
-    report = json.loads(out.getvalue())
+    config, model = tiny_model(model_type, **kw)
+    report = estimate_report(config, [SEQLENS])
     assert report["padded_vocab_size"] == 100  # the embedding as built: no padding
     return _measure(model, SEQLENS), report["total_flops"]
 
@@ -311,7 +286,7 @@ def test_hf_family_override_refuses_another_architecture(model_type, kw, family,
 
 def test_hf_family_override_prices_an_identical_architecture_exactly(tmp_path, capsys):
     # OLMo-2 builds llama's GEMMs: under another name, --hf-family llama prices it exactly.
-    config, model = _hf_model("olmo2", **FAMILIES["olmo2"])
+    config, model = tiny_model("olmo2", **FAMILIES["olmo2"])
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**config.to_dict(), "model_type": "my_olmo"}))
     argv = ["estimate", "--model", str(path), "--seqlens", "[[12, 7]]", "--attention", "full", "--json"]

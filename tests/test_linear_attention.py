@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hf_tiny import estimate_report, measured_flops, tiny_model
 from megatron_flops.cli import main
 from megatron_flops.flops.formulas import (TRAIN_PASSES, SeqStats, estimate, gdn_core_flops, parse_rows,
                                            training_flops)
@@ -53,38 +54,16 @@ def torch_chunked_delta_rule_flops(s: int, nv: int, dk: int, dv: int) -> int:
 
 
 def _qwen3_next(**kw):
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    config = transformers.AutoConfig.for_model("qwen3_next", **{**QWEN3_NEXT, **kw})
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.set_experts_implementation("eager")
-    return config, model
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    return tiny_model("qwen3_next", **{**QWEN3_NEXT, **kw})
 
 
-def _measure(model, seqlens: list[int]) -> int:
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    total = 0
-    for s in seqlens:
-        ids = torch.randint(0, 100, (1, s))
-        with FlopCounterMode(display=False) as counter:
-            model(input_ids=ids, use_cache=False).logits.float().sum().backward()
-        total += counter.get_total_flops()
-    return total
-
-
-def test_qwen3_next_measured_is_the_estimate_plus_the_named_remainders(tmp_path, capsys):
+def test_qwen3_next_measured_is_the_estimate_plus_the_named_remainders():
     config, model = _qwen3_next()
     seqlens = [12, 7, 70]  # 70: two chunks of the torch delta rule
-    measured = _measure(model, seqlens)
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json_string())
-    assert main(["estimate", "--model", str(path), "--seqlens", json.dumps([[s] for s in seqlens]), "--attention",
-                 "full", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    measured = measured_flops(model, seqlens, use_cache=False)
+    report = estimate_report(config, [[s] for s in seqlens])
     parts = report["components"]
     num_gdn = 3
     nv, dk, dv, k = 4, 8, 12, 4
@@ -265,23 +244,15 @@ def torch_chunked_kda_flops(s: int, heads: int, d: int) -> int:
     return 2 * heads * (9 * n * CHUNK * CHUNK * d + (9 * n - 4) * CHUNK * d * d)
 
 
-def test_kimi_linear_measured_is_the_estimate_plus_the_named_remainders(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    config = transformers.AutoConfig.for_model("kimi_linear", **KIMI)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.set_experts_implementation("eager")
+def test_kimi_linear_measured_is_the_estimate_plus_the_named_remainders():
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    config, model = tiny_model("kimi_linear", **KIMI)
     spec = ModelSpec.from_hf_config(config.to_dict())
     assert spec.layers == (("kda", "mlp"), ("attention", "moe"), ("kda", "moe"))
     seqlens = [12, 70]
-    measured = _measure(model, seqlens)
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json_string())
-    assert main(["estimate", "--model", str(path), "--seqlens", json.dumps([[s] for s in seqlens]), "--attention",
-                 "full", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    measured = measured_flops(model, seqlens, use_cache=False)
+    report = estimate_report(config, [[s] for s in seqlens])
     parts = report["components"]
     heads, d, k, channels, tokens = 2, 8, 4, 3 * 16, sum(seqlens)
     assert parts["kda/core"] == 2 * TRAIN_PASSES * gdn_core_flops(tokens, heads, d, d)

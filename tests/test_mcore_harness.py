@@ -24,17 +24,6 @@ BASE = dict(num_layers=L, hidden_size=H, num_attention_heads=N, ffn_hidden_size=
 BASE_TRAIN_FLOPS = 44_040_192
 
 
-@pytest.fixture(scope="module")
-def mcore():
-    """Patches applied + gloo world of size 1 + initialize_model_parallel(1, 1).
-
-    The patches stay applied for the rest of the session (other test modules share the
-    same process group and models); ``mcore_cpu.remove_cpu_patches()`` undoes them.
-    """
-    mcore_cpu.init_single_process()
-    return mcore_cpu
-
-
 def test_base_model_train_flops(mcore):
     # Idempotent set-up: repeated calls within one process are fine.
     mcore.apply_cpu_patches()

@@ -98,16 +98,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def mcore():
-    if not mcore_cpu.HAVE_MCORE:
-        pytest.skip(mcore_cpu.SKIP_REASON)
-    import mcore_memory
-
-    mcore_cpu.init_single_process()
-    mcore_memory.patch_alltoall_dispatcher()
-
-
 def cpu_kernel_delta(fields: dict, act: int, num_norms: int, tokens: int, hidden: int, scores: int) -> int:
     """Bytes torch's CPU kernels save beyond the CUDA convention, by name:
     LayerNorm keeps mean/rstd in the input dtype (CUDA: fp32); RMSNorm is composite and also
@@ -135,7 +125,7 @@ def cpu_kernel_delta(fields: dict, act: int, num_norms: int, tokens: int, hidden
     return delta
 
 
-def _measure(fields: dict, position: str, dtype: str, lora=None):
+def _measure(fields: dict, position: str, dtype: str, lora=None, meter_cls=None):
     import mcore_dist
     import mcore_memory
     from megatron.core.transformer.module import Float16Module
@@ -157,7 +147,7 @@ def _measure(fields: dict, position: str, dtype: str, lora=None):
             p.requires_grad_(not frozen)
     if dtype == "bf16":
         model = Float16Module(model.config, model)
-    meter = mcore_memory.SavedTensorMeter(model.parameters())
+    meter = (meter_cls or mcore_memory.SavedTensorMeter)(model.parameters())
     with meter.tracking():
         mcore_dist.run_schedule([model], num_microbatches=NUM_MB, micro_batch_size=MBS, seq_length=SEQ,
                                 vocab_size=VOCAB, forward_step_func=mcore_memory.metered_forward_step(meter, [model]),

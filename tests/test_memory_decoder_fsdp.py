@@ -50,8 +50,9 @@ RUNS = {
 
 
 def _fsdp_training(model_kwargs: dict, *, params_dtype: str, position_embedding_type: str = "rope",
-                   lora: tuple | None = None):
-    """Megatron-LM's ``get_model`` + ``get_megatron_optimizer`` with ``--use-torch-fsdp2``."""
+                   lora: tuple | None = None, wrap=None):
+    """Megatron-LM's ``get_model`` + ``get_megatron_optimizer`` with ``--use-torch-fsdp2``
+    (``wrap``: the GPT to the model FSDP2 wraps, e.g. a VLM holding it)."""
     import torch
     from megatron.core.distributed import TorchFullyShardedDataParallelConfig, finalize_model_grads
     from megatron.core.distributed import torch_fully_sharded_data_parallel as tfsdp
@@ -78,6 +79,8 @@ def _fsdp_training(model_kwargs: dict, *, params_dtype: str, position_embedding_
     model = chunks[0]
     if lora is not None:
         mcore_memory.apply_lora(model, *lora)
+    if wrap is not None:
+        model = wrap(model)
     if params_dtype != "fp32":
         model = Float16Module(config, model)
     model = tfsdp.TorchFullyShardedDataParallel(config=config, ddp_config=TorchFullyShardedDataParallelConfig(),
@@ -132,8 +135,9 @@ def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
         mcore_memory.reinit_parallel()
         model, optimizer = _fsdp_training(run["model"], **run["build"])
         comm = mcore_memory.CommMeter(mcore_memory.megatron_groups())
+        live = mcore_memory.WholeCopiesMeter(model)
         m = run["m"]
-        with comm:
+        with comm, live:
             mcore_dist.run_schedule(
                 [model], num_microbatches=m, micro_batch_size=MBS, seq_length=SEQ, vocab_size=VOCAB,
                 data_iterators=[mcore_memory.batches(m, MBS, SEQ, VOCAB, seed=rank)], count_flops=False,
@@ -145,7 +149,7 @@ def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
                 states.update(_optimizer_states(optimizer))
         out[name] = dict(
             names=[(n, tuple(_local(p).shape), tuple(p.shape)) for n, p in model.named_parameters()],
-            states=states, comm=dict(comm.bytes), calls=dict(comm.calls))
+            states=states, comm=dict(comm.bytes), calls=dict(comm.calls), live=live.peak)
         del model, optimizer
         torch.manual_seed(0)
     return out
@@ -153,8 +157,7 @@ def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def measured():
-    results = mcore_dist.run_distributed(fsdp_worker, WORLD, RUNS, timeout=600)
-    return {name: [r[name] for r in results] for name in RUNS}
+    return mcore_dist.run_by_name(fsdp_worker, WORLD, RUNS, timeout=600)
 
 
 def setup(name: str):
@@ -211,10 +214,19 @@ def test_bf16_run_by_hand():
     # Per micro-batch (2) each of the 4 units is gathered twice (2 ranks x its shard, bf16) and its
     # gradient reduce-scattered once.
     assert comm == {"dp/all_gather": 2 * 2 * 2 * 22_012 * 2, "dp/reduce_scatter": 2 * 2 * 22_012 * 2}
-    # Working copies: the heaviest neighbouring units are the two layers (gathered: 2 x 2 x 8,486;
-    # the embedding + layer 0 and layer 1 + root weigh less) and one unsharded layer gradient
-    # (2 x 8,486), bf16.
-    assert states["fsdp/unsharded_working_copies"] == 3 * 2 * 8_486 * 2
+    # Working copies: the root gathered (2 x 2,352) and its gradients (2 x 2,352) all backward, beside the
+    # heaviest neighbouring units, the two layers (gathered: 2 x 2 x 8,486; the embedding + layer 0 weigh
+    # less), and one unsharded layer gradient (2 x 8,486), bf16.
+    assert states["fsdp/unsharded_working_copies"] == (2 * 2 * 2_352 + 3 * 2 * 8_486) * 2
+
+
+def test_root_gathered_all_step_on_cpu(measured):
+    # Run 1, measured: on CPU each collective runs to completion (no prefetch overlap), and the peak of
+    # whole copies is layer 1's backward, first: the root's gathered weights (2 x 2,352: the final norm
+    # 2 x 48 and the output layer 96 x 48, no padding) and their gradients (4,704), layer 1 gathered
+    # (2 x 8,486) and its gradients (16,972 less linear_fc1's padding row, 49: 16,923), bf16.
+    name = "DP2, bf16, biases, learned positions, untied, Adam, M=2"
+    assert [r["live"] for r in measured[name]] == [(2 * 4_704 + 2 * 8_486 + 16_923) * 2] * WORLD
 
 
 def test_report_and_refusals():
@@ -279,10 +291,10 @@ def _cli_report(*extra: str) -> dict:
 
 
 @pytest.mark.parametrize("extra, shown", [
-    (("--fsdp",), {"weights": 2.0, "gradients": 2.0, "fsdp/unsharded_working_copies": 2.5, "activations": 21.9,
-                   "total": 40.5, "dp/all_gather": 128.5, "dp/reduce_scatter": 64.2}),
+    (("--fsdp",), {"weights": 2.0, "gradients": 2.0, "fsdp/unsharded_working_copies": 4.6, "activations": 21.9,
+                   "total": 42.6, "dp/all_gather": 128.5, "dp/reduce_scatter": 64.2}),
     (("--distributed-optimizer",), {"weights": 16.1, "gradients": 32.1, "total": 82.1, "moved": 48.2}),
-    (("--fsdp", "--frozen", "--lora-rank", "16"), {"total": 25.4, "dp/reduce_scatter": 0.3}),
+    (("--fsdp", "--frozen", "--lora-rank", "16"), {"total": 26.5, "dp/reduce_scatter": 0.3}),
 ])
 def test_docs_llama3_fsdp_figures(extra, shown):
     # docs/memory.md's Llama-3-8B paragraph (8 GPUs, 4 micro-batches of 4096 tokens, bf16), in GB.

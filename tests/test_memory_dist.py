@@ -19,7 +19,7 @@ import pytest
 import mcore_cpu
 import mcore_dist
 from megatron_flops.memory.activations import chunk_activations, in_flight, schedule_peak
-from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.report import rank_memory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -115,6 +115,23 @@ RUNS = {
                                                     mtp_num_layers=1, recompute_granularity="full",
                                                     recompute_method="uniform", recompute_num_layers=1),
              m=2, build=dict(params_dtype="fp32")),
+    # Selective recompute of layernorm (CheckpointWithoutOutput: measured with the live-storage meter),
+    # moe (the whole layer: the dispatcher's traffic and the shared experts' all-gather and
+    # reduce-scatter run forward again) and shared_experts (inside a re-run moe checkpoint, twice), the
+    # MoE MTP layer's too.
+    "DP2 x TP2 + SP, MoE every other layer (alltoall) + 1 MoE MTP layer, shared experts, selective layernorm + "
+    "moe + shared_experts, DDP, fp32": dict(
+        layout=dict(tp=2, sp=True), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
+                                               moe_shared_expert_intermediate_size=40, mtp_num_layers=1,
+                                               recompute_granularity="selective",
+                                               recompute_modules=["layernorm", "moe", "shared_experts"]),
+        m=2, build=dict(params_dtype="fp32"), live=True),
+    "TP2 x EP2 + SP, MoE top-2 of 4 (alltoall), shared experts, selective moe, DDP, fp32": dict(
+        layout=dict(tp=2, sp=True, ep=2), model=dict(BASE, num_moe_experts=4, moe_router_topk=2,
+                                                     moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=48,
+                                                     moe_shared_expert_intermediate_size=40,
+                                                     recompute_granularity="selective", recompute_modules=["moe"]),
+        m=2, build=dict(params_dtype="fp32")),
     # Activations: stage 0 saves nothing before layer 0's linear_qkv adapter; stage 1's received
     # hidden states require grad, so it saves as in full training but the frozen linears' inputs.
     "DP2 x PP2, LoRA rank 4 on linear_qkv/linear_fc2, frozen base, DDP, bf16, SGD, M=3": dict(
@@ -193,7 +210,8 @@ def memory_worker(rank: int, world_size: int, runs: dict) -> dict:
         chunks, optimizer, config = mcore_memory.build_training(model, vocab_size=VOCAB, seq_length=seq, **run["build"])
         groups = mcore_memory.megatron_groups()
         comm = mcore_memory.CommMeter(groups)
-        saved = mcore_memory.SavedTensorMeter([p for c in chunks for p in c.parameters()])
+        meter = mcore_memory.LiveStorageMeter if run.get("live") else mcore_memory.SavedTensorMeter
+        saved = meter([p for c in chunks for p in c.parameters()])
         m = run["m"]
         with comm, saved.tracking():
             mcore_dist.run_schedule(
@@ -223,17 +241,21 @@ def memory_worker(rank: int, world_size: int, runs: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def measured():
-    results = mcore_dist.run_distributed(memory_worker, WORLD, RUNS, timeout=600)
-    return {name: [r[name] for r in results] for name in RUNS}
+    return mcore_dist.run_by_name(memory_worker, WORLD, RUNS, timeout=600)
 
 
-def setup(name: str):
-    """The pure description of run ``name``: spec, options, layout, training, PEFT, recompute."""
-    run = {**RUNS, **ETP_RUNS}[name]
+# The checks of one run (a RUNS entry: layout, model, m, build; tests/test_memory_mla_mtp_dist.py's
+# runs too) against what memory_worker measured on every rank.
+
+
+def setup(run: dict):
+    """The pure description of one run: spec, options, layout, training, PEFT, recompute."""
     model, build, layout = run["model"], run["build"], run["layout"]
     fields = {k: v for k, v in model.items() if k != "moe_token_dispatcher_type"}
-    spec = ModelSpec.from_mapping(dict(fields, vocab_size=VOCAB))
+    spec = ModelSpec.from_mapping(dict(fields, vocab_size=VOCAB,
+                                       share_embeddings_and_output_weights=build.get("share_embeddings", True)))
     options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
+                                               transformer_impl="local",  # (the spec memory_worker builds)
                                                position_embedding_type=build.get("position_embedding_type", "rope"),
                                                add_bias_linear=model.get("add_bias_linear", False)))
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
@@ -251,40 +273,37 @@ def setup(name: str):
     return spec, options, par, training, peft, recompute
 
 
-def expected(name: str, result: dict):
-    spec, options, par, training, peft, recompute = setup(name)
+def expected(run: dict, result: dict):
+    spec, options, par, training, peft, recompute = setup(run)
     sizes = result["sizes"]
     return rank_memory(spec, options, par, training, pp_rank=sizes["pp_rank"], dp_rank=sizes["dp_rank"],
                        peft=peft, recompute=recompute)
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_parameters_in_megatron_order(measured, name):
-    from megatron_flops.memory.decoder import chunk_parameters
-
-    spec, options, par, training, peft, _ = setup(name)
-    for result in measured[name]:
+def check_parameters(run: dict, results: list) -> None:
+    """Every rank's parameters of every chunk, names and sizes in megatron-core's order."""
+    spec, options, par, training, peft, _ = setup(run)
+    for result in results:
         for chunk, names in enumerate(result["names"]):
             params = chunk_parameters(spec, options, par, pp_rank=result["sizes"]["pp_rank"], chunk=chunk,
                                       seq_length=training.seq_length, peft=peft)
             assert [(p.name, p.numel) for p in params] == [tuple(n) for n in names]
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_weights_gradients_optimizer_state(measured, name):
-    for result in measured[name]:
-        assert expected(name, result).states == result["states"], result["sizes"]
+def check_states(run: dict, results: list) -> None:
+    """Weights, gradient buffers and optimizer state on every rank."""
+    for result in results:
+        assert expected(run, result).states == result["states"], result["sizes"]
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_communication_per_step(measured, name):
-    # Every key equal per rank, but those whose per-rank bytes follow the routing (the expert
-    # all-to-all; under TP x EP the TP all-gather and reduce-scatter of the routed tokens): their
-    # total over each expert group equals the balanced figure's, and each rank lies within the
-    # bounds over every routing.
+def check_communication(run: dict, results: list) -> None:
+    """Every key equal per rank, but those whose per-rank bytes follow the routing (the expert
+    all-to-all; under TP x EP the TP all-gather and reduce-scatter of the routed tokens): their
+    total over each expert group equals the balanced figure's, and each rank lies within the
+    bounds over every routing."""
     per_group: dict = {}
-    for result in measured[name]:
-        report = expected(name, result)
+    for result in results:
+        report = expected(run, result)
         want, got = dict(report.communication), dict(result["comm"])
         for key, (lo, hi) in report.communication_ranges.items():
             assert lo <= got[key] <= hi, (key, result["sizes"])
@@ -302,25 +321,23 @@ def cpu_delta(par: Parallelism, training: Training, num_norms: int) -> int:
     return num_norms * tokens * 2 * (training.param_bytes - 4)
 
 
-def _routed(name: str) -> bool:
-    """MoE under EP > 1: what one rank's experts save follows the routing."""
-    return "MoE" in name and {**RUNS, **ETP_RUNS}[name]["layout"].get("ep", 1) > 1
-
-
-@pytest.mark.parametrize("name", [n for n in RUNS if not _routed(n)])
-def test_activations_per_forward_and_schedule_peak(measured, name):
-    spec, options, par, training, peft, recompute = setup(name)
-    for result in measured[name]:
+def check_activations(run: dict, results: list) -> None:
+    """The bytes each forward of each chunk saves, and the schedule's peak, on every rank."""
+    spec, options, par, training, peft, recompute = setup(run)
+    for result in results:
         pp_rank = result["sizes"]["pp_rank"]
         chunks = []
         for c in range(par.num_chunks):
             act = chunk_activations(spec, options, par, training, pp_rank=pp_rank, chunk=c, recompute=recompute,
                                     peft=peft)
             layers = len(par.chunk_layers(spec.num_layers, pp_rank, c))
-            # (A frozen first stage: layer 0's input norm runs before the first adapter.)
-            norms = 2 * layers + par.is_last_stage(pp_rank, c) - (peft is not None and par.is_first_stage(pp_rank, c))
-            delta = cpu_delta(par, training, norms)
-            act = dataclasses.replace(act, components={**act.components, "cpu": delta})
+            # LayerNorms per forward: 2 per layer; on the last stage the final norm and 5 per MTP
+            # layer (the latent norms of MLA run in fp32 runs only: no delta). (A frozen first stage:
+            # layer 0's input norm runs before the first adapter.)
+            last = par.is_last_stage(pp_rank, c)
+            first_frozen = peft is not None and par.is_first_stage(pp_rank, c)
+            norms = 2 * layers + last * (1 + 5 * spec.mtp_num_layers) - first_frozen
+            act = dataclasses.replace(act, components={**act.components, "cpu": cpu_delta(par, training, norms)})
             chunks.append(act)
             measured_forwards = {b for chunk, b in result["forward"] if chunk == c}
             assert measured_forwards == {act.forward + act.shared}, (result["sizes"], c)
@@ -328,21 +345,50 @@ def test_activations_per_forward_and_schedule_peak(measured, name):
         assert peak == result["peak"], result["sizes"]
 
 
+@pytest.mark.parametrize("name", list(RUNS))
+def test_parameters_in_megatron_order(measured, name):
+    check_parameters(RUNS[name], measured[name])
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_weights_gradients_optimizer_state(measured, name):
+    check_states(RUNS[name], measured[name])
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_communication_per_step(measured, name):
+    check_communication(RUNS[name], measured[name])
+
+
+def _routed(name: str) -> bool:
+    """MoE under EP > 1: what one rank's experts save follows the routing."""
+    return "MoE" in name and RUNS[name]["layout"].get("ep", 1) > 1
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if not _routed(n)])
+def test_activations_per_forward_and_schedule_peak(measured, name):
+    check_activations(RUNS[name], measured[name])
+
+
 @pytest.mark.parametrize("name", [n for n in RUNS if _routed(n)])
 def test_moe_activations_balanced_in_total_bounded_per_rank(measured, name):
-    # What one rank's experts save follows the routing; over all ranks every routed token is
-    # saved once, so the measured sum equals the balanced figure times the ranks, and each rank
-    # (each forward, and the peak: with full recompute, the re-run MoE layer's) lies within the
-    # bounds over every routing.
-    spec, options, par, training, peft, recompute = setup(name)
+    check_moe_activations_balanced(RUNS[name], measured[name])
+
+
+def check_moe_activations_balanced(run: dict, results: list) -> None:
+    """What one rank's experts save follows the routing; over all ranks every routed token is
+    saved once, so the measured sum equals the balanced figure times the ranks, and each rank
+    (each forward, and the peak: with full recompute, the re-run MoE layer's) lies within the
+    bounds over every routing."""
+    spec, options, par, training, peft, recompute = setup(run)
     total_measured = total_formula = 0
-    for result in measured[name]:
+    for result in results:
         act = chunk_activations(spec, options, par, training, pp_rank=0, chunk=0, recompute=recompute)
         delta = cpu_delta(par, training, 2 * spec.num_layers + 1)
         forwards = [b for _, b in result["forward"]]
         total_measured += sum(forwards)
         total_formula += (act.forward + act.shared + delta) * len(forwards)
-        lo, hi = expected(name, result).activations_range
+        lo, hi = expected(run, result).activations_range
         held = [result["peak"]] + (forwards if recompute is None else [])  # (recompute: forwards keep inputs only)
         assert all(lo + delta <= b <= hi + delta for b in held), result["sizes"]
     assert total_measured == total_formula

@@ -113,8 +113,7 @@ def measured():
     if not mcore_cpu.HAVE_MCORE:
         pytest.skip(mcore_cpu.SKIP_REASON)
     runs = {name: (_raw(name), *RUNS[name][2:]) for name in RUNS}
-    results = mcore_dist.run_distributed(ddp_worker, WORLD, runs, timeout=600)
-    return {name: [r[name] for r in results] for name in RUNS}
+    return mcore_dist.run_by_name(ddp_worker, WORLD, runs, timeout=600)
 
 
 def _setup(name: str):

@@ -17,25 +17,24 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, rea
 
 @pytest.fixture(scope="module")
 def measured():
-    results = mcore_dist.run_distributed(base.memory_worker, base.WORLD, base.ETP_RUNS, timeout=600)
-    return {name: [r[name] for r in results] for name in base.ETP_RUNS}
+    return mcore_dist.run_by_name(base.memory_worker, base.WORLD, base.ETP_RUNS, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(base.ETP_RUNS))
 def test_parameters_in_megatron_order(measured, name):
-    base.test_parameters_in_megatron_order(measured, name)
+    base.check_parameters(base.ETP_RUNS[name], measured[name])
 
 
 @pytest.mark.parametrize("name", list(base.ETP_RUNS))
 def test_weights_gradients_optimizer_state(measured, name):
-    base.test_weights_gradients_optimizer_state(measured, name)
+    base.check_states(base.ETP_RUNS[name], measured[name])
 
 
 @pytest.mark.parametrize("name", list(base.ETP_RUNS))
 def test_communication_per_step(measured, name):
-    base.test_communication_per_step(measured, name)
+    base.check_communication(base.ETP_RUNS[name], measured[name])
 
 
 @pytest.mark.parametrize("name", list(base.ETP_RUNS))
 def test_moe_activations_balanced_in_total_bounded_per_rank(measured, name):
-    base.test_moe_activations_balanced_in_total_bounded_per_rank(measured, name)
+    base.check_moe_activations_balanced(base.ETP_RUNS[name], measured[name])

@@ -118,8 +118,7 @@ def _unsharded_grads(model) -> list:
 @pytest.fixture(scope="module")
 def measured():
     runs = {name: (_raw(name), RUNS[name][2], RUNS[name][3]) for name in RUNS}
-    results = mcore_dist.run_distributed(fsdp_worker, WORLD, runs, timeout=600)
-    return {name: [r[name] for r in results] for name in RUNS}
+    return mcore_dist.run_by_name(fsdp_worker, WORLD, runs, timeout=600)
 
 
 def _setup(name: str):

@@ -39,16 +39,6 @@ DSA = dict(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=
            dsa_indexer_topk=8)
 
 
-@pytest.fixture(scope="module")
-def mcore():
-    if not mcore_cpu.HAVE_MCORE:
-        pytest.skip(mcore_cpu.SKIP_REASON)
-    import mcore_memory
-
-    mcore_cpu.init_single_process()
-    mcore_memory.patch_alltoall_dispatcher()
-
-
 def _shapes(module: torch.nn.Module) -> list[tuple[str, int]]:
     return [(name, p.numel()) for name, p in module.named_parameters()]
 
@@ -304,7 +294,7 @@ def test_refusals_name_what_is_not_modelled(capsys, tmp_path):
     assert "not modelled (this setup): activations of Mamba, Gated DeltaNet, Kimi Delta Attention and hybrid layers " \
            "are modelled without full recompute" in capsys.readouterr().out
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2", "--vpp", "2"]) == 2
-    assert "virtual pipeline stages of a hybrid pattern follow its '|' separators" in capsys.readouterr().err
+    assert "takes virtual pipeline stages of a hybrid pattern from its '|' separators" in capsys.readouterr().err
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2"]) == 0
     assert "split evenly over the 2 pipeline stages" in capsys.readouterr().out
 

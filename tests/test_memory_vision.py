@@ -26,7 +26,9 @@ QWEN25 = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=48, out_hi
               window_size=8, fullatt_block_indexes=[1])
 QWEN3 = dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=24, patch_size=2,
              num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
-TOWERS = {"qwen2_vl": QWEN2, "qwen2_5_vl": QWEN25, "qwen3_vl": QWEN3}
+# Qwen3-Omni's tower (Qwen3OmniMoeVisionEncoder, built as Qwen3-VL's): deep-stack after blocks 1 and 2.
+TOWERS = {"qwen2_vl": QWEN2, "qwen2_5_vl": QWEN25, "qwen3_vl": QWEN3,
+          "qwen3_omni_moe": dict(QWEN3, deepstack_visual_indexes=[1, 2])}
 
 
 def _hf_tower(family: str, fields: dict):
@@ -38,13 +40,20 @@ def _hf_tower(family: str, fields: dict):
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mod
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig as config
         return mod.Qwen2_5_VisionTransformerPretrainedModel, config(**fields)
+    if family == "qwen3_omni_moe":
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as mod
+        from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+            Qwen3OmniMoeVisionEncoderConfig as config,
+        )
+        return mod.Qwen3OmniMoeVisionEncoder, config(**fields)
     from transformers.models.qwen3_vl import modeling_qwen3_vl as mod
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig as config
     return mod.Qwen3VLVisionModel, config(**fields)
 
 
 def _tower(family: str, fields: dict | None = None):
-    return vision_tower({"model_type": family, "vision_config": fields or TOWERS[family]})
+    vision = {"vision_config": fields or TOWERS[family]}
+    return vision_tower({"model_type": family, **({"thinker_config": vision} if family == "qwen3_omni_moe" else vision)})
 
 
 @pytest.mark.parametrize("family", list(TOWERS))
@@ -75,7 +84,7 @@ def _measure(family: str, grids: list, dtype: torch.dtype, model_trains: bool, p
     torch.manual_seed(0)
     module = cls._from_config(config).to(dtype).train()
     for name, p in module.named_parameters():
-        p.requires_grad_(projection_trains if name.startswith("merger") else model_trains)
+        p.requires_grad_(projection_trains if "merger" in name else model_trains)  # (deep-stack mergers too)
     grid = torch.tensor(grids)
     pixels = torch.randn(int(grid.prod(dim=1).sum()), 24, dtype=dtype)
     meter = mcore_memory.SavedTensorMeter(module.parameters())
@@ -91,12 +100,15 @@ FREEZE = {"trained": (True, True), "frozen blocks": (False, True), "frozen merge
 
 
 # Eager: every freeze setting on the images and a video in fp32 and bf16, the single image trained and
-# fully frozen; sdpa (torch's CPU kernel): trained, both dtypes, both grid sets.
-_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# fully frozen; sdpa (torch's CPU kernel): trained, both dtypes, both grid sets. Qwen3-Omni's tower (the
+# same code as Qwen3-VL's, deep-stack after other blocks): eager in bf16, every freeze setting; sdpa trained.
+_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 CASES = ([(f, "eager", d, "images and a video", z) for f in _FAMILIES for d in (torch.float32, torch.bfloat16)
           for z in FREEZE]
          + [(f, "eager", torch.bfloat16, "image", z) for f in _FAMILIES for z in ("trained", "frozen")]
-         + [(f, "sdpa", d, g, "trained") for f in _FAMILIES for d in (torch.float32, torch.bfloat16) for g in GRIDS])
+         + [(f, "sdpa", d, g, "trained") for f in _FAMILIES for d in (torch.float32, torch.bfloat16) for g in GRIDS]
+         + [("qwen3_omni_moe", "eager", torch.bfloat16, "images and a video", z) for z in FREEZE]
+         + [("qwen3_omni_moe", "sdpa", torch.bfloat16, "images and a video", "trained")])
 
 
 @pytest.mark.parametrize("family, attention, dtype, grids, freeze", CASES,
@@ -302,10 +314,14 @@ def test_placeholder_mask_is_one_byte_per_token():
     assert frozen.activations == {}
 
 
-def test_qwen3_vl_tower_is_labelled():
-    tower = vision_memory(_tower("qwen3_vl"), [[1, 4, 4]], act_bytes=2, attention="flash_attention_2")
-    assert tower.activations is None and "qwen3_vl" in tower.not_modelled[0]
-    assert "splits them over TP" in tower.unmeasured[0]
+def test_qwen3_towers_are_labelled():
+    # Their activations are the Hugging Face module's (measured above); Bridge's megatron-core tower is labelled.
+    for family, name in (("qwen3_vl", "Qwen3-VL"), ("qwen3_omni_moe", "Qwen3-Omni")):
+        tower = vision_memory(_tower(family), [[1, 4, 4]], act_bytes=2, attention="sdpa")
+        assert tower.not_modelled == () and set(tower.activations) >= {"vit/pos_embed", "vit/deepstack_merger"}
+        assert f"the {name} vision tower as the Hugging Face module" in tower.unmeasured[0]
+    assert vision_memory(_tower("qwen3_vl"), None, act_bytes=2, attention="sdpa").not_modelled[0].endswith(
+        "give --grid-thw (the [t, h, w] grids of one micro-batch)")
     flash = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="flash_attention_2", cp=2,
                           tokens=32)
     assert any("flash_attention_2" in u for u in flash.unmeasured) and any("context" in u for u in flash.unmeasured)
@@ -341,23 +357,45 @@ def test_docs_vlm_example(capsys, monkeypatch):
         assert line in printed, line
 
 
+def test_docs_vlm_tower_per_image(capsys, monkeypatch):
+    # docs/memory.md: "One 896 x 896 image ... costs the trained tower X GB": the vit/ rows of one
+    # micro-batch of the documented command without --freeze-vision-model (bf16, sdpa); with it, the
+    # merger's (and the placeholder mask's) only.
+    import re
+    import shlex
+    from pathlib import Path
+
+    from megatron_flops.cli import main
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)
+    text = (root / "docs" / "memory.md").read_text()
+    shown = float(re.search(r"One 896 x 896 image \(4,096 patches\) costs the trained tower ([\d.]+) GB", text)[1])
+    command = text.split("```text\n$ megatron-flops memory ")[1].split("\n")[0]
+    argv = ["memory", *shlex.split(command), "--json"]
+
+    def tower_rows(args: list) -> dict:
+        assert main(args) == 0
+        report = json.loads(capsys.readouterr().out)
+        report = report if "per_gpu" in report else next(iter(report.values()))
+        return {k: v for k, v in report["per_gpu"]["activations_per_microbatch"][0].items() if k.startswith("vit/")}
+
+    trained = tower_rows([a for a in argv if a != "--freeze-vision-model"])
+    assert round(sum(trained.values()) / 1e9, 1) == shown == 8.7
+    assert set(tower_rows(argv)) == {"vit/merger", "vit/placeholder_mask"}
+
+
 IMAGE_TOKEN = 255
 
 
-def _vlm_schedule(grids: list, num_microbatches: int):
-    """Megatron-core's no-pipelining schedule over a GPT behind the Qwen2.5-VL tower (fp32, local
-    spec), each forward as Megatron-Bridge's ``Qwen25VLModel.forward`` runs it: word embeddings,
-    ``[b, s, h]``, the tower, ``masked_scatter`` of its output at the image tokens, the decoder
-    from ``decoder_input``. Returns the bytes each forward saves and the peak held."""
-    import mcore_cpu
-    import mcore_dist
-    import mcore_memory
+def vlm_module(gpt, grids: list, tower_fields: dict, image_token: int = IMAGE_TOKEN):
+    """A GPT behind the Hugging Face Qwen2.5-VL tower (``tower_fields``, eager attention) in one
+    ``MegatronModule``, ``visual`` registered first, each forward as Megatron-Bridge's
+    ``Qwen25VLModel.forward`` runs it over one micro-batch of ``grids``: word embeddings, ``[b, s, h]``,
+    the tower, ``masked_scatter`` of its output at the image tokens, the decoder from ``decoder_input``."""
     from megatron.core.transformer.module import MegatronModule
 
-    mcore_cpu.init_single_process()
-    torch.manual_seed(0)
-    gpt = mcore_cpu.build_gpt({k: v for k, v in SPEC.items() if k != "vocab_size"}, vocab_size=256, max_seq_len=16)
-    cls, config = _hf_tower("qwen2_5_vl", dict(QWEN25, out_hidden_size=64))
+    cls, config = _hf_tower("qwen2_5_vl", tower_fields)
     config._attn_implementation = "eager"
 
     class VLM(MegatronModule):
@@ -375,21 +413,40 @@ def _vlm_schedule(grids: list, num_microbatches: int):
             pixels = torch.randn(int(grid.prod(dim=1).sum()), 24)
             embeds = self.language_model.embedding(input_ids=input_ids, position_ids=None).transpose(1, 0).contiguous()
             image = self.visual(pixels, grid_thw=grid).pooler_output
-            embeds = embeds.masked_scatter((input_ids == IMAGE_TOKEN).unsqueeze(-1), image).transpose(1, 0)
+            embeds = embeds.masked_scatter((input_ids == image_token).unsqueeze(-1), image).transpose(1, 0)
             return self.language_model(None, position_ids, attention_mask, decoder_input=embeds, labels=labels,
                                        loss_mask=loss_mask)
 
-    def data():
-        for batch in mcore_memory.batches(num_microbatches, 2, 16, IMAGE_TOKEN):
-            batch["input_ids"][0, :sum(t * h * w // 4 for t, h, w in grids)] = IMAGE_TOKEN
-            yield batch
+    return VLM()
 
-    vlm = VLM()
+
+def vlm_batches(grids: list, num_microbatches: int, micro_batch_size: int, seq_length: int, seed: int = 0,
+                image_token: int = IMAGE_TOKEN):
+    """mcore_memory.batches (tokens below ``image_token``) with the first row's leading tokens the
+    image tokens of ``grids``."""
+    import mcore_memory
+
+    for batch in mcore_memory.batches(num_microbatches, micro_batch_size, seq_length, image_token, seed=seed):
+        batch["input_ids"][0, :sum(t * h * w // 4 for t, h, w in grids)] = image_token
+        yield batch
+
+
+def _vlm_schedule(grids: list, num_microbatches: int):
+    """Megatron-core's no-pipelining schedule over :func:`vlm_module` (fp32, local spec). Returns
+    the bytes each forward saves and the peak held."""
+    import mcore_cpu
+    import mcore_dist
+    import mcore_memory
+
+    mcore_cpu.init_single_process()
+    torch.manual_seed(0)
+    gpt = mcore_cpu.build_gpt({k: v for k, v in SPEC.items() if k != "vocab_size"}, vocab_size=256, max_seq_len=16)
+    vlm = vlm_module(gpt, grids, dict(QWEN25, out_hidden_size=64))
     meter = mcore_memory.SavedTensorMeter(vlm.parameters())
     with meter.tracking():
         mcore_dist.run_schedule([vlm], num_microbatches=num_microbatches, micro_batch_size=2, seq_length=16,
                                 vocab_size=256, forward_step_func=mcore_memory.metered_forward_step(meter, [vlm]),
-                                data_iterators=[data()], count_flops=False)
+                                data_iterators=[vlm_batches(grids, num_microbatches, 2, 16)], count_flops=False)
     return meter.forward, meter.peak
 
 

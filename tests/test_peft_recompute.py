@@ -280,13 +280,6 @@ def _decoder_input_requires_grad(model) -> None:
     decoder.forward = patched
 
 
-@pytest.fixture(scope="module")
-def mcore():
-    if not mcore_cpu.HAVE_MCORE:
-        pytest.skip(mcore_cpu.SKIP_REASON)
-    mcore_cpu.init_single_process()
-
-
 def _build(config: dict, *, targets=(), rank: int = 4, megatron: bool = True, bridge_patch: bool = False):
     torch.manual_seed(0)
     model = mcore_cpu.build_gpt(dict(config), vocab_size=VOCAB, max_seq_len=32)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_train import header, step
+from fake_train import alive, header, step, wait_for
 
 from megatron_flops.tracking.result import StepResult
 from megatron_flops.reporting.session import Session, install_session, uninstall_session
@@ -323,23 +323,6 @@ def _sweep(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-
-
 def test_sweep_modules_import_one_way():
     import ast
 
@@ -359,7 +342,7 @@ def test_a_second_sweep_on_a_running_sweeps_out_is_refused(tmp_path, capsys):
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         log = out / "000_mode-hang" / "r1" / "log.txt"
-        _wait_for(lambda: log.exists() and "hanging" in log.read_text(), "the first sweep's run to hang")
+        wait_for(lambda: log.exists() and "hanging" in log.read_text(), "the first sweep's run to hang")
         code, _, err = _sweep(capsys, *args)
         assert code == 2 and "is in use by another sweep" in err and str(out) in err, err
         assert "hanging" in log.read_text()  # before: the second sweep deleted the running run's folder
@@ -452,15 +435,15 @@ def test_a_second_ctrl_c_kills_a_run_that_ignores_sigterm(tmp_path):
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         log = out / "000_mode-stubborn" / "r1" / "log.txt"
-        _wait_for(lambda: log.exists() and "child ready" in log.read_text(), "the run to start its child")
+        wait_for(lambda: log.exists() and "child ready" in log.read_text(), "the run to start its child")
         pids = [int(p) for p in log.read_text().split("stubborn ")[1].split()[:2]]
         sweep.send_signal(signal.SIGINT)
         # The sweep is now in its 10 s SIGTERM grace period, which the run ignores.
-        _wait_for(lambda: "SIGTERM ignored" in log.read_text(), "the run to ignore SIGTERM")
+        wait_for(lambda: "SIGTERM ignored" in log.read_text(), "the run to ignore SIGTERM")
         sweep.send_signal(signal.SIGINT)
         sweep.communicate(timeout=120)
     finally:
         sweep.kill()
     assert sweep.returncode == 130
     for pid in pids:  # before: both outlived the sweep
-        _wait_for(lambda: not _alive(pid), f"pid {pid} to be gone", timeout_s=60)
+        wait_for(lambda: not alive(pid), f"pid {pid} to be gone", timeout_s=60)

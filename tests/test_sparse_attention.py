@@ -134,31 +134,15 @@ V32 = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attent
            v_head_dim=16, n_group=1, topk_group=1, index_n_heads=2, index_head_dim=16, index_topk=5)
 
 
-def test_deepseek_v32_measured_is_the_estimate_with_the_dense_core(tmp_path, capsys):
-    import json
+def test_deepseek_v32_measured_is_the_estimate_with_the_dense_core():
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from hf_tiny import estimate_report, measured_flops, tiny_model
 
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from megatron_flops.cli import main
-
-    config = transformers.AutoConfig.for_model("deepseek_v32", **V32)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.set_experts_implementation("eager")
+    config, model = tiny_model("deepseek_v32", **V32)
     seqlens = [12, 7, 3]
-    measured = 0
-    for s in seqlens:
-        with FlopCounterMode(display=False) as counter:
-            model(input_ids=torch.randint(0, 100, (1, s)), use_cache=False).logits.float().sum().backward()
-        measured += counter.get_total_flops()
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json_string())
-    assert main(["estimate", "--model", str(path), "--seqlens", json.dumps([[s] for s in seqlens]), "--attention",
-                 "full", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    measured = measured_flops(model, seqlens, use_cache=False)
+    report = estimate_report(config, [[s] for s in seqlens])
     parts = report["components"]
     # The indexer runs under no_grad in transformers: forward only, scores over every (masked) pair; its
     # projections and scores equal the estimate. transformers' eager attention masks a dense MLA core
@@ -170,35 +154,19 @@ def test_deepseek_v32_measured_is_the_estimate_with_the_dense_core(tmp_path, cap
     assert parts["dsa/core"] == 3 * 3 * 2 * 4 * (16 + 8 + 16) * sum(band_pairs(s, 4) for s in seqlens)
 
 
-def test_glm_moe_dsa_shares_top_k_and_is_measured(tmp_path, capsys):
-    import json
+def test_glm_moe_dsa_shares_top_k_and_is_measured():
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from hf_tiny import estimate_report, measured_flops, tiny_model
 
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from megatron_flops.cli import main
-
-    config = transformers.AutoConfig.for_model("glm_moe_dsa", **dict(V32, num_hidden_layers=4),
-                                               index_topk_freq=2, index_skip_topk_offset=2)
-    config._attn_implementation = "eager"
+    config, model = tiny_model("glm_moe_dsa", **dict(V32, num_hidden_layers=4), index_topk_freq=2,
+                               index_skip_topk_offset=2)
     assert config.indexer_types == ["full", "full", "shared", "full"]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.set_experts_implementation("eager")
     spec = ModelSpec.from_hf_config(config.to_dict())
     assert [m for m, _ in spec.layers] == ["dsa", "dsa", "dsa_shared", "dsa"]
     seqlens = [12, 7]
-    measured = 0
-    for s in seqlens:
-        with FlopCounterMode(display=False) as counter:
-            model(input_ids=torch.randint(0, 100, (1, s)), use_cache=False).logits.float().sum().backward()
-        measured += counter.get_total_flops()
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json_string())
-    assert main(["estimate", "--model", str(path), "--seqlens", json.dumps([[s] for s in seqlens]), "--attention",
-                 "full", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    measured = measured_flops(model, seqlens, use_cache=False)
+    report = estimate_report(config, [[s] for s in seqlens])
     dense_core = sum(3 * 2 * 4 * (16 + 8 + 16) * s * s for s in seqlens)
     assert measured == report["total_flops"] - report["components"]["dsa/core"] + 4 * dense_core
     # The shared layer prices no indexer: 3 of the 4 layers run one, forward only, every pair under "full":

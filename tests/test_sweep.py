@@ -14,12 +14,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from fake_train import header, step
+from fake_train import alive, header, step, wait_for
 from megatron_flops import cli
 from megatron_flops.cli.sweep import check_command, parse_params, plan
 
@@ -209,22 +208,6 @@ def test_plan_order_is_first_param_slowest_and_repeats_interleaved() -> None:
     ]
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_keeps_finished_runs_and_a_rerun_resumes(tmp_path) -> None:
     out, marker = tmp_path / "sw", tmp_path / "hung-once"
@@ -234,7 +217,7 @@ def test_ctrl_c_keeps_finished_runs_and_a_rerun_resumes(tmp_path) -> None:
     sweep = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         log = out / "001_mode-hang" / "r1" / "log.txt"
-        _wait_for(lambda: log.exists() and "hanging" in log.read_text(), "the second run to hang")
+        wait_for(lambda: log.exists() and "hanging" in log.read_text(), "the second run to hang")
         pid = int(log.read_text().split("pid ")[1].split()[0])
         sweep.send_signal(signal.SIGINT)
         _, stderr = sweep.communicate(timeout=600)
@@ -242,7 +225,7 @@ def test_ctrl_c_keeps_finished_runs_and_a_rerun_resumes(tmp_path) -> None:
         sweep.kill()
     assert sweep.returncode == 130, stderr
     assert "interrupted; 1 of 3 runs finished" in stderr
-    _wait_for(lambda: not _alive(pid), "the hung run to be gone", timeout_s=300)
+    wait_for(lambda: not alive(pid), "the hung run to be gone", timeout_s=300)
     results = json.loads((out / "results.json").read_text())
     assert [(r["params"], r["status"]) for r in results["runs"]] == [({"mode": "ok"}, "ok")]
     assert results["sweep"]["num_pending"] == 2

@@ -12,6 +12,7 @@ from typing import Any
 from megatron_flops.cli._memory_model import decoder_options, layout_defaults, num_microbatches
 from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, backend_convention
+from megatron_flops.memory.hybrid_pipeline import hybrid_stages
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS
 from megatron_flops.memory.layout import DTYPE_BYTES, FSDP_STRATEGIES, OPTIMIZERS, Parallelism, Training
 from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
@@ -217,6 +218,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     _resolve_layout(args, model)
     training, par = _training(args, model.seq_length), _parallelism(args)
     dit = "dit" in model.raw
+    if model.spec is not None and not dit:  # a hybrid pattern's '|' segments make its VPP
+        par = hybrid_stages(model.spec, par)
     reports = (_dit if dit else _decoder)(args, model, training, par)
     assumptions = [
         f"{args.params_dtype} weights" + (" (fp32 shards cast for compute)" if dit and not _dit_megatron(par)
@@ -307,7 +310,10 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--recompute-method", choices=RECOMPUTE_METHODS,
                      help="full recompute: uniform (groups of layers) or block (the first N layers per chunk)")
     mem.add_argument("--recompute-num-layers", type=int, metavar="N", help="full recompute: layers per group or block")
-    mem.add_argument("--recompute-modules", metavar="NAMES", help="selective recompute (modelled: core_attn)")
+    mem.add_argument("--recompute-modules", metavar="NAMES",
+                     help="comma-separated selective recompute modules (default core_attn); activations modelled "
+                          "for core_attn, mlp, layernorm, moe, shared_experts, and mla_up_proj at --tp 1 "
+                          "(not moe_act: grouped-GEMM experts only)")
     mem.add_argument("--frozen", action="store_true", help="freeze every base weight")
     mem.add_argument("--lora-rank", type=int, metavar="R", help="add rank-R LoRA adapters")
     mem.add_argument("--lora-targets", metavar="NAMES",

@@ -48,12 +48,21 @@ Recompute: a checkpointed region keeps its inputs (megatron-core's ``CheckpointF
 re-saves its activations while its backward runs. Full recompute checkpoints groups of layers
 (hidden states, mask and the cached RoPE frequencies, fp32 [s, rot], shared by the micro-batches
 of a model chunk); selective ``core_attn`` checkpoints the core attention (q, k, the qkv output
-behind v, the mask), selective ``mlp`` each dense layer's MLP (its input).
+behind v, the mask), selective ``mlp`` each dense layer's MLP (its input), ``moe`` each MoE layer
+(its input), ``shared_experts`` the shared experts (their input is the router's). ``layernorm``
+and ``mla_up_proj`` run under ``CheckpointWithoutOutput``: the norm (MLA's up projections and
+RoPE) runs under no_grad, its checkpoint keeps its inputs, and the output the next layers save
+(the norm's output; MLA's q, k, v) is freed after their forward and restored in backward, with
+what the re-run saves (the norm's statistics; RoPE's cos and sin), once their output gradient
+is computed. Measured on CPU (tests/test_memory_recompute_modules.py, with a meter that sees
+the freed storages); ``moe_act`` (grouped-GEMM experts only) is not modelled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
@@ -61,12 +70,12 @@ from megatron_flops.memory.lora import lora_activation_reason
 from megatron_flops.memory.ssm import dsa_saved, gdn_saved, kda_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
+from megatron_flops.memory.recompute import selective_reason
 from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_activation_reason, moe_activations,
                                        shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
-SUPPORTED_SELECTIVE = ("core_attn", "mlp")
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,11 @@ class _Dims:
     tp: int = 1
     gate: bool = False  # attention_output_gate: linear_qkv also projects a sigmoid gate per query channel
     ep: int = 1
+<<<<<<< HEAD
     etp: int = 1  # the routed experts' tensor-parallel size
+=======
+    cp: int = 1  # context parallelism: s is this rank's s/CP tokens of each sequence
+>>>>>>> main
 
     @property
     def tokens(self) -> int:
@@ -139,11 +152,12 @@ class _Grad:
 class _Walk:
     """Forward-order accumulation of kept bytes, and recompute regions' peaks."""
 
-    def __init__(self, grad: _Grad | None = None, *, recompute_mlp: bool = False) -> None:
+    def __init__(self, grad: _Grad | None = None, *, selective: tuple[str, ...] = ()) -> None:
         self.out = ChunkActivations()
         self.kept = 0
         self.grad = grad or _Grad()
-        self.recompute_mlp = recompute_mlp  # selective ``mlp``: dense MLPs are checkpointed
+        self.selective = selective  # selective recompute's modules
+        self.restored = 0  # re-saved by a CheckpointWithoutOutput restored earlier in backward (see discard)
 
     def keep(self, key: str, nbytes: int) -> None:
         if nbytes:
@@ -172,13 +186,20 @@ class _Walk:
             self.keep("lora", tokens * g.rank * act)
             g.started = True
 
+    def discard(self, key: str, nbytes: int) -> None:
+        """An output ``key`` kept, which megatron-core's ``CheckpointWithoutOutput`` frees after
+        its last forward use (``resize_(0)``) and restores in backward: no longer kept."""
+        self.out.components[key] -= nbytes
+        self.kept -= nbytes
+
     def region(self, transient: int) -> None:
         # NB: when a region's backward runs, everything saved before it (in forward order) is
-        # still held, everything after it is already freed. A region whose inputs require no
+        # still held, everything after it is already freed, and what a CheckpointWithoutOutput
+        # restored before it is held again (``restored``). A region whose inputs require no
         # grad (before a frozen model's first adapter) saves nothing and never re-runs.
         if not self.grad.started:
             return
-        self.out.backward_peak = max(self.out.backward_peak, self.kept + transient)
+        self.out.backward_peak = max(self.out.backward_peak, self.kept + self.restored + transient)
 
 
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
@@ -192,9 +213,9 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
         if reason is not None:
             return reason
     if recompute is not None and recompute.granularity == "selective":
-        other = [m for m in recompute.modules if m not in SUPPORTED_SELECTIVE]
-        if other:
-            return f"selective recompute of {other} is not modelled (only {SUPPORTED_SELECTIVE})"
+        reason = selective_reason(spec, par, recompute.modules, peft)
+        if reason is not None:
+            return reason
         if "mlp" in recompute.modules and options.add_bias_linear:
             # (fc2's bias, returned through the checkpoint, gets the checkpoint as its grad_fn: its
             # backward re-enters itself without end; seen on CPU, not a CPU effect.)
@@ -214,7 +235,11 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
                  heads=spec.num_attention_heads // par.tp, groups=spec.num_query_groups // par.tp,
                  ffn=spec.ffn_hidden_size // par.tp, vocab=padded_vocab(spec, options, par.tp) // par.tp,
                  act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep, gate=spec.attention_output_gate,
+<<<<<<< HEAD
                  etp=par.expert_tp)
+=======
+                 cp=par.cp)
+>>>>>>> main
 
 
 def _gathered(x: _Dims) -> int | None:
@@ -223,10 +248,17 @@ def _gathered(x: _Dims) -> int | None:
     return x.tokens * x.h * x.act if x.sp > 1 else None
 
 
-def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions) -> None:
-    # Input [T/sp, h] and fp32 statistics per token (LayerNorm: mean and rstd; RMSNorm: rstd).
+def _norm_stats(x: _Dims, options: DecoderOptions) -> int:
+    """fp32 statistics per token of a norm over [T/sp, h] (LayerNorm: mean and rstd; RMSNorm: rstd)."""
+    return x.local_tokens * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
+
+
+def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions, *, recomputed: bool = False) -> None:
+    # Input [T/sp, h] and its statistics; selective ``layernorm`` runs it under no_grad and its
+    # checkpoint keeps the input only.
     w.act(key, x.local_tokens * x.h * x.act)
-    w.act(key, x.local_tokens * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1))
+    if not recomputed:
+        w.act(key, _norm_stats(x, options))
 
 
 def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool) -> None:
@@ -315,16 +347,21 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     inputs); nothing before the hidden states require grad."""
     mla = spec.mla
     assert mla is not None
-    T, a, heads, base = x.tokens, x.act, x.heads, w.grad.base
+    T, a, base = x.tokens, x.act, w.grad.base
     norm, loc = options.qk_layernorm, x.local_tokens
     stats = loc * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
+    # NB: Transformer Engine's spec fuses the latent norms into the up projections, so selective
+    # ``mla_up_proj`` re-runs them too: their statistics and outputs are saved in backward only.
+    fused = "mla_up_proj" in w.selective and norm and options.transformer_impl == "transformer_engine"
+    moved = 0
     if base:
         w.keep("attention", loc * x.h * a)  # (this rank's slice under sequence parallelism)
     if mla.q_lora_rank is not None and (base or norm):
         # The all-gathered q latent [T, q_lora] (q_up's input, or the q norm's; under sequence
         # parallelism their [T/TP] slice is a view of it), the norm's statistics and output.
-        w.act("attention", T * mla.q_lora_rank * a + ((stats + (loc * mla.q_lora_rank * a if base else 0))
-                                                      if norm else 0))
+        q_norm = (stats + (loc * mla.q_lora_rank * a if base else 0)) if norm else 0
+        moved += q_norm if fused else 0
+        w.act("attention", T * mla.q_lora_rank * a + (0 if fused else q_norm))
     # kv_up's input (or the kv norm's): a view of the all-gathered kv_down output [T, kv_lora +
     # rope], which it keeps whole; under sequence parallelism a [T/TP, kv_lora] copy of its slice
     # (RoPE's product with cos/sin keeps only those), then the kv norm.
@@ -332,24 +369,46 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
         w.act("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a if x.sp == 1
               else loc * mla.kv_lora_rank * a)
     if norm:
-        w.act("attention", stats + (loc * mla.kv_lora_rank * a if base else 0))
-    w.act("attention", 4 * x.s * mla.qk_pos_emb_head_dim * a)  # cos and sin, for q and for k
+        kv_norm = stats + (loc * mla.kv_lora_rank * a if base else 0)
+        moved += kv_norm if fused else 0
+        w.act("attention", 0 if fused else kv_norm)
+    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved)
+
+
+def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: bool,
+              moved: int) -> None:
+    """MLA after its latents: RoPE, q, k, v, the core attention and linear_proj's input.
+    Selective ``mla_up_proj`` (CheckpointWithoutOutput around the up projections and RoPE,
+    whose inputs the latents keep, and the layer's fp32 RoPE frequencies [s, rope]): no cos and
+    sin, and q, k, v freed after the core attention; restored, with cos and sin (and ``moved``:
+    what the re-run saves of the latent norms fused into it) saved again, once linear_proj's
+    backward has run."""
+    mla = spec.mla
+    assert mla is not None
+    T, a, heads = x.tokens, x.act, x.heads
+    rope = 4 * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
     v = T * heads * mla.v_head_dim * a
     if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`)
-        w.act("attention", dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) + v)
+        w.act("attention", rope + dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) + v)
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
-    w.act("attention", 2 * qk + v)
+    restored = rope + 2 * qk + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
+    w.act("attention", x.s * mla.qk_pos_emb_head_dim * 4 if restored else rope + 2 * qk + v)
+    w.restored += restored
     if options.attention_backend == "flash":
         lse = x.b * heads * x.s * 4  # fp32 log-sum-exp
         if checkpointed:
             w.region(v + lse)  # re-run in backward: a second output and the log-sum-exp
         else:
             w.act("attention", lse)
+    else:
+        _softmax(w, x, options, checkpointed=checkpointed)  # (a checkpoint keeps q, k, v and the mask)
+    w.restored -= restored
+    if restored:
+        w.region(restored)
+    if options.attention_backend == "flash":
         w.act("attention", v)  # the output = linear_proj's input
-        w.linear("attention", "linear_proj", 0, T, a)
-        return
-    _softmax(w, x, options, checkpointed=checkpointed)  # (a checkpoint keeps q, k, v and the mask)
+        v = 0
     w.linear("attention", "linear_proj", v, T, a)
 
 
@@ -389,24 +448,51 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     """One layer: its mixer (none: a hybrid MLP layer) and its MLP or MoE (``ffn=False``: a
     hybrid mixer layer), each after its norm and before its dropout."""
     if mixer != "none":
-        _norm(w, "norm", x, options)
-        if mixer in ("mamba", "gdn", "kda"):
-            _ssm_mixer(w, x, spec, mixer)
-        elif spec.mla is not None:
-            _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer == "dsa")
-        else:
-            _attention(w, x, options, checkpointed=core_attn)
+        with _recomputed_norm(w, x, options, "attention", fused=options.transformer_impl == "transformer_engine"
+                              and spec.mla is None):
+            if mixer in ("mamba", "gdn", "kda"):
+                _ssm_mixer(w, x, spec, mixer)
+            elif spec.mla is not None:
+                _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer == "dsa")
+            else:
+                _attention(w, x, options, checkpointed=core_attn)
         _dropout_mask(w, x, options)
     if not ffn:
         return
-    _norm(w, "norm", x, options)
-    if moe:
-        _moe(w, x, spec, options)
-    elif w.recompute_mlp:
-        _checkpointed_mlp(w, x, options, spec.gated_linear_unit)
-    else:
-        _mlp(w, x, options, spec.gated_linear_unit)
+    selective = w.selective
+    reader = ("recompute" if "moe" in selective else "moe/router") if moe else \
+        ("recompute" if "mlp" in selective else "mlp")
+    with _recomputed_norm(w, x, options, reader, fused=options.transformer_impl == "transformer_engine" and not moe):
+        if moe:
+            _moe(w, x, spec, options)
+        elif "mlp" in selective:
+            _checkpointed_mlp(w, x, options, spec.gated_linear_unit)
+        else:
+            _mlp(w, x, options, spec.gated_linear_unit)
     _dropout_mask(w, x, options)
+
+
+@contextlib.contextmanager
+def _recomputed_norm(w: _Walk, x: _Dims, options: DecoderOptions, reader: str, *, fused: bool) -> Iterator[None]:
+    """A layer's input or pre-MLP norm, then (the body) what reads its output. Selective
+    ``layernorm`` (megatron-core's ``CheckpointWithoutOutput``): the norm runs under no_grad
+    (its checkpoint keeps its input), and the output the reader keeps (under key ``reader``) is
+    freed after the reader's forward; in backward, once the reader's output gradient is
+    computed, the output is restored and the norm re-run, which saves its statistics again:
+    both are held from then on, through the reader's own recompute regions. NB: a norm that
+    Transformer Engine's spec fuses into the next linear layer (``fused``: the input norm but
+    for MLA, the pre-MLP norm but for MoE layers) is an ``IdentityOp`` there, never recomputed."""
+    recomputed = "layernorm" in w.selective and w.grad.started and not fused
+    _norm(w, "norm", x, options, recomputed=recomputed)
+    if not recomputed:
+        yield
+        return
+    out, stats = x.local_tokens * x.h * x.act, _norm_stats(x, options)
+    w.restored += stats
+    yield
+    w.restored -= stats
+    w.discard(reader, out)
+    w.region(out + stats)
 
 
 def _ssm_mixer(w: _Walk, x: _Dims, spec: ModelSpec, mixer: str) -> None:
@@ -417,7 +503,7 @@ def _ssm_mixer(w: _Walk, x: _Dims, spec: ModelSpec, mixer: str) -> None:
     if mixer == "kda":
         w.act(mixer, kda_saved(spec, s=x.s, b=x.b, act=x.act))
     elif mixer == "mamba":
-        w.act(mixer, mamba_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act))
+        w.act(mixer, mamba_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act, cp=x.cp))
     else:  # NB: parameters in the activation dtype (Float16Module), so exp(A_log) too
         w.act(mixer, gdn_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act, param=x.act))
 
@@ -431,20 +517,50 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
     if not w.grad.started:
         return
     g, frozen = w.grad, not w.grad.base
+<<<<<<< HEAD
     for key, nbytes in moe_activations(spec, options, tokens=x.expert_tokens, local_tokens=x.local_tokens,
                                        act=x.act, tp=x.etp, ep=x.ep, received=x.received, frozen=frozen).items():
         w.keep(key, nbytes)
     w.keep("lora", expert_lora_activations(spec, adapted=g.adapted, rank=g.rank, frozen=frozen,
                                            tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received))
+=======
+    routed = moe_activations(spec, options, tokens=x.tokens, local_tokens=x.local_tokens, act=x.act, tp=x.tp,
+                             ep=x.ep, received=x.received, frozen=frozen)
+    routed["lora"] = expert_lora_activations(spec, adapted=g.adapted, rank=g.rank, frozen=frozen, tokens=x.tokens,
+                                             act=x.act, tp=x.tp, received=x.received)
+>>>>>>> main
     shared = moe.shared_expert_ffn_hidden_size
     if shared:
         sub = _Walk(_Grad(base=g.base, adapted=g.adapted, rank=g.rank))
         _mlp(sub, dataclasses.replace(x, ffn=shared // x.tp), options, spec.gated_linear_unit)
         lora = sub.out.components.pop("lora", 0)
+        routed["lora"] += lora
         fc1_input = x.local_tokens * x.h * x.act if g.base or "linear_fc1" in g.adapted else 0
-        w.keep("lora", lora)
-        w.keep("moe/shared_experts", sub.kept - lora - fc1_input  # fc1's input is the router's
-               + shared_gate_activations(spec, local_tokens=x.local_tokens, act=x.act))
+        routed["moe/shared_experts"] = (sub.kept - lora - fc1_input  # fc1's input is the router's
+                                        + shared_gate_activations(spec, local_tokens=x.local_tokens, act=x.act))
+    _selective_moe(w, routed, x.local_tokens * x.h * x.act)
+
+
+def _selective_moe(w: _Walk, kept: dict[str, int], inp: int) -> None:
+    """Keep a MoE layer's ``kept`` bytes (the router's input ``inp`` among them), or under
+    selective recompute: ``moe`` (``CheckpointFunction`` around the layer) keeps its input and
+    re-saves the rest while its backward runs; ``shared_experts`` (around the shared experts, whose
+    input is the router's) keeps nothing of them, and re-saves them in backward once the routed
+    experts, router and dispatcher have run theirs (autograd runs the later-created nodes first),
+    with only the input left of the layer. Both: the shared experts re-run inside the outer
+    checkpoint's backward."""
+    shared = kept.pop("moe/shared_experts", 0) if "shared_experts" in w.selective else 0
+    if "moe" in w.selective:
+        w.keep("recompute", inp)
+        w.region(sum(kept.values()) - inp)
+    elif shared:
+        w.region(inp + shared)
+    if "moe" in w.selective:
+        if shared:
+            w.region(shared)
+        return
+    for key, nbytes in kept.items():
+        w.keep(key, nbytes)
 
 
 def chunk_activations(
@@ -467,7 +583,7 @@ def chunk_activations(
     x = dataclasses.replace(_dims(spec, options, par, training), received=received)
     first = par.is_first_stage(pp_rank, chunk)
     selective = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
-    w = _Walk(_peft_grad(peft, first_stage=first), recompute_mlp="mlp" in selective)
+    w = _Walk(_peft_grad(peft, first_stage=first), selective=selective)
     layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
     if first:
         positions = options.position_embedding_type == "learned_absolute"

@@ -165,7 +165,7 @@ def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, op
                         ("ffn_hidden_size", spec.ffn_hidden_size)):
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by --tp {tp}")
-    if spec.num_layers % (par.pp * par.num_chunks):
+    if par.stage_layers is None and spec.num_layers % (par.pp * par.num_chunks):
         raise ValueError(f"num_layers={spec.num_layers} is not divisible by PP x VPP = {par.pp * par.num_chunks}")
     if spec.moe is not None:
         if spec.moe.num_experts % par.ep:

@@ -18,9 +18,14 @@ and no ``MixedPrecisionPolicy``. So:
   again in backward after the reshard); ``dp/reduce_scatter``: each unit's padded unsharded
   gradients (trainable parameters) every micro-batch, as megatron-core's ``no_sync`` does not
   stop FSDP2's gradient sync;
-- ``fsdp/unsharded_working_copies`` (a formula, not measured): the largest sum over two
-  neighbouring units (the one computing and the one prefetched) of their gathered weights and the
-  larger unsharded gradient of the two.
+- ``fsdp/unsharded_working_copies``: the root is gathered at its pre-forward, before any other
+  unit runs, and resharded at its post-forward, after all of them; gathered again for the whole
+  backward and reduce-scattered at its end. So its gathered weights stay while the other units
+  gather, compute and reduce-scatter, beside its whole gradients as they appear (the output layer's
+  and final norm's from the start of backward; those of a VLM's vision tower, which joins the root,
+  once the tower's backward has run: after the decoder's, before the embedding's, which is last).
+  Measured on CPU, where each collective runs to completion; on GPU (a formula, not measured) two neighbouring units are gathered at once (the one
+  computing and the one prefetched) with the larger unsharded gradient of the two.
 
 Megatron-LM refuses ``--use-torch-fsdp2`` with PP > 1, EP > 1, the distributed optimizer, tied
 embeddings and fp16.
@@ -55,13 +60,14 @@ def check_fsdp_supported(spec: ModelSpec, par: Parallelism, training: Training) 
 
 def fsdp_units(params: Sequence[Param]) -> list[tuple[Param, ...]]:
     """The parameters of each ``fully_shard`` unit, in forward order: the embedding, each
-    decoder (and MTP) ``TransformerLayer``, then the root (everything else)."""
+    decoder (and MTP) ``TransformerLayer``, then the root (everything else: the final norm, the
+    output layer and a VLM's vision tower, which holds no ``TransformerLayer``), last."""
     units: dict[str, list[Param]] = {}
     for p in params:
         match = _UNIT.match(p.name)
         units.setdefault(match.group(1) if match else "", []).append(p)
     root = units.pop("", [])
-    return [tuple(u) for u in units.values()] + ([tuple(root)] if root else [])
+    return [tuple(u) for u in units.values()] + [tuple(root)]
 
 
 def shard_rows(param: Param, dp: int) -> int:
@@ -97,11 +103,7 @@ def fsdp_decoder_rank(params: Sequence[Param], training: Training, *, dp: int,
     for key in optimizer_keys(training):
         states[key] = real * 4
     gathered = [dp * _padded(u, dp) for u in units]
-    grads = [dp * _padded(u, dp, True) for u in units]
-    # NB: two neighbouring units (in forward order) gathered at once, the one computing and the one
-    # prefetched, with the larger one's unsharded gradient waiting for its reduce-scatter.
-    states["fsdp/unsharded_working_copies"] = unsharded_working_copies([g * dtype for g in gathered],
-                                                                       [g * dtype for g in grads])
+    states["fsdp/unsharded_working_copies"] = _working_copies(units, dp) * dtype
     if dp == 1:
         return states, {}
     m = training.num_microbatches
@@ -110,21 +112,41 @@ def fsdp_decoder_rank(params: Sequence[Param], training: Training, *, dp: int,
     return states, {k: v for k, v in comm.items() if v}
 
 
-def fsdp_notes(par: Parallelism, recompute: RecomputeSpec | None) -> tuple[list[str], list[str]]:
-    """(assumptions, unmeasured) that FSDP2 adds to a decoder's report."""
+def _working_copies(units: Sequence[tuple[Param, ...]], dp: int) -> int:
+    """Elements of whole weights and gradients alive at once (see the module NB): the root's gathered
+    weights, and the larger of (its output layer's and final norm's gradients beside two neighbouring
+    other units, as the decoder runs backward) and (all its gradients beside the embedding, whose
+    backward runs last)."""
+    *others, root = units
+    gathered = [dp * _padded(u, dp) for u in others]
+    grads = [dp * _padded(u, dp, True) for u in others]
+    tower = dp * _padded([p for p in root if p.name.startswith("visual.")], dp, True)
+    head = dp * _padded([p for p in root if not p.name.startswith("visual.")], dp, True)
+    last = gathered[0] + grads[0] if others else 0
+    return dp * _padded(root, dp) + max(head + unsharded_working_copies(gathered, grads), head + tower + last)
+
+
+def fsdp_notes(par: Parallelism, recompute: RecomputeSpec | None, *,
+               vision: bool = False) -> tuple[list[str], list[str]]:
+    """(assumptions, unmeasured) that FSDP2 adds to a decoder's report (``vision``: a VLM's tower)."""
     assumptions = [
         "torch FSDP2 as Megatron-LM's --use-torch-fsdp2 (--transformer-impl local): fully_shard on the embedding, "
-        "each TransformerLayer and the root, reshard after forward, no MixedPrecisionPolicy (gradients reduced and "
+        "each TransformerLayer and the root" + (" (with the vision tower, which holds no TransformerLayer)" if vision
+                                                 else "")
+        + ", reshard after forward, no MixedPrecisionPolicy (gradients reduced and "
         "kept in the params dtype), megatron-core's no_sync not stopping the reduce-scatter of each micro-batch",
         "activations as without FSDP (the gathered weights autograd keeps are parameters, not counted)",
     ]
-    unmeasured = ["fsdp/unsharded_working_copies: two neighbouring units' gathered weights and one unsharded "
-                  "gradient alive at once (when CUDA streams prefetch the next all-gather; gloo on CPU runs each "
-                  "collective to completion, so the overlap cannot be measured here)"]
+    unmeasured = ["fsdp/unsharded_working_copies: the root's gathered weights and whole gradients (measured on CPU) "
+                  "beside two neighbouring units' gathered weights and one unsharded gradient alive at once (when "
+                  "CUDA streams prefetch the next all-gather; gloo on CPU runs each collective to completion, so the "
+                  "overlap cannot be measured here)"]
     if par.tp > 1:
-        unmeasured.append(f"FSDP2 x TP {par.tp}: the tp/ collectives as without FSDP; with sequence parallelism or "
-                          "qk_layernorm megatron-core all-gathers the TP-replicated gradient shards over DP before "
-                          "their TP all-reduce and re-shards them after (not counted; no TP x DP step measured)")
+        unmeasured.append(f"FSDP2 x TP {par.tp}: the tp/ collectives as without FSDP" + (
+                          " (the vision tower's gradient all-reduce too, counted whole)" if vision else "")
+                          + "; with sequence parallelism or qk_layernorm megatron-core all-gathers the TP-replicated "
+                          "gradient shards over DP before their TP all-reduce and re-shards them after (not counted; "
+                          "no TP x DP step measured)")
     if recompute is not None and recompute.granularity == "full":
         unmeasured.append("FSDP2 x full recompute: dp/all_gather counts two gathers per layer and micro-batch; the "
                           "re-run forward of checkpointed layers may gather them once more (not counted, not measured)")
@@ -132,11 +154,10 @@ def fsdp_notes(par: Parallelism, recompute: RecomputeSpec | None) -> tuple[list[
 
 
 def fsdp_stage(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
-               peft: PeftSpec | None, vision: bool = False) -> tuple[dict[str, int], dict[str, int]]:
-    """(states, FSDP payloads) of the most loaded rank (rank 0: the most real rows)."""
+               peft: PeftSpec | None, vision: Sequence[Param] = ()) -> tuple[dict[str, int], dict[str, int]]:
+    """(states, FSDP payloads) of the most loaded rank (rank 0: the most real rows); ``vision``: a
+    VLM's tower parameters, registered before the decoder's (Megatron-Bridge's ``visual``)."""
     check_fsdp_supported(spec, par, training)
-    if vision:
-        raise ValueError("--fsdp is modelled for a text decoder: a VLM's vision tower under FSDP2 is not")
-    params = chunk_parameters(spec, options, replace(par, fsdp=False), pp_rank=0, chunk=0,
-                              seq_length=training.seq_length, peft=peft)
+    params = tuple(vision) + chunk_parameters(spec, options, replace(par, fsdp=False), pp_rank=0, chunk=0,
+                                              seq_length=training.seq_length, peft=peft)
     return fsdp_decoder_rank(params, training, dp=par.dp * par.cp)

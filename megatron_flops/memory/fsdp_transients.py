@@ -7,9 +7,11 @@ reduce-scatter after its backward. With ``reshard_after_forward`` left to its de
 unit is not resharded after forward (torch's ``_auto_reshard_after_forward``): its gathered
 parameters, and from the head's backward on its whole gradients, stay through forward and backward
 (``resident``: a DiT as ``examples/wan_dit_fsdp2.py`` wraps it). megatron-core passes ``True`` to the
-root too, so a decoder's root is an ordinary unit, last in forward order. A formula, not measured:
-gloo on CPU runs each collective to completion, so which gathered units are alive at once (a
-CUDA-stream overlap) cannot be seen here.
+root too, yet a root's pre-forward runs before every other unit's forward and its post-forward after
+them, and its backward spans the whole backward: a decoder's root (and a VLM's tower in it) is
+gathered all step as well (measured on CPU; see :mod:`megatron_flops.memory.decoder_fsdp`). A
+formula, not measured: gloo on CPU runs each collective to completion, so which other gathered
+units are alive at once (a CUDA-stream overlap) cannot be seen here.
 """
 
 from __future__ import annotations

@@ -155,13 +155,16 @@ def layer_is_moe(spec: ModelSpec, layers: Sequence[int]) -> list[bool]:
 
 def rerun_moe_layers(spec: ModelSpec, recompute: RecomputeSpec | None, layers: Sequence[int], *,
                      last: bool = False) -> int:
-    """MoE layers of a model chunk whose forward full recompute runs again in backward: all
-    (``uniform``) or those among the first ``recompute_num_layers`` (``block``), and on the last
-    stage (``last``) the MoE layers of the multi-token-prediction block when ``uniform`` checkpoints
-    them (:func:`~megatron_flops.memory.mla_mtp.mtp_recomputed`)."""
-    if recompute is None or recompute.granularity != "full":
+    """MoE layers of a model chunk whose forward recompute runs again in backward: under full
+    recompute all (``uniform``) or those among the first ``recompute_num_layers`` (``block``), and
+    on the last stage (``last``) the MoE layers of the multi-token-prediction block when ``uniform``
+    checkpoints them (:func:`~megatron_flops.memory.mla_mtp.mtp_recomputed`); under selective
+    ``moe`` every MoE layer, the multi-token-prediction block's too."""
+    if recompute is None or (recompute.granularity != "full" and "moe" not in recompute.modules):
         return 0
     moe = layer_is_moe(spec, layers)
+    if recompute.granularity == "selective":
+        return sum(moe) + (spec.mtp_num_layers if last and spec.mtp_ffn == "moe" else 0)
     if recompute.method == "block":
         moe = moe[:recompute.num_layers or 0]
     mtp = spec.mtp_num_layers if last and spec.mtp_ffn == "moe" and mtp_recomputed(spec, recompute) else 0

@@ -6,40 +6,110 @@ micro-batch, ``linear_fc2``'s output all-reduce over TP, or under sequence paral
 ``linear_fc1``'s input all-gather and ``linear_fc2``'s output reduce-scatter, [s, b, h] in the
 activation dtype, and the forward collectives of LoRA adapters on ``linear_fc1`` and
 ``linear_fc2`` (:func:`~megatron_flops.memory.lora.adapter_forward_payload`). ``core_attn``
-re-runs no collective. A checkpoint whose input requires no
+re-runs no collective, nor does ``layernorm``. A checkpoint whose input requires no
 grad (a frozen model's first layer before its first adapter) never re-runs.
+
+Selective ``moe`` re-runs each MoE layer's forward (the MTP block's too): its dispatcher's
+collectives (:func:`~megatron_flops.memory.moe.rerun_moe_layers` counts it among the layers
+:func:`~megatron_flops.memory.moe.moe_communication` re-runs) and its shared experts' all-gather
+and reduce-scatter (megatron-core trains MoE under TP with sequence parallelism only);
+``shared_experts`` re-runs the shared experts once more. Measured on CPU (gloo) under TP2 + SP
+and TP2 x EP2 + SP (tests/test_memory_dist.py). ``mla_up_proj`` is modelled at TP 1 only.
 """
 
 from __future__ import annotations
 
+from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import adapter_forward_payload
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
 _BEFORE_MLP = ("linear_qkv", "linear_proj")
+# Modules whose activations are modelled beside core_attn and mlp (without LoRA or a frozen base;
+# mla_up_proj at TP 1), measured on CPU (tests/test_memory_recompute_modules.py, tests/test_memory_dist.py).
+_LATER = ("layernorm", "mla_up_proj", "moe", "shared_experts")
+
+
+def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...], peft: PeftSpec | None) -> str | None:
+    """Why the activations of selective recompute of ``modules`` are not modelled (None: they are)."""
+    if "moe_act" in modules:
+        return ("activations under selective recompute of moe_act are not modelled: megatron-core recomputes it "
+                "in its grouped-GEMM experts only (moe_grouped_gemm: GroupedMLP or TEGroupedMLP, CUDA kernels), "
+                "not in the SequentialMLP experts these figures follow")
+    if "mla_up_proj" in modules and spec.mla is None:
+        return ("activations under selective recompute of mla_up_proj: megatron-core refuses it without "
+                "multi-latent attention")
+    later = [m for m in modules if m in _LATER]
+    if later and peft is not None and (peft.frozen or peft.lora_rank is not None):
+        return f"activations under selective recompute of {later} are modelled without LoRA or a frozen base"
+    if "mla_up_proj" in modules and par.tp > 1:
+        return ("activations under selective recompute of mla_up_proj are modelled with --tp 1 (the collectives "
+                "it re-runs are not)")
+    if "layernorm" in modules and any(m in ("mamba", "gdn", "kda") or f == "none" for (m, f), _ in spec.layer_runs):
+        return ("activations under selective recompute of layernorm are modelled for attention layers (no Mamba, KDA, "
+                "GDN or hybrid layers)")
+    return None
+
+
+def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | None) -> list[str]:
+    """The selective recompute figures that are formulas (Transformer Engine's spec: no CPU step)."""
+    if recompute is None or recompute.granularity != "selective" or options.transformer_impl != "transformer_engine":
+        return []
+    out = []
+    if "layernorm" in recompute.modules:
+        out.append("selective layernorm recompute as Transformer Engine's spec builds the layers (the input norm fused "
+                   "into linear_qkv and a dense layer's pre-MLP norm into linear_fc1, not recomputed; MLA's input norm "
+                   "and MoE layers' pre-MLP norm recomputed); --transformer-impl local is measured")
+    if "mla_up_proj" in recompute.modules and options.qk_layernorm:
+        out.append("selective mla_up_proj recompute as Transformer Engine's spec builds MLA (the latent norms fused "
+                   "into the up projections, re-run with them); --transformer-impl local is measured")
+    return out
 
 
 def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
                                   recompute: RecomputeSpec | None, peft: PeftSpec | None) -> dict[str, int]:
     """``tp/*`` payload per step of the MLPs selective ``mlp`` recompute re-runs on pipeline rank
-    ``pp_rank`` (see the module doc); {} at TP 1 or without it."""
-    if par.tp == 1 or recompute is None or recompute.granularity != "selective" or "mlp" not in recompute.modules:
+    ``pp_rank`` (see the module doc), and of the shared experts ``moe`` and ``shared_experts``
+    re-run; {} at TP 1 or without them."""
+    if par.tp == 1 or recompute is None or recompute.granularity != "selective":
         return {}
     kinds = spec.layers
-    dense = sum(kinds[i][1] == "mlp" for c in range(par.num_chunks)
-                for i in par.chunk_layers(spec.num_layers, pp_rank, c))
+    layers = [i for c in range(par.num_chunks) for i in par.chunk_layers(spec.num_layers, pp_rank, c)]
+    dense = sum(kinds[i][1] == "mlp" for i in layers) if "mlp" in recompute.modules else 0
     if dense and par.is_first_stage(pp_rank, 0) and peft is not None and peft.frozen \
             and not any(t in _BEFORE_MLP for t in peft.lora_targets) and kinds[0][1] == "mlp":
         dense -= 1  # (layer 0's MLP input requires no grad: its checkpoint never re-runs)
     tokens, act = training.seq_length * training.micro_batch_size, training.param_bytes
     hidden = tokens * spec.hidden_size * act
-    out = adapter_forward_payload(peft, ("linear_fc1", "linear_fc2"), tokens, spec.hidden_size, act,
-                                  sp=par.sequence_parallel)
-    if par.sequence_parallel:
-        out["tp/all_gather"] += hidden
-        out["tp/reduce_scatter"] = hidden
-    else:
-        out["tp/all_reduce"] += hidden
+    mlp = {"tp/all_gather": hidden, "tp/reduce_scatter": hidden} if par.sequence_parallel else {"tp/all_reduce": hidden}
+    out = {key: dense * value for key, value in mlp.items()}
+    if dense:
+        for key, value in adapter_forward_payload(peft, ("linear_fc1", "linear_fc2"), tokens, spec.hidden_size, act,
+                                                  sp=par.sequence_parallel).items():
+            out[key] = out.get(key, 0) + dense * value
+    shared = _shared_expert_reruns(spec, par, recompute, layers, pp_rank)
+    for key, value in mlp.items():
+        out[key] += shared * value
     m = training.num_microbatches
-    return {key: m * dense * value for key, value in out.items() if value}
+    return {key: m * value for key, value in out.items() if value}
+
+
+def _shared_expert_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],
+                          pp_rank: int) -> int:
+    """Dense-MLP-sized runs (fc1's input all-gathered, fc2's output reduce-scattered: megatron-core
+    trains MoE under TP with sequence parallelism only) that selective ``moe`` and
+    ``shared_experts`` recompute add per micro-batch over ``layers`` (and the multi-token-prediction
+    block's MoE layers on the last stage): a re-run MoE layer's shared experts, or without them
+    what :func:`~megatron_flops.memory.moe.moe_communication` takes off a re-run layer's count
+    (its dense count has no re-run here); ``shared_experts`` their shared experts again (inside
+    a re-run ``moe`` checkpoint, once more)."""
+    if spec.moe is None:
+        return 0
+    last = par.is_last_stage(pp_rank, par.num_chunks - 1)
+    moe = sum(spec.layers[i][1] == "moe" for i in layers) + (spec.mtp_num_layers if last and spec.mtp_ffn == "moe"
+                                                              else 0)
+    runs = moe if "moe" in recompute.modules else 0
+    if spec.moe.shared_expert_ffn_hidden_size and "shared_experts" in recompute.modules:
+        runs += moe
+    return runs

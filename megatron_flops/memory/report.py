@@ -21,6 +21,7 @@ from megatron_flops.memory.comm import (
     step_communication,
 )
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
+from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
@@ -33,8 +34,8 @@ from megatron_flops.memory.moe import (
     moe_unmeasured,
     rerun_moe_layers,
 )
-from megatron_flops.memory.recompute import selective_rerun_communication
-from megatron_flops.memory.ssm import is_hybrid, ssm_notes
+from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
+from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -83,6 +84,7 @@ def rank_memory(
 ) -> RankMemory:
     """Everything on the GPU of pipeline rank ``pp_rank`` and data-parallel rank ``dp_rank``
     (``vision``: a VLM's tower, on model chunk 0 of pipeline rank 0)."""
+    par = hybrid_stages(spec, par)
     check_moe(spec, options, par)
     vision = vision or VisionMemory(params=(), activations=None)
     states: dict[str, int] = {}
@@ -232,7 +234,8 @@ def decoder_memory(
 ) -> MemoryReport:
     """Memory and traffic of every pipeline stage (the data-parallel rank whose optimizer shard
     is largest) of a megatron-core GPT trained as ``training`` says on ``par`` (with a VLM's
-    ``vision`` tower on the first stage)."""
+    ``vision`` tower on the first stage; a hybrid pattern's ``|`` segments make its stages)."""
+    par = hybrid_stages(spec, par)
     check_supported(spec, par, peft, options)
     _check_size(spec, par, training)
     if spec.mla is not None and is_hybrid(spec):  # megatron-core's hybrid MLA layers: IdentityOp latent norms
@@ -241,7 +244,7 @@ def decoder_memory(
     if par.fsdp:  # torch FSDP2 (Megatron-LM's --use-torch-fsdp2): its states and dp/ traffic, the rest as DDP's
         from megatron_flops.memory.decoder_fsdp import fsdp_notes, fsdp_stage
 
-        fsdp = fsdp_stage(spec, options, par, training, peft=peft, vision=bool(vision and vision.params))
+        fsdp = fsdp_stage(spec, options, par, training, peft=peft, vision=vision.params if vision else ())
         par = replace(par, fsdp=False)
     if recompute is not None and recompute.pipeline_model_parallel_size != par.pp:
         recompute = RecomputeSpec(granularity=recompute.granularity, method=recompute.method,
@@ -262,6 +265,8 @@ def decoder_memory(
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
+    if reason is None:
+        unmeasured += tuple(selective_unmeasured(options, recompute))
     if par.megatron_fsdp is not None:
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 
@@ -270,7 +275,7 @@ def decoder_memory(
     if fsdp is not None:
         comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
         stages = [replace(stages[0], states=fsdp[0], communication={**fsdp[1], **comm})]
-        more = fsdp_notes(par, recompute)
+        more = fsdp_notes(par, recompute, vision=bool(vision and vision.params))
         assumptions, unmeasured = assumptions + tuple(more[0]), unmeasured + tuple(more[1])
     tower = vision or VisionMemory(params=(), activations=None)
     counts = parameter_counts(spec, options, seq_length=training.seq_length, peft=peft, tp=par.tp)

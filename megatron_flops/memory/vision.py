@@ -1,5 +1,5 @@
-"""Memory of a Qwen-VL vision tower trained with a megatron-core decoder, as Megatron-Bridge builds
-it (stdlib only).
+"""Memory of a Qwen-VL (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-Omni) vision tower trained with a
+megatron-core decoder, as Megatron-Bridge builds it (stdlib only).
 
 Where it lives: Megatron-Bridge's ``Qwen25VLModel`` builds the Hugging Face tower
 (``Qwen2_5_VisionTransformerPretrainedModel``) as ``visual`` on the first pipeline stage only
@@ -28,6 +28,10 @@ of the compute dtype), as the Hugging Face tower's eager attention saves them (m
   product;
 - ``vit/merger``: its input norm, the two linear layers' inputs and the GELU's input
   (``3 a P D``), and (Qwen2.5-VL) the inverse window order (``8 M``);
+- Qwen3-VL / Qwen3-Omni: ``vit/pos_embed``, the learned grid resampled per patch (int64 indices and
+  fp32 weights of 4 bilinear taps: ``48 P``); ``vit/deepstack_merger`` per deep-stack merger, as
+  the merger but normed over ``M`` rows of ``m^2 D`` after the shuffle (its input, a block's
+  output, is saved already unless the blocks are frozen and it follows a block other than the last);
 - ``vit/placeholder_mask``: the bool ``[b, s, 1]`` mask of each ``masked_scatter`` of image (``t = 1``
   rows) or video embeddings into the decoder's input.
 
@@ -57,19 +61,17 @@ from megatron_flops.flops.vision import (
 from megatron_flops.memory.decoder import Param
 from megatron_flops.memory.layout import INDEX_BYTES, NORM_STATS_BYTES
 
-# Towers whose activations are measured (the Hugging Face module Megatron-Bridge trains).
-MEASURED_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-
-
 @dataclass(frozen=True, kw_only=True)
 class VisionTower:
     """A Qwen-VL tower: ``family`` (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``) and its shapes;
-    ``hidden_act`` the blocks' MLP activation; ``num_position_embeddings`` Qwen3-VL's learned grid."""
+    ``hidden_act`` the blocks' MLP activation; ``num_position_embeddings`` Qwen3-VL's learned grid;
+    ``omni``: Qwen3-Omni's encoder (Qwen3-VL's, its mergers named and registered otherwise)."""
 
     family: str
     spec: VisionSpec
     hidden_act: str
     num_position_embeddings: int = 0
+    omni: bool = False
 
     @property
     def rms_norm(self) -> bool:
@@ -87,7 +89,8 @@ def vision_tower(raw: Mapping[str, Any]) -> VisionTower | None:
     config = sections["vision_config"]
     default_act = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu"}.get(family, "gelu_pytorch_tanh")
     return VisionTower(family=family, spec=spec, hidden_act=str(config.get("hidden_act", default_act)),
-                       num_position_embeddings=int(config.get("num_position_embeddings", 2304)))
+                       num_position_embeddings=int(config.get("num_position_embeddings", 2304)),
+                       omni=kind == "qwen3_omni_moe")
 
 
 def default_attention(raw: Mapping[str, Any]) -> str:
@@ -106,7 +109,7 @@ def default_attention(raw: Mapping[str, Any]) -> str:
 
 
 def _linear(name: str, n_in: int, n_out: int, trains: bool) -> list[Param]:
-    return [Param(f"{name}.weight", n_in * n_out, trains), Param(f"{name}.bias", n_out, trains)]
+    return [Param(f"{name}.weight", n_in * n_out, trains, rows=n_out), Param(f"{name}.bias", n_out, trains)]
 
 
 def _norm(tower: VisionTower, name: str, width: int, trains: bool) -> list[Param]:
@@ -122,10 +125,13 @@ def vision_parameters(tower: VisionTower, *, model_trains: bool = True,
     d, f, m2 = s.hidden_size, s.intermediate_size, s.spatial_merge_size**2
     qwen3 = tower.family == "qwen3_vl"
     pixels = s.in_channels * s.temporal_patch_size * s.patch_size**2
-    out = [Param("visual.patch_embed.proj.weight", pixels * d, t)]
+    main, deepstack = _mergers(tower, projection_trains)
+    out = deepstack if tower.omni else []  # (Qwen3-Omni registers its deep-stack mergers first)
+    out += [Param("visual.patch_embed.proj.weight", pixels * d, t, rows=d)]  # (Conv3d: [D, C, t, p, p])
     if qwen3:
         out += [Param("visual.patch_embed.proj.bias", d, t),
-                Param("visual.pos_embed.weight", tower.num_position_embeddings * d, t)]
+                Param("visual.pos_embed.weight", tower.num_position_embeddings * d, t,
+                      rows=tower.num_position_embeddings)]
     mlp = {"qwen2_vl": ("fc1", "fc2"), "qwen3_vl": ("linear_fc1", "linear_fc2")}.get(tower.family)
     for i in range(s.depth):
         block = f"visual.blocks.{i}."
@@ -137,31 +143,31 @@ def vision_parameters(tower: VisionTower, *, model_trains: bool = True,
             out += _linear(block + "mlp.down_proj", f, d, t)
         else:
             out += _linear(block + "mlp." + mlp[0], d, f, t) + _linear(block + "mlp." + mlp[1], f, d, t)
-    out += _mergers(tower, projection_trains)
+    out += main if tower.omni else main + deepstack
     return tuple(out)
 
 
-def _mergers(tower: VisionTower, trains: bool) -> list[Param]:
-    """The patch merger (and Qwen3-VL's deep-stack mergers, normed after the 2x2 shuffle)."""
+def _mergers(tower: VisionTower, trains: bool) -> tuple[list[Param], list[Param]]:
+    """The patch merger, and Qwen3-VL's deep-stack mergers (normed after the 2x2 shuffle)."""
     s = tower.spec
     wide = s.hidden_size * s.spatial_merge_size**2
-    if tower.family != "qwen3_vl":
-        return (_norm(tower, "visual.merger.ln_q", s.hidden_size, trains)
-                + _linear("visual.merger.mlp.0", wide, wide, trains)
-                + _linear("visual.merger.mlp.2", wide, s.out_hidden_size, trains))
-    out: list[Param] = []
-    names = [("visual.merger.", s.hidden_size)]
-    names += [(f"visual.deepstack_merger_list.{i}.", wide) for i in range(len(s.deepstack_visual_indexes))]
-    for prefix, norm_width in names:
-        out += (_norm(tower, prefix + "norm", norm_width, trains) + _linear(prefix + "linear_fc1", wide, wide, trains)
-                + _linear(prefix + "linear_fc2", wide, s.out_hidden_size, trains))
-    return out
+    names = ("ln_q", "mlp.0", "mlp.2") if tower.family != "qwen3_vl" or tower.omni else ("norm", "linear_fc1",
+                                                                                         "linear_fc2")
+    deepstack = "visual.merger_list." if tower.omni else "visual.deepstack_merger_list."
+
+    def merger(prefix: str, norm_width: int) -> list[Param]:
+        return (_norm(tower, prefix + names[0], norm_width, trains) + _linear(prefix + names[1], wide, wide, trains)
+                + _linear(prefix + names[2], wide, s.out_hidden_size, trains))
+
+    extra = s.deepstack_visual_indexes if tower.family == "qwen3_vl" else ()
+    return merger("visual.merger.", s.hidden_size), [p for i in range(len(extra))
+                                                      for p in merger(f"{deepstack}{i}.", wide)]
 
 
 # [P, F] tensors an MLP activation saves of its own: QuickGELU (x * sigmoid(1.702 x)) keeps x and
 # the sigmoid; the others (torch's GELU, SiLU) their input.
 _ACT_SAVES = {"quick_gelu": 2}
-MEASURED_ACTIVATIONS = ("silu", "gelu", "quick_gelu")
+MEASURED_ACTIVATIONS = ("silu", "gelu", "quick_gelu", "gelu_pytorch_tanh")
 VISION_ATTENTION = ("eager", "sdpa", "flash_attention_2")  # Hugging Face attn_implementation
 
 
@@ -204,8 +210,6 @@ def vision_activations(tower: VisionTower, stats: VisionStats, *, act_bytes: int
     ``attention``: one of VISION_ATTENTION (see the module docstring). A frozen tower saves
     nothing: its input (pixels) needs no gradient; with the blocks frozen the merger saves only
     what its weights' gradients read."""
-    if tower.family not in MEASURED_FAMILIES:
-        raise ValueError(f"activations of the {tower.family} vision tower are not modelled")
     if attention not in VISION_ATTENTION:
         raise ValueError(f"vision attention must be one of {VISION_ATTENTION}, got {attention!r}")
     spec, p, a = tower.spec, stats.num_patches, act_bytes
@@ -216,17 +220,38 @@ def vision_activations(tower: VisionTower, stats: VisionStats, *, act_bytes: int
         out["vit/patch_embed"] = a * p * pixels
         out["vit/rope"] = 2 * 4 * p * spec.head_dim  # fp32 cos and sin [P, d]
         out.update(_block_bytes(tower, stats, a, norm_stats_bytes, attention))
+        if tower.family == "qwen3_vl":
+            # NB: the learned grid resampled per patch: embedding(indices [P, 4] int64) x fp32 weights [P, 4].
+            out["vit/pos_embed"] = (INDEX_BYTES + 4) * 4 * p
     if model_trains or projection_trains:
         # NB: a frozen linear layer keeps no input; the GELU keeps its input when it needs a gradient.
         linears = 2 * a * p * d if projection_trains else 0
         norm = _norm_bytes(tower, p, d, a, norm_stats_bytes, weight_trains=projection_trains, input_grad=model_trains)
         out["vit/merger"] = norm + linears + a * p * d
+        if tower.family == "qwen3_vl":
+            out["vit/deepstack_merger"] = _deepstack_bytes(tower, p, a, norm_stats_bytes, model_trains=model_trains,
+                                                           projection_trains=projection_trains)
     if tower.family == "qwen2_5_vl":
         # NB: int64 indices of the window order (gathering the patch embeddings) and of its inverse
         # (gathering the merger's output), each saved when its gather's input needs a gradient.
         out["vit/patch_embed"] = out.get("vit/patch_embed", 0) + INDEX_BYTES * merged * model_trains
         out["vit/merger"] = out.get("vit/merger", 0) + INDEX_BYTES * merged * (model_trains or projection_trains)
     return {k: v for k, v in out.items() if v}
+
+
+def _deepstack_bytes(tower: VisionTower, p: int, a: int, s: int, *, model_trains: bool,
+                     projection_trains: bool) -> int:
+    """Qwen3-VL's deep-stack mergers: each a LayerNorm over ``P / m^2`` rows of ``m^2 D`` (after the
+    shuffle), its two linear layers' inputs and the GELU's input, as the main merger."""
+    spec = tower.spec
+    d, merged = spec.hidden_size, p // spec.spatial_merge_size**2
+    total = 0
+    for index in spec.deepstack_visual_indexes:
+        # NB: the norm's input is the block's output, which the next block's norm1 (trained) or, after the
+        # last block, the main merger's norm saves already; only behind frozen blocks is it kept anew.
+        own_input = projection_trains and not model_trains and index < spec.depth - 1
+        total += a * p * d * own_input + 2 * s * merged + (2 * a * p * d) * projection_trains + a * p * d
+    return total
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,12 +301,12 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
                    + (" (Megatron-Bridge has no Qwen2-VL model)" if tower.family == "qwen2_vl" else "")]
     activations = None
     stats = None if grids is None else VisionStats.from_grids(tower.spec, grids)  # (validates the grids)
-    if tower.family not in MEASURED_FAMILIES:
-        not_modelled.append(f"the {tower.family} vision tower's activations (Megatron-Bridge trains it as "
-                            "megatron-core Transformer Engine layers: no CPU run)")
-        unmeasured.append(f"the {tower.family} vision tower's states: the Hugging Face module's parameters, whole on "
-                          "each TP rank (Megatron-Bridge's megatron-core tower splits them over TP)")
-    elif stats is None:
+    if tower.family == "qwen3_vl":
+        name = "Qwen3-Omni" if tower.omni else "Qwen3-VL"
+        unmeasured.append(f"the {name} vision tower as the Hugging Face module (its parameters and saved activations "
+                          "measured on it), whole on each TP rank: Megatron-Bridge builds it from megatron-core "
+                          "Transformer Engine layers split over TP (not measured: no CPU run)")
+    if stats is None:
         not_modelled.append("the vision tower's activations: give --grid-thw (the [t, h, w] grids of one micro-batch)")
     else:
         activations = vision_activations(tower, stats, act_bytes=act_bytes, attention=attention,

@@ -1,0 +1,205 @@
+"""Selective recompute of megatron-core 0.16.1's other modules (``layernorm``, ``mla_up_proj``,
+``moe``, ``shared_experts``), measured: the saved-for-backward bytes of real megatron-core GPT
+micro-batches (tests/test_memory_activations.py's single-process fixture) against
+:func:`megatron_flops.memory.activations.chunk_activations`.
+
+``layernorm`` and ``mla_up_proj`` run under ``CheckpointWithoutOutput``, which frees the storage
+of an output other ops saved (``resize_(0)``) and restores it in backward: the saved-tensor hooks
+see the storage when it is saved, at its full size, so these are measured with
+:class:`mcore_memory.LiveStorageMeter`, which sizes each saved storage when it reads it (at the
+end of each forward, and at every pack and unpack for the peak). fp32 LayerNorm without dropout:
+torch's CPU kernels save as the CUDA convention (no CPU correction)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+import mcore_memory
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.memory.activations import (check_activations_supported, chunk_activations, in_flight,
+                                               schedule_peak)
+from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.model.spec import ModelSpec
+from test_memory_activations import BASE, MBS, MLA_LN, MOE, NUM_MB, SEQ, VOCAB, _measure, mcore  # noqa: F401
+
+
+def _selective(*modules: str) -> dict:
+    return dict(recompute_granularity="selective", recompute_modules=list(modules))
+
+
+SHARED = dict(MOE, moe_shared_expert_intermediate_size=80)
+MLA_MOE = dict(MLA_LN, q_lora_rank=24, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+               moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall")
+CASES = {
+    "layernorm": _selective("layernorm"),
+    "layernorm, GQA, SwiGLU": dict(_selective("layernorm"), num_query_groups=2, gated_linear_unit=True,
+                                   activation_func="silu"),
+    "layernorm + core_attn + mlp, GQA": dict(_selective("layernorm", "core_attn", "mlp"), num_query_groups=2),
+    "layernorm, 1 MTP layer": dict(_selective("layernorm"), mtp_num_layers=1),
+    "MoE: moe": dict(SHARED, **_selective("moe")),
+    "MoE: shared_experts": dict(SHARED, **_selective("shared_experts")),
+    "MoE: moe + shared_experts (gated), allgather": dict(SHARED, **_selective("moe", "shared_experts"),
+                                                         moe_shared_expert_gate=True,
+                                                         moe_token_dispatcher_type="allgather"),
+    "MoE: layernorm + shared_experts, every other layer": dict(SHARED, **_selective("layernorm", "shared_experts"),
+                                                               moe_layer_freq=[0, 1]),
+    "MoE: layernorm + moe + core_attn": dict(SHARED, **_selective("layernorm", "moe", "core_attn")),
+    "MLA: mla_up_proj, q_lora": dict(MLA_LN, q_lora_rank=24, **_selective("mla_up_proj")),
+    "MLA: mla_up_proj, direct q, qk_layernorm": dict(MLA_LN, q_lora_rank=None, qk_layernorm=True,
+                                                     **_selective("mla_up_proj")),
+    "MLA: mla_up_proj + core_attn, q_lora, qk_layernorm": dict(MLA_LN, q_lora_rank=24, qk_layernorm=True,
+                                                               **_selective("mla_up_proj", "core_attn")),
+    # Where the most held is in backward (the restored q, k, v; the wide shared experts re-run).
+    "MLA: mla_up_proj, 16 heads": dict(MLA_LN, q_lora_rank=24, num_attention_heads=16, **_selective("mla_up_proj")),
+    "MoE: shared_experts, wide shared experts": dict(SHARED, moe_shared_expert_intermediate_size=1024,
+                                                     **_selective("shared_experts")),
+    "MLA + MoE, 1 MTP layer: every module": dict(
+        MLA_MOE, mtp_num_layers=1, **_selective("layernorm", "mla_up_proj", "core_attn", "moe", "shared_experts")),
+}
+
+
+def _model(fields: dict, dtype: str = "fp32"):
+    model = dict(BASE, **fields, vocab_size=VOCAB)
+    spec = ModelSpec.from_mapping(model)
+    options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
+                                               position_embedding_type="rope", add_bias_linear=False,
+                                               transformer_impl="local"))
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype=dtype)
+    return spec, options, training, RecomputeSpec.from_mapping(model)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_selective_recompute_saved_bytes_match_megatron_core(mcore, name):  # noqa: F811
+    fields = CASES[name]
+    measured_forward, measured_peak = _measure(fields, "rope", "fp32", meter_cls=mcore_memory.LiveStorageMeter)
+    spec, options, training, recompute = _model(fields)
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0, recompute=recompute)
+    assert measured_forward == [act.forward + act.shared] * NUM_MB
+    assert measured_peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]
+    assert (measured_peak > measured_forward[0]) == (name in BACKWARD_PEAKS)
+
+
+# Cases whose peak is in a backward pass (a recompute region's), not at the end of a forward.
+BACKWARD_PEAKS = ("MoE: moe", "MoE: moe + shared_experts (gated), allgather", "MoE: layernorm + moe + core_attn",
+                  "MLA: mla_up_proj, 16 heads", "MoE: shared_experts, wide shared experts")
+
+
+def test_transformer_engine_spec_recomputes_only_its_separate_norms():
+    # Transformer Engine's spec fuses the input norm into linear_qkv and a dense layer's pre-MLP
+    # norm into linear_fc1 (IdentityOp: nothing to recompute); MLA's input norm and a MoE layer's
+    # pre-MLP norm are modules of their own. T = 32 tokens, h = 64, fp32: each recomputed norm
+    # frees its [T, h] output and its fp32 mean and rstd, 32 * 64 * 4 + 32 * 2 * 4 = 8448 bytes.
+    def forward(fields: dict, impl: str) -> int:
+        spec, options, training, recompute = _model(fields)
+        options = dataclasses.replace(options, transformer_impl=impl)
+        act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0, recompute=recompute)
+        return act.forward
+
+    per_norm = SEQ * MBS * 64 * 4 + SEQ * MBS * 2 * 4
+    for fields, separate in ((BASE, 0), (dict(SHARED, moe_layer_freq=[0, 1]), 1), (dict(MLA_LN, q_lora_rank=24), 2)):
+        plain = forward(fields, "transformer_engine")
+        with_norms = dict(fields, **_selective("layernorm"))
+        assert plain - forward(with_norms, "transformer_engine") == separate * per_norm
+        assert plain - forward(with_norms, "local") == 2 * BASE["num_layers"] * per_norm  # (every norm)
+
+
+# ---- FLOPs: `estimate` prices what each module's recompute re-runs ------------------------------
+
+# 4 layers (layer 0 dense, 1-3 MoE: top-2 of 4 experts, ffn 48, shared experts 32), MLA (q_lora 24,
+# kv_lora 16, 4 heads of qk 16 + rope 8 and v 16), h = 64, one sequence of T = 16 tokens.
+FLOPS_MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=100,
+                   num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                   moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1, 1, 1], multi_latent_attention=True,
+                   q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+T = 16
+# The MLA up projections per layer: q_up [T, 24] @ [24, 4 * 24], kv_up [T, 16] @ [16, 4 * (16 + 16)].
+UP_PROJ = 4 * (2 * T * 24 * 96 + 2 * T * 16 * 128)
+
+
+def _estimate(path, *flags: str) -> dict:
+    import contextlib
+    import io
+    import json
+
+    from megatron_flops.cli import build_parser
+
+    args = build_parser().parse_args(["estimate", "--model", str(path), "--seq-length", str(T),
+                                      "--convention", "train_passes", "--json", *flags])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert args.func(args) == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.parametrize("modules, delta", [
+    # One forward of the module's GEMMs (train_passes: a component is 3 x its forward FLOPs).
+    ("layernorm", {}), ("core_attn", {"attn/core": "/3"}), ("mlp", {"mlp": "/3"}),
+    ("mla_up_proj", {"attn/qkv": UP_PROJ}),
+    ("moe", {"moe/router": "/3", "moe/routed": "/3", "moe/shared": "/3"}),
+    ("shared_experts", {"moe/shared": "/3"}),
+    ("moe,shared_experts", {"moe/router": "/3", "moe/routed": "/3", "moe/shared": "2/3"}),  # (the inner re-run too)
+])
+def test_estimate_adds_one_forward_of_each_recomputed_module(tmp_path, modules, delta):
+    import json
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(FLOPS_MODEL))
+    plain = _estimate(path)
+    report = _estimate(path, "--recompute", "selective", "--recompute-modules", modules)
+    model = plain["components"]
+    expected = {key: {"/3": model[key] // 3, "2/3": 2 * model[key] // 3}.get(value, value)  # type: ignore[arg-type]
+                for key, value in delta.items()}
+    got = {key: value - plain["executed_components"][key] for key, value in report["executed_components"].items()
+           if value != plain["executed_components"][key]}
+    assert got == expected
+    assert report["recompute_flops"] == sum(expected.values())
+    assert report["components"] == model  # (model FLOPs do not count recompute)
+
+
+@pytest.mark.parametrize("fields, par, peft, reason", [
+    (dict(SHARED, **_selective("moe_act")), Parallelism(), None, "megatron-core recomputes it in its grouped-GEMM"),
+    (_selective("mla_up_proj"), Parallelism(), None, "megatron-core refuses it without multi-latent attention"),
+    (dict(MLA_LN, q_lora_rank=24, **_selective("mla_up_proj")), Parallelism(tp=2, sequence_parallel=True), None,
+     "mla_up_proj are modelled with --tp 1"),
+    (dict(SHARED, **_selective("layernorm", "moe")), Parallelism(), PeftSpec(frozen=True, lora_rank=4),
+     r"\['layernorm', 'moe'\] are modelled without LoRA or a frozen base"),
+])
+def test_what_is_not_modelled_says_why(fields, par, peft, reason):
+    spec, options, _, recompute = _model(fields)
+    assert recompute is not None
+    got = check_activations_supported(spec, options, par, recompute, peft)
+    assert got is not None and got.startswith("activations under selective recompute of")
+    assert re.search(reason, got)
+
+
+def test_moe_and_shared_experts_rerun_their_collectives_under_tp():
+    # TP2 + SP, 3 MoE layers with shared experts, M = 2 micro-batches of [s, b, h] = [16, 2, 64] in
+    # bf16 (hidden = 16 * 2 * 64 * 2 = 4096 bytes): each re-run of the shared experts all-gathers
+    # fc1's input and reduce-scatters fc2's output, one hidden each. moe: 3 re-runs per
+    # micro-batch; shared_experts: 3; both: 6 (the inner checkpoint re-runs after the outer one).
+    from megatron_flops.memory.recompute import selective_rerun_communication
+
+    spec = ModelSpec.from_mapping(dict(FLOPS_MODEL, multi_latent_attention=False))
+    par = Parallelism(tp=2, sequence_parallel=True)
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=2)
+    for modules, runs in ((("moe",), 3), (("shared_experts",), 3), (("moe", "shared_experts"), 6), (("core_attn",), 0)):
+        got = selective_rerun_communication(spec, par, training, pp_rank=0,
+                                            recompute=RecomputeSpec(granularity="selective", modules=modules), peft=None)
+        assert got == ({"tp/all_gather": 2 * runs * 4096, "tp/reduce_scatter": 2 * runs * 4096} if runs else {})
+
+
+def test_transformer_engine_mla_up_proj_recomputes_the_fused_latent_norms():
+    # Transformer Engine's MLA spec fuses the q and kv latent norms into the up projections:
+    # selective mla_up_proj re-runs them, so forward keeps neither their fp32 mean and rstd nor
+    # their outputs. Per layer (T = 32, fp32): q norm 32 * 2 * 4 + 32 * 24 * 4 = 3328, kv norm
+    # 32 * 2 * 4 + 32 * 32 * 4 = 4352; 2 layers: 15360 bytes fewer than the local spec keeps.
+    fields = dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, **_selective("mla_up_proj"))
+    spec, options, training, recompute = _model(fields)
+    kept = {impl: chunk_activations(spec, dataclasses.replace(options, transformer_impl=impl), Parallelism(),
+                                    training, pp_rank=0, chunk=0, recompute=recompute)
+            for impl in ("local", "transformer_engine")}
+    assert kept["local"].forward - kept["transformer_engine"].forward == 2 * (3328 + 4352)
