@@ -97,11 +97,8 @@ class _Dims:
     tp: int = 1
     gate: bool = False  # attention_output_gate: linear_qkv also projects a sigmoid gate per query channel
     ep: int = 1
-<<<<<<< HEAD
     etp: int = 1  # the routed experts' tensor-parallel size
-=======
     cp: int = 1  # context parallelism: s is this rank's s/CP tokens of each sequence
->>>>>>> main
 
     @property
     def tokens(self) -> int:
@@ -235,11 +232,7 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
                  heads=spec.num_attention_heads // par.tp, groups=spec.num_query_groups // par.tp,
                  ffn=spec.ffn_hidden_size // par.tp, vocab=padded_vocab(spec, options, par.tp) // par.tp,
                  act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep, gate=spec.attention_output_gate,
-<<<<<<< HEAD
-                 etp=par.expert_tp)
-=======
-                 cp=par.cp)
->>>>>>> main
+                 etp=par.expert_tp, cp=par.cp)
 
 
 def _gathered(x: _Dims) -> int | None:
@@ -517,18 +510,10 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
     if not w.grad.started:
         return
     g, frozen = w.grad, not w.grad.base
-<<<<<<< HEAD
-    for key, nbytes in moe_activations(spec, options, tokens=x.expert_tokens, local_tokens=x.local_tokens,
-                                       act=x.act, tp=x.etp, ep=x.ep, received=x.received, frozen=frozen).items():
-        w.keep(key, nbytes)
-    w.keep("lora", expert_lora_activations(spec, adapted=g.adapted, rank=g.rank, frozen=frozen,
-                                           tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received))
-=======
-    routed = moe_activations(spec, options, tokens=x.tokens, local_tokens=x.local_tokens, act=x.act, tp=x.tp,
-                             ep=x.ep, received=x.received, frozen=frozen)
-    routed["lora"] = expert_lora_activations(spec, adapted=g.adapted, rank=g.rank, frozen=frozen, tokens=x.tokens,
-                                             act=x.act, tp=x.tp, received=x.received)
->>>>>>> main
+    routed = moe_activations(spec, options, tokens=x.expert_tokens, local_tokens=x.local_tokens, act=x.act,
+                             tp=x.etp, ep=x.ep, received=x.received, frozen=frozen)
+    routed["lora"] = expert_lora_activations(spec, adapted=g.adapted, rank=g.rank, frozen=frozen,
+                                             tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received)
     shared = moe.shared_expert_ffn_hidden_size
     if shared:
         sub = _Walk(_Grad(base=g.base, adapted=g.adapted, rank=g.rank))

@@ -1,18 +1,11 @@
 """Parallel layout and training settings that memory and traffic depend on (stdlib only).
 
-<<<<<<< HEAD
 Sizes follow megatron-core's ``initialize_model_parallel``: world = TP x PP x CP x DP; the
 experts have their own grid over each pipeline stage's TP x CP x DP ranks: expert tensor
 parallelism (ETP, TP unless given) x expert parallelism (EP) x expert data parallelism, so the
-expert data-parallel size is ``TP x CP x DP / (ETP x EP)`` (``DP x CP / EP`` with ETP = TP). Pipeline stages hold ``num_layers / (PP x VPP)``
-layers per model chunk; virtual stage ``v x PP + r`` is chunk ``v`` of pipeline rank ``r``.
-=======
-Sizes follow megatron-core's ``initialize_model_parallel``: world = TP x PP x CP x DP; expert
-parallelism (EP) splits the DP x CP ranks, with expert tensor parallelism equal to TP, so the
-expert data-parallel size is ``DP x CP / EP``. Pipeline stages hold ``num_layers / (PP x VPP)``
-layers per model chunk (or ``stage_layers``: a hybrid pattern's ``|`` segments); virtual stage
-``v x PP + r`` is chunk ``v`` of pipeline rank ``r``.
->>>>>>> main
+expert data-parallel size is ``TP x CP x DP / (ETP x EP)`` (``DP x CP / EP`` with ETP = TP).
+Pipeline stages hold ``num_layers / (PP x VPP)`` layers per model chunk (or ``stage_layers``: a
+hybrid pattern's ``|`` segments); virtual stage ``v x PP + r`` is chunk ``v`` of pipeline rank ``r``.
 """
 
 from __future__ import annotations
@@ -38,13 +31,10 @@ class Parallelism:
     """Parallel sizes. ``vpp`` is the number of model chunks per pipeline rank (None: no
     interleaving); ``distributed_optimizer`` shards optimizer state over DP (megatron-core's
     ``DistributedOptimizer``); ``fsdp`` shards parameters, gradients and optimizer state over DP
-<<<<<<< HEAD
     (torch FSDP2, DiT models); ``megatron_fsdp`` Megatron-FSDP's sharding strategy (None: not
-    Megatron-FSDP); ``etp`` the routed experts' tensor-parallel size (None: TP)."""
-=======
-    (torch FSDP2, DiT models); ``stage_layers``: the decoder layers of each virtual stage in the
-    order ``v x PP + r`` (a hybrid pattern's ``|`` segments; None: an even split)."""
->>>>>>> main
+    Megatron-FSDP); ``etp`` the routed experts' tensor-parallel size (None: TP); ``stage_layers``:
+    the decoder layers of each virtual stage in the order ``v x PP + r`` (a hybrid pattern's ``|``
+    segments; None: an even split)."""
 
     tp: int = 1
     pp: int = 1
@@ -55,12 +45,9 @@ class Parallelism:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     fsdp: bool = False
-<<<<<<< HEAD
     etp: int | None = None
     megatron_fsdp: str | None = None
-=======
     stage_layers: tuple[int, ...] | None = None
->>>>>>> main
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "dp"):
@@ -71,7 +58,6 @@ class Parallelism:
                 raise ValueError("--vpp needs --pp > 1 (interleaving splits each pipeline rank's layers)")
         if self.distributed_optimizer and self.fsdp:
             raise ValueError("--distributed-optimizer and --fsdp are two ways to shard over DP: choose one")
-<<<<<<< HEAD
         if self.megatron_fsdp is not None:
             if self.megatron_fsdp not in FSDP_STRATEGIES:
                 raise ValueError(f"--megatron-fsdp takes one of {FSDP_STRATEGIES}, got {self.megatron_fsdp!r}")
@@ -84,13 +70,9 @@ class Parallelism:
             size = self.dp * self.cp if self.expert_tp == self.tp else self.tp * self.dp * self.cp
             raise ValueError(f"--ep {self.ep}" + (f" x --etp {self.expert_tp}" if self.expert_tp != self.tp else "")
                              + f" does not divide {what} = {size}")
-=======
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"--ep {self.ep} does not divide DP x CP = {self.dp * self.cp}")
         if self.stage_layers is not None and len(self.stage_layers) != self.pp * self.num_chunks:
             raise ValueError(f"{len(self.stage_layers)} pipeline segments for PP x VPP = {self.pp * self.num_chunks} "
                              "virtual stages")
->>>>>>> main
 
     @property
     def world_size(self) -> int:
