@@ -146,15 +146,13 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # torch FSDP2 for a decoder with tied embeddings, which Megatron-LM's --use-torch-fsdp2 refuses (megatron-core
     # field files tie by default: "mcore:untied mla moe mtp" is the one decoder file FSDP2 reports on).
     ("* | DP2 FSDP | *", r"refused: .*--use-torch-fsdp2 \(--fsdp\) is not supported with tied embeddings"),
-    # LoRA/frozen decoders: under TP with MoE/MLA/MTP layers.
-    ("* | TP2 SP | *LoRA*", r"refused: .*LoRA adapters under tensor parallelism are modelled for dense decoders"),
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),
-    # DiT (memory/dit_layouts.py): sequence parallelism (Megatron-Bridge's WanModel is Transformer Engine only, and
-    # its text context through sequence-parallel column-parallel layers could not be checked on CPU), and virtual
-    # pipeline stages (Bridge 0.6.2's WanModelProvider builds each stage without its vp_stage).
-    ("examples/wan* | TP2 SP | ", r"refused: .*sequence parallelism of a DiT is not modelled"),
+    # DiT (memory/dit_layouts.py): LoRA (the tiny example file's section) under sequence parallelism (Megatron-Bridge's
+    # ParallelLinearAdapter around Transformer Engine layers, not modelled), and virtual pipeline stages (Bridge
+    # 0.6.2's WanModelProvider builds each stage without its vp_stage).
+    ("examples/wan_tiny_dit.json | TP2 SP | ", r"refused: .*LoRA adapters or a frozen base under sequence parallelism"),
     ("examples/wan* | PP2 VPP2 | ", r"refused: .*virtual pipeline stages of a DiT are not modelled"),
     # DiT under Megatron-FSDP: the DiT path models torch FSDP2 and megatron-core DDP / distributed optimizer.
     ("examples/wan* | DP2 Megatron-FSDP | ", r"refused: .*a DiT model file under Megatron-FSDP is not modelled"),

@@ -24,7 +24,7 @@ from megatron_flops.memory.activations import (check_activations_supported, chun
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.model.spec import ModelSpec
-from test_memory_activations import BASE, MBS, MLA_LN, MOE, NUM_MB, SEQ, VOCAB, _measure, mcore  # noqa: F401
+from test_memory_activations import BASE, MBS, MLA_LN, MOE, NUM_MB, SEQ, VOCAB, _measure
 
 
 def _selective(*modules: str) -> dict:

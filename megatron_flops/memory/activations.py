@@ -520,8 +520,9 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
         _mlp(sub, dataclasses.replace(x, ffn=shared // x.tp), options, spec.gated_linear_unit)
         lora = sub.out.components.pop("lora", 0)
         routed["lora"] += lora
-        fc1_input = x.local_tokens * x.h * x.act if g.base or "linear_fc1" in g.adapted else 0
-        routed["moe/shared_experts"] = (sub.kept - lora - fc1_input  # fc1's input is the router's
+        # fc1's input is the router's (but the [T, h] an adapter gathers itself under sequence parallelism).
+        fc1_input = x.local_tokens * x.h * x.act if g.base or ("linear_fc1" in g.adapted and x.sp == 1) else 0
+        routed["moe/shared_experts"] = (sub.kept - lora - fc1_input
                                         + shared_gate_activations(spec, local_tokens=x.local_tokens, act=x.act))
     _selective_moe(w, routed, x.local_tokens * x.h * x.act)
 

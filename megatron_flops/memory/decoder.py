@@ -177,6 +177,9 @@ def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, op
                 raise ValueError(f"{name}={value} is not divisible by {flag} {size}")
     elif par.ep > 1:
         raise ValueError(f"--ep {par.ep} needs a MoE model (num_moe_experts)")
+    if spec.moe is not None and peft is not None and peft.lora_rank is not None and par.expert_tp != par.tp:
+        raise ValueError(f"LoRA adapters are modelled with the experts' TP equal to TP, not --etp {par.expert_tp} "
+                         f"with --tp {par.tp}")
     reason = lora_tp_reason(spec, par, peft)
     if reason is not None:
         raise ValueError(reason)
@@ -305,7 +308,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
                 out.append(Param(mlp + name + "bias", shape[0], base, tp_replicated=True))
     for j in range(moe.num_experts // par.ep):
         out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // par.expert_tp, bias,
-                    expert=par.ep > 1, width=latent or h)
+                    expert=par.ep > 1, width=latent or h, tp=par.expert_tp)
     if moe.shared_expert_ffn_hidden_size:
         if moe.shared_expert_gate:  # (registered before the MLP's layers)
             out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True, rows=1))
@@ -328,16 +331,16 @@ def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bi
     dup = options.duplicated_mla_down and tp > 1
     down = 1 if dup else tp
     q_out = heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) // tp
-    out = _linear(attn, "linear_proj", heads * mla.v_head_dim // tp, h, bias, peft)
+    out = _linear(attn, "linear_proj", heads * mla.v_head_dim // tp, h, bias, peft, tp=tp)
     if mla.q_lora_rank is None:
-        out += _linear(attn, "linear_q_proj", h, q_out, False, peft)
+        out += _linear(attn, "linear_q_proj", h, q_out, False, peft, tp=tp)
     else:
-        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank // down, False, peft, duplicated=dup)
-        out += _linear(attn, "linear_q_up_proj", mla.q_lora_rank, q_out, False, peft)
+        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank // down, False, peft, duplicated=dup, tp=tp)
+        out += _linear(attn, "linear_q_up_proj", mla.q_lora_rank, q_out, False, peft, tp=tp)
     out += _linear(attn, "linear_kv_down_proj", h, (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) // down, False, peft,
-                   duplicated=dup)
+                   duplicated=dup, tp=tp)
     out += _linear(attn, "linear_kv_up_proj", mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim) // tp,
-                   False, peft)
+                   False, peft, tp=tp)
     if options.qk_layernorm:
         if mla.q_lora_rank is not None:
             out += _norm(options, attn + "q_layernorm.", mla.q_lora_rank, base)

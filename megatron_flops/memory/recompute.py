@@ -25,7 +25,7 @@ from megatron_flops.memory.lora import adapter_forward_payload
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
-_BEFORE_MLP = ("linear_qkv", "linear_proj")
+_BEFORE_MLP = ("linear_qkv", "linear_proj")  # (an MLA layer has no linear_qkv)
 # Modules whose activations are modelled beside core_attn and mlp (without LoRA or a frozen base;
 # mla_up_proj at TP 1), measured on CPU (tests/test_memory_recompute_modules.py, tests/test_memory_dist.py).
 _LATER = ("layernorm", "mla_up_proj", "moe", "shared_experts")
@@ -78,7 +78,7 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
     layers = [i for c in range(par.num_chunks) for i in par.chunk_layers(spec.num_layers, pp_rank, c)]
     dense = sum(kinds[i][1] == "mlp" for i in layers) if "mlp" in recompute.modules else 0
     if dense and par.is_first_stage(pp_rank, 0) and peft is not None and peft.frozen \
-            and not any(t in _BEFORE_MLP for t in peft.lora_targets) and kinds[0][1] == "mlp":
+            and not any(t in _BEFORE_MLP[spec.mla is not None:] for t in peft.lora_targets) and kinds[0][1] == "mlp":
         dense -= 1  # (layer 0's MLP input requires no grad: its checkpoint never re-runs)
     tokens, act = training.seq_length * training.micro_batch_size, training.param_bytes
     hidden = tokens * spec.hidden_size * act
