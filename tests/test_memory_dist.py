@@ -234,8 +234,7 @@ def setup(run: dict):
     options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
                                                transformer_impl="local",  # (the spec memory_worker builds)
                                                position_embedding_type=build.get("position_embedding_type", "rope"),
-                                               add_bias_linear=model.get("add_bias_linear", False),
-                                               transformer_impl="local"))
+                                               add_bias_linear=model.get("add_bias_linear", False)))
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
     par = Parallelism(tp=tp, pp=pp, vpp=layout.get("vpp"), ep=layout.get("ep", 1), dp=WORLD // (tp * pp),
                       sequence_parallel=layout.get("sp", False),

@@ -14,7 +14,15 @@ collectives (:func:`~megatron_flops.memory.moe.rerun_moe_layers` counts it among
 :func:`~megatron_flops.memory.moe.moe_communication` re-runs) and its shared experts' all-gather
 and reduce-scatter (megatron-core trains MoE under TP with sequence parallelism only);
 ``shared_experts`` re-runs the shared experts once more. Measured on CPU (gloo) under TP2 + SP
-and TP2 x EP2 + SP (tests/test_memory_dist.py). ``mla_up_proj`` is modelled at TP 1 only.
+and TP2 x EP2 + SP (tests/test_memory_dist.py).
+
+Selective ``mla_up_proj`` (``CheckpointWithoutOutput`` around the up projections and RoPE) re-runs
+them in backward: without sequence parallelism their column-parallel inputs enter by
+``copy_to_tensor_model_parallel_region`` (identity forward), so no collective re-runs; under
+sequence parallelism each up projection all-gathers its [s/TP, b, .] latent input again, per MLA
+layer (the MTP block's too) and micro-batch: ``linear_q_up_proj``'s q latent [s, b, q_lora]
+(``linear_q_proj``'s hidden states [s, b, h] without a q latent) and ``linear_kv_up_proj``'s kv
+latent [s, b, kv_lora]. Measured on CPU (gloo) under TP2 + SP (tests/test_memory_mla_mtp_dist.py).
 """
 
 from __future__ import annotations
@@ -26,8 +34,8 @@ from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
 _BEFORE_MLP = ("linear_qkv", "linear_proj")
-# Modules whose activations are modelled beside core_attn and mlp (without LoRA or a frozen base;
-# mla_up_proj at TP 1), measured on CPU (tests/test_memory_recompute_modules.py, tests/test_memory_dist.py).
+# Modules whose activations are modelled beside core_attn and mlp (without LoRA or a frozen base),
+# measured on CPU (tests/test_memory_recompute_modules.py, tests/test_memory_dist.py).
 _LATER = ("layernorm", "mla_up_proj", "moe", "shared_experts")
 
 
@@ -43,9 +51,6 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
     later = [m for m in modules if m in _LATER]
     if later and peft is not None and (peft.frozen or peft.lora_rank is not None):
         return f"activations under selective recompute of {later} are modelled without LoRA or a frozen base"
-    if "mla_up_proj" in modules and par.tp > 1:
-        return ("activations under selective recompute of mla_up_proj are modelled with --tp 1 (the collectives "
-                "it re-runs are not)")
     if "layernorm" in modules and any(m in ("mamba", "gdn", "kda") or f == "none" for (m, f), _ in spec.layer_runs):
         return ("activations under selective recompute of layernorm are modelled for attention layers (no Mamba, KDA, "
                 "GDN or hybrid layers)")
@@ -91,8 +96,23 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
     shared = _shared_expert_reruns(spec, par, recompute, layers, pp_rank)
     for key, value in mlp.items():
         out[key] += shared * value
+    if par.sequence_parallel:
+        out["tp/all_gather"] += _mla_up_proj_rerun_width(spec, par, recompute, layers, pp_rank) * tokens * act
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
+
+
+def _mla_up_proj_rerun_width(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],
+                             pp_rank: int) -> int:
+    """Elements per token that selective ``mla_up_proj`` all-gathers again per micro-batch under
+    sequence parallelism over ``layers`` (and the MTP block's layers on the last stage): each MLA
+    layer's up-projection inputs, the q latent (or the hidden states) and the kv latent."""
+    if spec.mla is None or "mla_up_proj" not in recompute.modules:
+        return 0
+    last = par.is_last_stage(pp_rank, par.num_chunks - 1)
+    num = sum(spec.layers[i][0] in ("attention", "dsa") for i in layers) + (spec.mtp_num_layers if last else 0)
+    q = spec.mla.q_lora_rank if spec.mla.q_lora_rank is not None else spec.hidden_size
+    return num * (q + spec.mla.kv_lora_rank)
 
 
 def _shared_expert_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],
