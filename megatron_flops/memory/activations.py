@@ -353,6 +353,13 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     if base or norm:
         w.act("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a if x.sp == 1
               else loc * mla.kv_lora_rank * a)
+    if "mla_up_proj" in w.selective and w.grad.started and x.sp > 1:
+        # The up-projection checkpoint keeps k_pos_emb, all-gathered [T, rope] under sequence
+        # parallelism: a view of the all-gathered kv_down output [T, kv_lora + rope] (the local
+        # spec's column-parallel down projections), its own storage under Transformer Engine's
+        # (duplicated TELinear down projections; unmeasured: :func:`.recompute.selective_unmeasured`).
+        local = options.transformer_impl != "transformer_engine"
+        w.act("attention", T * ((mla.kv_lora_rank if local else 0) + mla.qk_pos_emb_head_dim) * a)
     if norm:
         kv_norm = stats + (loc * mla.kv_lora_rank * a if base else 0)
         moved += kv_norm if fused else 0

@@ -57,7 +57,8 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
     return None
 
 
-def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | None) -> list[str]:
+def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | None, *,
+                         sequence_parallel: bool = False) -> list[str]:
     """The selective recompute figures that are formulas (Transformer Engine's spec: no CPU step)."""
     if recompute is None or recompute.granularity != "selective" or options.transformer_impl != "transformer_engine":
         return []
@@ -66,6 +67,10 @@ def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | Non
         out.append("selective layernorm recompute as Transformer Engine's spec builds the layers (the input norm fused "
                    "into linear_qkv and a dense layer's pre-MLP norm into linear_fc1, not recomputed; MLA's input norm "
                    "and MoE layers' pre-MLP norm recomputed); --transformer-impl local is measured")
+    if "mla_up_proj" in recompute.modules and sequence_parallel:
+        out.append("selective mla_up_proj recompute under sequence parallelism as Transformer Engine's spec builds MLA "
+                   "(duplicated down projections: the checkpoint keeps k_pos_emb's own all-gathered [s, b, rope]); "
+                   "--transformer-impl local is measured")
     if "mla_up_proj" in recompute.modules and options.qk_layernorm:
         out.append("selective mla_up_proj recompute as Transformer Engine's spec builds MLA (the latent norms fused "
                    "into the up projections, re-run with them); --transformer-impl local is measured")

@@ -256,7 +256,7 @@ def decoder_memory(
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
     if reason is None:
-        unmeasured += tuple(selective_unmeasured(options, recompute))
+        unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
     if fsdp is not None:
         comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
         stages = [replace(stages[0], states=fsdp[0], communication={**fsdp[1], **comm})]
