@@ -24,7 +24,7 @@ from megatron_flops.memory.activations import (check_activations_supported, chun
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.model.spec import ModelSpec
-from test_memory_activations import BASE, MBS, MLA_LN, MOE, NUM_MB, SEQ, VOCAB, _measure, mcore  # noqa: F401
+from test_memory_activations import BASE, MBS, MLA_LN, MOE, NUM_MB, SEQ, VOCAB, _measure
 
 
 def _selective(*modules: str) -> dict:
@@ -163,8 +163,6 @@ def test_estimate_adds_one_forward_of_each_recomputed_module(tmp_path, modules, 
 @pytest.mark.parametrize("fields, par, peft, reason", [
     (dict(SHARED, **_selective("moe_act")), Parallelism(), None, "megatron-core recomputes it in its grouped-GEMM"),
     (_selective("mla_up_proj"), Parallelism(), None, "megatron-core refuses it without multi-latent attention"),
-    (dict(MLA_LN, q_lora_rank=24, **_selective("mla_up_proj")), Parallelism(tp=2, sequence_parallel=True), None,
-     "mla_up_proj are modelled with --tp 1"),
     (dict(SHARED, **_selective("layernorm", "moe")), Parallelism(), PeftSpec(frozen=True, lora_rank=4),
      r"\['layernorm', 'moe'\] are modelled without LoRA or a frozen base"),
 ])
@@ -190,6 +188,22 @@ def test_moe_and_shared_experts_rerun_their_collectives_under_tp():
         got = selective_rerun_communication(spec, par, training, pp_rank=0,
                                             recompute=RecomputeSpec(granularity="selective", modules=modules), peft=None)
         assert got == ({"tp/all_gather": 2 * runs * 4096, "tp/reduce_scatter": 2 * runs * 4096} if runs else {})
+
+
+def test_mla_up_proj_reruns_its_all_gathers_under_sequence_parallelism():
+    # 2 MLA layers, M = 2 micro-batches of [s, b] = [16, 2] = 32 tokens, fp32. Under TP2 + SP each
+    # re-run up projection all-gathers its latent input again: q latent 32 * 24 * 4 = 3072 and kv
+    # latent 32 * 32 * 4 = 4096 bytes (direct q: the hidden states, 32 * 64 * 4 = 8192); per step
+    # 2 * 2 * (3072 + 4096) = 28672 (direct q: 2 * 2 * (8192 + 4096) = 49152). TP2 without SP: the
+    # inputs enter by an identity forward, nothing re-runs.
+    from megatron_flops.memory.recompute import selective_rerun_communication
+
+    for q_lora, sp, expected in ((24, True, {"tp/all_gather": 28672}), (None, True, {"tp/all_gather": 49152}),
+                                 (24, False, {})):
+        spec, _, training, recompute = _model(dict(MLA_LN, q_lora_rank=q_lora, **_selective("mla_up_proj")))
+        got = selective_rerun_communication(spec, Parallelism(tp=2, sequence_parallel=sp), training, pp_rank=0,
+                                            recompute=recompute, peft=None)
+        assert got == expected
 
 
 def test_transformer_engine_mla_up_proj_recomputes_the_fused_latent_norms():

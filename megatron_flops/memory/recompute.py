@@ -44,7 +44,8 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
     if "moe_act" in modules:
         return ("activations under selective recompute of moe_act are not modelled: megatron-core recomputes it "
                 "in its grouped-GEMM experts only (moe_grouped_gemm: GroupedMLP or TEGroupedMLP, CUDA kernels), "
-                "not in the SequentialMLP experts these figures follow")
+                "not in the SequentialMLP experts these figures follow (grouped-GEMM experts' activations are not "
+                "modelled either: no CPU kernel to measure them)")
     if "mla_up_proj" in modules and spec.mla is None:
         return ("activations under selective recompute of mla_up_proj: megatron-core refuses it without "
                 "multi-latent attention")
