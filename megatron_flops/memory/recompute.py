@@ -34,9 +34,6 @@ from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
 _BEFORE_MLP = ("linear_qkv", "linear_proj")
-# Modules whose activations are modelled beside core_attn and mlp (without LoRA or a frozen base),
-# measured on CPU (tests/test_memory_recompute_modules.py, tests/test_memory_dist.py).
-_LATER = ("layernorm", "mla_up_proj", "moe", "shared_experts")
 
 
 def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...], peft: PeftSpec | None) -> str | None:
@@ -46,12 +43,14 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
                 "in its grouped-GEMM experts only (moe_grouped_gemm: GroupedMLP or TEGroupedMLP, CUDA kernels), "
                 "not in the SequentialMLP experts these figures follow (grouped-GEMM experts' activations are not "
                 "modelled either: no CPU kernel to measure them)")
+    if "layernorm" in modules and peft is not None and peft.frozen:
+        return ("activations under selective recompute of layernorm with a frozen base: megatron-core 0.16.1's "
+                "CheckpointWithoutOutput fails in backward (no saved input) where a norm's input requires no grad, "
+                "as the first layer's does (Megatron-Bridge makes the decoder's input require grad under full "
+                "recompute only); seen here")
     if "mla_up_proj" in modules and spec.mla is None:
         return ("activations under selective recompute of mla_up_proj: megatron-core refuses it without "
                 "multi-latent attention")
-    later = [m for m in modules if m in _LATER]
-    if later and peft is not None and (peft.frozen or peft.lora_rank is not None):
-        return f"activations under selective recompute of {later} are modelled without LoRA or a frozen base"
     if "layernorm" in modules and any(m in ("mamba", "gdn", "kda") or f == "none" for (m, f), _ in spec.layer_runs):
         return ("activations under selective recompute of layernorm are modelled for attention layers (no Mamba, KDA, "
                 "GDN or hybrid layers)")
