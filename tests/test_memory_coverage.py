@@ -22,6 +22,7 @@ import pytest
 
 from megatron_flops.cli import build_parser
 from megatron_flops.cli.memory import format_reports
+from megatron_flops.memory.hybrid_pipeline import is_hybrid
 from megatron_flops.model.spec import ModelSpec, load_model_file
 
 transformers = pytest.importorskip("transformers")
@@ -56,6 +57,9 @@ MCORE = {
     "gdn": dict(BASE, **_LINEAR, experimental_attention_variant="gated_delta_net", linear_attention_freq=2),
     "hybrid mamba": dict(BASE, hybrid_override_pattern="M*-M", mamba_state_dim=16, mamba_head_dim=16,
                          mamba_num_groups=2),
+    # '|' marks megatron-core 0.19's pipeline stages: 4 segments, VPP 2 on PP 2 (no layout without PP).
+    "hybrid mamba piped": dict(BASE, num_layers=8, hybrid_override_pattern="M*|-M|*-|M-", mamba_state_dim=16,
+                               mamba_head_dim=16, mamba_num_groups=2),
     "lora and recompute in the file": dict(BASE, lora={"dim": 4}, recompute_granularity="full",
                                            recompute_method="uniform", recompute_num_layers=1),
 }
@@ -110,18 +114,16 @@ MISSING_MEMORY_FLAGS: set[str] = set()
 # an entry, and every entry must match a gap: delete an entry when its gap is closed.
 EXPECTED_GAPS: list[tuple[str, str]] = [
     # Kimi Delta Attention at TP 1 only (no KDA layer has tensor parallelism: not megatron-core through
-    # 0.19.2, not Megatron-Bridge 0.6.2, not transformers); no context parallelism beside Mamba, GDN, KDA
-    # or DSA layers; a hybrid pattern's virtual pipeline stages ('|' separators, which the spec does not keep).
+    # 0.19.2, not Megatron-Bridge 0.6.2, not transformers); no context parallelism beside GDN, KDA or DSA
+    # layers.
     # (GDN and DSA: megatron-core 0.16.1 itself refuses CP; transformers' KDA layer has none.)
     *[(f"{model} | CP2 | ", rf"refused: .*{what}") for model, what in (
         ("hf:kimi_linear", "KimiLinearDeltaAttention, which has no context parallelism"),
         ("hf:qwen3_next", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
         ("mcore:gdn", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
-        ("mcore:hybrid mamba", "context parallelism of Mamba layers .* is not modelled"),
         *[(m, "megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention")
           for m in ("mcore:dsa", "hf:deepseek_v32", "hf:glm_moe_dsa")])],
     ("hf:kimi_linear | TP2* | ", r"refused: .*Kimi Delta Attention is modelled with --tp 1"),
-    ("mcore:hybrid mamba | PP2 VPP2 | ", r"refused: .*virtual pipeline stages of a hybrid pattern"),
     # Hugging Face layers megatron-core's GPT layer cannot express (memory/hf_layers.py): counted as
     # the nearest megatron-core layer, the difference named.
     *[(f"hf:{model} | *", rf"not modelled: Hugging Face {model.split()[0]}: {what}") for model, what in (
@@ -144,15 +146,13 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # torch FSDP2 for a decoder with tied embeddings, which Megatron-LM's --use-torch-fsdp2 refuses (megatron-core
     # field files tie by default: "mcore:untied mla moe mtp" is the one decoder file FSDP2 reports on).
     ("* | DP2 FSDP | *", r"refused: .*--use-torch-fsdp2 \(--fsdp\) is not supported with tied embeddings"),
-    # LoRA/frozen decoders: under TP with MoE/MLA/MTP layers.
-    ("* | TP2 SP | *LoRA*", r"refused: .*LoRA adapters under tensor parallelism are modelled for dense decoders"),
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),
-    # DiT (memory/dit_layouts.py): sequence parallelism (Megatron-Bridge's WanModel is Transformer Engine only, and
-    # its text context through sequence-parallel column-parallel layers could not be checked on CPU), and virtual
-    # pipeline stages (Bridge 0.6.2's WanModelProvider builds each stage without its vp_stage).
-    ("examples/wan* | TP2 SP | ", r"refused: .*sequence parallelism of a DiT is not modelled"),
+    # DiT (memory/dit_layouts.py): LoRA (the tiny example file's section) under sequence parallelism (Megatron-Bridge's
+    # ParallelLinearAdapter around Transformer Engine layers, not modelled), and virtual pipeline stages (Bridge
+    # 0.6.2's WanModelProvider builds each stage without its vp_stage).
+    ("examples/wan_tiny_dit.json | TP2 SP | ", r"refused: .*LoRA adapters or a frozen base under sequence parallelism"),
     ("examples/wan* | PP2 VPP2 | ", r"refused: .*virtual pipeline stages of a DiT are not modelled"),
     # A VLM without --grid-thw (the survey passes no grids): the vision tower's activations.
     ("examples/qwen2_5_vl_7b_config.json | *", r"not modelled: the vision tower's activations: give --grid-thw"),
@@ -240,7 +240,12 @@ def megatron_core_refuses(spec: ModelSpec | None, flags: list[str]) -> str | Non
     for name, value in sizes.items():
         if value % tp:
             return f"{name} % TP"
-    if spec.num_layers % (pp * _flag(flags, "--vpp")):
+    vpp, segments = _flag(flags, "--vpp"), len(spec.pipeline_segments)
+    if segments and (pp == 1 or segments % pp or "--vpp" in flags and vpp != segments // pp):
+        return "a hybrid pattern's '|' segments are not PP x VPP stages (VPP derived by Megatron-LM 0.19)"
+    if not segments and "--vpp" in flags and is_hybrid(spec):
+        return "VPP of a hybrid pattern without '|' separators"
+    if not segments and spec.num_layers % (pp * vpp):
         return "num_layers % (PP x VPP)"
     if ep > 1 and (spec.moe is None or spec.moe.num_experts % ep or dp * cp % ep):
         return "EP without experts that divide"

@@ -307,3 +307,87 @@ def test_cli_reports_the_ddp_layout(capsys):
     assert "distributed optimizer" in report["assumptions"]
     # bf16 weights, fp32 gradients: the reduce-scatter moves twice the all-gather's bytes.
     assert report["communication_per_step"]["dp/reduce_scatter"] == 2 * report["communication_per_step"]["dp/all_gather"]
+
+
+SP = Parallelism(tp=2, sequence_parallel=True)
+
+
+def test_sequence_parallel_activations_split_the_residual_stream():
+    # TP 2 + sequence parallelism, bf16, flash, 16 video and 12 text tokens, h 32, 4 heads. Against the TP 2
+    # walk: the adaLN and LayerNorm storages (residual stream, 8 of the 16 tokens per rank) halve; the
+    # column-parallel layers' inputs (q/k/v's, the cross q's, ffn.0's [16, 32] bf16, 1,024 B) are saved
+    # unsplit as [8, 32] (-512 B each); the cross-attention's k/v layer gathers the text [12, 32] from both
+    # ranks: 24 rows of the k norm's fp32 copy and normalised product [24, 32] x 4 B x 2, its rstd 24 x 4 B,
+    # the normalised k and v [24, 16] bf16 (12 rows more than TP 2's: +12 x (256 + 4 + 64) = +3,888 B).
+    batch = DiTBatch.uniform(SPEC, video_tokens=16, num_clips=1)
+    tp2, sp = (dit_activations(SPEC, batch, act_bytes=2, tp=2, sequence_parallel=s) for s in (False, True))
+    assert sp.block == {"adaln": tp2.block["adaln"] // 2, "norm": tp2.block["norm"] // 2,
+                        "self_attn": tp2.block["self_attn"] - 512, "cross_attn": tp2.block["cross_attn"] - 512 + 3_888,
+                        "ffn": tp2.block["ffn"] - 512}
+    # Outside the blocks the head runs on 8 tokens (its LayerNorm input, statistics, 1 + scale, normalised x
+    # and Linear input halve: 4 x 8 x 32 x 2 B + 2 x 8 x 4 B + 8 x 8 B = 2,176 B less); the loss is whole.
+    assert {k: tp2.outside[k] - sp.outside[k] for k in sp.outside} == {
+        "patch_embed": 0, "time_embed": 0, "text_embed": 0, "image_embed": 0, "head": 2_176, "loss": 0}
+    assert dit_layout_report(SPEC, SP, TRAINING)["per_gpu"]["activations_bytes"] == sp.total
+
+
+def test_sequence_parallel_collectives_replace_the_all_reduces():
+    # TP 2, 16 video and 12 text tokens, h 32, bf16, 2 blocks, 4 micro-batches; elements per block and
+    # micro-batch. Without SP: all-reduce of o, cross o, ffn.2 outputs [16, 32] (1,536, forward) and of q/k/v,
+    # cross q, ffn.0 [16, 32] and cross k/v [12, 32] input gradients (1,920, backward).
+    # With SP: reduce-scatter of the same row-parallel outputs (1,536, forward) and of the column-parallel
+    # input gradients, the text gathered from both ranks [24, 32] (2,304 = 1,920 + 12 x 32, backward);
+    # all-gather of the column-parallel inputs (q/k/v, cross q, ffn.0 [16, 32], cross k/v [24, 32]: 2,304) and
+    # of q, k, cross q [16, 32] and cross k [24, 32] for the norms across heads (2,304) forward; backward the
+    # inputs again, the row-parallel outputs' gradients (1,536) and the norms' (2,304).
+    # Outside: the patch embedding's gradient [16, 32] gathered (first stage), the head's output [16, 16]
+    # gathered and its gradient reduce-scattered (last stage).
+    tp2 = dit_layout_report(SPEC, Parallelism(tp=2), TRAINING)["communication_per_step"]
+    sp = dit_layout_report(SPEC, SP, TRAINING)["communication_per_step"]
+    per_mb = 2 * 2  # 2 blocks, 2 B
+    assert tp2["tp/all_reduce"] - 46_784 == 4 * per_mb * (1_536 + 1_920)
+    assert sp["tp/reduce_scatter"] == 4 * (per_mb * (1_536 + 2_304) + 256 * 2)
+    assert sp["tp/reduce_scatter"] == tp2["tp/all_reduce"] - 46_784 + 4 * (per_mb * 12 * 32 + 256 * 2)
+    assert sp["tp/all_gather"] == 4 * (per_mb * (2 * 2_304 + 2_304 + 1_536 + 2_304) + (512 + 256) * 2)
+    # Once per step: 11,696 whole weights' gradients and, marked sequence_parallel, the row-parallel biases
+    # (3 x 32 per block), fp32.
+    assert sp["tp/all_reduce"] == (11_696 + 2 * 3 * 32) * 4
+    # Full recompute runs each block's forward collectives again.
+    rerun = dit_layout_report(SPEC, SP, TRAINING, checkpointed_blocks=2)["communication_per_step"]
+    assert rerun["tp/reduce_scatter"] - sp["tp/reduce_scatter"] == 4 * per_mb * 1_536
+    assert rerun["tp/all_gather"] - sp["tp/all_gather"] == 4 * per_mb * 2 * 2_304
+
+
+def test_sequence_parallel_pipeline_and_context_parallel():
+    # PP 2: the hidden states sent between stages are this rank's [8, 32] bf16: half of TP 2's.
+    pp = {s: dit_layout_report(SPEC, Parallelism(tp=2, pp=2, sequence_parallel=s), TRAINING) for s in (False, True)}
+    assert pp[True]["communication_per_step"]["pp/send_recv"] * 2 == pp[False]["communication_per_step"]["pp/send_recv"]
+    # CP 2: 8 video, 6 text tokens per rank. K and V round the ring: self-attention's [8, 16] each as under
+    # TP 2, the cross-attention's [2 x 6, 16] (the gathered text): 2 x (8 x 16 + 12 x 16) x 2 B = 1,280 B per
+    # block and micro-batch, x (CP - 1) x 2 (sent, received) x 3 (forward; backward K, V and gradients).
+    cp = dit_layout_report(SPEC, Parallelism(tp=2, cp=2, sequence_parallel=True), TRAINING)
+    assert cp["communication_per_step"]["cp/send_recv"] == 4 * 2 * 1 * 2 * 3 * 1_280
+
+
+def test_sequence_parallel_refusals():
+    from megatron_flops.memory.dit_layouts import dit_layout_reason
+
+    peft = DiTPeftSpec(frozen=True, lora_rank=4, lora_targets=("q",))
+    assert "LoRA adapters or a frozen base under sequence parallelism" in dit_layout_reason(SPEC, SP, TRAINING, peft)
+    odd = Training(seq_length=18, micro_batch_size=1)
+    assert "not divisible by CP x TP = 4" in dit_layout_reason(SPEC, Parallelism(tp=2, cp=2, sequence_parallel=True),
+                                                                 odd, None)
+
+
+def test_cli_reports_the_wan_14b_recipe_layout(capsys):
+    # Megatron-Bridge 0.6.2's WAN 14B recipe: TP 2 + SP, CP 4, full uniform recompute, distributed optimizer.
+    from megatron_flops.cli import main
+
+    assert main(["memory", "--model", str(EXAMPLES / "wan21_14b_dit.json"), "--seq-length", "32768", "--tp", "2",
+                 "--sequence-parallel", "--cp", "4", "--recompute", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1", "--distributed-optimizer", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["not_modelled"] == [] and isinstance(report["per_gpu"]["activations_bytes"], int)
+    assert any(u.startswith("sequence parallelism (TP 2)") for u in report["unmeasured"])
+    comm = report["communication_per_step"]
+    assert {"tp/all_gather", "tp/reduce_scatter", "tp/all_reduce", "cp/send_recv"} <= set(comm)

@@ -87,10 +87,14 @@ def test_frozen_first_layer_mlp_checkpoint_never_reruns():
 def test_lora_under_tp_refusals(par, peft, match):
     with pytest.raises(ValueError, match=match):
         check_supported(SPEC, par, peft, OPTIONS)
+    # A frozen MoE first layer without shared experts and no attention target: its first adapters
+    # are the routed experts' (the gradient starts inside the layer), not modelled under TP.
     moe = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
                                       vocab_size=96, num_moe_experts=4, moe_router_topk=2))
-    with pytest.raises(ValueError, match="dense decoders"):
-        check_supported(moe, TP2, LORA, OPTIONS)
+    sp = Parallelism(tp=2, dp=2, sequence_parallel=True)
+    check_supported(moe, sp, LORA, OPTIONS)
+    with pytest.raises(ValueError, match="no tensor-parallel adapter"):
+        check_supported(moe, sp, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), OPTIONS)
 
 
 def test_selective_mlp_with_biases_refused():
@@ -146,3 +150,35 @@ def test_lora_moe_mla_activations_refused_with_a_reason(fields, par, peft, reaso
         assert got is None
     else:
         assert got is not None and re.search(reason, got)
+
+
+def test_moe_expert_adapters_under_tp_by_hand():
+    # TP2 + SP, EP1, MoE every layer (top-2 of 4, experts' ffn 32, no shared experts), LoRA r=4 on
+    # linear_proj, linear_fc1, linear_fc2, frozen base, bf16; T = 32 tokens.
+    spec = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
+                                       vocab_size=96, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32))
+    par = Parallelism(tp=2, dp=2, sequence_parallel=True)
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_proj", "linear_fc1", "linear_fc2"))
+    params = {p.name: p.numel for p in chunk_parameters(spec, OPTIONS, par, pp_rank=0, chunk=0, seq_length=16,
+                                                       peft=peft)}
+    expert = "decoder.layers.0.mlp.experts.local_experts.3."
+    # Split over expert TP (= TP) as the layer: fc1's linear_in [r/2, h], fc2's linear_out [h/2, r].
+    assert params[expert + "linear_fc1.adapter.linear_in.weight"] == 2 * 48
+    assert params[expert + "linear_fc1.adapter.linear_out.weight"] == 16 * 4  # [ffn/TP, r]
+    assert params[expert + "linear_fc2.adapter.linear_in.weight"] == 4 * 16  # [r, ffn/TP]
+    assert params[expert + "linear_fc2.adapter.linear_out.weight"] == 24 * 4
+    from megatron_flops.memory.lora_layers import lora_tp_communication
+
+    comm = lora_tp_communication(spec, par, TRAINING, pp_rank=0, peft=peft)
+    # Per layer and micro-batch (bf16: [T, r] = 256 bytes, [T, h] = 3,072): linear_proj's adapter
+    # all-gathers its output and, in backward, its output gradient (2 x 3,072); the routed
+    # experts' adapters, over 64 routed tokens (32 x top-2), fc1's [n, r] (512) and fc2's
+    # output [n, h] (6,144), forward only. No dense MLP: no fc1/fc2 adapter of the TP group.
+    # Less what the frozen base skips: per layer linear_qkv's weight-gradient all-gather (no
+    # linear_fc1 in the TP group), the output layer's and the embedding's, and layer 0's
+    # linear_proj output gradient (before the first adapter) = 2 + 1 + 1 + 1 = 5 x 3,072.
+    assert comm["tp/all_gather"] == 2 * (2 * (2 * 3_072 + 512 + 6_144) - 5 * 3_072)
+    # linear_proj's [T, r] forward and its linear_out's input gradient [T, r] per layer.
+    assert comm["tp/all_reduce"] == 2 * 2 * 2 * 256
+    # Layer 0's linear_qkv input gradient (before the first adapter) is not reduce-scattered.
+    assert comm["tp/reduce_scatter"] == -2 * 3_072

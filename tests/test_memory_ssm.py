@@ -294,7 +294,7 @@ def test_refusals_name_what_is_not_modelled(capsys, tmp_path):
     assert "not modelled (this setup): activations of Mamba, Gated DeltaNet, Kimi Delta Attention and hybrid layers " \
            "are modelled without full recompute" in capsys.readouterr().out
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2", "--vpp", "2"]) == 2
-    assert "virtual pipeline stages of a hybrid pattern follow its '|' separators" in capsys.readouterr().err
+    assert "takes virtual pipeline stages of a hybrid pattern from its '|' separators" in capsys.readouterr().err
     assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2"]) == 0
     assert "split evenly over the 2 pipeline stages" in capsys.readouterr().out
 

@@ -12,6 +12,7 @@ from typing import Any
 from megatron_flops.cli._memory_model import decoder_options, layout_defaults, num_microbatches
 from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, backend_convention
+from megatron_flops.memory.hybrid_pipeline import hybrid_stages
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS
 from megatron_flops.memory.layout import DTYPE_BYTES, OPTIMIZERS, Parallelism, Training
 from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
@@ -213,6 +214,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     _resolve_layout(args, model)
     training, par = _training(args, model.seq_length), _parallelism(args)
     dit = "dit" in model.raw
+    if model.spec is not None and not dit:  # a hybrid pattern's '|' segments make its VPP
+        par = hybrid_stages(model.spec, par)
     reports = (_dit if dit else _decoder)(args, model, training, par)
     assumptions = [
         f"{args.params_dtype} weights" + (" (fp32 shards cast for compute)" if dit and not _dit_megatron(par)

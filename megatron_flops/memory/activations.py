@@ -97,6 +97,7 @@ class _Dims:
     tp: int = 1
     gate: bool = False  # attention_output_gate: linear_qkv also projects a sigmoid gate per query channel
     ep: int = 1
+    cp: int = 1  # context parallelism: s is this rank's s/CP tokens of each sequence
 
     @property
     def tokens(self) -> int:
@@ -224,7 +225,8 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
     return _Dims(s=training.seq_length, b=training.micro_batch_size, h=spec.hidden_size, d=spec.kv_channels,
                  heads=spec.num_attention_heads // par.tp, groups=spec.num_query_groups // par.tp,
                  ffn=spec.ffn_hidden_size // par.tp, vocab=padded_vocab(spec, options, par.tp) // par.tp,
-                 act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep, gate=spec.attention_output_gate)
+                 act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep, gate=spec.attention_output_gate,
+                 cp=par.cp)
 
 
 def _gathered(x: _Dims) -> int | None:
@@ -357,7 +359,7 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
         # A frozen base's up projections keep no input, but the up-projection checkpoint keeps its
         # inputs: the q latent (the q norm's output, or q_down's output [T, q_lora]; direct q: the
         # input norm's output [T, h]) and the kv latent (the kv norm's output, or kv_down's output
-        # [T, kv_lora + rope], of which k_pos_emb is a view). (LoRA under TP: dense decoders only.)
+        # [T, kv_lora + rope], of which k_pos_emb is a view). (At TP 1: recompute.selective_reason.)
         q = (loc if norm else T) * mla.q_lora_rank if mla.q_lora_rank is not None else loc * x.h
         w.act("attention", (q + (loc * mla.kv_lora_rank if norm else T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)))
               * a)
@@ -503,7 +505,7 @@ def _ssm_mixer(w: _Walk, x: _Dims, spec: ModelSpec, mixer: str) -> None:
     if mixer == "kda":
         w.act(mixer, kda_saved(spec, s=x.s, b=x.b, act=x.act))
     elif mixer == "mamba":
-        w.act(mixer, mamba_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act))
+        w.act(mixer, mamba_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act, cp=x.cp))
     else:  # NB: parameters in the activation dtype (Float16Module), so exp(A_log) too
         w.act(mixer, gdn_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act, param=x.act))
 
@@ -526,8 +528,9 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
         sub = _Walk(_Grad(base=g.base, adapted=g.adapted, rank=g.rank))
         _mlp(sub, dataclasses.replace(x, ffn=shared // x.tp), options, spec.gated_linear_unit)
         lora = sub.out.components.pop("lora", 0)
-        fc1_input = x.local_tokens * x.h * x.act if g.base or "linear_fc1" in g.adapted else 0
-        routed["moe/shared_experts"] = (sub.kept - lora - fc1_input  # fc1's input is the router's
+        # fc1's input is the router's (but the [T, h] an adapter gathers itself under sequence parallelism).
+        fc1_input = x.local_tokens * x.h * x.act if g.base or ("linear_fc1" in g.adapted and x.sp == 1) else 0
+        routed["moe/shared_experts"] = (sub.kept - lora - fc1_input
                                         + shared_gate_activations(spec, local_tokens=x.local_tokens, act=x.act))
         # (Selective shared_experts: their adapters' intermediates are re-saved inside the checkpoint.)
         routed["moe/shared_experts" if "shared_experts" in w.selective else "lora"] += lora

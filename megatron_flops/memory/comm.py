@@ -32,7 +32,8 @@ one-element ones (loss averaging, grad norm, found-inf). Keys are ``<group>/<kin
   micro-batch: each rank's token count per expert (alltoall), or the tokens, probabilities and
   routing map gathered and the output reduce-scattered (allgather); see
   :func:`~megatron_flops.memory.moe.moe_communication`.
-- ``cp/send_recv`` (CP > 1): a formula, not measured (see :func:`step_communication`).
+- ``cp/send_recv`` (CP > 1): a formula, not measured (see :func:`step_communication`);
+  ``cp/all_to_all``: Mamba layers' sequence-to-head all-to-alls (:func:`~megatron_flops.memory.ssm.mamba_cp_all_to_all`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
-from megatron_flops.memory.ssm import missing_blocks
+from megatron_flops.memory.ssm import mamba_cp_all_to_all, missing_blocks
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -179,8 +180,16 @@ def step_communication(
             # NB: a formula, not measured (no context-parallel attention on CPU): Transformer
             # Engine's ring attention passes each layer's K and V [s/CP, b, groups/TP, d] round
             # the CP ring, CP-1 steps forward, and K, V and their gradients backward.
+            # A hybrid pattern's Mamba layers all-to-all instead (:func:`~.ssm.mamba_cp_all_to_all`,
+            # forward, backward and a full recompute's rerun); its MLP-only layers pass nothing.
             kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
-            add("cp/send_recv", m * len(layers) * (par.cp - 1) * 2 * (kv + 2 * kv))
+            ring = sum(kinds[i][0] not in ("mamba", "none") for i in layers)
+            add("cp/send_recv", m * ring * (par.cp - 1) * 2 * (kv + 2 * kv))
+            mamba = [kinds[i][0] == "mamba" for i in layers]
+            passes = 2 * sum(mamba) + sum(mamba[:fully_recomputed_layers(recompute, len(layers))])
+            if passes:
+                add("cp/all_to_all", m * passes * mamba_cp_all_to_all(spec, tokens=tokens, tp=par.tp, cp=par.cp,
+                                                                      act=act))
         if moe_layers:
             rerun_moe = rerun_moe_layers(spec, recompute, layers, last=last)
             for key, value in moe_communication(spec, options, par, training, moe_layers, rerun_moe).items():

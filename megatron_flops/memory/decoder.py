@@ -165,7 +165,7 @@ def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, op
                         ("ffn_hidden_size", spec.ffn_hidden_size)):
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by --tp {tp}")
-    if spec.num_layers % (par.pp * par.num_chunks):
+    if par.stage_layers is None and spec.num_layers % (par.pp * par.num_chunks):
         raise ValueError(f"num_layers={spec.num_layers} is not divisible by PP x VPP = {par.pp * par.num_chunks}")
     if spec.moe is not None:
         if spec.moe.num_experts % par.ep:
@@ -302,7 +302,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
                 out.append(Param(mlp + name + "bias", shape[0], base, tp_replicated=True))
     for j in range(moe.num_experts // par.ep):
         out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // tp, bias,
-                    expert=par.ep > 1, width=latent or h)
+                    expert=par.ep > 1, width=latent or h, tp=tp)  # (expert TP = TP)
     if moe.shared_expert_ffn_hidden_size:
         if moe.shared_expert_gate:  # (registered before the MLP's layers)
             out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True, rows=1))
@@ -325,16 +325,16 @@ def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bi
     dup = options.duplicated_mla_down and tp > 1
     down = 1 if dup else tp
     q_out = heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) // tp
-    out = _linear(attn, "linear_proj", heads * mla.v_head_dim // tp, h, bias, peft)
+    out = _linear(attn, "linear_proj", heads * mla.v_head_dim // tp, h, bias, peft, tp=tp)
     if mla.q_lora_rank is None:
-        out += _linear(attn, "linear_q_proj", h, q_out, False, peft)
+        out += _linear(attn, "linear_q_proj", h, q_out, False, peft, tp=tp)
     else:
-        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank // down, False, peft, duplicated=dup)
-        out += _linear(attn, "linear_q_up_proj", mla.q_lora_rank, q_out, False, peft)
+        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank // down, False, peft, duplicated=dup, tp=tp)
+        out += _linear(attn, "linear_q_up_proj", mla.q_lora_rank, q_out, False, peft, tp=tp)
     out += _linear(attn, "linear_kv_down_proj", h, (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) // down, False, peft,
-                   duplicated=dup)
+                   duplicated=dup, tp=tp)
     out += _linear(attn, "linear_kv_up_proj", mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim) // tp,
-                   False, peft)
+                   False, peft, tp=tp)
     if options.qk_layernorm:
         if mla.q_lora_rank is not None:
             out += _norm(options, attn + "q_layernorm.", mla.q_lora_rank, base)

@@ -32,6 +32,11 @@ NB: a checkpointed block keeps its inputs until its backward: the hidden states 
 and once per forward the per-token modulation input ``[T, 6, h]`` and the text/image embeddings;
 backward re-runs one block at a time, which saves a whole block again except its input.
 FSDP2 runs forward and backward of one micro-batch before the next: one micro-batch in flight.
+NB: ``tp`` > 1 (a formula): the column-parallel outputs, heads and FFN split over TP, q and k
+gathered whole for the norms; with ``sequence_parallel`` also the residual stream (and what the
+adaLN ops, LayerNorms, checkpoints and head save) on ``T / TP`` tokens, each column-parallel
+input saved as this rank's slice, and the text (CLIP) side of cross-attention ``TP`` times over
+(Megatron-Bridge's ``linear_kv`` all-gathers the whole context as if it were a slice).
 
 Outside the blocks (``WanLike.forward`` and the loss; ``B`` clips, ``freq``, ``text_dim`` and
 ``w = image_dim`` the embeddings' input widths, ``P = out_channels x prod(patch_size)``), the same
@@ -120,8 +125,13 @@ class _Block:
     """One block's forward, op by op, with torch's rule of what each op saves for backward: an
     operand is saved when another operand (or the weight) needs a gradient."""
 
-    def __init__(self, spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int, tp: int = 1) -> None:
+    def __init__(self, spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int, tp: int = 1,
+                 sp: bool = False) -> None:
         self.spec, self.batch, self.peft, self.a, self.stats, self.tp = spec, batch, peft, a, stats, tp
+        # Sequence parallelism: the residual stream holds this rank's 1/TP of the video tokens, and a
+        # column-parallel layer all-gathers its input along the tokens: the text (CLIP) tokens, whole
+        # on every rank, come out TP times over.
+        self.sp = sp and tp > 1
         self.saved: dict[str, tuple[str, int]] = {}  # storage -> (part, bytes)
         self.part = ""
 
@@ -171,7 +181,7 @@ class _Block:
         return self.new(name, rows, x.grad or y.grad)
 
     def attention(self, name: str, q: _T, k: _T, v: _T, kv: Sequence[int], attention: str) -> _T:
-        """Core attention of each clip's queries to its ``kv`` keys; returns the output [T, h]."""
+        """Core attention of each clip's queries to its ``kv`` keys; returns the output [T, h/TP]."""
         T, heads, width = sum(self.batch.video), self.spec.num_heads // self.tp, self.spec.hidden_size // self.tp
         grad = q.grad or k.grad or v.grad
         if attention == "flash":  # NB: the kernel keeps q, k, v, its output and fp32 log-sum-exp
@@ -190,71 +200,77 @@ class _Block:
     def forward(self, x: _T, e: _T, context: _T, image: _T | None, attention: str) -> _T:
         """The block's forward (``WanAttentionBlock.forward``); returns its output."""
         b, T = self.batch, sum(self.batch.video)
-        mod = self.new("mod", T, e.grad or not self.peft.frozen, 6 * self.spec.hidden_size)
+        L, g = (T // self.tp, self.tp) if self.sp else (T, 1)  # residual-stream tokens; text copies
+        mod = self.new("mod", L, e.grad or not self.peft.frozen, 6 * self.spec.hidden_size)
         self.part = "norm"
-        n1 = self.layer_norm("norm1", x, T, affine=False)
+        n1 = self.layer_norm("norm1", x, L, affine=False)
         self.part = "adaln"
-        modulated = self.mul("mod1", n1, self.new("1+e1", T, mod.grad), T)
-        m1 = self.new("m1", T, modulated.grad or mod.grad)
+        modulated = self.mul("mod1", n1, self.new("1+e1", L, mod.grad), L)
+        m1 = self.new("m1", L, modulated.grad or mod.grad)
         self.part = "self_attn"
         q, k, v = (self.linear(f"self_attn.{n}", m1, T) for n in "qkv")
         out = self.attention("self", self.rms_norm("self_attn.norm_q", q, T), self.rms_norm("self_attn.norm_k", k, T),
                              v, b.video, attention)
-        o = self.linear("self_attn.o", out, T)
+        o = self.linear("self_attn.o", out, L)
         self.part = "adaln"
-        gated = self.mul("gate1", o, mod, T)
-        x1 = self.new("x1", T, x.grad or gated.grad)
+        gated = self.mul("gate1", o, mod, L)
+        x1 = self.new("x1", L, x.grad or gated.grad)
         self.part = "norm"
-        n3 = self.layer_norm("norm3", x1, T, affine=True)
+        n3 = self.layer_norm("norm3", x1, L, affine=True)
         self.part = "cross_attn"
         q = self.rms_norm("cross_attn.norm_q", self.linear("cross_attn.q", n3, T), T)
         sources = [("text", "", context, b.text)] + ([] if image is None else [("image", "_img", image, b.image or ())])
         outs = [self.attention(name, q, self.rms_norm(f"cross_attn.norm_k{suffix}",
-                                                      self.linear(f"cross_attn.k{suffix}", src, sum(lens)), sum(lens)),
-                               self.linear(f"cross_attn.v{suffix}", src, sum(lens)), lens, attention)
+                                                      self.linear(f"cross_attn.k{suffix}", src, g * sum(lens)),
+                                                      g * sum(lens)),
+                               self.linear(f"cross_attn.v{suffix}", src, g * sum(lens)), [g * n for n in lens],
+                               attention)
                 for name, suffix, src, lens in sources]
         summed = outs[0] if len(outs) == 1 else self.new("cross.sum", T, any(t.grad for t in outs),
                                                          self.spec.hidden_size // self.tp)
-        o = self.linear("cross_attn.o", summed, T)
-        x2 = self.new("x2", T, x1.grad or o.grad)
+        o = self.linear("cross_attn.o", summed, L)
+        x2 = self.new("x2", L, x1.grad or o.grad)
         self.part = "norm"
-        n2 = self.layer_norm("norm2", x2, T, affine=False)
+        n2 = self.layer_norm("norm2", x2, L, affine=False)
         self.part = "adaln"
-        modulated = self.mul("mod2", n2, self.new("1+e4", T, mod.grad), T)
-        m2 = self.new("m2", T, modulated.grad or mod.grad)
+        modulated = self.mul("mod2", n2, self.new("1+e4", L, mod.grad), L)
+        m2 = self.new("m2", L, modulated.grad or mod.grad)
         self.part = "ffn"
         f0 = self.linear("ffn.0", m2, T, self.spec.ffn_hidden_size)
         if f0.grad:
             self.save(f0)  # GELU's input
         gelu = self.new("gelu", T, f0.grad, self.spec.ffn_hidden_size // self.tp)
-        f2 = self.linear("ffn.2", gelu, T)
+        f2 = self.linear("ffn.2", gelu, L)
         self.part = "adaln"
-        gated = self.mul("gate2", f2, mod, T)
-        return self.new("out", T, x2.grad or gated.grad)
+        gated = self.mul("gate2", f2, mod, L)
+        return self.new("out", L, x2.grad or gated.grad)
 
 
 SHARED = ("context", "image")  # storages every block reads: saved once per forward
 
 
 def _walk(spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int, attention: str,
-          x_grad: bool, tp: int = 1) -> tuple[dict[str, tuple[str, int]], bool]:
+          x_grad: bool, tp: int = 1, sp: bool = False) -> tuple[dict[str, tuple[str, int]], bool]:
     """(one block's saved storages, whether its output requires grad) for an input that does
     (or does not: the first block of a frozen base) require grad."""
     if attention not in ATTENTION_CONVENTIONS:
         raise ValueError(f"DiT attention must be one of {ATTENTION_CONVENTIONS}, got {attention!r}")
-    walk = _Block(spec, batch, peft, a, stats, tp)
+    walk = _Block(spec, batch, peft, a, stats, tp, sp)
     trains = not peft.frozen  # NB: the embeddings (patch, time, text, image) train with the base
     image = None if batch.image is None else walk.new("image", sum(batch.image), trains)
-    out = walk.forward(walk.new("x", sum(batch.video), x_grad), walk.new("e", sum(batch.video), trains, 6 * spec.hidden_size),
+    local = sum(batch.video) // (tp if walk.sp else 1)
+    out = walk.forward(walk.new("x", local, x_grad), walk.new("e", local, trains, 6 * spec.hidden_size),
                        walk.new("context", sum(batch.text), trains), image, attention)
     return walk.saved, out.grad
 
 
 def dit_block_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
                     peft: PeftSpec | None = None, input_grad: bool = True,
-                    layer_norm_stats_bytes: int = NORM_STATS_BYTES, tp: int = 1) -> dict[str, int]:
+                    layer_norm_stats_bytes: int = NORM_STATS_BYTES, tp: int = 1,
+                    sequence_parallel: bool = False) -> dict[str, int]:
     """One block's own saved bytes per part (see the module NB); the shared embeddings excluded."""
-    saved, _ = _walk(spec, batch, DiTPeftSpec.of(peft), act_bytes, layer_norm_stats_bytes, attention, input_grad, tp)
+    saved, _ = _walk(spec, batch, DiTPeftSpec.of(peft), act_bytes, layer_norm_stats_bytes, attention, input_grad, tp,
+                     sequence_parallel)
     parts: dict[str, int] = dict.fromkeys(("adaln", "norm", "self_attn", "cross_attn", "ffn"), 0)
     for name, (part, nbytes) in saved.items():
         if name not in SHARED:
@@ -263,10 +279,12 @@ def dit_block_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
 
 
 def dit_outside_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, trains: bool, head_grad: bool = True,
-                      layer_norm_stats_bytes: int = NORM_STATS_BYTES) -> dict[str, int]:
+                      layer_norm_stats_bytes: int = NORM_STATS_BYTES, head_split: int = 1) -> dict[str, int]:
     """What the model saves outside its blocks, by part (see the module NB): the base ``trains``
-    or is frozen; ``head_grad``: whether the last block's output needs a gradient."""
+    or is frozen; ``head_grad``: whether the last block's output needs a gradient; ``head_split``:
+    the head runs on 1/``head_split`` of the video tokens (sequence parallelism: TP), the loss on all."""
     B, T, C, M = len(batch.video), sum(batch.video), sum(batch.text), sum(batch.image or ())
+    H = T // head_split
     h, a, s, patch = spec.hidden_size, act_bytes, layer_norm_stats_bytes, math.prod(spec.patch_size)
     out = dict.fromkeys(("patch_embed", "time_embed", "text_embed", "image_embed", "head", "loss"), 0)
     if trains:
@@ -280,9 +298,9 @@ def dit_outside_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, trains:
             out["image_embed"] = 4 * M * spec.image_dim * a + M * h * a + 2 * 2 * M * s
     if head_grad or trains:
         # LayerNorm: the last block's output and statistics; (1 + scale), read by the norm's gradient.
-        out["head"] = 2 * T * h * a + 2 * T * s
+        out["head"] = 2 * H * h * a + 2 * H * s
         if trains:  # the normalised x (scale's gradient), the head's input, e's repeat index
-            out["head"] += 2 * T * h * a + T * INDEX_BYTES
+            out["head"] += 2 * H * h * a + H * INDEX_BYTES
         out["loss"] = 2 * T * spec.out_channels * patch * FP32_BYTES  # prediction and target, fp32
     return out
 
@@ -290,23 +308,27 @@ def dit_outside_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, trains:
 def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
                     peft: PeftSpec | None = None, checkpointed_blocks: int = 0,
                     layer_norm_stats_bytes: int = NORM_STATS_BYTES, first: bool = True,
-                    last: bool = True, tp: int = 1) -> DiTActivations:
+                    last: bool = True, tp: int = 1, sequence_parallel: bool = False) -> DiTActivations:
     """Peak saved bytes of the model and its loss for one micro-batch, the first
     ``checkpointed_blocks`` blocks checkpointed (see the module NB). ``block``: the parts of a
     block whose input needs a gradient (every block but a frozen base's first). A pipeline
     stage (``spec.num_layers`` its blocks): not ``first``, no patch embedding and an input that
-    needs a gradient; not ``last``, no head and loss. ``tp``: one tensor-parallel rank's (a formula)."""
+    needs a gradient; not ``last``, no head and loss. ``tp``: one tensor-parallel rank's (a formula);
+    ``sequence_parallel``: with the residual stream, the head and the checkpoints on 1/TP of the
+    video tokens and the text (CLIP) side of cross-attention TP times over (a formula)."""
     if not 0 <= checkpointed_blocks <= spec.num_layers:
         raise ValueError(f"checkpointing {checkpointed_blocks} of {spec.num_layers} blocks")
     peft = DiTPeftSpec.of(peft)
-    walks = {g: _walk(spec, batch, peft, act_bytes, layer_norm_stats_bytes, attention, g, tp) for g in (False, True)}
+    walks = {g: _walk(spec, batch, peft, act_bytes, layer_norm_stats_bytes, attention, g, tp, sequence_parallel)
+             for g in (False, True)}
     # the patch embedding's output needs a grad if it trains; a received activation always does
     x_grad, blocks = not (peft.frozen and first), []
     for _ in range(spec.num_layers):
         saved, out_grad = walks[x_grad]
         blocks.append(saved)
         x_grad = out_grad
-    T, h, a = sum(batch.video), spec.hidden_size, act_bytes
+    split = tp if sequence_parallel else 1
+    T, h, a = sum(batch.video) // split, spec.hidden_size, act_bytes  # the residual stream's tokens
     sources = {"context": sum(batch.text) * h * a, "image": sum(batch.image or ()) * h * a}
     own = [sum(n for k, (_, n) in b.items() if k not in SHARED) for b in blocks]
     shared_names = {k for b in blocks[checkpointed_blocks:] for k in b if k in SHARED}
@@ -319,9 +341,9 @@ def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
         recompute = max(n - (T * h * a if "x" in b else 0) for n, b in zip(own, blocks[:checkpointed_blocks]))
     shared = sum(sources[k] for k in shared_names)
     parts = dit_block_saved(spec, batch, act_bytes=a, attention=attention, peft=peft, input_grad=True,
-                            layer_norm_stats_bytes=layer_norm_stats_bytes, tp=tp)
+                            layer_norm_stats_bytes=layer_norm_stats_bytes, tp=tp, sequence_parallel=sequence_parallel)
     outside = dit_outside_saved(spec, batch, act_bytes=a, trains=not peft.frozen, head_grad=x_grad,
-                                layer_norm_stats_bytes=layer_norm_stats_bytes)
+                                layer_norm_stats_bytes=layer_norm_stats_bytes, head_split=split)
     outside.update({"patch_embed": outside["patch_embed"] * first, "head": outside["head"] * last,
                     "loss": outside["loss"] * last})
     # Backward frees the head's and loss's saves, then the later blocks', before a checkpoint re-runs.

@@ -40,6 +40,14 @@ run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/
   adapters as Bridge's ``ParallelLinearAdapter`` (:mod:`megatron_flops.memory.lora`). Activations
   per TP rank: the example's ops with the column-parallel outputs, attention heads and FFN split
   over TP, q and k all-gathered whole for the norms (``dit_activations(tp=...)``).
+- TP + sequence parallelism (Bridge's WAN 14B recipe): the residual stream, adaLN ops, LayerNorms,
+  head and checkpoints on ``T / TP`` video tokens; per block and micro-batch
+  :func:`sp_block_collectives` in place of the all-reduces; the patch embedding's output scattered
+  (its gradient all-gathered, first stage), the head's output all-gathered (its gradient
+  reduce-scattered, last stage); once per step the row-parallel biases' gradients join the TP
+  all-reduce (``sequence_parallel``). NB: the text (CLIP) embeddings, whole on every TP rank, are
+  all-gathered by the cross-attention's sequence-parallel ``linear_kv``: ``TP x C`` rows of k and v
+  (activations, collectives, the CP ring). LoRA or a frozen base under SP: not modelled.
 - PP: ``num_layers / PP`` blocks per stage; the patch embedding on the first, the head and loss on
   the last, the text and time embeddings (and ``img_emb``) on every stage (``WanModel`` builds them
   whatever the stage); 1F1B keeps ``min(PP - rank, micro-batches)`` micro-batches in flight;
@@ -53,6 +61,7 @@ run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -74,8 +83,12 @@ def dit_layout_reason(spec: DiTSpec, par: Parallelism, training: Training, peft:
     if par.vpp:
         return ("virtual pipeline stages of a DiT are not modelled (Megatron-Bridge 0.6.2's WanModelProvider builds "
                 "each stage without its vp_stage)")
-    if par.sequence_parallel and par.tp > 1:
-        return "sequence parallelism of a DiT is not modelled"
+    if _sp(par) and peft is not None:
+        return ("LoRA adapters or a frozen base under sequence parallelism of a DiT are not modelled "
+                "(Megatron-Bridge's ParallelLinearAdapter around Transformer Engine layers)")
+    if _sp(par) and training.seq_length % (par.cp * par.tp):
+        return (f"sequence parallelism splits each rank's video tokens over TP: --seq-length {training.seq_length} is "
+                f"not divisible by CP x TP = {par.cp * par.tp}")
     if par.ep > 1:
         return "a DiT has no experts to split over --ep"
     if par.distributed_optimizer and training.optimizer != "adam":
@@ -92,6 +105,10 @@ def dit_layout_reason(spec: DiTSpec, par: Parallelism, training: Training, peft:
         return (f"context parallelism splits each clip into 2 x CP chunks: --seq-length {training.seq_length} is not "
                 f"divisible by {2 * par.cp}")
     return None
+
+
+def _sp(par: Parallelism) -> bool:
+    return par.sequence_parallel and par.tp > 1
 
 
 def _module(name: str) -> str:
@@ -178,6 +195,24 @@ def tp_block_collectives(spec: DiTSpec, tokens: tuple[int, int, int], peft: Peft
     return {"tp/all_reduce": (fwd_reduce, bwd_reduce), "tp/all_gather": (fwd_gather, bwd_gather)}
 
 
+def sp_block_collectives(spec: DiTSpec, tokens: tuple[int, int, int], tp: int) -> dict[str, tuple[int, int]]:
+    """Elements one fully trained block hands to the TP group per micro-batch under sequence
+    parallelism, by ``tp/<kind>``: (forward, backward) for ``tokens`` (video, text, CLIP) tokens of
+    the TP group. Transformer Engine's column-parallel layers (q/k/v, the cross q, k/v, k_img/v_img,
+    ffn.0) all-gather their input along the tokens in forward, all-gather it again for the weight
+    gradient and reduce-scatter the input gradient in backward; the row-parallel ones (o, cross o,
+    ffn.2) reduce-scatter their output in forward and all-gather its gradient in backward.
+    NB: the text (CLIP) embeddings are whole on every TP rank, yet the cross-attention's k/v
+    layer gathers them as if each rank held a slice: [TP x C, h] (Megatron-Bridge 0.6.2)."""
+    T, C, M = tokens
+    h = spec.hidden_size
+    column = 3 * T + tp * (C + M)  # the gathered inputs: q/k/v, cross q, ffn.0; cross k/v (k_img/v_img)
+    row = 3 * T  # o, cross o, ffn.2 outputs
+    norms = (3 * T + tp * (C + M)) if spec.qk_norm else 0  # q, k, cross q, cross k (k_img): across heads
+    return {"tp/all_gather": ((column + norms) * h, (column + row + norms) * h),
+            "tp/reduce_scatter": (row * h, column * h)}
+
+
 def dit_step_communication(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int,
                            buffers: tuple[Bucket, ...], params: list[Param], peft: PeftSpec | None = None,
                            checkpointed_blocks: int = 0) -> dict[str, int]:
@@ -191,20 +226,42 @@ def dit_step_communication(spec: DiTSpec, par: Parallelism, training: Training, 
     blocks = spec.num_layers // par.pp
     first, last = pp_rank == 0, pp_rank == par.pp - 1
     if par.tp > 1:
-        # Once per step: the gradients of the weights every TP rank holds whole (not the row-parallel biases).
-        whole = sum(p.numel for p in params if p.trainable and p.tp_replicated)
+        # Once per step: the gradients of the weights every TP rank holds whole (not the row-parallel
+        # biases, but under sequence parallelism, which marks them sequence_parallel).
+        row_biases = tuple(f"{m}.bias" for m in ROW_PARALLEL)
+        whole = sum(p.numel for p in params
+                    if p.trainable and (p.tp_replicated or (_sp(par) and p.name.endswith(row_biases))))
         out["tp/all_reduce"] = whole * training.grad_bytes
-        for key, (fwd, bwd) in tp_block_collectives(spec, tokens, peft).items():
+        block = sp_block_collectives(spec, tokens, par.tp) if _sp(par) else tp_block_collectives(spec, tokens, peft)
+        for key, (fwd, bwd) in block.items():
             out[key] = out.get(key, 0) + m * (blocks * (fwd + bwd) + checkpointed_blocks * fwd) * a
         if first and peft is not None and peft.frozen:
             out["tp/all_reduce"] -= m * tokens[0] * h * a  # the first block's q/k/v input needs no gradient
-    hidden = tokens[0] * h * a
+        if _sp(par):
+            out.update(_sp_outside(spec, tokens[0], m * a, first=first, last=last, out=out))
+    split = par.tp if _sp(par) else 1
+    hidden = tokens[0] // split * h * a
     if par.pp > 1:
         out["pp/send_recv"] = m * hidden * 2 * ((not first) + (not last))
     if par.cp > 1:
-        kv = 2 * sum(tokens) * h // par.tp * a  # this rank's K and V: self-attention's, cross-attention's
+        # This rank's K and V: self-attention's, cross-attention's (under sequence parallelism the
+        # text (CLIP) K and V are [TP x C, h/TP]: the whole C x h elements).
+        kv = 2 * (tokens[0] * h // par.tp + (tokens[1] + tokens[2]) * h * split // par.tp) * a
         out["cp/send_recv"] = m * (par.cp - 1) * 2 * (blocks * 3 * kv + checkpointed_blocks * kv)
     return {k: v for k, v in out.items() if v}
+
+
+def _sp_outside(spec: DiTSpec, video: int, scale: int, *, first: bool, last: bool,
+                out: dict[str, int]) -> dict[str, int]:
+    """Sequence parallelism outside the blocks, ``scale`` bytes per element for the whole step:
+    the first stage scatters the patch embedding's output over TP (no traffic) and all-gathers its
+    gradient [T, h] in backward; the last gathers the head's output [T, P] (forward) and
+    reduce-scatters its gradient (backward)."""
+    gather, scatter = out.get("tp/all_gather", 0), out.get("tp/reduce_scatter", 0)
+    P = spec.out_channels * math.prod(spec.patch_size)
+    gather += scale * video * (spec.hidden_size * first + P * last)
+    scatter += scale * video * P * last
+    return {"tp/all_gather": gather, "tp/reduce_scatter": scatter}
 
 
 def dit_stage_activations(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int,
@@ -218,7 +275,7 @@ def dit_stage_activations(spec: DiTSpec, par: Parallelism, training: Training, *
     batch = DiTBatch(video=(video,) * b, text=(text,) * b, image=None if spec.image_dim is None else (image,) * b)
     act = dit_activations(stage, batch, act_bytes=training.param_bytes, attention="flash" if par.cp > 1 else attention,
                           peft=peft, checkpointed_blocks=checkpointed_blocks, first=pp_rank == 0,
-                          last=pp_rank == par.pp - 1, tp=par.tp)
+                          last=pp_rank == par.pp - 1, tp=par.tp, sequence_parallel=_sp(par))
     return (in_flight - 1) * act.held + act.total, in_flight
 
 
@@ -280,6 +337,13 @@ def layout_unmeasured(par: Parallelism, attention: str) -> list[str]:
                    "all-reduced over TP), the tp/all_reduce and tp/all_gather payloads and the activations per TP "
                    "rank (the example's ops with q/k/v, attention and the FFN split over TP, q and k gathered for "
                    "the norms across heads; Transformer Engine layers: no CPU run)")
+    if _sp(par):
+        out.append(f"sequence parallelism (TP {par.tp}): the residual stream, the adaLN and LayerNorm ops and the head "
+                   "on 1/TP of the video tokens, the column-parallel layers' inputs all-gathered (saved unsplit, "
+                   "gathered again for the weight gradients), the text (CLIP) embeddings gathered TP times over "
+                   "by the cross-attention's k/v layer, tp/all_gather and tp/reduce_scatter in place of the "
+                   "activations' all-reduces, the row-parallel biases' gradients all-reduced (Transformer Engine "
+                   "layers: no CPU run)")
     if par.pp > 1:
         out.append(f"pipeline parallelism (PP {par.pp}): blocks split evenly, the text and time embeddings on every "
                    "stage, 1F1B in-flight micro-batches, pp/send_recv of the hidden states")

@@ -3,7 +3,8 @@
 Sizes follow megatron-core's ``initialize_model_parallel``: world = TP x PP x CP x DP; expert
 parallelism (EP) splits the DP x CP ranks, with expert tensor parallelism equal to TP, so the
 expert data-parallel size is ``DP x CP / EP``. Pipeline stages hold ``num_layers / (PP x VPP)``
-layers per model chunk; virtual stage ``v x PP + r`` is chunk ``v`` of pipeline rank ``r``.
+layers per model chunk (or ``stage_layers``: a hybrid pattern's ``|`` segments); virtual stage
+``v x PP + r`` is chunk ``v`` of pipeline rank ``r``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class Parallelism:
     """Parallel sizes. ``vpp`` is the number of model chunks per pipeline rank (None: no
     interleaving); ``distributed_optimizer`` shards optimizer state over DP (megatron-core's
     ``DistributedOptimizer``); ``fsdp`` shards parameters, gradients and optimizer state over DP
-    (torch FSDP2, DiT models)."""
+    (torch FSDP2, DiT models); ``stage_layers``: the decoder layers of each virtual stage in the
+    order ``v x PP + r`` (a hybrid pattern's ``|`` segments; None: an even split)."""
 
     tp: int = 1
     pp: int = 1
@@ -38,6 +40,7 @@ class Parallelism:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     fsdp: bool = False
+    stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "dp"):
@@ -50,6 +53,9 @@ class Parallelism:
             raise ValueError("--distributed-optimizer and --fsdp are two ways to shard over DP: choose one")
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"--ep {self.ep} does not divide DP x CP = {self.dp * self.cp}")
+        if self.stage_layers is not None and len(self.stage_layers) != self.pp * self.num_chunks:
+            raise ValueError(f"{len(self.stage_layers)} pipeline segments for PP x VPP = {self.pp * self.num_chunks} "
+                             "virtual stages")
 
     @property
     def world_size(self) -> int:
@@ -65,9 +71,12 @@ class Parallelism:
 
     def chunk_layers(self, num_layers: int, pp_rank: int, chunk: int) -> range:
         """Decoder layers of model chunk ``chunk`` on pipeline rank ``pp_rank``."""
+        stage = chunk * self.pp + pp_rank
+        if self.stage_layers is not None:
+            first = sum(self.stage_layers[:stage])
+            return range(first, first + self.stage_layers[stage])
         per_chunk = num_layers // (self.pp * self.num_chunks)
-        first = (chunk * self.pp + pp_rank) * per_chunk
-        return range(first, first + per_chunk)
+        return range(stage * per_chunk, (stage + 1) * per_chunk)
 
     def is_first_stage(self, pp_rank: int, chunk: int) -> bool:
         return pp_rank == 0 and chunk == 0

@@ -38,6 +38,8 @@ requires grad, so the base layers before the first adapter of the first pipeline
 backward collective (unless full recompute, where Bridge makes the decoder's input require grad).
 Full recompute re-runs the adapters' forward collectives with the layer.
 
+MoE, MLA and multi-token prediction layers: :mod:`megatron_flops.memory.lora_layers`.
+
 NB: measured with megatron-core's local layers and Bridge 0.3.1's adapter (gloo, CPU). Bridge's
 adapters around Transformer Engine's fused norm + linear (``return_layernorm_output_gathered``:
 no adapter all-gather under sequence parallelism) are not modelled here.
@@ -45,14 +47,14 @@ no adapter all-gather under sequence parallelism) are not modelled here.
 
 from __future__ import annotations
 
-from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.memory.layout import Parallelism
+from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.model.spec import ModelSpec
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 # The order in which a dense layer runs its linear layers (forward).
-_LAYER_ORDER = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LAYER_ORDER = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 def adapter_numels(name: str, d_in: int, d_out: int, rank: int, tp: int) -> tuple[int, int]:
@@ -68,21 +70,26 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> 
     """Why LoRA adapters under tensor parallelism are not modelled (None: they are, or TP 1)."""
     if peft is None or peft.lora_rank is None or par.tp == 1:
         return None
-    if spec.moe is not None or spec.mla is not None or spec.mtp_num_layers:
-        return "LoRA adapters under tensor parallelism are modelled for dense decoders (no MoE, MLA or MTP layers)"
     other = [t for t in peft.lora_targets if t not in COLUMN_PARALLEL + ROW_PARALLEL]
     if other:
-        return f"LoRA adapters under tensor parallelism are modelled on {', '.join(_LAYER_ORDER)} (not {other})"
+        return f"LoRA adapters under tensor parallelism are modelled on {', '.join(LAYER_ORDER)} (not {other})"
     if peft.lora_rank % par.tp:
         return f"--lora-rank {peft.lora_rank} is not divisible by --tp {par.tp} (Bridge splits linear_in's rows)"
     if spec.hidden_size % par.tp:
         return f"hidden_size={spec.hidden_size} is not divisible by --tp {par.tp} (LoRA's linear_out rows)"
+    moe = spec.moe
+    absent = {"linear_qkv"} if spec.mla is not None else set()
+    if moe is not None and spec.layers[0][1] == "moe" and not moe.shared_expert_ffn_hidden_size:
+        absent |= {"linear_fc1", "linear_fc2"}
+    if peft.frozen and not set(peft.lora_targets) - absent:
+        return ("LoRA under tensor parallelism on a frozen base whose first layer has no tensor-parallel adapter "
+                "(only its routed experts', or none) is not modelled: add an attention target (linear_proj)")
     return None
 
 
 def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None) -> str | None:
     """Why activations of a LoRA decoder with MoE or MLA layers are not modelled (None: they
-    are). Measured at TP 1 (under TP :func:`lora_tp_reason` refuses them): frozen MoE layers
+    are). Measured at TP 1 and under TP (+ sequence parallelism, EP): frozen MoE layers
     (router, dispatcher, routed and shared experts, adapters on every expert's ``linear_fc1``/
     ``linear_fc2``) and MLA layers with adapters on ``linear_proj``, ``linear_fc1``,
     ``linear_fc2`` (an MLA layer has no ``linear_qkv``: that target adapts nothing there, as in
@@ -90,7 +97,7 @@ def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None) -> str | None
     if peft is None or peft.lora_rank is None or (spec.moe is None and spec.mla is None):
         return None
     if spec.mla is not None:
-        other = [t for t in peft.lora_targets if t not in _LAYER_ORDER]
+        other = [t for t in peft.lora_targets if t not in LAYER_ORDER]
         if other:
             return (f"activations of LoRA adapters on MLA's {other} are not modelled (measured: linear_proj, "
                     "linear_fc1, linear_fc2)")
@@ -99,10 +106,6 @@ def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None) -> str | None
         return ("activations of a frozen MoE layer before the model's first adapter (the experts' adapters start "
                 "the gradient inside it) are not modelled: add an attention target (linear_proj)")
     return None
-
-
-def _first_target(peft: PeftSpec) -> int:
-    return min(_LAYER_ORDER.index(t) for t in peft.lora_targets)
 
 
 def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tokens: int, hidden: int, act: int,
@@ -123,70 +126,21 @@ def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tok
     return out
 
 
-def _backward_payload(peft: PeftSpec, tokens: int, hidden: int, act: int, *, sp: bool) -> dict[str, int]:
-    """One layer's adapters in backward: every linear_out all-reduces its input gradient
-    [T, r]; a column-parallel target's input gradient [T, h] is all-reduced (reduce-scattered
-    under sequence parallelism), a row-parallel target's output gradient all-gathered under
-    sequence parallelism."""
+def adapter_backward_payload(peft: PeftSpec, targets: tuple[str, ...], tokens: int, hidden: int, act: int,
+                             *, sp: bool) -> dict[str, int]:
+    """``tp/*`` payload of the backward passes of one layer's adapters on ``targets`` (among
+    ``peft.lora_targets``): every linear_out all-reduces its input gradient [T, r]; a
+    column-parallel target's input gradient [T, h] is all-reduced (reduce-scattered under
+    sequence parallelism), a row-parallel target's output gradient all-gathered under sequence
+    parallelism."""
     assert peft.lora_rank is not None
-    column = sum(t in COLUMN_PARALLEL for t in peft.lora_targets)
-    row = len(peft.lora_targets) - column
-    out = {"tp/all_reduce": len(peft.lora_targets) * tokens * peft.lora_rank * act}
+    adapted = [t for t in targets if t in peft.lora_targets]
+    column = sum(t in COLUMN_PARALLEL for t in adapted)
+    row = len(adapted) - column
+    out = {"tp/all_reduce": len(adapted) * tokens * peft.lora_rank * act}
     if sp:
         out["tp/reduce_scatter"] = column * tokens * hidden * act
         out["tp/all_gather"] = row * tokens * hidden * act
     else:
         out["tp/all_reduce"] += column * tokens * hidden * act
     return out
-
-
-def _frozen_base_skips(peft: PeftSpec, *, sp: bool, layers: int, first: bool, last: bool,
-                       started: bool) -> dict[str, int]:
-    """[s, b, h] collectives :mod:`megatron_flops.memory.comm` prices for a trained base that a
-    frozen one does not run: under sequence parallelism the weight-gradient all-gathers of the
-    column-parallel layers and the output layer and the embedding's gradient all-gather; on the
-    first stage, unless its decoder input requires grad (``started``), the backward collectives
-    of the base layers up to the first adapter (column-parallel: the input gradient's all-reduce
-    or reduce-scatter; row-parallel under sequence parallelism: the output gradient's all-gather),
-    and under sequence parallelism a first column-parallel adapter's input-gradient reduce-scatter."""
-    if not peft.frozen:
-        return {}
-    index = _first_target(peft)
-    before = _LAYER_ORDER[: index + 1] if first and not started else ()
-    column = sum(n in COLUMN_PARALLEL for n in before)
-    if not sp:
-        return {"tp/all_reduce": column}
-    row = len(before) - column
-    first_adapter = int(bool(before) and _LAYER_ORDER[index] in COLUMN_PARALLEL)
-    return {"tp/reduce_scatter": column + first_adapter, "tp/all_gather": row + 2 * layers + last + first}
-
-
-def _rerun_layers(recompute: RecomputeSpec | None, num_layers: int) -> int:
-    """Layers whose forward full recompute runs again (as :mod:`megatron_flops.memory.comm`)."""
-    if recompute is None or recompute.granularity != "full":
-        return 0
-    return min(recompute.num_layers or 0, num_layers) if recompute.method == "block" else num_layers
-
-
-def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
-                          peft: PeftSpec | None, recompute: RecomputeSpec | None = None) -> dict[str, int]:
-    """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1),
-    their forward collectives again for each layer full recompute re-runs, less what a frozen
-    base does not run (see :func:`_frozen_base_skips`); {} at TP 1."""
-    if peft is None or peft.lora_rank is None or par.tp == 1:
-        return {}
-    a, h, sp = training.param_bytes, spec.hidden_size, par.sequence_parallel
-    tokens = training.seq_length * training.micro_batch_size
-    sizes = [len(par.chunk_layers(spec.num_layers, pp_rank, c)) for c in range(par.num_chunks)]
-    layers, rerun = sum(sizes), sum(_rerun_layers(recompute, n) for n in sizes)
-    forward = adapter_forward_payload(peft, _LAYER_ORDER, tokens, h, a, sp=sp)
-    out = {key: (layers + rerun) * value for key, value in forward.items()}
-    for key, value in _backward_payload(peft, tokens, h, a, sp=sp).items():
-        out[key] = out.get(key, 0) + layers * value
-    full = recompute is not None and recompute.granularity == "full"
-    skips = _frozen_base_skips(peft, sp=sp, layers=layers, first=par.is_first_stage(pp_rank, 0),
-                               last=par.is_last_stage(pp_rank, par.num_chunks - 1), started=full)
-    for key, count in skips.items():
-        out[key] = out.get(key, 0) - count * tokens * h * a
-    m = training.num_microbatches
-    return {key: m * value for key, value in out.items() if value}

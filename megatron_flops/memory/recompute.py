@@ -33,7 +33,7 @@ from megatron_flops.memory.lora import adapter_forward_payload
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
-_BEFORE_MLP = ("linear_qkv", "linear_proj")
+_BEFORE_MLP = ("linear_qkv", "linear_proj")  # (an MLA layer has no linear_qkv)
 
 
 def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...], peft: PeftSpec | None) -> str | None:
@@ -48,6 +48,10 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
                 "CheckpointWithoutOutput fails in backward (no saved input) where a norm's input requires no grad, "
                 "as the first layer's does (Megatron-Bridge makes the decoder's input require grad under full "
                 "recompute only); seen here")
+    if "mla_up_proj" in modules and peft is not None and peft.frozen and par.tp > 1:
+        return ("activations under selective recompute of mla_up_proj with a frozen base are modelled with --tp 1 "
+                "(the checkpoint's latent inputs, slices of the gathered latents under sequence parallelism, are "
+                "not measured here)")
     if "mla_up_proj" in modules and spec.mla is None:
         return ("activations under selective recompute of mla_up_proj: megatron-core refuses it without "
                 "multi-latent attention")
@@ -88,7 +92,7 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
     layers = [i for c in range(par.num_chunks) for i in par.chunk_layers(spec.num_layers, pp_rank, c)]
     dense = sum(kinds[i][1] == "mlp" for i in layers) if "mlp" in recompute.modules else 0
     if dense and par.is_first_stage(pp_rank, 0) and peft is not None and peft.frozen \
-            and not any(t in _BEFORE_MLP for t in peft.lora_targets) and kinds[0][1] == "mlp":
+            and not any(t in _BEFORE_MLP[spec.mla is not None:] for t in peft.lora_targets) and kinds[0][1] == "mlp":
         dense -= 1  # (layer 0's MLP input requires no grad: its checkpoint never re-runs)
     tokens, act = training.seq_length * training.micro_batch_size, training.param_bytes
     hidden = tokens * spec.hidden_size * act

@@ -21,8 +21,9 @@ from megatron_flops.memory.comm import (
     step_communication,
 )
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
+from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.lora import lora_tp_communication
+from megatron_flops.memory.lora_layers import lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
 from megatron_flops.memory.moe import (
     all_to_all_range,
@@ -33,7 +34,7 @@ from megatron_flops.memory.moe import (
     rerun_moe_layers,
 )
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
-from megatron_flops.memory.ssm import is_hybrid, ssm_notes
+from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -82,6 +83,7 @@ def rank_memory(
 ) -> RankMemory:
     """Everything on the GPU of pipeline rank ``pp_rank`` and data-parallel rank ``dp_rank``
     (``vision``: a VLM's tower, on model chunk 0 of pipeline rank 0)."""
+    par = hybrid_stages(spec, par)
     check_moe(spec, options, par)
     vision = vision or VisionMemory(params=(), activations=None)
     states: dict[str, int] = {}
@@ -104,7 +106,8 @@ def rank_memory(
             states[key] = states.get(key, 0) + value
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
-    _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
+    _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute,
+                                        duplicated=options.duplicated_mla_down),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0))
     peak = count = None
@@ -126,7 +129,7 @@ def rank_memory(
             bounds = (peak_of(lo)[0], peak_of(hi)[0])
     return RankMemory(pp_rank=pp_rank, dp_rank=dp_rank, states=states, activations=peak, in_flight=count,
                       activations_per_microbatch=per_mb, communication=comm,
-                      communication_ranges=_routing_ranges(spec, options, par, local, pp_rank, recompute, comm),
+                      communication_ranges=_routing_ranges(spec, options, par, local, pp_rank, recompute, comm, peft),
                       activations_range=bounds)
 
 
@@ -151,9 +154,11 @@ def context_parallel_view(par: Parallelism, training: Training,
 
 
 def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
-                    pp_rank: int, recompute: RecomputeSpec | None, comm: dict[str, int]) -> dict[str, tuple[int, int]]:
+                    pp_rank: int, recompute: RecomputeSpec | None, comm: dict[str, int],
+                    peft: PeftSpec | None = None) -> dict[str, tuple[int, int]]:
     """Per-rank bounds over every routing of the payloads that follow it: the expert all-to-all,
-    and under TP x EP (alltoall) the TP all-gather and reduce-scatter of the routed tokens."""
+    and under TP x EP the TP all-gather and reduce-scatter of the routed tokens (alltoall) and
+    the routed experts' LoRA adapters' all-gathers."""
     if par.ep == 1 or spec.moe is None:
         return {}
     out: dict[str, tuple[int, int]] = {}
@@ -175,6 +180,13 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
                 lo, hi = out.get(key, (comm[key], comm[key]))
                 balanced = at[0].get(key, 0)
                 out[key] = (lo + m * (at[1].get(key, 0) - balanced), hi + m * (at[2].get(key, 0) - balanced))
+    if peft is not None and peft.lora_rank is not None and par.tp > 1:
+        lora = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
+                                      received=received, duplicated=options.duplicated_mla_down).get("tp/all_gather", 0)
+                for received in (None, fewest, most)]
+        if lora[1] != lora[2]:
+            lo, hi = out.get("tp/all_gather", (comm["tp/all_gather"], comm["tp/all_gather"]))
+            out["tp/all_gather"] = (lo + lora[1] - lora[0], hi + lora[2] - lora[0])
     return out
 
 
@@ -230,7 +242,8 @@ def decoder_memory(
 ) -> MemoryReport:
     """Memory and traffic of every pipeline stage (the data-parallel rank whose optimizer shard
     is largest) of a megatron-core GPT trained as ``training`` says on ``par`` (with a VLM's
-    ``vision`` tower on the first stage)."""
+    ``vision`` tower on the first stage; a hybrid pattern's ``|`` segments make its stages)."""
+    par = hybrid_stages(spec, par)
     check_supported(spec, par, peft, options)
     _check_size(spec, par, training)
     if spec.mla is not None and is_hybrid(spec):  # megatron-core's hybrid MLA layers: IdentityOp latent norms
@@ -307,6 +320,11 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
         assumptions.append("LoRA adapters split over TP and communicate as Bridge's ParallelLinearAdapter around "
                            "megatron-core's local linear layers (column-parallel targets split linear_in and "
                            "all-gather [tokens, rank]; row-parallel ones all-reduce it and all-gather their output)")
+        if spec.moe is not None:
+            assumptions.append("routed experts' LoRA adapters as Bridge 0.3.1 wraps SequentialMLP experts (one per "
+                               "expert, split over expert TP = TP, all-gathering [tokens, rank] and their output per "
+                               "routed token); every expert's token count divisible by TP (Bridge pads an odd count "
+                               "under no_grad, which detaches that adapter's output)")
     if activations and spec.moe is not None:
         assumptions.append("routed experts save as megatron-core's SequentialMLP (local spec); grouped-GEMM experts "
                            "(moe_grouped_gemm, Transformer Engine) are not measured")

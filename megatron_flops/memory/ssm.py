@@ -23,6 +23,7 @@ parallelism).
 from __future__ import annotations
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.memory.hybrid_pipeline import hybrid_pipeline_notes, is_hybrid
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism
 from megatron_flops.model.spec import ModelSpec
 
@@ -123,19 +124,55 @@ def dsa_indexer_tensors(spec: ModelSpec, prefix: str) -> list[Tensor]:
     ]
 
 
-def mamba_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int) -> int:
-    """Bytes one Mamba mixer keeps for backward after ``in_proj`` (whose input the caller counts):
-    the combined kernel's contiguous ``zxBCdt`` [T, in/tp] and ``out_x`` (the scan output before
-    the z gate) [T, inner/tp], ``A = -exp(A_log)`` and ``exp``'s output (fp32 [heads] each) and
-    ``dt_bias.float()`` (a copy for 16-bit parameters); the gated RMSNorm's input [T, inner/tp] and fp32 rstd per token and
-    group; ``out_proj``'s input [T, inner/tp]. The conv output, dt and the chunk states are
-    recomputed in backward."""
+def mamba_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int, cp: int = 1) -> int:
+    """Bytes one Mamba mixer keeps for backward after ``in_proj`` (whose input the caller counts),
+    ``tokens`` per rank: the combined kernel's contiguous ``zxBCdt`` [T, in/tp] and ``out_x`` (the
+    scan output before the z gate) [T, inner/tp], ``A = -exp(A_log)`` and ``exp``'s output (fp32
+    [heads] each) and ``dt_bias.float()`` (a copy for 16-bit parameters); the gated RMSNorm's input
+    [T, inner/tp] and fp32 rstd per token and group; ``out_proj``'s input [T, inner/tp]. The conv
+    output, dt and the chunk states are recomputed in backward.
+
+    Under context parallelism (megatron-core's ``MambaContextParallel``) the kernel runs on the
+    whole sequence (CP x ``tokens``) with the widths of :func:`mamba_cp_widths`, and keeps the
+    conv weight [conv/CP, 4] and bias sliced and concatenated for this CP rank (new storages, in
+    the parameter dtype); the norm and ``out_proj`` run after the all-to-all back, on ``tokens``.
+    """
     m = spec.mamba
     assert m is not None
-    inner, heads, groups = mamba_inner(spec) // tp, m.num_heads // tp, m.num_groups // tp
-    in_dim = (2 * mamba_inner(spec) + 2 * m.num_groups * m.state_dim + m.num_heads) // tp
-    kernel = tokens * in_dim * act + tokens * inner * act + 2 * heads * FP32_BYTES + (heads * FP32_BYTES if act < FP32_BYTES else 0)
-    return kernel + tokens * inner * act + tokens * groups * FP32_BYTES + tokens * inner * act
+    inner, groups = mamba_inner(spec) // tp, m.num_groups // tp
+    scan_inner, scan_groups, scan_heads = mamba_cp_widths(spec, tp=tp, cp=cp)
+    scan_tokens = tokens * cp
+    in_dim = 2 * scan_inner + 2 * scan_groups * m.state_dim + scan_heads
+    kernel = (scan_tokens * in_dim * act + scan_tokens * scan_inner * act + 2 * scan_heads * FP32_BYTES
+              + (scan_heads * FP32_BYTES if act < FP32_BYTES else 0))
+    conv = scan_inner + 2 * scan_groups * m.state_dim
+    sliced = conv * (MAMBA_CONV_WIDTH + 1) * act if cp > 1 else 0
+    return kernel + sliced + tokens * inner * act + tokens * groups * FP32_BYTES + tokens * inner * act
+
+
+def mamba_cp_widths(spec: ModelSpec, *, tp: int, cp: int) -> tuple[int, int, int]:
+    """(inner channels, groups, heads) one CP rank's scan runs: 1/CP of this TP rank's heads and
+    channels; groups split over CP, or (fewer groups than CP ranks) one group's state each,
+    repeated (``group_repeat_count``)."""
+    m = spec.mamba
+    assert m is not None
+    groups = m.num_groups // tp
+    return mamba_inner(spec) // tp // cp, max(groups // cp, 1), m.num_heads // tp // cp
+
+
+def mamba_cp_all_to_all(spec: ModelSpec, *, tokens: int, tp: int, cp: int, act: int) -> int:
+    """``cp/all_to_all`` bytes one Mamba layer's forward hands over on a rank with ``tokens``
+    tokens (backward: the same, reversed). ``MambaContextParallel.pre_conv_ssm`` sends z and x
+    [T, inner/tp], B and C [T, groups/tp x repeat x state] (groups repeated to CP ranks when fewer)
+    and dt [T, heads/tp] from sequence to head shards; ``post_conv_ssm`` the scan output
+    [CP x T, inner/tp/CP] back. CP 1: none."""
+    if cp == 1:
+        return 0
+    m = spec.mamba
+    assert m is not None
+    inner, groups, heads = mamba_inner(spec) // tp, m.num_groups // tp, m.num_heads // tp
+    repeat = cp // groups if groups < cp else 1
+    return tokens * (3 * inner + 2 * groups * repeat * m.state_dim + heads) * act
 
 
 def gdn_saved(spec: ModelSpec, *, tokens: int, tp: int, act: int, param: int) -> int:
@@ -255,9 +292,7 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
                                                             or any(f == "none" for _, f in kinds)):
         return "LoRA adapters are modelled on attention + MLP layers (not Mamba, GDN, KDA, DSA or hybrid layers)"
-    if par.vpp is not None and is_hybrid(spec):
-        return "virtual pipeline stages of a hybrid pattern follow its '|' separators, which this report does not read"
-    if par.cp > 1 and not mixers <= {"attention", "window", "none"}:
+    if par.cp > 1 and not mixers <= {"attention", "window", "none", "mamba"}:
         return _cp_reason(mixers)
     if "kda" in mixers and par.tp > 1:
         return ("Kimi Delta Attention is modelled with --tp 1: neither megatron-core (0.16.1 to 0.19.2) nor "
@@ -271,21 +306,34 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     for name, value in sizes:
         if value % par.tp:
             return f"{name}={value} is not divisible by --tp {par.tp}"
+    return _mamba_cp_reason(spec, par) if "mamba" in mixers else None
+
+
+def _mamba_cp_reason(spec: ModelSpec, par: Parallelism) -> str | None:
+    """Why megatron-core's ``MambaContextParallel`` refuses ``--cp`` for these Mamba sizes."""
+    m = spec.mamba
+    assert m is not None
+    heads, groups, cp = m.num_heads // par.tp, m.num_groups // par.tp, par.cp
+    if heads % cp:
+        return f"mamba_num_heads / TP = {heads} is not divisible by --cp {cp} (megatron-core's MambaContextParallel)"
+    if (cp % groups if groups < cp else groups % cp):
+        return (f"mamba_num_groups / TP = {groups} and --cp {cp}: one must divide the other (megatron-core's "
+                "MambaContextParallel)")
     return None
 
 
 def _cp_reason(mixers: set[str]) -> str:
-    """Why ``--cp`` > 1 is refused for these mixers: megatron-core 0.16.1's own refusals first."""
+    """Why ``--cp`` > 1 is refused for these mixers: megatron-core 0.16.1's own refusals (the release
+    whose layers this report lists); 0.19.0 supports both, with layers rewritten (not modelled)."""
     if "gdn" in mixers:
         return ("megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet layers ('Gated delta net does "
-                "not support context parallel for now'; 0.19 adds a head-parallel all-to-all, not modelled here)")
+                "not support context parallel for now'); 0.19.0 runs it (all-to-alls from sequence to head shards) "
+                "in a rewritten layer whose saved tensors this report does not model")
     if mixers & {"dsa", "dsa_shared"}:
         return ("megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention ('Currently context "
-                "parallelism is not supported by DSAttention!'; 0.19 allows cp_comm_type allgather, not modelled here)")
-    if "kda" in mixers:
-        return "Kimi Delta Attention is transformers' KimiLinearDeltaAttention, which has no context parallelism"
-    return ("context parallelism of Mamba layers (megatron-core's MambaContextParallel: an all-to-all from sequence "
-            "to head shards around the scan) is not modelled")
+                "parallelism is not supported by DSAttention!'); 0.19.0 runs it with cp_comm_type allgather only, in a "
+                "rewritten DSAttention whose saved tensors this report does not model")
+    return "Kimi Delta Attention is transformers' KimiLinearDeltaAttention, which has no context parallelism"
 
 
 def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> str | None:
@@ -303,11 +351,6 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> s
     return None
 
 
-def is_hybrid(spec: ModelSpec) -> bool:
-    """Built by megatron-core's hybrid stack: Mamba layers, or layers with one sub-block."""
-    return any(m in ("mamba", "none") or f == "none" for (m, f), _ in spec.layer_runs)
-
-
 def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[list[str], list[str]]:
     """(assumptions, unmeasured) for these layers: every activation formula here is unmeasured."""
     mixers = {mixer for (mixer, _), _ in spec.layer_runs}
@@ -318,12 +361,15 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
     if is_hybrid(spec) and spec.mla is not None:
         assumptions.append("hybrid multi-latent attention layers without latent norms (megatron-core's hybrid specs "
                            "build q_layernorm and kv_layernorm as IdentityOp, whatever qk_layernorm says)")
-    if is_hybrid(spec) and par.pp > 1:
-        assumptions.append(f"the hybrid pattern's layers split evenly over the {par.pp} pipeline stages, as "
-                           "megatron-core splits a pattern without '|' separators ('|' boundaries are not read here)")
+    assumptions += hybrid_pipeline_notes(spec, par)
     if activations and "mamba" in mixers:
         unmeasured.append("activations of Mamba layers: a formula from what mamba_ssm's fused conv1d + chunked scan "
                           "and gated RMSNorm save for backward (CUDA/Triton kernels: they do not run on CPU)")
+    if par.cp > 1 and "mamba" in mixers:
+        unmeasured.append(f"context parallelism of Mamba layers (CP {par.cp}): the scan's saved bytes on the whole "
+                          "sequence and 1/CP of the heads; megatron-core's MambaContextParallel around it (cp/all_to_all "
+                          "and the storages it hands the kernels) is measured on gloo at TP 1, what mamba_ssm's CUDA "
+                          "kernels keep of their own (out_x, the norm's rstd) is a formula")
     if activations and "gdn" in mixers:
         unmeasured.append("activations of Gated DeltaNet layers: a formula from what causal-conv1d and fla's "
                           "l2norm and chunk_gated_delta_rule save for backward (CUDA/Triton kernels: they do not run "

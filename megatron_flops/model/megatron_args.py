@@ -31,7 +31,7 @@ READ = (
     "window_attn_skip_freq", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
     "experimental_attention_variant", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
     "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
-    "tensor_model_parallel_size", "untie_embeddings_and_output_weights", "hybrid_override_pattern",
+    "tensor_model_parallel_size", "untie_embeddings_and_output_weights", "hybrid_override_pattern", "hybrid_layer_pattern",
     "seq_length", "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
     "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
     "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",

@@ -154,6 +154,9 @@ class ModelSpec:
     and ffn in ``mlp``/``moe``/``none``: a 32-layer GPT is ``((("attention", "mlp"), 32),)``, a
     hybrid ``M`` symbol is ``("mamba", "none")``. ``mtp_layer_runs`` are the layers of one MTP
     depth (a GPT's MTP layer copies its last decoder layer; a hybrid pattern's part after ``/``).
+    ``pipeline_segments``: the layer counts of a hybrid pattern's ``|``-delimited parts (megatron-core
+    0.19's pipeline stages: part ``v x PP + r`` is model chunk ``v`` of pipeline rank ``r``); empty
+    when the pattern has no ``|``.
     """
 
     hidden_size: int
@@ -177,6 +180,7 @@ class ModelSpec:
     mtp_num_layers: int = 0
     mtp_layer_runs: tuple[tuple[tuple[str, str], int], ...] = ((("attention", "mlp"), 1),)
     tied_output: bool = True
+    pipeline_segments: tuple[int, ...] = ()
 
     @property
     def pair_window(self) -> int | None:
@@ -491,6 +495,7 @@ def _build(fields: dict[str, Any], *, source: str, names: Mapping[str, str] | No
         mtp_num_layers=layers.mtp_num_layers,
         mtp_layer_runs=layers.mtp,
         tied_output=_tied_output(f),
+        pipeline_segments=layers.segments,
     )
 
 
@@ -606,6 +611,7 @@ class _Layers:
     main: LayerRuns
     mtp_num_layers: int
     mtp: LayerRuns
+    segments: tuple[int, ...] = ()  # a hybrid pattern's '|'-delimited layer counts (none: no '|')
 
 
 def _uses(layers: _Layers, *mixers: str) -> bool:
@@ -664,6 +670,7 @@ def _hybrid_layers(f: Fields, pattern: Any, moe: MoESpec | None, mla: MLASpec | 
     mtp_parts = [p for p in mtp_parts if p] if all(not p for p in mtp_parts) else mtp_parts
     if len(set(mtp_parts)) > 1 or _HYBRID_PIPE in "".join(mtp_parts):
         raise f.error(f"{name} {show(pattern)}: every MTP part after '/' must be the same (no '|')")
+    segments = tuple(len(part) for part in main.split(_HYBRID_PIPE)) if _HYBRID_PIPE in main else ()
     main = main.replace(_HYBRID_PIPE, "")
     if not main:
         raise f.error(f"{name} {show(pattern)} has no decoder layers")
@@ -687,10 +694,11 @@ def _hybrid_layers(f: Fields, pattern: Any, moe: MoESpec | None, mla: MLASpec | 
     if mtp_parts:
         if mtp not in (0, len(mtp_parts)):
             raise f.error(f"{f.name('mtp_num_layers')}={mtp} but {name} has {len(mtp_parts)} MTP depths")
-        return _Layers(main=runs, mtp_num_layers=len(mtp_parts), mtp=mtp_runs)
+        return _Layers(main=runs, mtp_num_layers=len(mtp_parts), mtp=mtp_runs, segments=segments)
     # NB: a pattern without '/' and mtp_num_layers: one attention layer with the last FFN kind (Megatron-LM's count).
     ffns = [ffn for (_, ffn), _ in runs if ffn != "none"]
-    return _Layers(main=runs, mtp_num_layers=mtp, mtp=((("attention", ffns[-1] if ffns else "mlp"), 1),))
+    return _Layers(main=runs, mtp_num_layers=mtp, mtp=((("attention", ffns[-1] if ffns else "mlp"), 1),),
+                   segments=segments)
 
 
 def _hybrid_windows(f: Fields, runs: LayerRuns) -> LayerRuns:

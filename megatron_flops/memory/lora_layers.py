@@ -1,0 +1,201 @@
+"""LoRA adapters under tensor parallelism layer by layer: dense, MoE, MLA and multi-token
+prediction layers, the ``tp/*`` payload per step they add on one pipeline rank (stdlib only).
+
+As Megatron-Bridge 0.3.1's LoRA wraps megatron-core's local layers (``ParallelLinearAdapter``,
+:mod:`megatron_flops.memory.lora` for one dense layer's adapters), measured on CPU with gloo:
+
+- MLA layers: ``linear_proj`` (row parallel) and the MLP's ``linear_fc1``/``linear_fc2`` are
+  adapted as a dense layer's; there is no ``linear_qkv`` (that target adapts nothing there, as in
+  Bridge, whose module matcher goes by name).
+- MoE layers: the shared experts' ``linear_fc1``/``linear_fc2`` as a dense MLP's (tensor
+  parallel, sequence-parallel gathers of their own); a MoE layer without shared experts has no
+  dense MLP to adapt. Every routed expert's ``linear_fc1``/``linear_fc2`` (``SequentialMLP``,
+  Bridge's ``is_expert_linear``) gets an adapter split over expert TP (= TP) as its layer:
+  ``linear_fc1``'s ``linear_in`` [r/TP, h], ``linear_fc2``'s ``linear_out`` [h/TP, r]. They run
+  megatron-core's explicit expert communication (no input-gradient reduction, no sequence
+  parallelism; the dispatcher reduces): per routed token, forward only, ``linear_fc1``'s adapter
+  all-gathers its [n, r] intermediate and ``linear_fc2``'s its output [n, h] over expert TP.
+- MTP layers (last stage): their decoder layer's adapters as a main layer's (``eh_proj`` is no
+  target); under sequence parallelism a frozen MTP layer skips the embedding gradient's, eh_proj's
+  input's and the output layer's re-gathers, and its column-parallel layers' weight-gradient ones.
+
+NB: Bridge pads an expert's tokens to a multiple of expert TP under ``torch.no_grad`` (its
+``pad_seq_to_mult``): with an odd count the adapter's output is detached (no gradient, nothing
+kept). Counted here: every expert's tokens divide (an assumption the report prints).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.lora import (COLUMN_PARALLEL, LAYER_ORDER, adapter_backward_payload,
+                                        adapter_forward_payload)
+from megatron_flops.memory.mla_mtp import mtp_recomputed
+from megatron_flops.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class AdaptedLayer:
+    """One decoder layer as LoRA sees it: ``mla`` attention, a ``dense`` MLP (an MLP or shared
+    experts), routed ``experts``, ``rerun`` by full recompute, ``mtp`` a prediction layer."""
+
+    mla: bool
+    dense: bool
+    experts: bool
+    rerun: bool
+    mtp: bool = False
+
+    def targets(self, peft: PeftSpec) -> tuple[str, ...]:
+        """The tensor-parallel linears of this layer that ``peft`` adapts, in forward order."""
+        absent = {"linear_qkv"} if self.mla else set()
+        if not self.dense:
+            absent |= {"linear_fc1", "linear_fc2"}
+        return tuple(t for t in LAYER_ORDER if t in peft.lora_targets and t not in absent)
+
+
+def adapted_layers(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec | None, *,
+                   pp_rank: int) -> list[AdaptedLayer]:
+    """Every layer of pipeline rank ``pp_rank`` in forward order (its model chunks in turn), MTP
+    layers after the last stage's decoder."""
+    full = recompute is not None and recompute.granularity == "full"
+    block = recompute.num_layers or 0 if recompute is not None and recompute.method == "block" else None
+    shared = spec.moe is not None and bool(spec.moe.shared_expert_ffn_hidden_size)
+    kinds, mla = spec.layers, spec.mla is not None
+    out: list[AdaptedLayer] = []
+    for chunk in range(par.num_chunks):
+        layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
+        for i, layer in enumerate(layers):
+            rerun = full and (block is None or i < block)
+            moe = kinds[layer][1] == "moe"
+            out.append(AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun))
+        if par.is_last_stage(pp_rank, chunk):
+            moe, rerun = spec.mtp_ffn == "moe", mtp_recomputed(spec, recompute)
+            out += [AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun, mtp=True)
+                    for _ in range(spec.mtp_num_layers)]
+    return out
+
+
+def expert_adapter_payload(spec: ModelSpec, peft: PeftSpec, *, routed: int, act: int) -> int:
+    """``tp/all_gather`` bytes of one MoE layer's routed-expert adapters in forward, for
+    ``routed`` tokens reaching this rank's experts: ``linear_fc1``'s [n, r] and ``linear_fc2``'s
+    output [n, h] per expert, over expert TP."""
+    assert spec.moe is not None and peft.lora_rank is not None
+    width = spec.moe.latent_size or spec.hidden_size
+    return routed * act * (peft.lora_rank * ("linear_fc1" in peft.lora_targets)
+                           + width * ("linear_fc2" in peft.lora_targets))
+
+
+def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
+                          peft: PeftSpec | None, recompute: RecomputeSpec | None = None,
+                          received: int | None = None, duplicated: bool = False) -> dict[str, int]:
+    """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1):
+    every layer's adapters (forward again where full recompute re-runs it), less what a frozen
+    base does not run (:func:`_frozen_skips`); ``received``: routed tokens per MoE layer reaching
+    this rank's experts (None: balanced, ``s*b x topk``); ``duplicated``: Transformer Engine's MLA
+    down projections, whole on every TP rank (a formula). {} at TP 1."""
+    if peft is None or peft.lora_rank is None or par.tp == 1:
+        return {}
+    a, h, sp = training.param_bytes, spec.hidden_size, par.sequence_parallel
+    tokens = training.seq_length * training.micro_batch_size
+    routed = received if received is not None or spec.moe is None else tokens * spec.moe.router_topk
+    out: dict[str, int] = {}
+
+    def add(key: str, value: int) -> None:
+        out[key] = out.get(key, 0) + value
+
+    layers = adapted_layers(spec, par, recompute, pp_rank=pp_rank)
+    for layer in layers:
+        targets = layer.targets(peft)
+        for key, value in adapter_forward_payload(peft, targets, tokens, h, a, sp=sp).items():
+            add(key, (1 + layer.rerun) * value)
+        for key, value in adapter_backward_payload(peft, targets, tokens, h, a, sp=sp).items():
+            add(key, value)
+        if layer.experts and routed is not None:
+            add("tp/all_gather", (1 + layer.rerun) * expert_adapter_payload(spec, peft, routed=routed, act=a))
+    full = recompute is not None and recompute.granularity == "full"
+    skips = _frozen_skips(spec, par, peft, layers, pp_rank=pp_rank, started=full, duplicated=duplicated)
+    for key, count in skips.items():
+        add(key, -count * tokens * a)
+    m = training.num_microbatches
+    return {key: m * value for key, value in out.items() if value}
+
+
+def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: list[AdaptedLayer], *,
+                  pp_rank: int, started: bool, duplicated: bool) -> dict[str, int]:
+    """Elements per token of the collectives :mod:`megatron_flops.memory.comm` prices for a
+    trained base that a frozen one does not run. Under sequence parallelism: every layer's
+    column-parallel weight-gradient all-gathers (``linear_qkv`` or MLA's, ``linear_fc1``), the
+    output layer's, the embedding's gradient; an MTP layer's embedding gradient and ``eh_proj``
+    input [T, 2h]. On the first stage, unless its decoder input requires grad (``started``), the
+    backward collectives of the first layer's base linears up to its first adapter (see
+    :func:`_before_first_adapter`)."""
+    if not peft.frozen:
+        return {}
+    h, sp = spec.hidden_size, par.sequence_parallel
+    first = par.is_first_stage(pp_rank, 0) and not started
+    out = _before_first_adapter(spec, peft, layers[0], sp=sp, duplicated=duplicated) if first and layers else {}
+    if not sp:
+        return out
+    gathers = 0
+    for layer in layers:
+        gathers += h * (1 + layer.dense) + _mla_weight_gathers(spec, layer, duplicated) + (4 * h if layer.mtp else 0)
+    gathers += h * (par.is_last_stage(pp_rank, par.num_chunks - 1) + par.is_first_stage(pp_rank, 0))
+    out["tp/all_gather"] = out.get("tp/all_gather", 0) + gathers
+    return out
+
+
+def _mla_weight_gathers(spec: ModelSpec, layer: AdaptedLayer, duplicated: bool) -> int:
+    """An MLA layer's column-parallel weight-gradient all-gathers beyond a dense layer's
+    ``linear_qkv``: the up projections' latents and the second down projection's input [T, h]
+    (duplicated down projections: none, nor the first's, unless ``linear_q_proj`` reads it)."""
+    mla = spec.mla
+    if not layer.mla or mla is None:
+        return 0
+    hidden = (-spec.hidden_size if mla.q_lora_rank else 0) if duplicated else spec.hidden_size
+    return hidden + (mla.q_lora_rank or 0) + mla.kv_lora_rank
+
+
+def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, *, sp: bool,
+                          duplicated: bool) -> dict[str, int]:
+    """The first layer's base linears up to its first adapter run no backward (their input
+    requires no grad): per column-parallel one its input gradient's all-reduce (reduce-scatter
+    under sequence parallelism), per row-parallel one under sequence parallelism its output
+    gradient's all-gather; under sequence parallelism a first column-parallel adapter's
+    input-gradient reduce-scatter too. An MLA layer's projections before ``linear_proj``: see
+    :func:`_mla_before_proj`."""
+    targets = layer.targets(peft)
+    order = [t for t in LAYER_ORDER if t != "linear_qkv" or not layer.mla]
+    index = order.index(targets[0]) if targets else len(order) - 1
+    before = order[: index + 1]
+    h = spec.hidden_size
+    column = h * sum(n in COLUMN_PARALLEL for n in before)
+    out = _mla_before_proj(spec, sp=sp, duplicated=duplicated) if layer.mla else {}
+    if not sp:
+        out["tp/all_reduce"] = out.get("tp/all_reduce", 0) + column
+        return out
+    row = h * (len(before) - sum(n in COLUMN_PARALLEL for n in before))
+    first_adapter = h * int(bool(targets) and order[index] in COLUMN_PARALLEL)
+    out["tp/reduce_scatter"] = out.get("tp/reduce_scatter", 0) + column + first_adapter
+    out["tp/all_gather"] = out.get("tp/all_gather", 0) + row
+    return out
+
+
+def _mla_before_proj(spec: ModelSpec, *, sp: bool, duplicated: bool) -> dict[str, int]:
+    """An MLA layer's frozen projections before ``linear_proj`` (no backward): without sequence
+    parallelism the input-gradient all-reduces of both down projections [T, h] (duplicated:
+    none but ``linear_q_proj``'s) and both up projections' latents; under sequence parallelism
+    their reduce-scatters and the latents' gradient all-gathers (duplicated: no latent
+    gathers, the reduce-scatter of the kv latent's RoPE part)."""
+    mla = spec.mla
+    assert mla is not None
+    h, latents = spec.hidden_size, (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    if duplicated:
+        hidden = 0 if mla.q_lora_rank else h
+        if not sp:
+            return {"tp/all_reduce": hidden + latents}
+        return {"tp/reduce_scatter": hidden + latents + mla.qk_pos_emb_head_dim}
+    if not sp:
+        return {"tp/all_reduce": 2 * h + latents}
+    return {"tp/reduce_scatter": 2 * h + latents, "tp/all_gather": latents}
