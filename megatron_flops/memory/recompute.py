@@ -30,6 +30,7 @@ from __future__ import annotations
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import adapter_forward_payload
+from megatron_flops.memory.lora_layers import expert_adapter_payload
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -105,10 +106,33 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
     shared = _shared_expert_reruns(spec, par, recompute, layers, pp_rank)
     for key, value in mlp.items():
         out[key] += shared * value
+    if spec.moe is not None and peft is not None and peft.lora_rank is not None:
+        _add_expert_adapter_reruns(out, spec, par, recompute, peft, layers, pp_rank, shared=shared, tokens=tokens,
+                                   act=act)
     if par.sequence_parallel:
         out["tp/all_gather"] += _mla_up_proj_rerun_width(spec, par, recompute, layers, pp_rank) * tokens * act
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
+
+
+def _add_expert_adapter_reruns(out: dict[str, int], spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec,
+                               peft: PeftSpec, layers: list[int], pp_rank: int, *, shared: int, tokens: int,
+                               act: int) -> None:
+    """Add the forward collectives of the LoRA adapters that selective ``moe`` and
+    ``shared_experts`` re-run per micro-batch: the shared experts' ``linear_fc1``/``linear_fc2``
+    adapters as a dense MLP's, once per ``shared`` re-run, and each re-run MoE layer's routed-expert
+    adapters (:func:`~megatron_flops.memory.lora_layers.expert_adapter_payload`, balanced routing)."""
+    assert spec.moe is not None
+    if spec.moe.shared_expert_ffn_hidden_size:
+        for key, value in adapter_forward_payload(peft, ("linear_fc1", "linear_fc2"), tokens, spec.hidden_size, act,
+                                                  sp=par.sequence_parallel).items():
+            out[key] = out.get(key, 0) + shared * value
+    if "moe" in recompute.modules:
+        last = par.is_last_stage(pp_rank, par.num_chunks - 1)
+        moe = sum(spec.layers[i][1] == "moe" for i in layers) + (spec.mtp_num_layers if last and spec.mtp_ffn == "moe"
+                                                                  else 0)
+        out["tp/all_gather"] = out.get("tp/all_gather", 0) + moe * expert_adapter_payload(
+            spec, peft, routed=tokens * spec.moe.router_topk, act=act)
 
 
 def _mla_up_proj_rerun_width(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],
