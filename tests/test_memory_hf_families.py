@@ -1,6 +1,7 @@
 """``megatron-flops memory`` on Hugging Face config.json files: every family's parameters equal the
 transformers model's ``named_parameters()`` (a tiny config each, tests/test_hf_config.py), or differ
-by exactly what megatron-core's GPT layer cannot express, named in ``not_modelled``; and ``memory``
+by exactly what megatron-core's GPT layer cannot express, named in ``not_modelled`` (gemma2,
+gemma3 and glm4's norms after the sublayers: as Megatron-Bridge's gemma2/gemma3 spec, exact); and ``memory``
 reads a model with each of ``estimate``'s model-reading flags."""
 
 from __future__ import annotations
@@ -23,25 +24,17 @@ import test_hf_config  # noqa: E402  (the families' tiny configs)
 
 CASES = test_hf_config.CASES
 SEQ = 16
-# Families memory refuses (sliding windows; gemma2/3 and olmo3 also norm after each sublayer).
-REFUSED = {"mistral", "phi3", "gemma2", "gemma3_text", "gemma3 layer_types", "olmo3"}
 # transformers' parameters minus the report's, where megatron-core cannot express the layer. Tiny
 # configs: L = 2 layers (falcon: 2), h = 64, head_dim d = 16, 4 heads, 2 key/value groups.
 PARAMETER_DIFFERENCES = {
-    # xIELU's alpha_p and alpha_n per layer: 2 x 2.
-    "apertus": 4,
     # One weight-only LayerNorm per layer (h) and q/k norms per head ((4 + 2) d) against megatron-core's two
-    # LayerNorms (2 x 2h) and q/k LayerNorms (2 x 2d), per layer; the final norm h against 2h:
-    # 2 x (64 + 96 - 256 - 64) + (64 - 128) = -384.
-    "cohere": -384,
+    # weight-only LayerNorms (2h) and q/k norms (2d), per layer: 2 x (64 + 96 - 128 - 32) = 0 (still named).
+    "cohere": 0,
     # Parallel attention and MLP from one LayerNorm (2h) per layer; megatron-core has two: -2 x 128.
     "falcon": -256,
-    # Norms after attention and the MLP as well as before: 2 x 2h more.
-    "glm4": 256,
-    # LayerNorms without weights: megatron-core's 2L + 1 LayerNorms have 2h each: -5 x 128.
-    "olmo": -640,
     # q/k RMSNorms over the whole projections (4d + 2d) against megatron-core's per head (2d): 2 x 64.
     "olmo2": 128,
+    "olmo3": 4 * 64,  # (the same, 4 layers)
     # Parallel attention and MLP from one LayerNorm per layer: -2 x 2h.
     "stablelm": -256,
 }
@@ -65,7 +58,7 @@ def _memory(*argv: str) -> dict[str, Any]:
     return json.loads(out.getvalue())
 
 
-@pytest.mark.parametrize("case", sorted(set(CASES) - REFUSED))
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_parameters_equal_transformers_or_the_difference_is_named(case, tmp_path):
     model_type, kw = CASES[case]
     config = transformers.AutoConfig.for_model(model_type, **kw)

@@ -312,6 +312,8 @@ def _softmax(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool,
     scores = x.b * x.heads * x.s * x.s
     fp32_softmax = options.attention_softmax_in_fp32 and a < 4
     core = scores * (4 if fp32_softmax else a)  # softmax output
+    if options.attn_logit_softcapping:
+        core += scores * a  # tanh(scores / cap), saved by tanh (Bridge's Gemma2DotProductAttention)
     if options.attention_dropout > 0:
         core += scores + scores * a  # dropout mask (bool) and dropout output
     elif fp32_softmax:
@@ -424,7 +426,13 @@ def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
     else:
         # fc1 output (the activation's input).
         w.act("mlp", T * x.ffn * a * (2 if gated else 1))
+    if options.xielu:
+        # transformers' xIELU (its python path): alpha_p * x, expm1(min(x, eps)), expm1(...) - x and the
+        # bool x > 0 that torch.where keeps, each [T, ffn].
+        w.act("mlp", T * x.ffn * (3 * a + 1))
     w.linear("mlp", "linear_fc2", T * x.ffn * a, T, a)  # fc2's input (the activation's output)
+    if options.post_layernorms:  # (Bridge's fc2 post-norm: inside the MLP, so inside its checkpoint)
+        _norm(w, "mlp", x, options)
 
 
 def _checkpointed_mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
@@ -458,6 +466,8 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
                 _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer == "dsa")
             else:
                 _attention(w, x, options, checkpointed=core_attn)
+                if options.post_layernorms:
+                    _norm(w, "norm", x, options)  # (Bridge's linear_proj post-norm, on its [T/sp, h] output)
         _dropout_mask(w, x, options)
     if not ffn:
         return
@@ -484,6 +494,9 @@ def _recomputed_norm(w: _Walk, x: _Dims, options: DecoderOptions, reader: str, *
     both are held from then on, through the reader's own recompute regions. NB: a norm that
     Transformer Engine's spec fuses into the next linear layer (``fused``: the input norm but
     for MLA, the pre-MLP norm but for MoE layers) is an ``IdentityOp`` there, never recomputed."""
+    if not options.pre_layernorms:  # (olmo2, olmo3: their norms are after the sublayers, never recomputed)
+        yield
+        return
     recomputed = "layernorm" in w.selective and w.grad.started and not fused
     _norm(w, "norm", x, options, recomputed=recomputed)
     if not recomputed:
@@ -612,6 +625,8 @@ def chunk_activations(
         # Cross-entropy: fp32 softmax [T, V/TP], target mask (bool), masked targets (int64);
         # loss_func's fp32 loss mask.
         w.act("output", x.tokens * (x.vocab * 4 + 1 + INDEX_BYTES + 4))
+        if options.final_logit_softcapping:  # tanh(logits / cap) [T, V/TP] (Bridge's Gemma2OutputLayer)
+            w.act("output", x.tokens * x.vocab * x.act)
     return w.out
 
 

@@ -60,6 +60,17 @@ class DecoderOptions:
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int | None = None
     transformer_impl: str = "transformer_engine"
+    # Megatron-Bridge's gemma2/gemma3 layer spec (memory/hf_layers.py): an RMSNorm on linear_proj's and
+    # linear_fc2's outputs, and tanh soft-capping of the attention scores and the output logits.
+    post_layernorms: bool = False
+    pre_layernorms: bool = True  # (olmo2, olmo3: the norms after the sublayers only)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Hugging Face olmo's LayerNorms have no weight or bias, cohere's no bias (every norm of the model).
+    norm_weight: bool = True
+    norm_bias: bool = True
+    # Hugging Face apertus's xIELU activation (transformers' XIELUActivation in each MLP: alpha_p, alpha_n).
+    xielu: bool = False
 
     @property
     def duplicated_mla_down(self) -> bool:
@@ -230,10 +241,18 @@ def chunk_parameters(
 
 
 def _norm(options: DecoderOptions, prefix: str, width: int, trainable: bool) -> list[Param]:
+    if not options.norm_weight:  # (olmo: no affine parameters at all)
+        return []
     params = [Param(prefix + "weight", width, trainable, tp_replicated=True)]
-    if options.normalization == "LayerNorm":
+    if options.normalization == "LayerNorm" and options.norm_bias:
         params.append(Param(prefix + "bias", width, trainable, tp_replicated=True))
     return params
+
+
+def _post_norm(options: DecoderOptions, prefix: str, width: int, trainable: bool) -> list[Param]:
+    """Bridge's ``TERowParallelLinearLayerNorm``: an RMSNorm [h] on the row-parallel layer's
+    (reduced) output, whole on every TP rank, registered after the layer's own weight."""
+    return _norm(options, prefix + "post_layernorm.", width, trainable) if options.post_layernorms else []
 
 
 def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: PeftSpec,
@@ -267,7 +286,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     nq, ng = spec.num_attention_heads, spec.num_query_groups
     base, bias = not peft.frozen, options.add_bias_linear
     attn = prefix + "self_attention."
-    out = _norm(options, prefix + "input_layernorm.", h, base) if mixer != "none" else []
+    out = _norm(options, prefix + "input_layernorm.", h, base) if mixer != "none" and options.pre_layernorms else []
     if mixer in MIXERS_WITH_PARAMETERS:
         out += [Param(n, k, base, tp_replicated=r) for n, k, r in
                 mixer_tensors(spec, mixer, prefix, tp, options.normalization == "LayerNorm")]
@@ -278,6 +297,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     elif mixer != "none":
         # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
         out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft, tp=tp)
+        out += _post_norm(options, attn + "linear_proj.", h, base)
         # linear_qkv: [(nq + 2*ng)*d/tp (+ nq*d/tp output gate), h] (column parallel).
         gate = nq * d // tp if spec.attention_output_gate else 0
         out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp + gate, bias or options.add_qkv_bias, peft,
@@ -286,10 +306,13 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
             out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
     if ffn == "none":
         return out
-    out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
+    out += _norm(options, prefix + "pre_mlp_layernorm.", h, base) if options.pre_layernorms else []
     if ffn == "mlp":
         out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias, tp=tp)
-        return out
+        if options.xielu:  # (registered after linear_fc2: transformers' module set on megatron-core's MLP)
+            out += [Param(f"{prefix}mlp.activation_func.{n}", 1, base, tp_replicated=True, rows=1)
+                    for n in ("alpha_p", "alpha_n")]
+        return out + _post_norm(options, prefix + "mlp.linear_fc2.", h, base)
     moe = spec.moe
     assert moe is not None
     mlp = prefix + "mlp."

@@ -1,8 +1,9 @@
 """What a Hugging Face family's decoder layers hold and save beyond the GEMM shapes (stdlib only):
 the ``TransformerConfig`` options that express it (norm, biases, rotary fraction, q/k norms,
-position embeddings), and, named, what megatron-core's GPT layer cannot express (parallel
-attention and MLP, norms after the sublayers, norms without weights or bias, per-head q/k norm
-weights, xIELU), which the memory report then lists as not modelled.
+position embeddings, Megatron-Bridge's gemma2/gemma3 post-norms and logit soft-capping), and, named,
+what megatron-core's GPT layer cannot express (parallel attention and MLP, norms after the
+sublayers instead of before them, norms without weights or bias, per-head or whole-projection q/k
+norm weights, xIELU), which the memory report then lists as not modelled.
 
 NB: parameters checked against the transformers model's ``named_parameters()`` (tests/test_memory_hf_families.py).
 """
@@ -15,15 +16,22 @@ from typing import Any
 # Families whose norms are LayerNorms (weight and bias) in transformers: megatron-core's LayerNorm.
 # (nemotron's LayerNorm1P: weight + 1, megatron-core's layernorm_zero_centered_gamma: the same bytes.)
 _LAYERNORM = ("starcoder2", "nemotron", "stablelm", "gpt_neox", "falcon")
-# Families whose norm is a LayerNorm without a bias (cohere) or without any weight (olmo).
+# Families whose norm is a LayerNorm without a bias (cohere) or without any weight (olmo): saved as
+# megatron-core's LayerNorm (input, fp32 mean and rstd), parameters without them.
 _LAYERNORM_NO_BIAS = ("cohere",)
 _LAYERNORM_NO_AFFINE = ("olmo",)
 # Families with partial rotary, and transformers' default fraction where the file may omit it.
 _ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt_neox": 0.25, "nemotron": 0.5, "phi3": 1.0}
 # attention_bias puts a bias on q, k and v only (not o_proj) in these families.
 _QKV_ONLY_ATTENTION_BIAS = ("glm", "glm4", "helium", "seed_oss")
-# Families with norms after attention and after the MLP (olmo2/olmo3: instead of the pre-norms).
-_POST_NORMS = ("olmo2", "olmo3", "glm4", "gemma2", "gemma3", "gemma3_text")
+# Families with norms after attention and after the MLP instead of the pre-norms: counted as the spec
+# below without its pre-norms (no framework has a megatron-core layer for them).
+_POST_NORMS_INSTEAD = ("olmo2", "olmo3")
+# Families with RMSNorms after attention and after the MLP as well as the pre-norms, and their logit
+# soft-capping: Megatron-Bridge 0.6.2's gemma2/gemma3 layer spec (TERowParallelLinearLayerNorm on
+# linear_proj and linear_fc2, Gemma2DotProductAttention, Gemma2OutputLayer). glm4's layer has the
+# same norms in the same places; Bridge has no glm4 dense provider: counted as that spec.
+_BRIDGE_POST_NORMS = ("gemma2", "gemma3", "gemma3_text", "glm4")
 
 
 def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
@@ -40,7 +48,39 @@ def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
         "position_embedding_type": "none" if alibi else "rope",
         "rotary_percent": _rotary_fraction(text, family),
         "max_position_embeddings": text.get("max_position_embeddings"),
+        **_bridge_post_norm_fields(text, family),
+        "norm_weight": family not in _LAYERNORM_NO_AFFINE,
+        "norm_bias": family not in _LAYERNORM_NO_BIAS + _LAYERNORM_NO_AFFINE,
+        "xielu": family == "apertus",
     }
+
+
+def _bridge_post_norm_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
+    if family in _POST_NORMS_INSTEAD:
+        return {"post_layernorms": True, "pre_layernorms": False}
+    if family not in _BRIDGE_POST_NORMS:
+        return {}
+    caps = {k: float(text[k]) if text.get(k) else None for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return {"post_layernorms": True, **caps}
+
+
+def hf_layer_assumptions(*, post_layernorms: bool, attn_cap: bool, final_cap: bool, pre_layernorms: bool = True) \
+        -> list[str]:
+    """How Megatron-Bridge's gemma2/gemma3 spec (Transformer Engine's layers) is counted: as
+    megatron-core's local modules in the same places save (measured: tests/test_memory_hf_layers.py)."""
+    parts = [what for what, used in (
+        ("an RMSNorm on linear_proj's and on linear_fc2's output (TERowParallelLinearLayerNorm: its input and fp32 "
+         "rstd per token; glm4's norms, which Bridge has no dense provider for, counted the same)", post_layernorms),
+        ("no norms before attention and the MLP (olmo2, olmo3: no framework has their layer; counted as this spec "
+         "without its pre-norms)", not pre_layernorms),
+        ("tanh soft-capping of the attention scores (Gemma2DotProductAttention: its [b, heads, s, s] output kept by "
+         "the local attention, none inside a fused kernel's score_mod)", attn_cap),
+        ("tanh soft-capping of the logits (Gemma2OutputLayer: its [tokens, vocab/TP] output)", final_cap),
+    ) if used]
+    if not parts:
+        return []
+    return ["layers as Megatron-Bridge 0.6.2's gemma2/gemma3 spec, counted as megatron-core's local modules in the "
+            "same places save: " + "; ".join(parts)]
 
 
 def _biases(text: Mapping[str, Any], family: str) -> tuple[bool, bool, bool]:
@@ -115,16 +155,7 @@ def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
         out.append("attention and the MLP run in parallel on the layer's input (counted as megatron-core's "
                    "sequential layer: the MLP's norm reads the residual after attention, with its own saved input"
                    + ("; a pre-MLP norm per layer the model does not have" if _one_norm(text, family) else "") + ")")
-    if family in _LAYERNORM_NO_BIAS:
-        out.append("its LayerNorms have no bias (counted with megatron-core's LayerNorm bias)")
-    if family in _LAYERNORM_NO_AFFINE:
-        out.append("its LayerNorms have no weight or bias (counted with megatron-core's LayerNorm weight and bias)")
-    if family in _POST_NORMS:
-        instead = family in ("olmo2", "olmo3")
-        out.append(f"RMSNorms after attention and after the MLP {'instead of' if instead else 'as well as'} before "
-                   "them (counted as megatron-core's pre-norms"
-                   + ("" if instead else ": two norms per layer and their saved inputs left out") + ")")
-    if text.get("final_logit_softcapping") or text.get("attn_logit_softcapping"):
+    if family not in _BRIDGE_POST_NORMS and (text.get("final_logit_softcapping") or text.get("attn_logit_softcapping")):
         out.append("logit soft-capping (tanh of the scores or logits: its saved output left out)")
     if _qk_norm(text, family):
         whole = "over the whole q and k projections ([heads x head_dim], [groups x head_dim])"
@@ -136,9 +167,6 @@ def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
                        "by the heads)")
     if family == "falcon" and text.get("alibi"):
         out.append("ALiBi attention biases (megatron-core has none: counted without position embeddings)")
-    if family == "apertus":
-        out.append("xIELU activation: 2 trainable scalars per layer (alpha_p, alpha_n) left out, its saved "
-                   "tensors counted as one elementwise activation's")
     return out
 
 

@@ -23,6 +23,7 @@ from megatron_flops.memory.comm import (
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.hf_layers import hf_layer_assumptions
 from megatron_flops.memory.lora_layers import lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
 from megatron_flops.memory.moe import (
@@ -309,6 +310,10 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
         if options.hidden_dropout > 0 or options.attention_dropout > 0:
             assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
                                "activation-dtype mask)")
+    assumptions += hf_layer_assumptions(post_layernorms=options.post_layernorms and activations,
+                                        attn_cap=bool(options.attn_logit_softcapping) and activations,
+                                        final_cap=bool(options.final_logit_softcapping) and activations,
+                                        pre_layernorms=options.pre_layernorms or not activations)
     more_assumptions, more_unmeasured = ssm_notes(spec, par, activations=activations)
     assumptions += more_assumptions
     unmeasured += more_unmeasured
