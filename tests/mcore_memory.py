@@ -63,8 +63,9 @@ def megatron_groups() -> List[Tuple[str, Any]]:
 
     getters = [
         ("tp", ps.get_tensor_model_parallel_group),
-        # Expert TP (= TP here): the alltoall dispatcher's gathers of the routed tokens.
-        ("tp", ps.get_expert_tensor_parallel_group),
+        # Expert TP: the alltoall dispatcher's gathers of the routed tokens ("etp" when its ranks
+        # are not the TP group's).
+        (_expert_tp_name(), ps.get_expert_tensor_parallel_group),
         ("pp", ps.get_pipeline_model_parallel_group),
         ("embd", ps.get_embedding_group),
         ("dp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
@@ -84,6 +85,14 @@ def megatron_groups() -> List[Tuple[str, Any]]:
         if group is not None:
             out.append((name, group))
     return out
+
+
+def _expert_tp_name() -> str:
+    from megatron.core import parallel_state as ps
+
+    ranks = [dist.get_process_group_ranks(g) for g in (ps.get_tensor_model_parallel_group(),
+                                                       ps.get_expert_tensor_parallel_group())]
+    return "tp" if ranks[0] == ranks[1] else "etp"
 
 
 _ACTIVE_METERS: List["CommMeter"] = []
@@ -404,15 +413,17 @@ def patch_sequence_parallel_norm() -> None:
     cls._sequence_parallel_patched = True
 
 
-def reinit_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, seed: int = 1234) -> None:
-    """(Re)create megatron's parallel groups (expert parallelism included) in one process group."""
+def reinit_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, seed: int = 1234,
+                    etp: Optional[int] = None) -> None:
+    """(Re)create megatron's parallel groups (expert parallelism and expert TP, None: TP, included)
+    in one process group."""
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vpp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
@@ -674,3 +685,86 @@ def metered_forward_step(meter: SavedTensorMeter, chunks: List[torch.nn.Module])
         return output, lambda out: loss_func(batch["loss_mask"], out)
 
     return forward_step
+
+
+class _NoStream:
+    """Test-only stand-in for ``torch.cuda.Stream``/``Event`` on CPU: work runs in order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> "_NoStream":
+        return _NoStream()
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def wait(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def patch_megatron_fsdp_on_cpu() -> None:
+    """Test-only: Megatron-FSDP runs its buffers' copies and collectives on CUDA streams; on CPU
+    with gloo every op runs in order, so streams and events become no-ops (``record_stream``
+    too)."""
+    torch.cuda.Stream = _NoStream  # type: ignore[misc,assignment]
+    torch.cuda.Event = _NoStream  # type: ignore[misc,assignment]
+    torch.cuda.current_stream = lambda *args: _NoStream()  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign,assignment]
+
+
+def wrap_megatron_fsdp(config: Any, module: torch.nn.Module, strategy: str) -> Any:
+    """megatron-core's ``FullyShardedDataParallel`` around ``module`` on CPU, with Megatron-LM's
+    DDP config for ``--use-megatron-fsdp`` (fp32 gradient reduction; gloo has no PREMUL_SUM:
+    the scaling runs before the sum, ``gradient_reduce_div_fusion`` off)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    try:
+        from . import mcore_cpu
+    except ImportError:
+        import mcore_cpu  # type: ignore[no-redef]
+
+    ddp_config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy, grad_reduce_in_fp32=True,
+                                               use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                               gradient_reduce_div_fusion=False)
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0  # (its device check builds "cuda:<current device>")
+    try:
+        with mcore_cpu.cuda_to_cpu_mode():
+            return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                            device=torch.device("cpu"))
+    finally:
+        torch.cuda.current_device = current_device  # type: ignore[assignment]
+
+
+def megatron_fsdp_state_bytes(model: Any, optimizer: Any) -> Dict[str, int]:
+    """``weights``, ``gradients`` and ``optimizer/main_params``: Megatron-FSDP's model-weight,
+    main-gradient and main-weight buffers on this rank; ``optimizer/<state>`` the local shards of
+    the optimizer's DTensor states."""
+    out = {"weights": 0, "gradients": 0, "optimizer/main_params": 0}
+    for group in model.param_and_grad_buffer.parameter_groups:
+        for key, buffer in (("weights", group.model_weight_buffer), ("gradients", group.main_grad_buffer),
+                            ("optimizer/main_params", group.main_weight_buffer)):
+            if buffer is not None and buffer.data is not None:
+                out[key] += buffer.data.numel() * buffer.data.element_size()
+    for opt in _inner_optimizers(optimizer):
+        for state in opt.optimizer.state.values():
+            for name, value in state.items():
+                value = value.to_local() if hasattr(value, "to_local") else value
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    out[f"optimizer/{name}"] = out.get(f"optimizer/{name}", 0) + value.numel() * value.element_size()
+    return out

@@ -22,6 +22,8 @@ import pytest
 
 from megatron_flops.cli import build_parser
 from megatron_flops.cli.memory import format_reports
+from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.model.hf_config import is_hf_config
 from megatron_flops.memory.hybrid_pipeline import is_hybrid
 from megatron_flops.model.spec import ModelSpec, load_model_file
 
@@ -77,6 +79,8 @@ LAYOUTS = {
     "CP2": ["--cp", "2"],
     "DP2 EP2": ["--dp", "2", "--ep", "2"],
     "TP2 SP DP2 EP2": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--ep", "2"],
+    "TP2 SP DP2 EP2 ETP1": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--ep", "2", "--etp", "1"],
+    "DP2 Megatron-FSDP": ["--dp", "2", "--megatron-fsdp", "optim_grads_params"],
 }
 # name -> flags, each also given to `estimate`; crossed with the layouts in SETUP_LAYOUTS.
 SETUPS = {
@@ -146,6 +150,8 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # 0.6.2's WanModelProvider builds each stage without its vp_stage).
     ("examples/wan_tiny_dit.json | TP2 SP | ", r"refused: .*LoRA adapters or a frozen base under sequence parallelism"),
     ("examples/wan* | PP2 VPP2 | ", r"refused: .*virtual pipeline stages of a DiT are not modelled"),
+    # DiT under Megatron-FSDP: the DiT path models torch FSDP2 and megatron-core DDP / distributed optimizer.
+    ("examples/wan* | DP2 Megatron-FSDP | ", r"refused: .*a DiT model file under Megatron-FSDP is not modelled"),
     # A VLM without --grid-thw (the survey passes no grids): the vision tower's activations.
     ("examples/qwen2_5_vl_7b_config.json | *", r"not modelled: the vision tower's activations: give --grid-thw"),
 ]
@@ -219,11 +225,14 @@ def _flag(argv: list[str], name: str, default: int = 1) -> int:
     return int(argv[argv.index(name) + 1]) if name in argv else default
 
 
-def megatron_core_refuses(spec: ModelSpec | None, flags: list[str]) -> str | None:
-    """Why megatron-core itself would not build this layout (sizes that do not divide), else None."""
+def megatron_core_refuses(spec: ModelSpec | None, flags: list[str], biases: bool = False) -> str | None:
+    """Why megatron-core itself would not build this layout (sizes that do not divide, ``biases``
+    in MoE layers with an expert TP other than 1), else None."""
     if spec is None:  # a DiT: no experts to parallelise
         return "EP without experts" if _flag(flags, "--ep") > 1 else None
     tp, pp, cp, ep, dp = (_flag(flags, f"--{n}") for n in ("tp", "pp", "cp", "ep", "dp"))
+    if spec.moe is not None and biases and _flag(flags, "--etp", tp) > 1:
+        return "biases in MoE layers with ETP > 1"
     sizes = {"num_attention_heads": spec.num_attention_heads, "num_query_groups": spec.num_query_groups,
              "ffn_hidden_size": spec.ffn_hidden_size}
     if spec.moe is not None:
@@ -285,7 +294,8 @@ def _survey(files: dict[str, Path]) -> dict[str, Any]:
     problems: list[str] = []
     skipped: list[str] = []
     for name, path in files.items():
-        spec, _ = load_model_file(str(path))
+        spec, raw = load_model_file(str(path))
+        biases = spec is not None and DecoderOptions.from_mapping(raw, hf=is_hf_config(raw)).add_bias_linear
         for setup, setup_flags in SETUPS.items():
             rc, _, err = _run(["estimate", "--model", str(path), "--seq-length", str(SEQ), *setup_flags, "--json"])
             if rc != 0:
@@ -295,7 +305,7 @@ def _survey(files: dict[str, Path]) -> dict[str, Any]:
                 flags = LAYOUTS[layout]
                 key = f"{name} | {layout} | {setup}"
                 argv = ["memory", "--model", str(path), "--seq-length", str(SEQ), *flags, *setup_flags]
-                invalid = megatron_core_refuses(spec, flags)
+                invalid = megatron_core_refuses(spec, flags, biases)
                 try:
                     rc, out, err = _run([*argv, "--json"])
                 except Exception as exc:  # a traceback where a user error belongs

@@ -155,6 +155,26 @@ RUNS = {
         m=2, build=dict(params_dtype="fp32", lora=(("linear_qkv", "linear_fc2"), 4))),
 }
 
+# Measured by tests/test_memory_etp_dist.py in a process group of its own (this module's one
+# group runs every RUNS entry within one timeout).
+ETP_RUNS = {
+    # An expert TP other than TP (megatron-core's expert_tensor_parallel_size): the experts' own
+    # grid ETP x EP x expert DP over the TP x DP ranks. TP2 + SP with ETP1: each TP rank routes its
+    # sequence slice over EP, the experts whole (biases: megatron-core allows them with ETP 1
+    # only); TP1 with ETP2: the experts split over two DP ranks, which gather each other's tokens.
+    "TP2 x EP2 + SP, expert TP 1, MoE top-2 of 4 (alltoall), biases, distributed optimizer, bf16": dict(
+        layout=dict(tp=2, sp=True, ep=2, etp=1), model=dict(BASE, num_moe_experts=4, moe_router_topk=2,
+                                                             moe_token_dispatcher_type="alltoall",
+                                                             moe_ffn_hidden_size=48, add_bias_linear=True),
+        m=2, build=dict(distributed_optimizer=True)),
+    "DP4 x expert TP2 x EP2, MoE every other layer (alltoall), shared experts, DDP, fp32": dict(
+        layout=dict(ep=2, etp=2), model=dict(BASE, **dict(MOE_AG, moe_token_dispatcher_type="alltoall"),
+                                             moe_shared_expert_intermediate_size=40),
+        m=2, build=dict(params_dtype="fp32")),
+    "DP4 x expert TP2 x EP2, MoE every other layer (allgather), distributed optimizer, bf16": dict(
+        layout=dict(ep=2, etp=2), model=dict(BASE, **MOE_AG), m=2, build=dict(distributed_optimizer=True)),
+}
+
 
 def _inner(chunk):
     while hasattr(chunk, "module"):
@@ -174,11 +194,14 @@ def memory_worker(rank: int, world_size: int, runs: dict) -> dict:
     out = {}
     for name, run in runs.items():
         layout = run["layout"]
-        ep = layout.get("ep", 1)
-        mcore_memory.reinit_parallel(tp=layout.get("tp", 1), pp=layout.get("pp", 1), vpp=layout.get("vpp"), ep=ep)
+        ep, etp = layout.get("ep", 1), layout.get("etp")
+        mcore_memory.reinit_parallel(tp=layout.get("tp", 1), pp=layout.get("pp", 1), vpp=layout.get("vpp"), ep=ep,
+                                     etp=etp)
         model = dict(run["model"])
         if ep > 1:
             model["expert_model_parallel_size"] = ep
+        if etp is not None:
+            model["expert_tensor_parallel_size"] = etp
         if layout.get("sp"):
             model["sequence_parallel"] = True
         if model.get("activation_func") == "silu":
@@ -237,6 +260,7 @@ def setup(run: dict):
                                                add_bias_linear=model.get("add_bias_linear", False)))
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
     par = Parallelism(tp=tp, pp=pp, vpp=layout.get("vpp"), ep=layout.get("ep", 1), dp=WORLD // (tp * pp),
+                      etp=layout.get("etp"),
                       sequence_parallel=layout.get("sp", False),
                       distributed_optimizer=build.get("distributed_optimizer", False))
     training = Training(seq_length=run.get("seq", SEQ), micro_batch_size=MBS, num_microbatches=run["m"],
@@ -348,19 +372,23 @@ def test_activations_per_forward_and_schedule_peak(measured, name):
 
 @pytest.mark.parametrize("name", [n for n in RUNS if _routed(n)])
 def test_moe_activations_balanced_in_total_bounded_per_rank(measured, name):
-    # What one rank's experts save follows the routing; over all ranks every routed token is
-    # saved once, so the measured sum equals the balanced figure times the ranks, and each rank
-    # (each forward, and the peak: with full recompute, the re-run MoE layer's) lies within the
-    # bounds over every routing.
-    spec, options, par, training, peft, recompute = setup(RUNS[name])
+    check_moe_activations_balanced(RUNS[name], measured[name])
+
+
+def check_moe_activations_balanced(run: dict, results: list) -> None:
+    """What one rank's experts save follows the routing; over all ranks every routed token is
+    saved once, so the measured sum equals the balanced figure times the ranks, and each rank
+    (each forward, and the peak: with full recompute, the re-run MoE layer's) lies within the
+    bounds over every routing."""
+    spec, options, par, training, peft, recompute = setup(run)
     total_measured = total_formula = 0
-    for result in measured[name]:
+    for result in results:
         act = chunk_activations(spec, options, par, training, pp_rank=0, chunk=0, recompute=recompute)
         delta = cpu_delta(par, training, 2 * spec.num_layers + 1)
         forwards = [b for _, b in result["forward"]]
         total_measured += sum(forwards)
         total_formula += (act.forward + act.shared + delta) * len(forwards)
-        lo, hi = expected(RUNS[name], result).activations_range
+        lo, hi = expected(run, result).activations_range
         held = [result["peak"]] + (forwards if recompute is None else [])  # (recompute: forwards keep inputs only)
         assert all(lo + delta <= b <= hi + delta for b in held), result["sizes"]
     assert total_measured == total_formula

@@ -48,6 +48,11 @@ CASES: dict[str, tuple[str, dict[str, Any], tuple[str, ...], str, dict[str, Any]
     "context_parallel_size": (DENSE, DENSE_FIELDS, (), "--context-parallel-size 2", {}, ("--cp", "2")),
     "expert_model_parallel_size": (MOE, MOE_FIELDS, ("--dp", "2"), "--expert-model-parallel-size 2", {},
                                    ("--ep", "2")),
+    # The experts' own TP size (ETP): TP2 + SP with whole experts over EP2.
+    "expert_tensor_parallel_size": (f"{MOE} --disable-bias-linear --tensor-model-parallel-size 2 --sequence-parallel "
+                                    "--expert-model-parallel-size 2", dict(MOE_FIELDS, add_bias_linear=False),
+                                    ("--dp", "2"), "--expert-tensor-parallel-size 1", {},
+                                    ("--tp", "2", "--sequence-parallel", "--ep", "2", "--etp", "1")),
     # (MLA's down projections: whole on every TP rank with Transformer Engine's spec, split with the local one)
     "transformer_impl": (MLA, MLA_FIELDS, ("--tp", "2"), "--transformer-impl local", {"transformer_impl": "local"}, ()),
     "micro_batch_size": (DENSE, DENSE_FIELDS, (), "--micro-batch-size 3", {}, ("--micro-batch-size", "3")),
@@ -128,20 +133,20 @@ def test_an_args_dump_keeps_its_switches(tmp_path):
                                                                          "--dp", "2")
 
 
-def test_megatron_fsdp_is_refused_not_priced_as_ddp():
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        assert main(["memory", "--megatron-args", f"{DENSE} --use-megatron-fsdp", "--dp", "2"]) == 2
-    assert "Megatron-FSDP (--use-megatron-fsdp) is not modelled" in err.getvalue()
-
-
-@pytest.mark.parametrize("etp, refused", [("1", True), ("2", False)])
-def test_expert_tensor_parallel_size_other_than_tp_is_refused(etp, refused):
-    # Experts are split over TP (expert TP = TP, megatron-core's default); another value is refused,
-    # not priced as if it were TP.
-    line = f"{DENSE} --tensor-model-parallel-size 2 --expert-tensor-parallel-size {etp}"
+@pytest.mark.parametrize("line, reason", [
+    # With EP 1 megatron-core reduces expert gradients over the dense DP group: no training layout.
+    (f"{MOE} --disable-bias-linear --tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1",
+     "an expert TP (1) other than TP (2) needs --ep > 1"),
+    # megatron-core's TransformerConfig: biases in MoE layers only with ETP 1.
+    (f"{MOE} --tensor-model-parallel-size 2 --sequence-parallel", "refuses linear biases in MoE layers with expert TP 2"),
+])
+def test_expert_tp_layouts_megatron_core_refuses_are_refused(line, reason):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(["memory", "--megatron-args", line])
-    assert (code, "is not modelled: memory splits experts over TP" in err.getvalue()) == ((2, True) if refused
-                                                                                        else (0, False))
+        assert main(["memory", "--megatron-args", line]) == 2
+    assert reason in err.getvalue()
+
+
+def test_expert_tp_of_a_dense_model_changes_nothing():
+    line = f"{DENSE} --tensor-model-parallel-size 2"
+    assert _memory("--megatron-args", f"{line} --expert-tensor-parallel-size 1") == _memory("--megatron-args", line)

@@ -69,23 +69,22 @@ def layout_defaults(model: LoadedModel) -> dict[str, Any]:
     flags' defaults."""
     ns = model.megatron_args
     if ns is None:
-        return {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vpp": None, "sequence_parallel": False,
-                "distributed_optimizer": False, "fsdp": False, "params_dtype": "bf16", "micro_batch_size": 1}
+        return {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": None, "vpp": None, "sequence_parallel": False,
+                "distributed_optimizer": False, "fsdp": False, "megatron_fsdp": None, "params_dtype": "bf16", "micro_batch_size": 1}
     etp = getattr(ns, "_unread", {}).get("expert_tensor_parallel_size")
-    if etp and etp[0] != str(ns.tensor_model_parallel_size or 1):
-        raise ValueError(f"{model.source}: --expert-tensor-parallel-size {etp[0]} is not modelled: memory splits "
-                         "experts over TP (megatron-core's default, expert TP = TP)")
-    if getattr(ns, "use_megatron_fsdp", False):
-        raise ValueError(f"{model.source}: Megatron-FSDP (--use-megatron-fsdp) is not modelled; torch FSDP2 "
-                         "(--use-torch-fsdp2, --fsdp) is")
+    strategy = None
+    if getattr(ns, "use_megatron_fsdp", False):  # (Megatron-LM's default strategy: no_shard)
+        strategy = getattr(ns, "data_parallel_sharding_strategy", None) \
+            or getattr(ns, "_unread", {}).get("data_parallel_sharding_strategy", ["no_shard"])[0]
     return {
         "micro_batch_size": ns.micro_batch_size or 1,
         "tp": ns.tensor_model_parallel_size or 1, "pp": ns.pipeline_model_parallel_size or 1,
         "cp": ns.context_parallel_size or 1, "ep": ns.expert_model_parallel_size or 1,
+        "etp": _int_flag(model, "--expert-tensor-parallel-size", etp[0]) if etp else None,
         "vpp": model.raw.get("virtual_pipeline_model_parallel_size"),
         "sequence_parallel": bool(getattr(ns, "sequence_parallel", False)),
         "distributed_optimizer": bool(getattr(ns, "use_distributed_optimizer", False)),
-        "fsdp": bool(getattr(ns, "use_torch_fsdp2", False)),
+        "fsdp": bool(getattr(ns, "use_torch_fsdp2", False)), "megatron_fsdp": strategy,
         "params_dtype": "bf16" if getattr(ns, "bf16", False) else "fp16" if getattr(ns, "fp16", False) else "fp32",
     }
 
@@ -102,3 +101,10 @@ def num_microbatches(model: LoadedModel, *, micro_batch_size: int, dp: int) -> i
         raise ValueError(f"{model.source}: --global-batch-size {ns.global_batch_size} is not divisible by the "
                          f"micro-batch size {micro_batch_size} x DP {dp}")
     return ns.global_batch_size // per_step
+
+
+def _int_flag(model: LoadedModel, flag: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{model.source}: {flag} takes an integer, got {value!r}") from None

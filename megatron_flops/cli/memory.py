@@ -14,7 +14,7 @@ from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, loa
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, backend_convention
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS
-from megatron_flops.memory.layout import DTYPE_BYTES, OPTIMIZERS, Parallelism, Training
+from megatron_flops.memory.layout import DTYPE_BYTES, FSDP_STRATEGIES, OPTIMIZERS, Parallelism, Training
 from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
 NOT_COUNTED = ("allocator caching and fragmentation", "workspaces (cuBLAS, NCCL, kernels)", "the CUDA context",
@@ -109,9 +109,10 @@ def _resolve_layout(args: argparse.Namespace, model: LoadedModel) -> None:
 
 
 def _parallelism(args: argparse.Namespace) -> Parallelism:
-    return Parallelism(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, dp=args.dp,
+    return Parallelism(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, dp=args.dp, etp=args.etp,
                        sequence_parallel=args.sequence_parallel,
-                       distributed_optimizer=args.distributed_optimizer, fsdp=bool(args.fsdp))
+                       distributed_optimizer=bool(args.distributed_optimizer), fsdp=bool(args.fsdp),
+                       megatron_fsdp=args.megatron_fsdp)
 
 
 def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: Parallelism) -> dict[str, dict]:
@@ -119,6 +120,9 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
     from megatron_flops.memory.fsdp import dit_memory_report
 
     other = [f"--{k} {v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if v > 1]
+    if par.megatron_fsdp:
+        raise ValueError("a DiT model file under Megatron-FSDP is not modelled (torch FSDP2: --fsdp; megatron-core "
+                         "DDP or --distributed-optimizer)")
     if par.fsdp and (other or par.vpp or par.sequence_parallel):
         raise ValueError(f"a DiT model file under --fsdp (torch FSDP2) is modelled over --dp ranks only; "
                          f"{', '.join(other) or 'this layout'} is not modelled")
@@ -226,8 +230,10 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         f"{args.optimizer} ({'exp_avg, exp_avg_sq' if args.optimizer == 'adam' else 'momentum'}, fp32)",
         f"{par.world_size} GPUs (TP {par.tp} x PP {par.pp}" + (f" x CP {par.cp}" if par.cp > 1 else "")
         + f" x DP {par.dp}" + (f", VPP {par.vpp}" if par.vpp else "") + (f", EP {par.ep}" if par.ep > 1 else "")
+        + (f", expert TP {par.expert_tp}" if par.expert_tp != par.tp and par.ep > 1 else "")
         + (", sequence parallel" if par.sequence_parallel and par.tp > 1 else "") + ")",
-        "FSDP2" if par.fsdp else "distributed optimizer" if par.distributed_optimizer else "DDP",
+        "FSDP2" if par.fsdp else f"Megatron-FSDP ({par.megatron_fsdp})" if par.megatron_fsdp
+        else "distributed optimizer" if par.distributed_optimizer else "DDP",
         f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {training.seq_length} tokens",
     ]
     if args.json:
@@ -265,6 +271,9 @@ def add_parser(sub: Any) -> None:
     for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert"), ("dp", "data")):
         mem.add_argument(f"--{flag}", type=int, default=1 if flag == "dp" else None, metavar="N",
                          help=f"{what}-parallel size")
+    mem.add_argument("--etp", type=int, metavar="N",
+                     help="the routed experts' tensor-parallel size (megatron-core's expert_tensor_parallel_size; "
+                          "default: --megatron-args' --expert-tensor-parallel-size, else --tp)")
     mem.add_argument("--vpp", type=int, metavar="N", help="model chunks per pipeline rank (interleaved 1F1B)")
     mem.add_argument("--sequence-parallel", action="store_true", default=None,
                      help="sequence parallelism (the activations between layers split over TP)")
@@ -273,6 +282,9 @@ def add_parser(sub: Any) -> None:
                        help="megatron-core's DistributedOptimizer (optimizer state sharded over DP)")
     shard.add_argument("--fsdp", action="store_true", default=None,
                        help="torch FSDP2 (a DiT file: the example's; a decoder: Megatron-LM's --use-torch-fsdp2)")
+    shard.add_argument("--megatron-fsdp", choices=FSDP_STRATEGIES, metavar="STRATEGY",
+                       help="Megatron-FSDP (Megatron-LM's --use-megatron-fsdp) with this "
+                            "--data-parallel-sharding-strategy: " + ", ".join(FSDP_STRATEGIES) + " (a formula)")
     mem.add_argument("--params-dtype", choices=sorted(DTYPE_BYTES),
                      help="weight dtype (16-bit: fp32 main copies; FSDP2: the compute dtype over fp32 shards; "
                           "default bf16)")

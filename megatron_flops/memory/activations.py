@@ -97,6 +97,7 @@ class _Dims:
     tp: int = 1
     gate: bool = False  # attention_output_gate: linear_qkv also projects a sigmoid gate per query channel
     ep: int = 1
+    etp: int = 1  # the routed experts' tensor-parallel size
     cp: int = 1  # context parallelism: s is this rank's s/CP tokens of each sequence
 
     @property
@@ -107,6 +108,11 @@ class _Dims:
     def local_tokens(self) -> int:
         """Tokens of this rank's slice of the [s, b, h] activations between layers."""
         return self.tokens // self.sp
+
+    @property
+    def expert_tokens(self) -> int:
+        """Tokens the routed experts' TP group holds: ETP ranks' slices (T with ETP = TP)."""
+        return self.local_tokens * self.etp
 
 
 @dataclass
@@ -226,7 +232,7 @@ def _dims(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: 
                  heads=spec.num_attention_heads // par.tp, groups=spec.num_query_groups // par.tp,
                  ffn=spec.ffn_hidden_size // par.tp, vocab=padded_vocab(spec, options, par.tp) // par.tp,
                  act=training.param_bytes, rot=rot, sp=sp, tp=par.tp, ep=par.ep, gate=spec.attention_output_gate,
-                 cp=par.cp)
+                 etp=par.expert_tp, cp=par.cp)
 
 
 def _gathered(x: _Dims) -> int | None:
@@ -532,10 +538,10 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
     if not w.grad.started:
         return
     g, frozen = w.grad, not w.grad.base
-    routed = moe_activations(spec, options, tokens=x.tokens, local_tokens=x.local_tokens, act=x.act, tp=x.tp,
-                             ep=x.ep, received=x.received, frozen=frozen)
-    routed["lora"] = expert_lora_activations(spec, adapted=g.adapted, rank=g.rank, frozen=frozen, tokens=x.tokens,
-                                             act=x.act, tp=x.tp, received=x.received)
+    routed = moe_activations(spec, options, tokens=x.expert_tokens, local_tokens=x.local_tokens, act=x.act,
+                             tp=x.etp, ep=x.ep, received=x.received, frozen=frozen)
+    routed["lora"] = expert_lora_activations(spec, adapted=g.adapted, rank=g.rank, frozen=frozen,
+                                             tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received)
     shared = moe.shared_expert_ffn_hidden_size
     if shared:
         sub = _Walk(_Grad(base=g.base, adapted=g.adapted, rank=g.rank))
@@ -711,7 +717,7 @@ def received_bounds(spec: ModelSpec, par: Parallelism, training: Training) -> tu
     picks one of its ``E / EP`` experts (each token picks ``topk`` distinct experts)."""
     moe = spec.moe
     assert moe is not None
-    tokens = training.seq_length * training.micro_batch_size
+    tokens = training.seq_length * training.micro_batch_size // par.tp * par.expert_tp  # the expert TP group's
     return 0, par.ep * tokens * min(moe.router_topk, moe.num_experts // par.ep)
 
 

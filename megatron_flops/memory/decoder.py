@@ -181,12 +181,16 @@ def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, op
     if spec.moe is not None:
         if spec.moe.num_experts % par.ep:
             raise ValueError(f"num_moe_experts={spec.moe.num_experts} is not divisible by --ep {par.ep}")
-        for name, value in (("moe_ffn_hidden_size", spec.moe.ffn_hidden_size),
-                            ("moe_shared_expert_intermediate_size", spec.moe.shared_expert_ffn_hidden_size)):
-            if value % tp:
-                raise ValueError(f"{name}={value} is not divisible by --tp {tp}")
+        for name, value, size, flag in (
+                ("moe_ffn_hidden_size", spec.moe.ffn_hidden_size, par.expert_tp, "--etp" if par.etp else "--tp"),
+                ("moe_shared_expert_intermediate_size", spec.moe.shared_expert_ffn_hidden_size, tp, "--tp")):
+            if value % size:
+                raise ValueError(f"{name}={value} is not divisible by {flag} {size}")
     elif par.ep > 1:
         raise ValueError(f"--ep {par.ep} needs a MoE model (num_moe_experts)")
+    if spec.moe is not None and peft is not None and peft.lora_rank is not None and par.expert_tp != par.tp:
+        raise ValueError(f"LoRA adapters are modelled with the experts' TP equal to TP, not --etp {par.expert_tp} "
+                         f"with --tp {par.tp}")
     reason = lora_tp_reason(spec, par, peft)
     if reason is not None:
         raise ValueError(reason)
@@ -317,6 +321,8 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     assert moe is not None
     mlp = prefix + "mlp."
     out.append(Param(mlp + "router.weight", moe.num_experts * h, base, tp_replicated=True, rows=moe.num_experts))
+    if bias:  # (a bias per expert, whole on every TP rank)
+        out.append(Param(mlp + "router.bias", moe.num_experts, base, tp_replicated=True))
     latent = moe.latent_size
     if latent:  # NB: Transformer Engine's duplicated TELinear: whole on every TP rank
         for name, shape in (("fc1_latent_proj.", (latent, h)), ("fc2_latent_proj.", (h, latent))):
@@ -324,8 +330,8 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
             if bias:
                 out.append(Param(mlp + name + "bias", shape[0], base, tp_replicated=True))
     for j in range(moe.num_experts // par.ep):
-        out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // tp, bias,
-                    expert=par.ep > 1, width=latent or h, tp=tp)  # (expert TP = TP)
+        out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // par.expert_tp, bias,
+                    expert=par.ep > 1, width=latent or h, tp=par.expert_tp)
     if moe.shared_expert_ffn_hidden_size:
         if moe.shared_expert_gate:  # (registered before the MLP's layers)
             out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True, rows=1))

@@ -1,10 +1,11 @@
 """Parallel layout and training settings that memory and traffic depend on (stdlib only).
 
-Sizes follow megatron-core's ``initialize_model_parallel``: world = TP x PP x CP x DP; expert
-parallelism (EP) splits the DP x CP ranks, with expert tensor parallelism equal to TP, so the
-expert data-parallel size is ``DP x CP / EP``. Pipeline stages hold ``num_layers / (PP x VPP)``
-layers per model chunk (or ``stage_layers``: a hybrid pattern's ``|`` segments); virtual stage
-``v x PP + r`` is chunk ``v`` of pipeline rank ``r``.
+Sizes follow megatron-core's ``initialize_model_parallel``: world = TP x PP x CP x DP; the
+experts have their own grid over each pipeline stage's TP x CP x DP ranks: expert tensor
+parallelism (ETP, TP unless given) x expert parallelism (EP) x expert data parallelism, so the
+expert data-parallel size is ``TP x CP x DP / (ETP x EP)`` (``DP x CP / EP`` with ETP = TP).
+Pipeline stages hold ``num_layers / (PP x VPP)`` layers per model chunk (or ``stage_layers``: a
+hybrid pattern's ``|`` segments); virtual stage ``v x PP + r`` is chunk ``v`` of pipeline rank ``r``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ FP32_BYTES = DTYPE_BYTES["fp32"]
 NORM_STATS_BYTES = FP32_BYTES  # a norm's mean/rstd per token, in fp32 as CUDA kernels keep them
 INDEX_BYTES = 8  # int64 token ids, positions, targets, top-k and gather indices
 OPTIMIZERS = ("adam", "sgd")
+# Megatron-FSDP's data_parallel_sharding_strategy values, from nothing sharded to everything.
+FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def _positive(name: str, value: object) -> None:
@@ -28,8 +31,10 @@ class Parallelism:
     """Parallel sizes. ``vpp`` is the number of model chunks per pipeline rank (None: no
     interleaving); ``distributed_optimizer`` shards optimizer state over DP (megatron-core's
     ``DistributedOptimizer``); ``fsdp`` shards parameters, gradients and optimizer state over DP
-    (torch FSDP2, DiT models); ``stage_layers``: the decoder layers of each virtual stage in the
-    order ``v x PP + r`` (a hybrid pattern's ``|`` segments; None: an even split)."""
+    (torch FSDP2, DiT models); ``megatron_fsdp`` Megatron-FSDP's sharding strategy (None: not
+    Megatron-FSDP); ``etp`` the routed experts' tensor-parallel size (None: TP); ``stage_layers``:
+    the decoder layers of each virtual stage in the order ``v x PP + r`` (a hybrid pattern's ``|``
+    segments; None: an even split)."""
 
     tp: int = 1
     pp: int = 1
@@ -40,6 +45,8 @@ class Parallelism:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     fsdp: bool = False
+    etp: int | None = None
+    megatron_fsdp: str | None = None
     stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -51,8 +58,18 @@ class Parallelism:
                 raise ValueError("--vpp needs --pp > 1 (interleaving splits each pipeline rank's layers)")
         if self.distributed_optimizer and self.fsdp:
             raise ValueError("--distributed-optimizer and --fsdp are two ways to shard over DP: choose one")
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"--ep {self.ep} does not divide DP x CP = {self.dp * self.cp}")
+        if self.megatron_fsdp is not None:
+            if self.megatron_fsdp not in FSDP_STRATEGIES:
+                raise ValueError(f"--megatron-fsdp takes one of {FSDP_STRATEGIES}, got {self.megatron_fsdp!r}")
+            if self.distributed_optimizer or self.fsdp:
+                raise ValueError("Megatron-FSDP shards over DP itself: not with --distributed-optimizer or --fsdp")
+        if self.etp is not None:
+            _positive("--etp", self.etp)
+        if (self.tp * self.dp * self.cp) % (self.expert_tp * self.ep):
+            what = "DP x CP" if self.expert_tp == self.tp else "TP x DP x CP"
+            size = self.dp * self.cp if self.expert_tp == self.tp else self.tp * self.dp * self.cp
+            raise ValueError(f"--ep {self.ep}" + (f" x --etp {self.expert_tp}" if self.expert_tp != self.tp else "")
+                             + f" does not divide {what} = {size}")
         if self.stage_layers is not None and len(self.stage_layers) != self.pp * self.num_chunks:
             raise ValueError(f"{len(self.stage_layers)} pipeline segments for PP x VPP = {self.pp * self.num_chunks} "
                              "virtual stages")
@@ -66,8 +83,17 @@ class Parallelism:
         return self.vpp or 1
 
     @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
     def expert_dp(self) -> int:
-        return self.dp * self.cp // self.ep
+        return self.tp * self.dp * self.cp // (self.expert_tp * self.ep)
+
+    def expert_dp_rank(self, dp_rank: int) -> int:
+        """The expert data-parallel rank of TP rank 0 of data-parallel rank ``dp_rank`` (megatron's
+        expert grid orders ETP, then EP, then expert DP)."""
+        return dp_rank * self.tp // (self.expert_tp * self.ep)
 
     def chunk_layers(self, num_layers: int, pp_rank: int, chunk: int) -> range:
         """Decoder layers of model chunk ``chunk`` on pipeline rank ``pp_rank``."""

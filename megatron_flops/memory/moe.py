@@ -5,9 +5,10 @@ collectives, under TP (with sequence parallelism, which megatron-core requires f
 
 Per micro-batch of ``T = s x b`` tokens, ``a`` bytes per activation element, ``E`` experts
 (``E / EP`` on this rank), ``k = topk``; under sequence parallelism a rank routes its own
-``T / TP`` tokens (``T_l``). Experts are split over TP (megatron-core's default
-``expert_tensor_parallel_size = TP``): each rank's experts see every token routed to them from
-the TP x EP ranks, ``n = T x k`` of them with balanced routing.
+``T / TP`` tokens (``T_l``). Experts are split over the expert TP group (ETP ranks,
+``expert_tensor_parallel_size``, TP by default): each rank's experts see every token routed to
+them from the ETP x EP ranks, ``n = T_l x ETP x k`` of them with balanced routing (``T x k``
+with ETP = TP).
 
 - ``alltoall``: the router permutes its ``T_l`` tokens before the EP all-to-all; with TP > 1 the
   routed tokens and probabilities are all-gathered over expert TP after it (uneven per-rank
@@ -16,9 +17,10 @@ the TP x EP ranks, ``n = T x k`` of them with balanced routing.
   all-gathered over the expert TP x EP group (``G = T x EP`` rows), each rank permutes what its
   experts take, and the output [G, h] is reduce-scattered back.
 
-NB: measured on CPU (gloo) for both dispatchers without TP and under TP2 + SP and TP2 x EP2 + SP
-(the alltoall dispatcher's uneven TP all-gather and reduce-scatter run as gloo's uneven
-all-to-all in the tests). Latent projections (``moe_latent_size`` needs Transformer Engine) are
+NB: measured on CPU (gloo) for both dispatchers without TP and under TP2 + SP and TP2 x EP2 + SP,
+and with an expert TP other than TP (TP2 + SP with ETP1 x EP2, TP1 with ETP2 x EP2) (the
+alltoall dispatcher's uneven TP all-gather and reduce-scatter run as gloo's uneven all-to-all in
+the tests). Latent projections (``moe_latent_size`` needs Transformer Engine) are
 a formula.
 """
 
@@ -43,6 +45,16 @@ def check_moe(spec: ModelSpec, options: DecoderOptions, par: Parallelism) -> Non
     if par.tp > 1 and not par.sequence_parallel:
         raise ValueError("megatron-core refuses to train MoE layers under tensor parallelism without sequence "
                          "parallelism: add --sequence-parallel")
+    if par.expert_tp != par.tp and par.ep == 1:
+        # NB: megatron-core marks expert weights for the expert data-parallel group only under EP > 1
+        # (their ``allreduce`` attribute); with EP 1 DDP reduces them over the dense DP group, which
+        # with ETP != TP sums different shards or leaves TP copies apart.
+        raise ValueError(f"an expert TP ({par.expert_tp}) other than TP ({par.tp}) needs --ep > 1: with EP 1 "
+                         "megatron-core reduces expert gradients over the dense data-parallel group")
+    if options.add_bias_linear and par.expert_tp > 1:
+        raise ValueError(f"megatron-core refuses linear biases in MoE layers with expert TP {par.expert_tp} "
+                         "(TransformerConfig: 'Bias in Moe is only supported when ETP==1'): set add_bias_linear "
+                         "false, or --etp 1")
     if not spec.gated_linear_unit and options.bias_activation_fusion:
         raise ValueError("megatron-core's experts cannot fuse a non-gated activation with the routing "
                          "probabilities (MLP.forward raises 'Only support fusion of swiglu and quick_gelu with "
@@ -168,16 +180,18 @@ def moe_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism
     - ``tp/*`` (TP > 1, sequence parallelism): a MoE layer without shared experts has no dense
       MLP (no all-gather of fc1's input, twice, nor reduce-scatter of fc2's output and of fc1's
       input gradient); shared experts run as one.
-    - ``tp_ep/all_gather`` (the expert TP x EP group, TP x EP > 1): ``alltoall`` gathers each
-      rank's token count per expert (int64 [E]); ``allgather`` gathers the tokens [G, h], the
+    - ``tp_ep/all_gather`` (the expert TP x EP group, ETP x EP > 1): ``alltoall`` gathers each
+      rank's token count per expert (int64 [E]); ``allgather`` gathers the tokens [G, h] (``G =
+      s/TP*b x ETP x EP``), the
       probabilities [G, E] and the routing map (bool [G, E]), and all-gathers the output's
       gradient [G, h] in backward; ``tp_ep/reduce_scatter`` the output [G, h] (in the
       probabilities' dtype) forward, the gradients of the tokens and probabilities backward.
     - ``ep/all_to_all`` (``alltoall``, EP > 1): this rank's routed tokens [s/TP*b*topk, h] and
       probabilities to the experts and as many back, forward (twice when re-run) and backward.
-    - ``tp/all_gather`` and ``tp/reduce_scatter`` of the routed tokens (``alltoall``, TP > 1):
-      every token routed to this rank's experts from the TP x EP ranks (``received``; None:
-      balanced, ``s*b x topk``), with its probability, forward; the experts' output for them.
+    - ``tp/all_gather`` and ``tp/reduce_scatter`` of the routed tokens (``alltoall``, expert TP
+      > 1; ``etp/...`` when the expert TP is not TP: :func:`expert_tp_group`): every token routed
+      to this rank's experts from the ETP x EP ranks (``received``; None: balanced, ``s/TP*b x
+      ETP x topk``), with its probability, forward; the experts' output for them.
     """
     moe = spec.moe
     assert moe is not None
@@ -195,26 +209,34 @@ def moe_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism
         add("tp/all_gather", -(3 * moe_layers + rerun) * hidden)
         add("tp/reduce_scatter", -(2 * moe_layers + rerun) * hidden)
     passes = 2 * moe_layers + rerun  # forward passes through the dispatcher, backward once
+    etp = par.expert_tp
     if options.moe_token_dispatcher_type == "allgather":
-        if par.tp * par.ep > 1:
-            rows = tokens * par.ep
+        if etp * par.ep > 1:
+            rows = tokens // par.tp * etp * par.ep  # every rank of the expert TP x EP group its [T_l, h] slice
             add("tp_ep/all_gather", (moe_layers + rerun) * rows * (width * a + E * a + E) + moe_layers * rows * width * a)
             add("tp_ep/reduce_scatter", (moe_layers + rerun) * rows * width * a + moe_layers * rows * (width * a + E * a))
         return out
-    if par.tp * par.ep > 1:
-        add("tp_ep/all_gather", (moe_layers + rerun) * par.tp * par.ep * E * INDEX_BYTES)
+    if etp * par.ep > 1:
+        add("tp_ep/all_gather", (moe_layers + rerun) * etp * par.ep * E * INDEX_BYTES)
     routed = tokens * moe.router_topk
     if par.ep > 1:
         local = routed // par.tp  # this rank's [T_l x k] routed tokens, to the experts and back
         add("ep/all_to_all", passes * (2 * local * width * a + local * a))
-    if par.tp > 1:
-        routed = routed if received is None else received
+    if etp > 1:
+        routed = routed // par.tp * etp if received is None else received
         # All-gather over expert TP of the routed tokens and probabilities the experts take
         # (their gradients reduce-scattered in backward), reduce-scatter of the experts' output
         # (its gradient all-gathered in backward).
-        add("tp/all_gather", (moe_layers + rerun) * routed * (width + 1) * a + moe_layers * routed * width * a)
-        add("tp/reduce_scatter", (moe_layers + rerun) * routed * width * a + moe_layers * routed * (width + 1) * a)
+        group = expert_tp_group(par)
+        add(f"{group}/all_gather", (moe_layers + rerun) * routed * (width + 1) * a + moe_layers * routed * width * a)
+        add(f"{group}/reduce_scatter",
+            (moe_layers + rerun) * routed * width * a + moe_layers * routed * (width + 1) * a)
     return out
+
+
+def expert_tp_group(par: Parallelism) -> str:
+    """The key of the routed experts' TP group: ``tp`` (ETP = TP, the same ranks), else ``etp``."""
+    return "tp" if par.expert_tp == par.tp else "etp"
 
 
 def all_to_all_range(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,

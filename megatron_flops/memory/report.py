@@ -29,6 +29,7 @@ from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
 from megatron_flops.memory.moe import (
     all_to_all_range,
     check_moe,
+    expert_tp_group,
     layer_is_moe,
     moe_communication,
     moe_unmeasured,
@@ -90,7 +91,7 @@ def rank_memory(
     states: dict[str, int] = {}
     buffers: dict[str, list[Bucket]] = {"dp": [], "expt_dp": []}
     sizes = {"dp": par.dp * par.cp, "expt_dp": par.expert_dp}
-    ranks = {"dp": dp_rank, "expt_dp": dp_rank // par.ep}
+    ranks = {"dp": dp_rank, "expt_dp": par.expert_dp_rank(dp_rank)}
     for chunk in range(par.num_chunks):
         params = chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk,
                                   seq_length=training.seq_length, peft=peft)
@@ -174,10 +175,11 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
         if span is not None:
             lo, hi = out.get("ep/all_to_all", (0, 0))
             out["ep/all_to_all"] = (lo + m * span[0], hi + m * span[1])
-        if moe_layers and par.tp > 1 and options.moe_token_dispatcher_type == "alltoall":
+        if moe_layers and par.expert_tp > 1 and options.moe_token_dispatcher_type == "alltoall":
             at = [moe_communication(spec, options, par, training, moe_layers, rerun, received)
                   for received in (None, fewest, most)]
-            for key in ("tp/all_gather", "tp/reduce_scatter"):
+            group = expert_tp_group(par)
+            for key in (f"{group}/all_gather", f"{group}/reduce_scatter"):
                 lo, hi = out.get(key, (comm[key], comm[key]))
                 balanced = at[0].get(key, 0)
                 out[key] = (lo + m * (at[1].get(key, 0) - balanced), hi + m * (at[2].get(key, 0) - balanced))
@@ -199,10 +201,10 @@ MAX_FORWARD_PASSES = 1 << 16
 
 
 def _check_size(spec: ModelSpec, par: Parallelism, training: Training) -> None:
-    ranks = par.dp if par.distributed_optimizer else 1
+    ranks = par.dp if par.distributed_optimizer or par.megatron_fsdp else 1
     if spec.num_layers * ranks > MAX_LAYER_RANKS:
         raise ValueError(f"the memory model lists every layer for each data-parallel rank it compares (every one "
-                         f"under --distributed-optimizer, else one): num_layers x those ranks must be at most "
+                         f"under --distributed-optimizer or --megatron-fsdp, else one): num_layers x those ranks must be at most "
                          f"{MAX_LAYER_RANKS:,}, got {spec.num_layers:,} x {ranks:,}")
     passes = training.num_microbatches * par.num_chunks
     if passes > MAX_FORWARD_PASSES:
@@ -266,11 +268,21 @@ def decoder_memory(
                              vision=vision)
                  for d in (range(par.dp) if par.distributed_optimizer else (0,))]
         stages.append(max(ranks, key=lambda r: (r.total, -r.dp_rank)))
+    if par.megatron_fsdp is not None:  # Megatron-FSDP: its states and dp/ traffic, the rest as DDP's
+        from megatron_flops.memory.megatron_fsdp import megatron_fsdp_stage
+
+        stages = [_with_states(r, *megatron_fsdp_stage(spec, options, par, training, pp_rank=r.pp_rank, peft=peft))
+                  for r in stages]
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
+    if par.megatron_fsdp is not None:
+        from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
+
+        more = megatron_fsdp_notes(par)
+        assumptions, unmeasured = assumptions + tuple(more[0]), unmeasured + tuple(more[1])
     if fsdp is not None:
         comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
         stages = [replace(stages[0], states=fsdp[0], communication={**fsdp[1], **comm})]
@@ -282,12 +294,18 @@ def decoder_memory(
         parameters={k: v + tower.parameter_counts()[k] for k, v in counts.items()},
         stages=tuple(stages),
         group_sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2,
-                     "tp_ep": par.tp * par.ep,
+                     "tp_ep": par.expert_tp * par.ep, "etp": par.expert_tp,
                      "cp": par.cp},
         not_modelled=((reason,) if reason else ()) + tower.not_modelled,
         assumptions=assumptions + tower.assumptions,
         unmeasured=unmeasured + tower.unmeasured,
     )
+
+
+def _with_states(rank: RankMemory, states: dict[str, int], data_parallel: dict[str, int]) -> RankMemory:
+    """``rank`` with other states and ``dp``/``expt_dp`` payloads."""
+    comm = {k: v for k, v in rank.communication.items() if not k.startswith(("dp/", "expt_dp/"))}
+    return replace(rank, states=states, communication={**data_parallel, **comm})
 
 
 def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,

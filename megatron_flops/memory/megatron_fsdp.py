@@ -1,0 +1,216 @@
+"""States and traffic per GPU of a megatron-core GPT under Megatron-FSDP (Megatron-LM's
+``--use-megatron-fsdp``, megatron-core 0.16.1's ``distributed/fsdp``), by sharding strategy
+(stdlib only).
+
+NB: as megatron-core 0.16.1's ``ParamAndGradBuffer`` allocates and ``MegatronFSDP`` communicates
+(measured on CPU with gloo, its CUDA streams stubbed: tests/test_memory_megatron_fsdp.py):
+
+- parameter groups (``_get_parameter_groups``): parameters with the same expert-ness (``.experts.``
+  in the name), ``requires_grad`` and FSDP unit (``optim_grads_params``: each ``TransformerLayer``;
+  otherwise none) share a group wherever they sit; a group outside units is cut into buckets of
+  the DDP bucket size, the shared embedding/output weight of a pipeline alone; each bucket gets a
+  ``chunk_size_factor`` (the lcm of the row sizes it needs: :func:`chunk_size_factor`);
+- each bucket's layout (``build_data_parallel_buffer_index``): parameters in order of decreasing
+  row size, each starting on a chunk boundary unless its remainder fits beside another's, small
+  ones in the gaps; the bucket padded to a multiple of ``DP x chunk_size_factor``, each rank
+  owning ``1 / DP`` of it (expert buckets: over the expert DP group);
+- buffers per bucket: model weights (params dtype), main weights (fp32, ``preserve_fp32_weights``,
+  for trainable buckets, even of fp32 models), main gradients (fp32 with ``grad_reduce_in_fp32``);
+  ``optim`` shards the main weights, ``optim_grads`` also the gradients, ``optim_grads_params``
+  also the model weights; optimizer moments over the real elements of this rank's shard;
+- collectives: see :func:`megatron_fsdp_rank`.
+
+``no_shard`` (Megatron-LM's default strategy) is refused: megatron-core 0.16.1 fails at its first
+optimizer step. ``megatron_fsdp/unsharded_working_copies`` (the gathered units and unsharded
+gradient buckets alive at once) is a formula: gloo on CPU runs each collective to completion.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.memory.decoder import DecoderOptions, Param, chunk_parameters
+from megatron_flops.memory.fsdp_transients import unsharded_working_copies
+from megatron_flops.memory.layout import FP32_BYTES, FSDP_STRATEGIES as STRATEGIES, Parallelism, Training
+from megatron_flops.memory.states import optimizer_keys
+from megatron_flops.model.spec import ModelSpec
+
+_UNIT = re.compile(r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.transformer_layer\.)")
+
+
+@dataclass(frozen=True)
+class FsdpBucket:
+    """One Megatron-FSDP parameter group after bucketing: its parameters (in buffer order), the
+    group it reduces over (``dp`` or ``expt_dp``), whether they train, their FSDP unit."""
+
+    params: tuple[Param, ...]
+    group: str
+    trainable: bool
+    unit: str | None
+    chunk: int
+
+
+def _row(p: Param) -> int:
+    return p.numel // (p.rows or p.numel) if p.rows else 1
+
+
+def chunk_size_factor(params: Sequence[Param]) -> tuple[tuple[Param, ...], int]:
+    """Step 3 of ``_get_parameter_groups``: the parameters by decreasing row size and the chunk
+    size factor, grown to the lcm with each row size the current factor does not fit."""
+    ordered = sorted(params, key=_row, reverse=True)  # (stable, as Python's sorted)
+    chunk = _row(ordered[0])
+    for p in ordered:
+        row = _row(p)
+        if not (row == chunk or (chunk % row == 0 and p.numel % chunk == 0) or p.numel < chunk):
+            chunk = math.lcm(chunk, row)
+    return tuple(ordered), chunk
+
+
+def fsdp_buckets(params: Sequence[Param], *, strategy: str, bucket_size: int | None) -> list[FsdpBucket]:
+    """The buckets of one model chunk (``params`` in ``named_parameters()`` order)."""
+    groups: dict[tuple[bool, bool, str | None], list[Param]] = {}
+    for p in params:
+        match = _UNIT.match(p.name) if strategy == "optim_grads_params" else None
+        groups.setdefault((".experts." in p.name, p.trainable, match.group(1) if match else None), []).append(p)
+    out = []
+    for (expert, trainable, unit), members in groups.items():
+        cut: list[list[Param]] = [[]]
+        for p in members:
+            if p.shared_embedding:  # (a bucket of its own)
+                cut += [[p], []]
+                continue
+            cut[-1].append(p)
+            if unit is None and bucket_size and sum(q.numel for q in cut[-1]) >= bucket_size:
+                cut.append([])
+        for bucket in (b for b in cut if b):
+            ordered, chunk = chunk_size_factor(bucket)
+            out.append(FsdpBucket(ordered, "expt_dp" if expert else "dp", trainable, unit, chunk))
+    return out
+
+
+def bucket_layout(bucket: FsdpBucket, dp: int) -> tuple[int, list[tuple[int, int]]]:
+    """``build_data_parallel_buffer_index``: the bucket's size, padding included, and each
+    parameter's ``[start, end)`` in it (in ``bucket.params`` order)."""
+    chunk = bucket.chunk
+    numel = [p.numel for p in bucket.params]
+    regular = [i for i, n in enumerate(numel) if n >= chunk]
+    fragments = [i for i, n in enumerate(numel) if n < chunk]
+    starts: dict[int, int] = {}
+    index = 0
+    while regular:
+        i = regular.pop(0)
+        starts[i] = index
+        if numel[i] % chunk == 0:
+            index += numel[i]
+            continue
+        gap = index + numel[i]
+        index += (numel[i] // chunk + 1) * chunk
+        remain = numel[i] % chunk
+        space = chunk - remain
+        partner = next((j for j in regular if numel[j] % chunk and remain + numel[j] % chunk <= chunk), None)
+        if partner is not None:  # (its remainder ends where this one's chunk ends)
+            regular.remove(partner)
+            starts[partner] = index - numel[partner] % chunk
+            space -= numel[partner] % chunk
+            index += numel[partner] // chunk * chunk
+        for j in list(fragments):  # small parameters into the gap after this one
+            if numel[j] <= space:
+                starts[j] = gap
+                space -= numel[j]
+                gap += numel[j]
+                fragments.remove(j)
+    for j in fragments:
+        starts[j] = index
+        index += numel[j]
+    size = -(-index // (dp * chunk)) * dp * chunk
+    return size, [(starts[i], starts[i] + numel[i]) for i in range(len(numel))]
+
+
+def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy: str, sizes: dict[str, int],
+                       ranks: dict[str, int], bucket_size: int | None) -> tuple[dict[str, int], dict[str, int]]:
+    """(state bytes, step payload per ``group/kind``) of one model chunk on the rank with
+    data-parallel ranks ``ranks`` (``dp``, ``expt_dp``) in groups of ``sizes`` (see the module NB).
+    ``bucket_size``: the DDP bucket size (None: ``overlap_grad_reduce`` off)."""
+    if strategy not in STRATEGIES[1:]:
+        raise ValueError(f"Megatron-FSDP is modelled with {', '.join(STRATEGIES[1:])}, not {strategy!r}: "
+                         "megatron-core 0.16.1's no_shard fails at the first optimizer step (start_param_sync "
+                         "all-gathers a model-weight buffer no_shard does not allocate)")
+    shard_w, shard_g = strategy == "optim_grads_params", strategy != "optim"
+    a, g, m = training.param_bytes, training.grad_bytes, training.num_microbatches
+    states = dict.fromkeys(("weights", "gradients", "optimizer/main_params", *optimizer_keys(training)), 0)
+    moments = [k for k in states if k.startswith("optimizer/") and k != "optimizer/main_params"]
+    comm: dict[str, int] = {}
+    gathered: list[int] = []
+    grads: list[int] = []
+    for bucket in fsdp_buckets(params, strategy=strategy, bucket_size=bucket_size):
+        n, rank = sizes[bucket.group], ranks[bucket.group]
+        size, spans = bucket_layout(bucket, n)
+        part = size // n
+        states["weights"] += (part if shard_w else size) * a
+        gathered.append(size * a if shard_w and n > 1 else 0)
+        if not bucket.trainable:
+            grads.append(0)
+            continue
+        # NB: fp32 main weights for every trainable bucket (preserve_fp32_weights), even of fp32 models.
+        states["optimizer/main_params"] += part * FP32_BYTES
+        states["gradients"] += (part if shard_g else size) * g
+        grads.append(size * g if shard_g and n > 1 else 0)
+        real = sum(max(0, min((rank + 1) * part, end) - max(rank * part, start)) for start, end in spans)
+        for key in moments:
+            states[key] += real * FP32_BYTES
+        if n > 1:
+            # Gradients: optim reduce-scatters in the last micro-batch's backward and, without
+            # overlap_grad_reduce, again in finish_grad_sync; optim_grads(_params) every backward.
+            # Weights: all-gathered once per step, and with optim_grads_params each
+            # TransformerLayer's in every forward and again in backward (the rest stays gathered).
+            rs = (1 if bucket_size else 2) if strategy == "optim" else m
+            ag = 2 * m if bucket.unit is not None else 1
+            for kind, value in (("reduce_scatter", rs * size * g), ("all_gather", ag * size * a)):
+                comm[f"{bucket.group}/{kind}"] = comm.get(f"{bucket.group}/{kind}", 0) + value
+    states["megatron_fsdp/unsharded_working_copies"] = unsharded_working_copies(gathered, grads)
+    return {k: v for k, v in states.items() if v or k in ("weights", "gradients")}, comm
+
+
+def megatron_fsdp_stage(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
+                        pp_rank: int, peft: PeftSpec | None) -> tuple[dict[str, int], dict[str, int]]:
+    """(states, ``dp``/``expt_dp`` payloads) of pipeline rank ``pp_rank``'s most loaded
+    data-parallel rank: one Megatron-FSDP wrapper per model chunk (bucketed: chunk 0 only)."""
+    assert par.megatron_fsdp is not None
+    best: tuple[dict[str, int], dict[str, int]] | None = None
+    for dp_rank in range(par.dp):
+        states: dict[str, int] = {}
+        comm: dict[str, int] = {}
+        for chunk in range(par.num_chunks):
+            params = chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk,
+                                      seq_length=training.seq_length, peft=peft)
+            more = megatron_fsdp_rank(params, training, strategy=par.megatron_fsdp,
+                                      sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp},
+                                      ranks={"dp": dp_rank, "expt_dp": par.expert_dp_rank(dp_rank)},
+                                      bucket_size=training.bucket_size if chunk == 0 else None)
+            for into, extra in zip((states, comm), more):
+                for key, value in extra.items():
+                    into[key] = into.get(key, 0) + value
+        if best is None or sum(states.values()) > sum(best[0].values()):
+            best = (states, comm)
+    assert best is not None
+    return best
+
+
+def megatron_fsdp_notes(par: Parallelism) -> tuple[list[str], list[str]]:
+    """(assumptions, unmeasured) that Megatron-FSDP adds to a decoder's report."""
+    assumptions = [f"Megatron-FSDP (--use-megatron-fsdp, --data-parallel-sharding-strategy {par.megatron_fsdp}) as "
+                   "megatron-core 0.16.1 allocates it: fp32 main weights (preserve_fp32_weights), no FSDP double "
+                   "buffer, no hybrid (outer) sharding, no FP8; activations as without it"]
+    unmeasured = ["megatron_fsdp/unsharded_working_copies: two neighbouring buckets' gathered weights and one "
+                  "unsharded gradient bucket alive at once (gloo on CPU runs each collective to completion, so "
+                  "the CUDA-stream overlap cannot be measured here)"]
+    other = [f"{name} {size}" for name, size in (("TP", par.tp), ("PP", par.pp), ("EP", par.ep), ("CP", par.cp))
+             if size > 1]
+    if other:
+        unmeasured.append(f"Megatron-FSDP with {', '.join(other)}: its buffers and dp/expt_dp collectives as over "
+                          "data parallelism alone (measured: DP only), the other groups' traffic as without it")
+    return assumptions, unmeasured
