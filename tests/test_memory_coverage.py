@@ -92,6 +92,10 @@ SETUPS = {
     "LoRA": ["--lora-rank", "4"],
     "LoRA proj, fc1, fc2": ["--lora-rank", "4", "--lora-targets", "linear_proj,linear_fc1,linear_fc2"],
     "frozen LoRA": ["--frozen", "--lora-rank", "4"],
+    "LoRA, selective recompute of layernorm, moe, shared_experts": [
+        "--lora-rank", "4", "--recompute", "selective", "--recompute-modules", "core_attn,layernorm,moe,shared_experts"],
+    "frozen LoRA, selective recompute of moe, shared_experts": [
+        "--frozen", "--lora-rank", "4", "--recompute", "selective", "--recompute-modules", "moe,shared_experts"],
 }
 SETUP_LAYOUTS = ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2")
 

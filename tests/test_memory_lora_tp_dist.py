@@ -44,6 +44,18 @@ RUNS = {
         m=2, lora=(ALL, 4)),
     # An MLA layer has no linear_qkv (that target adapts nothing); a MoE layer without shared
     # experts no dense MLP. Layer 0's MLA projections run before its first adapter (linear_proj).
+    # Selective moe + shared_experts (live-storage meter): per micro-batch the MoE layer re-runs once
+    # and its shared experts twice, their adapters' forward collectives with them. T = 32, h = 48,
+    # r = 4, fp32: shared fc1 + fc2 adapters 32 * 48 * 4 + 32 * 4 * 4 + 32 * 48 * 4 = 12800 B of
+    # all-gather and 512 B of all-reduce per run; routed adapters over the 128 routed tokens,
+    # 128 * 4 * 4 + 128 * 48 * 4 = 26624 B of all-gather: 2 * (2 * 12800 + 26624) = 104448 B of
+    # tp/all_gather and 2 * 2 * 512 = 2048 B of tp/all_reduce per step beyond the layer run once.
+    "TP2 + SP, MoE top-4 of 4 every other layer (allgather), shared experts, LoRA on all four, selective moe + "
+    "shared_experts": dict(
+        world=2, layout=dict(tp=2, sp=True),
+        model=dict(BASE, **MOE, moe_token_dispatcher_type="allgather", moe_shared_expert_intermediate_size=40,
+                   recompute_granularity="selective", recompute_modules=["moe", "shared_experts"]),
+        m=2, lora=(ALL, 4), live=True),
     "TP2 + SP, MLA (q_lora) + MoE without shared experts (alltoall), LoRA on all four": dict(
         world=2, layout=dict(tp=2, sp=True),
         model=dict(BASE, **MLA, q_lora_rank=24, **MOE, moe_token_dispatcher_type="alltoall"), m=2, lora=(ALL, 4)),

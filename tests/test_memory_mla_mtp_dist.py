@@ -39,6 +39,15 @@ RUNS = {
     "TP2 x DP2 + SP, MLA (q_lora, latent norms) + 1 MTP layer, distributed optimizer, fp32": dict(
         layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24, qk_layernorm=True, mtp_num_layers=1), m=2,
         build=dict(distributed_optimizer=True, params_dtype="fp32")),
+    # Selective mla_up_proj (CheckpointWithoutOutput, measured with the live-storage meter): per MLA
+    # layer (2 + 1 MTP) and micro-batch the re-run all-gathers the up projections' inputs again,
+    # 32 tokens x (q_lora 24 + kv_lora 32) x 4 B = 7168 B (x 3 x 2 = 43008 B of tp/all_gather per
+    # step), and its checkpoint keeps k_pos_emb, a view of the all-gathered kv_down output
+    # [32, 32 + 8] fp32 = 5120 B per layer that the layer alone would not keep.
+    "TP2 x DP2 + SP, MLA (q_lora, latent norms) + 1 MTP layer, selective mla_up_proj, DDP, fp32": dict(
+        layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24, qk_layernorm=True, mtp_num_layers=1,
+                                               recompute_granularity="selective", recompute_modules=["mla_up_proj"]),
+        m=2, build=dict(params_dtype="fp32"), live=True),
     "TP2 x PP2 + SP, MLA (direct q) + 1 MTP layer, untied, learned positions, full recompute (uniform 1), fp32": dict(
         layout=dict(tp=2, pp=2, sp=True), model=dict(MLA, num_layers=4, q_lora_rank=None, mtp_num_layers=1,
                                                      recompute_granularity="full", recompute_method="uniform",

@@ -24,7 +24,7 @@ from megatron_flops.memory.activations import (check_activations_supported, chun
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.model.spec import ModelSpec
-from test_memory_activations import BASE, MBS, MLA_LN, MOE, NUM_MB, SEQ, VOCAB, _measure
+from test_memory_activations import ALL, BASE, LORA_RANK, MBS, MLA_LN, MOE, NUM_MB, SEQ, VOCAB, _measure
 
 
 def _selective(*modules: str) -> dict:
@@ -81,6 +81,44 @@ def test_selective_recompute_saved_bytes_match_megatron_core(mcore, name):  # no
     assert measured_forward == [act.forward + act.shared] * NUM_MB
     assert measured_peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]
     assert (measured_peak > measured_forward[0]) == (name in BACKWARD_PEAKS)
+
+
+# With LoRA adapters (rank 4, as Megatron-Bridge's): fields, targets, frozen base. A frozen base's
+# MLA up projections keep no input, but the up-projection checkpoint keeps its inputs (q latent
+# [T, 24], kv_down's output [T, 32 + 8]: (24 + 40) * 32 * 4 = 8192 bytes in layer 1; layer 0 runs
+# before the first adapter, its checkpoint saves nothing); the shared experts' adapters' [T, r]
+# intermediates are re-saved inside the shared_experts checkpoint. (Frozen base + layernorm:
+# megatron-core fails, test_what_is_not_modelled_says_why.)
+PEFT_CASES = {
+    "layernorm, base trains, linear_qkv": (_selective("layernorm"), ("linear_qkv",), False),
+    "moe, frozen, all four targets": (dict(SHARED, **_selective("moe")), ALL, True),
+    "moe, base trains, linear_fc1 + linear_fc2": (dict(SHARED, **_selective("moe")), ("linear_fc1", "linear_fc2"),
+                                                   False),
+    "shared_experts, frozen, all four targets": (dict(SHARED, **_selective("shared_experts")), ALL, True),
+    "layernorm + moe + shared_experts, base trains, linear_fc2": (
+        dict(SHARED, **_selective("layernorm", "moe", "shared_experts")), ("linear_fc2",), False),
+    "mla_up_proj, q_lora, frozen, all four targets": (dict(MLA_LN, q_lora_rank=24, **_selective("mla_up_proj")), ALL,
+                                                      True),
+    "mla_up_proj, direct q, frozen, all four targets": (dict(MLA_LN, q_lora_rank=None, **_selective("mla_up_proj")),
+                                                        ALL, True),
+    "mla_up_proj, q_lora, qk_layernorm, frozen, all four targets": (
+        dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, **_selective("mla_up_proj")), ALL, True),
+    "mla_up_proj, q_lora, qk_layernorm, base trains, linear_proj": (
+        dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, **_selective("mla_up_proj")), ("linear_proj",), False),
+}
+
+
+@pytest.mark.parametrize("name", list(PEFT_CASES))
+def test_selective_recompute_with_lora_saved_bytes_match_megatron_core(mcore, name):
+    fields, targets, frozen = PEFT_CASES[name]
+    measured_forward, measured_peak = _measure(fields, "rope", "fp32", lora=(targets, LORA_RANK, frozen),
+                                               meter_cls=mcore_memory.LiveStorageMeter)
+    spec, options, training, recompute = _model(fields)
+    peft = PeftSpec(frozen=frozen, lora_rank=LORA_RANK, lora_targets=targets)
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0, recompute=recompute,
+                            peft=peft)
+    assert measured_forward == [act.forward + act.shared] * NUM_MB
+    assert measured_peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]
 
 
 # Cases whose peak is in a backward pass (a recompute region's), not at the end of a forward.
@@ -163,10 +201,8 @@ def test_estimate_adds_one_forward_of_each_recomputed_module(tmp_path, modules, 
 @pytest.mark.parametrize("fields, par, peft, reason", [
     (dict(SHARED, **_selective("moe_act")), Parallelism(), None, "megatron-core recomputes it in its grouped-GEMM"),
     (_selective("mla_up_proj"), Parallelism(), None, "megatron-core refuses it without multi-latent attention"),
-    (dict(MLA_LN, q_lora_rank=24, **_selective("mla_up_proj")), Parallelism(tp=2, sequence_parallel=True), None,
-     "mla_up_proj are modelled with --tp 1"),
     (dict(SHARED, **_selective("layernorm", "moe")), Parallelism(), PeftSpec(frozen=True, lora_rank=4),
-     r"\['layernorm', 'moe'\] are modelled without LoRA or a frozen base"),
+     "layernorm with a frozen base: megatron-core 0.16.1's CheckpointWithoutOutput fails"),
 ])
 def test_what_is_not_modelled_says_why(fields, par, peft, reason):
     spec, options, _, recompute = _model(fields)
@@ -190,6 +226,22 @@ def test_moe_and_shared_experts_rerun_their_collectives_under_tp():
         got = selective_rerun_communication(spec, par, training, pp_rank=0,
                                             recompute=RecomputeSpec(granularity="selective", modules=modules), peft=None)
         assert got == ({"tp/all_gather": 2 * runs * 4096, "tp/reduce_scatter": 2 * runs * 4096} if runs else {})
+
+
+def test_mla_up_proj_reruns_its_all_gathers_under_sequence_parallelism():
+    # 2 MLA layers, M = 2 micro-batches of [s, b] = [16, 2] = 32 tokens, fp32. Under TP2 + SP each
+    # re-run up projection all-gathers its latent input again: q latent 32 * 24 * 4 = 3072 and kv
+    # latent 32 * 32 * 4 = 4096 bytes (direct q: the hidden states, 32 * 64 * 4 = 8192); per step
+    # 2 * 2 * (3072 + 4096) = 28672 (direct q: 2 * 2 * (8192 + 4096) = 49152). TP2 without SP: the
+    # inputs enter by an identity forward, nothing re-runs.
+    from megatron_flops.memory.recompute import selective_rerun_communication
+
+    for q_lora, sp, expected in ((24, True, {"tp/all_gather": 28672}), (None, True, {"tp/all_gather": 49152}),
+                                 (24, False, {})):
+        spec, _, training, recompute = _model(dict(MLA_LN, q_lora_rank=q_lora, **_selective("mla_up_proj")))
+        got = selective_rerun_communication(spec, Parallelism(tp=2, sequence_parallel=sp), training, pp_rank=0,
+                                            recompute=recompute, peft=None)
+        assert got == expected
 
 
 def test_transformer_engine_mla_up_proj_recomputes_the_fused_latent_norms():

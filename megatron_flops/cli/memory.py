@@ -312,7 +312,7 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--recompute-num-layers", type=int, metavar="N", help="full recompute: layers per group or block")
     mem.add_argument("--recompute-modules", metavar="NAMES",
                      help="comma-separated selective recompute modules (default core_attn); activations modelled "
-                          "for core_attn, mlp, layernorm, moe, shared_experts, and mla_up_proj at --tp 1 "
+                          "for core_attn, mlp, layernorm, moe, shared_experts and mla_up_proj "
                           "(not moe_act: grouped-GEMM experts only)")
     mem.add_argument("--frozen", action="store_true", help="freeze every base weight")
     mem.add_argument("--lora-rank", type=int, metavar="R", help="add rank-R LoRA adapters")

@@ -363,6 +363,21 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     if base or norm:
         w.act("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a if x.sp == 1
               else loc * mla.kv_lora_rank * a)
+    if "mla_up_proj" in w.selective and w.grad.started and not base:
+        # A frozen base's up projections keep no input, but the up-projection checkpoint keeps its
+        # inputs: the q latent (the q norm's output, or q_down's output [T, q_lora]; direct q: the
+        # input norm's output [T, h]) and the kv latent (the kv norm's output, or kv_down's output
+        # [T, kv_lora + rope], of which k_pos_emb is a view). (At TP 1: recompute.selective_reason.)
+        q = (loc if norm else T) * mla.q_lora_rank if mla.q_lora_rank is not None else loc * x.h
+        w.act("attention", (q + (loc * mla.kv_lora_rank if norm else T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)))
+              * a)
+    elif "mla_up_proj" in w.selective and w.grad.started and x.sp > 1:
+        # The up-projection checkpoint keeps k_pos_emb, all-gathered [T, rope] under sequence
+        # parallelism: a view of the all-gathered kv_down output [T, kv_lora + rope] (the local
+        # spec's column-parallel down projections), its own storage under Transformer Engine's
+        # (duplicated TELinear down projections; unmeasured: :func:`.recompute.selective_unmeasured`).
+        local = options.transformer_impl != "transformer_engine"
+        w.act("attention", T * ((mla.kv_lora_rank if local else 0) + mla.qk_pos_emb_head_dim) * a)
     if norm:
         kv_norm = stats + (loc * mla.kv_lora_rank * a if base else 0)
         moved += kv_norm if fused else 0
@@ -532,11 +547,12 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
         sub = _Walk(_Grad(base=g.base, adapted=g.adapted, rank=g.rank))
         _mlp(sub, dataclasses.replace(x, ffn=shared // x.tp), options, spec.gated_linear_unit)
         lora = sub.out.components.pop("lora", 0)
-        routed["lora"] += lora
         # fc1's input is the router's (but the [T, h] an adapter gathers itself under sequence parallelism).
         fc1_input = x.local_tokens * x.h * x.act if g.base or ("linear_fc1" in g.adapted and x.sp == 1) else 0
         routed["moe/shared_experts"] = (sub.kept - lora - fc1_input
                                         + shared_gate_activations(spec, local_tokens=x.local_tokens, act=x.act))
+        # (Selective shared_experts: their adapters' intermediates are re-saved inside the checkpoint.)
+        routed["moe/shared_experts" if "shared_experts" in w.selective else "lora"] += lora
     _selective_moe(w, routed, x.local_tokens * x.h * x.act)
 
 

@@ -14,7 +14,15 @@ collectives (:func:`~megatron_flops.memory.moe.rerun_moe_layers` counts it among
 :func:`~megatron_flops.memory.moe.moe_communication` re-runs) and its shared experts' all-gather
 and reduce-scatter (megatron-core trains MoE under TP with sequence parallelism only);
 ``shared_experts`` re-runs the shared experts once more. Measured on CPU (gloo) under TP2 + SP
-and TP2 x EP2 + SP (tests/test_memory_dist.py). ``mla_up_proj`` is modelled at TP 1 only.
+and TP2 x EP2 + SP (tests/test_memory_dist.py).
+
+Selective ``mla_up_proj`` (``CheckpointWithoutOutput`` around the up projections and RoPE) re-runs
+them in backward: without sequence parallelism their column-parallel inputs enter by
+``copy_to_tensor_model_parallel_region`` (identity forward), so no collective re-runs; under
+sequence parallelism each up projection all-gathers its [s/TP, b, .] latent input again, per MLA
+layer (the MTP block's too) and micro-batch: ``linear_q_up_proj``'s q latent [s, b, q_lora]
+(``linear_q_proj``'s hidden states [s, b, h] without a q latent) and ``linear_kv_up_proj``'s kv
+latent [s, b, kv_lora]. Measured on CPU (gloo) under TP2 + SP (tests/test_memory_mla_mtp_dist.py).
 """
 
 from __future__ import annotations
@@ -22,13 +30,11 @@ from __future__ import annotations
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import adapter_forward_payload
+from megatron_flops.memory.lora_layers import expert_adapter_payload
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
 _BEFORE_MLP = ("linear_qkv", "linear_proj")  # (an MLA layer has no linear_qkv)
-# Modules whose activations are modelled beside core_attn and mlp (without LoRA or a frozen base;
-# mla_up_proj at TP 1), measured on CPU (tests/test_memory_recompute_modules.py, tests/test_memory_dist.py).
-_LATER = ("layernorm", "mla_up_proj", "moe", "shared_experts")
 
 
 def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...], peft: PeftSpec | None) -> str | None:
@@ -36,23 +42,28 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
     if "moe_act" in modules:
         return ("activations under selective recompute of moe_act are not modelled: megatron-core recomputes it "
                 "in its grouped-GEMM experts only (moe_grouped_gemm: GroupedMLP or TEGroupedMLP, CUDA kernels), "
-                "not in the SequentialMLP experts these figures follow")
+                "not in the SequentialMLP experts these figures follow (grouped-GEMM experts' activations are not "
+                "modelled either: no CPU kernel to measure them)")
+    if "layernorm" in modules and peft is not None and peft.frozen:
+        return ("activations under selective recompute of layernorm with a frozen base: megatron-core 0.16.1's "
+                "CheckpointWithoutOutput fails in backward (no saved input) where a norm's input requires no grad, "
+                "as the first layer's does (Megatron-Bridge makes the decoder's input require grad under full "
+                "recompute only); seen here")
+    if "mla_up_proj" in modules and peft is not None and peft.frozen and par.tp > 1:
+        return ("activations under selective recompute of mla_up_proj with a frozen base are modelled with --tp 1 "
+                "(the checkpoint's latent inputs, slices of the gathered latents under sequence parallelism, are "
+                "not measured here)")
     if "mla_up_proj" in modules and spec.mla is None:
         return ("activations under selective recompute of mla_up_proj: megatron-core refuses it without "
                 "multi-latent attention")
-    later = [m for m in modules if m in _LATER]
-    if later and peft is not None and (peft.frozen or peft.lora_rank is not None):
-        return f"activations under selective recompute of {later} are modelled without LoRA or a frozen base"
-    if "mla_up_proj" in modules and par.tp > 1:
-        return ("activations under selective recompute of mla_up_proj are modelled with --tp 1 (the collectives "
-                "it re-runs are not)")
     if "layernorm" in modules and any(m in ("mamba", "gdn", "kda") or f == "none" for (m, f), _ in spec.layer_runs):
         return ("activations under selective recompute of layernorm are modelled for attention layers (no Mamba, KDA, "
                 "GDN or hybrid layers)")
     return None
 
 
-def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | None) -> list[str]:
+def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | None, *,
+                         sequence_parallel: bool = False) -> list[str]:
     """The selective recompute figures that are formulas (Transformer Engine's spec: no CPU step)."""
     if recompute is None or recompute.granularity != "selective" or options.transformer_impl != "transformer_engine":
         return []
@@ -61,6 +72,10 @@ def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | Non
         out.append("selective layernorm recompute as Transformer Engine's spec builds the layers (the input norm fused "
                    "into linear_qkv and a dense layer's pre-MLP norm into linear_fc1, not recomputed; MLA's input norm "
                    "and MoE layers' pre-MLP norm recomputed); --transformer-impl local is measured")
+    if "mla_up_proj" in recompute.modules and sequence_parallel:
+        out.append("selective mla_up_proj recompute under sequence parallelism as Transformer Engine's spec builds MLA "
+                   "(duplicated down projections: the checkpoint keeps k_pos_emb's own all-gathered [s, b, rope]); "
+                   "--transformer-impl local is measured")
     if "mla_up_proj" in recompute.modules and options.qk_layernorm:
         out.append("selective mla_up_proj recompute as Transformer Engine's spec builds MLA (the latent norms fused "
                    "into the up projections, re-run with them); --transformer-impl local is measured")
@@ -91,8 +106,46 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
     shared = _shared_expert_reruns(spec, par, recompute, layers, pp_rank)
     for key, value in mlp.items():
         out[key] += shared * value
+    if spec.moe is not None and peft is not None and peft.lora_rank is not None:
+        _add_expert_adapter_reruns(out, spec, par, recompute, peft, layers, pp_rank, shared=shared, tokens=tokens,
+                                   act=act)
+    if par.sequence_parallel:
+        out["tp/all_gather"] += _mla_up_proj_rerun_width(spec, par, recompute, layers, pp_rank) * tokens * act
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
+
+
+def _add_expert_adapter_reruns(out: dict[str, int], spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec,
+                               peft: PeftSpec, layers: list[int], pp_rank: int, *, shared: int, tokens: int,
+                               act: int) -> None:
+    """Add the forward collectives of the LoRA adapters that selective ``moe`` and
+    ``shared_experts`` re-run per micro-batch: the shared experts' ``linear_fc1``/``linear_fc2``
+    adapters as a dense MLP's, once per ``shared`` re-run, and each re-run MoE layer's routed-expert
+    adapters (:func:`~megatron_flops.memory.lora_layers.expert_adapter_payload`, balanced routing)."""
+    assert spec.moe is not None
+    if spec.moe.shared_expert_ffn_hidden_size:
+        for key, value in adapter_forward_payload(peft, ("linear_fc1", "linear_fc2"), tokens, spec.hidden_size, act,
+                                                  sp=par.sequence_parallel).items():
+            out[key] = out.get(key, 0) + shared * value
+    if "moe" in recompute.modules:
+        last = par.is_last_stage(pp_rank, par.num_chunks - 1)
+        moe = sum(spec.layers[i][1] == "moe" for i in layers) + (spec.mtp_num_layers if last and spec.mtp_ffn == "moe"
+                                                                  else 0)
+        out["tp/all_gather"] = out.get("tp/all_gather", 0) + moe * expert_adapter_payload(
+            spec, peft, routed=tokens * spec.moe.router_topk, act=act)
+
+
+def _mla_up_proj_rerun_width(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],
+                             pp_rank: int) -> int:
+    """Elements per token that selective ``mla_up_proj`` all-gathers again per micro-batch under
+    sequence parallelism over ``layers`` (and the MTP block's layers on the last stage): each MLA
+    layer's up-projection inputs, the q latent (or the hidden states) and the kv latent."""
+    if spec.mla is None or "mla_up_proj" not in recompute.modules:
+        return 0
+    last = par.is_last_stage(pp_rank, par.num_chunks - 1)
+    num = sum(spec.layers[i][0] in ("attention", "dsa") for i in layers) + (spec.mtp_num_layers if last else 0)
+    q = spec.mla.q_lora_rank if spec.mla.q_lora_rank is not None else spec.hidden_size
+    return num * (q + spec.mla.kv_lora_rank)
 
 
 def _shared_expert_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],

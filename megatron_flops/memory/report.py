@@ -277,7 +277,7 @@ def decoder_memory(
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
     if reason is None:
-        unmeasured += tuple(selective_unmeasured(options, recompute))
+        unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
     if par.megatron_fsdp is not None:
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 
