@@ -347,7 +347,9 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
             assumptions.append("routed experts' LoRA adapters as Bridge 0.3.1 wraps SequentialMLP experts (one per "
                                "expert, split over expert TP = TP, all-gathering [tokens, rank] and their output per "
                                "routed token); every expert's token count divisible by TP (Bridge pads an odd count "
-                               "under no_grad, which detaches that adapter's output)")
+                               "under no_grad, which detaches that adapter's output)"
+                               + ("; under EP, the adapter traffic selective moe recompute re-runs assumes balanced "
+                                  "routing and is not in the per-rank range" if par.ep > 1 else ""))
     if activations and spec.moe is not None:
         assumptions.append("routed experts save as megatron-core's SequentialMLP (local spec); grouped-GEMM experts "
                            "(moe_grouped_gemm, Transformer Engine) are not measured")
