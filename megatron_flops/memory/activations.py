@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.lora import lora_activation_reason
 from megatron_flops.memory.ssm import dsa_saved, gdn_saved, kda_saved, mamba_saved, ssm_activation_reason
-from megatron_flops.memory.layout import INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
+from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
 from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_activation_reason, moe_activations,
@@ -403,7 +403,7 @@ def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, c
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
     restored = rope + 2 * qk + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
-    w.act("attention", x.s * mla.qk_pos_emb_head_dim * 4 if restored else rope + 2 * qk + v)
+    w.act("attention", x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + 2 * qk + v)
     w.restored += restored
     if options.attention_backend == "flash":
         lse = x.b * heads * x.s * 4  # fp32 log-sum-exp

@@ -59,7 +59,7 @@ from megatron_flops.flops.vision import (
     vision_spec_from_model_mapping,
 )
 from megatron_flops.memory.decoder import Param
-from megatron_flops.memory.layout import INDEX_BYTES, NORM_STATS_BYTES
+from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES
 
 @dataclass(frozen=True, kw_only=True)
 class VisionTower:
@@ -218,11 +218,11 @@ def vision_activations(tower: VisionTower, stats: VisionStats, *, act_bytes: int
     if model_trains:
         pixels = spec.in_channels * spec.temporal_patch_size * spec.patch_size**2
         out["vit/patch_embed"] = a * p * pixels
-        out["vit/rope"] = 2 * 4 * p * spec.head_dim  # fp32 cos and sin [P, d]
+        out["vit/rope"] = 2 * FP32_BYTES * p * spec.head_dim  # fp32 cos and sin [P, d]
         out.update(_block_bytes(tower, stats, a, norm_stats_bytes, attention))
         if tower.family == "qwen3_vl":
             # NB: the learned grid resampled per patch: embedding(indices [P, 4] int64) x fp32 weights [P, 4].
-            out["vit/pos_embed"] = (INDEX_BYTES + 4) * 4 * p
+            out["vit/pos_embed"] = (INDEX_BYTES + FP32_BYTES) * 4 * p
     if model_trains or projection_trains:
         # NB: a frozen linear layer keeps no input; the GELU keeps its input when it needs a gradient.
         linears = 2 * a * p * d if projection_trains else 0
