@@ -36,10 +36,15 @@ def _table(columns: dict[str, dict[str, int | None]], title: str) -> list[str]:
 
 def _columns(report: dict[str, Any]) -> tuple[dict[str, int | None], dict[str, int | None]]:
     gpu = report["per_gpu"]
-    memory: dict[str, int | None] = dict(gpu["components"])
-    memory.setdefault("activations", gpu["activations_bytes"])
-    # NB: where activations are not modelled the total is the states' alone: the row says so.
-    memory["total" if gpu["activations_bytes"] is not None else "total, activations not included"] = gpu["total_bytes"]
+    # NB: without an input it needs (a VLM's --grid-thw), the activations and the total leave out what
+    # that input prices; where activations are not modelled the total is the states' alone: the rows say so.
+    excluded = " and ".join(n["excluded"] for n in report.get("needs_input", []))
+    without = f", without {excluded}" if excluded else ""
+    memory: dict[str, int | None] = {("activations" + without if k == "activations" else k): v
+                                     for k, v in gpu["components"].items()}
+    memory.setdefault("activations" + without, gpu["activations_bytes"])
+    memory["total" + without if gpu["activations_bytes"] is not None else "total, activations not included"] = \
+        gpu["total_bytes"]
     comm = dict(report["communication_per_step"])
     comm["total"] = comm.pop("total_bytes")
     comm["total, bus bytes"] = report["bus_bytes_per_step"]["total_bytes"]
@@ -75,6 +80,9 @@ def format_reports(reports: dict[str, dict[str, Any]], assumptions: list[str]) -
             lines.append(f"not modelled ({name}): {reason}")
         for what in report.get("unmeasured", []):
             lines.append(f"unmeasured formula ({name}): {what}")
+        for need in report.get("needs_input", []):
+            lines.append(f"needs {need['flag']} ({name}): {need['excluded']} are left out of the total: give "
+                         f"{need['give']}")
     lines.append("assumptions: " + "; ".join(assumptions + first.get("modelling_assumptions", [])))
     lines.append("not counted: " + ", ".join(NOT_COUNTED))
     return "\n".join(lines)

@@ -162,6 +162,7 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
         "communication_per_step": {**top.communication, "total_bytes": sum(top.communication.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
         "not_modelled": [],
+        "needs_input": [],
         "unmeasured": unmeasured,
         "modelling_assumptions": dit_assumptions(attention, checkpointed_blocks, spec.num_layers),
     }
