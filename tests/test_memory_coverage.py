@@ -65,6 +65,10 @@ MCORE = {
     # '|' marks megatron-core 0.19's pipeline stages: 4 segments, VPP 2 on PP 2 (no layout without PP).
     "hybrid mamba piped": dict(BASE, num_layers=8, hybrid_override_pattern="M*|-M|*-|M-", mamba_state_dim=16,
                                mamba_head_dim=16, mamba_num_groups=2),
+    # megatron-core's uneven pipeline split (2 layers on the first pipeline rank, 6 on the last), and a
+    # pipeline layout string.
+    "uneven pipeline": dict(BASE, num_layers=8, num_layers_in_first_pipeline_stage=2),
+    "pipeline layout": dict(BASE, pipeline_model_parallel_layout="Ettt|tL"),
     "lora and recompute in the file": dict(BASE, lora={"dim": 4}, recompute_granularity="full",
                                            recompute_method="uniform", recompute_num_layers=1),
 }
@@ -200,6 +204,8 @@ GAPS: list[tuple[str, str]] = [
     ("examples/wan_tiny_dit.json | TP2 SP | ", r"refused: .*LoRA adapters or a frozen base under sequence parallelism"),
     # DiT under Megatron-FSDP: the DiT path models torch FSDP2 and megatron-core DDP / distributed optimizer.
     ("examples/wan* | DP2 Megatron-FSDP | ", r"refused: .*a DiT model file under Megatron-FSDP is not modelled"),
+    # A pipeline_model_parallel_layout string (the split as num_layers_in_first/last_pipeline_stage is modelled).
+    ("mcore:pipeline layout | PP2* | *", r"refused: .*pipeline_model_parallel_layout .* is not modelled"),
     # Hugging Face partial biases and per-head q/k LayerNorms (memory/hf_layers.py names them).
     ("hf:llama attention_bias | *", r"not modelled: Hugging Face llama: o_proj's bias .*not counted"),
     ("hf:stablelm qk_layernorm | *", r"not modelled: Hugging Face stablelm: attention and the MLP run in parallel"),
