@@ -71,6 +71,9 @@ class DecoderOptions:
     norm_bias: bool = True
     # Hugging Face apertus's xIELU activation (transformers' XIELUActivation in each MLP: alpha_p, alpha_n).
     xielu: bool = False
+    # Hugging Face cohere, gpt_neox, stablelm, falcon (memory/hf_parallel.py): attention and the MLP in
+    # parallel on the layer's input through 1 shared norm or 2 norms; 0: megatron-core's sequential layer.
+    parallel_layer_norms: int = 0
 
     @property
     def duplicated_mla_down(self) -> bool:
@@ -92,6 +95,8 @@ class DecoderOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
+        if self.parallel_layer_norms not in (0, 1, 2):
+            raise ValueError(f"parallel_layer_norms must be 0, 1 or 2, got {self.parallel_layer_norms!r}")
         if not 0 < self.rotary_percent <= 1:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent!r}")
 
@@ -310,7 +315,8 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
             out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
     if ffn == "none":
         return out
-    out += _norm(options, prefix + "pre_mlp_layernorm.", h, base) if options.pre_layernorms else []
+    if options.pre_layernorms and options.parallel_layer_norms != 1:  # (1: the MLP reads the input norm's output)
+        out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
     if ffn == "mlp":
         out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias, tp=tp)
         if options.xielu:  # (registered after linear_fc2: transformers' module set on megatron-core's MLP)

@@ -1,0 +1,79 @@
+"""Hugging Face decoder layers that run attention and the MLP in parallel on the layer's input
+(stdlib only): which families do, with how many norms, and what such a layer saves for backward
+against megatron-core's sequential layer.
+
+transformers 5.24's layers (``hidden_states`` is the layer's input ``x``):
+
+- cohere: ``n = input_layernorm(x)``; ``x + attn(n) + mlp(n)``: one norm.
+- stablelm with ``use_parallel_residual`` (default False): the same, one norm.
+- falcon with ``parallel_attn`` (default True) and without ``new_decoder_architecture``: the same,
+  one norm (``input_layernorm``; the MLP reads ``attention_layernorm_out``).
+- falcon with ``new_decoder_architecture``: ``ln_attn(x)`` and ``ln_mlp(x)``, two norms on the same
+  input (``num_ln_in_parallel_attn`` 2, the default), or one norm (``num_ln_in_parallel_attn`` 1).
+  (Its layer adds the MLP's output to the attention's whatever ``parallel_attn`` says.)
+- gpt_neox with ``use_parallel_residual`` (default True): ``input_layernorm(x)`` and
+  ``post_attention_layernorm(x)``, two norms on the same input.
+
+What this changes against megatron-core's sequential layer (the MLP's norm reads the residual
+``x + attn(...)``, a storage of its own, and ``linear_fc1`` reads that norm's output):
+
+- one norm: no pre-MLP norm (no parameters, no saved input or statistics), and ``linear_fc1``'s
+  input is the norm's output ``linear_qkv`` already keeps: one storage.
+- two norms: the MLP's norm keeps the layer's input, the storage the attention's norm keeps
+  already; its statistics and its output (``linear_fc1``'s input) are its own.
+
+NB: measured at TP 1 against transformers' own layers (tests/test_memory_hf_parallel.py: parallel
+against sequential twins). No framework runs these layers under tensor or sequence parallelism,
+selective recompute or LoRA: there the figures are megatron-core's layer with the MLP reading the
+layer's input as above, each sublayer with its own collectives, named unmeasured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# parallel_layer_norms: 0 megatron-core's sequential layer; 1 attention and MLP read one norm's output;
+# 2 each reads its own norm of the layer's input.
+SEQUENTIAL, ONE_NORM, TWO_NORMS = 0, 1, 2
+
+
+def parallel_layer_norms(text: Mapping[str, Any], family: str) -> int:
+    """How many norms a ``family`` layer with attention and the MLP in parallel has (0: its layer
+    is sequential), as transformers' modeling code reads ``text``'s keys."""
+    if family == "cohere":
+        return ONE_NORM
+    if family == "stablelm":
+        return ONE_NORM if text.get("use_parallel_residual", False) else SEQUENTIAL
+    if family == "gpt_neox":
+        return TWO_NORMS if text.get("use_parallel_residual", True) else SEQUENTIAL
+    if family == "falcon":
+        if text.get("new_decoder_architecture"):
+            return ONE_NORM if text.get("num_ln_in_parallel_attn") == 1 else TWO_NORMS
+        return ONE_NORM if text.get("parallel_attn", True) else SEQUENTIAL
+    return SEQUENTIAL
+
+
+def parallel_layer_assumptions(norms: int) -> list[str]:
+    """How a parallel layer is counted (empty for megatron-core's sequential layer)."""
+    if norms == SEQUENTIAL:
+        return []
+    how = ("one norm whose output linear_qkv and linear_fc1 both keep" if norms == ONE_NORM
+           else "a norm each, both keeping the layer's input")
+    return [f"attention and the MLP in parallel on the layer's input ({how}), as transformers' layer: "
+            "megatron-core's modules, no pre-MLP residual"]
+
+
+def parallel_layer_unmeasured(norms: int, *, tp: int, sequence_parallel: bool, selective: bool,
+                              peft: bool) -> list[str]:
+    """The parallel layer's figures no run measures: those under TP, sequence parallelism,
+    selective recompute or LoRA/frozen bases (no framework has this layer with them)."""
+    if norms == SEQUENTIAL:
+        return []
+    what = [name for name, used in (("TP > 1", tp > 1), ("sequence parallelism", sequence_parallel),
+                                    ("selective recompute", selective), ("LoRA or a frozen base", peft)) if used]
+    if not what:
+        return []
+    return [f"the parallel attention and MLP layer under {', '.join(what)}: activations (and TP collectives: one "
+            "set per sublayer, as megatron-core's layer) counted as megatron-core's modules with the MLP reading "
+            "the layer's input (no framework has this layer so)"]
