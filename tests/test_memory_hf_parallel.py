@@ -1,0 +1,168 @@
+"""Hugging Face layers that run attention and the MLP in parallel on the layer's input
+(:mod:`megatron_flops.memory.hf_parallel`), against transformers' own layers on CPU.
+
+One-term deltas: the saved-for-backward bytes (saved-tensor hooks over distinct storages, one
+training step of the whole causal LM: eager attention, fp32, dropout 0) of a parallel layer's model
+minus those of its sequential twin (the same config with the family's switch flipped) equal the
+report's figures for the two files minus each other; the attention, embedding and loss cancel.
+Twins: gpt_neox and stablelm ``use_parallel_residual``, falcon ``parallel_attn``, falcon's new
+decoder ``num_ln_in_parallel_attn`` 2 against 1. cohere has no switch: its twin is its own layer
+run sequentially (a second norm on the residual after attention, local port), with its norms as
+torch's LayerNorm without bias (what the report counts cohere's composite CohereLayerNorm as)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+
+import pytest
+
+from megatron_flops.memory.activations import chunk_activations
+from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.model.spec import ModelSpec
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+import test_hf_config  # noqa: E402  (the families' tiny configs)
+from hf_tiny import eager_model  # noqa: E402
+
+SEQ, MBS, VOCAB = 16, 2, 100
+T, H, FP32 = SEQ * MBS, 64, 4  # tokens of a micro-batch, hidden size (every config below), fp32 bytes
+FAMILIES = test_hf_config.FAMILIES
+# name -> (model_type, parallel config keywords, its twin's, parallel - twin per layer: bytes, parameters).
+# NB: per layer, one norm against megatron-core's two: no pre-MLP norm (its [T, h] input and fp32 mean and
+# rstd [T] each) and no fc1 input of its own (the norm's output linear_qkv keeps); two norms on the
+# layer's input: the second norm's [T, h] input is the first's. Parameters: LayerNorm weight and bias [h].
+TWINS = {
+    "gpt_neox (two norms)": ("gpt_neox", dict(FAMILIES["gpt_neox"], use_parallel_residual=True),
+                             dict(FAMILIES["gpt_neox"], use_parallel_residual=False), -T * H * FP32, 0),
+    "stablelm (one norm)": ("stablelm", dict(FAMILIES["stablelm"], use_parallel_residual=True),
+                            dict(FAMILIES["stablelm"], use_parallel_residual=False),
+                            -(2 * T * H * FP32 + 2 * T * FP32), -2 * H),
+    "falcon (one norm)": ("falcon", dict(FAMILIES["falcon"], parallel_attn=True),
+                          dict(FAMILIES["falcon"], parallel_attn=False), -(2 * T * H * FP32 + 2 * T * FP32), -2 * H),
+    # Two norms on the layer's input against one: the second norm's statistics and output (fc1's input).
+    "falcon new decoder (two norms against one)": (
+        "falcon", dict(test_hf_config.VARIANTS["falcon new decoder"][1], num_ln_in_parallel_attn=2),
+        dict(test_hf_config.VARIANTS["falcon new decoder"][1], num_ln_in_parallel_attn=1),
+        T * H * FP32 + 2 * T * FP32, 2 * H),
+}
+
+
+def _saved_bytes(model) -> int:
+    """Distinct storages saved for backward by one training step on [MBS, SEQ] token ids."""
+    import mcore_memory
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (MBS, SEQ))
+    meter = mcore_memory.SavedTensorMeter(model.parameters())
+    model.train()
+    with meter.tracking(), meter.one_forward():
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return meter.forward[0]
+
+
+def _report(raw: dict, **overrides) -> tuple[int, int]:
+    """(saved bytes of one micro-batch, parameters) of the config file ``raw`` as the report
+    counts them: the local attention (transformers' eager), fp32, the vocabulary unpadded;
+    ``overrides``: other ``DecoderOptions`` values."""
+    spec = ModelSpec.from_hf_config(raw)
+    options = dataclasses.replace(DecoderOptions.from_mapping(raw, hf=True), attention_backend="unfused",
+                                  padded_vocab_size=VOCAB, **overrides)
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=1, params_dtype="fp32")
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0)
+    params = chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0, seq_length=SEQ)
+    return act.forward + act.shared, sum(p.numel for p in params)
+
+
+@pytest.mark.parametrize("name", list(TWINS))
+def test_parallel_layer_saves_what_transformers_saves_against_its_sequential_twin(name):
+    model_type, parallel_kw, twin_kw, per_layer, per_layer_params = TWINS[name]
+    configs = [transformers.AutoConfig.for_model(model_type, **kw) for kw in (parallel_kw, twin_kw)]
+    models = [eager_model(c) for c in configs]
+    reports = [_report(json.loads(c.to_json_string())) for c in configs]
+    layers = configs[0].num_hidden_layers
+    # The report's parameters are transformers' (tied or untied embeddings alike).
+    assert [r[1] for r in reports] == [sum(p.numel() for p in m.parameters()) for m in models]
+    assert reports[0][1] - reports[1][1] == layers * per_layer_params
+    measured = _saved_bytes(models[0]) - _saved_bytes(models[1])
+    assert measured == reports[0][0] - reports[1][0] == layers * per_layer
+
+
+def _serial_cohere_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                           position_embeddings=None, **kwargs):
+    """CohereDecoderLayer.forward run sequentially: the MLP reads a second norm of the residual."""
+    residual = hidden_states
+    attention, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                  position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                  position_embeddings=position_embeddings, **kwargs)
+    residual = residual + attention
+    return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+def _cohere(serial: bool):
+    config = transformers.AutoConfig.for_model("cohere", **dict(FAMILIES["cohere"], use_qk_norm=False))
+    model = eager_model(config)
+    for layer in model.model.layers:
+        layer.input_layernorm = torch.nn.LayerNorm(H, bias=False)
+        if serial:
+            layer.post_attention_layernorm = torch.nn.LayerNorm(H, bias=False)
+            layer.forward = types.MethodType(_serial_cohere_forward, layer)
+    return config, model
+
+
+def test_cohere_saves_one_norm_less_than_its_sequential_port():
+    (config, parallel), (_, serial) = _cohere(False), _cohere(True)
+    measured = _saved_bytes(serial) - _saved_bytes(parallel)
+    # Per layer (2): the second norm's [T, h] input and fp32 mean and rstd, and its output (the MLP's input).
+    assert measured == config.num_hidden_layers * (2 * T * H * FP32 + 2 * T * FP32)
+    raw = json.loads(config.to_json_string())
+    assert DecoderOptions.from_mapping(raw, hf=True).parallel_layer_norms == 1
+    # The report for the file, and for the same file counted as megatron-core's sequential layer.
+    counted = [_report(raw, parallel_layer_norms=n)[0] for n in (0, 1)]
+    assert counted[0] - counted[1] == measured
+
+
+def _peak_bytes(model) -> int:
+    """The most saved-for-backward bytes held at once over one training step with transformers'
+    gradient checkpointing of every layer (reentrant: each layer's forward runs under no_grad,
+    keeps its inputs, and runs again in backward, metered too)."""
+    import mcore_memory
+
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (MBS, SEQ))
+    meter = mcore_memory.SavedTensorMeter(model.parameters())
+    model.train()
+    with meter.tracking():
+        model(input_ids=ids, labels=ids).loss.backward()
+    return meter.peak
+
+
+@pytest.mark.parametrize("name", ["gpt_neox (two norms)", "stablelm (one norm)"])
+def test_full_recompute_rerun_peak_moves_as_transformers_checkpointed_layer(name):
+    # Full recompute (megatron-core's uniform, one layer per checkpoint; transformers' per-layer
+    # checkpoint): the forward keeps the layers' inputs alike; the peak, while the last layer runs again
+    # in backward, moves by one layer's difference.
+    from megatron_flops.flops.passes import RecomputeSpec
+    from megatron_flops.memory.activations import in_flight, schedule_peak
+
+    model_type, parallel_kw, twin_kw, per_layer, _ = TWINS[name]
+    configs = [transformers.AutoConfig.for_model(model_type, **kw) for kw in (parallel_kw, twin_kw)]
+    recompute = RecomputeSpec(granularity="full", method="uniform", num_layers=1)
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=1, params_dtype="fp32")
+    counted = []
+    for config in configs:
+        raw = json.loads(config.to_json_string())
+        options = dataclasses.replace(DecoderOptions.from_mapping(raw, hf=True), attention_backend="unfused",
+                                      padded_vocab_size=VOCAB)
+        act = chunk_activations(ModelSpec.from_hf_config(raw), options, Parallelism(), training, pp_rank=0,
+                                chunk=0, recompute=recompute)
+        counted.append((act.forward, schedule_peak([act], in_flight(Parallelism(), 1, 0))[0]))
+    assert counted[0][0] == counted[1][0]
+    measured = _peak_bytes(eager_model(configs[0])) - _peak_bytes(eager_model(configs[1]))
+    assert measured == counted[0][1] - counted[1][1] == per_layer
