@@ -131,13 +131,9 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # Hugging Face layers megatron-core's GPT layer cannot express (memory/hf_layers.py): counted as
     # the nearest megatron-core layer, the difference named.
     *[(f"hf:{model} | *", rf"not modelled: Hugging Face {model.split()[0]}: {what}") for model, what in (
-        ("cohere", "attention and the MLP run in parallel"),
         ("cohere", "q/k norms with a weight per head"), ("olmo2", "q/k norms over the whole q and k projections"),
         ("olmo3", "q/k norms over the whole q and k projections"),
-        ("falcon", "attention and the MLP run in parallel"), ("falcon new decoder", "attention and the MLP run in "
-                                                                                    "parallel"),
-        ("falcon MHA alibi serial", "ALiBi attention biases"), ("gpt_neox", "attention and the MLP run in parallel"),
-        ("stablelm", "attention and the MLP run in parallel"),
+        ("falcon MHA alibi serial", "ALiBi attention biases"),
     )],
     # torch FSDP2 for a decoder with tied embeddings, which Megatron-LM's --use-torch-fsdp2 refuses (megatron-core
     # field files tie by default: "mcore:untied mla moe mtp" is the one decoder file FSDP2 reports on).
