@@ -166,3 +166,42 @@ def test_full_recompute_rerun_peak_moves_as_transformers_checkpointed_layer(name
     assert counted[0][0] == counted[1][0]
     measured = _peak_bytes(eager_model(configs[0])) - _peak_bytes(eager_model(configs[1]))
     assert measured == counted[0][1] - counted[1][1] == per_layer
+
+
+@pytest.mark.parametrize("model_type, kw, norms", [
+    ("cohere", {}, 1), ("stablelm", {}, 0), ("stablelm", dict(use_parallel_residual=True), 1), ("gpt_neox", {}, 2),
+    ("gpt_neox", dict(use_parallel_residual=False), 0), ("falcon", {}, 1), ("falcon", dict(parallel_attn=False), 0),
+    # falcon's new decoder adds the MLP's output to the attention's whatever parallel_attn says.
+    ("falcon", dict(new_decoder_architecture=True), 2), ("falcon", dict(new_decoder_architecture=True,
+                                                                          num_ln_in_parallel_attn=1), 1),
+    ("llama", {}, 0),
+])
+def test_parallel_layer_norms_read_as_transformers_builds_the_layer(model_type, kw, norms):
+    # (transformers' defaults: stablelm's use_parallel_residual False, gpt_neox's True, falcon's parallel_attn True.)
+    raw = json.loads(transformers.AutoConfig.for_model(model_type, **kw).to_json_string())
+    assert DecoderOptions.from_mapping(raw, hf=True).parallel_layer_norms == norms
+
+
+def test_parallel_layer_is_named_unmeasured_where_no_framework_runs_it(tmp_path):
+    import contextlib
+    import io
+
+    from megatron_flops.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(transformers.AutoConfig.for_model("gpt_neox", **FAMILIES["gpt_neox"]).to_json_string())
+
+    def unmeasured(*flags: str) -> list[str]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["memory", "--model", str(path), "--seq-length", str(SEQ), "--json", *flags]) == 0
+        report = json.loads(out.getvalue())
+        assert report["not_modelled"] == [] and any("in parallel" in a for a in report["assumptions"])
+        return [u for u in report["unmeasured"] if "parallel attention and MLP" in u]
+
+    full = ("--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+    assert unmeasured() == unmeasured(*full) == []
+    assert "TP > 1, sequence parallelism" in unmeasured("--tp", "2", "--sequence-parallel")[0]
+    assert "selective recompute, LoRA" in unmeasured("--recompute", "selective", "--lora-rank", "4")[0]
+    with pytest.raises(ValueError, match="parallel_layer_norms"):
+        DecoderOptions(parallel_layer_norms=3)

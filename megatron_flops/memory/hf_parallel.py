@@ -58,10 +58,10 @@ def parallel_layer_assumptions(norms: int) -> list[str]:
     """How a parallel layer is counted (empty for megatron-core's sequential layer)."""
     if norms == SEQUENTIAL:
         return []
-    how = ("one norm whose output linear_qkv and linear_fc1 both keep" if norms == ONE_NORM
+    how = ("one norm, whose output linear_qkv and linear_fc1 both keep" if norms == ONE_NORM
            else "a norm each, both keeping the layer's input")
-    return [f"attention and the MLP in parallel on the layer's input ({how}), as transformers' layer: "
-            "megatron-core's modules, no pre-MLP residual"]
+    return [f"attention and the MLP in parallel on the layer's input as in transformers' layer ({how}; no "
+            "residual between them), counted with megatron-core's modules"]
 
 
 def parallel_layer_unmeasured(norms: int, *, tp: int, sequence_parallel: bool, selective: bool,
