@@ -202,6 +202,78 @@ def test_parallel_layer_is_named_unmeasured_where_no_framework_runs_it(tmp_path)
     full = ("--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
     assert unmeasured() == unmeasured(*full) == []
     assert "TP > 1, sequence parallelism" in unmeasured("--tp", "2", "--sequence-parallel")[0]
-    assert "selective recompute, LoRA" in unmeasured("--recompute", "selective", "--lora-rank", "4")[0]
+    assert unmeasured("--recompute", "selective", "--recompute-modules", "core_attn") == []
+    assert "selective layernorm recompute, LoRA" in unmeasured("--recompute", "selective", "--recompute-modules",
+                                                               "layernorm", "--lora-rank", "4")[0]
     with pytest.raises(ValueError, match="parallel_layer_norms"):
         DecoderOptions(parallel_layer_norms=3)
+
+
+def _parallel_layer_spec(spec, norms: int):
+    """megatron-core's local layer spec with its layer run in parallel (a local port: no framework
+    has this layer): ``norms`` 2, the pre-MLP norm reads the layer's input; 1, no pre-MLP norm and
+    the MLP reads the input norm's output (kept by a forward hook). Each sublayer adds its own
+    residual (bias-dropout-add), the sum subtracts the input once more: adds save nothing."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    class ParallelLayer(TransformerLayer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.input_layernorm.register_forward_hook(lambda _m, _i, out: setattr(self, "_normed", out))
+
+        def forward(self, hidden_states, *args, **kwargs):
+            kwargs.pop("dynamic_inference_decode_only", None)
+            attention, context = self._forward_attention(hidden_states, *args, **kwargs)  # x + attn(norm(x))
+            mlp_input = hidden_states if norms == 2 else self._normed
+            del self._normed
+            mlp = self._forward_mlp(mlp_input)  # its input + mlp(norm(x))
+            return attention + mlp - mlp_input, context
+
+    spec.module = ParallelLayer
+    if norms == 1:
+        spec.submodules.pre_mlp_layernorm = IdentityOp
+    return spec
+
+
+PORT_BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, hidden_dropout=0.0,
+                 attention_dropout=0.0, add_bias_linear=False, num_query_groups=2)
+PORT_CASES = {
+    "plain": {},
+    "SwiGLU, selective core_attn + mlp": dict(gated_linear_unit=True, activation_func="silu",
+                                              bias_activation_fusion=True, recompute_granularity="selective",
+                                              recompute_modules=["core_attn", "mlp"]),
+    "full recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+@pytest.mark.parametrize("norms", [1, 2], ids=["one norm", "two norms"])
+@pytest.mark.parametrize("case", list(PORT_CASES))
+def test_parallel_layer_on_megatron_core_modules_saves_and_holds_as_counted(mcore, monkeypatch, case, norms):
+    # The whole figure, not a delta: megatron-core's local modules wired as the parallel layer, one
+    # schedule of 2 micro-batches (tests/test_memory_hf_layers.py's meter), against the report; with
+    # selective core_attn and mlp recompute and full recompute, which transformers has no twin for.
+    from megatron_flops.flops.passes import RecomputeSpec
+    from megatron_flops.memory.activations import in_flight, schedule_peak
+    from test_memory_activations import NUM_MB, SEQ as MSEQ, VOCAB as MVOCAB
+    from test_memory_hf_layers import _measure
+
+    fields = dict(PORT_BASE, **PORT_CASES[case])
+    config = dict(fields, activation_func=torch.nn.functional.silu) if "activation_func" in fields else fields
+    build_spec = mcore.build_layer_spec
+    monkeypatch.setattr(mcore, "build_layer_spec", lambda c, **kw: _parallel_layer_spec(build_spec(c, **kw), norms))
+    torch.manual_seed(0)
+    model = mcore.build_gpt(config, vocab_size=MVOCAB, max_seq_len=MSEQ)
+    model_file = dict(fields, vocab_size=MVOCAB)
+    spec = ModelSpec.from_mapping(model_file)
+    options = DecoderOptions.from_mapping(dict(model_file, padded_vocab_size=MVOCAB, attention_backend="local",
+                                               position_embedding_type="rope", parallel_layer_norms=norms))
+    assert [(p.name, p.numel) for p in chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0,
+                                                        seq_length=MSEQ)] == \
+        [(n, p.numel()) for n, p in model.named_parameters()]
+    training = Training(seq_length=MSEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype="fp32")
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0,
+                            recompute=RecomputeSpec.from_mapping(model_file))
+    forward, peak = _measure(model)  # (fp32 LayerNorms: torch's CPU kernel saves what CUDA's does)
+    assert forward == [act.forward + act.shared] * NUM_MB
+    assert peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]

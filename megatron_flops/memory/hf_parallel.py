@@ -23,9 +23,12 @@ What this changes against megatron-core's sequential layer (the MLP's norm reads
   already; its statistics and its output (``linear_fc1``'s input) are its own.
 
 NB: measured at TP 1 against transformers' own layers (tests/test_memory_hf_parallel.py: parallel
-against sequential twins). No framework runs these layers under tensor or sequence parallelism,
-selective recompute or LoRA: there the figures are megatron-core's layer with the MLP reading the
-layer's input as above, each sublayer with its own collectives, named unmeasured.
+against sequential twins, and full recompute against transformers' per-layer checkpointing), and
+whole on megatron-core's local modules wired so (a local port, with selective ``core_attn`` and
+``mlp`` and full recompute). No framework runs these layers under tensor or sequence parallelism,
+selective ``layernorm`` recompute (the port's norm output would be freed before the MLP reads it)
+or LoRA: there the figures are megatron-core's modules wired as above, each sublayer with its own
+collectives, named unmeasured.
 """
 
 from __future__ import annotations
@@ -67,11 +70,11 @@ def parallel_layer_assumptions(norms: int) -> list[str]:
 def parallel_layer_unmeasured(norms: int, *, tp: int, sequence_parallel: bool, selective: bool,
                               peft: bool) -> list[str]:
     """The parallel layer's figures no run measures: those under TP, sequence parallelism,
-    selective recompute or LoRA/frozen bases (no framework has this layer with them)."""
+    selective ``layernorm`` recompute or LoRA/frozen bases (no framework has this layer with them)."""
     if norms == SEQUENTIAL:
         return []
     what = [name for name, used in (("TP > 1", tp > 1), ("sequence parallelism", sequence_parallel),
-                                    ("selective recompute", selective), ("LoRA or a frozen base", peft)) if used]
+                                    ("selective layernorm recompute", selective), ("LoRA or a frozen base", peft)) if used]
     if not what:
         return []
     return [f"the parallel attention and MLP layer under {', '.join(what)}: activations (and TP collectives: one "

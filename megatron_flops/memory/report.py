@@ -281,7 +281,8 @@ def decoder_memory(
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
     unmeasured += tuple(parallel_layer_unmeasured(
         options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
-        selective=reason is None and recompute is not None and recompute.granularity == "selective"))
+        selective=reason is None and recompute is not None and recompute.granularity == "selective"
+        and "layernorm" in recompute.modules))
     if par.megatron_fsdp is not None:
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 
