@@ -66,6 +66,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
+from megatron_flops.memory.hf_parallel import ONE_NORM, SEQUENTIAL, TWO_NORMS
 from megatron_flops.memory.lora import lora_activation_reason
 from megatron_flops.memory.ssm import dsa_saved, gdn_saved, kda_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
@@ -468,8 +469,9 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     """One layer: its mixer (none: a hybrid MLP layer) and its MLP or MoE (``ffn=False``: a
     hybrid mixer layer), each after its norm and before its dropout; or attention and the MLP in
     parallel on the layer's input (:mod:`.hf_parallel`)."""
-    parallel = options.parallel_layer_norms if mixer == "attention" and ffn and not moe and spec.mla is None else 0
-    if parallel == 1:
+    parallel = options.parallel_layer_norms if mixer == "attention" and ffn and not moe and spec.mla is None \
+        else SEQUENTIAL
+    if parallel == ONE_NORM:
         _one_norm_parallel_layer(w, x, spec, options, core_attn=core_attn)
         return
     if mixer != "none":
@@ -490,7 +492,7 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     reader = ("recompute" if "moe" in selective else "moe/router") if moe else \
         ("recompute" if "mlp" in selective else "mlp")
     with _recomputed_norm(w, x, options, reader, fused=options.transformer_impl == "transformer_engine" and not moe,
-                          shared_input=parallel == 2):  # (2: its input is the layer's, the input norm's)
+                          shared_input=parallel == TWO_NORMS):  # (the layer's input, the input norm's)
         if moe:
             _moe(w, x, spec, options)
         elif "mlp" in selective:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_flops.memory.hf_layers import hf_decoder_fields
+from megatron_flops.memory.hf_parallel import ONE_NORM
 from megatron_flops.model.hf_config import hf_family_of, hf_text_config
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
@@ -315,7 +316,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
             out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
     if ffn == "none":
         return out
-    if options.pre_layernorms and options.parallel_layer_norms != 1:  # (1: the MLP reads the input norm's output)
+    if options.pre_layernorms and options.parallel_layer_norms != ONE_NORM:  # (the MLP reads the input norm's output)
         out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
     if ffn == "mlp":
         out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias, tp=tp)
