@@ -277,3 +277,49 @@ def test_parallel_layer_on_megatron_core_modules_saves_and_holds_as_counted(mcor
     forward, peak = _measure(model)  # (fp32 LayerNorms: torch's CPU kernel saves what CUDA's does)
     assert forward == [act.forward + act.shared] * NUM_MB
     assert peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]
+
+
+# The same port under tensor and sequence parallelism, 2 gloo processes (tests/test_memory_dist.py's
+# worker and checks): weights, gradients, optimizer state, every collective's payload, the saved
+# bytes and the peak. (No framework runs the parallel layer so: the report names these figures
+# unmeasured; this checks they are the port's.)
+DIST_BASE = dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72, hidden_dropout=0.0,
+                 attention_dropout=0.0)
+DIST_RUNS = {
+    f"TP2{' + SP' if sp else ''}, {norms} norm{'s' if norms > 1 else ''}, fp32": dict(
+        layout=dict(tp=2, sp=sp), model=dict(DIST_BASE), m=2, build=dict(params_dtype="fp32"), norms=norms)
+    for sp, norms in ((True, 1), (True, 2), (False, 1))
+}
+
+
+def parallel_layer_worker(rank: int, world_size: int, runs: dict) -> dict:
+    import mcore_cpu
+    import test_memory_dist
+
+    build_spec, out = mcore_cpu.build_layer_spec, {}
+    for name, run in runs.items():
+        norms = run["norms"]
+        mcore_cpu.build_layer_spec = lambda c, **kw: _parallel_layer_spec(build_spec(c, **kw), norms)
+        out.update(test_memory_dist.memory_worker(rank, world_size, {name: run}))
+    mcore_cpu.build_layer_spec = build_spec
+    return out
+
+
+@pytest.mark.dist
+def test_parallel_layer_port_under_tensor_and_sequence_parallelism(mcore, monkeypatch):
+    import mcore_dist
+    import test_memory_dist as dist
+
+    measured = mcore_dist.run_by_name(parallel_layer_worker, 2, DIST_RUNS, timeout=600)
+    monkeypatch.setattr(dist, "WORLD", 2)  # (its checks' layout: DP = WORLD / (TP x PP), 1 here)
+    setup = dist.setup
+
+    def parallel_setup(run: dict):
+        spec, options, *rest = setup(run)
+        return (spec, dataclasses.replace(options, parallel_layer_norms=run["norms"]), *rest)
+
+    monkeypatch.setattr(dist, "setup", parallel_setup)
+    for name, run in DIST_RUNS.items():
+        results = measured[name]
+        for check in (dist.check_parameters, dist.check_states, dist.check_communication, dist.check_activations):
+            check(run, results)
