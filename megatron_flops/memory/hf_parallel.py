@@ -24,11 +24,12 @@ What this changes against megatron-core's sequential layer (the MLP's norm reads
 
 NB: measured at TP 1 against transformers' own layers (tests/test_memory_hf_parallel.py: parallel
 against sequential twins, and full recompute against transformers' per-layer checkpointing), and
-whole on megatron-core's local modules wired so (a local port, with selective ``core_attn`` and
-``mlp`` and full recompute). No framework runs these layers under tensor or sequence parallelism,
-selective ``layernorm`` recompute (the port's norm output would be freed before the MLP reads it)
-or LoRA: there the figures are megatron-core's modules wired as above, each sublayer with its own
-collectives, named unmeasured.
+whole on megatron-core's local modules wired so (a local port: with selective ``core_attn`` and
+``mlp`` and full recompute, and on gloo under TP 2 with and without sequence parallelism). No
+framework runs these layers under tensor or sequence parallelism, selective ``layernorm``
+recompute (the port's norm output would be freed before the MLP reads it) or LoRA: there the
+figures are megatron-core's modules wired as above, each sublayer with its own collectives, named
+unmeasured.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def parallel_layer_unmeasured(norms: int, *, tp: int, sequence_parallel: bool, s
                                     ("selective layernorm recompute", selective), ("LoRA or a frozen base", peft)) if used]
     if not what:
         return []
-    return [f"the parallel attention and MLP layer under {', '.join(what)}: activations (and TP collectives: one "
-            "set per sublayer, as megatron-core's layer) counted as megatron-core's modules with the MLP reading "
-            "the layer's input (no framework has this layer so)"]
+    return [f"the parallel attention and MLP layer under {', '.join(what)}: no framework runs it so; counted as "
+            "megatron-core's modules wired as transformers' layer, each sublayer with its own TP collectives (a "
+            "framework may merge the two all-reduces; under TP and sequence parallelism the figures match such a "
+            "port of megatron-core's local layer on CPU)"]
