@@ -8,7 +8,13 @@ report's figures for the two files minus each other; the attention, embedding an
 Twins: gpt_neox and stablelm ``use_parallel_residual``, falcon ``parallel_attn``, falcon's new
 decoder ``num_ln_in_parallel_attn`` 2 against 1. cohere has no switch: its twin is its own layer
 run sequentially (a second norm on the residual after attention, local port), with its norms as
-torch's LayerNorm without bias (what the report counts cohere's composite CohereLayerNorm as)."""
+torch's LayerNorm without bias (what the report counts cohere's composite CohereLayerNorm as).
+Full recompute: the peak of transformers' per-layer checkpointing, the same way.
+
+Whole figures (no twin needed): megatron-core's local modules wired as the parallel layer (a local
+port, as tests/test_memory_hf_layers.py ports Bridge's gemma spec), with selective ``core_attn`` and
+``mlp`` and full recompute, and on 2 gloo processes under TP 2 with and without sequence
+parallelism (states, collectives, saved bytes, the peak)."""
 
 from __future__ import annotations
 
