@@ -30,7 +30,9 @@ TP; the rest is not.
 - dropout (p > 0): a bool mask per site (CUDA's ``native_dropout``; torch's CPU dropout keeps an
   activation-dtype mask), and attention dropout's output.
 - MLP: ``linear_fc1``'s input and output and ``linear_fc2``'s input; unfused SwiGLU also keeps
-  ``silu(x1)`` and ``x2 + glu_linear_offset``.
+  ``silu(x1)`` and ``x2 + glu_linear_offset``. Attention and the MLP in parallel (Hugging Face
+  cohere, gpt_neox, stablelm, falcon: :mod:`.hf_parallel`): one norm, whose output both keep, or
+  two norms keeping the layer's input once.
 - output (last stage): the final norm, ``output_layer``'s input, vocab-parallel cross-entropy's
   fp32 softmax [T, V/TP], target mask (bool) and masked targets (int64), and the loss mask
   (fp32) that Megatron-LM's ``loss_func`` multiplies by.
