@@ -105,9 +105,9 @@ class DecoderOptions:
     def from_mapping(cls, data: Mapping[str, Any], *, hf: bool = False, hf_family: str | None = None) -> DecoderOptions:
         """From a model file: ``TransformerConfig`` field names, or a Hugging Face ``config.json``
         (``hf=True``, read with ``hf_family``'s rules, else its model_type's: the norm, biases,
-        rotary fraction, q/k norms and parallel attention and MLP its layers have (:mod:`megatron_flops.memory.hf_layers`), no
-        hidden dropout, the file's attention dropout, the fused SwiGLU that Megatron-Bridge's
-        providers enable)."""
+        rotary fraction, q/k norms and parallel attention and MLP its layers have
+        (:mod:`megatron_flops.memory.hf_layers`), no hidden dropout, the file's attention dropout,
+        the fused SwiGLU that Megatron-Bridge's providers enable)."""
         if hf:
             text = hf_text_config(data)
             if text is None:
