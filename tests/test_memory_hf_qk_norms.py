@@ -161,3 +161,18 @@ def test_cohere_under_tp_splits_the_norm_weights_by_head_unmeasured(tmp_path):
     # Their gradients are not all-reduced over TP (megatron-core's [d] q/k norms' are): the step's
     # traffic is that of the model without q/k norms.
     assert reports["2"]["communication_per_step"] == reports["2 without"]["communication_per_step"]
+
+
+@pytest.mark.parametrize("family", list(KINDS))
+def test_norm_weights_have_transformers_shapes(family):
+    # Each layer's q_layernorm/k_layernorm weight: transformers' q_norm/k_norm numel and dim 0 (FSDP2 shards it).
+    from megatron_flops.memory.decoder import chunk_parameters
+
+    raw = _raw(family)
+    params = chunk_parameters(ModelSpec.from_hf_config(raw), DecoderOptions.from_mapping(raw, hf=True), Parallelism(),
+                              pp_rank=0, chunk=0, seq_length=SEQ)
+    ours = [(p.numel, p.rows) for p in params if "q_layernorm" in p.name or "k_layernorm" in p.name]
+    _, model = tiny_model(family, **test_hf_config.FAMILIES[family])
+    theirs = [(w.numel(), w.shape[0] if w.dim() > 1 else None) for layer in model.model.layers
+              for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
+    assert ours == theirs

@@ -98,6 +98,9 @@ class DecoderOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
+        if self.alibi and self.position_embedding_type != "none":
+            raise ValueError(f"alibi replaces position embeddings: position_embedding_type must be 'none', got "
+                             f"{self.position_embedding_type!r}")
         if self.hf_qk_norm not in (None, *HF_QK_NORMS):
             raise ValueError(f"hf_qk_norm must be one of {HF_QK_NORMS} or None, got {self.hf_qk_norm!r}")
         if not 0 < self.rotary_percent <= 1:
@@ -318,8 +321,8 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
         out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp + gate, bias or options.add_qkv_bias, peft,
                        tp=tp)
         if options.qk_layernorm and options.hf_qk_norm:
-            out += [Param(n, k, base, tp_replicated=r) for n, k, r in
-                    qk_norm_tensors(attn, heads=nq, groups=ng, head_dim=d, tp=tp)]
+            out += [Param(n, k, base, tp_replicated=r, rows=rows) for n, k, r, rows in
+                    qk_norm_tensors(options.hf_qk_norm, attn, heads=nq, groups=ng, head_dim=d, tp=tp)]
         elif options.qk_layernorm:
             out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
     if ffn == "none":

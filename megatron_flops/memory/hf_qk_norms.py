@@ -9,7 +9,7 @@ Both are counted as transformers' modules compute them, put where megatron-core'
 ``k_layernorm`` are (after ``linear_qkv``, before RoPE). Their ops are composite (python on torch
 tensors): autograd saves the same tensors on CPU and CUDA, measured on CPU against transformers'
 layers (tests/test_memory_hf_qk_norms.py). Falcon's ALiBi adds no saved tensor to attention without
-position embeddings (:func:`alibi_assumption`).
+position embeddings (:func:`hf_attention_notes` prints which kernel that assumes).
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ def hf_qk_norm_kind(family: str) -> str | None:
     return _FAMILIES.get(family)
 
 
-def qk_norm_tensors(prefix: str, *, heads: int, groups: int, head_dim: int, tp: int) \
-        -> list[tuple[str, int, bool]]:
-    """(name, numel on one TP rank, whole on every TP rank) of the q and k norms' weights under
-    ``prefix`` (``...self_attention.``), named as megatron-core names its q/k norms (both kinds: a
-    weight per q and per k channel, no bias).
+def qk_norm_tensors(kind: str, prefix: str, *, heads: int, groups: int, head_dim: int, tp: int) \
+        -> list[tuple[str, int, bool, int | None]]:
+    """(name, numel on one TP rank, whole on every TP rank, dim 0: None for 1-D) of the q and k norms'
+    weights under ``prefix`` (``...self_attention.``), named as megatron-core names its q/k norms (a
+    weight per q and per k channel, no bias: [heads, head_dim] for cohere, 1-D for olmo2/olmo3).
     NB: under TP each rank holds its heads' rows (cohere; olmo2/olmo3 are refused: :func:`qk_norm_reason`),
     so the weights are not TP-replicated and their gradients are not all-reduced over TP."""
-    return [(prefix + "q_layernorm.weight", heads * head_dim // tp, False),
-            (prefix + "k_layernorm.weight", groups * head_dim // tp, False)]
+    per_head = kind == PER_HEAD_WEIGHT
+    return [(prefix + f"{n}_layernorm.weight", rows * head_dim // tp, False, rows // tp if per_head else None)
+            for n, rows in (("q", heads), ("k", groups))]
 
 
 def qk_norm_saved_bytes(kind: str, *, tokens: int, heads: int, groups: int, head_dim: int, act: int,
@@ -56,6 +57,8 @@ def qk_norm_saved_bytes(kind: str, *, tokens: int, heads: int, groups: int, head
         # (the input itself in fp32, its fp32 copy in 16 bits; pow and the product with rstd keep it),
         # rstd per token (two: q's and k's) and, for the weight's gradient, x * rstd.
         # NB: the weight (a 16-bit parameter) is kept as it is: type promotion inside the product copies nothing.
+        # NB: in megatron-core's layer q and k are strided views of linear_qkv's output, so flattening them
+        # copies: the fp32 input kept is never that output's storage.
         return rows * head_dim * (2 if trainable else 1) * FP32_BYTES + 2 * tokens * FP32_BYTES
     raise ValueError(f"q/k norm kind must be one of {HF_QK_NORMS}, got {kind!r}")
 
