@@ -2,7 +2,8 @@
 whole-projection RMSNorms) and falcon's ALiBi, as :mod:`megatron_flops.memory.hf_qk_norms` counts
 them, against transformers' layers on CPU: what the feature adds to the bytes autograd saves in one
 training forward (saved-tensor hooks over distinct storages, :func:`hf_tiny.saved_bytes`), with the
-feature and without it, in fp32 and bf16.
+feature and without it, in fp32 and bf16; and transformers' norm modules put in a real megatron-core
+GPT's q/k norm places, where the report counts them.
 
 Tiny configs (tests/test_hf_config.py): 2 layers, h = 64, 4 heads, 2 key/value heads, head_dim d = 16;
 one micro-batch of b = 2 sequences of s = 16 tokens: T = 32."""
@@ -176,3 +177,61 @@ def test_norm_weights_have_transformers_shapes(family):
     theirs = [(w.numel(), w.shape[0] if w.dim() > 1 else None) for layer in model.model.layers
               for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
     assert ours == theirs
+
+
+def _hf_norms_in_megatron_core(model: Any, kind: str, heads: int, groups: int) -> None:
+    """Put transformers' q/k norm modules in each megatron-core layer's q_layernorm/k_layernorm places
+    (megatron-core hands them q and k as [s, b, heads or groups, head_dim])."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    class WholeProjection(Olmo2RMSNorm):
+        def forward(self, x):  # over [s, b, n x head_dim], as olmo2 applies it to q_proj's output
+            return super().forward(x.reshape(*x.shape[:-2], -1)).view(x.shape)
+
+    for layer in model.decoder.layers:
+        attn = layer.self_attention
+        for name, n in (("q_layernorm", heads), ("k_layernorm", groups)):
+            setattr(attn, name, CohereLayerNorm((n, D)) if kind == PER_HEAD_WEIGHT else WholeProjection(n * D))
+
+
+MCORE_CASES = {
+    "cohere, GQA": (PER_HEAD_WEIGHT, dict(num_query_groups=2)),
+    "cohere, MHA, selective core_attn": (PER_HEAD_WEIGHT, dict(recompute_granularity="selective",
+                                                               recompute_modules=["core_attn"])),
+    "olmo2, GQA": (WHOLE_PROJECTION, dict(num_query_groups=2)),
+    "olmo2, MHA": (WHOLE_PROJECTION, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(MCORE_CASES))
+def test_in_megatron_cores_layer_the_norms_save_as_counted(mcore, name):
+    # The report puts the norms where megatron-core's are: a real megatron-core GPT (local spec, fp32,
+    # LayerNorms: torch's CPU kernel keeps fp32 statistics as CUDA's do) with transformers' modules
+    # there saves what the report counts, per micro-batch and at the schedule's peak, and has its
+    # parameters in order.
+    from megatron_flops.flops.passes import RecomputeSpec
+    from megatron_flops.memory.activations import in_flight, schedule_peak
+    from megatron_flops.memory.decoder import chunk_parameters
+    from test_memory_activations import BASE, MBS as MB, NUM_MB, SEQ as S, VOCAB
+    from test_memory_hf_layers import _measure
+
+    kind, extra = MCORE_CASES[name]
+    fields = dict(BASE, add_bias_linear=False, qk_layernorm=True, **extra)
+    torch.manual_seed(0)
+    model = mcore.build_gpt(fields, vocab_size=VOCAB, max_seq_len=S)
+    heads = fields["num_attention_heads"]
+    _hf_norms_in_megatron_core(model, kind, heads, fields.get("num_query_groups", heads))
+    model_file = dict(fields, vocab_size=VOCAB)
+    spec = ModelSpec.from_mapping(model_file)
+    options = DecoderOptions.from_mapping(dict(model_file, padded_vocab_size=VOCAB, attention_backend="local",
+                                               position_embedding_type="rope", hf_qk_norm=kind))
+    assert [(p.name, p.numel) for p in chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0,
+                                                        seq_length=S)] == \
+        [(n, p.numel()) for n, p in model.named_parameters()]
+    training = Training(seq_length=S, micro_batch_size=MB, num_microbatches=NUM_MB, params_dtype="fp32")
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0,
+                            recompute=RecomputeSpec.from_mapping(model_file))
+    forward, peak = _measure(model)
+    assert forward == [act.forward + act.shared] * NUM_MB
+    assert peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]
