@@ -26,16 +26,12 @@ CASES = test_hf_config.CASES
 SEQ = 16
 # transformers' parameters minus the report's, where megatron-core cannot express the layer. Tiny
 # configs: L = 2 layers (falcon: 2), h = 64, head_dim d = 16, 4 heads, 2 key/value groups.
-PARAMETER_DIFFERENCES = {
-    # q/k norms per head ((4 + 2) d) against megatron-core's q/k norms (2d), per layer: 2 x (96 - 32) (named).
-    "cohere": 128,
-    # q/k RMSNorms over the whole projections (4d + 2d) against megatron-core's per head (2d): 2 x 64.
-    "olmo2": 128,
-    "olmo3": 4 * 64,  # (the same, 4 layers)
+PARAMETER_DIFFERENCES: dict[str, int] = {
+    # (None now: parallel attention and MLP, memory/hf_parallel.py; q/k norms per head or over the whole
+    # projections, memory/hf_qk_norms.py.)
 }
-# Cases with a named difference: those above, and layers with the same parameters that save other
-# tensors (falcon's ALiBi). (Parallel attention and MLP, one norm or two: memory/hf_parallel.py, exact.)
-NAMED = {*PARAMETER_DIFFERENCES, "falcon MHA alibi serial"}
+# Cases with a named difference: those above, and layers with the same parameters that save other tensors.
+NAMED: set[str] = {*PARAMETER_DIFFERENCES}
 
 
 def _config_file(tmp_path: Path, family: str, kw: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
