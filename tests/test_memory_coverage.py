@@ -169,6 +169,10 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
     # (transformers' KDA layer has none).
     ("hf:kimi_linear | CP2 | ", r"refused: .*KimiLinearDeltaAttention, which has no context parallelism"),
     ("hf:kimi_linear | TP2* | ", r"refused: .*Kimi Delta Attention is modelled with --tp 1"),
+    # olmo2's and olmo3's q/k norms over the whole q and k projections under TP (memory/hf_qk_norms.py): their
+    # statistics span every head, and no framework splits them over TP (transformers' TP plan gathers q, k and v
+    # whole on every rank instead), so there is no layout to measure or count.
+    *[(f"hf:{model} | TP2* | *", r"refused: .*no framework splits them over TP") for model in ("olmo2", "olmo3")],
     # torch FSDP2 for a decoder with tied embeddings, which Megatron-LM's --use-torch-fsdp2 refuses (megatron-core
     # field files tie by default: "mcore:untied mla moe mtp" is the one decoder file FSDP2 reports on).
     ("* | *DP2 FSDP* | *", r"refused: .*--use-torch-fsdp2 \(--fsdp\) is not supported with tied embeddings"),
@@ -188,17 +192,6 @@ GAPS: list[tuple[str, str]] = [
         ("mcore:gdn", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
         *[(m, "megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention")
           for m in ("mcore:dsa", "hf:deepseek_v32", "hf:glm_moe_dsa")])],
-    # Hugging Face layers megatron-core's GPT layer cannot express (memory/hf_layers.py): counted as
-    # the nearest megatron-core layer, the difference named.
-    *[(f"hf:{model} | *", rf"not modelled: Hugging Face {model.split()[0]}: {what}") for model, what in (
-        ("cohere", "attention and the MLP run in parallel"),
-        ("cohere", "q/k norms with a weight per head"), ("olmo2", "q/k norms over the whole q and k projections"),
-        ("olmo3", "q/k norms over the whole q and k projections"),
-        ("falcon", "attention and the MLP run in parallel"), ("falcon new decoder", "attention and the MLP run in "
-                                                                                    "parallel"),
-        ("falcon MHA alibi serial", "ALiBi attention biases"), ("gpt_neox", "attention and the MLP run in parallel"),
-        ("stablelm", "attention and the MLP run in parallel"),
-    )],
     # DiT (memory/dit_layouts.py): LoRA (the tiny example file's section) under sequence parallelism (Megatron-Bridge's
     # ParallelLinearAdapter around Transformer Engine layers, not modelled).
     ("examples/wan_tiny_dit.json | TP2 SP | ", r"refused: .*LoRA adapters or a frozen base under sequence parallelism"),
@@ -208,7 +201,6 @@ GAPS: list[tuple[str, str]] = [
     ("mcore:pipeline layout | PP2* | *", r"refused: .*pipeline_model_parallel_layout .* is not modelled"),
     # Hugging Face partial biases and per-head q/k LayerNorms (memory/hf_layers.py names them).
     ("hf:llama attention_bias | *", r"not modelled: Hugging Face llama: o_proj's bias .*not counted"),
-    ("hf:stablelm qk_layernorm | *", r"not modelled: Hugging Face stablelm: attention and the MLP run in parallel"),
     ("hf:stablelm qk_layernorm | *", r"not modelled: Hugging Face stablelm: q/k norms with a LayerNorm per head"),
     # MoE: the flex dispatcher's buffers; selective recompute of moe_act (grouped-GEMM experts only).
     ("mcore:moe flex | *", r"not modelled: MoE activations are modelled for the alltoall and allgather dispatchers"),
