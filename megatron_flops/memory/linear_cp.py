@@ -68,7 +68,9 @@ def dsa_cp_saved(spec: ModelSpec, *, s: int, b: int, cp: int, act: int, latent_n
 
     - MLA: the q latent [T, Q] (``q_up``'s input),
       the query [T, H, qk + R] (its no-RoPE part read by the absorption into the latent), RoPE's
-      cos and sin for q and k [s, R] each; with latent norms, their inputs and statistics;
+      cos and sin for q and k [s, R] each; with latent norms, their inputs (the q latent [T, Q];
+      the kv norm's, a view of the kv down projection's output [T, L + R]) and statistics (the q
+      norm's output is the q latent above; the kv norm's is read by no op that keeps it);
     - under CP, the int64 order [S] that undoes the zigzag after the key all-gather;
     - the indexer, only when it trains (``dsa_indexer_loss_coeff > 0``; else it runs without
       grad): RoPE's cos and sin [s, R] for its q and k, ``k_norm``'s (LayerNorm) input [T, d] and
@@ -93,7 +95,7 @@ def dsa_cp_saved(spec: ModelSpec, *, s: int, b: int, cp: int, act: int, latent_n
     cos_sin = 4 * s * rope * a
     mla_part = t * (q_lora or 0) * a + t * heads * (mla.qk_head_dim + rope) * a + cos_sin
     if latent_norms:  # (megatron-core 0.19 refuses a q norm without q_lora)
-        mla_part += (t * (q_lora or 0) * a if q_lora else 0) + t * kv * a + (2 if q_lora else 1) * t * norm_stats
+        mla_part += (t * q_lora * a + t * norm_stats if q_lora else 0) + t * latent * a + t * norm_stats
     order = big_s * INDEX_BYTES if cp > 1 else 0
     trains = dsa.trains_indexer
     fp32 = a == FP32_BYTES
