@@ -131,7 +131,8 @@ def test_refusals(tmp_path, capsys):
     assert "modelled with --tp 1" in capsys.readouterr().err
 
 
-# (layer, CP, seq, micro-batch, fields, indexer loss coefficient, dtype)
+# (layer, CP, seq, micro-batch, fields, indexer loss coefficient, dtype: megatron-core 0.19.0's DSA indexer
+# asserts bf16)
 CASES = [
     dict(layer="gdn", cp=2, seq=16, mbs=2, model=GDN_LAYER),
     dict(layer="gdn", cp=1, seq=16, mbs=2, model=GDN_LAYER),
@@ -142,8 +143,6 @@ CASES = [
     dict(layer="dsa", cp=2, seq=16, mbs=1, model=dict(DSA_LAYER, qk_layernorm=True), loss_coeff=0.0, dtype="bfloat16"),
     dict(layer="dsa", cp=2, seq=16, mbs=2, model=dict(DSA_LAYER, qk_layernorm=True), loss_coeff=0.01,
          dtype="bfloat16"),
-    dict(layer="dsa", cp=2, seq=16, mbs=2, model=DSA_LAYER, loss_coeff=0.01, dtype="float32"),
-    dict(layer="dsa", cp=2, seq=16, mbs=1, model=DSA_LAYER, loss_coeff=0.0, dtype="float32"),
 ]
 
 

@@ -85,7 +85,8 @@ def dsa_cp_saved(spec: ModelSpec, *, s: int, b: int, cp: int, act: int, latent_n
       the indexer trains); the latent output [T, H, L] and the up-projection weight [H, v, L]
       its einsum keeps; ``linear_proj``'s input [T, H x v].
 
-    NB: 16-bit activations (fp32: the ``.float()`` copies are the tensors themselves, see below).
+    NB: bf16 activations: megatron-core 0.19.0's indexer accepts nothing else (``rotate_activation``
+    asserts it), so the fp32 query and key are always copies.
     """
     mla, dsa = spec.mla, spec.dsa
     assert mla is not None and dsa is not None
@@ -98,13 +99,12 @@ def dsa_cp_saved(spec: ModelSpec, *, s: int, b: int, cp: int, act: int, latent_n
         mla_part += (t * q_lora * a + t * norm_stats if q_lora else 0) + t * latent * a + t * norm_stats
     order = big_s * INDEX_BYTES if cp > 1 else 0
     trains = dsa.trains_indexer
-    fp32 = a == FP32_BYTES
     indexer = (cos_sin + t * d * a + 2 * t * FP32_BYTES + t * nh * (d + 1) * a + big_s * b * d * a
-               + (0 if fp32 else t * heads * latent * a) + big_s * b * latent * a
+               + t * heads * latent * a + big_s * b * latent * a
                + b * s * min(dsa.topk, big_s) * INDEX_BYTES) if trains else 0
     scores = b * heads * s * big_s
-    key = b * heads * big_s * latent * FP32_BYTES if b > 1 else (0 if fp32 and trains else big_s * latent * FP32_BYTES)
-    value = b * heads * big_s * kv * a if b > 1 else (0 if trains or fp32 else big_s * latent * a)
+    key = (b * heads if b > 1 else 1) * big_s * latent * FP32_BYTES
+    value = b * heads * big_s * kv * a if b > 1 else (0 if trains else big_s * latent * a)
     softmax = 3 * scores * BOOL_BYTES + 2 * scores * FP32_BYTES + b * heads * s * (INDEX_BYTES + BOOL_BYTES + 2 * FP32_BYTES)
     core = t * heads * latent * FP32_BYTES + key + softmax + scores * a + value
     out = heads * mla.v_head_dim * kv * a + t * heads * kv * a + t * heads * mla.v_head_dim * a
@@ -176,5 +176,6 @@ def linear_cp_notes(spec: ModelSpec, par: Parallelism) -> list[str]:
         out.append(f"DeepSeek sparse attention under context parallelism (CP {par.cp}) as megatron-core 0.19.0 runs it "
                    "(0.16.1 refuses it): an absorbed-MLA layer, cp_comm_type allgather (the latent and indexer keys "
                    "all-gathered), the torch sparse attention (dsa_kernel_backend none), the indexer's graph only when "
-                   "dsa_indexer_loss_coeff > 0; without CP the report follows 0.16.1's DSAttention")
+                   "dsa_indexer_loss_coeff > 0, bf16 (its indexer asserts it); without CP the report follows 0.16.1's "
+                   "DSAttention")
     return out
