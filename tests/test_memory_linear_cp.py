@@ -108,7 +108,9 @@ def test_cp2_reports_gdn_and_dsa():
     assert gdn.per_gpu.activations_per_microbatch[0]["gdn"] == 2 * (16 * 64 * 2 + gdn_cp_saved(
         spec, tokens=16, tp=1, cp=2, act=2, param=2))
     assert any("Gated DeltaNet under context parallelism (CP 2) as megatron-core 0.19.0" in a for a in gdn.assumptions)
-    assert not gdn.not_modelled
+    assert not gdn.not_modelled and not any("cp/all_to_all of Gated DeltaNet" in u for u in gdn.unmeasured)
+    assert any("cp/all_to_all of Gated DeltaNet layers under TP 2 x CP 2" in u
+               for u in _reports(dict(GDN, linear_num_key_heads=4, linear_num_value_heads=8), (2,), tp=2)[0].unmeasured)
     model = dict(DSA_LAYER, num_layers=2, vocab_size=256, experimental_attention_variant="dsa")
     dsa = _reports(model, (2,))[0]
     comm = dsa.per_gpu.communication

@@ -164,10 +164,12 @@ def linear_cp_reason(spec: ModelSpec, par: Parallelism) -> str | None:
     return None
 
 
-def linear_cp_notes(spec: ModelSpec, par: Parallelism) -> list[str]:
-    """Assumptions to print for GDN and DSA layers under CP."""
+def linear_cp_notes(spec: ModelSpec, par: Parallelism) -> tuple[list[str], list[str]]:
+    """(assumptions, unmeasured) to print for GDN and DSA layers under CP."""
     mixers = {mixer for (mixer, _), _ in spec.layer_runs}
-    out = []
+    out: list[str] = []
+    unmeasured = [f"cp/all_to_all of Gated DeltaNet layers under TP {par.tp} x CP {par.cp} (measured at TP 1)"
+                  ] if par.cp > 1 and par.tp > 1 and "gdn" in mixers else []
     if par.cp > 1 and "gdn" in mixers:
         out.append(f"Gated DeltaNet under context parallelism (CP {par.cp}) as megatron-core 0.19.0 runs it (0.16.1 "
                    "refuses it): in_proj's output all-to-all'd to 1/CP of the heads on the whole sequence, the gated "
@@ -178,4 +180,4 @@ def linear_cp_notes(spec: ModelSpec, par: Parallelism) -> list[str]:
                    "all-gathered), the torch sparse attention (dsa_kernel_backend none), the indexer's graph only when "
                    "dsa_indexer_loss_coeff > 0, bf16 (its indexer asserts it); without CP the report follows 0.16.1's "
                    "DSAttention")
-    return out
+    return out, unmeasured

@@ -340,8 +340,9 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                         final_cap=bool(options.final_logit_softcapping) and activations,
                                         pre_layernorms=options.pre_layernorms or not activations)
     more_assumptions, more_unmeasured = ssm_notes(spec, par, activations=activations)
-    assumptions += more_assumptions + linear_cp_notes(spec, par)
-    unmeasured += more_unmeasured
+    cp_assumptions, cp_unmeasured = linear_cp_notes(spec, par)
+    assumptions += more_assumptions + cp_assumptions
+    unmeasured += more_unmeasured + cp_unmeasured
     if activations and lora:
         assumptions.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each "
                            "saves the projection's input and the [tokens, rank] intermediate; under full recompute "
