@@ -92,7 +92,8 @@ def _reports(model: dict, cps: tuple[int, ...], **par) -> list:
 
 @pytest.mark.parametrize("name", ["gdn", "dsa"])
 def test_cp1_equals_the_report_without_cp(name):
-    model = GDN if name == "gdn" else dict(DSA_LAYER, num_layers=2, vocab_size=256, experimental_attention_variant="dsa")
+    dsa = dict(DSA_LAYER, num_layers=2, vocab_size=256, experimental_attention_variant="dsa")
+    model = GDN if name == "gdn" else dsa
     with_cp1, without = _reports(model, (1,), dp=2) + [decoder_memory(
         ModelSpec.from_mapping(model), DecoderOptions.from_mapping(dict(model, **OPTIONS)), Parallelism(dp=2),
         Training(seq_length=16, micro_batch_size=2, num_microbatches=2))]
@@ -168,7 +169,8 @@ def _expected(case: dict) -> tuple[int, dict, dict]:
     if norms:
         # NB: torch's CPU RMSNorm keeps an fp32 copy of its input and x * rstd [T, width] beside rstd, where
         # the formula counts the input (the kv norm's: the kv down output it views) and fp32 rstd.
-        q, kv, latent = model["q_lora_rank"], model["kv_lora_rank"], model["kv_lora_rank"] + model["qk_pos_emb_head_dim"]
+        q, kv = model["q_lora_rank"], model["kv_lora_rank"]
+        latent = kv + model["qk_pos_emb_head_dim"]
         saved += 2 * t * (q + kv) * 4 - t * (q + latent) * act
     comm = dsa_cp_communication(spec, s=s, b=b, cp=cp, act=act)
     return saved, {k: v for k, v in comm.items() if k == "cp/all_gather"}, comm

@@ -105,7 +105,8 @@ def dsa_cp_saved(spec: ModelSpec, *, s: int, b: int, cp: int, act: int, latent_n
     scores = b * heads * s * big_s
     key = (b * heads if b > 1 else 1) * big_s * latent * FP32_BYTES
     value = b * heads * big_s * kv * a if b > 1 else (0 if trains else big_s * latent * a)
-    softmax = 3 * scores * BOOL_BYTES + 2 * scores * FP32_BYTES + b * heads * s * (INDEX_BYTES + BOOL_BYTES + 2 * FP32_BYTES)
+    rows = b * heads * s * (INDEX_BYTES + BOOL_BYTES + 2 * FP32_BYTES)  # arg-max, row flag, two row sums
+    softmax = 3 * scores * BOOL_BYTES + 2 * scores * FP32_BYTES + rows
     core = t * heads * latent * FP32_BYTES + key + softmax + scores * a + value
     out = heads * mla.v_head_dim * kv * a + t * heads * kv * a + t * heads * mla.v_head_dim * a
     return mla_part + order + indexer + core + out
