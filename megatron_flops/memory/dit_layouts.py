@@ -70,8 +70,10 @@ from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.comm import bus_bytes, data_parallel_bytes
 from megatron_flops.memory.decoder import Param
 from megatron_flops.memory.dit_activations import TP_COLUMN_PARALLEL, DiTBatch, dit_activations
+from megatron_flops.memory.dit_megatron_fsdp import dit_megatron_fsdp_states
 from megatron_flops.memory.fsdp import dit_assumptions
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 from megatron_flops.memory.states import Bucket, StateBytes, chunk_buffers, chunk_state_bytes
 
 ROW_PARALLEL = ("self_attn.o", "cross_attn.o", "ffn.2")
@@ -81,8 +83,9 @@ _SUFFIXES = (".base_layer.weight", ".base_layer.bias", ".lora_A.weight", ".lora_
 def dit_layout_reason(spec: DiTSpec, par: Parallelism, training: Training, peft: PeftSpec | None) -> str | None:
     """Why this layout is not modelled for a DiT (None: it is)."""
     if par.vpp:
-        return ("virtual pipeline stages of a DiT are not modelled (Megatron-Bridge 0.6.2's WanModelProvider builds "
-                "each stage without its vp_stage)")
+        return ("virtual pipeline stages of a DiT are not modelled: Megatron-Bridge 0.6.2 cannot interleave WAN itself "
+                "(WanModelProvider.provide ignores vp_stage and builds every model chunk with the pre_process/"
+                "post_process of its pipeline rank alone)")
     if _sp(par) and peft is not None:
         return ("LoRA adapters or a frozen base under sequence parallelism of a DiT are not modelled "
                 "(Megatron-Bridge's ParallelLinearAdapter around Transformer Engine layers)")
@@ -120,13 +123,15 @@ def _tp_param(p: DiTParam, tp: int, prefix: str = "") -> Param:
     over TP once per step."""
     module = _module(p.name)
     row = module in ROW_PARALLEL
+    rows = p.shape[0] if len(p.shape) > 1 else None  # dim 0 (Megatron-FSDP's row size: numel / rows)
     if tp == 1 or not (row or module in TP_COLUMN_PARALLEL):
-        return Param(prefix + p.name, p.numel, p.trainable, tp_replicated=tp > 1)
+        return Param(prefix + p.name, p.numel, p.trainable, tp_replicated=tp > 1, rows=rows)
     if p.name.endswith(".bias") and row:  # a row-parallel bias: whole, all-reduced under SP only
         return Param(prefix + p.name, p.numel, p.trainable)
     # NB: an adapter (Bridge's ParallelLinearAdapter) splits lora_A's rank rows (column-parallel
     # target) or its input columns (row-parallel), and lora_B's output rows: 1/TP of each.
-    return Param(prefix + p.name, p.numel // tp, p.trainable)
+    split_rows = rows is not None and (not row or p.name.endswith("lora_B.weight"))
+    return Param(prefix + p.name, p.numel // tp, p.trainable, rows=rows // tp if split_rows and rows else rows)
 
 
 def dit_rank_params(spec: DiTSpec, par: Parallelism, *, pp_rank: int, peft: PeftSpec | None = None) -> list[Param]:
@@ -295,10 +300,13 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
         act, in_flight = dit_stage_activations(spec, par, training, pp_rank=pp_rank, peft=peft, attention=attention,
                                                checkpointed_blocks=checkpointed_blocks)
         c = states.components
+        if par.megatron_fsdp is not None:  # its states and dp/ traffic in place of DDP's
+            c, dp = dit_megatron_fsdp_states(params, par, training)
+            comm = {**dp, **{k: v for k, v in comm.items() if not k.startswith("dp/")}}
         stages.append({
             "pp_rank": pp_rank, "weights_bytes": c["weights"], "gradients_bytes": c["gradients"],
             "optimizer_bytes": sum(v for k, v in c.items() if k.startswith("optimizer/")),
-            "activations_bytes": act, "total_bytes": states.total + act, "components": {**c, "activations": act},
+            "activations_bytes": act, "total_bytes": sum(c.values()) + act, "components": {**c, "activations": act},
             "forward_passes_in_flight": in_flight, "communication": comm,
         })
     top = max(stages, key=lambda r: r["total_bytes"])
@@ -313,22 +321,27 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
         "communication_per_step": {**busiest, "total_bytes": sum(busiest.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
         "not_modelled": [],
-        "unmeasured": layout_unmeasured(par, attention),
+        "unmeasured": layout_unmeasured(par, attention, checkpointed_blocks),
         "modelling_assumptions": [*dit_assumptions(attention, checkpointed_blocks, spec.num_layers)[:3],
                                   _layout_assumption(par, checkpointed_blocks, spec.num_layers // par.pp)],
     }
 
 
 def _layout_assumption(par: Parallelism, checkpointed_blocks: int, stage_blocks: int) -> str:
+    blocks = f"{checkpointed_blocks} of {stage_blocks} blocks per stage checkpointed"
+    if par.megatron_fsdp is not None:
+        return (f"Megatron-FSDP ({par.megatron_fsdp}) over the example module's parameters as megatron-core 0.16.1 "
+                "allocates it (each block an FSDP unit under optim_grads_params; fp32 main weights, no double buffer, "
+                f"no hybrid sharding, no FP8); {blocks}")
     optimizer = "distributed optimizer" if par.distributed_optimizer else "no distributed optimizer"
     return (f"megatron-core DDP ({optimizer}) over the example module's parameters, as Megatron-Bridge's WAN recipe; "
-            f"{checkpointed_blocks} of {stage_blocks} blocks per stage checkpointed; gradients accumulated in the "
-            "buffer and reduced after the last micro-batch")
+            f"{blocks}; gradients accumulated in the buffer and reduced after the last micro-batch")
 
 
-def layout_unmeasured(par: Parallelism, attention: str) -> list[str]:
+def layout_unmeasured(par: Parallelism, attention: str, checkpointed_blocks: int = 0) -> list[str]:
     """The figures that are formulas, not measured (see the module NB)."""
-    out = [] if attention == "local" and par.cp == 1 else [
+    out = _megatron_fsdp_unmeasured(par, checkpointed_blocks)
+    out += [] if attention == "local" and par.cp == 1 else [
         "activations of the flash attention kernel (fp32 log-sum-exp and outputs; the example's "
         "explicit-matmul attention is measured: --attention-backend local)"]
     if par.tp > 1:
@@ -350,4 +363,20 @@ def layout_unmeasured(par: Parallelism, attention: str) -> list[str]:
     if par.cp > 1:
         out.append(f"context parallelism (CP {par.cp}): s/CP video tokens per rank through the flash convention, "
                    "and 1/CP of the text (padded to 2 x CP), cp/send_recv of the self- and cross-attention's K/V ring")
+    return out
+
+
+def _megatron_fsdp_unmeasured(par: Parallelism, checkpointed_blocks: int) -> list[str]:
+    """Megatron-FSDP's formulas (measured on a DiT: its states and dp/ collectives over DP alone,
+    without checkpointing)."""
+    if par.megatron_fsdp is None:
+        return []
+    out = [megatron_fsdp_notes(par)[1][0]]
+    other = [f"{name} {size}" for name, size in (("TP", par.tp), ("PP", par.pp), ("CP", par.cp)) if size > 1]
+    if other:
+        out.append(f"Megatron-FSDP with {', '.join(other)}: its buffers and dp/ collectives as over data parallelism "
+                   "alone (sharded over DP x CP), the other groups' traffic as without it")
+    if checkpointed_blocks and par.megatron_fsdp == "optim_grads_params":
+        out.append("Megatron-FSDP with checkpointed blocks: each block's weights all-gathered once in forward and "
+                   "once in backward, as without checkpointing (the re-run forward's gather: not measured)")
     return out
