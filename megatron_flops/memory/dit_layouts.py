@@ -321,7 +321,7 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
         "communication_per_step": {**busiest, "total_bytes": sum(busiest.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
         "not_modelled": [],
-        "unmeasured": layout_unmeasured(par, attention, checkpointed_blocks),
+        "unmeasured": layout_unmeasured(par, attention, peft),
         "modelling_assumptions": [*dit_assumptions(attention, checkpointed_blocks, spec.num_layers)[:3],
                                   _layout_assumption(par, checkpointed_blocks, spec.num_layers // par.pp)],
     }
@@ -338,9 +338,9 @@ def _layout_assumption(par: Parallelism, checkpointed_blocks: int, stage_blocks:
             f"{blocks}; gradients accumulated in the buffer and reduced after the last micro-batch")
 
 
-def layout_unmeasured(par: Parallelism, attention: str, checkpointed_blocks: int = 0) -> list[str]:
+def layout_unmeasured(par: Parallelism, attention: str, peft: PeftSpec | None = None) -> list[str]:
     """The figures that are formulas, not measured (see the module NB)."""
-    out = _megatron_fsdp_unmeasured(par, checkpointed_blocks)
+    out = _megatron_fsdp_unmeasured(par, peft)
     out += [] if attention == "local" and par.cp == 1 else [
         "activations of the flash attention kernel (fp32 log-sum-exp and outputs; the example's "
         "explicit-matmul attention is measured: --attention-backend local)"]
@@ -366,9 +366,9 @@ def layout_unmeasured(par: Parallelism, attention: str, checkpointed_blocks: int
     return out
 
 
-def _megatron_fsdp_unmeasured(par: Parallelism, checkpointed_blocks: int) -> list[str]:
-    """Megatron-FSDP's formulas (measured on a DiT: its states and dp/ collectives over DP alone,
-    without checkpointing)."""
+def _megatron_fsdp_unmeasured(par: Parallelism, peft: PeftSpec | None) -> list[str]:
+    """Megatron-FSDP's formulas (measured on a DiT, fully trained: its states and dp/ collectives
+    over DP alone, with and without checkpointed blocks)."""
     if par.megatron_fsdp is None:
         return []
     out = [megatron_fsdp_notes(par)[1][0]]
@@ -376,7 +376,9 @@ def _megatron_fsdp_unmeasured(par: Parallelism, checkpointed_blocks: int) -> lis
     if other:
         out.append(f"Megatron-FSDP with {', '.join(other)}: its buffers and dp/ collectives as over data parallelism "
                    "alone (sharded over DP x CP), the other groups' traffic as without it")
-    if checkpointed_blocks and par.megatron_fsdp == "optim_grads_params":
-        out.append("Megatron-FSDP with checkpointed blocks: each block's weights all-gathered once in forward and "
-                   "once in backward, as without checkpointing (the re-run forward's gather: not measured)")
+    if peft is not None and peft.frozen:
+        out.append("Megatron-FSDP with a frozen base: the frozen and the trainable parameters in groups of their own "
+                   "(per block under optim_grads_params), as megatron-core 0.16.1 groups them; not measured: 0.16.1's "
+                   "MegatronFSDP cannot wrap a frozen parameter (a gradient hook on each; 0.19.2, Bridge 0.6.2's, "
+                   "skips them)")
     return out
