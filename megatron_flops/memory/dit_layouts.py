@@ -117,6 +117,11 @@ def _module(name: str) -> str:
     return next((name[: -len(s)] for s in _SUFFIXES if name.endswith(s)), name)
 
 
+def _row_bias(name: str) -> bool:
+    """A row-parallel layer's bias (LoRA-wrapped: ``.base_layer.bias``)."""
+    return name.endswith(".bias") and _module(name).endswith(ROW_PARALLEL)
+
+
 def _tp_param(p: DiTParam, tp: int, prefix: str = "") -> Param:
     """``p`` on one TP rank; ``tp_replicated``: whole on every TP rank, its gradient all-reduced
     over TP once per step."""
@@ -186,9 +191,7 @@ def dit_step_communication(spec: DiTSpec, par: Parallelism, training: Training, 
     if par.tp > 1:
         # Once per step: the gradients of the weights every TP rank holds whole (not the row-parallel
         # biases, but under sequence parallelism, which marks them sequence_parallel).
-        row_biases = tuple(f"{m}.bias" for m in ROW_PARALLEL)
-        whole = sum(p.numel for p in params
-                    if p.trainable and (p.tp_replicated or (_sp(par) and p.name.endswith(row_biases))))
+        whole = sum(p.numel for p in params if p.trainable and (p.tp_replicated or (_sp(par) and _row_bias(p.name))))
         out["tp/all_reduce"] = whole * training.grad_bytes
         # NB: the first block of a frozen base's first stage: its input needs no gradient.
         frozen = peft is not None and peft.frozen
