@@ -101,3 +101,22 @@ def test_frozen_base_activations_and_label():
     assert any(u.startswith("LoRA adapters or a frozen base under tensor parallelism and sequence parallelism (TP 2)")
                for u in report["unmeasured"])
     assert report["not_modelled"] == []
+
+
+def test_frozen_base_without_sequence_parallelism_follows_autograd():
+    # TP 2, frozen base, LoRA rank 4 on ffn.0 and ffn.2 only, one micro-batch of 16 video and 12 text
+    # tokens, h 32, bf16. Elements per block:
+    # - first block: nothing before ffn.0's adapter needs a gradient. All-reduce of o, cross o, ffn.2
+    #   outputs (3 x 16 x 32) forward, no input gradient of the base; all-gather of q, k, cross q (16 rows
+    #   each) and cross k (12) for the norms forward (60 x 32), none backward; the adapters: ffn.0's
+    #   (column) gathers [16, 4] and all-reduces [16, 4 + 32], ffn.2's (row) all-reduces [16, 4] twice
+    #   and gathers its output [16, 32]: all-reduce 1,536 + 576 + 128, all-gather 1,920 + 64 + 512;
+    # - second block: its input needs a gradient, so do q/k/v's, the cross q's and ffn.0's inputs
+    #   (48 x 32 all-reduced backward) and the q, k, cross q norms' (48 x 32 gathered backward); the
+    #   cross k's input, the frozen text, never: all-reduce 1,536 + 1,536 + 704, all-gather 1,920 +
+    #   1,536 + 576.
+    peft = DiTPeftSpec(frozen=True, lora_rank=4, lora_targets=("ffn.0", "ffn.2"))
+    comm = dit_layout_report(SPEC, Parallelism(tp=2), Training(seq_length=16, micro_batch_size=1),
+                             peft=peft)["communication_per_step"]
+    assert comm["tp/all_reduce"] == 2 * ((1_536 + 576 + 128) + (1_536 + 1_536 + 704))
+    assert comm["tp/all_gather"] == 2 * ((1_920 + 64 + 512) + (1_920 + 1_536 + 576))
