@@ -165,8 +165,8 @@ MISSING_MEMORY_FLAGS: set[str] = set()
 # or cannot train (each with the framework's reason): not gaps of ours; the report names the refusal.
 FRAMEWORK_REFUSES: list[tuple[str, str]] = [
     # Kimi Delta Attention at TP 1 only (no KDA layer has tensor parallelism: not megatron-core through
-    # 0.19.2, not Megatron-Bridge 0.6.2, not transformers); no context parallelism beside KDA layers
-    # (transformers' KDA layer has none).
+    # 0.19.2, not Megatron-Bridge 0.6.2, not transformers) and without context parallelism (transformers'
+    # KDA layer has none). (GDN and DSA under CP: megatron-core 0.19.0's layers, memory/linear_cp.py.)
     ("hf:kimi_linear | CP2 | ", r"refused: .*KimiLinearDeltaAttention, which has no context parallelism"),
     ("hf:kimi_linear | TP2* | ", r"refused: .*Kimi Delta Attention is modelled with --tp 1"),
     # olmo2's and olmo3's q/k norms over the whole q and k projections under TP (memory/hf_qk_norms.py): their
@@ -179,24 +179,13 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),
-    # DiT virtual pipeline stages (Bridge 0.6.2's WanModelProvider builds each stage without its vp_stage).
-    ("examples/wan* | PP2 VPP2 | ", r"refused: .*virtual pipeline stages of a DiT are not modelled"),
+    # DiT (memory/dit_layouts.py) with virtual pipeline stages: Megatron-Bridge 0.6.2 itself cannot build them
+    # (WanModelProvider.provide ignores vp_stage), so there is no layout to model.
+    ("examples/wan* | PP2 VPP2 | ", r"refused: .*Megatron-Bridge 0.6.2 cannot interleave WAN itself"),
 ]
 
 # GAPS: ours. Each is a refusal or a not-modelled row for a layout the frameworks train.
 GAPS: list[tuple[str, str]] = [
-    # No context parallelism beside GDN or DSA layers: megatron-core 0.16.1 itself refuses CP for them, 0.19
-    # runs it in rewritten layers these figures do not model.
-    *[(f"{model} | CP2 | ", rf"refused: .*{what}") for model, what in (
-        ("hf:qwen3_next", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
-        ("mcore:gdn", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
-        *[(m, "megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention")
-          for m in ("mcore:dsa", "hf:deepseek_v32", "hf:glm_moe_dsa")])],
-    # DiT (memory/dit_layouts.py): LoRA (the tiny example file's section) under sequence parallelism (Megatron-Bridge's
-    # ParallelLinearAdapter around Transformer Engine layers, not modelled).
-    ("examples/wan_tiny_dit.json | TP2 SP | ", r"refused: .*LoRA adapters or a frozen base under sequence parallelism"),
-    # DiT under Megatron-FSDP: the DiT path models torch FSDP2 and megatron-core DDP / distributed optimizer.
-    ("examples/wan* | DP2 Megatron-FSDP | ", r"refused: .*a DiT model file under Megatron-FSDP is not modelled"),
     # A pipeline_model_parallel_layout string (the split as num_layers_in_first/last_pipeline_stage is modelled).
     ("mcore:pipeline layout | PP2* | *", r"refused: .*pipeline_model_parallel_layout .* is not modelled"),
     # Hugging Face partial biases and per-head q/k LayerNorms (memory/hf_layers.py names them).
