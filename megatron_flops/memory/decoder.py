@@ -61,6 +61,7 @@ class DecoderOptions:
     moe_grouped_gemm: bool = False
     moe_use_legacy_grouped_gemm: bool = False
     moe_flex_dispatcher_backend: str = "deepep"
+    bias_dropout_fusion: bool = True  # (read for TEGroupedMLP's refusal of it with linear biases only)
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int | None = None
     transformer_impl: str = "transformer_engine"

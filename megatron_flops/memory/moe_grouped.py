@@ -81,6 +81,10 @@ def check_grouped(spec: ModelSpec, options: DecoderOptions, par: Parallelism, tr
         if training.params_dtype != "bf16":
             raise ValueError("megatron-core's GroupedMLP trains in bf16 only ('Currently GroupedMLP for MoE only "
                              f"supports bf16.'), not {training.params_dtype}")
+    if experts_module(options) == "TEGroupedMLP" and options.add_bias_linear and options.bias_dropout_fusion:
+        raise ValueError("megatron-core's TEGroupedMLP refuses linear biases with bias_dropout_fusion ("
+                         "'bias_dropout_fusion is not supported in TEGroupedMLP when add_bias_linear=True'): set "
+                         "add_bias_linear or bias_dropout_fusion false")
     if options.moe_token_dispatcher_type != "flex":
         return
     if options.moe_flex_dispatcher_backend not in FLEX_BACKENDS:
