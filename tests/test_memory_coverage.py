@@ -129,15 +129,9 @@ MISSING_MEMORY_FLAGS: set[str] = set()
 # an entry, and every entry must match a gap: delete an entry when its gap is closed.
 EXPECTED_GAPS: list[tuple[str, str]] = [
     # Kimi Delta Attention at TP 1 only (no KDA layer has tensor parallelism: not megatron-core through
-    # 0.19.2, not Megatron-Bridge 0.6.2, not transformers); no context parallelism beside GDN, KDA or DSA
-    # layers.
-    # (GDN and DSA: megatron-core 0.16.1 itself refuses CP; transformers' KDA layer has none.)
-    *[(f"{model} | CP2 | ", rf"refused: .*{what}") for model, what in (
-        ("hf:kimi_linear", "KimiLinearDeltaAttention, which has no context parallelism"),
-        ("hf:qwen3_next", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
-        ("mcore:gdn", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
-        *[(m, "megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention")
-          for m in ("mcore:dsa", "hf:deepseek_v32", "hf:glm_moe_dsa")])],
+    # 0.19.2, not Megatron-Bridge 0.6.2, not transformers) and without context parallelism (transformers'
+    # KDA layer has none). (GDN and DSA under CP: megatron-core 0.19.0's layers, memory/linear_cp.py.)
+    ("hf:kimi_linear | CP2 | ", r"refused: .*KimiLinearDeltaAttention, which has no context parallelism"),
     ("hf:kimi_linear | TP2* | ", r"refused: .*Kimi Delta Attention is modelled with --tp 1"),
     # olmo2's and olmo3's q/k norms over the whole q and k projections under TP (memory/hf_qk_norms.py): their
     # statistics span every head, and no framework splits them over TP (transformers' TP plan gathers q, k and v

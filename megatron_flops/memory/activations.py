@@ -71,7 +71,8 @@ from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.hf_parallel import ONE_NORM, SEQUENTIAL, TWO_NORMS
 from megatron_flops.memory.hf_qk_norms import qk_norm_saved_bytes
 from megatron_flops.memory.lora import lora_activation_reason
-from megatron_flops.memory.ssm import dsa_saved, gdn_saved, kda_saved, mamba_saved, ssm_activation_reason
+from megatron_flops.memory.linear_cp import dsa_cp_saved, gdn_cp_saved
+from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
@@ -355,6 +356,10 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     T, a, base = x.tokens, x.act, w.grad.base
     norm, loc = options.qk_layernorm, x.local_tokens
     stats = loc * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
+    if dsa and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:func:`.linear_cp.dsa_cp_saved`)
+        w.keep("attention", T * x.h * a)
+        w.act("attention", dsa_cp_saved(spec, s=x.s, b=x.b, cp=x.cp, act=a, latent_norms=norm, norm_stats=stats // T))
+        return
     # NB: Transformer Engine's spec fuses the latent norms into the up projections, so selective
     # ``mla_up_proj`` re-runs them too: their statistics and outputs are saved in backward only.
     fused = "mla_up_proj" in w.selective and norm and options.transformer_impl == "transformer_engine"
@@ -565,7 +570,7 @@ def _ssm_mixer(w: _Walk, x: _Dims, spec: ModelSpec, mixer: str) -> None:
     elif mixer == "mamba":
         w.act(mixer, mamba_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act, cp=x.cp))
     else:  # NB: parameters in the activation dtype (Float16Module), so exp(A_log) too
-        w.act(mixer, gdn_saved(spec, tokens=x.tokens, tp=x.tp, act=x.act, param=x.act))
+        w.act(mixer, gdn_cp_saved(spec, tokens=x.tokens, tp=x.tp, cp=x.cp, act=x.act, param=x.act))
 
 
 def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:

@@ -39,6 +39,7 @@ from megatron_flops.memory.moe import (
 )
 from megatron_flops.memory.moe_grouped import check_grouped, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
+from megatron_flops.memory.linear_cp import linear_cp_notes
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
@@ -348,8 +349,9 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                         pre_layernorms=options.pre_layernorms or not activations)
     assumptions += parallel_layer_assumptions(options.parallel_layer_norms)
     more_assumptions, more_unmeasured = ssm_notes(spec, par, activations=activations)
-    assumptions += more_assumptions
-    unmeasured += more_unmeasured
+    cp_assumptions, cp_unmeasured = linear_cp_notes(spec, par)
+    assumptions += more_assumptions + cp_assumptions
+    unmeasured += more_unmeasured + cp_unmeasured
     if activations and lora:
         assumptions.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each "
                            "saves the projection's input and the [tokens, rank] intermediate; under full recompute "
@@ -376,7 +378,7 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                            "over all routings is shown")
     assumptions += mla_mtp_assumptions(spec, par, duplicated=options.duplicated_mla_down)
     unmeasured += mla_unmeasured(spec, par, duplicated=options.duplicated_mla_down) + moe_unmeasured(spec, options)
-    if par.cp > 1:
+    if par.cp > 1 and any(mixer in ("attention", "window") for (mixer, _), _ in spec.layer_runs):  # GDN, DSA: measured
         unmeasured.append(f"context parallelism (CP {par.cp}): activations and collectives as s/CP tokens per rank "
                           "through a fused attention, and the cp/send_recv ring of K/V (no context-parallel "
                           "attention on CPU)")
