@@ -97,7 +97,7 @@ SETUPS = {
     "frozen LoRA, selective recompute of moe, shared_experts": [
         "--frozen", "--lora-rank", "4", "--recompute", "selective", "--recompute-modules", "moe,shared_experts"],
 }
-SETUP_LAYOUTS = ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2")
+SETUP_LAYOUTS = ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2", "DP2 Megatron-FSDP")
 
 
 def _layouts(model: str, setup: str) -> list[str]:
