@@ -28,7 +28,7 @@ MODEL = dict(num_layers=2, hidden_size=48, num_attention_heads=4, num_query_grou
 
 
 def step_worker(rank: int, world_size: int, runs: dict) -> dict:
-    """Per run name ``(strategy, micro-batches, frozen)``: the Megatron-FSDP buffers and optimizer
+    """Per run name ``(strategy, micro-batches, frozen[, layers])``: the Megatron-FSDP buffers and optimizer
     shards after a step after the first, and that step's collectives per group (or the error)."""
     import torch
     from megatron.core.distributed import finalize_model_grads
@@ -41,9 +41,9 @@ def step_worker(rank: int, world_size: int, runs: dict) -> dict:
     mcore_memory.patch_megatron_fsdp_on_cpu()
     mcore_memory.bridge_peft = lambda module="utils": None  # (the stand-in adapter in every environment)
     out: dict = {}
-    for name, (strategy, m, frozen) in runs.items():
+    for name, (strategy, m, frozen, *layers) in runs.items():
         mcore_dist.reinit_model_parallel()
-        kwargs = dict(MODEL, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True)
+        kwargs = dict(MODEL, num_layers=layers[0] if layers else MODEL["num_layers"], params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True)
         chunks, config = mcore_dist.build_model_chunks(kwargs, VOCAB, 16, share_embeddings=False)
         mcore_memory.apply_lora(chunks[0], TARGETS, RANK)
         if not frozen:

@@ -30,16 +30,18 @@ from megatron_flops.model.spec import ModelSpec
 TESTS = Path(__file__).resolve().parent
 STEP = TESTS / "mfsdp_frozen_step.py"
 VENV = "megatron-bridge-0.6.2"
-# name -> (strategy, micro-batches, frozen base)
+# name -> (strategy, micro-batches, frozen base[, layers: 2])
 RUNS = {"optim": ("optim", 2, True), "optim_grads": ("optim_grads", 3, True),
-        "optim_grads_params": ("optim_grads_params", 3, True), "optim_grads_params m1": ("optim_grads_params", 1, True)}
+        "optim_grads_params": ("optim_grads_params", 3, True), "optim_grads_params m1": ("optim_grads_params", 1, True),
+        "optim_grads_params, 3 layers": ("optim_grads_params", 2, True, 3)}
 FIELDS = dict(num_layers=2, hidden_size=48, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=72,
               share_embeddings_and_output_weights=False)
 
 
-def _params():
-    spec = ModelSpec.from_mapping(dict(FIELDS, vocab_size=96))
-    options = DecoderOptions.from_mapping(dict(FIELDS, padded_vocab_size=96, position_embedding_type="rope",
+def _params(num_layers: int = 2):
+    fields = dict(FIELDS, num_layers=num_layers)
+    spec = ModelSpec.from_mapping(dict(fields, vocab_size=96))
+    options = DecoderOptions.from_mapping(dict(fields, padded_vocab_size=96, position_embedding_type="rope",
                                                add_bias_linear=False))
     return chunk_parameters(spec, options, Parallelism(), pp_rank=0, chunk=0, seq_length=16,
                             peft=PeftSpec(frozen=True, lora_rank=4))
@@ -78,11 +80,11 @@ def test_megatron_core_0_19_2_states_and_collectives(measured_0_19_2, name):
     # ones outside the layers (9,312) and per layer a frozen (14,112) and an adapter bucket (2,016).
     # Measured e.g. optim_grads_params, m 3: bf16 weights 41,568 / 2 x 2 bytes; bf16 main gradients
     # 2,016 x 2; fp32 main weights 2,016 x 4; reduce-scatter 3 x 4,032 x 2; all-gather
-    # 9,312 + (2 x 3 + 3 + 1) x 16,128 bf16 elements = 341,184 bytes.
-    strategy, m, _ = RUNS[name]
+    # 9,312 + (2 x 3 + 3 + 1) x 16,128 bf16 elements = 341,184 bytes (each layer 2m times, the last m + 1).
+    strategy, m, _, *layers = RUNS[name]
     training = Training(seq_length=16, micro_batch_size=2, num_microbatches=m)
     for rank, got in enumerate(measured_0_19_2[name]):
-        states, comm = megatron_fsdp_rank(_params(), training, strategy=strategy, sizes={"dp": 2, "expt_dp": 2},
+        states, comm = megatron_fsdp_rank(_params(*layers), training, strategy=strategy, sizes={"dp": 2, "expt_dp": 2},
                                           ranks={"dp": rank, "expt_dp": rank}, bucket_size=None)
         states.pop("megatron_fsdp/unsharded_working_copies", None)  # (a formula: not measurable here)
         assert states == got["states"], rank
