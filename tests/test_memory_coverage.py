@@ -113,7 +113,7 @@ SETUPS = {
     "frozen LoRA, selective recompute of moe, shared_experts": [
         "--frozen", "--lora-rank", "4", "--recompute", "selective", "--recompute-modules", "moe,shared_experts"],
 }
-SETUP_LAYOUTS = ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2")
+SETUP_LAYOUTS = ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2", "DP2 Megatron-FSDP")
 # Setups and layouts run on a few models only (SPOT_CHECKS: model glob, setup, layouts): the setups or
 # layouts a gap needs, where crossing them with every model would only repeat other rows.
 SPOT_SETUPS = {

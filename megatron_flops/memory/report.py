@@ -292,7 +292,7 @@ def decoder_memory(
     if par.megatron_fsdp is not None:
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 
-        more = megatron_fsdp_notes(par)
+        more = megatron_fsdp_notes(par, peft)
         assumptions, unmeasured = assumptions + tuple(more[0]), unmeasured + tuple(more[1])
     if fsdp is not None:
         comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
