@@ -159,7 +159,7 @@ def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
     if family not in _BRIDGE_POST_NORMS and (text.get("final_logit_softcapping") or text.get("attn_logit_softcapping")):
         out.append("logit soft-capping (tanh of the scores or logits: its saved output left out)")
     if text.get("kv_lora_rank") and _biases(text, family)[0]:
-        out.append("q_a_proj's and kv_a_proj_with_mqa's biases (attention_bias; megatron-core's multi-latent attention "
-                   "has none on its down projections): not counted")
+        out.append("the down projections' biases of attention_bias (q_a_proj, kv_a_proj_with_mqa; megatron-core's "
+                   "multi-latent attention has none there): not counted (o_proj's is)")
     return out
 
