@@ -120,9 +120,6 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
     from megatron_flops.memory.fsdp import dit_memory_report
 
     other = [f"--{k} {v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if v > 1]
-    if par.megatron_fsdp:
-        raise ValueError("a DiT model file under Megatron-FSDP is not modelled (torch FSDP2: --fsdp; megatron-core "
-                         "DDP or --distributed-optimizer)")
     if par.fsdp and (other or par.vpp or par.sequence_parallel):
         raise ValueError(f"a DiT model file under --fsdp (torch FSDP2) is modelled over --dp ranks only; "
                          f"{', '.join(other) or 'this layout'} is not modelled")
@@ -151,10 +148,11 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
 
 
 def _dit_megatron(par: Parallelism) -> bool:
-    """A DiT under megatron-core DDP / distributed optimizer, as Megatron-Bridge trains WAN
-    (memory/dit_layouts.py): any layout but one GPU without a parallel flag (the example's module
-    alone) and --fsdp."""
-    return not par.fsdp and (par.world_size > 1 or par.distributed_optimizer or par.ep > 1)
+    """A DiT under megatron-core DDP / distributed optimizer / Megatron-FSDP, as Megatron-Bridge
+    trains WAN (memory/dit_layouts.py): any layout but one GPU without a parallel flag (the
+    example's module alone) and --fsdp."""
+    return not par.fsdp and (par.world_size > 1 or par.distributed_optimizer or par.ep > 1
+                             or par.megatron_fsdp is not None)
 
 
 def _checkpointed_dit_blocks(num_layers: int, recompute: Any) -> int:
@@ -302,7 +300,7 @@ def add_parser(sub: Any) -> None:
                      help="Megatron-LM's layer spec: moves multi-latent attention's down projections under TP "
                           "(transformer_engine: whole on every TP rank, a formula; local: split, measured; "
                           "default: the model file's transformer_impl, else transformer_engine as Megatron-LM)")
-    mem.add_argument("--moe-token-dispatcher", choices=("alltoall", "allgather"),
+    mem.add_argument("--moe-token-dispatcher", choices=("alltoall", "allgather", "flex"),
                      help="megatron-core's moe_token_dispatcher_type (default: the model file's or --megatron-args'; Hugging Face MoE "
                           "configs: alltoall, as Megatron-Bridge sets it)")
     mem.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES,
@@ -312,8 +310,8 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--recompute-num-layers", type=int, metavar="N", help="full recompute: layers per group or block")
     mem.add_argument("--recompute-modules", metavar="NAMES",
                      help="comma-separated selective recompute modules (default core_attn); activations modelled "
-                          "for core_attn, mlp, layernorm, moe, shared_experts and mla_up_proj "
-                          "(not moe_act: grouped-GEMM experts only)")
+                          "for core_attn, mlp, layernorm, moe, shared_experts and mla_up_proj, "
+                          "and as a formula for moe_act (grouped-GEMM experts only)")
     mem.add_argument("--frozen", action="store_true", help="freeze every base weight")
     mem.add_argument("--lora-rank", type=int, metavar="R", help="add rank-R LoRA adapters")
     mem.add_argument("--lora-targets", metavar="NAMES",
