@@ -195,9 +195,6 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
 GAPS: list[tuple[str, str]] = [
     # A pipeline_model_parallel_layout string (the split as num_layers_in_first/last_pipeline_stage is modelled).
     ("mcore:pipeline layout | PP2* | *", r"refused: .*pipeline_model_parallel_layout .* is not modelled"),
-    # Hugging Face partial biases and per-head q/k LayerNorms (memory/hf_layers.py names them).
-    ("hf:llama attention_bias | *", r"not modelled: Hugging Face llama: o_proj's bias .*not counted"),
-    ("hf:stablelm qk_layernorm | *", r"not modelled: Hugging Face stablelm: q/k norms with a LayerNorm per head"),
     # LoRA on MLA's down/up projections; frozen MLA with mla_up_proj recompute under TP.
     ("mcore:mla | 1 GPU | LoRA q_down, proj", r"not modelled: activations of LoRA adapters on MLA's"),
     ("mcore:mla | TP2 SP | LoRA q_down, proj", r"refused: .*LoRA adapters under tensor parallelism are modelled on"),
@@ -240,9 +237,6 @@ def _hf_cases() -> dict[str, tuple[str, dict[str, Any]]]:
         "kimi_linear": ("kimi_linear", test_linear_attention.KIMI),
         "deepseek_v32": ("deepseek_v32", test_sparse_attention.V32),
         "glm_moe_dsa": ("glm_moe_dsa", dict(test_sparse_attention.V32, num_hidden_layers=4)),
-        # partial biases (o_proj's without the MLP's) and per-head q/k LayerNorms: what memory/hf_layers.py names
-        "llama attention_bias": ("llama", dict(test_hf_config.CASES["llama"][1], attention_bias=True)),
-        "stablelm qk_layernorm": ("stablelm", dict(test_hf_config.CASES["stablelm"][1], qk_layernorm=True)),
     })
     return cases
 
