@@ -66,7 +66,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
-from megatron_flops.memory.lora import lora_activation_reason
+from megatron_flops.memory.lora import lora_activation_reason, mla_targets
 from megatron_flops.memory.ssm import dsa_saved, gdn_saved, kda_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
@@ -349,14 +349,20 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     # ``mla_up_proj`` re-runs them too: their statistics and outputs are saved in backward only.
     fused = "mla_up_proj" in w.selective and norm and options.transformer_impl == "transformer_engine"
     moved = 0
-    if base:
+    ad = _MlaAdapters.of(w.grad, spec, sp=x.sp > 1)
+    if base or ad.downs and x.sp == 1:
         w.keep("attention", loc * x.h * a)  # (this rank's slice under sequence parallelism)
+    w.keep("lora", ad.downs * (T * x.h * a * (x.sp > 1) + T * w.grad.rank * a))  # (gathered input, [T, r])
+    started, w.grad.started = w.grad.started, w.grad.started or ad.q_down
     if mla.q_lora_rank is not None and (base or norm):
         # The all-gathered q latent [T, q_lora] (q_up's input, or the q norm's; under sequence
         # parallelism their [T/TP] slice is a view of it), the norm's statistics and output.
-        q_norm = (stats + (loc * mla.q_lora_rank * a if base else 0)) if norm else 0
+        q_norm = (stats + (loc * mla.q_lora_rank * a if base or ad.q_up and x.sp == 1 else 0)) if norm else 0
         moved += q_norm if fused else 0
         w.act("attention", T * mla.q_lora_rank * a + (0 if fused else q_norm))
+    if mla.q_lora_rank is not None and not base and not norm and ad.q_up and x.sp == 1:
+        w.keep("attention", T * mla.q_lora_rank * a)  # (the q latent, the adapter's input)
+    w.grad.started = started or ad.kv_down
     # kv_up's input (or the kv norm's): a view of the all-gathered kv_down output [T, kv_lora +
     # rope], which it keeps whole; under sequence parallelism a [T/TP, kv_lora] copy of its slice
     # (RoPE's product with cos/sin keeps only those), then the kv norm.
@@ -367,7 +373,7 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
         # A frozen base's up projections keep no input, but the up-projection checkpoint keeps its
         # inputs: the q latent (the q norm's output, or q_down's output [T, q_lora]; direct q: the
         # input norm's output [T, h]) and the kv latent (the kv norm's output, or kv_down's output
-        # [T, kv_lora + rope], of which k_pos_emb is a view). (At TP 1: recompute.selective_reason.)
+        # [T, kv_lora + rope], of which k_pos_emb is a view).
         q = (loc if norm else T) * mla.q_lora_rank if mla.q_lora_rank is not None else loc * x.h
         w.act("attention", (q + (loc * mla.kv_lora_rank if norm else T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)))
               * a)
@@ -379,14 +385,17 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
         local = options.transformer_impl != "transformer_engine"
         w.act("attention", T * ((mla.kv_lora_rank if local else 0) + mla.qk_pos_emb_head_dim) * a)
     if norm:
-        kv_norm = stats + (loc * mla.kv_lora_rank * a if base else 0)
+        kv_norm = stats + (loc * mla.kv_lora_rank * a if base or ad.kv_up and x.sp == 1 else 0)
         moved += kv_norm if fused else 0
         w.act("attention", 0 if fused else kv_norm)
-    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved)
+    kv_rope = w.grad.started  # (k_pos_emb requires grad: RoPE keeps k's cos and sin)
+    w.keep("lora", _mla_up_adapters(ad, x, mla.q_lora_rank, mla.kv_lora_rank, norm=norm, rank=w.grad.rank))
+    w.grad.started = started or ad.any
+    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved, kv_rope=kv_rope)
 
 
 def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: bool,
-              moved: int) -> None:
+              moved: int, kv_rope: bool = True) -> None:
     """MLA after its latents: RoPE, q, k, v, the core attention and linear_proj's input.
     Selective ``mla_up_proj`` (CheckpointWithoutOutput around the up projections and RoPE,
     whose inputs the latents keep, and the layer's fp32 RoPE frequencies [s, rope]): no cos and
@@ -396,7 +405,7 @@ def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, c
     mla = spec.mla
     assert mla is not None
     T, a, heads = x.tokens, x.act, x.heads
-    rope = 4 * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
+    rope = (2 + 2 * kv_rope) * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
     v = T * heads * mla.v_head_dim * a
     if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`)
         w.act("attention", rope + dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) + v)
@@ -576,6 +585,45 @@ def _selective_moe(w: _Walk, kept: dict[str, int], inp: int) -> None:
         return
     for key, nbytes in kept.items():
         w.keep(key, nbytes)
+
+
+@dataclass(frozen=True)
+class _MlaAdapters:
+    """LoRA adapters on one MLA layer's projections: ``downs`` on the down projections (and
+    direct q's ``linear_q_proj``, which reads the hidden states too), whether the q and kv down
+    projections and the up projections are adapted."""
+
+    downs: int
+    q_down: bool
+    kv_down: bool
+    q_up: bool
+    kv_up: bool
+    sp: bool
+
+    @property
+    def any(self) -> bool:
+        return bool(self.downs) or self.q_up or self.kv_up
+
+    @classmethod
+    def of(cls, grad: _Grad, spec: ModelSpec, *, sp: bool) -> _MlaAdapters:
+        names = set(grad.adapted) & set(mla_targets(spec))
+        q_down, kv_down = "linear_q_down_proj" in names, "linear_kv_down_proj" in names
+        return cls(downs=q_down + kv_down + ("linear_q_proj" in names), q_down=q_down, kv_down=kv_down,
+                   q_up="linear_q_up_proj" in names, kv_up="linear_kv_up_proj" in names, sp=sp)
+
+
+def _mla_up_adapters(ad: _MlaAdapters, x: _Dims, q_lora: int | None, kv_lora: int, *, norm: bool, rank: int) -> int:
+    """What the up projections' adapters keep beyond the latents counted already: [T, r] each;
+    under sequence parallelism the latent each all-gathers [T, width]; else, without the kv
+    norm, kv_up's adapter's contiguous copy of its latent [T, kv_lora] (a view of kv_down's
+    output)."""
+    T, a, r = x.tokens, x.act, rank
+    out = (ad.q_up + ad.kv_up) * T * r * a
+    if ad.q_up and ad.sp:
+        out += T * (q_lora or 0) * a
+    if ad.kv_up and (ad.sp or not norm):
+        out += T * kv_lora * a
+    return out
 
 
 def chunk_activations(
