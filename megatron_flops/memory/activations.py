@@ -373,10 +373,12 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
         # A frozen base's up projections keep no input, but the up-projection checkpoint keeps its
         # inputs: the q latent (the q norm's output, or q_down's output [T, q_lora]; direct q: the
         # input norm's output [T, h]) and the kv latent (the kv norm's output, or kv_down's output
-        # [T, kv_lora + rope], of which k_pos_emb is a view).
+        # [T, kv_lora + rope], of which k_pos_emb is a view; under sequence parallelism the kv
+        # latent is a [T/TP, kv_lora] copy and k_pos_emb a view of the all-gathered kv_down output).
         q = (loc if norm else T) * mla.q_lora_rank if mla.q_lora_rank is not None else loc * x.h
-        w.act("attention", (q + (loc * mla.kv_lora_rank if norm else T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)))
-              * a)
+        kv = (loc * mla.kv_lora_rank if norm or x.sp > 1 else 0) + (T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
+                                                                   if x.sp > 1 or not norm else 0)
+        w.act("attention", (q + kv) * a)
     elif "mla_up_proj" in w.selective and w.grad.started and x.sp > 1:
         # The up-projection checkpoint keeps k_pos_emb, all-gathered [T, rope] under sequence
         # parallelism: a view of the all-gathered kv_down output [T, kv_lora + rope] (the local

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.lora import adapter_forward_payload
+from megatron_flops.memory.lora import adapter_forward_payload, mla_targets
 from megatron_flops.memory.lora_layers import expert_adapter_payload
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -45,14 +45,15 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
                 "not in the SequentialMLP experts these figures follow (grouped-GEMM experts' activations are not "
                 "modelled either: no CPU kernel to measure them)")
     if "layernorm" in modules and peft is not None and peft.frozen:
-        return ("activations under selective recompute of layernorm with a frozen base: megatron-core 0.16.1's "
-                "CheckpointWithoutOutput fails in backward (no saved input) where a norm's input requires no grad, "
-                "as the first layer's does (Megatron-Bridge makes the decoder's input require grad under full "
-                "recompute only); seen here")
-    if "mla_up_proj" in modules and peft is not None and peft.frozen and par.tp > 1:
-        return ("activations under selective recompute of mla_up_proj with a frozen base are modelled with --tp 1 "
-                "(the checkpoint's latent inputs, slices of the gathered latents under sequence parallelism, are "
-                "not measured here)")
+        return ("activations under selective recompute of layernorm with a frozen base: megatron-core 0.16.1's and "
+                "0.19.0's CheckpointWithoutOutput fail in backward (no saved input) where a norm's input requires no "
+                "grad, as the first layer's does (Megatron-Bridge makes the decoder's input require grad under full "
+                "recompute only); seen here with both releases")
+    if "mla_up_proj" in modules and peft is not None and peft.lora_rank is not None \
+            and set(peft.lora_targets) & set(mla_targets(spec)):
+        return ("activations under selective recompute of mla_up_proj with LoRA adapters on MLA's projections are "
+                "not modelled (the adapters inside the checkpoint; measured: adapters on linear_proj, linear_fc1, "
+                "linear_fc2)")
     if "mla_up_proj" in modules and spec.mla is None:
         return ("activations under selective recompute of mla_up_proj: megatron-core refuses it without "
                 "multi-latent attention")
@@ -110,7 +111,7 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
         _add_expert_adapter_reruns(out, spec, par, recompute, peft, layers, pp_rank, shared=shared, tokens=tokens,
                                    act=act)
     if par.sequence_parallel:
-        out["tp/all_gather"] += _mla_up_proj_rerun_width(spec, par, recompute, layers, pp_rank) * tokens * act
+        out["tp/all_gather"] += _mla_up_proj_rerun_width(spec, par, recompute, layers, pp_rank, peft) * tokens * act
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
 
@@ -136,14 +137,18 @@ def _add_expert_adapter_reruns(out: dict[str, int], spec: ModelSpec, par: Parall
 
 
 def _mla_up_proj_rerun_width(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],
-                             pp_rank: int) -> int:
+                             pp_rank: int, peft: PeftSpec | None) -> int:
     """Elements per token that selective ``mla_up_proj`` all-gathers again per micro-batch under
     sequence parallelism over ``layers`` (and the MTP block's layers on the last stage): each MLA
-    layer's up-projection inputs, the q latent (or the hidden states) and the kv latent."""
+    layer's up-projection inputs, the q latent (or the hidden states) and the kv latent. A frozen
+    model's first layer (before its first adapter: no adapter on MLA's projections runs with
+    this recompute) never re-runs: its checkpoint's inputs require no grad."""
     if spec.mla is None or "mla_up_proj" not in recompute.modules:
         return 0
     last = par.is_last_stage(pp_rank, par.num_chunks - 1)
     num = sum(spec.layers[i][0] in ("attention", "dsa") for i in layers) + (spec.mtp_num_layers if last else 0)
+    num -= bool(peft is not None and peft.frozen and par.is_first_stage(pp_rank, 0) and layers and layers[0] == 0
+                and spec.layers[0][0] in ("attention", "dsa"))
     q = spec.mla.q_lora_rank if spec.mla.q_lora_rank is not None else spec.hidden_size
     return num * (q + spec.mla.kv_lora_rank)
 

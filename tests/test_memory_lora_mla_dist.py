@@ -1,0 +1,115 @@
+"""LoRA adapters (Megatron-Bridge 0.3.1's ``ParallelLinearAdapter``, tests/mcore_memory.apply_lora) on
+MLA's own projections, and selective ``mla_up_proj`` recompute of a frozen base under TP: one real
+training step each on megatron-core 0.16.1's local spec in 2 gloo processes, against
+:mod:`megatron_flops.memory` to the byte (parameters in order, states, every collective's payload,
+the bytes each forward saves and the schedule's peak), with tests/test_memory_lora_tp_dist.py's
+checks. fp32, 2 layers, s = 16, b = 2 (T = 32 tokens), h = 48, rank 4.
+
+In the local spec every MLA projection is a column-parallel layer, so Bridge adapts each as one:
+``linear_in`` [r/TP, in] gathering its [T, r] output, ``linear_out`` [out/TP, r]; under sequence
+parallelism the adapter all-gathers its input slice itself ([T, h] for the down projections and
+``linear_q_proj``, the latent for the up projections) and keeps it."""
+
+from __future__ import annotations
+
+import pytest
+
+import mcore_cpu
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.memory.activations import check_activations_supported
+from megatron_flops.memory.decoder import DecoderOptions, check_supported
+from megatron_flops.memory.layout import Parallelism
+from megatron_flops.model.spec import ModelSpec
+from test_memory_lora_tp_dist import (BASE, check_activations, check_parameters, check_states_and_communication,
+                                      measure, setup)
+
+MLA = dict(BASE, multi_latent_attention=True, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+           normalization="LayerNorm")
+FOUR = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+UP = ("linear_q_up_proj", "linear_kv_up_proj")
+DENSE = ("linear_proj", "linear_fc1", "linear_fc2")
+UP_PROJ = dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"])
+
+# name -> world size, layout (tp, sp), model, micro-batches, LoRA (targets, rank), live-storage meter
+RUNS = {
+    # Per MLA layer and micro-batch (TP2): forward, each adapter all-gathers [T, r] = 32 * 4 * 4 = 512 B;
+    # backward, each all-reduces [T, r] and its input gradient: [T, h] = 6144 B for a down projection,
+    # [T, q_lora] = 3072 B and [T, kv_lora] = 4096 B for the up projections. Layer 0 of the frozen base:
+    # the base down projections' input gradients (the hidden states) are never reduced; the latents
+    # require grad (both down projections adapted), so the up projections' are.
+    "TP2, MLA (q_lora, latent norms), LoRA on the four MLA projections + linear_proj": dict(
+        world=2, layout=dict(tp=2), model=dict(MLA, q_lora_rank=24, qk_layernorm=True), m=2,
+        lora=(FOUR + ("linear_proj",), 4)),
+    # Under SP each down-projection adapter keeps its own all-gathered [T, h] (6144 B), each
+    # up-projection adapter its all-gathered latent; in layer 0 the down adapters' input-gradient
+    # reduce-scatters do not run (the hidden states require no grad).
+    "TP2 + SP, MLA (q_lora, latent norms), LoRA on the four MLA projections + linear_proj": dict(
+        world=2, layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24, qk_layernorm=True), m=2,
+        lora=(FOUR + ("linear_proj",), 4)),
+    # Up projections only: in layer 0 the latents require no grad (no base up-projection input
+    # gradient, no latent gradient all-gather, no adapter input reduce-scatter), nor does k_pos_emb
+    # (RoPE keeps no cos and sin for k there).
+    "TP2 + SP, MLA (q_lora), LoRA on the up projections": dict(
+        world=2, layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24), m=2, lora=(UP, 4)),
+    # Moonlight's recipe (direct q): kv_up's adapter copies its latent, a view of kv_down's output,
+    # contiguous [T, kv_lora].
+    "TP2, MLA (direct q), LoRA on linear_q_proj, linear_kv_down_proj, linear_kv_up_proj, linear_proj": dict(
+        world=2, layout=dict(tp=2), model=dict(MLA, q_lora_rank=None), m=2,
+        lora=(("linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"), 4)),
+    "TP1 x DP2, MLA (q_lora, latent norms), LoRA on the four MLA projections": dict(
+        world=2, layout=dict(tp=1), model=dict(MLA, q_lora_rank=24, qk_layernorm=True), m=2, lora=(FOUR, 4)),
+    # Selective mla_up_proj on a frozen base (live-storage meter): layer 0's checkpoint inputs
+    # require no grad (it never re-runs); layer 1's checkpoint keeps its latent inputs.
+    "TP2, MLA (q_lora, latent norms), selective mla_up_proj, LoRA on linear_proj, linear_fc1, linear_fc2": dict(
+        world=2, layout=dict(tp=2), model=dict(MLA, q_lora_rank=24, qk_layernorm=True, **UP_PROJ), m=2,
+        lora=(DENSE, 4), live=True),
+    # Under SP layer 1's checkpoint keeps the latent norms' [T/TP] outputs and k_pos_emb, a view of
+    # the all-gathered kv_down output [T, kv_lora + rope] = 32 * 40 * 4 = 5120 B; only layer 1 re-runs
+    # its up projections' all-gathers: 2 * 32 * (24 + 32) * 4 = 14336 B per step.
+    "TP2 + SP, MLA (q_lora, latent norms), selective mla_up_proj, LoRA on linear_proj, linear_fc1, linear_fc2": dict(
+        world=2, layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24, qk_layernorm=True, **UP_PROJ), m=2,
+        lora=(DENSE, 4), live=True),
+}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return measure(RUNS)
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_lora_on_mla_against_megatron_core(measured, name):
+    check_parameters(measured[name], *setup(name, RUNS))
+    check_states_and_communication(measured[name], *setup(name, RUNS))
+    check_activations(measured[name], *setup(name, RUNS))
+
+
+def _spec(**fields):
+    model = dict(MLA, q_lora_rank=24, **fields, vocab_size=96)
+    return ModelSpec.from_mapping(model), RecomputeSpec.from_mapping(model)
+
+
+@pytest.mark.parametrize("targets, fields, reason", [
+    # One branch adapted: in layer 0 the other branch's q or k requires no grad (not modelled).
+    (("linear_kv_down_proj",), {}, "adapters on one latent branch only"),
+    (("linear_q_up_proj", "linear_proj"), {}, "adapters on one latent branch only"),
+    (FOUR, UP_PROJ, "mla_up_proj with LoRA adapters on MLA's projections"),
+    (DENSE, dict(recompute_granularity="selective", recompute_modules=["layernorm"]),
+     "megatron-core 0.16.1's and 0.19.0's CheckpointWithoutOutput fail"),
+])
+def test_what_is_not_modelled_says_why(targets, fields, reason):
+    spec, recompute = _spec(**fields)
+    options = DecoderOptions(transformer_impl="local")
+    got = check_activations_supported(spec, options, Parallelism(tp=2), recompute,
+                                      PeftSpec(frozen=True, lora_rank=4, lora_targets=targets))
+    assert got is not None and reason in got
+
+
+def test_transformer_engine_down_projections_under_tp_are_refused():
+    spec, _ = _spec()
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=FOUR)
+    with pytest.raises(ValueError, match="duplicated TELinear down projections"):
+        check_supported(spec, Parallelism(tp=2), peft, DecoderOptions(transformer_impl="transformer_engine"))
+    check_supported(spec, Parallelism(tp=2), peft, DecoderOptions(transformer_impl="local"))
