@@ -94,10 +94,10 @@ SETUPS = {
     "frozen LoRA": ["--frozen", "--lora-rank", "4"],
     "LoRA, selective recompute of layernorm, moe, shared_experts": [
         "--lora-rank", "4", "--recompute", "selective", "--recompute-modules", "core_attn,layernorm,moe,shared_experts"],
-    # (MLA's projections, both latent branches; on other models only linear_proj is adapted.)
+    # (MLA's projections, with a q latent: `estimate` refuses the targets on other models.)
     "frozen LoRA on MLA's projections": ["--frozen", "--lora-rank", "4", "--lora-targets",
-                                         "linear_q_down_proj,linear_q_up_proj,linear_q_proj,linear_kv_down_proj,"
-                                         "linear_kv_up_proj,linear_proj"],
+                                         "linear_q_down_proj,linear_q_up_proj,linear_kv_down_proj,linear_kv_up_proj,"
+                                         "linear_proj"],
     "frozen LoRA, selective recompute of moe, shared_experts": [
         "--frozen", "--lora-rank", "4", "--recompute", "selective", "--recompute-modules", "moe,shared_experts"],
 }

@@ -69,6 +69,13 @@ RUNS = {
     "TP2 + SP, MLA (q_lora, latent norms), selective mla_up_proj, LoRA on linear_proj, linear_fc1, linear_fc2": dict(
         world=2, layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24, qk_layernorm=True, **UP_PROJ), m=2,
         lora=(DENSE, 4), live=True),
+    # With adapters on MLA's projections: the up projections' adapters run inside the checkpoint (kept
+    # nothing in forward; re-saved, with their gathered latents, when it re-runs: the peak in backward),
+    # and re-run their forward collectives; layer 0 re-runs (its down projections' adapters start the
+    # gradient there).
+    "TP2 + SP, MLA (q_lora, latent norms), selective mla_up_proj, LoRA on the four MLA projections + linear_proj": dict(
+        world=2, layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24, qk_layernorm=True, **UP_PROJ), m=2,
+        lora=(FOUR + ("linear_proj",), 4), live=True),
 }
 
 
@@ -95,7 +102,8 @@ def _spec(**fields):
     # One branch adapted: in layer 0 the other branch's q or k requires no grad (not modelled).
     (("linear_kv_down_proj",), {}, "adapters on one latent branch only"),
     (("linear_q_up_proj", "linear_proj"), {}, "adapters on one latent branch only"),
-    (FOUR, UP_PROJ, "mla_up_proj with LoRA adapters on MLA's projections"),
+    (UP + ("linear_proj",), UP_PROJ, "adapters on MLA's up projections (['linear_kv_up_proj', 'linear_q_up_proj']) "
+                                     "and none on a down projection"),
     (DENSE, dict(recompute_granularity="selective", recompute_modules=["layernorm"]),
      "megatron-core 0.16.1's and 0.19.0's CheckpointWithoutOutput fail"),
 ])

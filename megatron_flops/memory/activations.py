@@ -350,6 +350,9 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     fused = "mla_up_proj" in w.selective and norm and options.transformer_impl == "transformer_engine"
     moved = 0
     ad = _MlaAdapters.of(w.grad, spec, sp=x.sp > 1)
+    # (an up projection's adapter keeps the latent it reads: without sequence parallelism the latent
+    # itself, unless it runs inside the mla_up_proj checkpoint, which keeps its inputs)
+    outside = x.sp == 1 and "mla_up_proj" not in w.selective
     if base or ad.downs and x.sp == 1:
         w.keep("attention", loc * x.h * a)  # (this rank's slice under sequence parallelism)
     w.keep("lora", ad.downs * (T * x.h * a * (x.sp > 1) + T * w.grad.rank * a))  # (gathered input, [T, r])
@@ -357,10 +360,10 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     if mla.q_lora_rank is not None and (base or norm):
         # The all-gathered q latent [T, q_lora] (q_up's input, or the q norm's; under sequence
         # parallelism their [T/TP] slice is a view of it), the norm's statistics and output.
-        q_norm = (stats + (loc * mla.q_lora_rank * a if base or ad.q_up and x.sp == 1 else 0)) if norm else 0
+        q_norm = (stats + (loc * mla.q_lora_rank * a if base or ad.q_up and outside else 0)) if norm else 0
         moved += q_norm if fused else 0
         w.act("attention", T * mla.q_lora_rank * a + (0 if fused else q_norm))
-    if mla.q_lora_rank is not None and not base and not norm and ad.q_up and x.sp == 1:
+    if mla.q_lora_rank is not None and not base and not norm and ad.q_up and outside:
         w.keep("attention", T * mla.q_lora_rank * a)  # (the q latent, the adapter's input)
     w.grad.started = started or ad.kv_down
     # kv_up's input (or the kv norm's): a view of the all-gathered kv_down output [T, kv_lora +
@@ -369,6 +372,8 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     if base or norm:
         w.act("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a if x.sp == 1
               else loc * mla.kv_lora_rank * a)
+    kv_rope = w.grad.started  # (k_pos_emb requires grad: RoPE keeps k's cos and sin)
+    w.grad.started = started or ad.q_down or ad.kv_down  # (the up-projection checkpoint's inputs)
     if "mla_up_proj" in w.selective and w.grad.started and not base:
         # A frozen base's up projections keep no input, but the up-projection checkpoint keeps its
         # inputs: the q latent (the q norm's output, or q_down's output [T, q_lora]; direct q: the
@@ -386,12 +391,15 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
         # (duplicated TELinear down projections; unmeasured: :func:`.recompute.selective_unmeasured`).
         local = options.transformer_impl != "transformer_engine"
         w.act("attention", T * ((mla.kv_lora_rank if local else 0) + mla.qk_pos_emb_head_dim) * a)
+    w.grad.started = kv_rope
     if norm:
-        kv_norm = stats + (loc * mla.kv_lora_rank * a if base or ad.kv_up and x.sp == 1 else 0)
+        kv_norm = stats + (loc * mla.kv_lora_rank * a if base or ad.kv_up and outside else 0)
         moved += kv_norm if fused else 0
         w.act("attention", 0 if fused else kv_norm)
-    kv_rope = w.grad.started  # (k_pos_emb requires grad: RoPE keeps k's cos and sin)
-    w.keep("lora", _mla_up_adapters(ad, x, mla.q_lora_rank, mla.kv_lora_rank, norm=norm, rank=w.grad.rank))
+    # The up projections' adapters: under selective mla_up_proj inside its checkpoint, saved when it re-runs.
+    up = _mla_up_adapters(ad, x, mla.q_lora_rank, mla.kv_lora_rank, norm=norm, rank=w.grad.rank)
+    moved += up if "mla_up_proj" in w.selective else 0
+    w.keep("lora", 0 if "mla_up_proj" in w.selective else up)
     w.grad.started = started or ad.any
     _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved, kv_rope=kv_rope)
 
