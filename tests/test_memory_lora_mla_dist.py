@@ -56,6 +56,17 @@ RUNS = {
     "TP2, MLA (direct q), LoRA on linear_q_proj, linear_kv_down_proj, linear_kv_up_proj, linear_proj": dict(
         world=2, layout=dict(tp=2), model=dict(MLA, q_lora_rank=None), m=2,
         lora=(("linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"), 4)),
+    # One branch adapted: in layer 0 the other branch requires no grad. kv only: q needs none, so
+    # q @ k^T keeps no k (for q's gradient) and RoPE no cos and sin for q: 32 * 2 heads * (16 + 8) * 4
+    # = 6144 and 2 * 16 * 8 * 4 = 1024 B less than with both.
+    "TP2, MLA (q_lora), LoRA on linear_kv_down_proj": dict(
+        world=2, layout=dict(tp=2), model=dict(MLA, q_lora_rank=24), m=2, lora=(("linear_kv_down_proj",), 4)),
+    # q only: k and v need none (no q kept, no cos and sin for k), nor the kv latent and its norm.
+    "TP2 + SP, MLA (q_lora, latent norms), LoRA on linear_q_down_proj + linear_proj": dict(
+        world=2, layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24, qk_layernorm=True), m=2,
+        lora=(("linear_q_down_proj", "linear_proj"), 4)),
+    "TP2, MLA (direct q), LoRA on linear_q_proj + linear_fc1": dict(
+        world=2, layout=dict(tp=2), model=dict(MLA, q_lora_rank=None), m=2, lora=(("linear_q_proj", "linear_fc1"), 4)),
     "TP1 x DP2, MLA (q_lora, latent norms), LoRA on the four MLA projections": dict(
         world=2, layout=dict(tp=1), model=dict(MLA, q_lora_rank=24, qk_layernorm=True), m=2, lora=(FOUR, 4)),
     # Selective mla_up_proj on a frozen base (live-storage meter): layer 0's checkpoint inputs
@@ -99,9 +110,9 @@ def _spec(**fields):
 
 
 @pytest.mark.parametrize("targets, fields, reason", [
-    # One branch adapted: in layer 0 the other branch's q or k requires no grad (not modelled).
-    (("linear_kv_down_proj",), {}, "adapters on one latent branch only"),
-    (("linear_q_up_proj", "linear_proj"), {}, "adapters on one latent branch only"),
+    # One branch adapted, under selective core_attn (its checkpoint keeps q, k, v: not measured).
+    (("linear_kv_down_proj",), dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+     "adapted on one latent branch only"),
     (UP + ("linear_proj",), UP_PROJ, "adapters on MLA's up projections (['linear_kv_up_proj', 'linear_q_up_proj']) "
                                      "and none on a down projection"),
     (DENSE, dict(recompute_granularity="selective", recompute_modules=["layernorm"]),

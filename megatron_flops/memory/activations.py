@@ -202,7 +202,9 @@ class _Walk:
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
-    reason = lora_activation_reason(spec, peft) or ssm_activation_reason(spec, recompute)
+    selective = recompute is not None and recompute.granularity == "selective" \
+        and bool({"core_attn", "mla_up_proj"} & set(recompute.modules))
+    reason = lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute)
     if reason is not None:
         return reason
     if spec.moe is not None:
@@ -401,11 +403,13 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     moved += up if "mla_up_proj" in w.selective else 0
     w.keep("lora", 0 if "mla_up_proj" in w.selective else up)
     w.grad.started = started or ad.any
-    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved, kv_rope=kv_rope)
+    # (a frozen first layer adapted on one branch: the other's q, or k and v, require no grad)
+    grads = (started or ad.q_down or ad.q_up or ad.q_proj, started or ad.kv_down or ad.kv_up)
+    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved, kv_rope=kv_rope, grads=grads)
 
 
 def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: bool,
-              moved: int, kv_rope: bool = True) -> None:
+              moved: int, kv_rope: bool = True, grads: tuple[bool, bool] = (True, True)) -> None:
     """MLA after its latents: RoPE, q, k, v, the core attention and linear_proj's input.
     Selective ``mla_up_proj`` (CheckpointWithoutOutput around the up projections and RoPE,
     whose inputs the latents keep, and the layer's fp32 RoPE frequencies [s, rope]): no cos and
@@ -415,14 +419,16 @@ def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, c
     mla = spec.mla
     assert mla is not None
     T, a, heads = x.tokens, x.act, x.heads
-    rope = (2 + 2 * kv_rope) * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
+    rope = (2 * grads[0] + 2 * kv_rope) * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
     v = T * heads * mla.v_head_dim * a
     if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`)
         w.act("attention", rope + dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) + v)
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
-    restored = rope + 2 * qk + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
-    w.act("attention", x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + 2 * qk + v)
+    # (q@k^T keeps q for k's gradient and k for q's; a fused kernel keeps q, k and v for any)
+    qkv = (2 * qk if options.attention_backend == "flash" else qk * (grads[0] + grads[1])) + v
+    restored = rope + qkv + moved if "mla_up_proj" in w.selective and w.grad.started else 0
+    w.act("attention", x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + qkv)
     w.restored += restored
     if options.attention_backend == "flash":
         lse = x.b * heads * x.s * 4  # fp32 log-sum-exp
@@ -609,6 +615,7 @@ class _MlaAdapters:
     q_up: bool
     kv_up: bool
     sp: bool
+    q_proj: bool = False
 
     @property
     def any(self) -> bool:
@@ -619,7 +626,8 @@ class _MlaAdapters:
         names = set(grad.adapted) & set(mla_targets(spec))
         q_down, kv_down = "linear_q_down_proj" in names, "linear_kv_down_proj" in names
         return cls(downs=q_down + kv_down + ("linear_q_proj" in names), q_down=q_down, kv_down=kv_down,
-                   q_up="linear_q_up_proj" in names, kv_up="linear_kv_up_proj" in names, sp=sp)
+                   q_up="linear_q_up_proj" in names, kv_up="linear_kv_up_proj" in names, sp=sp,
+                   q_proj="linear_q_proj" in names)
 
 
 def _mla_up_adapters(ad: _MlaAdapters, x: _Dims, q_lora: int | None, kv_lora: int, *, norm: bool, rank: int) -> int:

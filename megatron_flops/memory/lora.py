@@ -111,22 +111,23 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
     return None
 
 
-def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None) -> str | None:
+def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None, *, selective: bool = False) -> str | None:
     """Why activations of a LoRA decoder with MoE or MLA layers are not modelled (None: they
     are). Measured at TP 1 and under TP (+ sequence parallelism, EP): frozen MoE layers
     (router, dispatcher, routed and shared experts, adapters on every expert's ``linear_fc1``/
     ``linear_fc2``) and MLA layers with adapters on ``linear_proj``, ``linear_fc1``,
     ``linear_fc2`` (an MLA layer has no ``linear_qkv``: that target adapts nothing there, as in
-    Bridge)."""
+    Bridge) and on MLA's own projections; ``selective``: selective ``core_attn`` or
+    ``mla_up_proj`` recompute."""
     if peft is None or peft.lora_rank is None or (spec.moe is None and spec.mla is None):
         return None
-    if spec.mla is not None and peft.frozen:
-        q = {"linear_q_down_proj", "linear_q_up_proj", "linear_q_proj"} & set(peft.lora_targets)
-        kv = {"linear_kv_down_proj", "linear_kv_up_proj"} & set(peft.lora_targets)
+    if spec.mla is not None and peft.frozen and (selective or any(m == "dsa" for (m, _), _ in spec.layer_runs)):
+        adapted = set(peft.lora_targets) & set(mla_targets(spec))
+        q, kv = {t for t in adapted if "_q_" in t}, {t for t in adapted if "_kv_" in t}
         if bool(q) != bool(kv):
-            return (f"activations of a frozen MLA layer with adapters on one latent branch only ({sorted(q or kv)}: "
-                    "in the first layer the other branch's q or k requires no grad) are not modelled: adapt both "
-                    "branches (a q and a kv projection) or neither")
+            return (f"activations of a frozen MLA layer adapted on one latent branch only ({sorted(q or kv)}: in the "
+                    "first layer the other branch's q, or k and v, require no grad) are modelled without selective "
+                    "core_attn or mla_up_proj recompute and DSA layers")
     attention = {"linear_proj"} if spec.mla is not None else {"linear_qkv", "linear_proj"}
     if peft.frozen and spec.moe is not None and spec.layers[0][1] == "moe" and not attention & set(peft.lora_targets):
         return ("activations of a frozen MoE layer before the model's first adapter (the experts' adapters start "
