@@ -132,3 +132,52 @@ def test_transformer_engine_down_projections_under_tp_are_refused():
     with pytest.raises(ValueError, match="duplicated TELinear down projections"):
         check_supported(spec, Parallelism(tp=2), peft, DecoderOptions(transformer_impl="transformer_engine"))
     check_supported(spec, Parallelism(tp=2), peft, DecoderOptions(transformer_impl="local"))
+
+
+# Selective layernorm recompute of a frozen base (one adapter, on linear_proj): the first layer's
+# norm input requires no grad, so CheckpointWithoutOutput saves no input and its re-run in backward
+# calls the norm with none. Run on megatron-core's local spec, CPU, one process, in the test
+# environment (0.16.1) and in Megatron-LM 0.19.0's venv: both fail alike, so the memory report
+# refuses the layout (a layout the framework cannot train).
+_FROZEN_LAYERNORM_STEP = """
+import sys
+sys.path.insert(0, "tests")
+import mcore_cpu, mcore_dist, mcore_memory
+mcore_cpu.init_single_process()
+model = mcore_cpu.build_gpt(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
+                                 hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity="selective",
+                                 recompute_modules=["layernorm"]), vocab_size=96, max_seq_len=16)
+for p in model.parameters():
+    p.requires_grad_(False)
+for prefix, parent in list(model.named_modules()):
+    for name, child in list(parent.named_children()):
+        if name == "linear_proj":
+            setattr(parent, name, mcore_memory.LoRALinear(child, mcore_memory._StandInAdapter(child, 4)))
+try:
+    mcore_dist.run_schedule([model], num_microbatches=1, micro_batch_size=2, seq_length=16, vocab_size=96,
+                            count_flops=False)
+    print("RESULT ok")
+except TypeError as exc:
+    print("RESULT", type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)
+@pytest.mark.parametrize("release", ["megatron-lm-0.16.1", "megatron-lm-0.19.0"])
+def test_frozen_layernorm_recompute_fails_in_megatron_core(release):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from frameworks import envs
+
+    python: str | Path = sys.executable
+    if release != "megatron-lm-0.16.1":
+        try:
+            python = envs.ensure(release)
+        except envs.Unavailable as exc:
+            pytest.skip(str(exc))
+    done = subprocess.run([str(python), "-c", _FROZEN_LAYERNORM_STEP], capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[1])
+    assert "RESULT TypeError LayerNorm.forward() missing 1 required positional argument: 'input'" in done.stdout, \
+        done.stdout[-2000:] + done.stderr[-2000:]
