@@ -67,6 +67,16 @@ RUNS = {
         lora=(("linear_q_down_proj", "linear_proj"), 4)),
     "TP2, MLA (direct q), LoRA on linear_q_proj + linear_fc1": dict(
         world=2, layout=dict(tp=2), model=dict(MLA, q_lora_rank=None), m=2, lora=(("linear_q_proj", "linear_fc1"), 4)),
+    # An MTP layer's MLA projections are adapted as a main layer's.
+    "TP2 + SP, MLA (q_lora, latent norms) + 1 MTP layer, LoRA on the four MLA projections + linear_proj": dict(
+        world=2, layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24, qk_layernorm=True, mtp_num_layers=1),
+        m=2, lora=(FOUR + ("linear_proj",), 4)),
+    # Full recompute (Bridge makes the decoder's input require grad): every layer as a later one; the
+    # adapters' forward collectives run again in each re-run layer (the MTP layer's too).
+    "TP2, MLA (q_lora) + 1 MTP layer, full recompute (uniform 1), LoRA on the up projections": dict(
+        world=2, layout=dict(tp=2), model=dict(MLA, q_lora_rank=24, mtp_num_layers=1, recompute_granularity="full",
+                                               recompute_method="uniform", recompute_num_layers=1),
+        m=2, lora=(UP, 4)),
     "TP1 x DP2, MLA (q_lora, latent norms), LoRA on the four MLA projections": dict(
         world=2, layout=dict(tp=1), model=dict(MLA, q_lora_rank=24, qk_layernorm=True), m=2, lora=(FOUR, 4)),
     # Selective mla_up_proj on a frozen base (live-storage meter): layer 0's checkpoint inputs
