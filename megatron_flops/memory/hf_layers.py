@@ -1,9 +1,10 @@
 """What a Hugging Face family's decoder layers hold and save beyond the GEMM shapes (stdlib only):
 the ``TransformerConfig`` options that express it (norm, biases, rotary fraction, q/k norms,
-position embeddings, Megatron-Bridge's gemma2/gemma3 post-norms and logit soft-capping), and, named,
-what megatron-core's GPT layer cannot express (parallel attention and MLP, norms after the
-sublayers instead of before them, norms without weights or bias, per-head or whole-projection q/k
-norm weights, xIELU), which the memory report then lists as not modelled.
+position embeddings, Megatron-Bridge's gemma2/gemma3 post-norms and logit soft-capping, attention
+and the MLP in parallel: :mod:`.hf_parallel`), and, named, what megatron-core's GPT layer cannot
+express (norms after the sublayers instead of before them, norms without weights or bias, xIELU),
+which the memory report then lists as not modelled. (cohere's per-head and olmo2/olmo3's
+whole-projection q/k norms, and falcon's ALiBi: :mod:`.hf_qk_norms`.)
 
 NB: parameters checked against the transformers model's ``named_parameters()`` (tests/test_memory_hf_families.py).
 """
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from megatron_flops.memory.hf_parallel import parallel_layer_norms
+from megatron_flops.memory.hf_qk_norms import hf_qk_norm_kind
 
 # Families whose norms are LayerNorms (weight and bias) in transformers: megatron-core's LayerNorm.
 # (nemotron's LayerNorm1P: weight + 1, megatron-core's layernorm_zero_centered_gamma: the same bytes.)
@@ -45,6 +49,8 @@ def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
         "add_bias_linear": qkv and out and mlp,
         "add_qkv_bias": qkv,
         "qk_layernorm": _qk_norm(text, family),
+        "hf_qk_norm": hf_qk_norm_kind(family) if _qk_norm(text, family) else None,
+        "alibi": alibi,
         "position_embedding_type": "none" if alibi else "rope",
         "rotary_percent": _rotary_fraction(text, family),
         "max_position_embeddings": text.get("max_position_embeddings"),
@@ -52,6 +58,7 @@ def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
         "norm_weight": family not in _LAYERNORM_NO_AFFINE,
         "norm_bias": family not in _LAYERNORM_NO_BIAS + _LAYERNORM_NO_AFFINE,
         "xielu": family == "apertus",
+        "parallel_layer_norms": parallel_layer_norms(text, family),
     }
 
 
@@ -148,30 +155,10 @@ def hf_differences(text: Mapping[str, Any], family: str) -> tuple[str, ...]:
 
 def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
     out = []
-    parallel = (family == "cohere" or (family == "stablelm" and text.get("use_parallel_residual", False))
-                or (family == "gpt_neox" and text.get("use_parallel_residual", True))
-                or (family == "falcon" and text.get("parallel_attn", True)))
-    if parallel:
-        out.append("attention and the MLP run in parallel on the layer's input (counted as megatron-core's "
-                   "sequential layer: the MLP's norm reads the residual after attention, with its own saved input"
-                   + ("; a pre-MLP norm per layer the model does not have" if _one_norm(text, family) else "") + ")")
     if family not in _BRIDGE_POST_NORMS and (text.get("final_logit_softcapping") or text.get("attn_logit_softcapping")):
         out.append("logit soft-capping (tanh of the scores or logits: its saved output left out)")
-    if _qk_norm(text, family):
-        whole = "over the whole q and k projections ([heads x head_dim], [groups x head_dim])"
-        shape = {"olmo2": whole, "olmo3": whole,
-                 "cohere": "with a weight per head ([heads, head_dim], [groups, head_dim])",
-                 "stablelm": "with a LayerNorm per head, without bias"}.get(family)
-        if shape is not None:
-            out.append(f"q/k norms {shape} (counted as megatron-core's qk_layernorm: one [head_dim] norm shared "
-                       "by the heads)")
-    if family == "falcon" and text.get("alibi"):
-        out.append("ALiBi attention biases (megatron-core has none: counted without position embeddings)")
+    if family == "stablelm" and _qk_norm(text, family):
+        out.append("q/k norms with a LayerNorm per head, without bias (counted as megatron-core's qk_layernorm: one "
+                   "[head_dim] norm shared by the heads)")
     return out
 
-
-def _one_norm(text: Mapping[str, Any], family: str) -> bool:
-    """Whether a parallel layer has one norm (megatron-core's layer has two)."""
-    if family == "falcon":
-        return not text.get("new_decoder_architecture") or text.get("num_ln_in_parallel_attn") == 1
-    return family in ("cohere", "stablelm")

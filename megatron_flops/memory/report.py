@@ -24,6 +24,8 @@ from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.hf_layers import hf_layer_assumptions
+from megatron_flops.memory.hf_parallel import parallel_layer_assumptions, parallel_layer_unmeasured
+from megatron_flops.memory.hf_qk_norms import hf_attention_notes
 from megatron_flops.memory.lora_layers import lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
 from megatron_flops.memory.moe import (
@@ -278,6 +280,10 @@ def decoder_memory(
                                               lora=peft is not None and peft.lora_rank is not None)
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
+    unmeasured += tuple(parallel_layer_unmeasured(
+        options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
+        selective=reason is None and recompute is not None and recompute.granularity == "selective"
+        and "layernorm" in recompute.modules))
     if par.megatron_fsdp is not None:
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 
@@ -328,10 +334,16 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
         if options.hidden_dropout > 0 or options.attention_dropout > 0:
             assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
                                "activation-dtype mask)")
+    more_assumptions, more_unmeasured = hf_attention_notes(
+        qk_norm=options.hf_qk_norm if options.qk_layernorm else None, alibi=options.alibi, tp=par.tp,
+        fused=options.attention_backend == "flash" or par.cp > 1, activations=activations)
+    assumptions += more_assumptions
+    unmeasured += more_unmeasured
     assumptions += hf_layer_assumptions(post_layernorms=options.post_layernorms and activations,
                                         attn_cap=bool(options.attn_logit_softcapping) and activations,
                                         final_cap=bool(options.final_logit_softcapping) and activations,
                                         pre_layernorms=options.pre_layernorms or not activations)
+    assumptions += parallel_layer_assumptions(options.parallel_layer_norms)
     more_assumptions, more_unmeasured = ssm_notes(spec, par, activations=activations)
     assumptions += more_assumptions
     unmeasured += more_unmeasured
