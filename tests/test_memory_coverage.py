@@ -148,7 +148,7 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # LoRA on MLA's projections under TP as Transformer Engine's spec (the CLI's default) builds MLA: duplicated
     # TELinear down projections, around which Bridge's adapter gathers differently (no Transformer Engine on CPU;
     # --transformer-impl local is measured, tests/test_memory_lora_mla_dist.py).
-    ("* | TP2* | frozen LoRA on MLA's projections", r"refused: .*LoRA adapters on MLA's .* duplicated TELinear"),
+    ("* | TP2* | frozen LoRA on MLA's projections", r"refused: .*LoRA adapters on MLA's .*duplicated TELinear"),
     # A VLM without --grid-thw (the survey passes no grids): the vision tower's activations.
     ("examples/qwen2_5_vl_7b_config.json | *", r"not modelled: the vision tower's activations: give --grid-thw"),
 ]
