@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.hf_parallel import ONE_NORM, SEQUENTIAL, TWO_NORMS
 from megatron_flops.memory.hf_qk_norms import qk_norm_saved_bytes
-from megatron_flops.memory.lora import lora_activation_reason
+from megatron_flops.memory.lora import lora_activation_reason, mla_targets
 from megatron_flops.memory.linear_cp import dsa_cp_saved, gdn_cp_saved
 from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
@@ -208,7 +208,9 @@ class _Walk:
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
-    reason = lora_activation_reason(spec, peft) or ssm_activation_reason(spec, recompute)
+    selective = recompute is not None and recompute.granularity == "selective" \
+        and bool({"core_attn", "mla_up_proj"} & set(recompute.modules))
+    reason = lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute)
     if reason is not None:
         return reason
     if spec.moe is not None:
@@ -366,28 +368,41 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     # ``mla_up_proj`` re-runs them too: their statistics and outputs are saved in backward only.
     fused = "mla_up_proj" in w.selective and norm and options.transformer_impl == "transformer_engine"
     moved = 0
-    if base:
+    ad = _MlaAdapters.of(w.grad, spec, sp=x.sp > 1)
+    # (an up projection's adapter keeps the latent it reads: without sequence parallelism the latent
+    # itself, unless it runs inside the mla_up_proj checkpoint, which keeps its inputs)
+    outside = x.sp == 1 and "mla_up_proj" not in w.selective
+    if base or ad.downs and x.sp == 1:
         w.keep("attention", loc * x.h * a)  # (this rank's slice under sequence parallelism)
+    w.keep("lora", ad.downs * (T * x.h * a * (x.sp > 1) + T * w.grad.rank * a))  # (gathered input, [T, r])
+    started, w.grad.started = w.grad.started, w.grad.started or ad.q_down
     if mla.q_lora_rank is not None and (base or norm):
         # The all-gathered q latent [T, q_lora] (q_up's input, or the q norm's; under sequence
         # parallelism their [T/TP] slice is a view of it), the norm's statistics and output.
-        q_norm = (stats + (loc * mla.q_lora_rank * a if base else 0)) if norm else 0
+        q_norm = (stats + (loc * mla.q_lora_rank * a if base or ad.q_up and outside else 0)) if norm else 0
         moved += q_norm if fused else 0
         w.act("attention", T * mla.q_lora_rank * a + (0 if fused else q_norm))
+    if mla.q_lora_rank is not None and not base and not norm and ad.q_up and outside:
+        w.keep("attention", T * mla.q_lora_rank * a)  # (the q latent, the adapter's input)
+    w.grad.started = started or ad.kv_down
     # kv_up's input (or the kv norm's): a view of the all-gathered kv_down output [T, kv_lora +
     # rope], which it keeps whole; under sequence parallelism a [T/TP, kv_lora] copy of its slice
     # (RoPE's product with cos/sin keeps only those), then the kv norm.
     if base or norm:
         w.act("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a if x.sp == 1
               else loc * mla.kv_lora_rank * a)
+    kv_rope = w.grad.started  # (k_pos_emb requires grad: RoPE keeps k's cos and sin)
+    w.grad.started = started or ad.q_down or ad.kv_down  # (the up-projection checkpoint's inputs)
     if "mla_up_proj" in w.selective and w.grad.started and not base:
         # A frozen base's up projections keep no input, but the up-projection checkpoint keeps its
         # inputs: the q latent (the q norm's output, or q_down's output [T, q_lora]; direct q: the
         # input norm's output [T, h]) and the kv latent (the kv norm's output, or kv_down's output
-        # [T, kv_lora + rope], of which k_pos_emb is a view). (At TP 1: recompute.selective_reason.)
+        # [T, kv_lora + rope], of which k_pos_emb is a view; under sequence parallelism the kv
+        # latent is a [T/TP, kv_lora] copy and k_pos_emb a view of the all-gathered kv_down output).
         q = (loc if norm else T) * mla.q_lora_rank if mla.q_lora_rank is not None else loc * x.h
-        w.act("attention", (q + (loc * mla.kv_lora_rank if norm else T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)))
-              * a)
+        kv = (loc * mla.kv_lora_rank if norm or x.sp > 1 else 0) + (T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
+                                                                   if x.sp > 1 or not norm else 0)
+        w.act("attention", (q + kv) * a)
     elif "mla_up_proj" in w.selective and w.grad.started and x.sp > 1:
         # The up-projection checkpoint keeps k_pos_emb, all-gathered [T, rope] under sequence
         # parallelism: a view of the all-gathered kv_down output [T, kv_lora + rope] (the local
@@ -395,15 +410,23 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
         # (duplicated TELinear down projections; unmeasured: :func:`.recompute.selective_unmeasured`).
         local = options.transformer_impl != "transformer_engine"
         w.act("attention", T * ((mla.kv_lora_rank if local else 0) + mla.qk_pos_emb_head_dim) * a)
+    w.grad.started = kv_rope
     if norm:
-        kv_norm = stats + (loc * mla.kv_lora_rank * a if base else 0)
+        kv_norm = stats + (loc * mla.kv_lora_rank * a if base or ad.kv_up and outside else 0)
         moved += kv_norm if fused else 0
         w.act("attention", 0 if fused else kv_norm)
-    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved)
+    # The up projections' adapters: under selective mla_up_proj inside its checkpoint, saved when it re-runs.
+    up = _mla_up_adapters(ad, x, mla.q_lora_rank, mla.kv_lora_rank, norm=norm, rank=w.grad.rank)
+    moved += up if "mla_up_proj" in w.selective else 0
+    w.keep("lora", 0 if "mla_up_proj" in w.selective else up)
+    w.grad.started = started or ad.any
+    # (a frozen first layer adapted on one branch: the other's q, or k and v, require no grad)
+    grads = (started or ad.q_down or ad.q_up or ad.q_proj, started or ad.kv_down or ad.kv_up)
+    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved, kv_rope=kv_rope, grads=grads)
 
 
 def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: bool,
-              moved: int) -> None:
+              moved: int, kv_rope: bool = True, grads: tuple[bool, bool] = (True, True)) -> None:
     """MLA after its latents: RoPE, q, k, v, the core attention and linear_proj's input.
     Selective ``mla_up_proj`` (CheckpointWithoutOutput around the up projections and RoPE,
     whose inputs the latents keep, and the layer's fp32 RoPE frequencies [s, rope]): no cos and
@@ -413,14 +436,16 @@ def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, c
     mla = spec.mla
     assert mla is not None
     T, a, heads = x.tokens, x.act, x.heads
-    rope = 4 * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
+    rope = (2 * grads[0] + 2 * kv_rope) * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
     v = T * heads * mla.v_head_dim * a
     if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`)
         w.act("attention", rope + dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) + v)
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
-    restored = rope + 2 * qk + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
-    w.act("attention", x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + 2 * qk + v)
+    # (q@k^T keeps q for k's gradient and k for q's; a fused kernel keeps q, k and v for any)
+    qkv = (2 * qk if options.attention_backend == "flash" else qk * (grads[0] + grads[1])) + v
+    restored = rope + qkv + moved if "mla_up_proj" in w.selective and w.grad.started else 0
+    w.act("attention", x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + qkv)
     w.restored += restored
     if options.attention_backend == "flash":
         lse = x.b * heads * x.s * 4  # fp32 log-sum-exp
@@ -628,6 +653,47 @@ def _selective_moe(w: _Walk, kept: dict[str, int], inp: int, freed: int = 0) -> 
         w.keep(key, nbytes)
     if freed:
         w.region(freed)
+
+
+@dataclass(frozen=True)
+class _MlaAdapters:
+    """LoRA adapters on one MLA layer's projections: ``downs`` on the down projections (and
+    direct q's ``linear_q_proj``, which reads the hidden states too), whether the q and kv down
+    projections and the up projections are adapted."""
+
+    downs: int
+    q_down: bool
+    kv_down: bool
+    q_up: bool
+    kv_up: bool
+    sp: bool
+    q_proj: bool = False
+
+    @property
+    def any(self) -> bool:
+        return bool(self.downs) or self.q_up or self.kv_up
+
+    @classmethod
+    def of(cls, grad: _Grad, spec: ModelSpec, *, sp: bool) -> _MlaAdapters:
+        names = set(grad.adapted) & set(mla_targets(spec))
+        q_down, kv_down = "linear_q_down_proj" in names, "linear_kv_down_proj" in names
+        return cls(downs=q_down + kv_down + ("linear_q_proj" in names), q_down=q_down, kv_down=kv_down,
+                   q_up="linear_q_up_proj" in names, kv_up="linear_kv_up_proj" in names, sp=sp,
+                   q_proj="linear_q_proj" in names)
+
+
+def _mla_up_adapters(ad: _MlaAdapters, x: _Dims, q_lora: int | None, kv_lora: int, *, norm: bool, rank: int) -> int:
+    """What the up projections' adapters keep beyond the latents counted already: [T, r] each;
+    under sequence parallelism the latent each all-gathers [T, width]; else, without the kv
+    norm, kv_up's adapter's contiguous copy of its latent [T, kv_lora] (a view of kv_down's
+    output)."""
+    T, a, r = x.tokens, x.act, rank
+    out = (ad.q_up + ad.kv_up) * T * r * a
+    if ad.q_up and ad.sp:
+        out += T * (q_lora or 0) * a
+    if ad.kv_up and (ad.sp or not norm):
+        out += T * kv_lora * a
+    return out
 
 
 def chunk_activations(

@@ -234,7 +234,7 @@ def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, op
     if spec.moe is not None and peft is not None and peft.lora_rank is not None and par.expert_tp != par.tp:
         raise ValueError(f"LoRA adapters are modelled with the experts' TP equal to TP, not --etp {par.expert_tp} "
                          f"with --tp {par.tp}")
-    reason = lora_tp_reason(spec, par, peft)
+    reason = lora_tp_reason(spec, par, peft, duplicated=options.duplicated_mla_down)
     if reason is not None:
         raise ValueError(reason)
 
