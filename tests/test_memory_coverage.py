@@ -204,9 +204,8 @@ GAPS: list[tuple[str, str]] = [
     ("hf:mixtral | TP2 SP | frozen LoRA fc1, fc2", r"refused: .*no tensor-parallel adapter"),
     # LoRA with an expert TP other than TP.
     ("mcore:moe alltoall | TP2 SP DP2 EP2 ETP1 | LoRA", r"refused: .*LoRA adapters are modelled with the experts' TP"),
-    # DiT: uniform recompute of groups of blocks; torch FSDP2 beside TP/CP.
+    # DiT: uniform recompute of groups of blocks.
     ("examples/wan_tiny_dit.json | * | full recompute of 2-block groups", r"refused: .*per-block checkpointing"),
-    ("examples/wan_tiny_dit.json | * DP2 FSDP | ", r"refused: .*under --fsdp \(torch FSDP2\) is modelled over --dp"),
     # LoRA on MLA's projections under TP as Transformer Engine's spec (the CLI's default) builds MLA: duplicated
     # TELinear down projections, around which Bridge's adapter gathers differently (no Transformer Engine on CPU;
     # --transformer-impl local is measured, tests/test_memory_lora_mla_dist.py).

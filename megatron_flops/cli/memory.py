@@ -128,10 +128,6 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
     from megatron_flops.flops.dit_passes import dit_setup
     from megatron_flops.memory.fsdp import dit_memory_report
 
-    other = [f"--{k} {v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if v > 1]
-    if par.fsdp and (other or par.vpp or par.sequence_parallel):
-        raise ValueError(f"a DiT model file under --fsdp (torch FSDP2) is modelled over --dp ranks only; "
-                         f"{', '.join(other) or 'this layout'} is not modelled")
     megatron = _dit_megatron(par)
     setup = dit_setup(model.raw, frozen=args.frozen, lora_rank=args.lora_rank,
                       lora_targets=None if args.lora_targets is None else args.lora_targets.split(","),
@@ -141,6 +137,12 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
     attention = "local" if backend == "unfused" else backend
     checkpointed = _checkpointed_dit_blocks(setup.spec.num_layers // (par.pp if megatron else 1), setup.recompute)
     name = "LoRA" if setup.peft is not None and setup.peft.lora_rank else "this setup"
+    if par.fsdp and (par.world_size > par.dp or par.vpp):  # FSDP2 beside TP/CP (PP, EP refused there)
+        from megatron_flops.memory.dit_fsdp_layouts import dit_fsdp_layout_report
+
+        return {n: dit_fsdp_layout_report(setup.spec, par, training, peft=p, attention=attention,
+                                          checkpointed_blocks=checkpointed)
+                for n, p in ((name, setup.peft), ("full", None)) if n == name or args.compare_full}
     if megatron:
         from megatron_flops.memory.dit_layouts import dit_layout_report
 

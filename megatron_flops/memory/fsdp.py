@@ -79,14 +79,24 @@ class FsdpRank:
         return sum(self.states.values())
 
 
-def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 0,
-                     peft: PeftSpec | None = None) -> FsdpRank:
+def _unit_params(spec: DiTSpec, peft: PeftSpec | None,
+                 shard: Callable[[DiTParam], DiTParam] | None) -> tuple[tuple[DiTParam, ...], tuple[DiTParam, ...]]:
+    """(one block's, the root's) parameters, each as ``shard`` maps it (a TP rank's slice; None: whole)."""
+    block, root = dit_block_parameters(spec, peft), dit_root_parameters(spec, peft)
+    if shard is None:
+        return block, root
+    return tuple(map(shard, block)), tuple(map(shard, root))
+
+
+def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 0, peft: PeftSpec | None = None,
+                     shard: Callable[[DiTParam], DiTParam] | None = None) -> FsdpRank:
     """Bytes on FSDP rank ``rank`` of ``dp`` for one step of ``training.num_microbatches``
-    micro-batches (see the module NB)."""
+    micro-batches (see the module NB); ``shard``: each parameter as one TP rank holds it."""
     if not 0 <= rank < dp:
         raise ValueError(f"rank {rank} is outside the {dp} data-parallel ranks")
     # NB: every block is one unit with the same parameters: one block's bytes, times the blocks.
-    units = ((dit_block_parameters(spec, peft), spec.num_layers, 2), (dit_root_parameters(spec, peft), 1, 1))
+    block, root = _unit_params(spec, peft, shard)
+    units = ((block, spec.num_layers, 2), (root, 1, 1))
 
     def total(elements: Callable[[DiTParam], int], trainable_only: bool = False) -> int:
         return sum(times * sum(elements(p) for p in params if p.trainable or not trainable_only)
@@ -115,13 +125,14 @@ def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 
     return FsdpRank(rank=rank, states=states, communication={k: v for k, v in comm.items() if v})
 
 
-def fsdp_working_copies(spec: DiTSpec, training: Training, *, dp: int, peft: PeftSpec | None = None) -> int:
+def fsdp_working_copies(spec: DiTSpec, training: Training, *, dp: int, peft: PeftSpec | None = None,
+                        shard: Callable[[DiTParam], DiTParam] | None = None) -> int:
     """``fsdp/unsharded_working_copies`` bytes (see the module NB): the root resident, the blocks
-    in forward order."""
+    in forward order; ``shard`` as :func:`fsdp_rank_memory`'s."""
     def whole(params: tuple[DiTParam, ...], trainable_only: bool) -> int:
         return sum(dp * shard_rows(p, dp) * _row_numel(p) for p in params if p.trainable or not trainable_only)
 
-    block, root = dit_block_parameters(spec, peft), dit_root_parameters(spec, peft)
+    block, root = _unit_params(spec, peft, shard)
     gathered, grads = whole(block, False) * training.param_bytes, whole(block, True) * training.grad_bytes
     resident = whole(root, False) * training.param_bytes + whole(root, True) * training.grad_bytes
     return unsharded_working_copies([gathered] * spec.num_layers, [grads] * spec.num_layers, resident=resident)
