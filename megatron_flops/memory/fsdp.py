@@ -102,12 +102,12 @@ def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 
         return sum(times * sum(elements(p) for p in params if p.trainable or not trainable_only)
                    for params, times, _ in units)
 
-    shard = 4  # NB: fp32 shards (the main copies under mixed precision)
-    weights = total(lambda p: shard_rows(p, dp) * _row_numel(p)) * shard
+    fp32 = 4  # NB: fp32 shards (the main copies under mixed precision)
+    weights = total(lambda p: shard_rows(p, dp) * _row_numel(p)) * fp32
     # NB: the sharded gradients are views into each unit's padded reduce-scatter output.
     grads = total(lambda p: shard_rows(p, dp) * _row_numel(p), trainable_only=True)
     trained = total(lambda p: real_rows(p, dp, rank) * _row_numel(p), trainable_only=True)
-    states = {"weights": weights, "gradients": grads * shard}
+    states = {"weights": weights, "gradients": grads * fp32}
     if training.num_microbatches > 1:
         # Accumulated without sync: whole gradients of every trainable parameter, reduce dtype.
         states["gradients/unsharded_accumulation"] = total(lambda p: p.numel, trainable_only=True) * training.grad_bytes
