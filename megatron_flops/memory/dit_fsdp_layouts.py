@@ -23,8 +23,14 @@ from dataclasses import replace
 from megatron_flops.flops.dit import DiTParam, DiTSpec, dit_parameter_counts
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.comm import bus_bytes
-from megatron_flops.memory.dit_layouts import (_tp_param, dit_layout_reason, dit_rank_states, dit_stage_activations,
-                                               dit_step_communication, layout_unmeasured)
+from megatron_flops.memory.dit_layouts import (
+    dit_layout_reason,
+    dit_rank_states,
+    dit_stage_activations,
+    dit_step_communication,
+    layout_unmeasured,
+    tp_rank_param,
+)
 from megatron_flops.memory.fsdp import FSDP_TRANSIENTS, dit_assumptions, fsdp_rank_memory, fsdp_working_copies
 from megatron_flops.memory.layout import Parallelism, Training
 
@@ -32,7 +38,7 @@ from megatron_flops.memory.layout import Parallelism, Training
 def tp_slice(tp: int) -> Callable[[DiTParam], DiTParam]:
     """A parameter as one TP rank holds it: dim 0 FSDP2 shards, the rest of each row kept."""
     def shard(p: DiTParam) -> DiTParam:
-        q = _tp_param(p, tp)
+        q = tp_rank_param(p, tp)
         rows = q.rows or q.numel
         return DiTParam(p.name, (rows,) if len(p.shape) == 1 else (rows, q.numel // rows), p.trainable)
 

@@ -122,7 +122,7 @@ def _row_bias(name: str) -> bool:
     return name.endswith(".bias") and _module(name).endswith(ROW_PARALLEL)
 
 
-def _tp_param(p: DiTParam, tp: int, prefix: str = "") -> Param:
+def tp_rank_param(p: DiTParam, tp: int, prefix: str = "") -> Param:
     """``p`` on one TP rank; ``tp_replicated``: whole on every TP rank, its gradient all-reduced
     over TP once per step."""
     module = _module(p.name)
@@ -148,9 +148,9 @@ def dit_rank_params(spec: DiTSpec, par: Parallelism, *, pp_rank: int, peft: Peft
             if (first or not p.name.startswith("patch_embedding.")) and (last or not p.name.startswith("head."))]
     late = [p for p in root if p.name.startswith(("head.", "img_emb."))]
     block = dit_block_parameters(spec, peft)
-    blocks = [_tp_param(p, par.tp, f"blocks.{i}.") for i in range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    blocks = [tp_rank_param(p, par.tp, f"blocks.{i}.") for i in range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
               for p in block]
-    return ([_tp_param(p, par.tp) for p in root if p not in late] + blocks + [_tp_param(p, par.tp) for p in late])
+    return ([tp_rank_param(p, par.tp) for p in root if p not in late] + blocks + [tp_rank_param(p, par.tp) for p in late])
 
 
 def dit_rank_states(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int, dp_rank: int = 0,
