@@ -52,8 +52,8 @@ def dit_fsdp_layout_report(spec: DiTSpec, par: Parallelism, training: Training, 
     ddp = replace(par, fsdp=False, distributed_optimizer=False)
     reason = dit_layout_reason(spec, ddp, training, peft)
     if reason is not None or par.pp > 1 or par.vpp:
-        raise ValueError(reason or f"a DiT under --fsdp (torch FSDP2) with --pp {par.pp} is not modelled "
-                                   "(the example shards one whole model; Megatron-LM refuses --use-torch-fsdp2 with PP)")
+        raise ValueError(reason or f"a DiT under --fsdp (torch FSDP2) with --pp {par.pp} is not modelled (the "
+                                   "example shards one whole model; Megatron-LM refuses --use-torch-fsdp2 with PP)")
     group, shard = par.dp * par.cp, tp_slice(par.tp)
     top = fsdp_rank_memory(spec, training, dp=group, peft=peft, shard=shard)
     _, buffers, params = dit_rank_states(spec, ddp, training, pp_rank=0, peft=peft)

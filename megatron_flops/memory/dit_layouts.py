@@ -150,7 +150,8 @@ def dit_rank_params(spec: DiTSpec, par: Parallelism, *, pp_rank: int, peft: Peft
     block = dit_block_parameters(spec, peft)
     blocks = [tp_rank_param(p, par.tp, f"blocks.{i}.") for i in range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
               for p in block]
-    return ([tp_rank_param(p, par.tp) for p in root if p not in late] + blocks + [tp_rank_param(p, par.tp) for p in late])
+    return ([tp_rank_param(p, par.tp) for p in root if p not in late] + blocks
+            + [tp_rank_param(p, par.tp) for p in late])
 
 
 def dit_rank_states(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int, dp_rank: int = 0,
