@@ -1,6 +1,6 @@
 """``megatron-flops memory``: bytes per GPU (weights, gradients, optimizer state, activations) and
 bytes moved per training step, for a megatron-core GPT (DDP or distributed optimizer, TP/PP/VPP/EP)
-or a WAN-style DiT (FSDP2, or megatron-core DDP / distributed optimizer with TP/PP/CP); LoRA and full
+or a WAN-style DiT (FSDP2 with TP/CP, or megatron-core DDP / distributed optimizer with TP/PP/CP); LoRA and full
 training side by side with ``--compare-full``."""
 
 from __future__ import annotations
