@@ -71,7 +71,7 @@ from megatron_flops.memory.ssm import dsa_saved, gdn_saved, kda_saved, mamba_sav
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
-from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_activation_reason, moe_activations,
+from megatron_flops.memory.moe import (expert_lora_activations, moe_activation_reason, moe_activations,
                                        shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -398,8 +398,13 @@ def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, c
     T, a, heads = x.tokens, x.act, x.heads
     rope = 4 * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
     v = T * heads * mla.v_head_dim * a
-    if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`)
-        w.act("attention", rope + dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) + v)
+    if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`: its v is a view of MLA's)
+        core = dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) - v
+        restored = rope + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
+        w.act("attention", (x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + v) + core)
+        if restored:
+            w.region(restored)
+        w.linear("attention", "linear_proj", v, T, a)
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
     restored = rope + 2 * qk + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
@@ -614,7 +619,7 @@ def chunk_activations(
         # NB: with a frozen base, Megatron-Bridge makes the decoder's input require grad under
         # full recompute (maybe_enable_recompute_inputs_grad), or no checkpoint would run backward.
         w.grad.started = True
-        _full_recompute_layers(w, x, spec, options, recompute, layer_is_moe(spec, layers))
+        _full_recompute_layers(w, x, spec, options, recompute, [spec.layers[i] for i in layers])
     else:
         kinds = spec.layers
         for i, layer in enumerate(layers):
@@ -682,11 +687,11 @@ def _peft_grad(peft: PeftSpec | None, *, first_stage: bool) -> _Grad:
 
 
 def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
-                           recompute: RecomputeSpec, moe: list[bool]) -> None:
+                           recompute: RecomputeSpec, kinds: list[tuple[str, str]]) -> None:
     """Full recompute: checkpointed groups keep their input (hidden states, the mask, the cached
     RoPE frequencies); ``block`` checkpoints the first ``recompute_num_layers`` layers one by
-    one and runs the rest plainly. ``moe``: whether each layer of the chunk is a MoE layer."""
-    num_layers = len(moe)
+    one and runs the rest plainly. ``kinds``: each layer's (mixer, feed-forward) of the chunk."""
+    num_layers = len(kinds)
     group = recompute.num_layers or 1
     if recompute.method == "block":
         starts = list(range(min(group, num_layers)))
@@ -702,11 +707,11 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
             w.grad.mask_saved = True
         inner = _Walk(dataclasses.replace(w.grad, mask_saved=True))
         for j in range(start, start + size):
-            _layer(inner, x, spec, options, core_attn=False, moe=moe[j])
+            _layer(inner, x, spec, options, core_attn=False, moe=kinds[j][1] == "moe", mixer=kinds[j][0])
         w.region(inner.kept - hidden)  # the group input is the first norm's input
     plain = num_layers - sum(sizes)
     for j in range(num_layers - plain, num_layers):
-        _layer(w, x, spec, options, core_attn=False, moe=moe[j])
+        _layer(w, x, spec, options, core_attn=False, moe=kinds[j][1] == "moe", mixer=kinds[j][0])
     if x.rot and spec.mla is None:  # (MLA computes its RoPE inside the attention: no checkpoint input)
         w.out.shared = x.s * x.rot * 4
 

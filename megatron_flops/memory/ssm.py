@@ -256,7 +256,8 @@ def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence
     The indexer (its inputs, the detached norm output and q latent, are MLA's own): RoPE's cos and
     sin for its q and k [s, rope]; ``k_norm``'s input [T, d] and fp32 mean and rstd per token; the
     fp32 q [T, nh, d] and k [T, d] of the score einsum, ReLU's fp32 output [b, nh, s, s], the
-    weights [T, nh]; top-k's int64 indices [b, s, min(topk, s)]. The KL indexer loss: the index
+    weights [T, nh]. (top-k saves its int64 indices [b, s, min(topk, s)], but only its indices are
+    used: its backward node and what it saved go before the forward ends.) The KL indexer loss: the index
     softmax's output, ``log``'s input and the normalised attention target (fp32 [b, s, s] each).
     The unfused sparse attention: fp32 q and k [b x heads, s, qk + rope], the fp32 softmax
     [b, heads, s, s] and its copy in the activation dtype (none in fp32), a contiguous v [T, heads, v].
@@ -274,7 +275,7 @@ def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence
     assert mla is not None and dsa is not None
     t, nh, d, rope = s * b, dsa.num_heads, dsa.head_dim, mla.qk_pos_emb_head_dim
     indexer = (4 * s * rope * act + t * d * act + 2 * t * FP32_BYTES + t * nh * d * FP32_BYTES + t * d * FP32_BYTES
-               + b * nh * s * s * FP32_BYTES + t * nh * act + b * s * min(dsa.topk, s) * INDEX_BYTES)
+               + b * nh * s * s * FP32_BYTES + t * nh * act)
     loss = 3 * b * s * s * FP32_BYTES
     scores = b * heads * s * s
     sparse = (2 * t * heads * (mla.qk_head_dim + rope) * FP32_BYTES + scores * FP32_BYTES + (scores * act if act < FP32_BYTES else 0)
@@ -342,9 +343,12 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> s
     mixers = {mixer for mixer, _ in kinds}
     if "dsa_shared" in mixers:
         return "activations are not modelled for DeepSeek sparse attention layers that reuse an earlier top-k"
-    if "dsa" in mixers and recompute is not None:
-        return "activations of DeepSeek sparse attention layers are modelled without recompute"
-    plain = mixers <= {"attention", "window"} and all(f != "none" for _, f in kinds)
+    if "dsa" in mixers and recompute is not None and recompute.granularity == "selective" \
+            and "core_attn" in recompute.modules:
+        return ("activations under selective recompute of core_attn with DeepSeek sparse attention: megatron-core "
+                "0.16.1's checkpointed core attention calls DSAttention without its x and qr arguments (a TypeError "
+                "in the first forward; seen here)")
+    plain = mixers <= {"attention", "window", "dsa"} and all(f != "none" for _, f in kinds)
     if recompute is not None and recompute.granularity == "full" and not plain:
         return ("activations of Mamba, Gated DeltaNet, Kimi Delta Attention and hybrid layers are modelled "
                 "without full recompute")

@@ -1,0 +1,88 @@
+"""DeepSeek sparse attention beyond one plain layer: whole megatron-core 0.16.1 GPT micro-batches
+with DSAttention cores (tests/test_memory_activations.py's single-process fixture), plain, under
+full recompute (uniform, block), under the selective modules megatron-core runs with it, and with
+an MTP layer; against :func:`megatron_flops.memory.activations.chunk_activations`."""
+
+from __future__ import annotations
+
+import pytest
+
+import mcore_cpu
+import mcore_memory
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.memory.activations import check_activations_supported, chunk_activations, in_flight, schedule_peak
+from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.model.spec import ModelSpec
+from test_memory_activations import MBS, NUM_MB, SEQ, VOCAB, _measure
+from test_memory_ssm import dsa_core_attention_spec
+
+# bf16 (the indexer's Hadamard rotation takes bf16 only), LayerNorm, 2 DSA layers.
+DSA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, multi_latent_attention=True,
+           q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+           normalization="LayerNorm", add_bias_linear=False, rope_type="rope", hidden_dropout=0.0, attention_dropout=0.0,
+           experimental_attention_variant="dsa",
+           dsa_indexer_n_heads=2, dsa_indexer_head_dim=16, dsa_indexer_topk=8, dsa_indexer_loss_coeff=0.01)
+FULL = dict(recompute_granularity="full")
+
+# name -> (fields, LayerNorms whose statistics are held at the peak: the CPU correction below).
+CASES = {
+    "plain": ({}, 7),  # 2 per layer, the indexers' k_norm, the final norm: all held after the forward
+    # Backward of the last layer's checkpoint (the final norm's backward has run): its 3 norms.
+    "full recompute, uniform 1": (dict(FULL, recompute_method="uniform", recompute_num_layers=1), 3),
+    "full recompute, uniform 2": (dict(FULL, recompute_method="uniform", recompute_num_layers=2), 6),
+    # After the forward: the plain second layer's 3 and the final norm.
+    "full recompute, block 1": (dict(FULL, recompute_method="block", recompute_num_layers=1), 4),
+    # The layer norms re-run in backward: the k_norms and the final norm at the end of the forward.
+    "selective layernorm": (dict(recompute_granularity="selective", recompute_modules=["layernorm"]), 3),
+    # The up projections' checkpoint frees MLA's q, k, v (the sparse attention's v is a view of MLA's).
+    "selective mla_up_proj": (dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]), 7),
+    "selective layernorm + mla_up_proj": (dict(recompute_granularity="selective",
+                                               recompute_modules=["layernorm", "mla_up_proj"]), 3),
+}
+
+
+@pytest.fixture
+def dsa_spec(monkeypatch):
+    """mcore_cpu.build_gpt's local spec with DSAttention as every layer's (and the MTP layer's) core."""
+    build = mcore_cpu.build_layer_spec
+
+    def with_dsa(config, **kw):
+        spec = build(config, **kw)
+        spec.submodules.self_attention.submodules.core_attention = dsa_core_attention_spec()
+        return spec
+
+    monkeypatch.setattr(mcore_cpu, "build_layer_spec", with_dsa)
+
+
+def _ours_inputs(fields: dict):
+    model = dict(fields, vocab_size=VOCAB)
+    options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
+                                               position_embedding_type="rope", transformer_impl="local"))
+    return ModelSpec.from_mapping(model), options, Parallelism(), RecomputeSpec.from_mapping(model)
+
+
+def _ours(fields: dict):
+    spec, options, par, recompute = _ours_inputs(fields)
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype="bf16")
+    return chunk_activations(spec, options, par, training, pp_rank=0, chunk=0, recompute=recompute)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dsa_gpt_saved_bytes_match_megatron_core(mcore, dsa_spec, name):
+    fields, norms = CASES[name]
+    fields = dict(DSA, **fields)
+    _, measured_peak = _measure(fields, "rope", "bf16", meter_cls=mcore_memory.LiveStorageMeter)
+    act = _ours(fields)
+    # NB: torch's CPU LayerNorm keeps mean and rstd in bf16 (CUDA: fp32): 2 x T x 2 bytes less per norm.
+    # (The peak, not each forward's saved bytes: top-k saves its indices, and they go before the
+    # forward ends; the forward count sees them.)
+    assert measured_peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0] - norms * SEQ * MBS * 2 * 2
+
+
+def test_selective_core_attn_recompute_of_dsa_fails_in_megatron_core(mcore, dsa_spec):
+    # MLA's _checkpointed_attention_forward calls the core attention without x and qr.
+    with pytest.raises(TypeError, match="missing 2 required positional arguments: 'x' and 'qr'"):
+        _measure(dict(DSA, recompute_granularity="selective"), "rope", "bf16")
+    assert "calls DSAttention without its x and qr" in check_activations_supported(
+        *_ours_inputs(dict(DSA, recompute_granularity="selective")))
