@@ -39,6 +39,14 @@ CASES = {
     "selective mla_up_proj": (dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]), 7),
     "selective layernorm + mla_up_proj": (dict(recompute_granularity="selective",
                                                recompute_modules=["layernorm", "mla_up_proj"]), 3),
+    # An MTP layer of the last layer's kind (Megatron-LM 0.19's builder): enorm, hnorm, its layer's
+    # 3, its final norm beside the 7 above. NB: 0.16.1's DSAttention logs its indexer loss by layer
+    # number, out of range in an MTP layer (IndexError) unless the coefficient is 0: the same graph.
+    "1 MTP layer": (dict(mtp_num_layers=1, dsa_indexer_loss_coeff=0.0), 13),
+    # Full recompute checkpoints the MTP layer after its embedding: the peak in its backward, with
+    # its 6 norms re-run and the decoder's final norm.
+    "1 MTP layer, full recompute, uniform 1": (dict(FULL, recompute_method="uniform", recompute_num_layers=1,
+                                                    mtp_num_layers=1, dsa_indexer_loss_coeff=0.0), 7),
 }
 
 

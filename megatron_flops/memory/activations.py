@@ -67,7 +67,8 @@ from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.lora import lora_activation_reason
-from megatron_flops.memory.ssm import dsa_saved, gdn_saved, kda_saved, mamba_saved, ssm_activation_reason
+from megatron_flops.memory.ssm import (dsa_saved, gdn_saved, kda_saved, mamba_saved, mtp_mixer,
+                                       ssm_activation_reason)
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
@@ -665,7 +666,7 @@ def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
         # NB: under sequence parallelism eh_proj's output is all-gathered and sliced again: the
         # layer's input is a view of the whole [T, h] storage, which its first norm keeps alive.
         body.keep("mtp", (T - x.local_tokens) * x.h * a)
-        _layer(body, x, spec, options, core_attn=core_attn, moe=spec.mtp_ffn == "moe")
+        _layer(body, x, spec, options, core_attn=core_attn, moe=spec.mtp_ffn == "moe", mixer=mtp_mixer(spec))
         _norm(body, "mtp", x, options)
         if recomputed:
             inputs = 2 * x.local_tokens * x.h * a  # the norms' inputs (the checkpoint keeps them)

@@ -35,6 +35,14 @@ KDA_CHUNK = 64  # transformers' chunk_kimi_delta_attention's default chunk_size
 MIXERS_WITH_PARAMETERS = ("mamba", "gdn", "kda")
 
 
+def mtp_mixer(spec: ModelSpec) -> str:
+    """The mixer of a GPT's MTP layer: its last decoder layer's kind (attention unwindowed), as
+    Megatron-LM 0.19's gpt_builders builds it (the last layer of the experimental-variant spec).
+    NB: 0.16.1's builds a plain GPT layer there, which fails for DSA (see :func:`ssm_notes`)."""
+    (mixer, _), _ = spec.mtp_layer_runs[0]
+    return mixer
+
+
 def mamba_inner(spec: ModelSpec) -> int:
     """Mamba's inner width: heads x head dim (``expand x hidden`` by default)."""
     m = spec.mamba
@@ -288,8 +296,10 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     """Why the parameters of this model are not modelled on ``par`` (None: they are)."""
     kinds = {kind for kind, _ in spec.layer_runs}
     mixers = {mixer for mixer, _ in kinds}
-    if spec.mtp_num_layers and any(m != "attention" or f == "none" for (m, f), _ in spec.mtp_layer_runs):
-        return "multi-token prediction is modelled for attention MTP layers (not Mamba, GDN, DSA or hybrid MTP parts)"
+    if spec.mtp_num_layers and (len(spec.mtp_layer_runs) > 1 or mtp_mixer(spec) not in ("attention", "dsa", "gdn")
+                                or spec.mtp_ffn == "none"):
+        return ("multi-token prediction is modelled for MTP layers of one attention, DSA or GDN layer (not a hybrid "
+                "pattern's MTP part after '/', nor Kimi Delta Attention)")
     if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
                                                             or any(f == "none" for _, f in kinds)):
         return "LoRA adapters are modelled on attention + MLP layers (not Mamba, GDN, KDA, DSA or hybrid layers)"
