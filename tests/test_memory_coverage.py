@@ -56,7 +56,16 @@ MCORE = {
                                share_embeddings_and_output_weights=False),
     "dsa": dict(BASE, **_MLA, experimental_attention_variant="dsa", dsa_indexer_n_heads=2, dsa_indexer_head_dim=8,
                 dsa_indexer_topk=5),
+    # Layers 2 and 4 reuse layer 1's and 3's top-k (megatron-core 0.19's dsa_indexer_topk_freq); one MTP layer.
+    "dsa shared top-k mtp": dict(BASE, **_MLA, experimental_attention_variant="dsa", dsa_indexer_n_heads=2,
+                                 dsa_indexer_head_dim=8, dsa_indexer_topk=5, dsa_indexer_topk_freq=2, mtp_num_layers=1),
     "gdn": dict(BASE, **_LINEAR, experimental_attention_variant="gated_delta_net", linear_attention_freq=2),
+    # A list: 1 marks softmax attention; the last layer (and so the MTP layer) is GDN.
+    "gdn mtp": dict(BASE, **_LINEAR, experimental_attention_variant="gated_delta_net", linear_attention_freq=[0, 1, 0, 1],
+                    mtp_num_layers=1),
+    # A hybrid pattern's MTP part after '/' (megatron-core 0.19).
+    "hybrid mamba mtp": dict(BASE, hybrid_override_pattern="M*-M/*-", mamba_state_dim=16, mamba_head_dim=16,
+                             mamba_num_groups=2),
     "hybrid mamba": dict(BASE, hybrid_override_pattern="M*-M", mamba_state_dim=16, mamba_head_dim=16,
                          mamba_num_groups=2),
     # '|' marks megatron-core 0.19's pipeline stages: 4 segments, VPP 2 on PP 2 (no layout without PP).
@@ -124,9 +133,13 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     *[(f"{model} | CP2 | ", rf"refused: .*{what}") for model, what in (
         ("hf:kimi_linear", "KimiLinearDeltaAttention, which has no context parallelism"),
         ("hf:qwen3_next", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
-        ("mcore:gdn", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
+        *[(m, "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet") for m in ("mcore:gdn", "mcore:gdn mtp")],
         *[(m, "megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention")
-          for m in ("mcore:dsa", "hf:deepseek_v32", "hf:glm_moe_dsa")])],
+          for m in ("mcore:dsa", "mcore:dsa shared top-k mtp", "hf:deepseek_v32", "hf:glm_moe_dsa")])],
+    # A hybrid pattern's MTP part after '/' (megatron-core 0.19's HybridStack inside the MTP layer): its
+    # parameter names and layers are 0.19's, not read here.
+    ("mcore:hybrid mamba mtp | *", r"refused: .*multi-token prediction is modelled for MTP layers of one attention, "
+                                   r"DSA or GDN layer \(not a hybrid pattern's MTP part"),
     ("hf:kimi_linear | TP2* | ", r"refused: .*Kimi Delta Attention is modelled with --tp 1"),
     # Hugging Face layers megatron-core's GPT layer cannot express (memory/hf_layers.py): counted as
     # the nearest megatron-core layer, the difference named.

@@ -94,3 +94,30 @@ def test_selective_core_attn_recompute_of_dsa_fails_in_megatron_core(mcore, dsa_
         _measure(dict(DSA, recompute_granularity="selective"), "rope", "bf16")
     assert "calls DSAttention without its x and qr" in check_activations_supported(
         *_ours_inputs(dict(DSA, recompute_granularity="selective")))
+
+
+def test_dsa_mtp_parameters_in_megatron_order(mcore, dsa_spec):
+    from megatron_flops.memory.decoder import chunk_parameters
+
+    fields = dict(DSA, mtp_num_layers=1)
+    model = mcore_cpu.build_gpt(fields, vocab_size=VOCAB, max_seq_len=SEQ, share_embeddings=False)
+    spec, options, par, _ = _ours_inputs(dict(fields, share_embeddings_and_output_weights=False))
+    params = chunk_parameters(spec, options, par, pp_rank=0, chunk=0, seq_length=SEQ)
+    assert [(p.name, p.numel) for p in params] == [(n, p.numel()) for n, p in model.named_parameters()]
+    assert sum("mtp.layers.0.transformer_layer.self_attention.core_attention.indexer." in p.name for p in params) == 5
+
+
+def test_gdn_mtp_layer_is_the_last_layers_gdn_mixer():
+    from megatron_flops.memory.decoder import chunk_parameters
+
+    # A list: 1 marks softmax attention; layer 4 (the last) is GDN, and so the MTP layer.
+    fields = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=VOCAB,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                  experimental_attention_variant="gated_delta_net", linear_attention_freq=[0, 1, 0, 1],
+                  mtp_num_layers=1, normalization="RMSNorm", add_bias_linear=False)
+    spec, options, par, _ = _ours_inputs(fields)
+    params = chunk_parameters(spec, options, par, pp_rank=0, chunk=0, seq_length=SEQ)
+    layer = [(p.name.removeprefix("decoder.layers.3."), p.numel) for p in params if p.name.startswith("decoder.layers.3.")]
+    mtp = [(p.name.removeprefix("mtp.layers.0.transformer_layer."), p.numel) for p in params
+           if p.name.startswith("mtp.layers.0.transformer_layer.")]
+    assert mtp == layer and ("self_attention.conv1d.weight", (2 * 16 + 32) * 4) in mtp

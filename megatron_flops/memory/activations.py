@@ -332,7 +332,7 @@ def _softmax(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool,
 
 
 def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool,
-                   dsa: bool = False) -> None:
+                   dsa: str = "") -> None:
     """Multi-latent attention (heads per TP rank; the latents whole) after the input norm: the
     norm's output (read by the query and the kv down projections), the latents (with
     ``qk_layernorm``: their norms' inputs and fp32 statistics, and outputs), RoPE's cos and sin,
@@ -386,7 +386,7 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved)
 
 
-def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: bool,
+def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: str,
               moved: int) -> None:
     """MLA after its latents: RoPE, q, k, v, the core attention and linear_proj's input.
     Selective ``mla_up_proj`` (CheckpointWithoutOutput around the up projections and RoPE,
@@ -399,8 +399,9 @@ def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, c
     T, a, heads = x.tokens, x.act, x.heads
     rope = 4 * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
     v = T * heads * mla.v_head_dim * a
-    if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`: its v is a view of MLA's)
-        core = dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) - v
+    if dsa in ("dsa", "dsa_shared"):  # DSAttention for the core attention (:func:`.ssm.dsa_saved`; v: MLA's view)
+        core = dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1,
+                         indexer=dsa == "dsa") - v
         restored = rope + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
         w.act("attention", (x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + v) + core)
         if restored:
@@ -475,7 +476,7 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
             if mixer in ("mamba", "gdn", "kda"):
                 _ssm_mixer(w, x, spec, mixer)
             elif spec.mla is not None:
-                _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer == "dsa")
+                _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer)
             else:
                 _attention(w, x, options, checkpointed=core_attn)
                 if options.post_layernorms:

@@ -255,7 +255,8 @@ def kda_saved(spec: ModelSpec, *, s: int, b: int, act: int) -> int:
     return conv + gates + l2 + padded + chunks + per_chunk + out
 
 
-def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence_parallel: bool = False) -> int:
+def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence_parallel: bool = False,
+              indexer: bool = True) -> int:
     """Bytes megatron-core 0.16.1's ``DSAttention`` (its torch implementation) keeps for backward,
     in place of MLA's core attention, with ``heads`` attention heads on this TP rank: measured on
     CPU (``tests/test_memory_ssm.py``: TP 1, and TP 2 with and without sequence parallelism in
@@ -276,20 +277,30 @@ def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence
     all-gathers its detached inputs and its linears keep the gathered copies: the norm output
     [T, h] and the q latent [T, q_lora] (without q_lora, the norm output again: [T, h]).
 
+    A layer that reuses an earlier layer's top-k (``indexer`` False: megatron-core 0.19's
+    ``dsa_indexer_topk_freq``; 0.16.1 has none) runs no indexer and no KL loss: the sparse attention
+    only. With such layers in the model, 0.19 keeps every computing layer's int64 top-k
+    [b, s, min(topk, s)] in a holder on the micro-batch's attention mask, alive until the mask goes
+    (after the backward): counted with the layer that computes it. (A formula: 0.19's DSAttention is
+    not run here.)
+
     NB: the graph is the same whatever ``dsa_indexer_loss_coeff`` (a zero coefficient still builds it).
     NB: fast_hadamard_transform saves nothing for backward (the test's stand-in neither).
     """
     mla, dsa = spec.mla, spec.dsa
     assert mla is not None and dsa is not None
     t, nh, d, rope = s * b, dsa.num_heads, dsa.head_dim, mla.qk_pos_emb_head_dim
-    indexer = (4 * s * rope * act + t * d * act + 2 * t * FP32_BYTES + t * nh * d * FP32_BYTES + t * d * FP32_BYTES
+    indexer_bytes = (4 * s * rope * act + t * d * act + 2 * t * FP32_BYTES + t * nh * d * FP32_BYTES + t * d * FP32_BYTES
                + b * nh * s * s * FP32_BYTES + t * nh * act)
     loss = 3 * b * s * s * FP32_BYTES
     scores = b * heads * s * s
     sparse = (2 * t * heads * (mla.qk_head_dim + rope) * FP32_BYTES + scores * FP32_BYTES + (scores * act if act < FP32_BYTES else 0)
               + t * heads * mla.v_head_dim * act)
+    if not indexer:
+        return sparse
+    held = b * s * min(dsa.topk, s) * INDEX_BYTES if any(m == "dsa_shared" for (m, _), _ in spec.layer_runs) else 0
     gathered = t * (spec.hidden_size + (mla.q_lora_rank or spec.hidden_size)) * act if sequence_parallel else 0
-    return indexer + loss + sparse + gathered
+    return indexer_bytes + loss + sparse + gathered + held
 
 
 def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str | None:
@@ -351,14 +362,12 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> s
     """Why activations are not modelled for these layers (None: they are, or there are none)."""
     kinds = {kind for kind, _ in spec.layer_runs}
     mixers = {mixer for mixer, _ in kinds}
-    if "dsa_shared" in mixers:
-        return "activations are not modelled for DeepSeek sparse attention layers that reuse an earlier top-k"
-    if "dsa" in mixers and recompute is not None and recompute.granularity == "selective" \
+    if mixers & {"dsa", "dsa_shared"} and recompute is not None and recompute.granularity == "selective" \
             and "core_attn" in recompute.modules:
         return ("activations under selective recompute of core_attn with DeepSeek sparse attention: megatron-core "
                 "0.16.1's checkpointed core attention calls DSAttention without its x and qr arguments (a TypeError "
                 "in the first forward; seen here)")
-    plain = mixers <= {"attention", "window", "dsa"} and all(f != "none" for _, f in kinds)
+    plain = mixers <= {"attention", "window", "dsa", "dsa_shared"} and all(f != "none" for _, f in kinds)
     if recompute is not None and recompute.granularity == "full" and not plain:
         return ("activations of Mamba, Gated DeltaNet, Kimi Delta Attention and hybrid layers are modelled "
                 "without full recompute")
@@ -403,6 +412,16 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
                            "fp32 [b, heads, s, s] scores, the indexer's KL loss graph, the indexer whole on every TP "
                            "rank); measured on CPU (TP 1, TP 2 with and without sequence parallelism) with a "
                            "stand-in for fast_hadamard_transform, which saves nothing for backward")
+    if spec.mtp_num_layers and mtp_mixer(spec) in ("dsa", "gdn"):
+        assumptions.append("MTP layers of the last decoder layer's kind (DSA or GDN), as Megatron-LM 0.19's gpt_builders "
+                           "builds them; 0.16.1's builds a plain GPT layer there (for DSA, MLA then hands the plain core "
+                           "attention x and qr: a TypeError), and 0.16.1's DSAttention in an MTP layer logs its indexer "
+                           "loss out of range unless dsa_indexer_loss_coeff is 0 (measured so: the same graph)")
+    if activations and "dsa_shared" in mixers:
+        unmeasured.append("activations of DeepSeek sparse attention layers that reuse an earlier top-k (megatron-core "
+                          "0.19's dsa_indexer_topk_freq; 0.16.1 has none): 0.16.1's sparse attention without the indexer "
+                          "and its KL loss, and each computing layer's int64 top-k held for the micro-batch (0.19's "
+                          "holder on the attention mask); a formula")
     return assumptions, unmeasured
 
 
