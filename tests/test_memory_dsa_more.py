@@ -121,3 +121,21 @@ def test_gdn_mtp_layer_is_the_last_layers_gdn_mixer():
     mtp = [(p.name.removeprefix("mtp.layers.0.transformer_layer."), p.numel) for p in params
            if p.name.startswith("mtp.layers.0.transformer_layer.")]
     assert mtp == layer and ("self_attention.conv1d.weight", (2 * 16 + 32) * 4) in mtp
+
+
+def test_reused_top_k_formula():
+    from megatron_flops.memory.ssm import dsa_saved, ssm_notes
+
+    one = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=VOCAB,
+               multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+               v_head_dim=16, experimental_attention_variant="dsa", dsa_indexer_n_heads=2, dsa_indexer_head_dim=16,
+               dsa_indexer_topk=8)
+    plain, shared = ModelSpec.from_mapping(one), ModelSpec.from_mapping(dict(one, dsa_indexer_topk_freq=2))
+    assert [kind for kind, _ in shared.layer_runs] == [("dsa", "mlp"), ("dsa_shared", "mlp")]
+    # tests/test_memory_ssm.py: at s 16, b 2, 4 heads, bf16 the sparse attention keeps 40,960 bytes,
+    # the indexer 12,672 and the KL loss 6,144. A reusing layer: the sparse attention only; the
+    # computing layer also holds its int64 top-k [2, 16, 8] = 2,048 for the micro-batch.
+    assert dsa_saved(shared, s=16, b=2, heads=4, act=2, indexer=False) == 40_960
+    assert dsa_saved(shared, s=16, b=2, heads=4, act=2) == dsa_saved(plain, s=16, b=2, heads=4, act=2) + 2_048 \
+        == 40_960 + 12_672 + 6_144 + 2_048
+    assert any("reuse an earlier top-k" in u for u in ssm_notes(shared, Parallelism(), activations=True)[1])
