@@ -139,3 +139,25 @@ def test_reused_top_k_formula():
     assert dsa_saved(shared, s=16, b=2, heads=4, act=2) == dsa_saved(plain, s=16, b=2, heads=4, act=2) + 2_048 \
         == 40_960 + 12_672 + 6_144 + 2_048
     assert any("reuse an earlier top-k" in u for u in ssm_notes(shared, Parallelism(), activations=True)[1])
+
+
+def test_kda_with_fla_and_causal_conv1d_is_an_unmeasured_formula(tmp_path, capsys):
+    import json
+
+    import test_linear_attention
+    from megatron_flops.cli import main
+    from megatron_flops.memory.kda_fla import kda_fla_saved
+
+    spec = ModelSpec.from_hf_config(dict(test_linear_attention.KIMI, model_type="kimi_linear"))
+    # 2 heads of 8 (dim 16), s 128, b 2 (T 256), bf16. Conv input [2, 48, 128]: 24,576. Gates: f_a and
+    # g_a outputs 2 x [T, 8] 8,192, beta [T, 2] 1,024, exp(A_log) and its negation 16, fp32 exp, 1 + exp,
+    # softplus [T, 16] and the bool mask 53,248: 62,480. chunk_kda: normalised q, k and contiguous v
+    # 3 x [T, 16] 24,576, rstd 2 x [T, 2] fp32 4,096, g and its chunk cumsum 2 x [T, 16] fp32 32,768,
+    # Aqk and Akk 2 x [T, 2, 64] 131,072: 192,512. Norm and o_proj as the torch path: 75,808.
+    assert kda_fla_saved(spec, s=128, b=2, act=2) == 24_576 + 62_480 + 192_512 + 75_808 == 355_376
+    path = tmp_path / "kimi.json"
+    path.write_text(json.dumps(dict(test_linear_attention.KIMI, model_type="kimi_linear")))
+    assert main(["memory", "--model", str(path), "--seq-length", "128", "--micro-batch-size", "2",
+                 "--params-dtype", "bf16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert any("fla's chunk_kda" in u and "355,376 bytes per KDA layer" in u for u in report["unmeasured"])

@@ -36,6 +36,7 @@ from megatron_flops.memory.moe import (
     rerun_moe_layers,
 )
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
+from megatron_flops.memory.kda_fla import kda_fla_unmeasured
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
@@ -278,6 +279,7 @@ def decoder_memory(
                                               lora=peft is not None and peft.lora_rank is not None)
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
+        unmeasured += kda_fla_unmeasured(spec, training)
     if par.megatron_fsdp is not None:
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 

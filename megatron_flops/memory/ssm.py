@@ -237,8 +237,9 @@ def kda_saved(spec: ModelSpec, *, s: int, b: int, act: int) -> int:
       weighted input [T, dim], rstd [T, H], a fp32 copy of its weight [d] (16-bit weights);
       ``o_proj``'s input [T, dim].
 
-    NB: ``layer(x)`` as a training step runs it (no cache); with fla installed transformers
-    calls fla's ``chunk_kda`` instead, which keeps far less (not modelled: no fla on CPU).
+    NB: ``layer(x)`` as a training step runs it (no cache); with fla and causal-conv1d installed
+    transformers calls their kernels instead, which keep far less (:mod:`.kda_fla`: a formula,
+    printed under ``unmeasured``).
     """
     k = spec.kda
     assert k is not None
@@ -405,8 +406,8 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
     if activations and "kda" in mixers:
         assumptions.append("Kimi Delta Attention's activations as transformers' torch path keeps them (no fla or "
                            "causal-conv1d installed; measured on CPU): fp32 [chunk, chunk, head dim] decay products "
-                           "per 64-token chunk; with fla installed transformers runs fla's chunk_kda, which keeps "
-                           "far less (not modelled)")
+                           "per 64-token chunk; with fla and causal-conv1d installed transformers runs their kernels, "
+                           "which keep far less: that figure is under unmeasured)")
     if activations and "dsa" in mixers:
         assumptions.append("DeepSeek sparse attention as megatron-core 0.16.1's DSAttention runs it (torch, unfused: "
                            "fp32 [b, heads, s, s] scores, the indexer's KL loss graph, the indexer whole on every TP "
