@@ -1,7 +1,9 @@
 """DeepSeek sparse attention beyond one plain layer: whole megatron-core 0.16.1 GPT micro-batches
 with DSAttention cores (tests/test_memory_activations.py's single-process fixture), plain, under
 full recompute (uniform, block), under the selective modules megatron-core runs with it, and with
-an MTP layer; against :func:`megatron_flops.memory.activations.chunk_activations`."""
+an MTP layer; against :func:`megatron_flops.memory.activations.chunk_activations`. Formulas
+that cannot run here, as integers: DSA layers reusing an earlier top-k (megatron-core 0.19), KDA
+with fla's and causal-conv1d's kernels; GDN MTP layers' parameters."""
 
 from __future__ import annotations
 
