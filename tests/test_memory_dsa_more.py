@@ -8,6 +8,7 @@ with fla's and causal-conv1d's kernels; GDN MTP layers' parameters."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import mcore_cpu
 import mcore_memory
@@ -163,3 +164,74 @@ def test_kda_with_fla_and_causal_conv1d_is_an_unmeasured_formula(tmp_path, capsy
                  "--params-dtype", "bf16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert any("fla's chunk_kda" in u and "355,376 bytes per KDA layer" in u for u in report["unmeasured"])
+
+
+def dsa_comm_worker(rank: int, world_size: int, runs: dict) -> dict:
+    """A 2-rank gloo worker: TP collectives (bytes per group/kind) of one forward and backward of
+    tests/test_memory_ssm.py's MLA attention, with its DSA core or megatron-core's local
+    DotProductAttention in its place, for each run (sequence parallel, DSA)."""
+    import mcore_dist
+    import test_memory_ssm
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    mcore_dist.init_worker(tp=world_size)
+    mcore_memory.patch_sequence_parallel_norm()
+    out = {}
+    for name, (sp, dsa) in runs.items():
+        attention = test_memory_ssm._dsa_attention(test_memory_ssm.DSA, sp)
+        if not dsa:
+            attention.core_attention = DotProductAttention(
+                attention.config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                softmax_scale=attention.softmax_scale, k_channels=attention.q_head_dim,
+                v_channels=attention.config.v_head_dim)
+            attention.config.experimental_attention_variant = None
+        torch.manual_seed(0)
+        x = torch.randn(SEQ // (world_size if sp else 1), MBS, 64, dtype=torch.bfloat16, requires_grad=True)
+        mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).expand(MBS, 1, SEQ, SEQ)
+        comm = mcore_memory.CommMeter(mcore_memory.megatron_groups())
+        with comm, mcore_cpu.cuda_to_cpu_mode():
+            o, _ = attention(x, attention_mask=mask)
+            o.float().sum().backward()
+        out[name] = dict(comm.bytes)
+    return out
+
+
+@pytest.mark.dist
+def test_dsa_tensor_parallel_traffic_beyond_mla(mcore):
+    import mcore_dist
+    import test_memory_ssm
+    from megatron_flops.memory.dsa_tp import dsa_tensor_parallel
+
+    runs = {"DSA": (False, True), "MLA": (False, False), "DSA, SP": (True, True), "MLA, SP": (True, False)}
+    measured = mcore_dist.run_distributed(dsa_comm_worker, 2, runs, timeout=600)
+    spec = ModelSpec.from_mapping(test_memory_ssm.DSA)
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=1, params_dtype="bf16")
+    for sp in (False, True):
+        dsa, mla = (measured[0]["DSA, SP" if sp else "DSA"], measured[0]["MLA, SP" if sp else "MLA"])
+        extra = {k: dsa.get(k, 0) - mla.get(k, 0) for k in dsa.keys() | mla.keys() if dsa.get(k, 0) != mla.get(k, 0)}
+        ours = dsa_tensor_parallel(spec, Parallelism(tp=2, sequence_parallel=sp), training, layers=[0], last=False,
+                                   recompute=None)
+        # The KL target fp32 [2, 16, 16] all-reduced: 2,048; under SP the indexer's gathered norm output
+        # [32, 64] and q latent [32, 24] in bf16: 5,632.
+        assert extra == ours == ({"tp/all_reduce": 2_048, "tp/all_gather": 5_632} if sp else {"tp/all_reduce": 2_048})
+    assert all(r == measured[0] for r in measured)
+
+
+def test_dsa_tensor_parallel_traffic_under_full_recompute():
+    import test_memory_ssm
+    from megatron_flops.memory.dsa_tp import dsa_tensor_parallel
+
+    # 2 DSA layers and an MTP layer on the last stage (per layer: 2,048 all-reduced, 5,632 gathered
+    # under SP, see above). The KL target is built only with grad enabled: once per micro-batch
+    # whatever the recompute; the indexer's inputs are gathered again by each re-run layer.
+    spec = ModelSpec.from_mapping(dict(test_memory_ssm.DSA, num_layers=2, mtp_num_layers=1))
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=1, params_dtype="bf16")
+    par = Parallelism(tp=2, sequence_parallel=True)
+    for method, gathers in (("uniform", 6), ("block", 4)):  # (uniform re-runs the MTP layer; block does not)
+        recompute = RecomputeSpec(granularity="full", method=method, num_layers=1)
+        assert dsa_tensor_parallel(spec, par, training, layers=[0, 1], last=True, recompute=recompute) == {
+            "tp/all_reduce": 3 * 2_048, "tp/all_gather": gathers * 5_632}
+    shared = ModelSpec.from_mapping(dict(test_memory_ssm.DSA, num_layers=2, dsa_indexer_topk_freq=2))
+    assert dsa_tensor_parallel(shared, par, training, layers=[0, 1], last=True, recompute=None) == {
+        "tp/all_reduce": 2_048, "tp/all_gather": 5_632}

@@ -143,7 +143,7 @@ def _mla_up_proj_rerun_width(spec: ModelSpec, par: Parallelism, recompute: Recom
     if spec.mla is None or "mla_up_proj" not in recompute.modules:
         return 0
     last = par.is_last_stage(pp_rank, par.num_chunks - 1)
-    num = sum(spec.layers[i][0] in ("attention", "dsa") for i in layers) + (spec.mtp_num_layers if last else 0)
+    num = sum(spec.layers[i][0] in ("attention", "dsa", "dsa_shared") for i in layers) + (spec.mtp_num_layers if last else 0)
     q = spec.mla.q_lora_rank if spec.mla.q_lora_rank is not None else spec.hidden_size
     return num * (q + spec.mla.kv_lora_rank)
 
