@@ -63,3 +63,23 @@ def estimate_report(config: Any, rows: list[list[int]]) -> dict[str, Any]:
             assert main(["estimate", "--model", str(path), "--seqlens", json.dumps(rows), "--attention", "full",
                          "--json"]) == 0
     return json.loads(out.getvalue())
+
+
+def saved_bytes(model: Any, *, seq: int, batch: int, dtype: Any = None, attention: str = "eager") -> int:
+    """Bytes of the distinct storages autograd saves in one training forward of ``model`` (cast to
+    ``dtype``, with ``attention`` as its attention implementation) on a [batch, seq] batch of random
+    token ids (below 100): :class:`mcore_memory.SavedTensorMeter` (parameters and one-element tensors
+    left out)."""
+    import torch
+
+    from mcore_memory import SavedTensorMeter
+
+    if dtype is not None:
+        model = model.to(dtype)
+    model.config._attn_implementation = attention
+    model.train()
+    meter = SavedTensorMeter(model.parameters())
+    with meter.tracking(), meter.one_forward():
+        loss = model(input_ids=torch.randint(0, 100, (batch, seq))).logits.float().sum()
+    loss.backward()
+    return meter.forward[0]

@@ -27,20 +27,17 @@ SEQ = 16
 # transformers' parameters minus the report's, where megatron-core cannot express the layer. Tiny
 # configs: L = 2 layers (falcon: 2), h = 64, head_dim d = 16, 4 heads, 2 key/value groups.
 PARAMETER_DIFFERENCES = {
-    # One weight-only LayerNorm per layer (h) and q/k norms per head ((4 + 2) d) against megatron-core's two
-    # weight-only LayerNorms (2h) and q/k norms (2d), per layer: 2 x (64 + 96 - 128 - 32) = 0 (still named).
-    "cohere": 0,
+    # One weight-only LayerNorm per layer (h) against megatron-core's two (2h); its q/k norms' weights per
+    # head ([4, d] and [2, d]) counted as such (memory/hf_qk_norms.py): 2 x (64 - 128) = -128 (named).
+    "cohere": -128,
     # Parallel attention and MLP from one LayerNorm (2h) per layer; megatron-core has two: -2 x 128.
     "falcon": -256,
-    # q/k RMSNorms over the whole projections (4d + 2d) against megatron-core's per head (2d): 2 x 64.
-    "olmo2": 128,
-    "olmo3": 4 * 64,  # (the same, 4 layers)
     # Parallel attention and MLP from one LayerNorm per layer: -2 x 2h.
     "stablelm": -256,
 }
 # Cases with a named difference: those above, and layers with the same parameters that save other
-# tensors (gpt_neox's and falcon's parallel attention and MLP, falcon's ALiBi).
-NAMED = {*PARAMETER_DIFFERENCES, "gpt_neox", "falcon new decoder", "falcon MHA alibi serial"}
+# tensors (gpt_neox's and falcon's parallel attention and MLP).
+NAMED = {*PARAMETER_DIFFERENCES, "gpt_neox", "falcon new decoder"}
 
 
 def _config_file(tmp_path: Path, family: str, kw: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:

@@ -66,6 +66,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
+from megatron_flops.memory.hf_qk_norms import qk_norm_saved_bytes
 from megatron_flops.memory.lora import lora_activation_reason
 from megatron_flops.memory.ssm import (dsa_saved, gdn_saved, kda_saved, mamba_saved, mtp_mixer,
                                        ssm_activation_reason)
@@ -269,7 +270,10 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
     gated = T * x.heads * d * a * (2 if gqa else 1) if x.gate else 0
     # q and k are storages of their own after RoPE or the q/k norms, else views of the qkv output.
     fresh = bool(x.rot) or options.qk_layernorm
-    if options.qk_layernorm:
+    if options.qk_layernorm and options.hf_qk_norm:  # (transformers' modules, :mod:`.hf_qk_norms`)
+        w.act("attention", qk_norm_saved_bytes(options.hf_qk_norm, tokens=T, heads=x.heads, groups=x.groups,
+                                               head_dim=d, act=a, trainable=w.grad.base))
+    elif options.qk_layernorm:
         _qk_norms(w, x, options, qkv_out if gqa and options.attention_backend == "unfused" and not checkpointed else 0)
     if x.rot:
         w.act("attention", 4 * x.s * x.rot * a)  # cos and sin, for q and for k

@@ -119,12 +119,14 @@ def tp_replicated_numel(buffers: Mapping[str, Sequence[Bucket]], par: Parallelis
     """Gradient elements megatron-core's ``finalize_model_grads`` all-reduces over TP once per
     step, in one coalesced tensor: weights every TP rank holds whole (norms, row-parallel
     biases, router, shared-expert gate, Transformer Engine's duplicated MLA down projections)
-    under sequence parallelism, and the q/k norms with ``qk_layernorm`` (always, matched by name;
+    under sequence parallelism, and the q/k norms with ``qk_layernorm`` (always, matched by name,
+    but for cohere's, split by head over TP: :mod:`.hf_qk_norms`;
     ``fused_latent_norms``: Transformer Engine's MLA spec, whose latent norms are the up
     projections' ``layer_norm_weight``, which the name match misses). NB: counted from the
     gradient buffers (trainable parameters)."""
     def reduced(p: Param) -> bool:
-        qk = options.qk_layernorm and not fused_latent_norms and ("q_layernorm" in p.name or "k_layernorm" in p.name)
+        qk = options.qk_layernorm and not fused_latent_norms and p.tp_replicated \
+            and ("q_layernorm" in p.name or "k_layernorm" in p.name)
         return qk or (par.sequence_parallel and p.tp_replicated)
 
     return sum(p.numel for buckets in buffers.values() for b in buckets for p, _, _ in b.params if reduced(p))

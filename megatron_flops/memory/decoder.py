@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_flops.memory.hf_layers import hf_decoder_fields
+from megatron_flops.memory.hf_qk_norms import HF_QK_NORMS, qk_norm_reason, qk_norm_tensors
 from megatron_flops.model.hf_config import hf_family_of, hf_text_config
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
@@ -46,6 +47,11 @@ class DecoderOptions:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    # Hugging Face q/k norms megatron-core has no module for (memory/hf_qk_norms.py): cohere's per-head
+    # weights, olmo2/olmo3's whole-projection norms; None: megatron-core's [head_dim] norms.
+    hf_qk_norm: str | None = None
+    # Hugging Face falcon's ALiBi (with position_embedding_type none): saves what attention without it does.
+    alibi: bool = False
     position_embedding_type: str = "learned_absolute"
     max_position_embeddings: int | None = None
     rotary_percent: float = 1.0
@@ -92,6 +98,11 @@ class DecoderOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
+        if self.alibi and self.position_embedding_type != "none":
+            raise ValueError(f"alibi replaces position embeddings: position_embedding_type must be 'none', got "
+                             f"{self.position_embedding_type!r}")
+        if self.hf_qk_norm not in (None, *HF_QK_NORMS):
+            raise ValueError(f"hf_qk_norm must be one of {HF_QK_NORMS} or None, got {self.hf_qk_norm!r}")
         if not 0 < self.rotary_percent <= 1:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent!r}")
 
@@ -171,6 +182,9 @@ def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, op
     if reason is not None:
         raise ValueError(reason)
     check_mla_mtp(spec, par, duplicated=options.duplicated_mla_down)
+    reason = qk_norm_reason(options.hf_qk_norm if options.qk_layernorm else None, par.tp)
+    if reason is not None:
+        raise ValueError(reason)
     tp = par.tp
     for name, value in (("num_attention_heads", spec.num_attention_heads), ("num_query_groups", spec.num_query_groups),
                         ("ffn_hidden_size", spec.ffn_hidden_size)):
@@ -306,7 +320,10 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
         gate = nq * d // tp if spec.attention_output_gate else 0
         out += _linear(attn, "linear_qkv", h, (nq + 2 * ng) * d // tp + gate, bias or options.add_qkv_bias, peft,
                        tp=tp)
-        if options.qk_layernorm:
+        if options.qk_layernorm and options.hf_qk_norm:
+            out += [Param(n, k, base, tp_replicated=r, rows=rows) for n, k, r, rows in
+                    qk_norm_tensors(options.hf_qk_norm, attn, heads=nq, groups=ng, head_dim=d, tp=tp)]
+        elif options.qk_layernorm:
             out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
     if ffn == "none":
         return out

@@ -2,8 +2,9 @@
 the ``TransformerConfig`` options that express it (norm, biases, rotary fraction, q/k norms,
 position embeddings, Megatron-Bridge's gemma2/gemma3 post-norms and logit soft-capping), and, named,
 what megatron-core's GPT layer cannot express (parallel attention and MLP, norms after the
-sublayers instead of before them, norms without weights or bias, per-head or whole-projection q/k
-norm weights, xIELU), which the memory report then lists as not modelled.
+sublayers instead of before them, norms without weights or bias, xIELU), which the memory report
+then lists as not modelled. (cohere's per-head and olmo2/olmo3's whole-projection q/k norms, and
+falcon's ALiBi: :mod:`.hf_qk_norms`.)
 
 NB: parameters checked against the transformers model's ``named_parameters()`` (tests/test_memory_hf_families.py).
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from megatron_flops.memory.hf_qk_norms import hf_qk_norm_kind
 
 # Families whose norms are LayerNorms (weight and bias) in transformers: megatron-core's LayerNorm.
 # (nemotron's LayerNorm1P: weight + 1, megatron-core's layernorm_zero_centered_gamma: the same bytes.)
@@ -45,6 +48,8 @@ def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
         "add_bias_linear": qkv and out and mlp,
         "add_qkv_bias": qkv,
         "qk_layernorm": _qk_norm(text, family),
+        "hf_qk_norm": hf_qk_norm_kind(family) if _qk_norm(text, family) else None,
+        "alibi": alibi,
         "position_embedding_type": "none" if alibi else "rope",
         "rotary_percent": _rotary_fraction(text, family),
         "max_position_embeddings": text.get("max_position_embeddings"),
@@ -157,16 +162,9 @@ def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
                    + ("; a pre-MLP norm per layer the model does not have" if _one_norm(text, family) else "") + ")")
     if family not in _BRIDGE_POST_NORMS and (text.get("final_logit_softcapping") or text.get("attn_logit_softcapping")):
         out.append("logit soft-capping (tanh of the scores or logits: its saved output left out)")
-    if _qk_norm(text, family):
-        whole = "over the whole q and k projections ([heads x head_dim], [groups x head_dim])"
-        shape = {"olmo2": whole, "olmo3": whole,
-                 "cohere": "with a weight per head ([heads, head_dim], [groups, head_dim])",
-                 "stablelm": "with a LayerNorm per head, without bias"}.get(family)
-        if shape is not None:
-            out.append(f"q/k norms {shape} (counted as megatron-core's qk_layernorm: one [head_dim] norm shared "
-                       "by the heads)")
-    if family == "falcon" and text.get("alibi"):
-        out.append("ALiBi attention biases (megatron-core has none: counted without position embeddings)")
+    if family == "stablelm" and _qk_norm(text, family):
+        out.append("q/k norms with a LayerNorm per head, without bias (counted as megatron-core's qk_layernorm: one "
+                   "[head_dim] norm shared by the heads)")
     return out
 
 

@@ -24,6 +24,7 @@ from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.hf_layers import hf_layer_assumptions
+from megatron_flops.memory.hf_qk_norms import hf_attention_notes
 from megatron_flops.memory.lora_layers import lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
 from megatron_flops.memory.moe import (
@@ -330,6 +331,11 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
         if options.hidden_dropout > 0 or options.attention_dropout > 0:
             assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
                                "activation-dtype mask)")
+    more_assumptions, more_unmeasured = hf_attention_notes(
+        qk_norm=options.hf_qk_norm if options.qk_layernorm else None, alibi=options.alibi, tp=par.tp,
+        fused=options.attention_backend == "flash" or par.cp > 1, activations=activations)
+    assumptions += more_assumptions
+    unmeasured += more_unmeasured
     assumptions += hf_layer_assumptions(post_layernorms=options.post_layernorms and activations,
                                         attn_cap=bool(options.attn_logit_softcapping) and activations,
                                         final_cap=bool(options.final_logit_softcapping) and activations,
