@@ -55,7 +55,12 @@ CASES = {
 
 @pytest.fixture
 def dsa_spec(monkeypatch):
-    """mcore_cpu.build_gpt's local spec with DSAttention as every layer's (and the MTP layer's) core."""
+    """mcore_cpu.build_gpt's local spec with DSAttention as every layer's (and the MTP layer's) core,
+    and a fresh indexer-loss tracker (megatron-core sizes its class-wide tracker by the first model's
+    layer count)."""
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    monkeypatch.setattr(dsa.DSAIndexerLossLoggingHelper, "tracker", {})
     build = mcore_cpu.build_layer_spec
 
     def with_dsa(config, **kw):
