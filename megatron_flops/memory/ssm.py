@@ -310,8 +310,9 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     mixers = {mixer for mixer, _ in kinds}
     if spec.mtp_num_layers and (len(spec.mtp_layer_runs) > 1 or mtp_mixer(spec) not in ("attention", "dsa", "gdn")
                                 or spec.mtp_ffn == "none"):
-        return ("multi-token prediction is modelled for MTP layers of one attention, DSA or GDN layer (not a hybrid "
-                "pattern's MTP part after '/', nor Kimi Delta Attention)")
+        return ("multi-token prediction of a hybrid pattern's MTP part after '/' is not modelled (megatron-core 0.19 "
+                "builds a HybridStack inside the MTP layer; 0.16.1's hybrid models have no MTP); MTP layers of one "
+                "attention, DSA or GDN layer are")
     if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
                                                             or any(f == "none" for _, f in kinds)):
         return "LoRA adapters are modelled on attention + MLP layers (not Mamba, GDN, KDA, DSA or hybrid layers)"
