@@ -412,8 +412,9 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
     if activations and "dsa" in mixers:
         assumptions.append("DeepSeek sparse attention as megatron-core 0.16.1's DSAttention runs it (torch, unfused: "
                            "fp32 [b, heads, s, s] scores, the indexer's KL loss graph, the indexer whole on every TP "
-                           "rank); measured on CPU (TP 1, TP 2 with and without sequence parallelism) with a "
-                           "stand-in for fast_hadamard_transform, which saves nothing for backward")
+                           "rank); measured on CPU (TP 1, TP 2 with and without sequence parallelism; whole GPT steps "
+                           "with full and selective recompute and an MTP layer) with a stand-in for "
+                           "fast_hadamard_transform, which saves nothing for backward")
     if spec.mtp_num_layers and mtp_mixer(spec) in ("dsa", "gdn"):
         assumptions.append("MTP layers of the last decoder layer's kind (DSA or GDN), as Megatron-LM 0.19's gpt_builders "
                            "builds them; 0.16.1's builds a plain GPT layer there (for DSA, MLA then hands the plain core "
