@@ -127,29 +127,22 @@ MISSING_MEMORY_FLAGS: set[str] = set()
 # an entry, and every entry must match a gap: delete an entry when its gap is closed.
 EXPECTED_GAPS: list[tuple[str, str]] = [
     # Kimi Delta Attention at TP 1 only (no KDA layer has tensor parallelism: not megatron-core through
-    # 0.19.2, not Megatron-Bridge 0.6.2, not transformers); no context parallelism beside GDN, KDA or DSA
-    # layers.
-    # (GDN and DSA: megatron-core 0.16.1 itself refuses CP; transformers' KDA layer has none.)
-    *[(f"{model} | CP2 | ", rf"refused: .*{what}") for model, what in (
-        ("hf:kimi_linear", "KimiLinearDeltaAttention, which has no context parallelism"),
-        ("hf:qwen3_next", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
-        *[(m, "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet") for m in ("mcore:gdn", "mcore:gdn mtp")],
-        *[(m, "megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention")
-          for m in ("mcore:dsa", "mcore:dsa shared top-k mtp", "hf:deepseek_v32", "hf:glm_moe_dsa")])],
+    # 0.19.2, not Megatron-Bridge 0.6.2, not transformers) and without context parallelism (transformers'
+    # KDA layer has none). (GDN and DSA under CP: megatron-core 0.19.0's layers, memory/linear_cp.py.)
+    ("hf:kimi_linear | CP2 | ", r"refused: .*KimiLinearDeltaAttention, which has no context parallelism"),
+    # DSA layers that reuse an earlier top-k under CP (megatron-core 0.19.0's index sharing with its CP layer: not
+    # modelled by memory/linear_cp.py).
+    ("mcore:dsa shared top-k mtp | CP2 | ", r"refused: .*context parallelism is not modelled for DeepSeek sparse "
+                                            r"attention layers that reuse an earlier layer's top-k"),
+    # DSA layers that reuse an earlier top-k under CP (megatron-core 0.19.0's index sharing with its CP layer: not
+    # modelled by memory/linear_cp.py).
+    ("mcore:dsa shared top-k mtp | CP2 | ", r"refused: .*context parallelism is not modelled for DeepSeek sparse "
+                                            r"attention layers that reuse an earlier layer's top-k"),
     # A hybrid pattern's MTP part after '/' (megatron-core 0.19's HybridStack inside the MTP layer; 0.16.1's hybrid
     # models have no MTP): its parameter names and sub-layers are 0.19's, not run or read here.
     ("mcore:hybrid mamba mtp | *", r"refused: .*multi-token prediction of a hybrid pattern's MTP part after '/' is not "
                                    r"modelled"),
     ("hf:kimi_linear | TP2* | ", r"refused: .*Kimi Delta Attention is modelled with --tp 1"),
-    # Hugging Face layers megatron-core's GPT layer cannot express (memory/hf_layers.py): counted as
-    # the nearest megatron-core layer, the difference named.
-    *[(f"hf:{model} | *", rf"not modelled: Hugging Face {model.split()[0]}: {what}") for model, what in (
-        ("cohere", "attention and the MLP run in parallel"),
-        ("falcon", "attention and the MLP run in parallel"), ("falcon new decoder", "attention and the MLP run in "
-                                                                                    "parallel"),
-        ("gpt_neox", "attention and the MLP run in parallel"),
-        ("stablelm", "attention and the MLP run in parallel"),
-    )],
     # olmo2's and olmo3's q/k norms over the whole q and k projections under TP (memory/hf_qk_norms.py): their
     # statistics span every head, and no framework splits them over TP (transformers' TP plan gathers q, k and v
     # whole on every rank instead), so there is no layout to measure or count.
@@ -160,13 +153,9 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),
-    # DiT (memory/dit_layouts.py): LoRA (the tiny example file's section) under sequence parallelism (Megatron-Bridge's
-    # ParallelLinearAdapter around Transformer Engine layers, not modelled), and virtual pipeline stages (Bridge
-    # 0.6.2's WanModelProvider builds each stage without its vp_stage).
-    ("examples/wan_tiny_dit.json | TP2 SP | ", r"refused: .*LoRA adapters or a frozen base under sequence parallelism"),
-    ("examples/wan* | PP2 VPP2 | ", r"refused: .*virtual pipeline stages of a DiT are not modelled"),
-    # DiT under Megatron-FSDP: the DiT path models torch FSDP2 and megatron-core DDP / distributed optimizer.
-    ("examples/wan* | DP2 Megatron-FSDP | ", r"refused: .*a DiT model file under Megatron-FSDP is not modelled"),
+    # DiT (memory/dit_layouts.py) with virtual pipeline stages: Megatron-Bridge 0.6.2 itself cannot build them
+    # (WanModelProvider.provide ignores vp_stage), so there is no layout to model.
+    ("examples/wan* | PP2 VPP2 | ", r"refused: .*Megatron-Bridge 0.6.2 cannot interleave WAN itself"),
     # A VLM without --grid-thw (the survey passes no grids): the vision tower's activations.
     ("examples/qwen2_5_vl_7b_config.json | *", r"not modelled: the vision tower's activations: give --grid-thw"),
 ]

@@ -24,6 +24,7 @@ from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.hf_layers import hf_layer_assumptions
+from megatron_flops.memory.hf_parallel import parallel_layer_assumptions, parallel_layer_unmeasured
 from megatron_flops.memory.hf_qk_norms import hf_attention_notes
 from megatron_flops.memory.lora_layers import lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
@@ -38,6 +39,7 @@ from megatron_flops.memory.moe import (
 )
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
 from megatron_flops.memory.kda_fla import kda_fla_unmeasured
+from megatron_flops.memory.linear_cp import linear_cp_notes
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import VisionMemory
@@ -281,6 +283,10 @@ def decoder_memory(
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
         unmeasured += kda_fla_unmeasured(spec, training)
+    unmeasured += tuple(parallel_layer_unmeasured(
+        options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
+        selective=reason is None and recompute is not None and recompute.granularity == "selective"
+        and "layernorm" in recompute.modules))
     if par.megatron_fsdp is not None:
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 
@@ -340,9 +346,11 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                         attn_cap=bool(options.attn_logit_softcapping) and activations,
                                         final_cap=bool(options.final_logit_softcapping) and activations,
                                         pre_layernorms=options.pre_layernorms or not activations)
+    assumptions += parallel_layer_assumptions(options.parallel_layer_norms)
     more_assumptions, more_unmeasured = ssm_notes(spec, par, activations=activations)
-    assumptions += more_assumptions
-    unmeasured += more_unmeasured
+    cp_assumptions, cp_unmeasured = linear_cp_notes(spec, par)
+    assumptions += more_assumptions + cp_assumptions
+    unmeasured += more_unmeasured + cp_unmeasured
     if activations and lora:
         assumptions.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each "
                            "saves the projection's input and the [tokens, rank] intermediate; under full recompute "
@@ -369,7 +377,7 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                            "over all routings is shown")
     assumptions += mla_mtp_assumptions(spec, par, duplicated=options.duplicated_mla_down)
     unmeasured += mla_unmeasured(spec, par, duplicated=options.duplicated_mla_down) + moe_unmeasured(spec, options)
-    if par.cp > 1:
+    if par.cp > 1 and any(mixer in ("attention", "window") for (mixer, _), _ in spec.layer_runs):  # GDN, DSA: measured
         unmeasured.append(f"context parallelism (CP {par.cp}): activations and collectives as s/CP tokens per rank "
                           "through a fused attention, and the cp/send_recv ring of K/V (no context-parallel "
                           "attention on CPU)")
