@@ -493,8 +493,8 @@ def test_cli_dit_compare_full(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", TINY_DIT, "--seq-length", "16", "--tp", "2", "--dp", "2", "--fsdp"],
-     "a DiT model file under --fsdp (torch FSDP2) is modelled over --dp ranks only"),
+    (["--model", TINY_DIT, "--seq-length", "16", "--pp", "2", "--dp", "2", "--fsdp"],
+     "a DiT under --fsdp (torch FSDP2) with --pp 2 is not modelled"),
     (["--model", LLAMA, "--seq-length", "16", "--tp", "3"], "not divisible by --tp 3"),
     (["--model", LLAMA, "--seq-length", "16", "--dp", "2", "--distributed-optimizer",
       "--optimizer", "sgd"], "distributed optimizer supports Adam only"),
