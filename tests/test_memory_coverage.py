@@ -76,6 +76,8 @@ LAYOUTS = {
     "TP2 SP": ["--tp", "2", "--sequence-parallel"],
     "PP2": ["--pp", "2", "--num-microbatches", "4"],
     "PP2 VPP2": ["--pp", "2", "--vpp", "2", "--num-microbatches", "4"],
+    # megatron-core's uneven split (memory/pipeline_split.py): 1 layer on the first stage, the rest on the second.
+    "PP2 uneven": ["--pp", "2", "--decoder-first-pipeline-num-layers", "1", "--num-microbatches", "4"],
     "CP2": ["--cp", "2"],
     "DP2 EP2": ["--dp", "2", "--ep", "2"],
     "TP2 SP DP2 EP2": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--ep", "2"],
@@ -152,6 +154,9 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # 0.6.2's WanModelProvider builds each stage without its vp_stage).
     ("examples/wan_tiny_dit.json | TP2 SP | ", r"refused: .*LoRA adapters or a frozen base under sequence parallelism"),
     ("examples/wan* | PP2 VPP2 | ", r"refused: .*virtual pipeline stages of a DiT are not modelled"),
+    # An uneven pipeline split of a DiT's blocks: memory/dit_layouts.py places them evenly, and whether
+    # Megatron-Bridge's WAN provider builds its blocks from the split fields is not checked here.
+    ("examples/wan* | PP2 uneven | ", r"refused: .*an uneven pipeline split of a DiT model file is not modelled"),
     # DiT under Megatron-FSDP: the DiT path models torch FSDP2 and megatron-core DDP / distributed optimizer.
     ("examples/wan* | DP2 Megatron-FSDP | ", r"refused: .*a DiT model file under Megatron-FSDP is not modelled"),
     # A VLM without --grid-thw (the survey passes no grids): the vision tower's activations.
@@ -248,7 +253,12 @@ def megatron_core_refuses(spec: ModelSpec | None, flags: list[str], biases: bool
         return "a hybrid pattern's '|' segments are not PP x VPP stages (VPP derived by Megatron-LM 0.19)"
     if not segments and "--vpp" in flags and is_hybrid(spec):
         return "VPP of a hybrid pattern without '|' separators"
-    if not segments and spec.num_layers % (pp * vpp):
+    if segments and "--decoder-first-pipeline-num-layers" in flags:
+        return "a hybrid pattern's '|' segments with an uneven split (megatron-core 0.19 refuses it)"
+    if "--decoder-first-pipeline-num-layers" in flags:  # (PP 2: the rest on the last stage)
+        if spec.num_layers <= _flag(flags, "--decoder-first-pipeline-num-layers"):
+            return "no layers left for the last pipeline stage"
+    elif not segments and spec.num_layers % (pp * vpp):
         return "num_layers % (PP x VPP)"
     if ep > 1 and (spec.moe is None or spec.moe.num_experts % ep or dp * cp % ep):
         return "EP without experts that divide"

@@ -202,8 +202,9 @@ def uneven_stages(split: PipelineSplit, par: Parallelism, *, spec: ModelSpec) ->
     if not split.uneven:
         return par
     if par.stage_layers is not None:
-        raise ValueError("a hybrid pattern's '|' segments and an uneven pipeline split are two ways to place the "
-                         "layers: give one")
+        raise ValueError("megatron-core 0.19 refuses num_layers_in_first/last_pipeline_stage and the other split "
+                         "fields when the hybrid pattern contains '|' separators: the pipeline layout is already "
+                         "defined by the separators")
     if is_hybrid(spec) and (split.pipeline_model_parallel_layout is not None
                             or split.account_for_embedding_in_pipeline_split or split.account_for_loss_in_pipeline_split):
         raise ValueError("a hybrid pattern's stages with pipeline_model_parallel_layout or account_for_*_in_pipeline_"
