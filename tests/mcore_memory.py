@@ -726,10 +726,13 @@ def patch_megatron_fsdp_on_cpu() -> None:
     torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign,assignment]
 
 
-def wrap_megatron_fsdp(config: Any, module: torch.nn.Module, strategy: str) -> Any:
+def wrap_megatron_fsdp(config: Any, module: torch.nn.Module, strategy: str,
+                       unit_modules: Optional[List[type]] = None) -> Any:
     """megatron-core's ``FullyShardedDataParallel`` around ``module`` on CPU, with Megatron-LM's
     DDP config for ``--use-megatron-fsdp`` (fp32 gradient reduction; gloo has no PREMUL_SUM:
-    the scaling runs before the sum, ``gradient_reduce_div_fusion`` off)."""
+    the scaling runs before the sum, ``gradient_reduce_div_fusion`` off); ``unit_modules``: its
+    ``fsdp_unit_modules`` (None: megatron-core's default, ``TransformerLayer`` under
+    ``optim_grads_params``)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
@@ -746,7 +749,7 @@ def wrap_megatron_fsdp(config: Any, module: torch.nn.Module, strategy: str) -> A
     try:
         with mcore_cpu.cuda_to_cpu_mode():
             return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module,
-                                            device=torch.device("cpu"))
+                                            fsdp_unit_modules=unit_modules, device=torch.device("cpu"))
     finally:
         torch.cuda.current_device = current_device  # type: ignore[assignment]
 

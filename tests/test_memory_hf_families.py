@@ -26,18 +26,12 @@ CASES = test_hf_config.CASES
 SEQ = 16
 # transformers' parameters minus the report's, where megatron-core cannot express the layer. Tiny
 # configs: L = 2 layers (falcon: 2), h = 64, head_dim d = 16, 4 heads, 2 key/value groups.
-PARAMETER_DIFFERENCES = {
-    # One weight-only LayerNorm per layer (h) against megatron-core's two (2h); its q/k norms' weights per
-    # head ([4, d] and [2, d]) counted as such (memory/hf_qk_norms.py): 2 x (64 - 128) = -128 (named).
-    "cohere": -128,
-    # Parallel attention and MLP from one LayerNorm (2h) per layer; megatron-core has two: -2 x 128.
-    "falcon": -256,
-    # Parallel attention and MLP from one LayerNorm per layer: -2 x 2h.
-    "stablelm": -256,
+PARAMETER_DIFFERENCES: dict[str, int] = {
+    # (None now: parallel attention and MLP, memory/hf_parallel.py; q/k norms per head or over the whole
+    # projections, memory/hf_qk_norms.py.)
 }
-# Cases with a named difference: those above, and layers with the same parameters that save other
-# tensors (gpt_neox's and falcon's parallel attention and MLP).
-NAMED = {*PARAMETER_DIFFERENCES, "gpt_neox", "falcon new decoder"}
+# Cases with a named difference: those above, and layers with the same parameters that save other tensors.
+NAMED: set[str] = {*PARAMETER_DIFFERENCES}
 
 
 def _config_file(tmp_path: Path, family: str, kw: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:

@@ -123,9 +123,6 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
     from megatron_flops.memory.fsdp import dit_memory_report
 
     other = [f"--{k} {v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("ep", par.ep)) if v > 1]
-    if par.megatron_fsdp:
-        raise ValueError("a DiT model file under Megatron-FSDP is not modelled (torch FSDP2: --fsdp; megatron-core "
-                         "DDP or --distributed-optimizer)")
     if par.fsdp and (other or par.vpp or par.sequence_parallel):
         raise ValueError(f"a DiT model file under --fsdp (torch FSDP2) is modelled over --dp ranks only; "
                          f"{', '.join(other) or 'this layout'} is not modelled")
@@ -154,10 +151,11 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
 
 
 def _dit_megatron(par: Parallelism) -> bool:
-    """A DiT under megatron-core DDP / distributed optimizer, as Megatron-Bridge trains WAN
-    (memory/dit_layouts.py): any layout but one GPU without a parallel flag (the example's module
-    alone) and --fsdp."""
-    return not par.fsdp and (par.world_size > 1 or par.distributed_optimizer or par.ep > 1)
+    """A DiT under megatron-core DDP / distributed optimizer / Megatron-FSDP, as Megatron-Bridge
+    trains WAN (memory/dit_layouts.py): any layout but one GPU without a parallel flag (the
+    example's module alone) and --fsdp."""
+    return not par.fsdp and (par.world_size > 1 or par.distributed_optimizer or par.ep > 1
+                             or par.megatron_fsdp is not None)
 
 
 def _checkpointed_dit_blocks(num_layers: int, recompute: Any) -> int:

@@ -30,7 +30,9 @@ TP; the rest is not.
 - dropout (p > 0): a bool mask per site (CUDA's ``native_dropout``; torch's CPU dropout keeps an
   activation-dtype mask), and attention dropout's output.
 - MLP: ``linear_fc1``'s input and output and ``linear_fc2``'s input; unfused SwiGLU also keeps
-  ``silu(x1)`` and ``x2 + glu_linear_offset``.
+  ``silu(x1)`` and ``x2 + glu_linear_offset``. Attention and the MLP in parallel (Hugging Face
+  cohere, gpt_neox, stablelm, falcon: :mod:`.hf_parallel`): one norm, whose output both keep, or
+  two norms keeping the layer's input once.
 - output (last stage): the final norm, ``output_layer``'s input, vocab-parallel cross-entropy's
   fp32 softmax [T, V/TP], target mask (bool) and masked targets (int64), and the loss mask
   (fp32) that Megatron-LM's ``loss_func`` multiplies by.
@@ -66,6 +68,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
+from megatron_flops.memory.hf_parallel import ONE_NORM, SEQUENTIAL, TWO_NORMS
 from megatron_flops.memory.hf_qk_norms import qk_norm_saved_bytes
 from megatron_flops.memory.lora import lora_activation_reason
 from megatron_flops.memory.ssm import dsa_saved, gdn_saved, kda_saved, mamba_saved, ssm_activation_reason
@@ -247,10 +250,12 @@ def _norm_stats(x: _Dims, options: DecoderOptions) -> int:
     return x.local_tokens * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
 
 
-def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions, *, recomputed: bool = False) -> None:
-    # Input [T/sp, h] and its statistics; selective ``layernorm`` runs it under no_grad and its
-    # checkpoint keeps the input only.
-    w.act(key, x.local_tokens * x.h * x.act)
+def _norm(w: _Walk, key: str, x: _Dims, options: DecoderOptions, *, recomputed: bool = False,
+          shared_input: bool = False) -> None:
+    # Input [T/sp, h] (``shared_input``: kept by another norm already) and its statistics; selective
+    # ``layernorm`` runs it under no_grad and its checkpoint keeps the input only.
+    if not shared_input:
+        w.act(key, x.local_tokens * x.h * x.act)
     if not recomputed:
         w.act(key, _norm_stats(x, options))
 
@@ -426,10 +431,10 @@ def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, c
     w.linear("attention", "linear_proj", v, T, a)
 
 
-def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
+def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool, *, shared_input: bool = False) -> None:
     T, a = x.tokens, x.act
-    # linear_fc1 input (this rank's slice under sequence parallelism).
-    w.linear("mlp", "linear_fc1", x.local_tokens * x.h * a, T, a, _gathered(x))
+    # linear_fc1 input (this rank's slice under sequence parallelism; ``shared_input``: linear_qkv's).
+    w.linear("mlp", "linear_fc1", 0 if shared_input else x.local_tokens * x.h * a, T, a, _gathered(x))
     if gated and not options.bias_activation_fusion:
         # fc1 output [T, 2 ffn] (silu's input is a view), silu(x1), x2 + offset.
         w.act("mlp", T * x.ffn * a * (2 + 2))
@@ -445,15 +450,17 @@ def _mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
         _norm(w, "mlp", x, options)
 
 
-def _checkpointed_mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool) -> None:
+def _checkpointed_mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool, *, shared_input: bool = False) \
+        -> None:
     """Selective ``mlp`` recompute (dense layers): megatron-core's ``CheckpointFunction`` keeps
-    the MLP's input (the norm's output, this rank's slice) and re-runs the MLP in backward. An
-    input that requires no grad (a frozen model before its first adapter): nothing saved or re-run."""
+    the MLP's input (the norm's output, this rank's slice; ``shared_input``: linear_qkv's) and
+    re-runs the MLP in backward. An input that requires no grad (a frozen model before its first
+    adapter): nothing saved or re-run."""
     if not w.grad.started:
         return
     inner = _Walk(dataclasses.replace(w.grad))
-    _mlp(inner, x, options, gated)
-    g, inp = w.grad, x.local_tokens * x.h * x.act
+    _mlp(inner, x, options, gated, shared_input=shared_input)
+    g, inp = w.grad, 0 if shared_input else x.local_tokens * x.h * x.act
     w.keep("recompute", inp)
     w.region(inner.kept - (inp if g.base or "linear_fc1" in g.adapted else 0))  # (fc1's input is the checkpoint's)
 
@@ -466,7 +473,13 @@ def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:
 def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core_attn: bool,
            moe: bool = False, mixer: str = "attention", ffn: bool = True) -> None:
     """One layer: its mixer (none: a hybrid MLP layer) and its MLP or MoE (``ffn=False``: a
-    hybrid mixer layer), each after its norm and before its dropout."""
+    hybrid mixer layer), each after its norm and before its dropout; or attention and the MLP in
+    parallel on the layer's input (:mod:`.hf_parallel`)."""
+    parallel = options.parallel_layer_norms if mixer == "attention" and ffn and not moe and spec.mla is None \
+        else SEQUENTIAL
+    if parallel == ONE_NORM:
+        _one_norm_parallel_layer(w, x, spec, options, core_attn=core_attn)
+        return
     if mixer != "none":
         with _recomputed_norm(w, x, options, "attention", fused=options.transformer_impl == "transformer_engine"
                               and spec.mla is None):
@@ -484,7 +497,8 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     selective = w.selective
     reader = ("recompute" if "moe" in selective else "moe/router") if moe else \
         ("recompute" if "mlp" in selective else "mlp")
-    with _recomputed_norm(w, x, options, reader, fused=options.transformer_impl == "transformer_engine" and not moe):
+    with _recomputed_norm(w, x, options, reader, fused=options.transformer_impl == "transformer_engine" and not moe,
+                          shared_input=parallel == TWO_NORMS):  # (the layer's input, the input norm's)
         if moe:
             _moe(w, x, spec, options)
         elif "mlp" in selective:
@@ -494,8 +508,28 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
     _dropout_mask(w, x, options)
 
 
+def _one_norm_parallel_layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
+                             core_attn: bool) -> None:
+    """Attention and the MLP reading one norm's output: linear_fc1 (or the MLP's checkpoint) keeps
+    no input of its own where linear_qkv keeps that output (this rank's slice: with the base
+    trained, or a LoRA linear_qkv without sequence parallelism). NB: the norm's output is needed
+    until both sublayers' backward ran: selective ``layernorm`` restores it before the MLP's."""
+    g, checkpointed = w.grad, "mlp" in w.selective
+    shared = g.base or ("linear_qkv" in g.adapted and x.sp == 1)
+    reader = "attention" if shared else "recompute" if checkpointed else "mlp"
+    with _recomputed_norm(w, x, options, reader, fused=options.transformer_impl == "transformer_engine"):
+        _attention(w, x, options, checkpointed=core_attn)
+        _dropout_mask(w, x, options)
+        if checkpointed:
+            _checkpointed_mlp(w, x, options, spec.gated_linear_unit, shared_input=shared)
+        else:
+            _mlp(w, x, options, spec.gated_linear_unit, shared_input=shared)
+    _dropout_mask(w, x, options)
+
+
 @contextlib.contextmanager
-def _recomputed_norm(w: _Walk, x: _Dims, options: DecoderOptions, reader: str, *, fused: bool) -> Iterator[None]:
+def _recomputed_norm(w: _Walk, x: _Dims, options: DecoderOptions, reader: str, *, fused: bool,
+                     shared_input: bool = False) -> Iterator[None]:
     """A layer's input or pre-MLP norm, then (the body) what reads its output. Selective
     ``layernorm`` (megatron-core's ``CheckpointWithoutOutput``): the norm runs under no_grad
     (its checkpoint keeps its input), and the output the reader keeps (under key ``reader``) is
@@ -508,7 +542,7 @@ def _recomputed_norm(w: _Walk, x: _Dims, options: DecoderOptions, reader: str, *
         yield
         return
     recomputed = "layernorm" in w.selective and w.grad.started and not fused
-    _norm(w, "norm", x, options, recomputed=recomputed)
+    _norm(w, "norm", x, options, recomputed=recomputed, shared_input=shared_input)
     if not recomputed:
         yield
         return

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_flops.memory.hf_layers import hf_decoder_fields
+from megatron_flops.memory.hf_parallel import ONE_NORM
 from megatron_flops.memory.hf_qk_norms import HF_QK_NORMS, qk_norm_reason, qk_norm_tensors
 from megatron_flops.model.hf_config import hf_family_of, hf_text_config
 from megatron_flops.memory.layout import Parallelism
@@ -77,6 +78,9 @@ class DecoderOptions:
     norm_bias: bool = True
     # Hugging Face apertus's xIELU activation (transformers' XIELUActivation in each MLP: alpha_p, alpha_n).
     xielu: bool = False
+    # Hugging Face cohere, gpt_neox, stablelm, falcon (memory/hf_parallel.py): attention and the MLP in
+    # parallel on the layer's input through 1 shared norm or 2 norms; 0: megatron-core's sequential layer.
+    parallel_layer_norms: int = 0
 
     @property
     def duplicated_mla_down(self) -> bool:
@@ -98,6 +102,8 @@ class DecoderOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
+        if self.parallel_layer_norms not in (0, 1, 2):
+            raise ValueError(f"parallel_layer_norms must be 0, 1 or 2, got {self.parallel_layer_norms!r}")
         if self.alibi and self.position_embedding_type != "none":
             raise ValueError(f"alibi replaces position embeddings: position_embedding_type must be 'none', got "
                              f"{self.position_embedding_type!r}")
@@ -110,9 +116,9 @@ class DecoderOptions:
     def from_mapping(cls, data: Mapping[str, Any], *, hf: bool = False, hf_family: str | None = None) -> DecoderOptions:
         """From a model file: ``TransformerConfig`` field names, or a Hugging Face ``config.json``
         (``hf=True``, read with ``hf_family``'s rules, else its model_type's: the norm, biases,
-        rotary fraction and q/k norms its layers have (:mod:`megatron_flops.memory.hf_layers`), no
-        hidden dropout, the file's attention dropout, the fused SwiGLU that Megatron-Bridge's
-        providers enable)."""
+        rotary fraction, q/k norms and parallel attention and MLP its layers have
+        (:mod:`megatron_flops.memory.hf_layers`), no hidden dropout, the file's attention dropout,
+        the fused SwiGLU that Megatron-Bridge's providers enable)."""
         if hf:
             text = hf_text_config(data)
             if text is None:
@@ -327,7 +333,8 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
             out += _norm(options, attn + "q_layernorm.", d, base) + _norm(options, attn + "k_layernorm.", d, base)
     if ffn == "none":
         return out
-    out += _norm(options, prefix + "pre_mlp_layernorm.", h, base) if options.pre_layernorms else []
+    if options.pre_layernorms and options.parallel_layer_norms != ONE_NORM:  # (the MLP reads the input norm's output)
+        out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
     if ffn == "mlp":
         out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias, tp=tp)
         if options.xielu:  # (registered after linear_fc2: transformers' module set on megatron-core's MLP)

@@ -133,6 +133,7 @@ class _Block:
         # on every rank, come out TP times over.
         self.sp = sp and tp > 1
         self.saved: dict[str, tuple[str, int]] = {}  # storage -> (part, bytes)
+        self.input_grads: dict[str, bool] = {}  # module (linear or RMSNorm) -> whether its input requires grad
         self.part = ""
 
     def save(self, *tensors: _T) -> None:
@@ -144,13 +145,26 @@ class _Block:
 
     def linear(self, module: str, x: _T, rows: int, width: int | None = None) -> _T:
         base = not self.peft.frozen
+        self.input_grads[module] = x.grad
         if base:
             self.save(x)  # the weight's gradient reads the input
         if self.peft.adapts(module):
-            self.save(x, self.new(f"{module}.lora", rows, True, self.peft.lora_rank))
+            self.save(*self.adapter_saves(module, x, rows))
         width = width or self.spec.hidden_size
         return self.new(module, rows, x.grad or base or self.peft.adapts(module),
                         width // self.tp if module in TP_COLUMN_PARALLEL else width)
+
+    def adapter_saves(self, module: str, x: _T, rows: int) -> tuple[_T, _T]:
+        """What an adapter on ``module`` saves: linear_in's input and linear_out's [N, rank] input.
+        NB: under sequence parallelism (Bridge's ``ParallelLinearAdapter`` around a
+        ``TEColumnParallelLinear``) a column-parallel target's adapter all-gathers its input along
+        the tokens itself and keeps that [rows, h] (its own storage); a row-parallel one's linear_in
+        all-reduces its [T, rank] output over every video token, not this rank's 1/TP."""
+        if self.sp and module in TP_COLUMN_PARALLEL:
+            x = self.new(f"{module}.lora_in", rows, x.grad)
+        elif self.sp:
+            rows = sum(self.batch.video)
+        return x, self.new(f"{module}.lora", rows, True, self.peft.lora_rank)
 
     def layer_norm(self, name: str, x: _T, rows: int, affine: bool) -> _T:
         trains = affine and not self.peft.frozen
@@ -164,6 +178,7 @@ class _Block:
         # Under TP the norm spans the heads of every rank: its input all-gathered [rows, h], its output
         # split back ([rows, h/TP], a new storage).
         trains = not self.peft.frozen
+        self.input_grads[name] = x.grad
         if self.tp > 1:
             x = self.new(x.name + ".gathered", rows, x.grad)
         copy = x if self.a == 4 else _T(x.name + ".f32", rows * self.spec.hidden_size * 4, x.grad)
@@ -250,9 +265,10 @@ SHARED = ("context", "image")  # storages every block reads: saved once per forw
 
 
 def _walk(spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int, attention: str,
-          x_grad: bool, tp: int = 1, sp: bool = False) -> tuple[dict[str, tuple[str, int]], bool]:
-    """(one block's saved storages, whether its output requires grad) for an input that does
-    (or does not: the first block of a frozen base) require grad."""
+          x_grad: bool, tp: int = 1, sp: bool = False) -> tuple[_Block, bool]:
+    """(one block's walk: its saved storages, its inputs' autograd flags; whether its output
+    requires grad) for an input that does (or does not: the first block of a frozen base) require
+    grad."""
     if attention not in ATTENTION_CONVENTIONS:
         raise ValueError(f"DiT attention must be one of {ATTENTION_CONVENTIONS}, got {attention!r}")
     walk = _Block(spec, batch, peft, a, stats, tp, sp)
@@ -261,7 +277,15 @@ def _walk(spec: DiTSpec, batch: DiTBatch, peft: DiTPeftSpec, a: int, stats: int,
     local = sum(batch.video) // (tp if walk.sp else 1)
     out = walk.forward(walk.new("x", local, x_grad), walk.new("e", local, trains, 6 * spec.hidden_size),
                        walk.new("context", sum(batch.text), trains), image, attention)
-    return walk.saved, out.grad
+    return walk, out.grad
+
+
+def dit_block_input_grads(spec: DiTSpec, peft: PeftSpec | None, *, input_grad: bool) -> dict[str, bool]:
+    """Whether each linear module's and q/k RMSNorm's input in one block requires grad (the
+    walk's autograd flags; the block's input does or, the first of a frozen base, does not)."""
+    batch = DiTBatch(video=(1,), text=(1,), image=None if spec.image_dim is None else (1,))
+    walk, _ = _walk(spec, batch, DiTPeftSpec.of(peft), 2, NORM_STATS_BYTES, "flash", input_grad)
+    return walk.input_grads
 
 
 def dit_block_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
@@ -269,10 +293,10 @@ def dit_block_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
                     layer_norm_stats_bytes: int = NORM_STATS_BYTES, tp: int = 1,
                     sequence_parallel: bool = False) -> dict[str, int]:
     """One block's own saved bytes per part (see the module NB); the shared embeddings excluded."""
-    saved, _ = _walk(spec, batch, DiTPeftSpec.of(peft), act_bytes, layer_norm_stats_bytes, attention, input_grad, tp,
-                     sequence_parallel)
+    walk, _ = _walk(spec, batch, DiTPeftSpec.of(peft), act_bytes, layer_norm_stats_bytes, attention, input_grad, tp,
+                    sequence_parallel)
     parts: dict[str, int] = dict.fromkeys(("adaln", "norm", "self_attn", "cross_attn", "ffn"), 0)
-    for name, (part, nbytes) in saved.items():
+    for name, (part, nbytes) in walk.saved.items():
         if name not in SHARED:
             parts[part] += nbytes
     return parts
@@ -324,8 +348,8 @@ def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
     # the patch embedding's output needs a grad if it trains; a received activation always does
     x_grad, blocks = not (peft.frozen and first), []
     for _ in range(spec.num_layers):
-        saved, out_grad = walks[x_grad]
-        blocks.append(saved)
+        walk, out_grad = walks[x_grad]
+        blocks.append(walk.saved)
         x_grad = out_grad
     split = tp if sequence_parallel else 1
     T, h, a = sum(batch.video) // split, spec.hidden_size, act_bytes  # the residual stream's tokens

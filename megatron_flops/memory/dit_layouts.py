@@ -1,6 +1,7 @@
 """Memory and traffic per GPU of a WAN-style DiT under megatron-core's ``DistributedDataParallel``,
-with or without its distributed optimizer, and under tensor, pipeline and context parallelism, as
-Megatron-Bridge trains WAN (stdlib only).
+with or without its distributed optimizer, or under Megatron-FSDP
+(:mod:`megatron_flops.memory.dit_megatron_fsdp`), and under tensor, pipeline and context
+parallelism, as Megatron-Bridge trains WAN (stdlib only).
 
 NB: Megatron-Bridge 0.6.2's WAN recipes (``diffusion/recipes/wan/wan.py``) wrap ``WanModel`` in
 megatron-core's ``DistributedDataParallel`` with ``use_distributed_optimizer=True`` (WAN 1.3B:
@@ -31,23 +32,24 @@ run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/
   and ``ffn.0`` split their weights and biases, row-parallel o and ``ffn.2`` their weights; the rest
   (embeddings, head, adaLN tables, norms) is whole on every TP rank, its gradients all-reduced over
   TP once per step (``finalize_model_grads``: ``average_gradients_across_tp_domain`` and the q/k
-  norms). Per micro-batch and block, ``tp/all_reduce`` of the o, cross o and ``ffn.2`` outputs
-  (forward) and of the q/k/v, cross q and ``ffn.0`` input gradients and, when the base trains, the
-  cross k/v input gradients (backward); ``tp/all_gather`` of q and k (self and cross) for norms
-  across heads (``layernorm_across_heads``), forward, and of their gradients, backward. With a
-  frozen base the first block's q/k/v input needs no gradient (no all-reduce of it); every other
-  block's input does, as when adapters in the self-attention make the residual stream need one. LoRA
-  adapters as Bridge's ``ParallelLinearAdapter`` (:mod:`megatron_flops.memory.lora`). Activations
-  per TP rank: the example's ops with the column-parallel outputs, attention heads and FFN split
-  over TP, q and k all-gathered whole for the norms (``dit_activations(tp=...)``).
+  norms). Per micro-batch and block, :func:`~megatron_flops.memory.dit_tp.block_collectives`:
+  ``tp/all_reduce`` of the row-parallel outputs (forward) and of the column-parallel input gradients
+  (backward), ``tp/all_gather`` of q and k (self and cross) for norms across heads
+  (``layernorm_across_heads``) and of their gradients; with a frozen base only where autograd reaches
+  them (the first block's q/k/v input and the text embeddings need no gradient). LoRA adapters as
+  Bridge's ``ParallelLinearAdapter`` (:mod:`megatron_flops.memory.lora`). Activations per TP rank: the
+  example's ops with the column-parallel outputs, attention heads and FFN split over TP, q and k
+  all-gathered whole for the norms (``dit_activations(tp=...)``).
 - TP + sequence parallelism (Bridge's WAN 14B recipe): the residual stream, adaLN ops, LayerNorms,
-  head and checkpoints on ``T / TP`` video tokens; per block and micro-batch
-  :func:`sp_block_collectives` in place of the all-reduces; the patch embedding's output scattered
-  (its gradient all-gathered, first stage), the head's output all-gathered (its gradient
-  reduce-scattered, last stage); once per step the row-parallel biases' gradients join the TP
-  all-reduce (``sequence_parallel``). NB: the text (CLIP) embeddings, whole on every TP rank, are
-  all-gathered by the cross-attention's sequence-parallel ``linear_kv``: ``TP x C`` rows of k and v
-  (activations, collectives, the CP ring). LoRA or a frozen base under SP: not modelled.
+  head and checkpoints on ``T / TP`` video tokens; per block and micro-batch the all-gathers and
+  reduce-scatters of :func:`~megatron_flops.memory.dit_tp.block_collectives` in place of the
+  all-reduces; the patch embedding's output scattered (its gradient all-gathered, first stage, when
+  it trains), the head's output all-gathered (its gradient reduce-scattered, last stage); once per
+  step the row-parallel biases' gradients join the TP all-reduce (``sequence_parallel``). NB: the
+  text (CLIP) embeddings, whole on every TP rank, are all-gathered by the cross-attention's
+  sequence-parallel ``linear_kv``: ``TP x C`` rows of k and v (activations, collectives, the CP
+  ring). LoRA adapters gather a column-parallel target's input themselves and keep it gathered
+  (:mod:`megatron_flops.memory.dit_tp`, ``dit_activations``).
 - PP: ``num_layers / PP`` blocks per stage; the patch embedding on the first, the head and loss on
   the last, the text and time embeddings (and ``img_emb``) on every stage (``WanModel`` builds them
   whatever the stage); 1F1B keeps ``min(PP - rank, micro-batches)`` micro-batches in flight;
@@ -70,22 +72,22 @@ from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.comm import bus_bytes, data_parallel_bytes
 from megatron_flops.memory.decoder import Param
 from megatron_flops.memory.dit_activations import TP_COLUMN_PARALLEL, DiTBatch, dit_activations
+from megatron_flops.memory.dit_megatron_fsdp import dit_megatron_fsdp_states
+from megatron_flops.memory.dit_tp import ROW_PARALLEL, block_collectives
 from megatron_flops.memory.fsdp import dit_assumptions
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 from megatron_flops.memory.states import Bucket, StateBytes, chunk_buffers, chunk_state_bytes
 
-ROW_PARALLEL = ("self_attn.o", "cross_attn.o", "ffn.2")
 _SUFFIXES = (".base_layer.weight", ".base_layer.bias", ".lora_A.weight", ".lora_B.weight", ".weight", ".bias")
 
 
 def dit_layout_reason(spec: DiTSpec, par: Parallelism, training: Training, peft: PeftSpec | None) -> str | None:
     """Why this layout is not modelled for a DiT (None: it is)."""
     if par.vpp:
-        return ("virtual pipeline stages of a DiT are not modelled (Megatron-Bridge 0.6.2's WanModelProvider builds "
-                "each stage without its vp_stage)")
-    if _sp(par) and peft is not None:
-        return ("LoRA adapters or a frozen base under sequence parallelism of a DiT are not modelled "
-                "(Megatron-Bridge's ParallelLinearAdapter around Transformer Engine layers)")
+        return ("virtual pipeline stages of a DiT are not modelled: Megatron-Bridge 0.6.2 cannot interleave WAN itself "
+                "(WanModelProvider.provide ignores vp_stage and builds every model chunk with the pre_process/"
+                "post_process of its pipeline rank alone)")
     if _sp(par) and training.seq_length % (par.cp * par.tp):
         return (f"sequence parallelism splits each rank's video tokens over TP: --seq-length {training.seq_length} is "
                 f"not divisible by CP x TP = {par.cp * par.tp}")
@@ -115,18 +117,25 @@ def _module(name: str) -> str:
     return next((name[: -len(s)] for s in _SUFFIXES if name.endswith(s)), name)
 
 
+def _row_bias(name: str) -> bool:
+    """A row-parallel layer's bias (LoRA-wrapped: ``.base_layer.bias``)."""
+    return name.endswith(".bias") and _module(name).endswith(ROW_PARALLEL)
+
+
 def _tp_param(p: DiTParam, tp: int, prefix: str = "") -> Param:
     """``p`` on one TP rank; ``tp_replicated``: whole on every TP rank, its gradient all-reduced
     over TP once per step."""
     module = _module(p.name)
     row = module in ROW_PARALLEL
+    rows = p.shape[0] if len(p.shape) > 1 else None  # dim 0 (Megatron-FSDP's row size: numel / rows)
     if tp == 1 or not (row or module in TP_COLUMN_PARALLEL):
-        return Param(prefix + p.name, p.numel, p.trainable, tp_replicated=tp > 1)
+        return Param(prefix + p.name, p.numel, p.trainable, tp_replicated=tp > 1, rows=rows)
     if p.name.endswith(".bias") and row:  # a row-parallel bias: whole, all-reduced under SP only
         return Param(prefix + p.name, p.numel, p.trainable)
     # NB: an adapter (Bridge's ParallelLinearAdapter) splits lora_A's rank rows (column-parallel
     # target) or its input columns (row-parallel), and lora_B's output rows: 1/TP of each.
-    return Param(prefix + p.name, p.numel // tp, p.trainable)
+    split_rows = rows is not None and (not row or p.name.endswith("lora_B.weight"))
+    return Param(prefix + p.name, p.numel // tp, p.trainable, rows=rows // tp if split_rows and rows else rows)
 
 
 def dit_rank_params(spec: DiTSpec, par: Parallelism, *, pp_rank: int, peft: PeftSpec | None = None) -> list[Param]:
@@ -167,52 +176,6 @@ def clip_tokens(spec: DiTSpec, training: Training, par: Parallelism) -> tuple[in
     return training.seq_length // par.cp, split(spec.text_len), split(spec.image_len) if spec.image_dim else 0
 
 
-def _rows(module: str, video: int, text: int, image: int) -> int:
-    """Tokens a block projection runs over: the cross-attention's k/v the text's, k_img/v_img the
-    CLIP tokens', the rest the video's."""
-    return {"cross_attn.k": text, "cross_attn.v": text, "cross_attn.k_img": image,
-            "cross_attn.v_img": image}.get(module, video)
-
-
-def tp_block_collectives(spec: DiTSpec, tokens: tuple[int, int, int], peft: PeftSpec | None) -> dict[str, tuple[int, int]]:
-    """Elements one block hands to the TP group per micro-batch, by ``tp/<kind>``: (forward,
-    backward) for ``tokens`` (video, text, CLIP) tokens (see the module NB)."""
-    T, C, M = tokens
-    h, trains = spec.hidden_size, not (peft is not None and peft.frozen)
-    fwd_reduce, bwd_reduce = 3 * T * h, (3 * T + (C + M) * trains) * h  # o, cross o, ffn.2 / q,k,v, cross q, ffn.0
-    gathered = (3 * T + C + M) * h if spec.qk_norm else 0  # q, k, cross q, cross k (k_img): across heads
-    fwd_gather, bwd_gather = gathered, gathered
-    rank = peft.lora_rank if peft is not None and peft.lora_rank else 0
-    for p in dit_block_parameters(spec, peft) if rank else ():
-        if not p.name.endswith("lora_A.weight"):
-            continue
-        module = _module(p.name)
-        rows = _rows(module, T, C, M)
-        if module in ROW_PARALLEL:  # linear_in's output all-reduced, linear_out's output gathered
-            fwd_reduce, fwd_gather, bwd_reduce = fwd_reduce + rows * rank, fwd_gather + rows * h, bwd_reduce + rows * rank
-        else:  # linear_in's output gathered; linear_out's and linear_in's input gradients all-reduced
-            fwd_gather, bwd_reduce = fwd_gather + rows * rank, bwd_reduce + rows * (rank + p.shape[1])
-    return {"tp/all_reduce": (fwd_reduce, bwd_reduce), "tp/all_gather": (fwd_gather, bwd_gather)}
-
-
-def sp_block_collectives(spec: DiTSpec, tokens: tuple[int, int, int], tp: int) -> dict[str, tuple[int, int]]:
-    """Elements one fully trained block hands to the TP group per micro-batch under sequence
-    parallelism, by ``tp/<kind>``: (forward, backward) for ``tokens`` (video, text, CLIP) tokens of
-    the TP group. Transformer Engine's column-parallel layers (q/k/v, the cross q, k/v, k_img/v_img,
-    ffn.0) all-gather their input along the tokens in forward, all-gather it again for the weight
-    gradient and reduce-scatter the input gradient in backward; the row-parallel ones (o, cross o,
-    ffn.2) reduce-scatter their output in forward and all-gather its gradient in backward.
-    NB: the text (CLIP) embeddings are whole on every TP rank, yet the cross-attention's k/v
-    layer gathers them as if each rank held a slice: [TP x C, h] (Megatron-Bridge 0.6.2)."""
-    T, C, M = tokens
-    h = spec.hidden_size
-    column = 3 * T + tp * (C + M)  # the gathered inputs: q/k/v, cross q, ffn.0; cross k/v (k_img/v_img)
-    row = 3 * T  # o, cross o, ffn.2 outputs
-    norms = (3 * T + tp * (C + M)) if spec.qk_norm else 0  # q, k, cross q, cross k (k_img): across heads
-    return {"tp/all_gather": ((column + norms) * h, (column + row + norms) * h),
-            "tp/reduce_scatter": (row * h, column * h)}
-
-
 def dit_step_communication(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int,
                            buffers: tuple[Bucket, ...], params: list[Param], peft: PeftSpec | None = None,
                            checkpointed_blocks: int = 0) -> dict[str, int]:
@@ -228,17 +191,17 @@ def dit_step_communication(spec: DiTSpec, par: Parallelism, training: Training, 
     if par.tp > 1:
         # Once per step: the gradients of the weights every TP rank holds whole (not the row-parallel
         # biases, but under sequence parallelism, which marks them sequence_parallel).
-        row_biases = tuple(f"{m}.bias" for m in ROW_PARALLEL)
-        whole = sum(p.numel for p in params
-                    if p.trainable and (p.tp_replicated or (_sp(par) and p.name.endswith(row_biases))))
+        whole = sum(p.numel for p in params if p.trainable and (p.tp_replicated or (_sp(par) and _row_bias(p.name))))
         out["tp/all_reduce"] = whole * training.grad_bytes
-        block = sp_block_collectives(spec, tokens, par.tp) if _sp(par) else tp_block_collectives(spec, tokens, peft)
-        for key, (fwd, bwd) in block.items():
-            out[key] = out.get(key, 0) + m * (blocks * (fwd + bwd) + checkpointed_blocks * fwd) * a
-        if first and peft is not None and peft.frozen:
-            out["tp/all_reduce"] -= m * tokens[0] * h * a  # the first block's q/k/v input needs no gradient
+        # NB: the first block of a frozen base's first stage: its input needs no gradient.
+        frozen = peft is not None and peft.frozen
+        walks = {g: block_collectives(spec, tokens, tp=par.tp, sp=_sp(par), peft=peft, input_grad=g)
+                 for g in (False, True)}
+        for i in range(blocks):
+            for key, (fwd, bwd) in walks[not (frozen and first and i == 0)].items():
+                out[key] = out.get(key, 0) + m * (fwd + bwd + (i < checkpointed_blocks) * fwd) * a
         if _sp(par):
-            out.update(_sp_outside(spec, tokens[0], m * a, first=first, last=last, out=out))
+            out.update(_sp_outside(spec, tokens[0], m * a, first=first and not frozen, last=last, out=out))
     split = par.tp if _sp(par) else 1
     hidden = tokens[0] // split * h * a
     if par.pp > 1:
@@ -255,8 +218,8 @@ def _sp_outside(spec: DiTSpec, video: int, scale: int, *, first: bool, last: boo
                 out: dict[str, int]) -> dict[str, int]:
     """Sequence parallelism outside the blocks, ``scale`` bytes per element for the whole step:
     the first stage scatters the patch embedding's output over TP (no traffic) and all-gathers its
-    gradient [T, h] in backward; the last gathers the head's output [T, P] (forward) and
-    reduce-scatters its gradient (backward)."""
+    gradient [T, h] in backward (``first``: when it trains); the last gathers the head's output
+    [T, P] (forward) and reduce-scatters its gradient (backward)."""
     gather, scatter = out.get("tp/all_gather", 0), out.get("tp/reduce_scatter", 0)
     P = spec.out_channels * math.prod(spec.patch_size)
     gather += scale * video * (spec.hidden_size * first + P * last)
@@ -295,10 +258,13 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
         act, in_flight = dit_stage_activations(spec, par, training, pp_rank=pp_rank, peft=peft, attention=attention,
                                                checkpointed_blocks=checkpointed_blocks)
         c = states.components
+        if par.megatron_fsdp is not None:  # its states and dp/ traffic in place of DDP's
+            c, dp = dit_megatron_fsdp_states(params, par, training)
+            comm = {**dp, **{k: v for k, v in comm.items() if not k.startswith("dp/")}}
         stages.append({
             "pp_rank": pp_rank, "weights_bytes": c["weights"], "gradients_bytes": c["gradients"],
             "optimizer_bytes": sum(v for k, v in c.items() if k.startswith("optimizer/")),
-            "activations_bytes": act, "total_bytes": states.total + act, "components": {**c, "activations": act},
+            "activations_bytes": act, "total_bytes": sum(c.values()) + act, "components": {**c, "activations": act},
             "forward_passes_in_flight": in_flight, "communication": comm,
         })
     top = max(stages, key=lambda r: r["total_bytes"])
@@ -313,22 +279,27 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
         "communication_per_step": {**busiest, "total_bytes": sum(busiest.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
         "not_modelled": [],
-        "unmeasured": layout_unmeasured(par, attention),
+        "unmeasured": layout_unmeasured(par, attention, peft),
         "modelling_assumptions": [*dit_assumptions(attention, checkpointed_blocks, spec.num_layers)[:3],
                                   _layout_assumption(par, checkpointed_blocks, spec.num_layers // par.pp)],
     }
 
 
 def _layout_assumption(par: Parallelism, checkpointed_blocks: int, stage_blocks: int) -> str:
+    blocks = f"{checkpointed_blocks} of {stage_blocks} blocks per stage checkpointed"
+    if par.megatron_fsdp is not None:
+        return (f"Megatron-FSDP ({par.megatron_fsdp}) over the example module's parameters as megatron-core 0.16.1 "
+                "allocates it (each block an FSDP unit under optim_grads_params; fp32 main weights, no double buffer, "
+                f"no hybrid sharding, no FP8); {blocks}")
     optimizer = "distributed optimizer" if par.distributed_optimizer else "no distributed optimizer"
     return (f"megatron-core DDP ({optimizer}) over the example module's parameters, as Megatron-Bridge's WAN recipe; "
-            f"{checkpointed_blocks} of {stage_blocks} blocks per stage checkpointed; gradients accumulated in the "
-            "buffer and reduced after the last micro-batch")
+            f"{blocks}; gradients accumulated in the buffer and reduced after the last micro-batch")
 
 
-def layout_unmeasured(par: Parallelism, attention: str) -> list[str]:
+def layout_unmeasured(par: Parallelism, attention: str, peft: PeftSpec | None = None) -> list[str]:
     """The figures that are formulas, not measured (see the module NB)."""
-    out = [] if attention == "local" and par.cp == 1 else [
+    out = _megatron_fsdp_unmeasured(par, peft)
+    out += [] if attention == "local" and par.cp == 1 else [
         "activations of the flash attention kernel (fp32 log-sum-exp and outputs; the example's "
         "explicit-matmul attention is measured: --attention-backend local)"]
     if par.tp > 1:
@@ -344,10 +315,36 @@ def layout_unmeasured(par: Parallelism, attention: str) -> list[str]:
                    "by the cross-attention's k/v layer, tp/all_gather and tp/reduce_scatter in place of the "
                    "activations' all-reduces, the row-parallel biases' gradients all-reduced (Transformer Engine "
                    "layers: no CPU run)")
+    if par.tp > 1 and peft is not None:
+        sp = " and sequence parallelism" if _sp(par) else ""
+        out.append(f"LoRA adapters or a frozen base under tensor parallelism{sp} (TP {par.tp}): Megatron-Bridge's "
+                   "ParallelLinearAdapter around the Transformer Engine layers with the payloads measured for a GPT's "
+                   "(megatron-core's local layers)" + (", each column-parallel target's adapter gathering its input "
+                                                       "itself and keeping it gathered" if sp else "")
+                   + "; a frozen base's backward collectives only where autograd reaches them (Transformer Engine "
+                   "layers: no CPU run)")
     if par.pp > 1:
         out.append(f"pipeline parallelism (PP {par.pp}): blocks split evenly, the text and time embeddings on every "
                    "stage, 1F1B in-flight micro-batches, pp/send_recv of the hidden states")
     if par.cp > 1:
         out.append(f"context parallelism (CP {par.cp}): s/CP video tokens per rank through the flash convention, "
                    "and 1/CP of the text (padded to 2 x CP), cp/send_recv of the self- and cross-attention's K/V ring")
+    return out
+
+
+def _megatron_fsdp_unmeasured(par: Parallelism, peft: PeftSpec | None) -> list[str]:
+    """Megatron-FSDP's formulas (measured on a DiT, fully trained: its states and dp/ collectives
+    over DP alone, with and without checkpointed blocks)."""
+    if par.megatron_fsdp is None:
+        return []
+    out = [megatron_fsdp_notes(par)[1][0]]
+    other = [f"{name} {size}" for name, size in (("TP", par.tp), ("PP", par.pp), ("CP", par.cp)) if size > 1]
+    if other:
+        out.append(f"Megatron-FSDP with {', '.join(other)}: its buffers and dp/ collectives as over data parallelism "
+                   "alone (sharded over DP x CP), the other groups' traffic as without it")
+    if peft is not None and peft.frozen:
+        out.append("Megatron-FSDP with a frozen base: the frozen and the trainable parameters in groups of their own "
+                   "(per block under optim_grads_params), as megatron-core 0.16.1 groups them; not measured: 0.16.1's "
+                   "MegatronFSDP cannot wrap a frozen parameter (a gradient hook on each; 0.19.2, Bridge 0.6.2's, "
+                   "skips them)")
     return out

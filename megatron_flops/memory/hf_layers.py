@@ -1,10 +1,10 @@
 """What a Hugging Face family's decoder layers hold and save beyond the GEMM shapes (stdlib only):
 the ``TransformerConfig`` options that express it (norm, biases, rotary fraction, q/k norms,
-position embeddings, Megatron-Bridge's gemma2/gemma3 post-norms and logit soft-capping), and, named,
-what megatron-core's GPT layer cannot express (parallel attention and MLP, norms after the
-sublayers instead of before them, norms without weights or bias, xIELU), which the memory report
-then lists as not modelled. (cohere's per-head and olmo2/olmo3's whole-projection q/k norms, and
-falcon's ALiBi: :mod:`.hf_qk_norms`.)
+position embeddings, Megatron-Bridge's gemma2/gemma3 post-norms and logit soft-capping, attention
+and the MLP in parallel: :mod:`.hf_parallel`), and, named, what megatron-core's GPT layer cannot
+express (norms after the sublayers instead of before them, norms without weights or bias, xIELU),
+which the memory report then lists as not modelled. (cohere's per-head and olmo2/olmo3's
+whole-projection q/k norms, and falcon's ALiBi: :mod:`.hf_qk_norms`.)
 
 NB: parameters checked against the transformers model's ``named_parameters()`` (tests/test_memory_hf_families.py).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_flops.memory.hf_parallel import parallel_layer_norms
 from megatron_flops.memory.hf_qk_norms import hf_qk_norm_kind
 
 # Families whose norms are LayerNorms (weight and bias) in transformers: megatron-core's LayerNorm.
@@ -57,6 +58,7 @@ def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
         "norm_weight": family not in _LAYERNORM_NO_AFFINE,
         "norm_bias": family not in _LAYERNORM_NO_BIAS + _LAYERNORM_NO_AFFINE,
         "xielu": family == "apertus",
+        "parallel_layer_norms": parallel_layer_norms(text, family),
     }
 
 
@@ -153,13 +155,6 @@ def hf_differences(text: Mapping[str, Any], family: str) -> tuple[str, ...]:
 
 def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
     out = []
-    parallel = (family == "cohere" or (family == "stablelm" and text.get("use_parallel_residual", False))
-                or (family == "gpt_neox" and text.get("use_parallel_residual", True))
-                or (family == "falcon" and text.get("parallel_attn", True)))
-    if parallel:
-        out.append("attention and the MLP run in parallel on the layer's input (counted as megatron-core's "
-                   "sequential layer: the MLP's norm reads the residual after attention, with its own saved input"
-                   + ("; a pre-MLP norm per layer the model does not have" if _one_norm(text, family) else "") + ")")
     if family not in _BRIDGE_POST_NORMS and (text.get("final_logit_softcapping") or text.get("attn_logit_softcapping")):
         out.append("logit soft-capping (tanh of the scores or logits: its saved output left out)")
     if family == "stablelm" and _qk_norm(text, family):
@@ -167,9 +162,3 @@ def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
                    "[head_dim] norm shared by the heads)")
     return out
 
-
-def _one_norm(text: Mapping[str, Any], family: str) -> bool:
-    """Whether a parallel layer has one norm (megatron-core's layer has two)."""
-    if family == "falcon":
-        return not text.get("new_decoder_architecture") or text.get("num_ln_in_parallel_attn") == 1
-    return family in ("cohere", "stablelm")

@@ -70,25 +70,27 @@ def chunk_size_factor(params: Sequence[Param]) -> tuple[tuple[Param, ...], int]:
     return tuple(ordered), chunk
 
 
-def fsdp_buckets(params: Sequence[Param], *, strategy: str, bucket_size: int | None) -> list[FsdpBucket]:
-    """The buckets of one model chunk (``params`` in ``named_parameters()`` order)."""
+def fsdp_buckets(params: Sequence[Param], *, strategy: str, bucket_size: int | None,
+                 unit: re.Pattern[str] = _UNIT) -> list[FsdpBucket]:
+    """The buckets of one model chunk (``params`` in ``named_parameters()`` order); ``unit``
+    matches the name prefix of an FSDP unit's parameters (a GPT's ``TransformerLayer``)."""
     groups: dict[tuple[bool, bool, str | None], list[Param]] = {}
     for p in params:
-        match = _UNIT.match(p.name) if strategy == "optim_grads_params" else None
+        match = unit.match(p.name) if strategy == "optim_grads_params" else None
         groups.setdefault((".experts." in p.name, p.trainable, match.group(1) if match else None), []).append(p)
     out = []
-    for (expert, trainable, unit), members in groups.items():
+    for (expert, trainable, unit_name), members in groups.items():
         cut: list[list[Param]] = [[]]
         for p in members:
             if p.shared_embedding:  # (a bucket of its own)
                 cut += [[p], []]
                 continue
             cut[-1].append(p)
-            if unit is None and bucket_size and sum(q.numel for q in cut[-1]) >= bucket_size:
+            if unit_name is None and bucket_size and sum(q.numel for q in cut[-1]) >= bucket_size:
                 cut.append([])
         for bucket in (b for b in cut if b):
             ordered, chunk = chunk_size_factor(bucket)
-            out.append(FsdpBucket(ordered, "expt_dp" if expert else "dp", trainable, unit, chunk))
+            out.append(FsdpBucket(ordered, "expt_dp" if expert else "dp", trainable, unit_name, chunk))
     return out
 
 
@@ -131,10 +133,12 @@ def bucket_layout(bucket: FsdpBucket, dp: int) -> tuple[int, list[tuple[int, int
 
 
 def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy: str, sizes: dict[str, int],
-                       ranks: dict[str, int], bucket_size: int | None) -> tuple[dict[str, int], dict[str, int]]:
+                       ranks: dict[str, int], bucket_size: int | None,
+                       unit: re.Pattern[str] = _UNIT) -> tuple[dict[str, int], dict[str, int]]:
     """(state bytes, step payload per ``group/kind``) of one model chunk on the rank with
     data-parallel ranks ``ranks`` (``dp``, ``expt_dp``) in groups of ``sizes`` (see the module NB).
-    ``bucket_size``: the DDP bucket size (None: ``overlap_grad_reduce`` off)."""
+    ``bucket_size``: the DDP bucket size (None: ``overlap_grad_reduce`` off); ``unit``: as
+    :func:`fsdp_buckets`."""
     if strategy not in STRATEGIES[1:]:
         raise ValueError(f"Megatron-FSDP is modelled with {', '.join(STRATEGIES[1:])}, not {strategy!r}: "
                          "megatron-core 0.16.1's no_shard fails at the first optimizer step (start_param_sync "
@@ -146,7 +150,7 @@ def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy:
     comm: dict[str, int] = {}
     gathered: list[int] = []
     grads: list[int] = []
-    for bucket in fsdp_buckets(params, strategy=strategy, bucket_size=bucket_size):
+    for bucket in fsdp_buckets(params, strategy=strategy, bucket_size=bucket_size, unit=unit):
         n, rank = sizes[bucket.group], ranks[bucket.group]
         size, spans = bucket_layout(bucket, n)
         part = size // n

@@ -24,6 +24,7 @@ from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.hf_layers import hf_layer_assumptions
+from megatron_flops.memory.hf_parallel import parallel_layer_assumptions, parallel_layer_unmeasured
 from megatron_flops.memory.hf_qk_norms import hf_attention_notes
 from megatron_flops.memory.lora_layers import lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
@@ -279,6 +280,10 @@ def decoder_memory(
                                               lora=peft is not None and peft.lora_rank is not None)
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
+    unmeasured += tuple(parallel_layer_unmeasured(
+        options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
+        selective=reason is None and recompute is not None and recompute.granularity == "selective"
+        and "layernorm" in recompute.modules))
     if par.megatron_fsdp is not None:
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 
@@ -338,6 +343,7 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                         attn_cap=bool(options.attn_logit_softcapping) and activations,
                                         final_cap=bool(options.final_logit_softcapping) and activations,
                                         pre_layernorms=options.pre_layernorms or not activations)
+    assumptions += parallel_layer_assumptions(options.parallel_layer_norms)
     more_assumptions, more_unmeasured = ssm_notes(spec, par, activations=activations)
     assumptions += more_assumptions
     unmeasured += more_unmeasured
