@@ -224,7 +224,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         model = replace(model, raw={**model.raw, **{k: getattr(split, k) for k in SPLIT_FIELDS}})
     if model.spec is not None and not dit:  # a hybrid pattern's '|' segments make its VPP
         par = uneven_stages(split, hybrid_stages(model.spec, par), spec=model.spec)
-    elif split.uneven:
+    elif split.uneven and dit:
         raise ValueError("an uneven pipeline split of a DiT model file is not modelled")
     reports = (_dit if dit else _decoder)(args, model, training, par)
     assumptions = [
