@@ -21,7 +21,8 @@ import mcore_dist
 from megatron_flops.memory.activations import chunk_activations, in_flight, schedule_peak
 from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.pipeline_split import PipelineSplit, uneven_stages
+from megatron_flops.flops.pipeline_split import PipelineSplit
+from megatron_flops.memory.pipeline_split import uneven_stages
 from megatron_flops.memory.report import rank_memory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec

@@ -17,9 +17,12 @@ from test_memory_dist import (BASE, WORLD, check_activations, check_communicatio
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)]
 
 RUNS = {
-    # 1 + 2 layers: stage 0 holds the embedding and layer 0, stage 1 layers 1-2, the norm and output.
-    "DP2 x PP2 (1F1B), first stage 1 of 3 layers, DDP, bf16, tied embeddings, M=3": dict(
-        layout=dict(pp=2), model=dict(BASE, num_layers=3, num_layers_in_first_pipeline_stage=1), m=3, build={}),
+    # 1 + 2 layers: stage 0 holds the embedding and layer 0, stage 1 layers 1-2, the norm and output;
+    # block recompute checkpoints layers 0 and 1 (the first of each stage) and runs layer 2 plainly.
+    "DP2 x PP2 (1F1B), first stage 1 of 3 layers, full recompute (block 1), DDP, bf16, tied embeddings, M=3": dict(
+        layout=dict(pp=2), model=dict(BASE, num_layers=3, num_layers_in_first_pipeline_stage=1,
+                                      recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+        m=3, build={}),
     # 'Et|tt|t|tL': virtual stages of 1, 2, 1, 1 layers (VPP 2 from the layout): rank 0 holds
     # layers 0 and 3, rank 1 layers 1-2 and 4.
     "DP2 x PP2 x VPP2, layout Et|tt|t|tL, distributed optimizer, fp32, M=4": dict(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from megatron_flops.cli._model_args import LoadedModel
-from megatron_flops.memory.pipeline_split import FIELDS as SPLIT_FIELDS
-from megatron_flops.memory.pipeline_split import PipelineSplit
+from megatron_flops.flops.pipeline_split import FIELDS as SPLIT_FIELDS
+from megatron_flops.flops.pipeline_split import PipelineSplit
 
 # Flag dest -> TransformerConfig field (the names Megatron-LM passes them under).
 _FLAGS = {
