@@ -49,6 +49,17 @@ MCORE = {
     "gated attention": dict(BASE, attention_output_gate=True),
     "moe alltoall": dict(BASE, **_MOE, moe_token_dispatcher_type="alltoall"),
     "moe allgather": dict(BASE, **_MOE, moe_token_dispatcher_type="allgather"),
+    # Grouped-GEMM experts (TEGroupedMLP; with selective moe_act recompute), the flex dispatcher
+    # (memory/moe_grouped.py: formulas, listed in unmeasured).
+    "moe grouped gemm": dict(BASE, **_MOE, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
+                             add_bias_linear=False),
+    "moe grouped gemm moe_act": dict(BASE, **_MOE, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
+                                     add_bias_linear=False, recompute_granularity="selective",
+                                     recompute_modules=["moe_act"]),
+    "moe flex deepep": dict(BASE, **_MOE, moe_token_dispatcher_type="flex"),
+    "moe flex hybridep grouped": dict(BASE, **_MOE, moe_token_dispatcher_type="flex",
+                                      moe_flex_dispatcher_backend="hybridep", moe_grouped_gemm=True,
+                                      add_bias_linear=False),
     "mla": dict(BASE, **_MLA),
     "mtp": dict(BASE, mtp_num_layers=1),
     "mla moe mtp": dict(BASE, **_MLA, **_MOE, mtp_num_layers=1, normalization="RMSNorm"),
@@ -120,15 +131,9 @@ MISSING_MEMORY_FLAGS: set[str] = set()
 # an entry, and every entry must match a gap: delete an entry when its gap is closed.
 EXPECTED_GAPS: list[tuple[str, str]] = [
     # Kimi Delta Attention at TP 1 only (no KDA layer has tensor parallelism: not megatron-core through
-    # 0.19.2, not Megatron-Bridge 0.6.2, not transformers); no context parallelism beside GDN, KDA or DSA
-    # layers.
-    # (GDN and DSA: megatron-core 0.16.1 itself refuses CP; transformers' KDA layer has none.)
-    *[(f"{model} | CP2 | ", rf"refused: .*{what}") for model, what in (
-        ("hf:kimi_linear", "KimiLinearDeltaAttention, which has no context parallelism"),
-        ("hf:qwen3_next", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
-        ("mcore:gdn", "megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet"),
-        *[(m, "megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention")
-          for m in ("mcore:dsa", "hf:deepseek_v32", "hf:glm_moe_dsa")])],
+    # 0.19.2, not Megatron-Bridge 0.6.2, not transformers) and without context parallelism (transformers'
+    # KDA layer has none). (GDN and DSA under CP: megatron-core 0.19.0's layers, memory/linear_cp.py.)
+    ("hf:kimi_linear | CP2 | ", r"refused: .*KimiLinearDeltaAttention, which has no context parallelism"),
     ("hf:kimi_linear | TP2* | ", r"refused: .*Kimi Delta Attention is modelled with --tp 1"),
     # olmo2's and olmo3's q/k norms over the whole q and k projections under TP (memory/hf_qk_norms.py): their
     # statistics span every head, and no framework splits them over TP (transformers' TP plan gathers q, k and v
@@ -146,6 +151,10 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # An uneven pipeline split of a DiT's blocks: memory/dit_layouts.py places them evenly, and whether
     # Megatron-Bridge's WAN provider builds its blocks from the split fields is not checked here.
     ("examples/wan* | PP2 uneven | ", r"refused: .*an uneven pipeline split of a DiT model file is not modelled"),
+    # Grouped-GEMM experts under LoRA or a frozen base (memory/moe_grouped.py): Megatron-Bridge's adapters
+    # are modelled around SequentialMLP experts only.
+    ("mcore:moe*grouped* | * | *LoRA*", r"not modelled: activations of grouped-GEMM experts \(moe_grouped_gemm\) "
+                                          r"under LoRA"),
     # A VLM without --grid-thw (the survey passes no grids): the vision tower's activations.
     ("examples/qwen2_5_vl_7b_config.json | *", r"not modelled: the vision tower's activations: give --grid-thw"),
 ]
@@ -219,14 +228,17 @@ def _flag(argv: list[str], name: str, default: int = 1) -> int:
     return int(argv[argv.index(name) + 1]) if name in argv else default
 
 
-def megatron_core_refuses(spec: ModelSpec | None, flags: list[str], biases: bool = False) -> str | None:
+def megatron_core_refuses(spec: ModelSpec | None, flags: list[str], biases: bool = False,
+                          flex: bool = False) -> str | None:
     """Why megatron-core itself would not build this layout (sizes that do not divide, ``biases``
-    in MoE layers with an expert TP other than 1), else None."""
+    in MoE layers with an expert TP other than 1, the ``flex`` dispatcher over one rank), else None."""
     if spec is None:  # a DiT: no experts to parallelise
         return "EP without experts" if _flag(flags, "--ep") > 1 else None
     tp, pp, cp, ep, dp = (_flag(flags, f"--{n}") for n in ("tp", "pp", "cp", "ep", "dp"))
     if spec.moe is not None and biases and _flag(flags, "--etp", tp) > 1:
         return "biases in MoE layers with ETP > 1"
+    if spec.moe is not None and flex and _flag(flags, "--etp", tp) * ep == 1:
+        return "the flex dispatcher without expert TP x EP > 1"
     sizes = {"num_attention_heads": spec.num_attention_heads, "num_query_groups": spec.num_query_groups,
              "ffn_hidden_size": spec.ffn_hidden_size}
     if spec.moe is not None:
@@ -294,7 +306,9 @@ def _survey(files: dict[str, Path]) -> dict[str, Any]:
     skipped: list[str] = []
     for name, path in files.items():
         spec, raw = load_model_file(str(path))
-        biases = spec is not None and DecoderOptions.from_mapping(raw, hf=is_hf_config(raw)).add_bias_linear
+        options = DecoderOptions.from_mapping(raw, hf=is_hf_config(raw)) if spec is not None else None
+        biases = options is not None and options.add_bias_linear
+        flex = options is not None and options.moe_token_dispatcher_type == "flex"
         for setup, setup_flags in SETUPS.items():
             rc, _, err = _run(["estimate", "--model", str(path), "--seq-length", str(SEQ), *setup_flags, "--json"])
             if rc != 0:
@@ -304,7 +318,7 @@ def _survey(files: dict[str, Path]) -> dict[str, Any]:
                 flags = LAYOUTS[layout]
                 key = f"{name} | {layout} | {setup}"
                 argv = ["memory", "--model", str(path), "--seq-length", str(SEQ), *flags, *setup_flags]
-                invalid = megatron_core_refuses(spec, flags, biases)
+                invalid = megatron_core_refuses(spec, flags, biases, flex)
                 try:
                     rc, out, err = _run([*argv, "--json"])
                 except Exception as exc:  # a traceback where a user error belongs

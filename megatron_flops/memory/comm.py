@@ -45,6 +45,7 @@ from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
+from megatron_flops.memory.linear_cp import CP_MIXERS, linear_cp_communication
 from megatron_flops.memory.ssm import mamba_cp_all_to_all, missing_blocks
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
@@ -185,13 +186,19 @@ def step_communication(
             # A hybrid pattern's Mamba layers all-to-all instead (:func:`~.ssm.mamba_cp_all_to_all`,
             # forward, backward and a full recompute's rerun); its MLP-only layers pass nothing.
             kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
-            ring = sum(kinds[i][0] not in ("mamba", "none") for i in layers)
+            ring = sum(kinds[i][0] not in ("mamba", "none", *CP_MIXERS) for i in layers)
             add("cp/send_recv", m * ring * (par.cp - 1) * 2 * (kv + 2 * kv))
             mamba = [kinds[i][0] == "mamba" for i in layers]
             passes = 2 * sum(mamba) + sum(mamba[:fully_recomputed_layers(recompute, len(layers))])
             if passes:
                 add("cp/all_to_all", m * passes * mamba_cp_all_to_all(spec, tokens=tokens, tp=par.tp, cp=par.cp,
                                                                       act=act))
+            # GDN and DSA layers: megatron-core 0.19.0's own all-to-alls and all-gathers (:mod:`.linear_cp`).
+            for key, value in linear_cp_communication(spec, [kinds[i][0] for i in layers], tokens=tokens,
+                                                      s=training.seq_length, b=training.micro_batch_size, par=par,
+                                                      act=act, reruns=fully_recomputed_layers(recompute, len(layers))
+                                                      ).items():
+                add(key, m * value)
         if moe_layers:
             rerun_moe = rerun_moe_layers(spec, recompute, layers, last=last)
             for key, value in moe_communication(spec, options, par, training, moe_layers, rerun_moe).items():

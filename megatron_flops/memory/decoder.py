@@ -25,6 +25,7 @@ from megatron_flops.memory.layout import Parallelism
 from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS, check_mla_mtp
 from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.memory.linear_cp import linear_cp_reason
 from megatron_flops.memory.ssm import MIXERS_WITH_PARAMETERS, dsa_indexer_tensors, mixer_tensors, ssm_reason
 from megatron_flops.model.spec import ModelSpec
 
@@ -64,6 +65,11 @@ class DecoderOptions:
     moe_token_dispatcher_type: str = "allgather"
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
+    # The routed experts' class (memory/moe_grouped.py) and the flex dispatcher's backend.
+    moe_grouped_gemm: bool = False
+    moe_use_legacy_grouped_gemm: bool = False
+    moe_flex_dispatcher_backend: str = "deepep"
+    bias_dropout_fusion: bool = True  # (read for TEGroupedMLP's refusal of it with linear biases only)
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int | None = None
     transformer_impl: str = "transformer_engine"
@@ -184,7 +190,7 @@ def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
 
 def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, options: DecoderOptions) -> None:
     """ValueError for what these parameter lists do not model, or sizes that do not divide."""
-    reason = ssm_reason(spec, par, peft)
+    reason = ssm_reason(spec, par, peft) or linear_cp_reason(spec, par)
     if reason is not None:
         raise ValueError(reason)
     check_mla_mtp(spec, par, duplicated=options.duplicated_mla_down)

@@ -292,8 +292,8 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
                                                             or any(f == "none" for _, f in kinds)):
         return "LoRA adapters are modelled on attention + MLP layers (not Mamba, GDN, KDA, DSA or hybrid layers)"
-    if par.cp > 1 and not mixers <= {"attention", "window", "none", "mamba"}:
-        return _cp_reason(mixers)
+    if par.cp > 1 and not mixers <= {"attention", "window", "none", "mamba", "gdn", "dsa"}:
+        return _cp_reason(mixers)  # (GDN and DSA: :mod:`.linear_cp`)
     if "kda" in mixers and par.tp > 1:
         return ("Kimi Delta Attention is modelled with --tp 1: neither megatron-core (0.16.1 to 0.19.2) nor "
                 "Megatron-Bridge 0.6.2 has a KDA layer, and transformers' KimiLinearDeltaAttention has no tensor "
@@ -323,16 +323,11 @@ def _mamba_cp_reason(spec: ModelSpec, par: Parallelism) -> str | None:
 
 
 def _cp_reason(mixers: set[str]) -> str:
-    """Why ``--cp`` > 1 is refused for these mixers: megatron-core 0.16.1's own refusals (the release
-    whose layers this report lists); 0.19.0 supports both, with layers rewritten (not modelled)."""
-    if "gdn" in mixers:
-        return ("megatron-core 0.16.1 refuses context parallelism for Gated DeltaNet layers ('Gated delta net does "
-                "not support context parallel for now'); 0.19.0 runs it (all-to-alls from sequence to head shards) "
-                "in a rewritten layer whose saved tensors this report does not model")
-    if mixers & {"dsa", "dsa_shared"}:
-        return ("megatron-core 0.16.1 refuses context parallelism for DeepSeek sparse attention ('Currently context "
-                "parallelism is not supported by DSAttention!'); 0.19.0 runs it with cp_comm_type allgather only, in a "
-                "rewritten DSAttention whose saved tensors this report does not model")
+    """Why ``--cp`` > 1 is refused for these mixers (Gated DeltaNet and DSA layers that compute
+    their top-k: megatron-core 0.19.0's, :mod:`.linear_cp`)."""
+    if "dsa_shared" in mixers:
+        return ("context parallelism is not modelled for DeepSeek sparse attention layers that reuse an earlier "
+                "layer's top-k (megatron-core 0.19.0's index sharing)")
     return "Kimi Delta Attention is transformers' KimiLinearDeltaAttention, which has no context parallelism"
 
 
@@ -384,7 +379,7 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
                            "causal-conv1d installed; measured on CPU): fp32 [chunk, chunk, head dim] decay products "
                            "per 64-token chunk; with fla installed transformers runs fla's chunk_kda, which keeps "
                            "far less (not modelled)")
-    if activations and "dsa" in mixers:
+    if activations and "dsa" in mixers and par.cp == 1:  # (under CP: megatron-core 0.19.0's, :mod:`.linear_cp`)
         assumptions.append("DeepSeek sparse attention as megatron-core 0.16.1's DSAttention runs it (torch, unfused: "
                            "fp32 [b, heads, s, s] scores, the indexer's KL loss graph, the indexer whole on every TP "
                            "rank); measured on CPU (TP 1, TP 2 with and without sequence parallelism) with a "

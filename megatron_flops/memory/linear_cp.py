@@ -1,0 +1,184 @@
+"""Context parallelism of Gated DeltaNet and DeepSeek sparse attention layers, as megatron-core
+0.19.0 runs them (stdlib only; ints in, ints out). megatron-core 0.16.1, whose layers the report
+lists otherwise, refuses CP for both; 0.19.0 rewrote them:
+
+- ``GatedDeltaNet`` all-to-alls ``in_proj``'s output from sequence to head shards (each CP rank
+  then runs the conv and the chunked delta rule on the whole sequence with 1/CP of this TP rank's
+  heads) and the gated norm's output back before ``out_proj``.
+- DSA is an absorbed-MLA self-attention (``AbsorbedMLASelfAttention``) around ``DSAttention``,
+  which all-gathers the latent key (and the indexer's key) over CP (``cp_comm_type`` allgather
+  only) and attends from this rank's s/CP queries to every key, through the torch path
+  (``dsa_kernel_backend`` ``none``, the default).
+
+Measured on CPU (``tests/test_memory_linear_cp.py``): the real 0.19.0 layers in 2 gloo processes
+at CP 1 and CP 2 (TP 1; GDN with stand-ins for fla's kernels that save what those keep, DSA with a
+stand-in for fast_hadamard_transform, which saves nothing): every saved storage and every ``cp/*``
+payload equals these formulas.
+"""
+
+from __future__ import annotations
+
+from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism
+from megatron_flops.memory.ssm import gdn_saved
+from megatron_flops.model.spec import ModelSpec
+
+CP_MIXERS = ("gdn", "dsa")  # mixers whose CP traffic is their own (no attention ring)
+BOOL_BYTES = 1
+
+
+def gdn_cp_saved(spec: ModelSpec, *, tokens: int, tp: int, cp: int, act: int, param: int) -> int:
+    """Bytes one Gated DeltaNet mixer keeps for backward after ``in_proj`` on a rank holding
+    ``tokens`` tokens (s/CP of each sequence): :func:`.ssm.gdn_saved` of the whole sequence
+    (``tokens x CP``) and 1/CP of this TP rank's heads (every term there is tokens x heads, so
+    only ``exp(A_log)`` [heads/TP/CP] shrinks), plus under CP the conv weight sliced for this rank
+    and concatenated (a new [(2qk + v)/TP/CP, K] in the parameter dtype, handed to the conv) and
+    the int64 head permutation [in/TP] ``index_select`` keeps before the all-to-all.
+
+    NB: megatron-core caches that permutation (``lru_cache``): every GDN layer's ``index_select``
+    keeps the same storage, counted here once per layer (L - 1 copies of 8 x in/TP bytes too many).
+    """
+    if cp == 1:
+        return gdn_saved(spec, tokens=tokens, tp=tp, act=act, param=param)
+    g = spec.gdn
+    assert g is not None
+    qk, v, nv = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim, g.num_value_heads
+    conv = (2 * qk + v) // tp // cp * g.conv_kernel_dim * param
+    perm = (2 * qk + 2 * v + 2 * nv) // tp * INDEX_BYTES
+    return gdn_saved(spec, tokens=tokens * cp, tp=tp * cp, act=act, param=param) + conv + perm
+
+
+def gdn_cp_all_to_all(spec: ModelSpec, *, tokens: int, tp: int, cp: int, act: int) -> int:
+    """``cp/all_to_all`` bytes one GDN layer's forward hands over (backward: the same, reversed):
+    ``in_proj``'s output [T, (2qk + 2v + 2 nv)/TP] to head shards, the gated norm's output
+    [CP x T, v/TP/CP] back. CP 1: none."""
+    if cp == 1:
+        return 0
+    g = spec.gdn
+    assert g is not None
+    qk, v, nv = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim, g.num_value_heads
+    return tokens * (2 * qk + 3 * v + 2 * nv) // tp * act
+
+
+def dsa_cp_saved(spec: ModelSpec, *, s: int, b: int, cp: int, act: int, latent_norms: bool, norm_stats: int) -> int:
+    """Bytes megatron-core 0.19.0's DSA attention (absorbed MLA around ``DSAttention``, TP 1) keeps
+    for backward after the layer's input (which the caller counts) up to ``linear_proj``'s input
+    (included), on a rank holding ``s`` tokens of each
+    of ``b`` sequences (s/CP; S = CP x s keys); ``norm_stats``: bytes per token of one latent norm's
+    statistics. T = s x b; H heads; latents q [Q], kv [L], RoPE width R; indexer nh heads of d.
+
+    - MLA: the q latent [T, Q] (``q_up``'s input),
+      the query [T, H, qk + R] (its no-RoPE part read by the absorption into the latent), RoPE's
+      cos and sin for q and k [s, R] each; with latent norms, their inputs (the q latent [T, Q];
+      the kv norm's, a view of the kv down projection's output [T, L + R]) and statistics (the q
+      norm's output is the q latent above; the kv norm's is read by no op that keeps it);
+    - under CP, the int64 order [S] that undoes the zigzag after the key all-gather;
+    - the indexer, only when it trains (``dsa_indexer_loss_coeff > 0``; else it runs without
+      grad): RoPE's cos and sin [s, R] for its q and k, ``k_norm``'s (LayerNorm) input [T, d] and
+      fp32 mean and rstd, and what the loss function keeps of its inputs: q [T, nh, d], weights
+      [T, nh], the gathered k [S x b, d], the detached query [T, H, L + R] and gathered key
+      [S x b, L + R], the int64 top-k [b, s, min(topk, S)];
+    - the sparse attention (torch path): the fp32 query [T, H, L + R] and key (expanded to every
+      head when b > 1: [b x H, L + R, S]; b = 1: the fp32 copy [S, L + R]); the masked softmax's
+      three bool masks and two fp32 [b, H, s, S] (exp and the probabilities), its int64 arg-max,
+      bool row flag and two fp32 row sums [b, H, s]; the probabilities in the activation dtype;
+      the latent value [b x H, S, L] (b = 1: a view of the gathered key, already counted when
+      the indexer trains); the latent output [T, H, L] and the up-projection weight [H, v, L]
+      its einsum keeps; ``linear_proj``'s input [T, H x v].
+
+    NB: bf16 activations: megatron-core 0.19.0's indexer accepts nothing else (``rotate_activation``
+    asserts it), so the fp32 query and key are always copies.
+    """
+    mla, dsa = spec.mla, spec.dsa
+    assert mla is not None and dsa is not None
+    heads, a, big_s, t = spec.num_attention_heads, act, s * cp, s * b
+    q_lora, kv, rope, d, nh = mla.q_lora_rank, mla.kv_lora_rank, mla.qk_pos_emb_head_dim, dsa.head_dim, dsa.num_heads
+    latent = kv + rope
+    cos_sin = 4 * s * rope * a
+    mla_part = t * (q_lora or 0) * a + t * heads * (mla.qk_head_dim + rope) * a + cos_sin
+    if latent_norms:  # (megatron-core 0.19 refuses a q norm without q_lora)
+        mla_part += (t * q_lora * a + t * norm_stats if q_lora else 0) + t * latent * a + t * norm_stats
+    order = big_s * INDEX_BYTES if cp > 1 else 0
+    trains = dsa.trains_indexer
+    indexer = (cos_sin + t * d * a + 2 * t * FP32_BYTES + t * nh * (d + 1) * a + big_s * b * d * a
+               + t * heads * latent * a + big_s * b * latent * a
+               + b * s * min(dsa.topk, big_s) * INDEX_BYTES) if trains else 0
+    scores = b * heads * s * big_s
+    key = (b * heads if b > 1 else 1) * big_s * latent * FP32_BYTES
+    value = b * heads * big_s * kv * a if b > 1 else (0 if trains else big_s * latent * a)
+    rows = b * heads * s * (INDEX_BYTES + BOOL_BYTES + 2 * FP32_BYTES)  # arg-max, row flag, two row sums
+    softmax = 3 * scores * BOOL_BYTES + 2 * scores * FP32_BYTES + rows
+    core = t * heads * latent * FP32_BYTES + key + softmax + scores * a + value
+    out = heads * mla.v_head_dim * kv * a + t * heads * kv * a + t * heads * mla.v_head_dim * a
+    return mla_part + order + indexer + core + out
+
+
+def dsa_cp_communication(spec: ModelSpec, *, s: int, b: int, cp: int, act: int) -> dict[str, int]:
+    """``cp/*`` bytes one DSA layer moves per micro-batch, forward and backward: the all-gathered
+    latent key [S x b, L + R] and indexer key [S x b, d] (all-gather outputs), the int64 sequence
+    lengths each rank checks (``_validate_nonpacked_cp_uniform_length``: CP x 8 bytes), and in
+    backward the key's gradient reduce-scattered (the indexer key's too when the indexer trains)."""
+    if cp == 1:
+        return {}
+    mla, dsa = spec.mla, spec.dsa
+    assert mla is not None and dsa is not None
+    rows = s * cp * b
+    key, index_key = rows * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * act, rows * dsa.head_dim * act
+    return {"cp/all_gather": key + index_key + cp * INDEX_BYTES,
+            "cp/reduce_scatter": key + (index_key if dsa.trains_indexer else 0)}
+
+
+def linear_cp_communication(spec: ModelSpec, mixers: list[str], *, tokens: int, s: int, b: int, par: Parallelism,
+                            act: int, reruns: int) -> dict[str, int]:
+    """``cp/*`` bytes per micro-batch of the GDN and DSA layers among ``mixers`` (one per layer of
+    this chunk; the first ``reruns`` re-run their forward under full recompute): the GDN
+    all-to-alls forward and backward (:func:`gdn_cp_all_to_all`), DSA's all-gathers and
+    reduce-scatters (:func:`dsa_cp_communication`)."""
+    out: dict[str, int] = {}
+    if par.cp == 1:
+        return out
+    gdn = gdn_cp_all_to_all(spec, tokens=tokens, tp=par.tp, cp=par.cp, act=act) if spec.gdn is not None else 0
+    dsa = dsa_cp_communication(spec, s=s, b=b, cp=par.cp, act=act) if spec.dsa is not None else {}
+    for i, mixer in enumerate(mixers):
+        forwards = 2 if i < reruns else 1
+        if mixer == "gdn":
+            out["cp/all_to_all"] = out.get("cp/all_to_all", 0) + (forwards + 1) * gdn
+        elif mixer == "dsa":
+            out["cp/all_gather"] = out.get("cp/all_gather", 0) + forwards * dsa["cp/all_gather"]
+            out["cp/reduce_scatter"] = out.get("cp/reduce_scatter", 0) + dsa["cp/reduce_scatter"]
+    return out
+
+
+def linear_cp_reason(spec: ModelSpec, par: Parallelism) -> str | None:
+    """Why ``--cp`` is not modelled for these GDN or DSA sizes (None: it is, or no CP)."""
+    mixers = {mixer for (mixer, _), _ in spec.layer_runs}
+    if par.cp == 1:
+        return None
+    g = spec.gdn
+    if "gdn" in mixers and g is not None:
+        for name, heads in (("linear_num_key_heads", g.num_key_heads), ("linear_num_value_heads", g.num_value_heads)):
+            if heads // par.tp % par.cp:
+                return (f"{name} / TP = {heads // par.tp} is not divisible by --cp {par.cp} (megatron-core 0.19.0's "
+                        "GatedDeltaNet splits every head section over CP ranks)")
+    if "dsa" in mixers and par.tp > 1:
+        return ("DeepSeek sparse attention under context parallelism is modelled with --tp 1 (megatron-core 0.19.0's "
+                "absorbed-MLA DSA layer, measured on CPU at TP 1 only)")
+    return None
+
+
+def linear_cp_notes(spec: ModelSpec, par: Parallelism) -> tuple[list[str], list[str]]:
+    """(assumptions, unmeasured) to print for GDN and DSA layers under CP."""
+    mixers = {mixer for (mixer, _), _ in spec.layer_runs}
+    out: list[str] = []
+    unmeasured = [f"cp/all_to_all of Gated DeltaNet layers under TP {par.tp} x CP {par.cp} (measured at TP 1)"
+                  ] if par.cp > 1 and par.tp > 1 and "gdn" in mixers else []
+    if par.cp > 1 and "gdn" in mixers:
+        out.append(f"Gated DeltaNet under context parallelism (CP {par.cp}) as megatron-core 0.19.0 runs it (0.16.1 "
+                   "refuses it): in_proj's output all-to-all'd to 1/CP of the heads on the whole sequence, the gated "
+                   "norm's output back; parameters as 0.16.1 lists them (the same tensors)")
+    if par.cp > 1 and "dsa" in mixers:
+        out.append(f"DeepSeek sparse attention under context parallelism (CP {par.cp}) as megatron-core 0.19.0 runs it "
+                   "(0.16.1 refuses it): an absorbed-MLA layer, cp_comm_type allgather (the latent and indexer keys "
+                   "all-gathered), the torch sparse attention (dsa_kernel_backend none), the indexer's graph only when "
+                   "dsa_indexer_loss_coeff > 0, bf16 (its indexer asserts it); without CP the report follows 0.16.1's "
+                   "DSAttention")
+    return out, unmeasured

@@ -1,0 +1,204 @@
+"""Context parallelism of Gated DeltaNet and DeepSeek sparse attention layers (memory/linear_cp.py),
+as megatron-core 0.19.0 runs them (0.16.1 refuses CP for both).
+
+Measured: the real 0.19.0 ``GatedDeltaNet`` and DSA attention (``AbsorbedMLASelfAttention`` around
+``DSAttention``) in 2 gloo processes at CP 1 and CP 2, TP 1, in megatron-core 0.19.0's Python 3.12
+venv (tests/frameworks/envs.py; skipped where it cannot be made), run by tests/linear_cp_019.py:
+every storage saved for backward and every ``cp/*`` payload, forward and backward. fla's kernels
+(GDN) are stand-ins saving what the kernels save (those sizes stay formulas, labelled unmeasured
+by the report as without CP); DSA runs its own torch path (a stand-in only for
+fast_hadamard_transform, which saves nothing).
+Formulas: exact integers with the derivation; the report at CP 1 equals the report without CP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.linear_cp import dsa_cp_communication, dsa_cp_saved, gdn_cp_all_to_all, gdn_cp_saved
+from megatron_flops.memory.report import decoder_memory
+from megatron_flops.memory.ssm import gdn_saved, mixer_tensors
+from megatron_flops.model.spec import ModelSpec
+
+TESTS = Path(__file__).resolve().parent
+# GDN: 2 key heads x 16 (qk 32), 4 value heads x 8 (v 32), conv 4 (tests/test_memory_ssm.py's sizes).
+GDN_LAYER = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+GDN = dict(GDN_LAYER, num_layers=4, vocab_size=256, normalization="RMSNorm", add_bias_linear=False,
+           experimental_attention_variant="gated_delta_net", linear_attention_freq=2)
+# DSA: 4 heads, q latent 24, kv latent 32, RoPE 8, qk 16, v 16; indexer 2 heads of 16, top-8.
+DSA_LAYER = dict(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, multi_latent_attention=True,
+                 q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                 dsa_indexer_n_heads=2, dsa_indexer_head_dim=16, dsa_indexer_topk=8)
+OPTIONS = dict(normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope", padded_vocab_size=256)
+
+
+def _dsa_spec(layer: dict, loss: bool) -> ModelSpec:
+    fields = dict(layer, vocab_size=256, experimental_attention_variant="dsa", normalization="RMSNorm",
+                  add_bias_linear=False, dsa_indexer_loss_coeff=0.01 if loss else 0.0)
+    return ModelSpec.from_mapping(fields)
+
+
+def test_gdn_cp_formulas():
+    spec = ModelSpec.from_mapping(GDN)
+    # CP 1 is the formula without CP (tests/test_memory_ssm.py derives 47,888 for T = 32, bf16).
+    assert gdn_cp_saved(spec, tokens=32, tp=1, cp=1, act=2, param=2) == gdn_saved(spec, tokens=32, tp=1, act=2,
+                                                                                  param=2) == 47_888
+    assert gdn_cp_all_to_all(spec, tokens=32, tp=1, cp=1, act=2) == 0
+    # CP 2, T = 16 on this rank: the kernels on 32 tokens with 1 key head (qk 16), 2 value heads (v 16):
+    # conv input 32*48*2 = 3,072; l2norm 2*(32*16*2 + 32*4) = 2,304; repeated q, k 2*32*2*16*2 = 4,096;
+    # softplus 2*32*2*4 + exp, -exp 2*2*2 + beta 32*2*2 = 648; v 1,024, cumulated g 256, WY matrix
+    # 32*2*64*2 = 8,192; gated norm 3*1,024 + 256; out_proj's input [16, 32] 1,024: 23,944. Under CP:
+    # the conv weight's slice [48, 4] bf16 384 and the head permutation [136] int64 1,088: 25,416.
+    assert gdn_cp_saved(spec, tokens=16, tp=1, cp=2, act=2, param=2) == 25_416
+    # in_proj's output [16, 2*32 + 2*32 + 2*4 = 136] and the norm's output [32, 16] back: (2,176 + 512) x 2.
+    assert gdn_cp_all_to_all(spec, tokens=16, tp=1, cp=2, act=2) == 5_376
+
+
+def test_dsa_cp_formulas():
+    trains, frozen = _dsa_spec(DSA_LAYER, True), _dsa_spec(DSA_LAYER, False)
+    # CP 2, s = 8 of S = 16 tokens, b = 2 (T = 16), bf16, the indexer frozen (loss coefficient 0).
+    # MLA: q latent [16, 24] 768, query [16, 4, 24] 3,072, cos/sin 4 x [8, 8] 512: 4,352. The
+    # zigzag order [16] int64 128. Sparse attention: fp32 query [16, 4, 40] 10,240 and key expanded
+    # [8, 40, 16] 20,480; masked softmax (scores [2, 4, 8, 16] = 1,024): 3 bool masks 3,072, two fp32
+    # 8,192, arg-max, row flag, two row sums 64 x (8 + 1 + 8) = 1,088; bf16 probabilities 2,048;
+    # value [8, 16, 32] bf16 8,192: 53,312. Out: up-projection weight [4, 16, 32] 4,096, latent
+    # output [16, 4, 32] 4,096, linear_proj's input [16, 64] 2,048: 10,240. Total 68,032.
+    assert dsa_cp_saved(frozen, s=8, b=2, cp=2, act=2, latent_norms=False, norm_stats=4) == 68_032
+    # The indexer training adds: cos/sin 512, k_norm's input [16, 16] 512 and fp32 stats 128, q
+    # [16, 2, 16] 1,024 and weights [16, 2] 64, gathered k [32, 16] 1,024, detached query [16, 4, 40]
+    # 5,120, gathered key [32, 40] 2,560, top-k [2, 8, 8] int64 1,024: 11,968.
+    assert dsa_cp_saved(trains, s=8, b=2, cp=2, act=2, latent_norms=False, norm_stats=4) == 68_032 + 11_968
+    # Latent norms (RMSNorm): the q latent again 768 and the kv down output [16, 40] 1,280, 2 x 16 x 4 stats.
+    assert dsa_cp_saved(trains, s=8, b=2, cp=2, act=2, latent_norms=True, norm_stats=4) == 80_000 + 2_176
+    # Forward: the key [32, 40] and the indexer key [32, 16] gathered (bf16) and 2 int64 lengths;
+    # backward: the key's gradient, and the indexer key's when it trains.
+    assert dsa_cp_communication(trains, s=8, b=2, cp=2, act=2) == {"cp/all_gather": 2_560 + 1_024 + 16,
+                                                                   "cp/reduce_scatter": 3_584}
+    assert dsa_cp_communication(frozen, s=8, b=2, cp=2, act=2)["cp/reduce_scatter"] == 2_560
+
+
+def _reports(model: dict, cps: tuple[int, ...], **par) -> list:
+    spec = ModelSpec.from_mapping(model)
+    options = DecoderOptions.from_mapping(dict(model, **OPTIONS))
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=2)
+    return [decoder_memory(spec, options, Parallelism(cp=cp, **par), training) for cp in cps]
+
+
+@pytest.mark.parametrize("name", ["gdn", "dsa"])
+def test_cp1_equals_the_report_without_cp(name):
+    dsa = dict(DSA_LAYER, num_layers=2, vocab_size=256, experimental_attention_variant="dsa")
+    model = GDN if name == "gdn" else dsa
+    with_cp1, without = _reports(model, (1,), dp=2) + [decoder_memory(
+        ModelSpec.from_mapping(model), DecoderOptions.from_mapping(dict(model, **OPTIONS)), Parallelism(dp=2),
+        Training(seq_length=16, micro_batch_size=2, num_microbatches=2))]
+    assert with_cp1 == without
+
+
+def test_cp2_reports_gdn_and_dsa():
+    gdn = _reports(GDN, (2,))[0]
+    spec = ModelSpec.from_mapping(GDN)
+    # 2 micro-batches x 2 GDN layers x (forward + backward) x 5,376 (8 of 16 tokens x 2 sequences);
+    # the 2 attention layers pass K, V round the ring.
+    assert gdn.per_gpu.communication["cp/all_to_all"] == 2 * 2 * 2 * 5_376
+    assert gdn.per_gpu.activations_per_microbatch[0]["gdn"] == 2 * (16 * 64 * 2 + gdn_cp_saved(
+        spec, tokens=16, tp=1, cp=2, act=2, param=2))
+    assert any("Gated DeltaNet under context parallelism (CP 2) as megatron-core 0.19.0" in a for a in gdn.assumptions)
+    assert not gdn.not_modelled and not any("cp/all_to_all of Gated DeltaNet" in u for u in gdn.unmeasured)
+    assert any("cp/all_to_all of Gated DeltaNet layers under TP 2 x CP 2" in u
+               for u in _reports(dict(GDN, linear_num_key_heads=4, linear_num_value_heads=8), (2,), tp=2)[0].unmeasured)
+    model = dict(DSA_LAYER, num_layers=2, vocab_size=256, experimental_attention_variant="dsa")
+    dsa = _reports(model, (2,))[0]
+    comm = dsa.per_gpu.communication
+    assert "cp/send_recv" not in comm and comm["cp/all_gather"] == 2 * 2 * (2_560 + 1_024 + 16)
+    assert not dsa.not_modelled and not any("context parallelism (CP 2)" in u for u in dsa.unmeasured)
+    spec = ModelSpec.from_mapping(model)
+    assert dsa.per_gpu.activations_per_microbatch[0]["attention"] == 2 * (16 * 64 * 2 + dsa_cp_saved(
+        spec, s=8, b=2, cp=2, act=2, latent_norms=False, norm_stats=4))
+
+
+def test_refusals(tmp_path, capsys):
+    from megatron_flops.cli import main
+
+    model = tmp_path / "gdn.json"
+    model.write_text(json.dumps(GDN))
+    assert main(["memory", "--model", str(model), "--seq-length", "64", "--cp", "4"]) == 2
+    assert "linear_num_key_heads / TP = 2 is not divisible by --cp 4" in capsys.readouterr().err
+    model.write_text(json.dumps(dict(DSA_LAYER, vocab_size=256, experimental_attention_variant="dsa")))
+    assert main(["memory", "--model", str(model), "--seq-length", "64", "--cp", "2", "--tp", "2"]) == 2
+    assert "modelled with --tp 1" in capsys.readouterr().err
+
+
+# (layer, CP, seq, micro-batch, fields, indexer loss coefficient, dtype: megatron-core 0.19.0's DSA indexer
+# asserts bf16)
+CASES = [
+    dict(layer="gdn", cp=2, seq=16, mbs=2, model=GDN_LAYER),
+    dict(layer="gdn", cp=1, seq=16, mbs=2, model=GDN_LAYER),
+    dict(layer="dsa", cp=2, seq=16, mbs=2, model=DSA_LAYER, loss_coeff=0.01, dtype="bfloat16"),
+    dict(layer="dsa", cp=1, seq=16, mbs=2, model=DSA_LAYER, loss_coeff=0.01, dtype="bfloat16"),
+    dict(layer="dsa", cp=2, seq=16, mbs=2, model=DSA_LAYER, loss_coeff=0.0, dtype="bfloat16"),
+    dict(layer="dsa", cp=2, seq=24, mbs=1, model=dict(DSA_LAYER, q_lora_rank=None), loss_coeff=0.01, dtype="bfloat16"),
+    dict(layer="dsa", cp=2, seq=16, mbs=1, model=dict(DSA_LAYER, qk_layernorm=True), loss_coeff=0.0, dtype="bfloat16"),
+    dict(layer="dsa", cp=2, seq=16, mbs=2, model=dict(DSA_LAYER, qk_layernorm=True), loss_coeff=0.01,
+         dtype="bfloat16"),
+]
+
+
+def _expected(case: dict) -> tuple[int, dict, dict]:
+    """(saved bytes, forward payloads, step payloads) one rank of ``case`` should measure."""
+    cp, s, b = case["cp"], case["seq"] // case["cp"], case["mbs"]
+    if case["layer"] == "gdn":
+        spec = ModelSpec.from_mapping(GDN)
+        one_way = gdn_cp_all_to_all(spec, tokens=s * b, tp=1, cp=cp, act=2)
+        comm = {"cp/all_to_all": one_way} if cp > 1 else {}
+        # in_proj's input [T, 64] bf16, then the formula.
+        return s * b * 64 * 2 + gdn_cp_saved(spec, tokens=s * b, tp=1, cp=cp, act=2, param=2), comm, (
+            {"cp/all_to_all": 2 * one_way} if cp > 1 else {})
+    model, t = case["model"], s * b
+    spec = _dsa_spec(model, case["loss_coeff"] > 0)
+    act = 4 if case["dtype"] == "float32" else 2
+    norms = bool(model.get("qk_layernorm"))
+    saved = t * 64 * act + dsa_cp_saved(spec, s=s, b=b, cp=cp, act=act, latent_norms=norms, norm_stats=4)
+    if spec.dsa is not None and spec.dsa.trains_indexer:
+        saved -= 2 * t * (4 - act)  # NB: torch's CPU LayerNorm keeps k_norm's mean and rstd in bf16 (CUDA: fp32)
+    if norms:
+        # NB: torch's CPU RMSNorm keeps an fp32 copy of its input and x * rstd [T, width] beside rstd, where
+        # the formula counts the input (the kv norm's: the kv down output it views) and fp32 rstd.
+        q, kv = model["q_lora_rank"], model["kv_lora_rank"]
+        latent = kv + model["qk_pos_emb_head_dim"]
+        saved += 2 * t * (q + kv) * 4 - t * (q + latent) * act
+    comm = dsa_cp_communication(spec, s=s, b=b, cp=cp, act=act)
+    return saved, {k: v for k, v in comm.items() if k == "cp/all_gather"}, comm
+
+
+@pytest.mark.dist
+def test_measured_in_megatron_core_019_on_gloo():
+    from frameworks import envs
+
+    try:
+        python = envs.ensure("megatron-lm-0.19.0")
+    except envs.Unavailable as exc:
+        pytest.skip(str(exc))
+    done = subprocess.run([str(python), "-c", "import linear_cp_019; linear_cp_019.main()", json.dumps(CASES)],
+                          capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL, cwd=TESTS,
+                          env={**__import__("os").environ, "PYTHONPATH": str(TESTS)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, ranks in zip(CASES, measured):
+        saved, forward, step = _expected(case)
+        for rank in ranks:
+            assert (rank["saved"], rank["forward"], rank["step"]) == (saved, forward, step), case
+    # Parameters: 0.19.0's layers hold the tensors 0.16.1's list (names and sizes; their order differs).
+    gdn_params = sorted(("self_attention." + name, n) for name, n in measured[0][0]["params"])
+    assert gdn_params == sorted((name, n) for name, n, _ in mixer_tensors(ModelSpec.from_mapping(GDN), "gdn", "", 1,
+                                                                          False))
+    spec = _dsa_spec(DSA_LAYER, True)
+    options = DecoderOptions.from_mapping(dict(DSA_LAYER, vocab_size=256, **OPTIONS))
+    ours = [(p.name.removeprefix("decoder.layers.0.self_attention."), p.numel) for p in chunk_parameters(
+        spec, options, Parallelism(), pp_rank=0, chunk=0, seq_length=16) if ".self_attention." in p.name]
+    assert sorted(ours) == sorted((name, n) for name, n in measured[2][0]["params"])
