@@ -39,10 +39,15 @@ def _table(columns: dict[str, dict[str, int | None]], title: str) -> list[str]:
 
 def _columns(report: dict[str, Any]) -> tuple[dict[str, int | None], dict[str, int | None]]:
     gpu = report["per_gpu"]
-    memory: dict[str, int | None] = dict(gpu["components"])
-    memory.setdefault("activations", gpu["activations_bytes"])
-    # NB: where activations are not modelled the total is the states' alone: the row says so.
-    memory["total" if gpu["activations_bytes"] is not None else "total, activations not included"] = gpu["total_bytes"]
+    # NB: without an input it needs (a VLM's --grid-thw), the activations and the total leave out what
+    # that input prices; where activations are not modelled the total is the states' alone: the rows say so.
+    excluded = " and ".join(n["excluded"] for n in report.get("needs_input", []))
+    without = f", without {excluded}" if excluded else ""
+    memory: dict[str, int | None] = {("activations" + without if k == "activations" else k): v
+                                     for k, v in gpu["components"].items()}
+    memory.setdefault("activations" + without, gpu["activations_bytes"])
+    memory["total" + without if gpu["activations_bytes"] is not None else "total, activations not included"] = \
+        gpu["total_bytes"]
     comm = dict(report["communication_per_step"])
     comm["total"] = comm.pop("total_bytes")
     comm["total, bus bytes"] = report["bus_bytes_per_step"]["total_bytes"]
@@ -78,6 +83,9 @@ def format_reports(reports: dict[str, dict[str, Any]], assumptions: list[str]) -
             lines.append(f"not modelled ({name}): {reason}")
         for what in report.get("unmeasured", []):
             lines.append(f"unmeasured formula ({name}): {what}")
+        for need in report.get("needs_input", []):
+            lines.append(f"needs {need['flag']} ({name}): {need['excluded']} are left out of the total: give "
+                         f"{need['give']}")
     lines.append("assumptions: " + "; ".join(assumptions + first.get("modelling_assumptions", [])))
     lines.append("not counted: " + ", ".join(NOT_COUNTED))
     return "\n".join(lines)
@@ -127,8 +135,6 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
         raise ValueError(f"a DiT model file under --fsdp (torch FSDP2) is modelled over --dp ranks only; "
                          f"{', '.join(other) or 'this layout'} is not modelled")
     megatron = _dit_megatron(par)
-    if training.optimizer != "adam" and not megatron:
-        raise ValueError("a DiT under FSDP2 is modelled with Adam(W)")
     setup = dit_setup(model.raw, frozen=args.frozen, lora_rank=args.lora_rank,
                       lora_targets=None if args.lora_targets is None else args.lora_targets.split(","),
                       recompute=args.recompute, recompute_method=args.recompute_method,
@@ -237,7 +243,9 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         f"{par.world_size} GPUs (TP {par.tp} x PP {par.pp}" + (f" x CP {par.cp}" if par.cp > 1 else "")
         + f" x DP {par.dp}" + (f", VPP {par.vpp}" if par.vpp else "") + (f", EP {par.ep}" if par.ep > 1 else "")
         + (f", expert TP {par.expert_tp}" if par.expert_tp != par.tp and par.ep > 1 else "")
-        + (", sequence parallel" if par.sequence_parallel and par.tp > 1 else "") + ")",
+        + (", sequence parallel" if par.sequence_parallel and par.tp > 1 else "")
+        + (f", uneven pipeline split: {list(par.stage_layers)} layers per virtual stage (v x PP + r)"
+           if par.stage_layers and not (model.spec and model.spec.pipeline_segments) else "") + ")",
         "FSDP2" if par.fsdp else f"Megatron-FSDP ({par.megatron_fsdp})" if par.megatron_fsdp
         else "distributed optimizer" if par.distributed_optimizer else "DDP",
         f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {training.seq_length} tokens",

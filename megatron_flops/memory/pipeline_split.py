@@ -29,7 +29,7 @@ from megatron_flops.model.spec import ModelSpec
 def uneven_stages(split: PipelineSplit, par: Parallelism, *, spec: ModelSpec) -> Parallelism:
     """``par`` with ``split``'s virtual stages of ``spec`` as ``stage_layers`` (and a layout's VPP);
     ``par`` itself for an even split."""
-    if not split.uneven:
+    if not split.uneven or par.pp == 1:  # (one stage holds every layer: a file's split is for its PP run)
         return par
     if par.stage_layers is not None:
         raise ValueError("megatron-core 0.19 refuses num_layers_in_first/last_pipeline_stage and the other split "
