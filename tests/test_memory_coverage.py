@@ -146,10 +146,6 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # DiT (memory/dit_layouts.py) with virtual pipeline stages: Megatron-Bridge 0.6.2 itself cannot build them
     # (WanModelProvider.provide ignores vp_stage), so there is no layout to model.
     ("examples/wan* | PP2 VPP2 | ", r"refused: .*Megatron-Bridge 0.6.2 cannot interleave WAN itself"),
-    # Grouped-GEMM experts under LoRA or a frozen base (memory/moe_grouped.py): Megatron-Bridge's adapters
-    # are modelled around SequentialMLP experts only.
-    ("mcore:moe*grouped* | * | *LoRA*", r"not modelled: activations of grouped-GEMM experts \(moe_grouped_gemm\) "
-                                          r"under LoRA"),
     # A VLM without --grid-thw (the survey passes no grids): the vision tower's activations.
     ("examples/qwen2_5_vl_7b_config.json | *", r"not modelled: the vision tower's activations: give --grid-thw"),
 ]

@@ -89,12 +89,15 @@ def expert_adapter_payload(spec: ModelSpec, peft: PeftSpec, *, routed: int, act:
 
 def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
                           peft: PeftSpec | None, recompute: RecomputeSpec | None = None,
-                          received: int | None = None, duplicated: bool = False) -> dict[str, int]:
+                          received: int | None = None, duplicated: bool = False,
+                          expert_adapters: bool = True) -> dict[str, int]:
     """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1):
     every layer's adapters (forward again where full recompute re-runs it), less what a frozen
     base does not run (:func:`_frozen_skips`); ``received``: routed tokens per MoE layer reaching
     this rank's experts (None: balanced, ``s*b x topk``); ``duplicated``: Transformer Engine's MLA
-    down projections, whole on every TP rank (a formula). {} at TP 1."""
+    down projections, whole on every TP rank (a formula); ``expert_adapters``: whether the routed
+    experts have adapters (legacy ``GroupedMLP`` has none; ``TEGroupedMLP``'s shared one runs the
+    same explicit expert communication over all routed tokens). {} at TP 1."""
     if peft is None or peft.lora_rank is None or par.tp == 1:
         return {}
     a, h, sp = training.param_bytes, spec.hidden_size, par.sequence_parallel
@@ -112,7 +115,7 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
             add(key, (1 + layer.rerun) * value)
         for key, value in adapter_backward_payload(peft, targets, tokens, h, a, sp=sp).items():
             add(key, value)
-        if layer.experts and routed is not None:
+        if layer.experts and routed is not None and expert_adapters:
             add("tp/all_gather", (1 + layer.rerun) * expert_adapter_payload(spec, peft, routed=routed, act=a))
     full = recompute is not None and recompute.granularity == "full"
     skips = _frozen_skips(spec, par, peft, layers, pp_rank=pp_rank, started=full, duplicated=duplicated)
