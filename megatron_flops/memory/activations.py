@@ -76,7 +76,7 @@ from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, ssm_act
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
-from megatron_flops.memory.moe_grouped import expert_adapter_targets, frozen_experts_keep_inputs, grouped_reason
+from megatron_flops.memory.moe_grouped import expert_adapter_targets, frozen_experts_keep_inputs
 from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_act_freed, moe_activation_reason,
                                        moe_activations, shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -212,7 +212,7 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
     if reason is not None:
         return reason
     if spec.moe is not None:
-        reason = moe_activation_reason(options) or grouped_reason(options, peft, recompute)
+        reason = moe_activation_reason(options)
         if reason is not None:
             return reason
     if recompute is not None and recompute.granularity == "selective":
@@ -586,7 +586,7 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
     routed = moe_activations(spec, options, tokens=x.expert_tokens, local_tokens=x.local_tokens, act=x.act,
                              tp=x.etp, ep=x.ep, received=x.received, frozen=frozen, moe_act=moe_act)
     adapted = expert_adapter_targets(options, g.adapted)
-    routed["lora"] = expert_lora_activations(spec, adapted=adapted, rank=g.rank, frozen=frozen,
+    routed["lora"] = expert_lora_activations(spec, adapted=adapted, rank=g.rank, frozen=frozen, moe_act=moe_act,
                                              tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received)
     shared = moe.shared_expert_ffn_hidden_size
     if shared:

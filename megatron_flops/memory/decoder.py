@@ -420,9 +420,11 @@ def _routed_experts(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
     assert moe is not None
     module, ffn = experts_module(options), moe.ffn_hidden_size // par.expert_tp
     kw: dict[str, Any] = {"expert": par.ep > 1, "width": moe.latent_size or spec.hidden_size, "tp": par.expert_tp}
-    each = peft if module == "SequentialMLP" else replace(peft, lora_rank=None)
+    each = peft if module == "SequentialMLP" else replace(peft, frozen=False, lora_rank=None)  # (no adapter)
     out = [p for j in range(moe.num_experts // par.ep) for p in _mlp(spec, each, f"{prefix}local_experts.{j}.", ffn,
                                                                      bias, **kw)]
+    if each is not peft:
+        out = [replace(p, trainable=not peft.frozen) for p in out]
     if module == "TEGroupedMLP" and peft.lora_rank is not None:
         out += [p for p in _mlp(spec, peft, prefix, ffn, bias, **kw) if ".adapter." in p.name]
     return out

@@ -86,14 +86,6 @@ def check_grouped(spec: ModelSpec, options: DecoderOptions, par: Parallelism, tr
                          "(expert TP x EP): add --ep or --etp")
 
 
-def grouped_reason(options: DecoderOptions, peft: PeftSpec | None, recompute: RecomputeSpec | None) -> str | None:
-    """Why grouped-GEMM experts' activations are not modelled (None: they are)."""
-    if options.moe_grouped_gemm and peft is not None and _moe_act(recompute):
-        return ("activations of grouped-GEMM experts under LoRA or a frozen base with selective moe_act recompute "
-                "are not modelled")
-    return None
-
-
 def expert_adapter_targets(options: DecoderOptions, adapted: tuple[str, ...]) -> tuple[str, ...]:
     """The routed experts' linears Megatron-Bridge adapts among ``adapted``: none in legacy
     ``GroupedMLP`` (no ``linear_fc1``/``linear_fc2`` modules to match); ``TEGroupedMLP``'s one
