@@ -233,6 +233,17 @@ def test_lora_on_legacy_grouped_experts_adapts_none(tmp_path, frozen):
     assert [line for line in legacy["unmeasured"] if line.startswith("LoRA or a frozen base on GroupedMLP")]
 
 
+def test_expert_adapters_gather_over_expert_tp_unless_legacy(tmp_path):
+    tp = ("--tp", "2", "--sequence-parallel", *LORA)
+    sequential, te, legacy = (_report(tmp_path, *tp, **fields)["communication_per_step"]["tp/all_gather"]
+                              for fields in ({}, TE, LEGACY))
+    # TEGroupedMLP's shared adapter runs Bridge's explicit expert communication as SequentialMLP's:
+    # per routed token (n = 16 x 2 = 32, balanced) linear_fc1's [n, r] and linear_fc2's [n, h]
+    # all-gathered over expert TP; GroupedMLP has none: 32 x 2 bytes x (4 + 64) = 4352 fewer.
+    assert te == sequential
+    assert sequential - legacy == 32 * 2 * (4 + 64) == 4352
+
+
 def test_lora_on_te_grouped_experts_under_moe_act(tmp_path):
     act = dict(TE, recompute_granularity="selective", recompute_modules=["moe_act"])
     plain = _activations(_report(tmp_path, *DP2_EP2, **act))
