@@ -14,7 +14,8 @@ As Megatron-Bridge 0.3.1's LoRA wraps megatron-core's local layers (``ParallelLi
   ``linear_fc1``'s ``linear_in`` [r/TP, h], ``linear_fc2``'s ``linear_out`` [h/TP, r]. They run
   megatron-core's explicit expert communication (no input-gradient reduction, no sequence
   parallelism; the dispatcher reduces): per routed token, forward only, ``linear_fc1``'s adapter
-  all-gathers its [n, r] intermediate and ``linear_fc2``'s its output [n, h] over expert TP.
+  all-gathers its [n, r] intermediate and ``linear_fc2``'s its output [n, h] over expert TP
+  (grouped-GEMM experts: :mod:`megatron_flops.memory.moe_grouped`).
 - MTP layers (last stage): their decoder layer's adapters as a main layer's (``eh_proj`` is no
   target); under sequence parallelism a frozen MTP layer skips the embedding gradient's, eh_proj's
   input's and the output layer's re-gathers, and its column-parallel layers' weight-gradient ones.

@@ -21,6 +21,12 @@ Per routed token reaching this rank's experts (``n`` of them), in elements of th
   inputs (fc1's output, the probabilities), and frees its output (fc2's saved input) after fc2's
   forward; in backward the activation re-runs, and what it saves plus fc2's input are held again
   while the experts' backward runs.
+- LoRA (Megatron-Bridge matches module names): ``TEGroupedMLP``'s grouped ``linear_fc1`` and
+  ``linear_fc2`` get one adapter each shared by the local experts (0.3.1; 0.6.2's default
+  ``share_expert_adapters``), over all ``n`` tokens: per token what ``SequentialMLP``'s per-expert
+  adapters keep, and the same expert-TP gathers; a frozen ``GroupedLinear`` keeps no input.
+  ``GroupedMLP`` has no linear modules (``weight1``, ``weight2``): no expert adapter, and ``gmm``
+  keeps its inputs frozen or not. Under ``moe_act`` fc2's adapter reads the freed output.
 
 The flex dispatcher (``MoEFlexTokenDispatcher``, one group over expert TP x EP, ``G = ETP x EP``
 ranks; a token goes once to each rank holding one of its experts, ETP copies each): the
