@@ -279,6 +279,7 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
         "communication_per_step": {**busiest, "total_bytes": sum(busiest.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
         "not_modelled": [],
+        "needs_input": [],
         "unmeasured": layout_unmeasured(par, attention, peft),
         "modelling_assumptions": [*dit_assumptions(attention, checkpointed_blocks, spec.num_layers)[:3],
                                   _layout_assumption(par, checkpointed_blocks, spec.num_layers // par.pp)],
