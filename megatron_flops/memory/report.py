@@ -40,6 +40,7 @@ from megatron_flops.memory.moe import (
 )
 from megatron_flops.memory.moe_grouped import check_grouped, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
+from megatron_flops.memory.kda_fla import kda_fla_unmeasured
 from megatron_flops.memory.linear_cp import linear_cp_notes
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
@@ -287,6 +288,7 @@ def decoder_memory(
                                               lora=peft is not None and peft.lora_rank is not None)
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
+        unmeasured += kda_fla_unmeasured(spec, training)
     unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None, peft=peft))
     unmeasured += tuple(parallel_layer_unmeasured(
         options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
@@ -295,7 +297,7 @@ def decoder_memory(
     if par.megatron_fsdp is not None:
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 
-        more = megatron_fsdp_notes(par)
+        more = megatron_fsdp_notes(par, peft)
         assumptions, unmeasured = assumptions + tuple(more[0]), unmeasured + tuple(more[1])
     if fsdp is not None:
         comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
