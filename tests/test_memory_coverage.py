@@ -228,10 +228,6 @@ GAPS: list[tuple[str, str]] = [
     # TELinear down projections, around which Bridge's adapter gathers differently (no Transformer Engine on CPU;
     # --transformer-impl local is measured, tests/test_memory_lora_mla_dist.py).
     ("* | TP2* | *LoRA*", r"refused: .*LoRA adapters on MLA's .*duplicated TELinear"),
-    # Grouped-GEMM experts under LoRA or a frozen base (memory/moe_grouped.py): Megatron-Bridge's adapters
-    # are modelled around SequentialMLP experts only.
-    ("mcore:moe*grouped* | * | *LoRA*", r"not modelled: activations of grouped-GEMM experts \(moe_grouped_gemm\) "
-                                          r"under LoRA"),
 ]
 
 
