@@ -519,7 +519,7 @@ def test_docs_memory_examples_are_the_commands_output(capsys, monkeypatch):
     monkeypatch.chdir(EXAMPLES.parent)
     text = (EXAMPLES.parent / "docs" / "memory.md").read_text()
     blocks = [b.split("\n```")[0] for b in text.split("```\n$ megatron-flops memory ")[1:]]
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     for block in blocks:
         command, *shown = block.splitlines()
         assert main(["memory", *shlex.split(command)]) == 0

@@ -184,22 +184,12 @@ MISSING_MEMORY_FLAGS: set[str] = set()
 # FRAMEWORK_REFUSES: layouts megatron-core, Megatron-LM, Megatron-Bridge or transformers themselves refuse
 # or cannot train (each with the framework's reason): not gaps of ours; the report names the refusal.
 FRAMEWORK_REFUSES: list[tuple[str, str]] = [
+    # megatron-core refuses a --vpp other than the VPP a pipeline_model_parallel_layout makes.
+    ("mcore:pipeline layout | PP2 VPP2 | *", r"refused: .*conflicts with pipeline_model_parallel_layout"),
     # Kimi Delta Attention at TP 1 only (no KDA layer has tensor parallelism: not megatron-core through
     # 0.19.2, not Megatron-Bridge 0.6.2, not transformers) and without context parallelism (transformers'
     # KDA layer has none). (GDN and DSA under CP: megatron-core 0.19.0's layers, memory/linear_cp.py.)
     ("hf:kimi_linear | CP2 | ", r"refused: .*KimiLinearDeltaAttention, which has no context parallelism"),
-    # DSA layers that reuse an earlier top-k under CP (megatron-core 0.19.0's index sharing with its CP layer: not
-    # modelled by memory/linear_cp.py).
-    ("mcore:dsa shared top-k mtp | CP2 | ", r"refused: .*context parallelism is not modelled for DeepSeek sparse "
-                                            r"attention layers that reuse an earlier layer's top-k"),
-    # DSA layers that reuse an earlier top-k under CP (megatron-core 0.19.0's index sharing with its CP layer: not
-    # modelled by memory/linear_cp.py).
-    ("mcore:dsa shared top-k mtp | CP2 | ", r"refused: .*context parallelism is not modelled for DeepSeek sparse "
-                                            r"attention layers that reuse an earlier layer's top-k"),
-    # A hybrid pattern's MTP part after '/' (megatron-core 0.19's HybridStack inside the MTP layer; 0.16.1's hybrid
-    # models have no MTP): its parameter names and sub-layers are 0.19's, not run or read here.
-    ("mcore:hybrid mamba mtp | *", r"refused: .*multi-token prediction of a hybrid pattern's MTP part after '/' is not "
-                                   r"modelled"),
     ("hf:kimi_linear | TP2* | ", r"refused: .*Kimi Delta Attention is modelled with --tp 1"),
     # olmo2's and olmo3's q/k norms over the whole q and k projections under TP (memory/hf_qk_norms.py): their
     # statistics span every head, and no framework splits them over TP (transformers' TP plan gathers q, k and v
@@ -218,8 +208,14 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
 
 # GAPS: ours. Each is a refusal or a not-modelled row for a layout the frameworks train.
 GAPS: list[tuple[str, str]] = [
-    # A pipeline_model_parallel_layout string (the split as num_layers_in_first/last_pipeline_stage is modelled).
-    ("mcore:pipeline layout | PP2* | *", r"refused: .*pipeline_model_parallel_layout .* is not modelled"),
+    # DSA layers that reuse an earlier top-k under CP (megatron-core 0.19.0's index sharing with its CP layer: not
+    # modelled by memory/linear_cp.py).
+    ("mcore:dsa shared top-k mtp | CP2 | ", r"refused: .*context parallelism is not modelled for DeepSeek sparse "
+                                            r"attention layers that reuse an earlier layer's top-k"),
+    # A hybrid pattern's MTP part after '/' (megatron-core 0.19's HybridStack inside the MTP layer; 0.16.1's hybrid
+    # models have no MTP): its parameter names and sub-layers are 0.19's, not run or read here.
+    ("mcore:hybrid mamba mtp | *", r"refused: .*multi-token prediction of a hybrid pattern's MTP part after '/' is not "
+                                   r"modelled"),
     # A frozen base whose first layer is MoE, adapted on the experts only: the layers before the first adapter.
     ("hf:mixtral | 1 GPU | frozen LoRA fc1, fc2", r"not modelled: activations of a frozen MoE layer before"),
     ("hf:mixtral | TP2 SP | frozen LoRA fc1, fc2", r"refused: .*no tensor-parallel adapter"),
@@ -231,10 +227,6 @@ GAPS: list[tuple[str, str]] = [
     # TELinear down projections, around which Bridge's adapter gathers differently (no Transformer Engine on CPU;
     # --transformer-impl local is measured, tests/test_memory_lora_mla_dist.py).
     ("* | TP2* | *LoRA*", r"refused: .*LoRA adapters on MLA's .*duplicated TELinear"),
-    # Grouped-GEMM experts under LoRA or a frozen base (memory/moe_grouped.py): Megatron-Bridge's adapters
-    # are modelled around SequentialMLP experts only.
-    ("mcore:moe*grouped* | * | *LoRA*", r"not modelled: activations of grouped-GEMM experts \(moe_grouped_gemm\) "
-                                          r"under LoRA"),
 ]
 
 

@@ -21,6 +21,8 @@ import mcore_dist
 from megatron_flops.memory.activations import chunk_activations, in_flight, schedule_peak
 from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.flops.pipeline_split import PipelineSplit
+from megatron_flops.memory.pipeline_split import uneven_stages
 from megatron_flops.memory.report import rank_memory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -263,6 +265,7 @@ def setup(run: dict):
                       etp=layout.get("etp"),
                       sequence_parallel=layout.get("sp", False),
                       distributed_optimizer=build.get("distributed_optimizer", False))
+    par = uneven_stages(PipelineSplit.from_mapping(model), par, spec=spec)  # (an uneven split's stages)
     training = Training(seq_length=run.get("seq", SEQ), micro_batch_size=MBS, num_microbatches=run["m"],
                         params_dtype=build.get("params_dtype", "bf16"), optimizer=build.get("optimizer", "adam"),
                         bucket_size=build.get("bucket_size"))

@@ -177,10 +177,88 @@ def test_what_megatron_core_refuses_is_refused_with_its_reason(tmp_path, argv, f
     assert reason in _refusal(tmp_path, *argv, **fields)
 
 
-def test_grouped_experts_under_lora_are_not_modelled(tmp_path):
-    report = _report(tmp_path, *DP2_EP2, "--lora-rank", "4", moe_grouped_gemm=True)
-    assert report["per_gpu"]["activations_bytes"] is None
-    assert any("grouped-GEMM experts (moe_grouped_gemm) under LoRA" in r for r in report["not_modelled"])
+LORA = ("--lora-rank", "4")  # r = 4, Bridge's default targets (linear_qkv, linear_proj, linear_fc1, linear_fc2)
+TE = dict(moe_grouped_gemm=True)
+LEGACY = dict(moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True)
+# One expert's adapters: linear_fc1's A [r, h] + B [2 ffn, r] = 4 x 64 + 96 x 4 = 640, linear_fc2's
+# A [r, ffn] + B [h, r] = 4 x 48 + 64 x 4 = 448: 1088 elements.
+EXPERT_ADAPTER = 1088
+# Their [n, r] intermediates: 2 targets x 32 x 4 x 2 bytes = 512.
+EXPERT_ADAPTER_SAVED = 2 * 32 * 4 * 2
+
+
+def _states(report: dict[str, Any]) -> tuple[int, int]:
+    stage = report["per_stage"][0]
+    return stage["weights_bytes"], stage["gradients_bytes"]
+
+
+@pytest.mark.parametrize("frozen", [(), ("--frozen",)])
+def test_lora_on_te_grouped_experts_is_one_shared_adapter(tmp_path, frozen):
+    sequential = _report(tmp_path, *DP2_EP2, *LORA, *frozen)
+    grouped = _report(tmp_path, *DP2_EP2, *LORA, *frozen, **TE)
+    # Bridge (0.3.1; 0.6.2's default share_expert_adapters) wraps TEGroupedMLP's grouped linear_fc1
+    # and linear_fc2 with one adapter each, shared by the E/EP = 2 local experts; SequentialMLP gets
+    # one per expert: one expert's adapters fewer, in bf16 (2 bytes) and their fp32 gradients (4).
+    weights, grads = _states(sequential)
+    assert _states(grouped) == (weights - 2 * EXPERT_ADAPTER, grads - 4 * EXPERT_ADAPTER)
+    # The shared adapter sees all n routed tokens as the per-expert ones see theirs: the same saved
+    # bytes; frozen, Transformer Engine's GroupedLinear keeps no input (as the local linears).
+    assert _activations(grouped) == _activations(sequential)
+    assert grouped["not_modelled"] == []
+    assert [line for line in grouped["unmeasured"] if line.startswith("LoRA or a frozen base on TEGroupedMLP")]
+
+
+def test_frozen_te_grouped_experts_keep_no_linear_input(tmp_path):
+    plain = _activations(_report(tmp_path, *DP2_EP2, **TE))
+    frozen = _activations(_report(tmp_path, *DP2_EP2, *LORA, "--frozen", **TE))
+    # Neither the permuted tokens (fc1's input) nor fc2's input [n, ffn]: 22592 - 4096 - 3072.
+    assert frozen["moe/experts"] == plain["moe/experts"] - PERMUTED - PER_TOKEN == 15424
+
+
+@pytest.mark.parametrize("frozen", [(), ("--frozen",)])
+def test_lora_on_legacy_grouped_experts_adapts_none(tmp_path, frozen):
+    plain = _activations(_report(tmp_path, *DP2_EP2, **LEGACY))
+    te = _report(tmp_path, *DP2_EP2, *LORA, *frozen, **TE)
+    legacy = _report(tmp_path, *DP2_EP2, *LORA, *frozen, **LEGACY)
+    # GroupedMLP holds weight1/weight2, no linear_fc1/linear_fc2 module for Bridge to match: no
+    # expert adapter (TEGroupedMLP's shared one: 1088 elements, bf16 and fp32 gradients, fewer).
+    weights, grads = _states(te)
+    assert _states(legacy) == (weights - 2 * EXPERT_ADAPTER, grads - 4 * EXPERT_ADAPTER)
+    # Nor their [n, r] intermediates (or, frozen, the [n, h] and [n, ffn] inputs they would keep:
+    # 8448 - 512 - 4096 - 3072 = 768, the dense layer's adapters); gmm keeps its inputs frozen or
+    # not, so the experts keep what they keep without LoRA (13376).
+    lora = _activations(te)["lora"] - EXPERT_ADAPTER_SAVED - (PERMUTED + PER_TOKEN if frozen else 0)
+    assert _activations(legacy)["lora"] == lora == 768
+    assert _activations(legacy)["moe/experts"] == plain["moe/experts"] == 13376
+    assert [line for line in legacy["unmeasured"] if line.startswith("LoRA or a frozen base on GroupedMLP")]
+
+
+def test_expert_adapters_gather_over_expert_tp_unless_legacy(tmp_path):
+    tp = ("--tp", "2", "--sequence-parallel", *LORA)
+    sequential, te, legacy = (_report(tmp_path, *tp, **fields)["communication_per_step"]["tp/all_gather"]
+                              for fields in ({}, TE, LEGACY))
+    # TEGroupedMLP's shared adapter runs Bridge's explicit expert communication as SequentialMLP's:
+    # per routed token (n = 16 x 2 = 32, balanced) linear_fc1's [n, r] and linear_fc2's [n, h]
+    # all-gathered over expert TP; GroupedMLP has none: 32 x 2 bytes x (4 + 64) = 4352 fewer.
+    assert te == sequential
+    assert sequential - legacy == 32 * 2 * (4 + 64) == 4352
+
+
+def test_lora_on_te_grouped_experts_under_moe_act(tmp_path):
+    act = dict(TE, recompute_granularity="selective", recompute_modules=["moe_act"])
+    plain = _activations(_report(tmp_path, *DP2_EP2, **act))
+    trained = _activations(_report(tmp_path, *DP2_EP2, *LORA, **act))
+    frozen = _activations(_report(tmp_path, *DP2_EP2, *LORA, "--frozen", **act))
+    # Trained: the adapters' [n, r] intermediates beside what moe_act keeps (10304); fc2's adapter
+    # reads the activation's output, which the checkpoint frees and restores (its freed bytes).
+    assert trained["moe/experts"] == plain["moe/experts"] == 10304
+    assert trained["lora"] == _activations(_report(tmp_path, *DP2_EP2, *LORA, **TE))["lora"] == 1280
+    # Frozen: fc1 keeps no input (its adapter keeps the permuted tokens [n, h] instead); the
+    # checkpoint keeps fc1's output and the probabilities: 10304 - 4096.
+    assert frozen["moe/experts"] == plain["moe/experts"] - PERMUTED == 6208
+    # fc2's adapter's input is the freed activation output: not kept after forward (8448 - 3072).
+    unrecomputed = _activations(_report(tmp_path, *DP2_EP2, *LORA, "--frozen", **TE))
+    assert frozen["lora"] == unrecomputed["lora"] - PER_TOKEN == 5376
 
 
 def test_megatron_args_carry_the_flags(tmp_path):

@@ -1,90 +1,231 @@
-"""Uneven pipeline splits (memory/pipeline_split.py): every virtual stage's layers against
-megatron-core 0.16.1's own ``get_num_layers_to_build`` and ``get_transformer_layer_offset``, and
-each stage of an uneven split's memory report equal to the same stage of an even split with as many
-layers there (the even PP layouts are measured on gloo: tests/test_memory_dist.py)."""
+"""Uneven pipeline splits (first/last stage layers, the embedding and loss counted as layers, a
+layout string): every virtual stage's decoder layers against megatron-core 0.16.1's own
+``get_num_layers_to_build`` / ``get_transformer_layer_offset`` and ``PipelineParallelLayerLayout``
+(its parallel state mocked: one process, any pp_rank and vp_stage), the refusals against
+``TransformerConfig``'s, and the CLI reading the split from flags, ``--megatron-args`` and model
+files. The bytes of an uneven PP2 step are measured in tests/test_memory_pipeline_split_dist.py."""
 
 from __future__ import annotations
 
-import io
-import itertools
 import json
-from contextlib import redirect_stdout
 
 import pytest
 
-from megatron_flops.memory.pipeline_split import uneven_stage_layers
+import mcore_cpu
+from megatron_flops.cli import main
+from megatron_flops.memory.layout import Parallelism
+from megatron_flops.flops.pipeline_split import PipelineSplit, parse_layout, split_stages
+from megatron_flops.memory.pipeline_split import uneven_stages
+from megatron_flops.model.spec import ModelSpec
 
-# (num_layers, PP, VPP, first, last, embedding, loss): each way megatron-core splits unevenly.
-SPLITS = [
-    (6, 2, None, 2, None, False, False), (6, 2, None, None, 1, False, False), (10, 4, None, 1, 3, False, False),
-    (14, 3, 2, 2, None, False, False), (14, 4, 2, 2, 4, False, False), (7, 2, None, None, None, True, False),
-    (6, 2, None, None, None, True, True), (14, 4, 2, None, None, True, True),
+needs_mcore = pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)
+
+FIRST, LAST = "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"
+EMB, LOSS = "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"
+LAYOUT = "pipeline_model_parallel_layout"
+# (num_layers, PP, VPP, MTP layers, split fields) -> decoder layers per virtual stage (v x PP + r).
+CASES = [
+    # first only: 2, then 6 - 2 = 4 on the one other rank.
+    ((6, 2, None, 0, {FIRST: 2}), (2, 4)),
+    # last only: (6 - 2) / 1 = 4 on rank 0.
+    ((6, 2, None, 0, {LAST: 2}), (4, 2)),
+    # DeepSeek-V3's 61 layers: 13 + 2 x 16 + 16; 5 + 6 x 8 + 8; 3 + 14 x 4 + 2.
+    ((61, 4, None, 0, {FIRST: 13, LAST: 16}), (13, 16, 16, 16)),
+    ((61, 8, None, 0, {FIRST: 5, LAST: 8}), (5,) + (8,) * 7),
+    ((61, 16, None, 0, {FIRST: 3, LAST: 2}), (3,) + (4,) * 14 + (2,)),
+    # VPP 2: rank 0 holds 2 (1 per chunk), rank 1 the other 6 (3 per chunk).
+    ((8, 2, 2, 0, {FIRST: 2}), (1, 3, 1, 3)),
+    # PP 3 x VPP 2: 2 | (10 - 2 - 4) / 1 = 4 | 4, halved per chunk.
+    ((10, 3, 2, 0, {FIRST: 2, LAST: 4}), (1, 2, 2, 1, 2, 2)),
+    # the embedding as a layer: (7 + 1) / 4 = 2 per rank, rank 0 builds 2 - 1.
+    ((7, 4, None, 0, {EMB: True}), (1, 2, 2, 2)),
+    # embedding and loss: (6 + 2) / 4 = 2 per rank, the first and last build one fewer.
+    ((6, 4, None, 0, {EMB: True, LOSS: True}), (1, 2, 2, 1)),
+    # ... under VPP 2: (6 + 2) / 2 / 2 = 2 per chunk; chunk 0 of rank 0 and chunk 1 of rank 1 build 1.
+    ((6, 2, 2, 0, {EMB: True, LOSS: True}), (1, 2, 2, 1)),
+    ((5, 2, None, 0, {LOSS: True}), (3, 2)),
+    # a layout: 4 stages over PP 2 make VPP 2; MTP with the loss.
+    ((5, 2, None, 1, {LAYOUT: "Et|tt|t|tmL"}), (1, 2, 1, 1)),
+    ((9, 2, None, 0, {LAYOUT: "Et*3|(tt|)*2,ttL"}), (3, 2, 2, 2)),
+    ((4, 2, None, 0, {LAYOUT: "Ett|ttL"}), (2, 2)),
+    # an embedding-only first stage and a loss-only last one.
+    ((4, 4, None, 0, {LAYOUT: "E|tt|tt|L"}), (0, 2, 2, 0)),
+]
+# Splits megatron-core refuses (num_layers, PP, VPP, MTP, fields).
+REFUSED = [
+    (7, 2, None, 0, {FIRST: 2, EMB: True}),  # first/last with account-for
+    (7, 3, None, 0, {FIRST: 2}),  # 5 middle layers on 2 middle ranks
+    (6, 2, 2, 0, {FIRST: 3}),  # 3 first-stage layers over VPP 2
+    (6, 2, None, 0, {FIRST: 2, LAST: 2}),  # 2 middle layers, no middle rank
+    (6, 4, None, 0, {EMB: True}),  # 7 over PP 4
+    (6, 2, 2, 0, {EMB: True}),  # 7 over PP 2
+    (4, 2, None, 0, {LAYOUT: "tE|tL"}),  # embedding not first
+    (4, 2, None, 0, {LAYOUT: "Et|tL"}),  # 2 decoder layers, not 4
+    (4, 2, None, 0, {LAYOUT: "Ett|ttL", FIRST: 2}),  # layout with another split field
+    (4, 2, None, 1, {LAYOUT: "Ettm|ttL"}),  # MTP before decoder layers
+    (4, 3, None, 0, {LAYOUT: "Ett|ttL"}),  # 2 stages over PP 3
 ]
 
 
-@pytest.mark.parametrize("split", SPLITS, ids=str)
-def test_stage_layers_are_megatron_cores(split):
-    pytest.importorskip("megatron.core")
+def _ours(case: tuple) -> tuple[int, ...]:
+    num_layers, pp, vpp, mtp, fields = case
+    stages, _ = split_stages(PipelineSplit.from_mapping(fields), num_layers=num_layers, pp=pp, vpp=vpp,
+                             mtp_num_layers=mtp)
+    return stages
+
+
+def _megatron(case: tuple, monkeypatch) -> list[tuple[int, int]]:
+    """(layers, offset) per virtual stage in the order v x PP + r, from megatron-core 0.16.1."""
     import torch
+    from megatron.core import parallel_state
+    from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    num_layers, pp, vpp, first, last, embedding, loss = split
+    num_layers, pp, vpp, mtp, fields = case
     config = TransformerConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
                                pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                               num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
-                               account_for_embedding_in_pipeline_split=embedding,
-                               account_for_loss_in_pipeline_split=loss, pipeline_dtype=torch.float32)
-    stages = uneven_stage_layers(num_layers, pp, vpp, first=first, last=last, embedding=embedding, loss=loss)
-    for v, r in itertools.product(range(vpp or 1), range(pp)):
-        stage = v * pp + r
-        vp = v if vpp else None
-        assert stages[stage] == get_num_layers_to_build(config, vp_stage=vp, pp_rank=r)
-        if stages[stage]:  # (megatron-core's offset of an empty stage is not a layer index)
-            assert sum(stages[:stage]) == get_transformer_layer_offset(config, vp_stage=vp, pp_rank=r)
+                               pipeline_dtype=torch.float32, mtp_num_layers=mtp or None, **fields)
+    vpp = config.virtual_pipeline_model_parallel_size  # (a layout sets it)
+    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: vpp)
+    out = []
+    for v in range(vpp or 1):
+        for r in range(pp):
+            vp_stage = v if vpp else None
+            monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda r=r: r)
+            if config.pipeline_model_parallel_layout is not None:
+                layout = config.pipeline_model_parallel_layout
+                out.append((layout.get_num_layers_to_build(LayerType.decoder, vp_stage=vp_stage, pp_rank=r),
+                            layout.get_layer_offset(LayerType.decoder, vp_stage=vp_stage, pp_rank=r)))
+            else:
+                out.append((get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=r),
+                            get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=r)))
+    return out
 
 
-def test_megatron_cores_refusals_are_refused():
-    with pytest.raises(ValueError, match="do not divide"):
-        uneven_stage_layers(7, 4, None, first=2)  # 5 layers over 3 middle stages
-    with pytest.raises(ValueError, match="does not support"):
-        uneven_stage_layers(8, 2, None, first=2, embedding=True)
-    with pytest.raises(ValueError, match="not divisible by VPP"):
-        uneven_stage_layers(8, 2, 2, first=3)
-    with pytest.raises(ValueError, match="larger than 0"):
-        uneven_stage_layers(8, 2, None, first=0)
+@needs_mcore
+@pytest.mark.parametrize("case,want", CASES, ids=[str(c[0][:3] + (c[0][4],)) for c in CASES])
+def test_stage_layers_as_megatron_core_builds_them(case, want, monkeypatch):
+    ours = _ours(case)
+    assert ours == want
+    # megatron-core's count per (pp_rank, vp_stage), and each stage starts where the one before ends.
+    offsets = [sum(ours[:i]) for i in range(len(ours))]
+    assert _megatron(case, monkeypatch) == list(zip(ours, offsets))
 
 
-def _memory(tmp_path, fields: dict, *flags: str) -> dict:
-    from megatron_flops.cli import main
+@needs_mcore
+@pytest.mark.parametrize("case", REFUSED, ids=[str(c[:3] + (c[4],)) for c in REFUSED])
+def test_refused_where_megatron_core_refuses(case, monkeypatch):
+    with pytest.raises((ValueError, AssertionError)):
+        _megatron(case, monkeypatch)
+    with pytest.raises(ValueError):
+        _ours(case)
 
+
+def test_layout_string_grammar():
+    # "(tt|)*2" unrolls to "tt|tt|", "t*3" to "ttt"; commas are cosmetic.
+    assert parse_layout("Et*3|(tt|)*2,mL") == [["embedding"] + ["decoder"] * 3, ["decoder"] * 2, ["decoder"] * 2,
+                                                 ["mtp", "loss"]]
+    with pytest.raises(ValueError, match="invalid layer character 'x'"):
+        parse_layout("Ex|tL")
+
+
+def test_mtp_on_a_standalone_stage_is_refused_as_not_modelled():
+    # megatron-core 0.16.1 builds it (mtp_standalone); the reports place MTP with the loss.
+    with pytest.raises(ValueError, match="not modelled"):
+        _ours((4, 2, None, 1, {LAYOUT: "Ett|tt|m|L"}))
+
+
+def test_layout_makes_the_vpp_and_sets_stage_layers():
+    spec = ModelSpec.from_mapping(dict(num_layers=5, hidden_size=64, num_attention_heads=4, vocab_size=128))
+    par = uneven_stages(PipelineSplit(pipeline_model_parallel_layout="Et|tt|t|tL"), Parallelism(pp=2), spec=spec)
+    assert (par.vpp, par.stage_layers) == (2, (1, 2, 1, 1))
+    # chunk 1 of rank 0 is virtual stage 2: layer 3 (after 1 + 2).
+    assert par.chunk_layers(5, 0, 1) == range(3, 4)
+    with pytest.raises(ValueError, match="conflicts"):
+        uneven_stages(PipelineSplit(pipeline_model_parallel_layout="Et|tt|t|tL"), Parallelism(pp=2, vpp=3), spec=spec)
+
+
+TINY = ("--num-layers 6 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--vocab-size 128 --micro-batch-size 1 --global-batch-size 4 --pipeline-model-parallel-size 2")
+
+
+def _memory(capsys, *argv: str) -> dict:
+    assert main(["memory", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_reads_the_split_from_megatron_args_and_flags(capsys):
+    even = _memory(capsys, "--megatron-args", TINY)
+    from_args = _memory(capsys, "--megatron-args", TINY + " --decoder-first-pipeline-num-layers 2")
+    from_flag = _memory(capsys, "--megatron-args", TINY, "--decoder-first-pipeline-num-layers", "2")
+    assert from_args == from_flag
+    assert any("[2, 4]" in a for a in from_args["assumptions"])
+    # 2 + 4 layers: the first stage loses one layer's weights and the second gains one.
+    e0, e1 = (s["weights_bytes"] for s in even["per_stage"])
+    u0, u1 = (s["weights_bytes"] for s in from_args["per_stage"])
+    assert e0 - u0 == u1 - e1 > 0
+
+
+def test_cli_reads_the_split_from_a_model_file(tmp_path, capsys):
+    fields = dict(num_layers=6, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                  num_layers_in_last_pipeline_stage=2)
     path = tmp_path / "model.json"
     path.write_text(json.dumps(fields))
-    out = io.StringIO()
-    with redirect_stdout(out):
-        assert main(["memory", "--model", str(path), "--seq-length", "16", "--num-microbatches", "4",
-                     "--pp", "2", *flags, "--json"]) == 0
-    return json.loads(out.getvalue())
+    report = _memory(capsys, "--model", str(path), "--seq-length", "32", "--pp", "2")
+    flags = _memory(capsys, "--model", str(path), "--seq-length", "32", "--pp", "2",
+                    "--decoder-last-pipeline-num-layers", "2")
+    assert report == flags and any("[4, 2]" in a for a in report["assumptions"])
 
 
-BASE = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=100)
-KEYS = ("weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "total_bytes",
-        "forward_passes_in_flight", "activations_per_microbatch")
+def test_cli_refuses_with_megatron_cores_reason(capsys):
+    assert main(["memory", "--megatron-args", TINY, "--decoder-first-pipeline-num-layers", "2",
+                 "--account-for-loss-in-pipeline-split"]) == 2
+    assert "cannot be set at the same time" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [(), ("--tp", "2", "--sequence-parallel", "--dp", "2", "--distributed-optimizer")],
-                         ids=["1 x PP2", "TP2 SP x PP2 x DP2 distopt"])
-@pytest.mark.parametrize("uneven, even", [
-    # 6 layers as 2 + 4: stage 0 as a 4-layer model's (2 + 2), stage 1 as an 8-layer model's (4 + 4).
-    (dict(num_layers=6, num_layers_in_first_pipeline_stage=2), (4, 8)),
-    # 7 layers and the embedding as 3 + 4: stage 0 as a 6-layer model's, stage 1 as an 8-layer model's.
-    (dict(num_layers=7, account_for_embedding_in_pipeline_split=True), (6, 8)),
-], ids=["first stage 2 of 6", "embedding in the split of 7"])
-def test_each_stage_is_an_even_splits_stage(tmp_path, uneven, even, flags):
-    report = _memory(tmp_path, {**BASE, **uneven}, *flags)
-    for rank, num_layers in enumerate(even):
-        stage = _memory(tmp_path, {**BASE, "num_layers": num_layers}, *flags)["per_stage"][rank]
-        assert {k: report["per_stage"][rank][k] for k in KEYS} == {k: stage[k] for k in KEYS}
-        assert report["communication_per_stage"][rank] == _memory(
-            tmp_path, {**BASE, "num_layers": num_layers}, *flags)["communication_per_stage"][rank]
+def test_block_recompute_over_an_uneven_split(capsys):
+    # 2 + 4 layers, block 1: each stage checkpoints its first layer (the report's per-stage
+    # activations are measured in tests/test_memory_pipeline_split_dist.py).
+    report = _memory(capsys, "--megatron-args", TINY, "--decoder-first-pipeline-num-layers", "2", "--recompute",
+                     "full", "--recompute-method", "block", "--recompute-num-layers", "1")
+    assert all(s["activations_bytes"] for s in report["per_stage"])
+
+
+@pytest.mark.parametrize("pp,first,last", [(4, 13, 16), (8, 5, 8), (16, 3, 2)])
+def test_deepseek_v3_uneven_stages_reported(pp, first, last, capsys):
+    report = _memory(capsys, "--model", "examples/deepseek_v3_hf_config.json", "--seq-length", "4096",
+                     "--pp", str(pp), "--ep", "8", "--dp", "8", "--distributed-optimizer", "--num-microbatches", "8",
+                     "--decoder-first-pipeline-num-layers", str(first), "--decoder-last-pipeline-num-layers", str(last))
+    middle = (61 - first - last) // (pp - 2)
+    assert any(str([first] + [middle] * (pp - 2) + [last]) in a for a in report["assumptions"])
+    assert report["per_gpu"]["activations_bytes"] is not None
+
+
+def test_megatron_args_virtual_stage_options_as_megatron_lm_validates_them(capsys):
+    # --num-layers-per-virtual-pipeline-stage 2 with the embedding and loss counted: (6 + 2) / 2 = 4
+    # per rank, VPP 4 / 2 = 2, then 2 - 1, 2, 2, 2 - 1 layers per virtual stage.
+    report = _memory(capsys, "--megatron-args", TINY + " --account-for-embedding-in-pipeline-split "
+                     "--account-for-loss-in-pipeline-split --num-layers-per-virtual-pipeline-stage 2")
+    assert any("[1, 2, 2, 1]" in a for a in report["assumptions"])
+    for extra in (" --decoder-first-pipeline-num-layers 2 --num-layers-per-virtual-pipeline-stage 2",
+                  " --pipeline-model-parallel-layout 'Ett|tt|t|tL' --num-virtual-stages-per-pipeline-rank 2"):
+        assert main(["memory", "--megatron-args", TINY + extra]) == 2
+        assert "Megatron-LM refuses" in capsys.readouterr().err
+
+
+def test_hybrid_pattern_first_stage_as_mamba_stack_builds_it(tmp_path, capsys):
+    # megatron-core 0.16.1's MambaStack reads num_layers_in_first/last_pipeline_stage as the GPT
+    # block does: 'M*-M' with 1 layer first puts 'M' on rank 0 and '*-M' on rank 1.
+    fields = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=100,
+                  hybrid_override_pattern="M*-M", mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
+    path = tmp_path / "hybrid.json"
+    path.write_text(json.dumps(fields))
+    report = _memory(capsys, "--model", str(path), "--seq-length", "16", "--pp", "2", "--num-microbatches", "4",
+                     "--decoder-first-pipeline-num-layers", "1")
+    assert any("[1, 3]" in a for a in report["assumptions"])
+    assert not any("split evenly" in a for a in report["assumptions"])
+    assert main(["memory", "--model", str(path), "--seq-length", "16", "--pp", "2",
+                 "--account-for-loss-in-pipeline-split"]) == 2
+    assert "MambaStack reads num_layers_in_first/last_pipeline_stage only" in capsys.readouterr().err

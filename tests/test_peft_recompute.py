@@ -145,6 +145,27 @@ def test_one_recompute_module_moves_one_executed_term():
     assert {k: m[k] - b[k] for k in b if m[k] != b[k]} == {"mlp": 10240, "lora/linear_fc2": 1920}
 
 
+def test_block_recompute_over_uneven_stages():
+    # 3 TINY layers (11,904 forward each) on PP 2. The first stage holds 1 layer, the last 2 (as
+    # megatron-core splits num_layers_in_first_pipeline_stage=1): block 1 re-runs layers 0 and 1,
+    # 23,808; block 2 all three, 35,712. The embedding counted in the split: (3 + 1) / 2 = 2 per
+    # rank, 1 + 2 layers again. A layout 'Et|t|tL' on PP 3: one layer per stage, block 1 re-runs all.
+    (kind, count), = TINY.layer_runs
+    spec = dataclasses.replace(TINY, layer_runs=((kind, count + 1),))
+
+    def recomputed(block: int, pp: int, **split) -> int:
+        fields = dict(FULL, recompute_method="block", recompute_num_layers=block, pipeline_model_parallel_size=pp,
+                      **split)
+        recompute = RecomputeSpec.from_mapping(fields)
+        return sum(training_passes(spec, TINY_STATS, recompute=recompute, attention="full").recompute.values())
+
+    assert recomputed(1, 2, num_layers_in_first_pipeline_stage=1) == 2 * 11904
+    assert recomputed(2, 2, num_layers_in_first_pipeline_stage=1) == 3 * 11904
+    assert recomputed(1, 2, num_layers_in_last_pipeline_stage=1) == 2 * 11904
+    assert recomputed(1, 2, account_for_embedding_in_pipeline_split=True) == 2 * 11904
+    assert recomputed(1, 3, pipeline_model_parallel_layout="Et|t|tL") == 3 * 11904
+
+
 def test_one_more_block_layer_moves_one_layer():
     # Block recompute of 1 -> 2 layers on a 3-layer TINY: one layer's forward, 11,904.
     (kind, count), = TINY.layer_runs
@@ -192,7 +213,7 @@ def test_peft_spec_bad_input(kwargs, message):
         (dict(recompute_granularity="selective", recompute_num_layers=1), "recompute_num_layers must be None"),
         (dict(recompute_granularity="selective", recompute_modules=["attn"]), "unknown recompute module 'attn'"),
         (dict(recompute_granularity="selective", recompute_modules="mlp"), "recompute_modules must be a list"),
-        (dict(FULL, recompute_method="block", num_layers_in_first_pipeline_stage=1), "uneven pipeline stages"),
+        (dict(FULL, recompute_method="block", pipeline_model_parallel_layout=3), "layout must be a string"),
         (dict(FULL, pipeline_model_parallel_size=0), "pipeline_model_parallel_size must be a positive integer"),
     ],
 )

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
 from megatron_flops.cli._memory_model import decoder_options, layout_defaults, num_microbatches
+from megatron_flops.cli._pipeline_split import SPLIT_FIELDS, add_split_arguments, pipeline_split
 from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, backend_convention
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages
-from megatron_flops.memory.pipeline_split import pipeline_split
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS
+from megatron_flops.memory.pipeline_split import split_note, uneven_stages
 from megatron_flops.memory.layout import DTYPE_BYTES, FSDP_STRATEGIES, OPTIMIZERS, Parallelism, Training
 from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
@@ -225,8 +227,13 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     _resolve_layout(args, model)
     training, par = _training(args, model.seq_length), _parallelism(args)
     dit = "dit" in model.raw
-    if model.spec is not None and not dit:  # a hybrid pattern's '|' segments make its VPP; uneven splits
-        par = pipeline_split(model.spec, hybrid_stages(model.spec, par), model.raw)
+    split = pipeline_split(args, model)
+    if split.uneven:  # the split fields reach RecomputeSpec, which refuses block recompute with them
+        model = replace(model, raw={**model.raw, **{k: getattr(split, k) for k in SPLIT_FIELDS}})
+    if model.spec is not None and not dit:  # a hybrid pattern's '|' segments make its VPP
+        par = uneven_stages(split, hybrid_stages(model.spec, par), spec=model.spec)
+    elif split.uneven and dit:
+        raise ValueError("an uneven pipeline split of a DiT model file is not modelled")
     reports = (_dit if dit else _decoder)(args, model, training, par)
     assumptions = [
         f"{args.params_dtype} weights" + (" (fp32 shards cast for compute)" if dit and not _dit_megatron(par)
@@ -244,6 +251,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         "FSDP2" if par.fsdp else f"Megatron-FSDP ({par.megatron_fsdp})" if par.megatron_fsdp
         else "distributed optimizer" if par.distributed_optimizer else "DDP",
         f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {training.seq_length} tokens",
+        *split_note(split, par),
     ]
     if args.json:
         out = dict(next(iter(reports.values())))
@@ -284,6 +292,7 @@ def add_parser(sub: Any) -> None:
                      help="the routed experts' tensor-parallel size (megatron-core's expert_tensor_parallel_size; "
                           "default: --megatron-args' --expert-tensor-parallel-size, else --tp)")
     mem.add_argument("--vpp", type=int, metavar="N", help="model chunks per pipeline rank (interleaved 1F1B)")
+    add_split_arguments(mem)
     mem.add_argument("--sequence-parallel", action="store_true", default=None,
                      help="sequence parallelism (the activations between layers split over TP)")
     shard = mem.add_mutually_exclusive_group()

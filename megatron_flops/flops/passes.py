@@ -52,6 +52,7 @@ layers whose input needs no gradient.
 
 from __future__ import annotations
 
+import bisect
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -67,6 +68,7 @@ from megatron_flops.flops.formulas import (
     gemm,
     training_flops,
 )
+from megatron_flops.flops.pipeline_split import PipelineSplit, split_stages
 from megatron_flops.model.spec import ModelSpec
 
 MODEL_FLOPS_CONVENTIONS = ("needed", "train_passes")
@@ -87,13 +89,6 @@ DEFAULT_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-_UNEVEN_PIPELINE_FIELDS = (
-    "num_layers_in_first_pipeline_stage",
-    "num_layers_in_last_pipeline_stage",
-    "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split",
-    "pipeline_model_parallel_layout",
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +153,7 @@ class RecomputeSpec:
     modules: tuple[str, ...] = ("core_attn",)
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
+    pipeline_split: PipelineSplit | None = None  # an uneven split (None: even)
 
     def __post_init__(self) -> None:
         if self.granularity not in RECOMPUTE_GRANULARITIES:
@@ -198,12 +194,7 @@ class RecomputeSpec:
             modules = ("core_attn",)
         elif isinstance(modules, str) or not isinstance(modules, (list, tuple)):
             raise ValueError(f"{source}: recompute_modules must be a list of names, got {modules!r}")
-        if fields.get("recompute_method") == "block":
-            uneven = [k for k in _UNEVEN_PIPELINE_FIELDS if fields.get(k)]
-            if uneven:
-                raise ValueError(
-                    f"{source}: recompute_method='block' with uneven pipeline stages ({uneven[0]}) is not modelled"
-                )
+        split = PipelineSplit.from_mapping(fields, source=source)
         pp = fields.get("pipeline_model_parallel_size")
         try:
             return cls(
@@ -213,6 +204,7 @@ class RecomputeSpec:
                 modules=tuple(modules),
                 pipeline_model_parallel_size=1 if pp is None else pp,
                 virtual_pipeline_model_parallel_size=fields.get("virtual_pipeline_model_parallel_size"),
+                pipeline_split=split if split.uneven else None,
             )
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
@@ -370,17 +362,20 @@ def recomputed_counter(
                 "megatron-core's MTP recompute needs recompute_num_layers=1 with recompute_method='uniform'"
             )
         return lambda first, n: 0 if first is None else n
-    chunks = recompute.pipeline_model_parallel_size * (recompute.virtual_pipeline_model_parallel_size or 1)
-    if layers % chunks:
-        raise ValueError(f"num_layers={layers} does not split evenly into {chunks} pipeline model chunks")
-    # NB: block recompute re-runs the first recompute_num_layers layers of every model chunk and
-    # skips MTP layers (megatron-core warns and runs them plainly).
-    per_chunk = layers // chunks
+    starts = _chunk_starts(layers, recompute, mtp_num_layers)
+    # NB: block recompute re-runs the first recompute_num_layers layers of every model chunk (each
+    # virtual stage's, as megatron-core splits them, uneven splits included) and skips MTP layers
+    # (megatron-core warns and runs them plainly).
     assert recompute.num_layers is not None, "RecomputeSpec requires num_layers for full recompute"
-    block = min(recompute.num_layers, per_chunk)
+    block = recompute.num_layers
+
+    done = [0]  # recomputed layers before each chunk
+    for a, b in zip(starts, starts[1:]):
+        done.append(done[-1] + min(block, b - a))
 
     def below(i: int) -> int:  # recomputed layers among 0 .. i - 1 (i <= layers)
-        return (i // per_chunk) * block + min(i % per_chunk, block)
+        chunk = bisect.bisect_right(starts, i) - 1
+        return done[chunk] + min(i - starts[chunk], block)
 
     def count(first: int | None, n: int) -> int:
         if first is None or first >= layers:
@@ -388,6 +383,20 @@ def recomputed_counter(
         return below(min(first + n, layers)) - below(first)
 
     return count
+
+
+def _chunk_starts(layers: int, recompute: RecomputeSpec, mtp_num_layers: int) -> list[int]:
+    """The first layer of each model chunk in layer order, then ``layers``."""
+    pp, vpp = recompute.pipeline_model_parallel_size, recompute.virtual_pipeline_model_parallel_size
+    if recompute.pipeline_split is not None:
+        sizes, _ = split_stages(recompute.pipeline_split, num_layers=layers, pp=pp, vpp=vpp,
+                                mtp_num_layers=mtp_num_layers)
+    else:
+        chunks = pp * (vpp or 1)
+        if layers % chunks:
+            raise ValueError(f"num_layers={layers} does not split evenly into {chunks} pipeline model chunks")
+        sizes = (layers // chunks,) * chunks
+    return [sum(sizes[:i]) for i in range(len(sizes))] + [layers]
 
 
 # One layer's contribution: (key, forward, input grad, weight grad, recompute) per GEMM.

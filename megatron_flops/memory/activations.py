@@ -76,7 +76,7 @@ from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, mtp_mix
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
-from megatron_flops.memory.moe_grouped import grouped_reason
+from megatron_flops.memory.moe_grouped import expert_adapter_targets, frozen_experts_keep_inputs
 from megatron_flops.memory.moe import (expert_lora_activations, moe_act_freed, moe_activation_reason,
                                        moe_activations, shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -214,7 +214,7 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
     if reason is not None:
         return reason
     if spec.moe is not None:
-        reason = moe_activation_reason(options) or grouped_reason(options, peft)
+        reason = moe_activation_reason(options)
         if reason is not None:
             return reason
     if recompute is not None and recompute.granularity == "selective":
@@ -614,10 +614,12 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
     assert moe is not None
     if not w.grad.started:
         return
-    g, frozen, moe_act = w.grad, not w.grad.base, "moe_act" in w.selective
+    g, moe_act = w.grad, "moe_act" in w.selective
+    frozen = not g.base and not frozen_experts_keep_inputs(options)
     routed = moe_activations(spec, options, tokens=x.expert_tokens, local_tokens=x.local_tokens, act=x.act,
                              tp=x.etp, ep=x.ep, received=x.received, frozen=frozen, moe_act=moe_act)
-    routed["lora"] = expert_lora_activations(spec, adapted=g.adapted, rank=g.rank, frozen=frozen,
+    adapted = expert_adapter_targets(options, g.adapted)
+    routed["lora"] = expert_lora_activations(spec, adapted=adapted, rank=g.rank, frozen=frozen, moe_act=moe_act,
                                              tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received)
     shared = moe.shared_expert_ffn_hidden_size
     if shared:

@@ -194,6 +194,16 @@ class Param:
     rows: int | None = field(default=None, compare=False)
 
 
+def experts_module(options: DecoderOptions) -> str:
+    """The routed experts' class megatron-core 0.16.1 builds (``get_moe_module_spec_for_backend``):
+    ``SequentialMLP``, ``TEGroupedMLP`` or legacy ``GroupedMLP`` (:mod:`.moe_grouped`)."""
+    if not options.moe_grouped_gemm:
+        return "SequentialMLP"
+    if options.moe_use_legacy_grouped_gemm or options.transformer_impl == "local":
+        return "GroupedMLP"
+    return "TEGroupedMLP"
+
+
 def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
     """The vocabulary rows of the embedding and output layer: the file's ``padded_vocab_size``,
     else ``vocab_size`` padded to a multiple of ``make_vocab_size_divisible_by x TP``."""
@@ -376,9 +386,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
             out.append(Param(mlp + name + "weight", shape[0] * shape[1], base, tp_replicated=True, rows=shape[0]))
             if bias:
                 out.append(Param(mlp + name + "bias", shape[0], base, tp_replicated=True))
-    for j in range(moe.num_experts // par.ep):
-        out += _mlp(spec, peft, f"{mlp}experts.local_experts.{j}.", moe.ffn_hidden_size // par.expert_tp, bias,
-                    expert=par.ep > 1, width=latent or h, tp=par.expert_tp)
+    out += _routed_experts(spec, options, par, peft, mlp + "experts.", bias)
     if moe.shared_expert_ffn_hidden_size:
         if moe.shared_expert_gate:  # (registered before the MLP's layers)
             out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True, rows=1))
@@ -416,6 +424,27 @@ def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bi
         if mla.q_lora_rank is not None:
             out += _norm(options, attn + "q_layernorm.", mla.q_lora_rank, base)
         out += _norm(options, attn + "kv_layernorm.", mla.kv_lora_rank, base)
+    return out
+
+
+def _routed_experts(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: PeftSpec, prefix: str,
+                    bias: bool) -> list[Param]:
+    """This rank's routed experts. LoRA (Megatron-Bridge, which matches module names): every
+    ``SequentialMLP`` expert's ``linear_fc1``/``linear_fc2`` its own adapter; ``TEGroupedMLP``'s
+    grouped ``linear_fc1``/``linear_fc2`` one adapter each, shared by the E/EP local experts
+    (Bridge 0.3.1; 0.6.2's default ``share_expert_adapters``); legacy ``GroupedMLP`` has no linear
+    modules (``weight1``, ``weight2``): no adapter."""
+    moe = spec.moe
+    assert moe is not None
+    module, ffn = experts_module(options), moe.ffn_hidden_size // par.expert_tp
+    kw: dict[str, Any] = {"expert": par.ep > 1, "width": moe.latent_size or spec.hidden_size, "tp": par.expert_tp}
+    each = peft if module == "SequentialMLP" else replace(peft, frozen=False, lora_rank=None)  # (no adapter)
+    out = [p for j in range(moe.num_experts // par.ep) for p in _mlp(spec, each, f"{prefix}local_experts.{j}.", ffn,
+                                                                     bias, **kw)]
+    if each is not peft:
+        out = [replace(p, trainable=not peft.frozen) for p in out]
+    if module == "TEGroupedMLP" and peft.lora_rank is not None:
+        out += [p for p in _mlp(spec, peft, prefix, ffn, bias, **kw) if ".adapter." in p.name]
     return out
 
 

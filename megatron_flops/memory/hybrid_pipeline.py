@@ -58,5 +58,7 @@ def hybrid_pipeline_notes(spec: ModelSpec, par: Parallelism) -> list[str]:
         return [f"the hybrid pattern's '|' segments {list(spec.pipeline_segments)} (layers each) are the PP {par.pp}"
                 f"{vpp} virtual stages, segment v x PP + r on model chunk v of pipeline rank r, as megatron-core 0.19 "
                 "builds them (VPP = segments / PP, as Megatron-LM 0.19 derives it; megatron-core 0.16.1 reads no '|')"]
+    if par.stage_layers is not None:  # an uneven split (memory/pipeline_split.py names it)
+        return []
     return [f"the hybrid pattern's layers split evenly over the {par.pp} pipeline stages, as megatron-core splits a "
             "pattern without '|' separators"]

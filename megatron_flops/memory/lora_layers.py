@@ -19,7 +19,8 @@ As Megatron-Bridge 0.3.1's LoRA wraps megatron-core's local layers (``ParallelLi
   ``linear_fc1``'s ``linear_in`` [r/TP, h], ``linear_fc2``'s ``linear_out`` [h/TP, r]. They run
   megatron-core's explicit expert communication (no input-gradient reduction, no sequence
   parallelism; the dispatcher reduces): per routed token, forward only, ``linear_fc1``'s adapter
-  all-gathers its [n, r] intermediate and ``linear_fc2``'s its output [n, h] over expert TP.
+  all-gathers its [n, r] intermediate and ``linear_fc2``'s its output [n, h] over expert TP
+  (grouped-GEMM experts: :mod:`megatron_flops.memory.moe_grouped`).
 - MTP layers (last stage): their decoder layer's adapters as a main layer's (``eh_proj`` is no
   target); under sequence parallelism a frozen MTP layer skips the embedding gradient's, eh_proj's
   input's and the output layer's re-gathers, and its column-parallel layers' weight-gradient ones.
@@ -98,12 +99,15 @@ def expert_adapter_payload(spec: ModelSpec, peft: PeftSpec, *, routed: int, act:
 
 def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
                           peft: PeftSpec | None, recompute: RecomputeSpec | None = None,
-                          received: int | None = None, duplicated: bool = False) -> dict[str, int]:
+                          received: int | None = None, duplicated: bool = False,
+                          expert_adapters: bool = True) -> dict[str, int]:
     """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1):
     every layer's adapters (forward again where full recompute re-runs it), less what a frozen
     base does not run (:func:`_frozen_skips`); ``received``: routed tokens per MoE layer reaching
     this rank's experts (None: balanced, ``s*b x topk``); ``duplicated``: Transformer Engine's MLA
-    down projections, whole on every TP rank (a formula). {} at TP 1."""
+    down projections, whole on every TP rank (a formula); ``expert_adapters``: whether the routed
+    experts have adapters (legacy ``GroupedMLP`` has none; ``TEGroupedMLP``'s shared one runs the
+    same explicit expert communication over all routed tokens). {} at TP 1."""
     if peft is None or peft.lora_rank is None or par.tp == 1:
         return {}
     a, h, sp = training.param_bytes, spec.hidden_size, par.sequence_parallel
@@ -122,7 +126,7 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
             add(key, (1 + layer.rerun) * value)
         for key, value in adapter_backward_payload(peft, targets, tokens, h, a, sp=sp, widths=widths).items():
             add(key, value)
-        if layer.experts and routed is not None:
+        if layer.experts and routed is not None and expert_adapters:
             add("tp/all_gather", (1 + layer.rerun) * expert_adapter_payload(spec, peft, routed=routed, act=a))
     full = recompute is not None and recompute.granularity == "full"
     skips = _frozen_skips(spec, par, peft, layers, pp_rank=pp_rank, started=full, duplicated=duplicated)

@@ -115,8 +115,8 @@ def moe_activations(spec: ModelSpec, options: DecoderOptions, *, tokens: int, lo
     ffn = moe.ffn_hidden_size // tp
     per = expert_elements(spec, options, sequential=_sequential_elements(spec, options), moe_act=moe_act)[0]
     width = moe.latent_size or h
-    if frozen:  # (neither the permuted tokens, fc1's input, nor fc2's input)
-        width, per = 0, per - 1
+    if frozen:  # (neither the permuted tokens, fc1's input, nor fc2's input: moe_act frees that one already)
+        width, per = 0, per - (not moe_act)
     out = {"moe/router": router, "moe/dispatcher": dispatcher,
            "moe/experts": got * width * a + got * probability_bytes(options, a) + got * ffn * a * per}
     if moe.latent_size and not frozen:
@@ -147,16 +147,19 @@ def moe_act_freed(spec: ModelSpec, options: DecoderOptions, *, tokens: int, act:
 
 
 def expert_lora_activations(spec: ModelSpec, *, adapted: tuple[str, ...], rank: int, frozen: bool, tokens: int,
-                            act: int, tp: int, received: int | None) -> int:
+                            act: int, tp: int, received: int | None, moe_act: bool = False) -> int:
     """What Megatron-Bridge's LoRA adapters on the routed experts' ``linear_fc1``/``linear_fc2``
     (every expert's, at TP 1) keep beyond :func:`moe_activations`: each adapter's [n, r]
     intermediates over the ``n`` routed tokens, and under a frozen base the wrapped layer's
     input its ``linear_in`` keeps (the permuted tokens [n, h], or fc2's input [n, ffn]), which the
-    frozen layer itself does not."""
+    frozen layer itself does not. Under selective ``moe_act`` (grouped-GEMM experts) fc2's input
+    is the activation's output, which the checkpoint frees and restores for backward: counted there
+    (:func:`moe_act_freed`), not here."""
     moe = spec.moe
     assert moe is not None
     got = tokens * moe.router_topk if received is None else received
-    width = {"linear_fc1": moe.latent_size or spec.hidden_size, "linear_fc2": moe.ffn_hidden_size // tp}
+    fc2 = 0 if moe_act else moe.ffn_hidden_size // tp
+    width = {"linear_fc1": moe.latent_size or spec.hidden_size, "linear_fc2": fc2}
     targets = [t for t in ("linear_fc1", "linear_fc2") if t in adapted]
     return sum(got * rank * act + (got * width[t] * act if frozen else 0) for t in targets)
 

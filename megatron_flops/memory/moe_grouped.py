@@ -21,6 +21,12 @@ Per routed token reaching this rank's experts (``n`` of them), in elements of th
   inputs (fc1's output, the probabilities), and frees its output (fc2's saved input) after fc2's
   forward; in backward the activation re-runs, and what it saves plus fc2's input are held again
   while the experts' backward runs.
+- LoRA (Megatron-Bridge matches module names): ``TEGroupedMLP``'s grouped ``linear_fc1`` and
+  ``linear_fc2`` get one adapter each shared by the local experts (0.3.1; 0.6.2's default
+  ``share_expert_adapters``), over all ``n`` tokens: per token what ``SequentialMLP``'s per-expert
+  adapters keep, and the same expert-TP gathers; a frozen ``GroupedLinear`` keeps no input.
+  ``GroupedMLP`` has no linear modules (``weight1``, ``weight2``): no expert adapter, and ``gmm``
+  keeps its inputs frozen or not. Under ``moe_act`` fc2's adapter reads the freed output.
 
 The flex dispatcher (``MoEFlexTokenDispatcher``, one group over expert TP x EP, ``G = ETP x EP``
 ranks; a token goes once to each rank holding one of its experts, ETP copies each): the
@@ -40,21 +46,12 @@ for the alltoall dispatcher), ``N = n x min(topk, EP) / topk`` tokens arrive per
 
 from __future__ import annotations
 
-from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.memory.decoder import DecoderOptions, experts_module
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism, Training
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
 FLEX_BACKENDS = ("deepep", "hybridep")
-
-
-def experts_module(options: DecoderOptions) -> str:
-    """The routed experts' class megatron-core 0.16.1 builds (``get_moe_module_spec_for_backend``)."""
-    if not options.moe_grouped_gemm:
-        return "SequentialMLP"
-    if options.moe_use_legacy_grouped_gemm or options.transformer_impl == "local":
-        return "GroupedMLP"
-    return "TEGroupedMLP"
 
 
 def _moe_act(recompute: RecomputeSpec | None) -> bool:
@@ -95,12 +92,19 @@ def check_grouped(spec: ModelSpec, options: DecoderOptions, par: Parallelism, tr
                          "(expert TP x EP): add --ep or --etp")
 
 
-def grouped_reason(options: DecoderOptions, peft: PeftSpec | None) -> str | None:
-    """Why grouped-GEMM experts' activations are not modelled (None: they are)."""
-    if options.moe_grouped_gemm and peft is not None:
-        return ("activations of grouped-GEMM experts (moe_grouped_gemm) under LoRA or a frozen base are not "
-                "modelled: Megatron-Bridge's adapters are modelled around SequentialMLP experts")
-    return None
+def expert_adapter_targets(options: DecoderOptions, adapted: tuple[str, ...]) -> tuple[str, ...]:
+    """The routed experts' linears Megatron-Bridge adapts among ``adapted``: none in legacy
+    ``GroupedMLP`` (no ``linear_fc1``/``linear_fc2`` modules to match); ``TEGroupedMLP``'s one
+    shared adapter sees every routed token, as ``SequentialMLP``'s per-expert ones see theirs, so
+    it keeps the same per token."""
+    return () if experts_module(options) == "GroupedMLP" else adapted
+
+
+def frozen_experts_keep_inputs(options: DecoderOptions) -> bool:
+    """Whether frozen routed experts still keep their linears' inputs: grouped_gemm's ``gmm``
+    saves its input whatever requires grad (legacy ``GroupedMLP``); Transformer Engine's
+    ``GroupedLinear`` saves none when its weights are frozen, as megatron-core's local linears."""
+    return experts_module(options) == "GroupedMLP"
 
 
 def expert_elements(spec: ModelSpec, options: DecoderOptions, *, sequential: int, moe_act: bool) -> tuple[int, int]:
@@ -164,7 +168,7 @@ def flex_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelis
 
 
 def grouped_unmeasured(spec: ModelSpec, options: DecoderOptions, recompute: RecomputeSpec | None, *,
-                       activations: bool) -> list[str]:
+                       activations: bool, peft: PeftSpec | None = None) -> list[str]:
     """The figures of this module in the report (each a formula: CUDA-only kernels)."""
     if spec.moe is None:
         return []
@@ -175,6 +179,12 @@ def grouped_unmeasured(spec: ModelSpec, options: DecoderOptions, recompute: Reco
                    + ("Transformer Engine's GroupedLinear keeps its inputs, the activation as SequentialMLP's; no FP8"
                       if module == "TEGroupedMLP" else "grouped_gemm's gmm keeps its inputs, the compiled activation "
                       "fc1's output and the probabilities") + "); SequentialMLP experts are measured")
+    if module != "SequentialMLP" and peft is not None:
+        out.append(f"LoRA or a frozen base on {module} experts (Megatron-Bridge: "
+                   + ("one adapter per grouped linear shared by the local experts, kept per routed token as "
+                      "SequentialMLP's; frozen GroupedLinear keeps no input" if module == "TEGroupedMLP" else
+                      "no expert adapter, as GroupedMLP has no linear modules; gmm keeps its inputs when frozen")
+                   + ")")
     if activations and _moe_act(recompute):
         out.append(f"selective moe_act recompute in {module}: CheckpointWithoutOutput keeps fc1's output and the "
                    "probabilities and frees fc2's input, re-saved with the activation's tensors in backward")

@@ -1,84 +1,57 @@
-"""Uneven pipeline splits of a GPT decoder as megatron-core 0.16.1 builds them (stdlib only).
+"""Uneven pipeline stages as megatron-core 0.16.1 builds them (stdlib only).
 
-A model file's (or Megatron-LM command line's) ``num_layers_in_first_pipeline_stage`` /
-``num_layers_in_last_pipeline_stage`` (``--decoder-first/last-pipeline-num-layers``) give the
-first / last pipeline rank that many layers, split evenly over its VPP model chunks, the other
-ranks the rest evenly; ``account_for_embedding_in_pipeline_split`` /
-``account_for_loss_in_pipeline_split`` count the embedding / loss as one layer of the even split,
-which the first / last virtual stage then builds one layer fewer of (``get_num_layers_to_build``;
-layers numbered in virtual-stage order ``v x PP + r``, as ``get_transformer_layer_offset``).
-``tests/test_memory_pipeline_split.py`` checks every stage's layers against those functions.
+``TransformerConfig``'s ``num_layers_in_first_pipeline_stage`` / ``..._last_...`` (Megatron-LM's
+``--decoder-first/last-pipeline-num-layers``) give the first and last pipeline ranks their own
+layer counts and split the rest evenly over the middle ranks, each rank's layers evenly over its
+VPP model chunks (``transformer_block.get_num_layers_to_build``); ``account_for_embedding/loss_in_
+pipeline_split`` count the embedding (the loss) as one more layer, which the first (last)
+virtual stage then builds one decoder layer fewer for; ``pipeline_model_parallel_layout`` lists
+each virtual stage's layers (``E`` embedding, ``t`` decoder, ``m`` MTP, ``L`` loss; ``|`` between
+stages, ``(..)*n`` and ``x*n`` repeat), stage ``v x PP + r`` on model chunk ``v`` of pipeline rank
+``r``, and makes VPP = stages / PP (``PipelineParallelLayerLayout``). Every virtual stage holds the
+layers after the previous one's (``get_transformer_layer_offset``), so the counts in the order
+``v x PP + r`` are :attr:`~megatron_flops.memory.layout.Parallelism.stage_layers`. The embedding
+stays on the first virtual stage and the output layer and loss on the last whatever the split
+(megatron-core's ``pre_process``/``post_process``). ``tests/test_memory_pipeline_split.py``
+checks every count against megatron-core 0.16.1's own functions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
+from megatron_flops.flops.pipeline_split import FIELDS, PipelineSplit, split_stages
 from megatron_flops.memory.hybrid_pipeline import is_hybrid
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.model.spec import ModelSpec
 
-_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-           "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
-
-def uneven_stage_layers(num_layers: int, pp: int, vpp: int | None, *, first: int | None = None,
-                        last: int | None = None, embedding: bool = False, loss: bool = False) -> tuple[int, ...]:
-    """Decoder layers of each virtual stage, in the order ``v x PP + r``; ValueError where
-    megatron-core's asserts refuse the split."""
-    chunks = vpp or 1
-    if first is not None or last is not None:
-        if 0 in (first, last):
-            raise ValueError("megatron-core needs num_layers_in_first/last_pipeline_stage larger than 0")
-        if embedding or loss:
-            raise ValueError("megatron-core does not support account_for_embedding/loss_in_pipeline_split with "
-                             "num_layers_in_first/last_pipeline_stage")
-        left = pp - (first is not None) - (last is not None)
-        rest = num_layers - (first or 0) - (last or 0)
-        if rest < 0 or (left and rest % left) or (not left and rest):
-            raise ValueError(f"uneven pipeline split: the {rest} layers left over do not divide over the {left} "
-                             "middle pipeline stages")
-        per_rank = [rest // left if left else 0] * pp
-        if first is not None:
-            per_rank[0] = first
-        if last is not None:
-            per_rank[-1] = last
-    else:
-        total = num_layers + embedding + loss
-        if total % pp:
-            raise ValueError(f"num_layers={num_layers}{' + 1 (embedding)' if embedding else ''}"
-                             f"{' + 1 (loss)' if loss else ''} is not divisible by --pp {pp}")
-        per_rank = [total // pp] * pp
-    if any(n % chunks for n in per_rank):
-        raise ValueError(f"a pipeline rank's layers {per_rank} are not divisible by VPP {chunks}")
-    stages = [per_rank[r] // chunks for _ in range(chunks) for r in range(pp)]
-    stages[0] -= embedding
-    stages[-1] -= loss
-    if min(stages) < 0:
-        raise ValueError("not enough layers in the first or last virtual pipeline stage for the embedding or loss")
-    return tuple(stages)
-
-
-def pipeline_split(spec: ModelSpec, par: Parallelism, fields: Mapping[str, Any]) -> Parallelism:
-    """``par`` with the stages ``fields`` (a model file's or command line's TransformerConfig
-    fields) ask for: ``stage_layers`` for an uneven split (``par`` itself for an even one or PP 1);
-    ValueError for what megatron-core refuses or this report does not model."""
-    uneven = {k: fields[k] for k in _FIELDS if fields.get(k) not in (None, False)}
-    if par.pp == 1:
+def uneven_stages(split: PipelineSplit, par: Parallelism, *, spec: ModelSpec) -> Parallelism:
+    """``par`` with ``split``'s virtual stages of ``spec`` as ``stage_layers`` (and a layout's VPP);
+    ``par`` itself for an even split."""
+    if not split.uneven or par.pp == 1:  # (one stage holds every layer: a file's split is for its PP run)
         return par
-    if fields.get("pipeline_model_parallel_layout"):
-        raise ValueError("pipeline_model_parallel_layout (--pipeline-model-parallel-layout) is not modelled: give the "
-                         "split as num_layers_in_first/last_pipeline_stage or account_for_*_in_pipeline_split")
-    if not uneven:
-        return par
-    if is_hybrid(spec):
-        raise ValueError("an uneven pipeline split of a hybrid model is not modelled (megatron-core builds hybrid "
-                         "stages from the pattern's '|' separators)")
-    stages = uneven_stage_layers(spec.num_layers, par.pp, par.vpp,
-                                 first=uneven.get("num_layers_in_first_pipeline_stage"),
-                                 last=uneven.get("num_layers_in_last_pipeline_stage"),
-                                 embedding=bool(uneven.get("account_for_embedding_in_pipeline_split")),
-                                 loss=bool(uneven.get("account_for_loss_in_pipeline_split")))
-    return replace(par, stage_layers=stages)
+    if par.stage_layers is not None:
+        raise ValueError("megatron-core 0.19 refuses num_layers_in_first/last_pipeline_stage and the other split "
+                         "fields when the hybrid pattern contains '|' separators: the pipeline layout is already "
+                         "defined by the separators")
+    if is_hybrid(spec) and (split.pipeline_model_parallel_layout is not None
+                            or split.account_for_embedding_in_pipeline_split or split.account_for_loss_in_pipeline_split):
+        raise ValueError("a hybrid pattern's stages with pipeline_model_parallel_layout or account_for_*_in_pipeline_"
+                         "split are not modelled (megatron-core's MambaStack reads num_layers_in_first/last_pipeline_"
+                         "stage only)")
+    stages, vpp = split_stages(split, num_layers=spec.num_layers, pp=par.pp, vpp=par.vpp,
+                               mtp_num_layers=spec.mtp_num_layers)
+    if vpp is not None and par.pp == 1:
+        raise ValueError("pipeline_model_parallel_layout: interleaving needs PP > 1")
+    return replace(par, vpp=vpp, stage_layers=stages)
+
+
+def split_note(split: PipelineSplit, par: Parallelism) -> list[str]:
+    """The assumption an uneven split adds (none for an even one)."""
+    if not split.uneven or par.stage_layers is None:
+        return []
+    given = ", ".join(f"{k}={v!r}" for k in FIELDS if (v := getattr(split, k)) not in (None, False))
+    return [f"pipeline stages as megatron-core 0.16.1 splits them ({given}): decoder layers per virtual stage "
+            f"{list(par.stage_layers)} (stage v x PP + r on model chunk v of pipeline rank r); the embedding on the "
+            "first virtual stage, the output layer and loss on the last"]

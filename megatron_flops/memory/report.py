@@ -20,7 +20,8 @@ from megatron_flops.memory.comm import (
     sequence_parallel_slice,
     step_communication,
 )
-from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters, parameter_counts
+from megatron_flops.memory.decoder import (DecoderOptions, check_supported, chunk_parameters, experts_module,
+                                          parameter_counts)
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.hf_layers import hf_layer_assumptions
@@ -115,7 +116,8 @@ def rank_memory(
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
     _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute,
-                                        duplicated=options.duplicated_mla_down),
+                                        duplicated=options.duplicated_mla_down,
+                                        expert_adapters=experts_module(options) != "GroupedMLP"),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0))
     peak = count = None
@@ -191,7 +193,8 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
                 out[key] = (lo + m * (at[1].get(key, 0) - balanced), hi + m * (at[2].get(key, 0) - balanced))
     if peft is not None and peft.lora_rank is not None and par.tp > 1:
         lora = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
-                                      received=received, duplicated=options.duplicated_mla_down).get("tp/all_gather", 0)
+                                      received=received, duplicated=options.duplicated_mla_down,
+                                      expert_adapters=experts_module(options) != "GroupedMLP").get("tp/all_gather", 0)
                 for received in (None, fewest, most)]
         if lora[1] != lora[2]:
             lo, hi = out.get("tp/all_gather", (comm["tp/all_gather"], comm["tp/all_gather"]))
@@ -286,7 +289,7 @@ def decoder_memory(
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
         unmeasured += kda_fla_unmeasured(spec, training)
-    unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None))
+    unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None, peft=peft))
     unmeasured += tuple(parallel_layer_unmeasured(
         options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
         selective=reason is None and recompute is not None and recompute.granularity == "selective"

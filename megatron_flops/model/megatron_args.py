@@ -121,11 +121,20 @@ def training_fields(args: SimpleNamespace) -> dict[str, Any]:
     :meth:`RecomputeSpec.from_mapping`), as Megatron-LM's ``validate_args`` derives them."""
     pp = args.pipeline_model_parallel_size or 1
     vpp = args.num_virtual_stages_per_pipeline_rank
+    if args.pipeline_model_parallel_layout is not None and (vpp is not None or args.num_layers_per_virtual_pipeline_stage):
+        raise ValueError("Megatron-LM refuses --pipeline-model-parallel-layout beside --num-virtual-stages-per-pipeline-"
+                         "rank or --num-layers-per-virtual-pipeline-stage (the layout gives the virtual stages)")
     if vpp is None and args.num_layers_per_virtual_pipeline_stage:
         if not isinstance(args.num_layers, int) or not isinstance(pp, int) or pp < 1:
             raise ValueError("--num-layers-per-virtual-pipeline-stage needs integer --num-layers and "
                              "--pipeline-model-parallel-size")
-        vpp = (args.num_layers // pp) // args.num_layers_per_virtual_pipeline_stage
+        if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
+            raise ValueError("Megatron-LM refuses --num-layers-per-virtual-pipeline-stage with an uneven first/last "
+                             "stage: use --num-virtual-stages-per-pipeline-rank")
+        # NB: Megatron-LM counts the embedding and the loss as layers here when the split accounts for them.
+        num_layers = args.num_layers + bool(args.account_for_embedding_in_pipeline_split) \
+            + bool(args.account_for_loss_in_pipeline_split)
+        vpp = (num_layers // pp) // args.num_layers_per_virtual_pipeline_stage
     return {
         "recompute_granularity": args.recompute_granularity,
         "recompute_method": args.recompute_method,

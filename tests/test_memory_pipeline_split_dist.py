@@ -1,0 +1,62 @@
+"""Uneven pipeline stages measured: one real step each on megatron-core 0.16.1 in 4 gloo processes
+(DP2 x PP2; tests/test_memory_dist.py's worker and checks), where megatron-core builds the stages
+from the split fields and the reports place the layers from them
+(:mod:`megatron_flops.memory.pipeline_split`): every rank's parameters in megatron-core's order,
+weights, gradient buffers, optimizer state, collective payloads, the bytes each forward of each
+model chunk saves and the schedule's peak equal the report to the byte."""
+
+from __future__ import annotations
+
+import pytest
+
+import mcore_cpu
+import mcore_dist
+from test_memory_dist import (BASE, WORLD, check_activations, check_communication, check_parameters, check_states,
+                              memory_worker)
+
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)]
+
+RUNS = {
+    # 1 + 2 layers: stage 0 holds the embedding and layer 0, stage 1 layers 1-2, the norm and output;
+    # block recompute checkpoints layers 0 and 1 (the first of each stage) and runs layer 2 plainly.
+    # (fp32, as tests/test_memory_dist.py's full-recompute runs: check_activations' CPU norm-statistics
+    # correction counts every layer's norms, which a checkpointed layer does not save in its forward.)
+    "DP2 x PP2 (1F1B), first stage 1 of 3 layers, full recompute (block 1), DDP, fp32, tied embeddings, M=3": dict(
+        layout=dict(pp=2), model=dict(BASE, num_layers=3, num_layers_in_first_pipeline_stage=1,
+                                      recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+        m=3, build=dict(params_dtype="fp32")),
+    # 'Et|tt|t|tL': virtual stages of 1, 2, 1, 1 layers (VPP 2 from the layout): rank 0 holds
+    # layers 0 and 3, rank 1 layers 1-2 and 4.
+    "DP2 x PP2 x VPP2, layout Et|tt|t|tL, distributed optimizer, fp32, M=4": dict(
+        layout=dict(pp=2, vpp=2), model=dict(BASE, num_layers=5, pipeline_model_parallel_layout="Et|tt|t|tL"), m=4,
+        build=dict(distributed_optimizer=True, params_dtype="fp32")),
+    # (3 + 1) / 2 = 2 per rank, rank 0 builds one fewer for the embedding.
+    "DP2 x PP2 (1F1B), embedding counted in the split (1 + 2 layers), distributed optimizer, bf16, M=2": dict(
+        layout=dict(pp=2), model=dict(BASE, num_layers=3, account_for_embedding_in_pipeline_split=True), m=2,
+        build=dict(distributed_optimizer=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return mcore_dist.run_by_name(memory_worker, WORLD, RUNS, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_parameters_in_megatron_order(measured, name):
+    check_parameters(RUNS[name], measured[name])
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_weights_gradients_optimizer_state(measured, name):
+    check_states(RUNS[name], measured[name])
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_communication_per_step(measured, name):
+    check_communication(RUNS[name], measured[name])
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_activations_per_forward_and_schedule_peak(measured, name):
+    check_activations(RUNS[name], measured[name])
