@@ -1,5 +1,5 @@
 """A WAN-like DiT (``examples/wan_dit_fsdp2.py``) under torch FSDP2 in 4 gloo processes, LoRA and
-full training: parameter shards, gradients, Adam state and the all-gather/reduce-scatter payload
+full training: parameter shards, gradients, Adam (or SGD momentum) state and the all-gather/reduce-scatter payload
 of one real step (two micro-batches, gradient sync on the last) against
 :func:`megatron_flops.memory.fsdp.fsdp_rank_memory`, to the byte on every rank."""
 
@@ -33,7 +33,13 @@ RUNS = {
     "full training, image-to-video, fp32": (I2V, None, "fp32", 2),
     "LoRA rank 3 (uneven shards) on q,k,v,o,k_img,v_img,ffn.0, image-to-video, bf16": (
         I2V, {"dim": 3, "target_modules": ["q", "k", "v", "o", "k_img", "v_img", "ffn.0"]}, "bf16", 1),
+    "LoRA rank 3 (uneven shards), SGD with momentum, bf16": ({}, {"dim": 3, "target_modules": ["q", "k", "v", "o"]},
+                                                              "bf16", 1),
 }
+
+
+def _optimizer(name: str) -> str:
+    return "sgd" if "SGD" in name else "adam"
 
 
 def _raw(name: str) -> dict:
@@ -62,7 +68,7 @@ def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
-    for name, (raw, dtype, num_mb) in runs.items():
+    for name, (raw, dtype, num_mb, kind) in runs.items():
         model = example.build_model(raw)
         bf16 = dtype == "bf16"
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
@@ -71,7 +77,9 @@ def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         params = list(model.parameters())
-        optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-3)
+        trained = [p for p in params if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=1e-3) if kind == "adam" else \
+            torch.optim.SGD(trained, lr=1e-3, momentum=0.9)
         spec = DiTSpec.from_mapping(raw["dit"])
         stream = example.microbatches(spec, example.Options(), rank)
         comm = mcore_memory.CommMeter([("fsdp", mesh.get_group())])
@@ -117,7 +125,7 @@ def _unsharded_grads(model) -> list:
 
 @pytest.fixture(scope="module")
 def measured():
-    runs = {name: (_raw(name), RUNS[name][2], RUNS[name][3]) for name in RUNS}
+    runs = {name: (_raw(name), RUNS[name][2], RUNS[name][3], _optimizer(name)) for name in RUNS}
     return mcore_dist.run_by_name(fsdp_worker, WORLD, runs, timeout=600)
 
 
@@ -127,7 +135,8 @@ def _setup(name: str):
     lora = raw.get("lora")
     peft = DiTPeftSpec(frozen=True, lora_rank=lora["dim"], lora_targets=tuple(lora["target_modules"])) if lora else None
     _, _, dtype, num_mb = RUNS[name]
-    return spec, peft, Training(seq_length=1, micro_batch_size=1, num_microbatches=num_mb, params_dtype=dtype)
+    return spec, peft, Training(seq_length=1, micro_batch_size=1, num_microbatches=num_mb, params_dtype=dtype,
+                                optimizer=_optimizer(name))
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -124,8 +124,6 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
         raise ValueError(f"a DiT model file under --fsdp (torch FSDP2) is modelled over --dp ranks only; "
                          f"{', '.join(other) or 'this layout'} is not modelled")
     megatron = _dit_megatron(par)
-    if training.optimizer != "adam" and not megatron:
-        raise ValueError("a DiT under FSDP2 is modelled with Adam(W)")
     setup = dit_setup(model.raw, frozen=args.frozen, lora_rank=args.lora_rank,
                       lora_targets=None if args.lora_targets is None else args.lora_targets.split(","),
                       recompute=args.recompute, recompute_method=args.recompute_method,
