@@ -49,6 +49,17 @@ MCORE = {
     "gated attention": dict(BASE, attention_output_gate=True),
     "moe alltoall": dict(BASE, **_MOE, moe_token_dispatcher_type="alltoall"),
     "moe allgather": dict(BASE, **_MOE, moe_token_dispatcher_type="allgather"),
+    # Grouped-GEMM experts (TEGroupedMLP; with selective moe_act recompute), the flex dispatcher
+    # (memory/moe_grouped.py: formulas, listed in unmeasured).
+    "moe grouped gemm": dict(BASE, **_MOE, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
+                             add_bias_linear=False),
+    "moe grouped gemm moe_act": dict(BASE, **_MOE, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
+                                     add_bias_linear=False, recompute_granularity="selective",
+                                     recompute_modules=["moe_act"]),
+    "moe flex deepep": dict(BASE, **_MOE, moe_token_dispatcher_type="flex"),
+    "moe flex hybridep grouped": dict(BASE, **_MOE, moe_token_dispatcher_type="flex",
+                                      moe_flex_dispatcher_backend="hybridep", moe_grouped_gemm=True,
+                                      add_bias_linear=False),
     "mla": dict(BASE, **_MLA),
     "mtp": dict(BASE, mtp_num_layers=1),
     "mla moe mtp": dict(BASE, **_MLA, **_MOE, mtp_num_layers=1, normalization="RMSNorm"),
@@ -135,6 +146,10 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     # DiT (memory/dit_layouts.py) with virtual pipeline stages: Megatron-Bridge 0.6.2 itself cannot build them
     # (WanModelProvider.provide ignores vp_stage), so there is no layout to model.
     ("examples/wan* | PP2 VPP2 | ", r"refused: .*Megatron-Bridge 0.6.2 cannot interleave WAN itself"),
+    # Grouped-GEMM experts under LoRA or a frozen base (memory/moe_grouped.py): Megatron-Bridge's adapters
+    # are modelled around SequentialMLP experts only.
+    ("mcore:moe*grouped* | * | *LoRA*", r"not modelled: activations of grouped-GEMM experts \(moe_grouped_gemm\) "
+                                          r"under LoRA"),
     # A VLM without --grid-thw (the survey passes no grids): the vision tower's activations.
     ("examples/qwen2_5_vl_7b_config.json | *", r"not modelled: the vision tower's activations: give --grid-thw"),
 ]
@@ -208,14 +223,17 @@ def _flag(argv: list[str], name: str, default: int = 1) -> int:
     return int(argv[argv.index(name) + 1]) if name in argv else default
 
 
-def megatron_core_refuses(spec: ModelSpec | None, flags: list[str], biases: bool = False) -> str | None:
+def megatron_core_refuses(spec: ModelSpec | None, flags: list[str], biases: bool = False,
+                          flex: bool = False) -> str | None:
     """Why megatron-core itself would not build this layout (sizes that do not divide, ``biases``
-    in MoE layers with an expert TP other than 1), else None."""
+    in MoE layers with an expert TP other than 1, the ``flex`` dispatcher over one rank), else None."""
     if spec is None:  # a DiT: no experts to parallelise
         return "EP without experts" if _flag(flags, "--ep") > 1 else None
     tp, pp, cp, ep, dp = (_flag(flags, f"--{n}") for n in ("tp", "pp", "cp", "ep", "dp"))
     if spec.moe is not None and biases and _flag(flags, "--etp", tp) > 1:
         return "biases in MoE layers with ETP > 1"
+    if spec.moe is not None and flex and _flag(flags, "--etp", tp) * ep == 1:
+        return "the flex dispatcher without expert TP x EP > 1"
     sizes = {"num_attention_heads": spec.num_attention_heads, "num_query_groups": spec.num_query_groups,
              "ffn_hidden_size": spec.ffn_hidden_size}
     if spec.moe is not None:
@@ -278,7 +296,9 @@ def _survey(files: dict[str, Path]) -> dict[str, Any]:
     skipped: list[str] = []
     for name, path in files.items():
         spec, raw = load_model_file(str(path))
-        biases = spec is not None and DecoderOptions.from_mapping(raw, hf=is_hf_config(raw)).add_bias_linear
+        options = DecoderOptions.from_mapping(raw, hf=is_hf_config(raw)) if spec is not None else None
+        biases = options is not None and options.add_bias_linear
+        flex = options is not None and options.moe_token_dispatcher_type == "flex"
         for setup, setup_flags in SETUPS.items():
             rc, _, err = _run(["estimate", "--model", str(path), "--seq-length", str(SEQ), *setup_flags, "--json"])
             if rc != 0:
@@ -288,7 +308,7 @@ def _survey(files: dict[str, Path]) -> dict[str, Any]:
                 flags = LAYOUTS[layout]
                 key = f"{name} | {layout} | {setup}"
                 argv = ["memory", "--model", str(path), "--seq-length", str(SEQ), *flags, *setup_flags]
-                invalid = megatron_core_refuses(spec, flags, biases)
+                invalid = megatron_core_refuses(spec, flags, biases, flex)
                 try:
                     rc, out, err = _run([*argv, "--json"])
                 except Exception as exc:  # a traceback where a user error belongs

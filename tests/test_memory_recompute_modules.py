@@ -199,7 +199,6 @@ def test_estimate_adds_one_forward_of_each_recomputed_module(tmp_path, modules, 
 
 
 @pytest.mark.parametrize("fields, par, peft, reason", [
-    (dict(SHARED, **_selective("moe_act")), Parallelism(), None, "megatron-core recomputes it in its grouped-GEMM"),
     (_selective("mla_up_proj"), Parallelism(), None, "megatron-core refuses it without multi-latent attention"),
     (dict(SHARED, **_selective("layernorm", "moe")), Parallelism(), PeftSpec(frozen=True, lora_rank=4),
      "layernorm with a frozen base: megatron-core 0.16.1's CheckpointWithoutOutput fails"),

@@ -300,7 +300,7 @@ def add_parser(sub: Any) -> None:
                      help="Megatron-LM's layer spec: moves multi-latent attention's down projections under TP "
                           "(transformer_engine: whole on every TP rank, a formula; local: split, measured; "
                           "default: the model file's transformer_impl, else transformer_engine as Megatron-LM)")
-    mem.add_argument("--moe-token-dispatcher", choices=("alltoall", "allgather"),
+    mem.add_argument("--moe-token-dispatcher", choices=("alltoall", "allgather", "flex"),
                      help="megatron-core's moe_token_dispatcher_type (default: the model file's or --megatron-args'; Hugging Face MoE "
                           "configs: alltoall, as Megatron-Bridge sets it)")
     mem.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES,
@@ -310,8 +310,8 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--recompute-num-layers", type=int, metavar="N", help="full recompute: layers per group or block")
     mem.add_argument("--recompute-modules", metavar="NAMES",
                      help="comma-separated selective recompute modules (default core_attn); activations modelled "
-                          "for core_attn, mlp, layernorm, moe, shared_experts and mla_up_proj "
-                          "(not moe_act: grouped-GEMM experts only)")
+                          "for core_attn, mlp, layernorm, moe, shared_experts and mla_up_proj, "
+                          "and as a formula for moe_act (grouped-GEMM experts only)")
     mem.add_argument("--frozen", action="store_true", help="freeze every base weight")
     mem.add_argument("--lora-rank", type=int, metavar="R", help="add rank-R LoRA adapters")
     mem.add_argument("--lora-targets", metavar="NAMES",

@@ -57,7 +57,7 @@ RoPE) runs under no_grad, its checkpoint keeps its inputs, and the output the ne
 (the norm's output; MLA's q, k, v) is freed after their forward and restored in backward, with
 what the re-run saves (the norm's statistics; RoPE's cos and sin), once their output gradient
 is computed. Measured on CPU (tests/test_memory_recompute_modules.py, with a meter that sees
-the freed storages); ``moe_act`` (grouped-GEMM experts only) is not modelled.
+the freed storages); ``moe_act`` (grouped-GEMM experts only) is a formula (:mod:`.moe_grouped`).
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, ssm_act
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
-from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_activation_reason, moe_activations,
-                                       shared_gate_activations)
+from megatron_flops.memory.moe_grouped import grouped_reason
+from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_act_freed, moe_activation_reason,
+                                       moe_activations, shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -211,7 +212,7 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
     if reason is not None:
         return reason
     if spec.moe is not None:
-        reason = moe_activation_reason(options)
+        reason = moe_activation_reason(options) or grouped_reason(options, peft)
         if reason is not None:
             return reason
     if recompute is not None and recompute.granularity == "selective":
@@ -580,9 +581,9 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
     assert moe is not None
     if not w.grad.started:
         return
-    g, frozen = w.grad, not w.grad.base
+    g, frozen, moe_act = w.grad, not w.grad.base, "moe_act" in w.selective
     routed = moe_activations(spec, options, tokens=x.expert_tokens, local_tokens=x.local_tokens, act=x.act,
-                             tp=x.etp, ep=x.ep, received=x.received, frozen=frozen)
+                             tp=x.etp, ep=x.ep, received=x.received, frozen=frozen, moe_act=moe_act)
     routed["lora"] = expert_lora_activations(spec, adapted=g.adapted, rank=g.rank, frozen=frozen,
                                              tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received)
     shared = moe.shared_expert_ffn_hidden_size
@@ -596,21 +597,25 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
                                         + shared_gate_activations(spec, local_tokens=x.local_tokens, act=x.act))
         # (Selective shared_experts: their adapters' intermediates are re-saved inside the checkpoint.)
         routed["moe/shared_experts" if "shared_experts" in w.selective else "lora"] += lora
-    _selective_moe(w, routed, x.local_tokens * x.h * x.act)
+    freed = moe_act_freed(spec, options, tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received) \
+        if moe_act else 0
+    _selective_moe(w, routed, x.local_tokens * x.h * x.act, freed)
 
 
-def _selective_moe(w: _Walk, kept: dict[str, int], inp: int) -> None:
+def _selective_moe(w: _Walk, kept: dict[str, int], inp: int, freed: int = 0) -> None:
     """Keep a MoE layer's ``kept`` bytes (the router's input ``inp`` among them), or under
     selective recompute: ``moe`` (``CheckpointFunction`` around the layer) keeps its input and
     re-saves the rest while its backward runs; ``shared_experts`` (around the shared experts, whose
     input is the router's) keeps nothing of them, and re-saves them in backward once the routed
     experts, router and dispatcher have run theirs (autograd runs the later-created nodes first),
     with only the input left of the layer. Both: the shared experts re-run inside the outer
-    checkpoint's backward."""
+    checkpoint's backward. ``moe_act`` (:mod:`.moe_grouped`): the ``freed`` bytes its
+    CheckpointWithoutOutput holds again while the routed experts' backward runs (the layer's
+    router, dispatcher and shared experts still held: they ran first)."""
     shared = kept.pop("moe/shared_experts", 0) if "shared_experts" in w.selective else 0
     if "moe" in w.selective:
         w.keep("recompute", inp)
-        w.region(sum(kept.values()) - inp)
+        w.region(sum(kept.values()) - inp + freed)
     elif shared:
         w.region(inp + shared)
     if "moe" in w.selective:
@@ -619,6 +624,8 @@ def _selective_moe(w: _Walk, kept: dict[str, int], inp: int) -> None:
         return
     for key, nbytes in kept.items():
         w.keep(key, nbytes)
+    if freed:
+        w.region(freed)
 
 
 def chunk_activations(

@@ -65,6 +65,11 @@ class DecoderOptions:
     moe_token_dispatcher_type: str = "allgather"
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
+    # The routed experts' class (memory/moe_grouped.py) and the flex dispatcher's backend.
+    moe_grouped_gemm: bool = False
+    moe_use_legacy_grouped_gemm: bool = False
+    moe_flex_dispatcher_backend: str = "deepep"
+    bias_dropout_fusion: bool = True  # (read for TEGroupedMLP's refusal of it with linear biases only)
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int | None = None
     transformer_impl: str = "transformer_engine"

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
+from megatron_flops.memory.moe_grouped import (expert_elements, flex_communication, flex_dispatcher_saved,
+                                               probability_bytes)
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -63,18 +65,21 @@ def check_moe(spec: ModelSpec, options: DecoderOptions, par: Parallelism) -> Non
 
 def moe_activation_reason(options: DecoderOptions) -> str | None:
     """Why MoE activations are not modelled (None: they are)."""
-    if options.moe_token_dispatcher_type not in DISPATCHERS:
+    if options.moe_token_dispatcher_type not in (*DISPATCHERS, "flex"):
         return (f"MoE activations are modelled for the {' and '.join(DISPATCHERS)} dispatchers, not "
                 f"{options.moe_token_dispatcher_type!r}")
     return None
 
 
 def moe_activations(spec: ModelSpec, options: DecoderOptions, *, tokens: int, local_tokens: int, act: int,
-                    tp: int, ep: int, received: int | None, frozen: bool = False) -> dict[str, int]:
+                    tp: int, ep: int, received: int | None, frozen: bool = False,
+                    moe_act: bool = False) -> dict[str, int]:
     """Saved-for-backward bytes of one MoE layer (the shared experts aside) by key, after its
     norm; ``received``: routed tokens reaching this rank's experts (None: balanced, ``T x k``);
     ``frozen``: the experts' weights do not train (the hidden states require grad), so their
-    fc1 and fc2 keep no input. NB: the router's gating function saves its input regardless."""
+    fc1 and fc2 keep no input; grouped-GEMM experts, selective ``moe_act`` and the flex dispatcher:
+    :mod:`~megatron_flops.memory.moe_grouped`. NB: the router's gating function saves its input
+    regardless."""
     moe = spec.moe
     assert moe is not None
     E, k, h, a = moe.num_experts, moe.router_topk, spec.hidden_size, act
@@ -91,7 +96,11 @@ def moe_activations(spec: ModelSpec, options: DecoderOptions, *, tokens: int, lo
     else:
         router += n_l * SCORE_BYTES
     got = tokens * k if received is None else received
-    if options.moe_token_dispatcher_type == "allgather":
+    if options.moe_token_dispatcher_type == "flex":
+        # (tokens: the expert TP group's, ETP x T_l)
+        dispatcher = flex_dispatcher_saved(spec, options, local_tokens=local_tokens, etp=tokens // local_tokens,
+                                           ep=ep, got=got)
+    elif options.moe_token_dispatcher_type == "allgather":
         # The gathered routing map's columns of this rank's experts (bool [E/EP, G]), the
         # gathered probabilities' same columns [E/EP, G] and the permutation's sorted indices
         # (int64, one per token its experts take).
@@ -104,22 +113,37 @@ def moe_activations(spec: ModelSpec, options: DecoderOptions, *, tokens: int, lo
     # size with latent projections), then per token the expert MLP (ffn / TP wide): fc1 output,
     # activation, fc2 input, and the activation's output, which the probabilities multiply.
     ffn = moe.ffn_hidden_size // tp
-    if spec.gated_linear_unit and options.bias_activation_fusion:
-        per = 2 + 1  # fc1 output [n, 2 ffn], fc2 input
-    elif spec.gated_linear_unit:
-        per = 2 + 4  # fc1 output, silu(x1), x2 + offset, their product, the weighted product
-    else:
-        per = 3  # fc1 output, activation output, fc2 input
+    per = expert_elements(spec, options, sequential=_sequential_elements(spec, options), moe_act=moe_act)[0]
     width = moe.latent_size or h
     if frozen:  # (neither the permuted tokens, fc1's input, nor fc2's input)
         width, per = 0, per - 1
     out = {"moe/router": router, "moe/dispatcher": dispatcher,
-           "moe/experts": got * width * a + got * a + got * ffn * a * per}
+           "moe/experts": got * width * a + got * probability_bytes(options, a) + got * ffn * a * per}
     if moe.latent_size and not frozen:
         # NB: a formula (latent projections need Transformer Engine): fc2_latent_proj's input,
         # the combined output [T_l, latent]; fc1_latent_proj reads the router's input.
         out["moe/latent"] = local_tokens * moe.latent_size * a
     return out
+
+
+def _sequential_elements(spec: ModelSpec, options: DecoderOptions) -> int:
+    """Elements of ``ffn / ETP`` per routed token a SequentialMLP expert keeps."""
+    if spec.gated_linear_unit and options.bias_activation_fusion:
+        return 2 + 1  # fc1 output [n, 2 ffn], fc2 input
+    if spec.gated_linear_unit:
+        return 2 + 4  # fc1 output, silu(x1), x2 + offset, their product, the weighted product
+    return 3  # fc1 output, activation output, fc2 input
+
+
+def moe_act_freed(spec: ModelSpec, options: DecoderOptions, *, tokens: int, act: int, tp: int,
+                  received: int | None) -> int:
+    """Bytes per MoE layer that selective ``moe_act`` frees after forward and holds again while
+    the experts' backward runs (:func:`~megatron_flops.memory.moe_grouped.expert_elements`)."""
+    moe = spec.moe
+    assert moe is not None
+    got = tokens * moe.router_topk if received is None else received
+    freed = expert_elements(spec, options, sequential=_sequential_elements(spec, options), moe_act=True)[1]
+    return got * (moe.ffn_hidden_size // tp) * act * freed
 
 
 def expert_lora_activations(spec: ModelSpec, *, adapted: tuple[str, ...], rank: int, frozen: bool, tokens: int,
@@ -208,6 +232,10 @@ def moe_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism
         hidden = tokens * h * a  # one [s, b, h] activation: fc1 (twice) and fc2's gradient; fc2, fc1's gradient
         add("tp/all_gather", -(3 * moe_layers + rerun) * hidden)
         add("tp/reduce_scatter", -(2 * moe_layers + rerun) * hidden)
+    if options.moe_token_dispatcher_type == "flex":
+        for key, value in flex_communication(spec, options, par, training, moe_layers, rerun).items():
+            add(key, value)
+        return out
     passes = 2 * moe_layers + rerun  # forward passes through the dispatcher, backward once
     etp = par.expert_tp
     if options.moe_token_dispatcher_type == "allgather":
@@ -267,9 +295,6 @@ def moe_unmeasured(spec: ModelSpec, options: DecoderOptions) -> list[str]:
     if moe is None:
         return []
     out = []
-    if options.moe_token_dispatcher_type not in DISPATCHERS:
-        out.append(f"MoE traffic of the {options.moe_token_dispatcher_type!r} dispatcher (DeepEP/HybridEP, CUDA only), "
-                   "priced as the alltoall dispatcher's")
     if moe.latent_size:
         out.append(f"MoE latent projections (moe_latent_size {moe.latent_size}): their parameters, the experts' "
                    "latent width and the latent output kept for fc2_latent_proj (megatron-core builds them with "

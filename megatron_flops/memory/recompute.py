@@ -39,11 +39,6 @@ _BEFORE_MLP = ("linear_qkv", "linear_proj")  # (an MLA layer has no linear_qkv)
 
 def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...], peft: PeftSpec | None) -> str | None:
     """Why the activations of selective recompute of ``modules`` are not modelled (None: they are)."""
-    if "moe_act" in modules:
-        return ("activations under selective recompute of moe_act are not modelled: megatron-core recomputes it "
-                "in its grouped-GEMM experts only (moe_grouped_gemm: GroupedMLP or TEGroupedMLP, CUDA kernels), "
-                "not in the SequentialMLP experts these figures follow (grouped-GEMM experts' activations are not "
-                "modelled either: no CPU kernel to measure them)")
     if "layernorm" in modules and peft is not None and peft.frozen:
         return ("activations under selective recompute of layernorm with a frozen base: megatron-core 0.16.1's "
                 "CheckpointWithoutOutput fails in backward (no saved input) where a norm's input requires no grad, "

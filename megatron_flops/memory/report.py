@@ -37,6 +37,7 @@ from megatron_flops.memory.moe import (
     moe_unmeasured,
     rerun_moe_layers,
 )
+from megatron_flops.memory.moe_grouped import check_grouped, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
 from megatron_flops.memory.linear_cp import linear_cp_notes
 from megatron_flops.memory.ssm import ssm_notes
@@ -90,6 +91,7 @@ def rank_memory(
     (``vision``: a VLM's tower, on model chunk 0 of pipeline rank 0)."""
     par = hybrid_stages(spec, par)
     check_moe(spec, options, par)
+    check_grouped(spec, options, par, training, recompute)
     vision = vision or VisionMemory(params=(), activations=None)
     states: dict[str, int] = {}
     buffers: dict[str, list[Bucket]] = {"dp": [], "expt_dp": []}
@@ -281,6 +283,7 @@ def decoder_memory(
                                               lora=peft is not None and peft.lora_rank is not None)
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
+    unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None))
     unmeasured += tuple(parallel_layer_unmeasured(
         options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
         selective=reason is None and recompute is not None and recompute.granularity == "selective"
@@ -364,9 +367,9 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                "under no_grad, which detaches that adapter's output)"
                                + ("; under EP, the adapter traffic selective moe recompute re-runs assumes balanced "
                                   "routing and is not in the per-rank range" if par.ep > 1 else ""))
-    if activations and spec.moe is not None:
-        assumptions.append("routed experts save as megatron-core's SequentialMLP (local spec); grouped-GEMM experts "
-                           "(moe_grouped_gemm, Transformer Engine) are not measured")
+    if activations and spec.moe is not None and not options.moe_grouped_gemm:
+        assumptions.append("routed experts save as megatron-core's SequentialMLP (moe_grouped_gemm off; measured with "
+                           "the local spec)")
     if par.ep > 1 and spec.moe is not None:
         assumptions.append("ep/all_to_all (with TP, the TP all-gather and reduce-scatter of routed tokens too) and "
                            "the routed experts' activations assume balanced routing (each EP rank receives as many "
