@@ -103,8 +103,8 @@ class DiTActivations:
     """Bytes per micro-batch: ``block`` (one block's own saved storages, by part), ``outside``
     (the embeddings', head's and loss's, by part), ``shared`` (the text/image embeddings all blocks
     save), ``kept`` (what the checkpointed blocks keep), ``recompute`` (the largest region re-run
-    in backward, less the later checkpoints' freed inputs), ``total`` (the peak of saved storages), ``held`` (what it holds from the end
-    of its forward until its backward starts)."""
+    in backward, less the later checkpoints' freed inputs), ``total`` (the peak of saved storages),
+    ``held`` (what it holds from the end of its forward until its backward starts)."""
 
     block: dict[str, int]
     outside: dict[str, int]
