@@ -182,3 +182,34 @@ def test_moe_expert_adapters_under_tp_by_hand():
     assert comm["tp/all_reduce"] == 2 * 2 * 2 * 256
     # Layer 0's linear_qkv input gradient (before the first adapter) is not reduce-scattered.
     assert comm["tp/reduce_scatter"] == -2 * 3_072
+
+
+def test_moe_expert_adapters_with_their_own_tp_by_hand():
+    # As above with an expert TP other than TP (a formula, labelled unmeasured: Megatron-Bridge 0.6.2 splits
+    # an expert linear's adapter over expert_tensor_parallel_size). TP2 + SP, ETP1 x EP2: the experts'
+    # adapters whole ([r, h], [ffn, r]; [r, ffn], [h, r]), nothing gathered for them; the TP group's
+    # payloads are the dense adapters' alone (linear_proj: 2 x 3,072 a layer, less the 5 x 3,072 skipped).
+    from megatron_flops.memory.lora_layers import expert_lora_unmeasured, lora_tp_communication
+
+    spec = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
+                                       vocab_size=96, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32))
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_proj", "linear_fc1", "linear_fc2"))
+    etp1 = Parallelism(tp=2, dp=2, ep=2, etp=1, sequence_parallel=True)
+    check_supported(spec, etp1, peft, OPTIONS)
+    params = {p.name: p.numel for p in chunk_parameters(spec, OPTIONS, etp1, pp_rank=0, chunk=0, seq_length=16,
+                                                       peft=peft)}
+    expert = "decoder.layers.0.mlp.experts.local_experts.1."
+    assert [params[expert + f"linear_fc{i}.adapter.linear_{io}.weight"] for i in (1, 2) for io in ("in", "out")] \
+        == [4 * 48, 32 * 4, 4 * 32, 48 * 4]
+    comm = lora_tp_communication(spec, etp1, TRAINING, pp_rank=0, peft=peft)
+    assert comm["tp/all_gather"] == 2 * (2 * 2 * 3_072 - 5 * 3_072) and "etp/all_gather" not in comm
+    # TP1, ETP2 x EP2: no TP group; the expert TP group gathers, per layer and micro-batch, over the
+    # 128 tokens its experts get (32 per rank x ETP 2 x top-2), fc1's [n, r] (1,024) and fc2's output
+    # [n, h] (12,288).
+    etp2 = Parallelism(tp=1, dp=4, ep=2, etp=2)
+    assert lora_tp_communication(spec, etp2, TRAINING, pp_rank=0, peft=peft) == {
+        "etp/all_gather": 2 * 2 * (1_024 + 12_288)}
+    assert "expert TP 2 other than TP 1" in expert_lora_unmeasured(spec, etp2, peft)[0]
+    assert expert_lora_unmeasured(spec, Parallelism(tp=2, dp=2, sequence_parallel=True), peft) == []
+    with pytest.raises(ValueError, match="not divisible by the experts' TP 2"):
+        check_supported(spec, etp2, PeftSpec(frozen=True, lora_rank=3, lora_targets=("linear_fc1",)), OPTIONS)
