@@ -101,11 +101,7 @@ def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None) -> str | None
         if other:
             return (f"activations of LoRA adapters on MLA's {other} are not modelled (measured: linear_proj, "
                     "linear_fc1, linear_fc2)")
-    attention = {"linear_proj"} if spec.mla is not None else {"linear_qkv", "linear_proj"}
-    if peft.frozen and spec.moe is not None and spec.layers[0][1] == "moe" and not attention & set(peft.lora_targets):
-        return ("activations of a frozen MoE layer before the model's first adapter (the experts' adapters start "
-                "the gradient inside it) are not modelled: add an attention target (linear_proj)")
-    return None
+    return None  # (a frozen MoE first layer whose experts' adapters come first: memory/moe_lora_start.py)
 
 
 def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tokens: int, hidden: int, act: int,
