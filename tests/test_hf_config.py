@@ -82,6 +82,11 @@ VARIANTS = {
     "falcon MHA alibi serial": ("falcon", dict(FAMILIES["falcon"], multi_query=False, alibi=True, parallel_attn=False,
                                                bias=True)),
     "gpt_neox serial": ("gpt_neox", dict(DENSE, use_parallel_residual=False, rotary_pct=1.0)),
+    # Biases on some linear layers only: q, k, v and o_proj without the MLP's; the MLP's without attention's.
+    "llama attention_bias": ("llama", dict(DENSE, attention_bias=True)),
+    "gpt_neox without attention_bias": ("gpt_neox", dict(DENSE, attention_bias=False)),
+    # q/k LayerNorms, one per head, in a sequential layer.
+    "stablelm qk_layernorm": ("stablelm", dict(DENSE, partial_rotary_factor=0.25, qk_layernorm=True)),
     "gemma3 layer_types": ("gemma3_text", dict(FAMILIES["gemma3_text"], layer_types=[
         "full_attention", "sliding_attention", "sliding_attention"])),
 }

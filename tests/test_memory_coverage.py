@@ -2,8 +2,9 @@
 examples/, each Hugging Face family the reader knows, megatron-core field files of each layer kind),
 on a grid of parallel layouts and training setups, gets a ``megatron-flops memory`` report whose
 every figure is an integer, or which names what it leaves out (``not_modelled``) or prices by an
-unmeasured formula (``unmeasured``). Gaps are listed in EXPECTED_GAPS: a gap closed elsewhere makes
-its entry stale, and the test fails until the entry is deleted.
+unmeasured formula (``unmeasured``). What is left out is listed in FRAMEWORK_REFUSES (layouts the
+frameworks themselves refuse or cannot train: not gaps) and GAPS (ours): issue 19 is done when GAPS
+is empty. A gap closed elsewhere makes its entry stale, and the test fails until it is deleted.
 
 In-process through the CLI's ``main`` (the path users take), no gloo: seconds."""
 
@@ -73,6 +74,10 @@ MCORE = {
     # '|' marks megatron-core 0.19's pipeline stages: 4 segments, VPP 2 on PP 2 (no layout without PP).
     "hybrid mamba piped": dict(BASE, num_layers=8, hybrid_override_pattern="M*|-M|*-|M-", mamba_state_dim=16,
                                mamba_head_dim=16, mamba_num_groups=2),
+    # megatron-core's uneven pipeline split (2 layers on the first pipeline rank, 6 on the last), and a
+    # pipeline layout string.
+    "uneven pipeline": dict(BASE, num_layers=8, num_layers_in_first_pipeline_stage=2),
+    "pipeline layout": dict(BASE, pipeline_model_parallel_layout="Ettt|tL"),
     "lora and recompute in the file": dict(BASE, lora={"dim": 4}, recompute_granularity="full",
                                            recompute_method="uniform", recompute_num_layers=1),
 }
@@ -108,15 +113,50 @@ SETUPS = {
     "frozen LoRA, selective recompute of moe, shared_experts": [
         "--frozen", "--lora-rank", "4", "--recompute", "selective", "--recompute-modules", "moe,shared_experts"],
 }
-SETUP_LAYOUTS = ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2")
+SETUP_LAYOUTS = ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2", "DP2 Megatron-FSDP")
+# Setups and layouts run on a few models only (SPOT_CHECKS: model glob, setup, layouts): the setups or
+# layouts a gap needs, where crossing them with every model would only repeat other rows.
+SPOT_SETUPS = {
+    "frozen LoRA proj, selective recompute of mla_up_proj": [
+        "--frozen", "--lora-rank", "4", "--lora-targets", "linear_proj", "--recompute", "selective",
+        "--recompute-modules", "mla_up_proj"],
+    "LoRA q_down, proj": ["--lora-rank", "4", "--lora-targets", "linear_q_down_proj,linear_proj"],
+    "frozen LoRA fc1, fc2": ["--frozen", "--lora-rank", "4", "--lora-targets", "linear_fc1,linear_fc2"],
+    "full recompute of 2-block groups": ["--recompute", "full", "--recompute-method", "uniform",
+                                         "--recompute-num-layers", "2"],
+    "vision grids": ["--grid-thw", str(EXAMPLES / "vlm_grids.json")],
+}
+SPOT_LAYOUTS = {
+    "TP2 SP DP2 FSDP": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--fsdp"],
+    "CP2 DP2 FSDP": ["--cp", "2", "--dp", "2", "--fsdp"],
+    "DP2 FSDP SGD": ["--dp", "2", "--fsdp", "--optimizer", "sgd"],
+}
+SPOT_CHECKS = [
+    ("mcore:mla", "frozen LoRA proj, selective recompute of mla_up_proj", ("1 GPU", "TP2 SP")),
+    ("mcore:mla", "LoRA q_down, proj", ("1 GPU", "TP2 SP")),
+    ("hf:mixtral", "frozen LoRA fc1, fc2", ("1 GPU", "TP2 SP")),
+    ("mcore:moe alltoall", "LoRA", ("TP2 SP DP2 EP2 ETP1",)),
+    ("examples/wan_tiny_dit.json", "full recompute of 2-block groups", ("1 GPU", "DP2")),
+    ("examples/wan_tiny_dit.json", "", ("TP2 SP DP2 FSDP", "CP2 DP2 FSDP", "DP2 FSDP SGD")),
+    ("mcore:untied mla moe mtp", "", ("TP2 SP DP2 FSDP", "CP2 DP2 FSDP", "DP2 FSDP SGD")),
+    ("examples/qwen2_5_vl_7b_config.json", "vision grids", ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2")),
+]
+# What a report leaves out until the user gives an input no model file holds (``needs_input``): not
+# a gap. A VLM without --grid-thw: the vision tower's activations (the survey passes no grids but in
+# the "vision grids" spot check).
+NEEDS_INPUT = {"examples/qwen2_5_vl_7b_config.json": "--grid-thw"}
 
 
 def _layouts(model: str, setup: str) -> list[str]:
     """Every layout without a setup; with one, a few (the full-size example files: one GPU, as
-    each report lists every expert's parameters, thousands of them)."""
+    each report lists every expert's parameters, thousands of them); then the spot checks'."""
+    spots = [layout for glob, name, layouts in SPOT_CHECKS if name == setup and fnmatch.fnmatchcase(model, glob)
+             for layout in layouts]
+    if setup in SPOT_SETUPS:
+        return spots
     if not setup:
-        return list(LAYOUTS)
-    return ["1 GPU"] if model.startswith("examples/") else list(SETUP_LAYOUTS)
+        return list(LAYOUTS) + spots
+    return (["1 GPU"] if model.startswith("examples/") else list(SETUP_LAYOUTS)) + spots
 
 # Flags `estimate` takes that `memory` has no use for (rows, the FLOPs convention).
 FLOPS_ONLY_FLAGS = {"--seqlens", "--batch-size", "--attention", "--kv-seqlens", "--image-seqlens",
@@ -125,9 +165,12 @@ FLOPS_ONLY_FLAGS = {"--seqlens", "--batch-size", "--attention", "--kv-seqlens", 
 # has no memory report. (None: both take cli/_model_args.py's arguments.)
 MISSING_MEMORY_FLAGS: set[str] = set()
 
-# Gaps as of this commit: (model | layout | setup glob, reason regex). Every observed gap must match
-# an entry, and every entry must match a gap: delete an entry when its gap is closed.
-EXPECTED_GAPS: list[tuple[str, str]] = [
+# What is not reported, in two lists of (model | layout | setup glob, reason regex). Every observed
+# refusal or not-modelled reason must match an entry of one of them, and every entry must match one:
+# delete an entry when its gap is closed (the test fails while it is stale).
+# FRAMEWORK_REFUSES: layouts megatron-core, Megatron-LM, Megatron-Bridge or transformers themselves refuse
+# or cannot train (each with the framework's reason): not gaps of ours; the report names the refusal.
+FRAMEWORK_REFUSES: list[tuple[str, str]] = [
     # Kimi Delta Attention at TP 1 only (no KDA layer has tensor parallelism: not megatron-core through
     # 0.19.2, not Megatron-Bridge 0.6.2, not transformers) and without context parallelism (transformers'
     # KDA layer has none). (GDN and DSA under CP: megatron-core 0.19.0's layers, memory/linear_cp.py.)
@@ -139,19 +182,36 @@ EXPECTED_GAPS: list[tuple[str, str]] = [
     *[(f"hf:{model} | TP2* | *", r"refused: .*no framework splits them over TP") for model in ("olmo2", "olmo3")],
     # torch FSDP2 for a decoder with tied embeddings, which Megatron-LM's --use-torch-fsdp2 refuses (megatron-core
     # field files tie by default: "mcore:untied mla moe mtp" is the one decoder file FSDP2 reports on).
-    ("* | DP2 FSDP | *", r"refused: .*--use-torch-fsdp2 \(--fsdp\) is not supported with tied embeddings"),
+    ("* | *DP2 FSDP* | *", r"refused: .*--use-torch-fsdp2 \(--fsdp\) is not supported with tied embeddings"),
     # MoE under TP without sequence parallelism: megatron-core's MoELayer raises in training.
     ("* | TP2 | *", r"refused: .*megatron-core refuses to train MoE layers under tensor parallelism without "
                     r"sequence parallelism"),
     # DiT (memory/dit_layouts.py) with virtual pipeline stages: Megatron-Bridge 0.6.2 itself cannot build them
     # (WanModelProvider.provide ignores vp_stage), so there is no layout to model.
     ("examples/wan* | PP2 VPP2 | ", r"refused: .*Megatron-Bridge 0.6.2 cannot interleave WAN itself"),
+]
+
+# GAPS: ours. Each is a refusal or a not-modelled row for a layout the frameworks train.
+GAPS: list[tuple[str, str]] = [
+    # A pipeline_model_parallel_layout string (the split as num_layers_in_first/last_pipeline_stage is modelled).
+    ("mcore:pipeline layout | PP2* | *", r"refused: .*pipeline_model_parallel_layout .* is not modelled"),
+    # LoRA on MLA's down/up projections; frozen MLA with mla_up_proj recompute under TP.
+    ("mcore:mla | 1 GPU | LoRA q_down, proj", r"not modelled: activations of LoRA adapters on MLA's"),
+    ("mcore:mla | TP2 SP | LoRA q_down, proj", r"refused: .*LoRA adapters under tensor parallelism are modelled on"),
+    ("mcore:mla | TP2 SP | frozen LoRA proj, selective recompute of mla_up_proj",
+     r"not modelled: .*recompute of mla_up_proj with a frozen base are modelled with --tp 1"),
+    # A frozen base whose first layer is MoE, adapted on the experts only: the layers before the first adapter.
+    ("hf:mixtral | 1 GPU | frozen LoRA fc1, fc2", r"not modelled: activations of a frozen MoE layer before"),
+    ("hf:mixtral | TP2 SP | frozen LoRA fc1, fc2", r"refused: .*no tensor-parallel adapter"),
+    # LoRA with an expert TP other than TP.
+    ("mcore:moe alltoall | TP2 SP DP2 EP2 ETP1 | LoRA", r"refused: .*LoRA adapters are modelled with the experts' TP"),
+    # DiT: uniform recompute of groups of blocks; torch FSDP2 beside TP/CP.
+    ("examples/wan_tiny_dit.json | * | full recompute of 2-block groups", r"refused: .*per-block checkpointing"),
+    ("examples/wan_tiny_dit.json | * DP2 FSDP | ", r"refused: .*under --fsdp \(torch FSDP2\) is modelled over --dp"),
     # Grouped-GEMM experts under LoRA or a frozen base (memory/moe_grouped.py): Megatron-Bridge's adapters
     # are modelled around SequentialMLP experts only.
     ("mcore:moe*grouped* | * | *LoRA*", r"not modelled: activations of grouped-GEMM experts \(moe_grouped_gemm\) "
                                           r"under LoRA"),
-    # A VLM without --grid-thw (the survey passes no grids): the vision tower's activations.
-    ("examples/qwen2_5_vl_7b_config.json | *", r"not modelled: the vision tower's activations: give --grid-thw"),
 ]
 
 
@@ -292,6 +352,7 @@ def unlabelled_figures(report: dict[str, Any]) -> list[str]:
 def _survey(files: dict[str, Path]) -> dict[str, Any]:
     """Run estimate and memory over every model x setup x layout."""
     gaps: dict[str, list[str]] = {}
+    needs: dict[str, set[str]] = {}
     problems: list[str] = []
     skipped: list[str] = []
     for name, path in files.items():
@@ -299,13 +360,15 @@ def _survey(files: dict[str, Path]) -> dict[str, Any]:
         options = DecoderOptions.from_mapping(raw, hf=is_hf_config(raw)) if spec is not None else None
         biases = options is not None and options.add_bias_linear
         flex = options is not None and options.moe_token_dispatcher_type == "flex"
-        for setup, setup_flags in SETUPS.items():
+        for setup, setup_flags in {**SETUPS, **SPOT_SETUPS}.items():
+            if not _layouts(name, setup):
+                continue
             rc, _, err = _run(["estimate", "--model", str(path), "--seq-length", str(SEQ), *setup_flags, "--json"])
             if rc != 0:
                 skipped.append(f"{name} | {setup}: estimate refuses: {err.strip()}")
                 continue
             for layout in _layouts(name, setup):
-                flags = LAYOUTS[layout]
+                flags = {**LAYOUTS, **SPOT_LAYOUTS}[layout]
                 key = f"{name} | {layout} | {setup}"
                 argv = ["memory", "--model", str(path), "--seq-length", str(SEQ), *flags, *setup_flags]
                 invalid = megatron_core_refuses(spec, flags, biases, flex)
@@ -322,6 +385,10 @@ def _survey(files: dict[str, Path]) -> dict[str, Any]:
                     gaps.setdefault(key, []).append(f"refused: {err.strip()}")
                     continue
                 report = json.loads(out)
+                for need in report["needs_input"]:
+                    needs.setdefault(name, set()).add(need["flag"])
+                    if f"total, without {need['excluded']}" not in format_reports({"r": report}, []):
+                        problems.append(f"{key}: a total without {need['excluded']} printed as the total")
                 gaps_here = [f"not modelled: {r}" for r in report["not_modelled"]]
                 if gaps_here:
                     gaps.setdefault(key, []).extend(gaps_here)
@@ -331,7 +398,7 @@ def _survey(files: dict[str, Path]) -> dict[str, Any]:
                     problems.append(f"{key}: 'None' in the text output")
                 if report["per_gpu"]["activations_bytes"] is None and "total, activations not included" not in text:
                     problems.append(f"{key}: a total without activations printed as the total")
-    return {"gaps": gaps, "problems": problems, "skipped": skipped}
+    return {"gaps": gaps, "needs": needs, "problems": problems, "skipped": skipped}
 
 
 @pytest.fixture(scope="module")
@@ -345,13 +412,20 @@ def test_every_figure_is_an_integer_or_labelled_and_nothing_raises(survey):
 
 def test_gaps_are_exactly_the_expected_ones(survey):
     observed = [(key, reason) for key, reasons in survey["gaps"].items() for reason in reasons]
-    unexpected = [f"{key}: {reason}" for key, reason in observed
-                  if not any(fnmatch.fnmatchcase(key, glob) and re.search(pattern, reason)
-                             for glob, pattern in EXPECTED_GAPS)]
-    stale = [(glob, pattern) for glob, pattern in EXPECTED_GAPS
-             if not any(fnmatch.fnmatchcase(key, glob) and re.search(pattern, reason) for key, reason in observed)]
-    assert unexpected == [], "new gaps (close them, or list them in EXPECTED_GAPS)"
-    assert stale == [], "gaps closed: delete these EXPECTED_GAPS entries"
+
+    def matches(key: str, reason: str, entries: list[tuple[str, str]]) -> bool:
+        return any(fnmatch.fnmatchcase(key, glob) and re.search(pattern, reason) for glob, pattern in entries)
+
+    unexpected = [f"{key}: {reason}" for key, reason in observed if not matches(key, reason, FRAMEWORK_REFUSES + GAPS)]
+    assert unexpected == [], "new gaps (close them, or list them in GAPS, or in FRAMEWORK_REFUSES with the reason)"
+    for name, entries in (("FRAMEWORK_REFUSES", FRAMEWORK_REFUSES), ("GAPS", GAPS)):
+        stale = [entry for entry in entries if not any(matches(key, reason, [entry]) for key, reason in observed)]
+        assert stale == [], f"gaps closed: delete these {name} entries"
+
+
+def test_inputs_a_report_needs_are_named_not_gaps(survey):
+    assert {name: sorted(flags) for name, flags in survey["needs"].items()} == \
+        {name: [flag] for name, flag in NEEDS_INPUT.items()}
 
 
 def test_silent_hf_gaps_are_still_silent(tmp_path):

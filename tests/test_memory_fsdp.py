@@ -1,5 +1,5 @@
 """A WAN-like DiT (``examples/wan_dit_fsdp2.py``) under torch FSDP2 in 4 gloo processes, LoRA and
-full training: parameter shards, gradients, Adam (or SGD momentum) state and the all-gather/reduce-scatter payload
+full training: parameter shards, gradients, Adam (and SGD momentum) state and the all-gather/reduce-scatter payload
 of one real step (two micro-batches, gradient sync on the last) against
 :func:`megatron_flops.memory.fsdp.fsdp_rank_memory`, to the byte on every rank."""
 
@@ -26,24 +26,20 @@ WORLD = 4
 RAW = json.loads((EXAMPLES / "wan_tiny_dit.json").read_text())
 I2V = {"image_dim": 20, "image_len": 5}
 
-# name -> (dit overrides, lora section or None, params dtype, micro-batches)
+# name -> (dit overrides, lora section or None, params dtype, micro-batches, optimizer)
 RUNS = {
     "LoRA q,k,v,o rank 4, frozen base, bf16 compute (MixedPrecisionPolicy), blocks checkpointed": (
-        {}, {"dim": 4, "target_modules": ["q", "k", "v", "o"]}, "bf16", 2),
-    "full training, image-to-video, fp32": (I2V, None, "fp32", 2),
+        {}, {"dim": 4, "target_modules": ["q", "k", "v", "o"]}, "bf16", 2, "adam"),
+    "full training, image-to-video, fp32": (I2V, None, "fp32", 2, "adam"),
     "LoRA rank 3 (uneven shards) on q,k,v,o,k_img,v_img,ffn.0, image-to-video, bf16": (
-        I2V, {"dim": 3, "target_modules": ["q", "k", "v", "o", "k_img", "v_img", "ffn.0"]}, "bf16", 1),
-    "LoRA rank 3 (uneven shards), SGD with momentum, bf16": ({}, {"dim": 3, "target_modules": ["q", "k", "v", "o"]},
-                                                              "bf16", 1),
+        I2V, {"dim": 3, "target_modules": ["q", "k", "v", "o", "k_img", "v_img", "ffn.0"]}, "bf16", 1, "adam"),
+    # SGD with momentum: one fp32 momentum buffer per real row of each trainable shard.
+    "full training, bf16, SGD with momentum": ({}, None, "bf16", 1, "sgd"),
 }
 
 
-def _optimizer(name: str) -> str:
-    return "sgd" if "SGD" in name else "adam"
-
-
 def _raw(name: str) -> dict:
-    dit, lora, _, _ = RUNS[name]
+    dit, lora = RUNS[name][:2]
     raw = copy.deepcopy(RAW)
     raw["dit"].update(dit)
     raw.pop("lora")
@@ -68,7 +64,7 @@ def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
-    for name, (raw, dtype, num_mb, kind) in runs.items():
+    for name, (raw, dtype, num_mb, optimizer_name) in runs.items():
         model = example.build_model(raw)
         bf16 = dtype == "bf16"
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
@@ -78,8 +74,8 @@ def fsdp_worker(rank: int, world_size: int, runs: dict) -> dict:
         fully_shard(model, mesh=mesh, mp_policy=policy)
         params = list(model.parameters())
         trained = [p for p in params if p.requires_grad]
-        optimizer = torch.optim.AdamW(trained, lr=1e-3) if kind == "adam" else \
-            torch.optim.SGD(trained, lr=1e-3, momentum=0.9)
+        optimizer = torch.optim.AdamW(trained, lr=1e-3) if optimizer_name == "adam" \
+            else torch.optim.SGD(trained, lr=1e-3, momentum=0.9)
         spec = DiTSpec.from_mapping(raw["dit"])
         stream = example.microbatches(spec, example.Options(), rank)
         comm = mcore_memory.CommMeter([("fsdp", mesh.get_group())])
@@ -125,7 +121,7 @@ def _unsharded_grads(model) -> list:
 
 @pytest.fixture(scope="module")
 def measured():
-    runs = {name: (_raw(name), RUNS[name][2], RUNS[name][3], _optimizer(name)) for name in RUNS}
+    runs = {name: (_raw(name), *RUNS[name][2:]) for name in RUNS}
     return mcore_dist.run_by_name(fsdp_worker, WORLD, runs, timeout=600)
 
 
@@ -134,9 +130,9 @@ def _setup(name: str):
     spec = DiTSpec.from_mapping(raw["dit"])
     lora = raw.get("lora")
     peft = DiTPeftSpec(frozen=True, lora_rank=lora["dim"], lora_targets=tuple(lora["target_modules"])) if lora else None
-    _, _, dtype, num_mb = RUNS[name]
+    dtype, num_mb, optimizer = RUNS[name][2:]
     return spec, peft, Training(seq_length=1, micro_batch_size=1, num_microbatches=num_mb, params_dtype=dtype,
-                                optimizer=_optimizer(name))
+                                optimizer=optimizer)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -1,5 +1,5 @@
-"""Hugging Face q/k norms megatron-core has no module for (cohere's per-head weights, olmo2/olmo3's
-whole-projection RMSNorms) and falcon's ALiBi, as :mod:`megatron_flops.memory.hf_qk_norms` counts
+"""Hugging Face q/k norms megatron-core has no module for (cohere's per-head weights, stablelm's
+LayerNorm per head, olmo2/olmo3's whole-projection RMSNorms) and falcon's ALiBi, as :mod:`megatron_flops.memory.hf_qk_norms` counts
 them, against transformers' layers on CPU: what the feature adds to the bytes autograd saves in one
 training forward (saved-tensor hooks over distinct storages, :func:`hf_tiny.saved_bytes`), with the
 feature and without it, in fp32 and bf16; and transformers' norm modules put in a real megatron-core
@@ -22,7 +22,7 @@ import pytest
 from megatron_flops.cli import main
 from megatron_flops.memory.activations import chunk_activations
 from megatron_flops.memory.decoder import DecoderOptions
-from megatron_flops.memory.hf_qk_norms import PER_HEAD_WEIGHT, WHOLE_PROJECTION, qk_norm_saved_bytes
+from megatron_flops.memory.hf_qk_norms import PER_HEAD_LAYERNORM, PER_HEAD_WEIGHT, WHOLE_PROJECTION, qk_norm_saved_bytes
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.model.spec import ModelSpec
 
@@ -77,6 +77,45 @@ def test_qk_norms_save_as_transformers_layers(family, trainable, dtype):
     formula = qk_norm_saved_bytes(KINDS[family], tokens=T, heads=HEADS, groups=GROUPS, head_dim=D,
                                   act=2 if dtype == "bf16" else 4, trainable=trainable)
     assert formula == PER_LAYER[family, trainable][dtype]
+
+
+STABLELM = "stablelm qk_layernorm"  # (tests/test_hf_config.py: a sequential layer, partial rotary, no biases)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("trainable", [True, False], ids=["trained", "frozen norm weights"])
+def test_stablelm_per_head_layernorms_save_a_layernorms_tensors(trainable, dtype):
+    # stablelm with qk_layernorm against the same model without: each head's nn.LayerNorm (native_layer_norm)
+    # keeps its input, a view of q_proj's or k_proj's output that nothing else keeps, [T, heads + groups, d]:
+    # 192 x 16 x act, and mean and rstd per (token, head) row: 2 x 192 in the input dtype on CPU (CUDA keeps
+    # them in fp32, as the report counts); trained or frozen weights alike. fp32: 12288 + 1536 = 13824 per
+    # layer; bf16: 6144 + 768 = 6912.
+    _, kw = test_hf_config.CASES[STABLELM]
+    _, model = tiny_model("stablelm", **kw)
+    for layer in model.model.layers:
+        for norm in (layer.self_attn.q_layernorm, layer.self_attn.k_layernorm):
+            norm.requires_grad_(trainable)
+    plain = tiny_model("stablelm", **dict(kw, qk_layernorm=False))[1]
+    act = 2 if dtype == "bf16" else 4
+    measured = (saved_bytes(model, seq=SEQ, batch=MBS, dtype=DTYPES[dtype])
+                - saved_bytes(plain, seq=SEQ, batch=MBS, dtype=DTYPES[dtype]))
+    assert measured == LAYERS * T * (HEADS + GROUPS) * (D + 2) * act
+    # The report counts them as megatron-core's LayerNorm q/k norms over head_dim (whose saved tensors in
+    # megatron-core's layer: test_in_megatron_cores_layer_the_norms_save_as_counted).
+    assert qk_norm_saved_bytes(PER_HEAD_LAYERNORM, tokens=T, heads=HEADS, groups=GROUPS, head_dim=D, act=act,
+                               trainable=trainable) is None
+
+
+@pytest.mark.parametrize("backend", ["unfused", "flash"])
+def test_the_report_saves_stablelms_norms_as_megatron_cores_layernorms(backend):
+    raw = _raw(STABLELM)
+    spec = ModelSpec.from_hf_config(raw)
+    options = dataclasses.replace(DecoderOptions.from_mapping(raw, hf=True), attention_backend=backend)
+    assert (options.qk_layernorm, options.hf_qk_norm, options.normalization) == (True, PER_HEAD_LAYERNORM, "LayerNorm")
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, params_dtype="bf16")
+    stablelm, mcore = (chunk_activations(spec, o, Parallelism(), training, pp_rank=0, chunk=0)
+                       for o in (options, dataclasses.replace(options, hf_qk_norm=None)))
+    assert stablelm == mcore
 
 
 def _raw(family: str, **extra: Any) -> dict[str, Any]:
@@ -146,19 +185,21 @@ def test_olmo2_under_tp_is_refused_with_the_reason(tmp_path):
     assert "need statistics over every head, and no framework splits them over TP" in err
 
 
-def test_cohere_under_tp_splits_the_norm_weights_by_head_unmeasured(tmp_path):
+@pytest.mark.parametrize("case, key, module", [("cohere", "use_qk_norm", "CohereLayerNorm"),
+                                                (STABLELM, "qk_layernorm", "StableLmLayerNormPerHead")])
+def test_per_head_norms_under_tp_split_the_norm_weights_by_head_unmeasured(tmp_path, case, key, module):
     # The model's q/k norm weights: 2 layers x (4 + 2) x d = 192; each of 2 TP ranks holds its heads' rows,
     # 96 (bf16: 192 bytes), against the same model without q/k norms.
-    raw = _raw("cohere")
+    raw = _raw(case)
     reports = {}
-    for name, config, tp in (("1", raw, 1), ("2", raw, 2), ("2 without", dict(raw, use_qk_norm=False), 2)):
+    for name, config, tp in (("1", raw, 1), ("2", raw, 2), ("2 without", dict(raw, **{key: False}), 2)):
         rc, out, _ = _memory(tmp_path, config, "--tp", str(tp), "--json")
         assert rc == 0
         reports[name] = json.loads(out)
     assert reports["2"]["parameters"]["total"] - reports["2 without"]["parameters"]["total"] == 192
     assert reports["2"]["per_gpu"]["weights_bytes"] - reports["2 without"]["per_gpu"]["weights_bytes"] == 96 * 2
-    assert any("CohereLayerNorm) under TP 2" in u for u in reports["2"]["unmeasured"])
-    assert not any("CohereLayerNorm" in u for u in reports["1"]["unmeasured"])
+    assert any(f"{module}) under TP 2" in u for u in reports["2"]["unmeasured"])
+    assert not any(module in u for u in reports["1"]["unmeasured"])
     # Their gradients are not all-reduced over TP (megatron-core's [d] q/k norms' are): the step's
     # traffic is that of the model without q/k norms.
     assert reports["2"]["communication_per_step"] == reports["2 without"]["communication_per_step"]
@@ -179,26 +220,50 @@ def test_norm_weights_have_transformers_shapes(family):
     assert ours == theirs
 
 
+def test_stablelm_norm_weights_are_transformers_per_head_weights():
+    # A [d] weight per head, named as transformers' ModuleList names them (1-D: FSDP2 shards each over d).
+    from megatron_flops.memory.decoder import chunk_parameters
+
+    raw = _raw(STABLELM)
+    params = chunk_parameters(ModelSpec.from_hf_config(raw), DecoderOptions.from_mapping(raw, hf=True), Parallelism(),
+                              pp_rank=0, chunk=0, seq_length=SEQ)
+    ours = [(p.name.split("self_attention.")[1], p.numel, p.rows) for p in params if "_layernorm.norms." in p.name]
+    _, model = tiny_model("stablelm", **test_hf_config.CASES[STABLELM][1])
+    theirs = [(n, w.numel(), None) for layer in model.model.layers for part in ("q_layernorm", "k_layernorm")
+              for n, w in getattr(layer.self_attn, part).named_parameters(prefix=part)]
+    assert ours == theirs
+
+
 def _hf_norms_in_megatron_core(model: Any, kind: str, heads: int, groups: int) -> None:
     """Put transformers' q/k norm modules in each megatron-core layer's q_layernorm/k_layernorm places
     (megatron-core hands them q and k as [s, b, heads or groups, head_dim])."""
     from transformers.models.cohere.modeling_cohere import CohereLayerNorm
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    from transformers.models.stablelm.modeling_stablelm import StableLmLayerNormPerHead
 
     class WholeProjection(Olmo2RMSNorm):
         def forward(self, x):  # over [s, b, n x head_dim], as olmo2 applies it to q_proj's output
             return super().forward(x.reshape(*x.shape[:-2], -1)).view(x.shape)
 
+    class PerHead(StableLmLayerNormPerHead):
+        def forward(self, x):  # [s, b, n, head_dim]: split by head as stablelm does on [b, n, s, head_dim]
+            return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+    modules = {PER_HEAD_WEIGHT: lambda n: CohereLayerNorm((n, D)), WHOLE_PROJECTION: lambda n: WholeProjection(n * D),
+               PER_HEAD_LAYERNORM: lambda n: PerHead(D, n)}
     for layer in model.decoder.layers:
         attn = layer.self_attention
         for name, n in (("q_layernorm", heads), ("k_layernorm", groups)):
-            setattr(attn, name, CohereLayerNorm((n, D)) if kind == PER_HEAD_WEIGHT else WholeProjection(n * D))
+            setattr(attn, name, modules[kind](n))
 
 
 MCORE_CASES = {
     "cohere, GQA": (PER_HEAD_WEIGHT, dict(num_query_groups=2)),
     "cohere, MHA, selective core_attn": (PER_HEAD_WEIGHT, dict(recompute_granularity="selective",
                                                                recompute_modules=["core_attn"])),
+    "stablelm, GQA": (PER_HEAD_LAYERNORM, dict(num_query_groups=2)),
+    "stablelm, MHA, selective core_attn": (PER_HEAD_LAYERNORM, dict(recompute_granularity="selective",
+                                                                    recompute_modules=["core_attn"])),
     "olmo2, GQA": (WHOLE_PROJECTION, dict(num_query_groups=2)),
     "olmo2, MHA": (WHOLE_PROJECTION, {}),
 }

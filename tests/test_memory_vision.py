@@ -15,7 +15,7 @@ from megatron_flops.flops.vision import VisionStats
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.report import decoder_memory, rank_memory
-from megatron_flops.memory.vision import vision_activations, vision_memory, vision_parameters, vision_tower
+from megatron_flops.memory.vision import GRIDS_NEEDED, vision_activations, vision_memory, vision_parameters, vision_tower
 from megatron_flops.model.spec import ModelSpec
 
 transformers = pytest.importorskip("transformers")
@@ -176,7 +176,13 @@ def test_cli_vlm_memory(capsys):
     base = ["memory", "--model", "examples/qwen2_5_vl_7b_config.json", "--seq-length", "4096", "--json"]
     assert main(base) == 0
     out = json.loads(capsys.readouterr().out)
-    assert any("give --grid-thw" in r for r in out["not_modelled"])
+    # No grids: the tower's activations need --grid-thw (an input, not a gap), and the total says it leaves them out.
+    assert out["not_modelled"] == [] and out["needs_input"] == [
+        {"flag": "--grid-thw", "excluded": "the vision tower's activations",
+         "give": "the [t, h, w] grids of one micro-batch"}]
+    assert main(base[:-1]) == 0
+    text = capsys.readouterr().out
+    assert "total, without the vision tower's activations" in text and "needs --grid-thw (this setup)" in text
     assert main(base + ["--grid-thw", "[[1, 98, 146]]", "--vision-attention", "eager",
                         "--freeze-vision-model"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -318,10 +324,9 @@ def test_qwen3_towers_are_labelled():
     # Their activations are the Hugging Face module's (measured above); Bridge's megatron-core tower is labelled.
     for family, name in (("qwen3_vl", "Qwen3-VL"), ("qwen3_omni_moe", "Qwen3-Omni")):
         tower = vision_memory(_tower(family), [[1, 4, 4]], act_bytes=2, attention="sdpa")
-        assert tower.not_modelled == () and set(tower.activations) >= {"vit/pos_embed", "vit/deepstack_merger"}
+        assert tower.needs_input == () and set(tower.activations) >= {"vit/pos_embed", "vit/deepstack_merger"}
         assert f"the {name} vision tower as the Hugging Face module" in tower.unmeasured[0]
-    assert vision_memory(_tower("qwen3_vl"), None, act_bytes=2, attention="sdpa").not_modelled[0].endswith(
-        "give --grid-thw (the [t, h, w] grids of one micro-batch)")
+    assert vision_memory(_tower("qwen3_vl"), None, act_bytes=2, attention="sdpa").needs_input == (GRIDS_NEEDED,)
     flash = vision_memory(_tower("qwen2_5_vl"), [[1, 4, 4]], act_bytes=2, attention="flash_attention_2", cp=2,
                           tokens=32)
     assert any("flash_attention_2" in u for u in flash.unmeasured) and any("context" in u for u in flash.unmeasured)

@@ -13,6 +13,7 @@ from megatron_flops.cli._memory_model import decoder_options, layout_defaults, n
 from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, backend_convention
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages
+from megatron_flops.memory.pipeline_split import pipeline_split
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS
 from megatron_flops.memory.layout import DTYPE_BYTES, FSDP_STRATEGIES, OPTIMIZERS, Parallelism, Training
 from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
@@ -36,10 +37,15 @@ def _table(columns: dict[str, dict[str, int | None]], title: str) -> list[str]:
 
 def _columns(report: dict[str, Any]) -> tuple[dict[str, int | None], dict[str, int | None]]:
     gpu = report["per_gpu"]
-    memory: dict[str, int | None] = dict(gpu["components"])
-    memory.setdefault("activations", gpu["activations_bytes"])
-    # NB: where activations are not modelled the total is the states' alone: the row says so.
-    memory["total" if gpu["activations_bytes"] is not None else "total, activations not included"] = gpu["total_bytes"]
+    # NB: without an input it needs (a VLM's --grid-thw), the activations and the total leave out what
+    # that input prices; where activations are not modelled the total is the states' alone: the rows say so.
+    excluded = " and ".join(n["excluded"] for n in report.get("needs_input", []))
+    without = f", without {excluded}" if excluded else ""
+    memory: dict[str, int | None] = {("activations" + without if k == "activations" else k): v
+                                     for k, v in gpu["components"].items()}
+    memory.setdefault("activations" + without, gpu["activations_bytes"])
+    memory["total" + without if gpu["activations_bytes"] is not None else "total, activations not included"] = \
+        gpu["total_bytes"]
     comm = dict(report["communication_per_step"])
     comm["total"] = comm.pop("total_bytes")
     comm["total, bus bytes"] = report["bus_bytes_per_step"]["total_bytes"]
@@ -75,6 +81,9 @@ def format_reports(reports: dict[str, dict[str, Any]], assumptions: list[str]) -
             lines.append(f"not modelled ({name}): {reason}")
         for what in report.get("unmeasured", []):
             lines.append(f"unmeasured formula ({name}): {what}")
+        for need in report.get("needs_input", []):
+            lines.append(f"needs {need['flag']} ({name}): {need['excluded']} are left out of the total: give "
+                         f"{need['give']}")
     lines.append("assumptions: " + "; ".join(assumptions + first.get("modelling_assumptions", [])))
     lines.append("not counted: " + ", ".join(NOT_COUNTED))
     return "\n".join(lines)
@@ -216,8 +225,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     _resolve_layout(args, model)
     training, par = _training(args, model.seq_length), _parallelism(args)
     dit = "dit" in model.raw
-    if model.spec is not None and not dit:  # a hybrid pattern's '|' segments make its VPP
-        par = hybrid_stages(model.spec, par)
+    if model.spec is not None and not dit:  # a hybrid pattern's '|' segments make its VPP; uneven splits
+        par = pipeline_split(model.spec, hybrid_stages(model.spec, par), model.raw)
     reports = (_dit if dit else _decoder)(args, model, training, par)
     assumptions = [
         f"{args.params_dtype} weights" + (" (fp32 shards cast for compute)" if dit and not _dit_megatron(par)
@@ -229,7 +238,9 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         f"{par.world_size} GPUs (TP {par.tp} x PP {par.pp}" + (f" x CP {par.cp}" if par.cp > 1 else "")
         + f" x DP {par.dp}" + (f", VPP {par.vpp}" if par.vpp else "") + (f", EP {par.ep}" if par.ep > 1 else "")
         + (f", expert TP {par.expert_tp}" if par.expert_tp != par.tp and par.ep > 1 else "")
-        + (", sequence parallel" if par.sequence_parallel and par.tp > 1 else "") + ")",
+        + (", sequence parallel" if par.sequence_parallel and par.tp > 1 else "")
+        + (f", uneven pipeline split: {list(par.stage_layers)} layers per virtual stage (v x PP + r)"
+           if par.stage_layers and not (model.spec and model.spec.pipeline_segments) else "") + ")",
         "FSDP2" if par.fsdp else f"Megatron-FSDP ({par.megatron_fsdp})" if par.megatron_fsdp
         else "distributed optimizer" if par.distributed_optimizer else "DDP",
         f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {training.seq_length} tokens",

@@ -221,7 +221,7 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
         reason = selective_reason(spec, par, recompute.modules, peft)
         if reason is not None:
             return reason
-        if "mlp" in recompute.modules and options.add_bias_linear:
+        if "mlp" in recompute.modules and (options.add_bias_linear or options.mlp_bias):
             # (fc2's bias, returned through the checkpoint, gets the checkpoint as its grad_fn: its
             # backward re-enters itself without end; seen on CPU, not a CPU effect.)
             return "selective mlp recompute with linear biases does not run on megatron-core 0.16.1"
@@ -278,9 +278,11 @@ def _attention(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: boo
     gated = T * x.heads * d * a * (2 if gqa else 1) if x.gate else 0
     # q and k are storages of their own after RoPE or the q/k norms, else views of the qkv output.
     fresh = bool(x.rot) or options.qk_layernorm
-    if options.qk_layernorm and options.hf_qk_norm:  # (transformers' modules, :mod:`.hf_qk_norms`)
-        w.act("attention", qk_norm_saved_bytes(options.hf_qk_norm, tokens=T, heads=x.heads, groups=x.groups,
-                                               head_dim=d, act=a, trainable=w.grad.base))
+    # (transformers' modules, :mod:`.hf_qk_norms`; None: saved as megatron-core's)
+    hf_saved = qk_norm_saved_bytes(options.hf_qk_norm, tokens=T, heads=x.heads, groups=x.groups, head_dim=d, act=a,
+                                   trainable=w.grad.base) if options.qk_layernorm and options.hf_qk_norm else None
+    if hf_saved is not None:
+        w.act("attention", hf_saved)
     elif options.qk_layernorm:
         _qk_norms(w, x, options, qkv_out if gqa and options.attention_backend == "unfused" and not checkpointed else 0)
     if x.rot:

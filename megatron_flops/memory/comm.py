@@ -120,7 +120,7 @@ def tp_replicated_numel(buffers: Mapping[str, Sequence[Bucket]], par: Parallelis
     step, in one coalesced tensor: weights every TP rank holds whole (norms, row-parallel
     biases, router, shared-expert gate, Transformer Engine's duplicated MLA down projections)
     under sequence parallelism, and the q/k norms with ``qk_layernorm`` (always, matched by name,
-    but for cohere's, split by head over TP: :mod:`.hf_qk_norms`;
+    but for cohere's and stablelm's, split by head over TP: :mod:`.hf_qk_norms`;
     ``fused_latent_norms``: Transformer Engine's MLA spec, whose latent norms are the up
     projections' ``layer_norm_weight``, which the name match misses). NB: counted from the
     gradient buffers (trainable parameters)."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from megatron_flops.memory.hf_layers import hf_decoder_fields
 from megatron_flops.memory.hf_parallel import ONE_NORM
-from megatron_flops.memory.hf_qk_norms import HF_QK_NORMS, qk_norm_reason, qk_norm_tensors
+from megatron_flops.memory.hf_qk_norms import HF_QK_NORMS, PER_HEAD_LAYERNORM, qk_norm_reason, qk_norm_tensors
 from megatron_flops.model.hf_config import hf_family_of, hf_text_config
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
@@ -48,6 +48,10 @@ class DecoderOptions:
     normalization: str = "LayerNorm"
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
+    # Hugging Face layers with some of these biases only (memory/hf_layers.py): linear_proj's, and the dense
+    # MLP's and shared experts' (linear_fc1, linear_fc2); None: add_bias_linear's (megatron-core's one switch).
+    hf_proj_bias: bool | None = None
+    hf_mlp_bias: bool | None = None
     qk_layernorm: bool = False
     # Hugging Face q/k norms megatron-core has no module for (memory/hf_qk_norms.py): cohere's per-head
     # weights, olmo2/olmo3's whole-projection norms; None: megatron-core's [head_dim] norms.
@@ -89,6 +93,16 @@ class DecoderOptions:
     parallel_layer_norms: int = 0
 
     @property
+    def proj_bias(self) -> bool:
+        """Whether ``linear_proj`` has a bias."""
+        return self.add_bias_linear if self.hf_proj_bias is None else self.hf_proj_bias
+
+    @property
+    def mlp_bias(self) -> bool:
+        """Whether the dense MLP's and the shared experts' ``linear_fc1`` and ``linear_fc2`` have biases."""
+        return self.add_bias_linear if self.hf_mlp_bias is None else self.hf_mlp_bias
+
+    @property
     def duplicated_mla_down(self) -> bool:
         """Transformer Engine's MLA spec: the down projections whole on every TP rank."""
         return self.transformer_impl == "transformer_engine"
@@ -115,6 +129,9 @@ class DecoderOptions:
                              f"{self.position_embedding_type!r}")
         if self.hf_qk_norm not in (None, *HF_QK_NORMS):
             raise ValueError(f"hf_qk_norm must be one of {HF_QK_NORMS} or None, got {self.hf_qk_norm!r}")
+        if self.hf_qk_norm == PER_HEAD_LAYERNORM and self.normalization != "LayerNorm":
+            raise ValueError(f"hf_qk_norm {PER_HEAD_LAYERNORM!r} (stablelm's) is a LayerNorm: normalization must be "
+                             f"'LayerNorm', got {self.normalization!r}")
         if not 0 < self.rotary_percent <= 1:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent!r}")
 
@@ -323,10 +340,10 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     elif spec.mla is not None and mixer != "none":
         if mixer == "dsa":
             out += [Param(n, k, base, tp_replicated=r) for n, k, r in dsa_indexer_tensors(spec, prefix)]
-        out += _mla(spec, options, peft, attn, bias, tp)
+        out += _mla(spec, options, peft, attn, options.proj_bias, tp)
     elif mixer != "none":
         # linear_proj: [h, nq*d/tp] (row parallel; its bias is not split).
-        out += _linear(attn, "linear_proj", nq * d // tp, h, bias, peft, tp=tp)
+        out += _linear(attn, "linear_proj", nq * d // tp, h, options.proj_bias, peft, tp=tp)
         out += _post_norm(options, attn + "linear_proj.", h, base)
         # linear_qkv: [(nq + 2*ng)*d/tp (+ nq*d/tp output gate), h] (column parallel).
         gate = nq * d // tp if spec.attention_output_gate else 0
@@ -342,7 +359,7 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     if options.pre_layernorms and options.parallel_layer_norms != ONE_NORM:  # (the MLP reads the input norm's output)
         out += _norm(options, prefix + "pre_mlp_layernorm.", h, base)
     if ffn == "mlp":
-        out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, bias, tp=tp)
+        out += _mlp(spec, peft, prefix + "mlp.", spec.ffn_hidden_size // tp, options.mlp_bias, tp=tp)
         if options.xielu:  # (registered after linear_fc2: transformers' module set on megatron-core's MLP)
             out += [Param(f"{prefix}mlp.activation_func.{n}", 1, base, tp_replicated=True, rows=1)
                     for n in ("alpha_p", "alpha_n")]
@@ -365,7 +382,8 @@ def _layer(spec: ModelSpec, options: DecoderOptions, par: Parallelism, peft: Pef
     if moe.shared_expert_ffn_hidden_size:
         if moe.shared_expert_gate:  # (registered before the MLP's layers)
             out.append(Param(mlp + "shared_experts.gate_weight", h, base, tp_replicated=True, rows=1))
-        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, bias, tp=tp)
+        out += _mlp(spec, peft, mlp + "shared_experts.", moe.shared_expert_ffn_hidden_size // tp, options.mlp_bias,
+                    tp=tp)
     return out
 
 

@@ -283,6 +283,7 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
         "communication_per_step": {**busiest, "total_bytes": sum(busiest.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
         "not_modelled": [],
+        "needs_input": [],
         "unmeasured": layout_unmeasured(par, attention, peft),
         "modelling_assumptions": [*dit_assumptions(attention, checkpointed_blocks, spec.num_layers)[:3],
                                   _layout_assumption(par, checkpointed_blocks, spec.num_layers // par.pp)],
@@ -347,8 +348,8 @@ def _megatron_fsdp_unmeasured(par: Parallelism, peft: PeftSpec | None) -> list[s
         out.append(f"Megatron-FSDP with {', '.join(other)}: its buffers and dp/ collectives as over data parallelism "
                    "alone (sharded over DP x CP), the other groups' traffic as without it")
     if peft is not None and peft.frozen:
-        out.append("Megatron-FSDP with a frozen base: the frozen and the trainable parameters in groups of their own "
-                   "(per block under optim_grads_params), as megatron-core 0.16.1 groups them; not measured: 0.16.1's "
-                   "MegatronFSDP cannot wrap a frozen parameter (a gradient hook on each; 0.19.2, Bridge 0.6.2's, "
-                   "skips them)")
+        out.append("Megatron-FSDP with a frozen base: as megatron-core 0.19.2 (Bridge 0.6.2's) runs a GPT's (frozen "
+                   "and trainable parameters in buckets of their own, per block under optim_grads_params; gradients "
+                   "in the params dtype; the frozen buckets all-gathered too; measured on a GPT: 0.16.1's "
+                   "MegatronFSDP cannot wrap a frozen parameter), not measured on the DiT module")
     return out

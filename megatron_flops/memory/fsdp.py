@@ -7,7 +7,8 @@ into ``ceil(dim0 / dp)`` rows per rank, and each rank allocates that many rows, 
 ``params_dtype`` bf16/fp16 they are cast for compute by ``MixedPrecisionPolicy(param_dtype=...,
 reduce_dtype=fp32)`` (``grad_reduce_in_fp32``), so the fp32 shards are the main copies: no
 separate ``optimizer/main_params``. Gradients are fp32 shards of the trainable parameters,
-padding included (views into the reduce-scatter output); Adam moments cover the real rows.
+padding included (views into the reduce-scatter output); Adam moments (SGD's momentum buffer) cover
+the real rows.
 NB: with more than one micro-batch, the micro-batches before the last run without gradient sync:
 FSDP2 keeps every trainable parameter's whole (unsharded, unpadded) gradient, in the reduce dtype
 (``to_accumulated_grad_if_needed``), until the last micro-batch's reduce-scatter:
@@ -164,6 +165,7 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
         "communication_per_step": {**top.communication, "total_bytes": sum(top.communication.values())},
         "bus_bytes_per_step": {**bus, "total_bytes": sum(bus.values())},
         "not_modelled": [],
+        "needs_input": [],
         "unmeasured": unmeasured,
         "modelling_assumptions": dit_assumptions(attention, checkpointed_blocks, spec.num_layers),
     }

@@ -3,8 +3,11 @@ the ``TransformerConfig`` options that express it (norm, biases, rotary fraction
 position embeddings, Megatron-Bridge's gemma2/gemma3 post-norms and logit soft-capping, attention
 and the MLP in parallel: :mod:`.hf_parallel`), and, named, what megatron-core's GPT layer cannot
 express (norms after the sublayers instead of before them, norms without weights or bias, xIELU),
-which the memory report then lists as not modelled. (cohere's per-head and olmo2/olmo3's
-whole-projection q/k norms, and falcon's ALiBi: :mod:`.hf_qk_norms`.)
+which the memory report then lists as not modelled. (cohere's and stablelm's per-head and olmo2/olmo3's
+whole-projection q/k norms, and falcon's ALiBi: :mod:`.hf_qk_norms`.) Biases on some linear layers only
+(o_proj's without the MLP's, or the MLP's without attention's) are ``hf_proj_bias``/``hf_mlp_bias``:
+a bias adds parameters, gradients and optimizer state, and no saved tensor (transformers' ``addmm`` and
+megatron-core's bias-dropout-add and bias-activation fusions save the same tensors with it or without).
 
 NB: parameters checked against the transformers model's ``named_parameters()`` (tests/test_memory_hf_families.py).
 """
@@ -26,7 +29,8 @@ _LAYERNORM_NO_BIAS = ("cohere",)
 _LAYERNORM_NO_AFFINE = ("olmo",)
 # Families with partial rotary, and transformers' default fraction where the file may omit it.
 _ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt_neox": 0.25, "nemotron": 0.5, "phi3": 1.0}
-# attention_bias puts a bias on q, k and v only (not o_proj) in these families.
+# attention_bias puts a bias on q, k and v only (not o_proj) in these families; the others put one on o_proj
+# too (q_a_proj, kv_a_proj_with_mqa and o_proj in the MLA families).
 _QKV_ONLY_ATTENTION_BIAS = ("glm", "glm4", "helium", "seed_oss")
 # Families with norms after attention and after the MLP instead of the pre-norms: counted as the spec
 # below without its pre-norms (no framework has a megatron-core layer for them).
@@ -43,11 +47,14 @@ def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
     megatron-core GPT with the same parameters and saved tensors sets."""
     norm = "LayerNorm" if family in _LAYERNORM + _LAYERNORM_NO_BIAS + _LAYERNORM_NO_AFFINE else "RMSNorm"
     qkv, out, mlp = _biases(text, family)
+    experts = any(text.get(k) for k in ("num_local_experts", "n_routed_experts", "num_experts"))
     alibi = family == "falcon" and bool(text.get("alibi"))
     return {
         "normalization": norm,
-        "add_bias_linear": qkv and out and mlp,
+        "add_bias_linear": qkv and out and mlp and not experts,  # (their experts and routers have no biases)
         "add_qkv_bias": qkv,
+        "hf_proj_bias": out,
+        "hf_mlp_bias": mlp,
         "qk_layernorm": _qk_norm(text, family),
         "hf_qk_norm": hf_qk_norm_kind(family) if _qk_norm(text, family) else None,
         "alibi": alibi,
@@ -144,21 +151,15 @@ def _rotary_fraction(text: Mapping[str, Any], family: str) -> float:
 def hf_differences(text: Mapping[str, Any], family: str) -> tuple[str, ...]:
     """What the family's layers hold or save that megatron-core's GPT layer (and so this report)
     does not: one entry per difference, naming what is counted instead."""
-    out = [f"Hugging Face {family}: {what}" for what in _layer_differences(text, family)]
-    qkv, o_bias, mlp_bias = _biases(text, family)
-    if not (qkv and o_bias and mlp_bias) and (o_bias or mlp_bias):
-        missing = " and ".join(n for n, b in (("o_proj's bias", o_bias), ("the MLP's biases", mlp_bias)) if b)
-        out.append(f"Hugging Face {family}: {missing} (megatron-core adds them only with add_bias_linear, on every "
-                   "linear layer): not counted")
-    return tuple(out)
+    return tuple(f"Hugging Face {family}: {what}" for what in _layer_differences(text, family))
 
 
 def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
     out = []
     if family not in _BRIDGE_POST_NORMS and (text.get("final_logit_softcapping") or text.get("attn_logit_softcapping")):
         out.append("logit soft-capping (tanh of the scores or logits: its saved output left out)")
-    if family == "stablelm" and _qk_norm(text, family):
-        out.append("q/k norms with a LayerNorm per head, without bias (counted as megatron-core's qk_layernorm: one "
-                   "[head_dim] norm shared by the heads)")
+    if text.get("kv_lora_rank") and _biases(text, family)[0]:
+        out.append("the down projections' biases of attention_bias (q_a_proj, kv_a_proj_with_mqa; megatron-core's "
+                   "multi-latent attention has none there): not counted (o_proj's is)")
     return out
 

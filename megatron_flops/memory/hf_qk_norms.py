@@ -2,13 +2,16 @@
 
 - ``per_head_weight``: cohere's ``use_qk_norm`` (transformers' ``CohereLayerNorm``): a LayerNorm over
   head_dim with a weight per head, [heads, head_dim] on q and [groups, head_dim] on k, no bias.
+- ``per_head_layernorm``: stablelm's ``qk_layernorm`` (``StableLmLayerNormPerHead``): one torch
+  ``nn.LayerNorm`` over head_dim per head (a [head_dim] weight each, no bias), heads of q and groups of k.
 - ``whole_projection``: olmo2's and olmo3's ``q_norm``/``k_norm`` (``Olmo2RMSNorm``): an RMSNorm over
   the whole q [heads x head_dim] and k [groups x head_dim] projections, weights of those sizes.
 
-Both are counted as transformers' modules compute them, put where megatron-core's ``q_layernorm`` and
-``k_layernorm`` are (after ``linear_qkv``, before RoPE). Their ops are composite (python on torch
-tensors): autograd saves the same tensors on CPU and CUDA, measured on CPU against transformers'
-layers (tests/test_memory_hf_qk_norms.py). Falcon's ALiBi adds no saved tensor to attention without
+All are counted as transformers' modules compute them, put where megatron-core's ``q_layernorm`` and
+``k_layernorm`` are (after ``linear_qkv``, before RoPE). cohere's and olmo2's ops are composite (python
+on torch tensors): autograd saves the same tensors on CPU and CUDA; stablelm's per-head LayerNorms
+save what megatron-core's LayerNorm over head_dim does (each head's input, a view, and its statistics).
+Measured on CPU against transformers' layers and in megatron-core's layer (tests/test_memory_hf_qk_norms.py). Falcon's ALiBi adds no saved tensor to attention without
 position embeddings (:func:`hf_attention_notes` prints which kernel that assumes).
 """
 
@@ -17,9 +20,11 @@ from __future__ import annotations
 from megatron_flops.memory.layout import FP32_BYTES
 
 PER_HEAD_WEIGHT = "per_head_weight"
+PER_HEAD_LAYERNORM = "per_head_layernorm"
 WHOLE_PROJECTION = "whole_projection"
-HF_QK_NORMS = (PER_HEAD_WEIGHT, WHOLE_PROJECTION)
-_FAMILIES = {"cohere": PER_HEAD_WEIGHT, "olmo2": WHOLE_PROJECTION, "olmo3": WHOLE_PROJECTION}
+HF_QK_NORMS = (PER_HEAD_WEIGHT, PER_HEAD_LAYERNORM, WHOLE_PROJECTION)
+_FAMILIES = {"cohere": PER_HEAD_WEIGHT, "stablelm": PER_HEAD_LAYERNORM, "olmo2": WHOLE_PROJECTION,
+             "olmo3": WHOLE_PROJECTION}
 
 
 def hf_qk_norm_kind(family: str) -> str | None:
@@ -31,19 +36,27 @@ def qk_norm_tensors(kind: str, prefix: str, *, heads: int, groups: int, head_dim
         -> list[tuple[str, int, bool, int | None]]:
     """(name, numel on one TP rank, whole on every TP rank, dim 0: None for 1-D) of the q and k norms'
     weights under ``prefix`` (``...self_attention.``), named as megatron-core names its q/k norms (a
-    weight per q and per k channel, no bias: [heads, head_dim] for cohere, 1-D for olmo2/olmo3).
-    NB: under TP each rank holds its heads' rows (cohere; olmo2/olmo3 are refused: :func:`qk_norm_reason`),
-    so the weights are not TP-replicated and their gradients are not all-reduced over TP."""
+    weight per q and per k channel, no bias: [heads, head_dim] for cohere, 1-D for olmo2/olmo3; stablelm:
+    a [head_dim] weight per head, ``q_layernorm.norms.{i}.weight`` as transformers' ModuleList names them).
+    NB: under TP each rank holds its heads' rows (cohere, stablelm; olmo2/olmo3 are refused:
+    :func:`qk_norm_reason`), so the weights are not TP-replicated and their gradients are not all-reduced over TP."""
+    if kind == PER_HEAD_LAYERNORM:
+        return [(prefix + f"{n}_layernorm.norms.{i}.weight", head_dim, False, None)
+                for n, rows in (("q", heads), ("k", groups)) for i in range(rows // tp)]
     per_head = kind == PER_HEAD_WEIGHT
     return [(prefix + f"{n}_layernorm.weight", rows * head_dim // tp, False, rows // tp if per_head else None)
             for n, rows in (("q", heads), ("k", groups))]
 
 
 def qk_norm_saved_bytes(kind: str, *, tokens: int, heads: int, groups: int, head_dim: int, act: int,
-                        trainable: bool) -> int:
+                        trainable: bool) -> int | None:
     """Bytes the q and k norms save for backward in one layer, ``heads`` and ``groups`` on this TP
     rank, their input requiring grad; ``trainable``: their weights train (else ``weight * x`` keeps
-    only the weight, which is a parameter and not counted)."""
+    only the weight, which is a parameter and not counted). None: what megatron-core's LayerNorm over
+    head_dim saves (stablelm: each head's ``native_layer_norm`` keeps its input, a view of q or k, and
+    mean and rstd per (token, head) row, with a trainable weight or a frozen one)."""
+    if kind == PER_HEAD_LAYERNORM:
+        return None
     rows = tokens * (heads + groups)  # (token, head) rows of head_dim
     if kind == PER_HEAD_WEIGHT:
         # CohereLayerNorm, in fp32 whatever the input dtype: x - mean, twice (pow keeps the first, the
@@ -80,9 +93,13 @@ def hf_attention_notes(*, qk_norm: str | None, alibi: bool, fused: bool, tp: int
     assumptions, unmeasured = [], []
     if qk_norm is not None:
         what = {PER_HEAD_WEIGHT: "cohere's q/k LayerNorms over head_dim with a weight per head (CohereLayerNorm)",
+                PER_HEAD_LAYERNORM: "stablelm's q/k LayerNorms, one per head without bias (StableLmLayerNormPerHead)",
                 WHOLE_PROJECTION: "olmo2/olmo3's q/k RMSNorms over the whole q and k projections (Olmo2RMSNorm)",
                 }[qk_norm]
-        if activations:
+        if activations and qk_norm == PER_HEAD_LAYERNORM:
+            assumptions.append(f"{what} saved as megatron-core's q_layernorm/k_layernorm LayerNorms over head_dim "
+                               "(each head's torch LayerNorm keeps the same input and statistics)")
+        elif activations:
             assumptions.append(f"{what} saved as transformers computes them (composite fp32 ops: the same tensors on "
                                "CPU and CUDA), in megatron-core's q_layernorm/k_layernorm places")
         if tp > 1:

@@ -20,6 +20,19 @@ NB: as megatron-core 0.16.1's ``ParamAndGradBuffer`` allocates and ``MegatronFSD
   also the model weights; optimizer moments over the real elements of this rank's shard;
 - collectives: see :func:`megatron_fsdp_rank`.
 
+A frozen base (``requires_grad=False`` parameters: LoRA on a frozen model) follows megatron-core
+0.19.2 (Megatron-Bridge 0.6.2's): 0.16.1's ``MegatronFSDP`` registers a gradient hook on every
+parameter and raises on a frozen one. As 0.19.2 runs it (measured on CPU with gloo:
+tests/test_memory_megatron_fsdp_frozen.py): frozen parameters in groups of their own, bucketed and
+sharded as above but with no gradient or main-weight buffer and no optimizer state; main gradients
+in the parameters' dtype (``--megatron-fsdp-main-grads-dtype auto``, its default); the trainable
+buckets reduce-scattered every micro-batch; every bucket, frozen ones too, all-gathered once after
+the optimizer step, and under ``optim_grads_params`` each ``TransformerLayer``'s (its frozen and its
+adapter bucket) in every forward and again after every micro-batch's backward but the last, the
+chunk's last layer not (it stays gathered): ``2m`` gathers per layer, ``m + 1`` for the last.
+``optim`` fails at 0.19.2's first ``finish_grad_sync`` (``reduce_scatter_gradients`` reads the
+gradient buffer a frozen group lacks): refused.
+
 ``no_shard`` (Megatron-LM's default strategy) is refused: megatron-core 0.16.1 fails at its first
 optimizer step. ``megatron_fsdp/unsharded_working_copies`` (the gathered units and unsharded
 gradient buckets alive at once) is a formula: gloo on CPU runs each collective to completion.
@@ -143,14 +156,23 @@ def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy:
         raise ValueError(f"Megatron-FSDP is modelled with {', '.join(STRATEGIES[1:])}, not {strategy!r}: "
                          "megatron-core 0.16.1's no_shard fails at the first optimizer step (start_param_sync "
                          "all-gathers a model-weight buffer no_shard does not allocate)")
+    frozen = any(not p.trainable for p in params)
+    if frozen and strategy == "optim":
+        raise ValueError("Megatron-FSDP's optim strategy cannot train a frozen base: megatron-core 0.16.1 cannot "
+                         "wrap a frozen parameter (a gradient hook on each) and 0.19.2 fails at its first "
+                         "finish_grad_sync (reduce_scatter_gradients reads the gradient buffer a frozen group lacks); "
+                         "use optim_grads or optim_grads_params")
     shard_w, shard_g = strategy == "optim_grads_params", strategy != "optim"
-    a, g, m = training.param_bytes, training.grad_bytes, training.num_microbatches
+    a, m = training.param_bytes, training.num_microbatches
+    g = a if frozen else training.grad_bytes  # (0.19.2: main gradients in the params dtype by default)
     states = dict.fromkeys(("weights", "gradients", "optimizer/main_params", *optimizer_keys(training)), 0)
     moments = [k for k in states if k.startswith("optimizer/") and k != "optimizer/main_params"]
     comm: dict[str, int] = {}
     gathered: list[int] = []
     grads: list[int] = []
-    for bucket in fsdp_buckets(params, strategy=strategy, bucket_size=bucket_size, unit=unit):
+    buckets = fsdp_buckets(params, strategy=strategy, bucket_size=bucket_size, unit=unit)
+    last_unit = [b.unit for b in buckets if b.unit is not None][-1:]
+    for bucket in buckets:
         n, rank = sizes[bucket.group], ranks[bucket.group]
         size, spans = bucket_layout(bucket, n)
         part = size // n
@@ -158,6 +180,9 @@ def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy:
         gathered.append(size * a if shard_w and n > 1 else 0)
         if not bucket.trainable:
             grads.append(0)
+            if n > 1:  # (0.19.2: gathered as the trainable buckets are)
+                ag = (m + 1 if [bucket.unit] == last_unit else 2 * m) if bucket.unit is not None else 1
+                comm[f"{bucket.group}/all_gather"] = comm.get(f"{bucket.group}/all_gather", 0) + ag * size * a
             continue
         # NB: fp32 main weights for every trainable bucket (preserve_fp32_weights), even of fp32 models.
         states["optimizer/main_params"] += part * FP32_BYTES
@@ -173,6 +198,8 @@ def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy:
             # TransformerLayer's in every forward and again in backward (the rest stays gathered).
             rs = (1 if bucket_size else 2) if strategy == "optim" else m
             ag = 2 * m if bucket.unit is not None else 1
+            if frozen and [bucket.unit] == last_unit:
+                ag = m + 1  # (0.19.2 with a frozen base: the last layer stays gathered into backward)
             for kind, value in (("reduce_scatter", rs * size * g), ("all_gather", ag * size * a)):
                 comm[f"{bucket.group}/{kind}"] = comm.get(f"{bucket.group}/{kind}", 0) + value
     states["megatron_fsdp/unsharded_working_copies"] = unsharded_working_copies(gathered, grads)
@@ -204,11 +231,17 @@ def megatron_fsdp_stage(spec: ModelSpec, options: DecoderOptions, par: Paralleli
     return best
 
 
-def megatron_fsdp_notes(par: Parallelism) -> tuple[list[str], list[str]]:
+def megatron_fsdp_notes(par: Parallelism, peft: PeftSpec | None = None) -> tuple[list[str], list[str]]:
     """(assumptions, unmeasured) that Megatron-FSDP adds to a decoder's report."""
     assumptions = [f"Megatron-FSDP (--use-megatron-fsdp, --data-parallel-sharding-strategy {par.megatron_fsdp}) as "
                    "megatron-core 0.16.1 allocates it: fp32 main weights (preserve_fp32_weights), no FSDP double "
                    "buffer, no hybrid (outer) sharding, no FP8; activations as without it"]
+    if peft is not None and peft.frozen:
+        assumptions.append("Megatron-FSDP with a frozen base as megatron-core 0.19.2 (Megatron-Bridge 0.6.2's) runs it "
+                           "(0.16.1 cannot train this layout: a gradient hook on every parameter): frozen parameters "
+                           "in buckets of their own, sharded, without gradients, main weights or optimizer state; "
+                           "main gradients and their reduce-scatter in the params dtype (--megatron-fsdp-main-grads-"
+                           "dtype auto); the frozen buckets all-gathered as the trainable ones")
     unmeasured = ["megatron_fsdp/unsharded_working_copies: two neighbouring buckets' gathered weights and one "
                   "unsharded gradient bucket alive at once (gloo on CPU runs each collective to completion, so "
                   "the CUDA-stream overlap cannot be measured here)"]

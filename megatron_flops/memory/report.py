@@ -42,7 +42,7 @@ from megatron_flops.memory.recompute import selective_rerun_communication, selec
 from megatron_flops.memory.linear_cp import linear_cp_notes
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
-from megatron_flops.memory.vision import VisionMemory
+from megatron_flops.memory.vision import NeededInput, VisionMemory
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -233,6 +233,7 @@ class MemoryReport:
     not_modelled: tuple[str, ...] = field(default_factory=tuple)
     assumptions: tuple[str, ...] = field(default_factory=tuple)
     unmeasured: tuple[str, ...] = field(default_factory=tuple)
+    needs_input: tuple[NeededInput, ...] = field(default_factory=tuple)  # left out until the user gives it
 
     @property
     def per_gpu(self) -> RankMemory:
@@ -293,7 +294,7 @@ def decoder_memory(
     if par.megatron_fsdp is not None:
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 
-        more = megatron_fsdp_notes(par)
+        more = megatron_fsdp_notes(par, peft)
         assumptions, unmeasured = assumptions + tuple(more[0]), unmeasured + tuple(more[1])
     if fsdp is not None:
         comm = {k: v for k, v in stages[0].communication.items() if not k.startswith("dp/")}
@@ -308,9 +309,10 @@ def decoder_memory(
         group_sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2,
                      "tp_ep": par.expert_tp * par.ep, "etp": par.expert_tp,
                      "cp": par.cp},
-        not_modelled=((reason,) if reason else ()) + tower.not_modelled,
+        not_modelled=(reason,) if reason else (),
         assumptions=assumptions + tower.assumptions,
         unmeasured=unmeasured + tower.unmeasured,
+        needs_input=tower.needs_input,
     )
 
 
@@ -425,6 +427,7 @@ def report_dict(report: MemoryReport, *, extra: dict[str, Any] | None = None) ->
         "not_modelled": list(report.not_modelled),
         "modelling_assumptions": list(report.assumptions),
         "unmeasured": list(report.unmeasured),
+        "needs_input": [{"flag": n.flag, "excluded": n.excluded, "give": n.give} for n in report.needs_input],
     }
     out.update(extra or {})
     return out

@@ -255,14 +255,30 @@ def _deepstack_bytes(tower: VisionTower, p: int, a: int, s: int, *, model_trains
 
 
 @dataclass(frozen=True, kw_only=True)
+class NeededInput:
+    """A figure left out of the report until the user gives ``flag``: ``excluded`` (what the total
+    leaves out without it) needs ``give`` (what the flag says)."""
+
+    flag: str
+    excluded: str
+    give: str
+
+
+# The tower's activations depend on the images of a micro-batch, which no model file holds.
+GRIDS_NEEDED = NeededInput(flag="--grid-thw", excluded="the vision tower's activations",
+                           give="the [t, h, w] grids of one micro-batch")
+
+
+@dataclass(frozen=True, kw_only=True)
 class VisionMemory:
     """The tower as a memory report places it: ``params`` on model chunk 0 of pipeline rank 0
     (before the decoder's, in ``named_parameters()`` order), ``activations`` one micro-batch's
-    saved bytes there (None: not modelled), and the notes it adds to the report."""
+    saved bytes there (None: no grids given, ``needs_input`` says so), and the notes it adds to
+    the report."""
 
     params: tuple[Param, ...]
     activations: dict[str, int] | None
-    not_modelled: tuple[str, ...] = ()
+    needs_input: tuple[NeededInput, ...] = ()
     unmeasured: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = ()
 
@@ -291,10 +307,9 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
                   model_trains: bool = True, projection_trains: bool = True, embedding_trains: bool = True,
                   cp: int = 1) -> VisionMemory:
     """The tower's memory for ``grids`` (the ``[t, h, w]`` rows of one micro-batch of ``tokens``
-    decoder tokens; None: activations not modelled) under ``attention`` (one of VISION_ATTENTION);
+    decoder tokens; None: activations left out, ``needs_input`` naming --grid-thw) under ``attention`` (one of VISION_ATTENTION);
     ``embedding_trains``: the decoder's word embeddings train."""
     params = vision_parameters(tower, model_trains=model_trains, projection_trains=projection_trains)
-    not_modelled: list[str] = []
     unmeasured: list[str] = []
     assumptions = [f"the {tower.family} vision tower whole on every TP rank of the first pipeline stage, as "
                    "Megatron-Bridge's Hugging Face Qwen2.5-VL tower (its gradients averaged over TP once per step)"
@@ -306,9 +321,7 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
         unmeasured.append(f"the {name} vision tower as the Hugging Face module (its parameters and saved activations "
                           "measured on it), whole on each TP rank: Megatron-Bridge builds it from megatron-core "
                           "Transformer Engine layers split over TP (not measured: no CPU run)")
-    if stats is None:
-        not_modelled.append("the vision tower's activations: give --grid-thw (the [t, h, w] grids of one micro-batch)")
-    else:
+    if stats is not None:
         activations = vision_activations(tower, stats, act_bytes=act_bytes, attention=attention,
                                          model_trains=model_trains, projection_trains=projection_trains)
         if (model_trains or projection_trains or embedding_trains) and tokens * _placeholder_masks(grids):
@@ -329,5 +342,5 @@ def vision_memory(tower: VisionTower, grids: Any, *, act_bytes: int, attention: 
                               "measured: --vision-attention)")
     if cp > 1:
         unmeasured.append("the vision tower under context parallelism: whole on every CP rank")
-    return VisionMemory(params=params, activations=activations, not_modelled=tuple(not_modelled),
+    return VisionMemory(params=params, activations=activations, needs_input=(GRIDS_NEEDED,) if stats is None else (),
                         unmeasured=tuple(unmeasured), assumptions=tuple(assumptions))
