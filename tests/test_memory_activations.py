@@ -204,6 +204,7 @@ MLA_LN = dict(multi_latent_attention=True, kv_lora_rank=32, qk_head_dim=16, qk_p
 # norms that save (of 2 x layers + 1), hidden-dropout sites that save, attention-dropout sites).
 LORA_RANK = 4
 ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+MLA_FOUR = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 PEFT_CASES = {
     # Layer 0's input norm runs before the first adapter (linear_qkv): 4 norms save.
     "frozen, all four targets": ({}, "rope", "fp32", ALL, True, 4, 0, 0),
@@ -281,6 +282,14 @@ PEFT_CASES = {
         dict(MLA_LN, q_lora_rank=24, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
              moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=32, moe_token_dispatcher_type="alltoall"),
         "rope", "fp32", ALL, True, 0, 0, 0),
+    # Adapters on MLA's own projections (tests/test_memory_lora_mla_dist.py under TP): the down
+    # projections' adapters share the input norm's output; without latent norms kv_up's adapter
+    # copies its latent (a view of kv_down's output) contiguous [T, kv_lora].
+    "base trains MLA, q_lora, qk_layernorm, MLA's four projections": (
+        dict(MLA_LN, q_lora_rank=24, qk_layernorm=True), "rope", "fp32", MLA_FOUR, False, 0, 0, 0),
+    "frozen MLA, direct q, linear_q_proj + linear_kv_down_proj + linear_kv_up_proj": (
+        dict(MLA_LN, q_lora_rank=None), "rope", "fp32", ("linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj"),
+        True, 0, 0, 0),
     # Multi-token prediction with an MLA + MoE layer (the last layer's kind).
     "frozen MLA + MoE, 1 MTP layer, linear_proj + linear_fc2": (
         dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,

@@ -81,7 +81,8 @@ def test_frozen_first_layer_mlp_checkpoint_never_reruns():
 
 
 @pytest.mark.parametrize("par, peft, match", [
-    (TP2, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj",)), "modelled on linear_qkv"),
+    # (MLA's projection on a dense model: nothing adapted, no adapter to start the gradient.)
+    (TP2, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj",)), "no tensor-parallel adapter"),
     (TP2, PeftSpec(frozen=True, lora_rank=3, lora_targets=ALL), "not divisible by --tp 2"),
 ])
 def test_lora_under_tp_refusals(par, peft, match):
@@ -131,8 +132,9 @@ _MLA_SPEC = dict(_MOE_SPEC, multi_latent_attention=True, kv_lora_rank=16, qk_hea
 
 
 @pytest.mark.parametrize("fields, par, peft, reason", [
-    (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_down_proj",)),
-     r"MLA's \['linear_q_down_proj'\]"),
+    # (MLA's own projections: measured, tests/test_memory_lora_mla_dist.py.)
+    (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj", "linear_kv_up_proj")),
+     None),
     (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)),
      "first adapter is a routed expert's are measured with the alltoall dispatcher"),
     (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall"), Parallelism(),
@@ -140,7 +142,7 @@ _MLA_SPEC = dict(_MOE_SPEC, multi_latent_attention=True, kv_lora_rank=16, qk_hea
     (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
-], ids=["MLA down projection", "MoE first layer, experts only, allgather", "MoE first layer, experts only",
+], ids=["MLA projections", "MoE first layer, experts only, allgather", "MoE first layer, experts only",
         "MoE default targets",
         "MLA + MoE default targets (linear_qkv adapts nothing)", "MLA, dense first layer, fc1"])
 def test_lora_moe_mla_activations_refused_with_a_reason(fields, par, peft, reason):

@@ -77,20 +77,25 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def measured():
+def measure(runs: dict) -> dict:
+    """Every run of ``runs`` (this module's RUNS layout) measured on its world size, by name."""
     out = {}
-    for world in sorted({run["world"] for run in RUNS.values()}):
-        runs = {name: dict(run, build=dict(params_dtype="fp32", lora=run["lora"],
-                                           distributed_optimizer=run.get("distributed_optimizer", False)))
-                for name, run in RUNS.items() if run["world"] == world}
-        results = mcore_dist.run_distributed(memory_worker, world, runs, timeout=600)
-        out.update({name: [r[name] for r in results] for name in runs})
+    for world in sorted({run["world"] for run in runs.values()}):
+        group = {name: dict(run, build=dict(params_dtype="fp32", lora=run["lora"],
+                                            distributed_optimizer=run.get("distributed_optimizer", False)))
+                 for name, run in runs.items() if run["world"] == world}
+        results = mcore_dist.run_distributed(memory_worker, world, group, timeout=600)
+        out.update({name: [r[name] for r in results] for name in group})
     return out
 
 
-def setup(name: str):
-    run = RUNS[name]
+@pytest.fixture(scope="module")
+def measured():
+    return measure(RUNS)
+
+
+def setup(name: str, runs: dict | None = None):
+    run = (runs or RUNS)[name]
     model, layout = run["model"], run["layout"]
     fields = {k: v for k, v in model.items() if k != "moe_token_dispatcher_type"}
     spec = ModelSpec.from_mapping(dict(fields, vocab_size=VOCAB))
@@ -107,16 +112,22 @@ def setup(name: str):
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_parameters_in_megatron_order(measured, name):
-    spec, options, par, training, peft, _ = setup(name)
-    for result in measured[name]:
+    check_parameters(measured[name], *setup(name))
+
+
+def check_parameters(results, spec, options, par, training, peft, _recompute) -> None:
+    for result in results:
         params = chunk_parameters(spec, options, par, pp_rank=0, chunk=0, seq_length=training.seq_length, peft=peft)
         assert [(p.name, p.numel) for p in params] == [tuple(n) for n in result["names"][0]]
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_states_and_communication(measured, name):
-    spec, options, par, training, peft, recompute = setup(name)
-    for result in measured[name]:
+    check_states_and_communication(measured[name], *setup(name))
+
+
+def check_states_and_communication(results, spec, options, par, training, peft, recompute) -> None:
+    for result in results:
         report = rank_memory(spec, options, par, training, pp_rank=0, dp_rank=result["sizes"]["dp_rank"], peft=peft,
                              recompute=recompute)
         assert report.states == result["states"], result["sizes"]
@@ -125,9 +136,12 @@ def test_states_and_communication(measured, name):
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_activations_per_forward_and_schedule_peak(measured, name):
-    spec, options, par, training, peft, recompute = setup(name)
+    check_activations(measured[name], *setup(name))
+
+
+def check_activations(results, spec, options, par, training, peft, recompute) -> None:
     act = chunk_activations(spec, options, par, training, pp_rank=0, chunk=0, recompute=recompute, peft=peft)
     peak, _ = schedule_peak([act], in_flight(par, training.num_microbatches, 0))
-    for result in measured[name]:
+    for result in results:
         assert {b for _, b in result["forward"]} == {act.forward + act.shared}, result["sizes"]
         assert peak == result["peak"], result["sizes"]

@@ -89,6 +89,7 @@ def test_selective_recompute_saved_bytes_match_megatron_core(mcore, name):  # no
 # before the first adapter, its checkpoint saves nothing); the shared experts' adapters' [T, r]
 # intermediates are re-saved inside the shared_experts checkpoint. (Frozen base + layernorm:
 # megatron-core fails, test_what_is_not_modelled_says_why.)
+MLA_FOUR = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 PEFT_CASES = {
     "layernorm, base trains, linear_qkv": (_selective("layernorm"), ("linear_qkv",), False),
     "moe, frozen, all four targets": (dict(SHARED, **_selective("moe")), ALL, True),
@@ -103,6 +104,11 @@ PEFT_CASES = {
                                                         ALL, True),
     "mla_up_proj, q_lora, qk_layernorm, frozen, all four targets": (
         dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, **_selective("mla_up_proj")), ALL, True),
+    # Adapters on MLA's up projections run inside the checkpoint: re-saved when it re-runs.
+    "mla_up_proj, q_lora, qk_layernorm, frozen, MLA's four projections": (
+        dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, **_selective("mla_up_proj")), MLA_FOUR, True),
+    "mla_up_proj, q_lora, base trains, MLA's four projections + linear_proj": (
+        dict(MLA_LN, q_lora_rank=24, **_selective("mla_up_proj")), MLA_FOUR + ("linear_proj",), False),
     "mla_up_proj, q_lora, qk_layernorm, base trains, linear_proj": (
         dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, **_selective("mla_up_proj")), ("linear_proj",), False),
 }
@@ -201,7 +207,7 @@ def test_estimate_adds_one_forward_of_each_recomputed_module(tmp_path, modules, 
 @pytest.mark.parametrize("fields, par, peft, reason", [
     (_selective("mla_up_proj"), Parallelism(), None, "megatron-core refuses it without multi-latent attention"),
     (dict(SHARED, **_selective("layernorm", "moe")), Parallelism(), PeftSpec(frozen=True, lora_rank=4),
-     "layernorm with a frozen base: megatron-core 0.16.1's CheckpointWithoutOutput fails"),
+     "layernorm with a frozen base: megatron-core 0.16.1's and 0.19.0's CheckpointWithoutOutput fail"),
 ])
 def test_what_is_not_modelled_says_why(fields, par, peft, reason):
     spec, options, _, recompute = _model(fields)

@@ -70,15 +70,15 @@ from dataclasses import dataclass, field
 from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.hf_parallel import ONE_NORM, SEQUENTIAL, TWO_NORMS
 from megatron_flops.memory.hf_qk_norms import qk_norm_saved_bytes
-from megatron_flops.memory.lora import lora_activation_reason
+from megatron_flops.memory.lora import lora_activation_reason, mla_targets
 from megatron_flops.memory.linear_cp import dsa_cp_saved, gdn_cp_saved
-from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, ssm_activation_reason
+from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, mtp_mixer, ssm_activation_reason
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
 from megatron_flops.memory.moe_grouped import grouped_reason
 from megatron_flops.memory.moe_lora_start import first_adapter_moe_reason, first_adapter_moe_saved
-from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_act_freed, moe_activation_reason,
+from megatron_flops.memory.moe import (expert_lora_activations, moe_act_freed, moe_activation_reason,
                                        moe_activations, shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -209,7 +209,9 @@ class _Walk:
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
-    reason = (lora_activation_reason(spec, peft) or ssm_activation_reason(spec, recompute)
+    selective = recompute is not None and recompute.granularity == "selective" \
+        and bool({"core_attn", "mla_up_proj"} & set(recompute.modules))
+    reason = (lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute, cp=par.cp)
               or first_adapter_moe_reason(spec, options, par, recompute, peft))
     if reason is not None:
         return reason
@@ -346,7 +348,7 @@ def _softmax(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool,
 
 
 def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool,
-                   dsa: bool = False) -> None:
+                   dsa: str = "") -> None:
     """Multi-latent attention (heads per TP rank; the latents whole) after the input norm: the
     norm's output (read by the query and the kv down projections), the latents (with
     ``qk_layernorm``: their norms' inputs and fp32 statistics, and outputs), RoPE's cos and sin,
@@ -360,7 +362,7 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     T, a, base = x.tokens, x.act, w.grad.base
     norm, loc = options.qk_layernorm, x.local_tokens
     stats = loc * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
-    if dsa and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:func:`.linear_cp.dsa_cp_saved`)
+    if dsa == "dsa" and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:func:`.linear_cp.dsa_cp_saved`)
         w.keep("attention", T * x.h * a)
         w.act("attention", dsa_cp_saved(spec, s=x.s, b=x.b, cp=x.cp, act=a, latent_norms=norm, norm_stats=stats // T))
         return
@@ -368,28 +370,41 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     # ``mla_up_proj`` re-runs them too: their statistics and outputs are saved in backward only.
     fused = "mla_up_proj" in w.selective and norm and options.transformer_impl == "transformer_engine"
     moved = 0
-    if base:
+    ad = _MlaAdapters.of(w.grad, spec, sp=x.sp > 1)
+    # (an up projection's adapter keeps the latent it reads: without sequence parallelism the latent
+    # itself, unless it runs inside the mla_up_proj checkpoint, which keeps its inputs)
+    outside = x.sp == 1 and "mla_up_proj" not in w.selective
+    if base or ad.downs and x.sp == 1:
         w.keep("attention", loc * x.h * a)  # (this rank's slice under sequence parallelism)
+    w.keep("lora", ad.downs * (T * x.h * a * (x.sp > 1) + T * w.grad.rank * a))  # (gathered input, [T, r])
+    started, w.grad.started = w.grad.started, w.grad.started or ad.q_down
     if mla.q_lora_rank is not None and (base or norm):
         # The all-gathered q latent [T, q_lora] (q_up's input, or the q norm's; under sequence
         # parallelism their [T/TP] slice is a view of it), the norm's statistics and output.
-        q_norm = (stats + (loc * mla.q_lora_rank * a if base else 0)) if norm else 0
+        q_norm = (stats + (loc * mla.q_lora_rank * a if base or ad.q_up and outside else 0)) if norm else 0
         moved += q_norm if fused else 0
         w.act("attention", T * mla.q_lora_rank * a + (0 if fused else q_norm))
+    if mla.q_lora_rank is not None and not base and not norm and ad.q_up and outside:
+        w.keep("attention", T * mla.q_lora_rank * a)  # (the q latent, the adapter's input)
+    w.grad.started = started or ad.kv_down
     # kv_up's input (or the kv norm's): a view of the all-gathered kv_down output [T, kv_lora +
     # rope], which it keeps whole; under sequence parallelism a [T/TP, kv_lora] copy of its slice
     # (RoPE's product with cos/sin keeps only those), then the kv norm.
     if base or norm:
         w.act("attention", T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) * a if x.sp == 1
               else loc * mla.kv_lora_rank * a)
+    kv_rope = w.grad.started  # (k_pos_emb requires grad: RoPE keeps k's cos and sin)
+    w.grad.started = started or ad.q_down or ad.kv_down  # (the up-projection checkpoint's inputs)
     if "mla_up_proj" in w.selective and w.grad.started and not base:
         # A frozen base's up projections keep no input, but the up-projection checkpoint keeps its
         # inputs: the q latent (the q norm's output, or q_down's output [T, q_lora]; direct q: the
         # input norm's output [T, h]) and the kv latent (the kv norm's output, or kv_down's output
-        # [T, kv_lora + rope], of which k_pos_emb is a view). (At TP 1: recompute.selective_reason.)
+        # [T, kv_lora + rope], of which k_pos_emb is a view; under sequence parallelism the kv
+        # latent is a [T/TP, kv_lora] copy and k_pos_emb a view of the all-gathered kv_down output).
         q = (loc if norm else T) * mla.q_lora_rank if mla.q_lora_rank is not None else loc * x.h
-        w.act("attention", (q + (loc * mla.kv_lora_rank if norm else T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)))
-              * a)
+        kv = (loc * mla.kv_lora_rank if norm or x.sp > 1 else 0) + (T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
+                                                                   if x.sp > 1 or not norm else 0)
+        w.act("attention", (q + kv) * a)
     elif "mla_up_proj" in w.selective and w.grad.started and x.sp > 1:
         # The up-projection checkpoint keeps k_pos_emb, all-gathered [T, rope] under sequence
         # parallelism: a view of the all-gathered kv_down output [T, kv_lora + rope] (the local
@@ -397,15 +412,23 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
         # (duplicated TELinear down projections; unmeasured: :func:`.recompute.selective_unmeasured`).
         local = options.transformer_impl != "transformer_engine"
         w.act("attention", T * ((mla.kv_lora_rank if local else 0) + mla.qk_pos_emb_head_dim) * a)
+    w.grad.started = kv_rope
     if norm:
-        kv_norm = stats + (loc * mla.kv_lora_rank * a if base else 0)
+        kv_norm = stats + (loc * mla.kv_lora_rank * a if base or ad.kv_up and outside else 0)
         moved += kv_norm if fused else 0
         w.act("attention", 0 if fused else kv_norm)
-    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved)
+    # The up projections' adapters: under selective mla_up_proj inside its checkpoint, saved when it re-runs.
+    up = _mla_up_adapters(ad, x, mla.q_lora_rank, mla.kv_lora_rank, norm=norm, rank=w.grad.rank)
+    moved += up if "mla_up_proj" in w.selective else 0
+    w.keep("lora", 0 if "mla_up_proj" in w.selective else up)
+    w.grad.started = started or ad.any
+    # (a frozen first layer adapted on one branch: the other's q, or k and v, require no grad)
+    grads = (started or ad.q_down or ad.q_up or ad.q_proj, started or ad.kv_down or ad.kv_up)
+    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved, kv_rope=kv_rope, grads=grads)
 
 
-def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: bool,
-              moved: int) -> None:
+def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: str,
+              moved: int, kv_rope: bool = True, grads: tuple[bool, bool] = (True, True)) -> None:
     """MLA after its latents: RoPE, q, k, v, the core attention and linear_proj's input.
     Selective ``mla_up_proj`` (CheckpointWithoutOutput around the up projections and RoPE,
     whose inputs the latents keep, and the layer's fp32 RoPE frequencies [s, rope]): no cos and
@@ -415,14 +438,22 @@ def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, c
     mla = spec.mla
     assert mla is not None
     T, a, heads = x.tokens, x.act, x.heads
-    rope = 4 * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
+    rope = (2 * grads[0] + 2 * kv_rope) * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
     v = T * heads * mla.v_head_dim * a
-    if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`)
-        w.act("attention", rope + dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) + v)
+    if dsa in ("dsa", "dsa_shared"):  # DSAttention for the core attention (:func:`.ssm.dsa_saved`; v: MLA's view)
+        core = dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1,
+                         indexer=dsa == "dsa") - v
+        restored = rope + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
+        w.act("attention", (x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + v) + core)
+        if restored:
+            w.region(restored)
+        w.linear("attention", "linear_proj", v, T, a)
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
-    restored = rope + 2 * qk + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
-    w.act("attention", x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + 2 * qk + v)
+    # (q@k^T keeps q for k's gradient and k for q's; a fused kernel keeps q, k and v for any)
+    qkv = (2 * qk if options.attention_backend == "flash" else qk * (grads[0] + grads[1])) + v
+    restored = rope + qkv + moved if "mla_up_proj" in w.selective and w.grad.started else 0
+    w.act("attention", x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + qkv)
     w.restored += restored
     if options.attention_backend == "flash":
         lse = x.b * heads * x.s * 4  # fp32 log-sum-exp
@@ -496,7 +527,7 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
             if mixer in ("mamba", "gdn", "kda"):
                 _ssm_mixer(w, x, spec, mixer)
             elif spec.mla is not None:
-                _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer == "dsa")
+                _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer)
             else:
                 _attention(w, x, options, checkpointed=core_attn)
                 if options.post_layernorms:
@@ -638,6 +669,47 @@ def _selective_moe(w: _Walk, kept: dict[str, int], inp: int, freed: int = 0) -> 
         w.region(freed)
 
 
+@dataclass(frozen=True)
+class _MlaAdapters:
+    """LoRA adapters on one MLA layer's projections: ``downs`` on the down projections (and
+    direct q's ``linear_q_proj``, which reads the hidden states too), whether the q and kv down
+    projections and the up projections are adapted."""
+
+    downs: int
+    q_down: bool
+    kv_down: bool
+    q_up: bool
+    kv_up: bool
+    sp: bool
+    q_proj: bool = False
+
+    @property
+    def any(self) -> bool:
+        return bool(self.downs) or self.q_up or self.kv_up
+
+    @classmethod
+    def of(cls, grad: _Grad, spec: ModelSpec, *, sp: bool) -> _MlaAdapters:
+        names = set(grad.adapted) & set(mla_targets(spec))
+        q_down, kv_down = "linear_q_down_proj" in names, "linear_kv_down_proj" in names
+        return cls(downs=q_down + kv_down + ("linear_q_proj" in names), q_down=q_down, kv_down=kv_down,
+                   q_up="linear_q_up_proj" in names, kv_up="linear_kv_up_proj" in names, sp=sp,
+                   q_proj="linear_q_proj" in names)
+
+
+def _mla_up_adapters(ad: _MlaAdapters, x: _Dims, q_lora: int | None, kv_lora: int, *, norm: bool, rank: int) -> int:
+    """What the up projections' adapters keep beyond the latents counted already: [T, r] each;
+    under sequence parallelism the latent each all-gathers [T, width]; else, without the kv
+    norm, kv_up's adapter's contiguous copy of its latent [T, kv_lora] (a view of kv_down's
+    output)."""
+    T, a, r = x.tokens, x.act, rank
+    out = (ad.q_up + ad.kv_up) * T * r * a
+    if ad.q_up and ad.sp:
+        out += T * (q_lora or 0) * a
+    if ad.kv_up and (ad.sp or not norm):
+        out += T * kv_lora * a
+    return out
+
+
 def chunk_activations(
     spec: ModelSpec,
     options: DecoderOptions,
@@ -674,7 +746,7 @@ def chunk_activations(
         # NB: with a frozen base, Megatron-Bridge makes the decoder's input require grad under
         # full recompute (maybe_enable_recompute_inputs_grad), or no checkpoint would run backward.
         w.grad.started = True
-        _full_recompute_layers(w, x, spec, options, recompute, layer_is_moe(spec, layers))
+        _full_recompute_layers(w, x, spec, options, recompute, [spec.layers[i] for i in layers])
     else:
         kinds = spec.layers
         for i, layer in enumerate(layers):
@@ -720,7 +792,7 @@ def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
         # NB: under sequence parallelism eh_proj's output is all-gathered and sliced again: the
         # layer's input is a view of the whole [T, h] storage, which its first norm keeps alive.
         body.keep("mtp", (T - x.local_tokens) * x.h * a)
-        _layer(body, x, spec, options, core_attn=core_attn, moe=spec.mtp_ffn == "moe")
+        _layer(body, x, spec, options, core_attn=core_attn, moe=spec.mtp_ffn == "moe", mixer=mtp_mixer(spec))
         _norm(body, "mtp", x, options)
         if recomputed:
             inputs = 2 * x.local_tokens * x.h * a  # the norms' inputs (the checkpoint keeps them)
@@ -742,11 +814,11 @@ def _peft_grad(peft: PeftSpec | None, *, first_stage: bool) -> _Grad:
 
 
 def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
-                           recompute: RecomputeSpec, moe: list[bool]) -> None:
+                           recompute: RecomputeSpec, kinds: list[tuple[str, str]]) -> None:
     """Full recompute: checkpointed groups keep their input (hidden states, the mask, the cached
     RoPE frequencies); ``block`` checkpoints the first ``recompute_num_layers`` layers one by
-    one and runs the rest plainly. ``moe``: whether each layer of the chunk is a MoE layer."""
-    num_layers = len(moe)
+    one and runs the rest plainly. ``kinds``: each layer's (mixer, feed-forward) of the chunk."""
+    num_layers = len(kinds)
     group = recompute.num_layers or 1
     if recompute.method == "block":
         starts = list(range(min(group, num_layers)))
@@ -762,11 +834,11 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
             w.grad.mask_saved = True
         inner = _Walk(dataclasses.replace(w.grad, mask_saved=True))
         for j in range(start, start + size):
-            _layer(inner, x, spec, options, core_attn=False, moe=moe[j])
+            _layer(inner, x, spec, options, core_attn=False, moe=kinds[j][1] == "moe", mixer=kinds[j][0])
         w.region(inner.kept - hidden)  # the group input is the first norm's input
     plain = num_layers - sum(sizes)
     for j in range(num_layers - plain, num_layers):
-        _layer(w, x, spec, options, core_attn=False, moe=moe[j])
+        _layer(w, x, spec, options, core_attn=False, moe=kinds[j][1] == "moe", mixer=kinds[j][0])
     if x.rot and spec.mla is None:  # (MLA computes its RoPE inside the attention: no checkpoint input)
         w.out.shared = x.s * x.rot * 4
 

@@ -38,6 +38,14 @@ requires grad, so the base layers before the first adapter of the first pipeline
 backward collective (unless full recompute, where Bridge makes the decoder's input require grad).
 Full recompute re-runs the adapters' forward collectives with the layer.
 
+MLA's projections (``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
+``linear_kv_up_proj``, direct q's ``linear_q_proj``) are column-parallel layers in megatron-core's
+local spec (the down projections' outputs split over TP and all-gathered by the attention), so
+Bridge adapts each as a column-parallel target whose input is the hidden states (down
+projections, ``linear_q_proj``) or a latent (up projections: [T, q_lora], [T, kv_lora]).
+Transformer Engine's spec keeps the down projections whole on every TP rank (``TELinear``,
+``parallel_mode="duplicated"``; Bridge: ``base_linear_is_parallel=False``): not modelled under TP.
+
 MoE, MLA and multi-token prediction layers: :mod:`megatron_flops.memory.lora_layers`.
 
 NB: measured with megatron-core's local layers and Bridge 0.3.1's adapter (gloo, CPU). Bridge's
@@ -51,10 +59,20 @@ from megatron_flops.memory.layout import Parallelism
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.model.spec import ModelSpec
 
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+# MLA's projections, in forward order (the down projections, then the up projections or direct q).
+MLA_TARGETS = ("linear_q_down_proj", "linear_kv_down_proj", "linear_q_up_proj", "linear_q_proj", "linear_kv_up_proj")
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1") + MLA_TARGETS
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 # The order in which a dense layer runs its linear layers (forward).
 LAYER_ORDER = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def mla_targets(spec: ModelSpec) -> tuple[str, ...]:
+    """The MLA projections of ``spec``'s attention layers, in forward order (none without MLA)."""
+    if spec.mla is None:
+        return ()
+    q = ("linear_q_down_proj", "linear_q_up_proj") if spec.mla.q_lora_rank is not None else ("linear_q_proj",)
+    return tuple(t for t in MLA_TARGETS if t in q or "_kv_" in t)
 
 
 def adapter_numels(name: str, d_in: int, d_out: int, rank: int, tp: int) -> tuple[int, int]:
@@ -66,19 +84,25 @@ def adapter_numels(name: str, d_in: int, d_out: int, rank: int, tp: int) -> tupl
     return rank // tp * d_in, d_out * rank
 
 
-def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str | None:
-    """Why LoRA adapters under tensor parallelism are not modelled (None: they are, or TP 1)."""
+def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
+                   duplicated: bool = False) -> str | None:
+    """Why LoRA adapters under tensor parallelism are not modelled (None: they are, or TP 1);
+    ``duplicated``: Transformer Engine's MLA down projections, whole on every TP rank."""
     if peft is None or peft.lora_rank is None or par.tp == 1:
         return None
-    other = [t for t in peft.lora_targets if t not in COLUMN_PARALLEL + ROW_PARALLEL]
-    if other:
-        return f"LoRA adapters under tensor parallelism are modelled on {', '.join(LAYER_ORDER)} (not {other})"
+    mla = [t for t in peft.lora_targets if t in mla_targets(spec)]
+    if duplicated and mla:
+        return (f"LoRA adapters on MLA's {mla} under tensor parallelism as Transformer Engine's spec builds MLA "
+                "(duplicated TELinear down projections: Bridge's adapter there gathers its output and skips the "
+                "sequence gather) are not modelled (no Transformer Engine on CPU); --transformer-impl local is "
+                "measured")
     if peft.lora_rank % par.tp:
         return f"--lora-rank {peft.lora_rank} is not divisible by --tp {par.tp} (Bridge splits linear_in's rows)"
     if spec.hidden_size % par.tp:
         return f"hidden_size={spec.hidden_size} is not divisible by --tp {par.tp} (LoRA's linear_out rows)"
     moe = spec.moe
-    absent = {"linear_qkv"} if spec.mla is not None else set()
+    absent = set(MLA_TARGETS) - set(mla_targets(spec))
+    absent |= {"linear_qkv"} if spec.mla is not None else set()
     if moe is not None and spec.layers[0][1] == "moe" and not moe.shared_expert_ffn_hidden_size:
         absent |= {"linear_fc1", "linear_fc2"}
     if peft.frozen and not set(peft.lora_targets) - absent:
@@ -87,27 +111,31 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> 
     return None
 
 
-def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None) -> str | None:
+def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None, *, selective: bool = False) -> str | None:
     """Why activations of a LoRA decoder with MoE or MLA layers are not modelled (None: they
     are). Measured at TP 1 and under TP (+ sequence parallelism, EP): frozen MoE layers
     (router, dispatcher, routed and shared experts, adapters on every expert's ``linear_fc1``/
     ``linear_fc2``) and MLA layers with adapters on ``linear_proj``, ``linear_fc1``,
     ``linear_fc2`` (an MLA layer has no ``linear_qkv``: that target adapts nothing there, as in
-    Bridge)."""
+    Bridge) and on MLA's own projections; ``selective``: selective ``core_attn`` or
+    ``mla_up_proj`` recompute."""
     if peft is None or peft.lora_rank is None or (spec.moe is None and spec.mla is None):
         return None
-    if spec.mla is not None:
-        other = [t for t in peft.lora_targets if t not in LAYER_ORDER]
-        if other:
-            return (f"activations of LoRA adapters on MLA's {other} are not modelled (measured: linear_proj, "
-                    "linear_fc1, linear_fc2)")
+    if spec.mla is not None and peft.frozen and (selective or any(m == "dsa" for (m, _), _ in spec.layer_runs)):
+        adapted = set(peft.lora_targets) & set(mla_targets(spec))
+        q, kv = {t for t in adapted if "_q_" in t}, {t for t in adapted if "_kv_" in t}
+        if bool(q) != bool(kv):
+            return (f"activations of a frozen MLA layer adapted on one latent branch only ({sorted(q or kv)}: in the "
+                    "first layer the other branch's q, or k and v, require no grad) are modelled without selective "
+                    "core_attn or mla_up_proj recompute and DSA layers")
     return None  # (a frozen MoE first layer whose experts' adapters come first: memory/moe_lora_start.py)
 
 
 def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tokens: int, hidden: int, act: int,
-                            *, sp: bool = False) -> dict[str, int]:
+                            *, sp: bool = False, widths: dict[str, int] | None = None) -> dict[str, int]:
     """``tp/*`` payload of the forward passes of one layer's adapters on ``targets`` (among
-    ``peft.lora_targets``), for ``tokens`` tokens at TP > 1 (see the module doc)."""
+    ``peft.lora_targets``), for ``tokens`` tokens at TP > 1 (see the module doc); ``widths``: a
+    column-parallel target's input width where it is not ``hidden`` (MLA's up projections)."""
     out = {"tp/all_gather": 0, "tp/all_reduce": 0}
     if peft is None or peft.lora_rank is None:
         return out
@@ -118,25 +146,26 @@ def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tok
             out["tp/all_gather"] += tokens * hidden * act  # linear_out's output [T, out]
         else:
             # linear_in's output [T, r]; under sequence parallelism first its input [T, h].
-            out["tp/all_gather"] += tokens * r * act + (tokens * hidden * act if sp else 0)
+            width = (widths or {}).get(target, hidden)
+            out["tp/all_gather"] += tokens * r * act + (tokens * width * act if sp else 0)
     return out
 
 
 def adapter_backward_payload(peft: PeftSpec, targets: tuple[str, ...], tokens: int, hidden: int, act: int,
-                             *, sp: bool) -> dict[str, int]:
+                             *, sp: bool, widths: dict[str, int] | None = None) -> dict[str, int]:
     """``tp/*`` payload of the backward passes of one layer's adapters on ``targets`` (among
     ``peft.lora_targets``): every linear_out all-reduces its input gradient [T, r]; a
     column-parallel target's input gradient [T, h] is all-reduced (reduce-scattered under
     sequence parallelism), a row-parallel target's output gradient all-gathered under sequence
-    parallelism."""
+    parallelism (``widths``: as :func:`adapter_forward_payload`)."""
     assert peft.lora_rank is not None
     adapted = [t for t in targets if t in peft.lora_targets]
-    column = sum(t in COLUMN_PARALLEL for t in adapted)
-    row = len(adapted) - column
+    column = sum((widths or {}).get(t, hidden) for t in adapted if t in COLUMN_PARALLEL)
+    row = sum(t in ROW_PARALLEL for t in adapted)
     out = {"tp/all_reduce": len(adapted) * tokens * peft.lora_rank * act}
     if sp:
-        out["tp/reduce_scatter"] = column * tokens * hidden * act
+        out["tp/reduce_scatter"] = column * tokens * act
         out["tp/all_gather"] = row * tokens * hidden * act
     else:
-        out["tp/all_reduce"] += column * tokens * hidden * act
+        out["tp/all_reduce"] += column * tokens * act
     return out

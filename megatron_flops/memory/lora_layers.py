@@ -6,7 +6,12 @@ As Megatron-Bridge 0.3.1's LoRA wraps megatron-core's local layers (``ParallelLi
 
 - MLA layers: ``linear_proj`` (row parallel) and the MLP's ``linear_fc1``/``linear_fc2`` are
   adapted as a dense layer's; there is no ``linear_qkv`` (that target adapts nothing there, as in
-  Bridge, whose module matcher goes by name).
+  Bridge, whose module matcher goes by name). MLA's own projections are column-parallel targets
+  (:mod:`megatron_flops.memory.lora`): the down projections' and ``linear_q_proj``'s adapters read
+  the hidden states [T, h], the up projections' the latents [T, q_lora], [T, kv_lora]. In a frozen
+  model's first layer an adapter's input requires no grad where no adapter runs before it on its
+  branch: it runs no input-gradient reduce-scatter under sequence parallelism (it still
+  all-reduces its input gradient without), nor do the base projections there.
 - MoE layers: the shared experts' ``linear_fc1``/``linear_fc2`` as a dense MLP's (tensor
   parallel, sequence-parallel gathers of their own); a MoE layer without shared experts has no
   dense MLP to adapt. Every routed expert's ``linear_fc1``/``linear_fc2`` (``SequentialMLP``,
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import (COLUMN_PARALLEL, LAYER_ORDER, adapter_backward_payload,
-                                        adapter_forward_payload)
+                                        adapter_forward_payload, mla_targets)
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.moe import expert_tp_group
 from megatron_flops.model.spec import ModelSpec
@@ -51,13 +56,15 @@ class AdaptedLayer:
     experts: bool
     rerun: bool
     mtp: bool = False
+    mla_names: tuple[str, ...] = ()  # MLA's projections (:func:`~megatron_flops.memory.lora.mla_targets`)
 
     def targets(self, peft: PeftSpec) -> tuple[str, ...]:
         """The tensor-parallel linears of this layer that ``peft`` adapts, in forward order."""
         absent = {"linear_qkv"} if self.mla else set()
         if not self.dense:
             absent |= {"linear_fc1", "linear_fc2"}
-        return tuple(t for t in LAYER_ORDER if t in peft.lora_targets and t not in absent)
+        order = self.mla_names + LAYER_ORDER[1:] if self.mla else LAYER_ORDER
+        return tuple(t for t in order if t in peft.lora_targets and t not in absent)
 
 
 def adapted_layers(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec | None, *,
@@ -74,10 +81,12 @@ def adapted_layers(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec |
         for i, layer in enumerate(layers):
             rerun = full and (block is None or i < block)
             moe = kinds[layer][1] == "moe"
-            out.append(AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun))
+            out.append(AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun,
+                                    mla_names=mla_targets(spec)))
         if par.is_last_stage(pp_rank, chunk):
             moe, rerun = spec.mtp_ffn == "moe", mtp_recomputed(spec, recompute)
-            out += [AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun, mtp=True)
+            out += [AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun, mtp=True,
+                                 mla_names=mla_targets(spec))
                     for _ in range(spec.mtp_num_layers)]
     return out
 
@@ -112,11 +121,12 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         out[key] = out.get(key, 0) + value
 
     layers = adapted_layers(spec, par, recompute, pp_rank=pp_rank)
+    widths = _latent_widths(spec)
     for layer in layers:
         targets = layer.targets(peft) if par.tp > 1 else ()
-        for key, value in adapter_forward_payload(peft, targets, tokens, h, a, sp=sp).items():
+        for key, value in adapter_forward_payload(peft, targets, tokens, h, a, sp=sp, widths=widths).items():
             add(key, (1 + layer.rerun) * value)
-        for key, value in adapter_backward_payload(peft, targets, tokens, h, a, sp=sp).items():
+        for key, value in adapter_backward_payload(peft, targets, tokens, h, a, sp=sp, widths=widths).items():
             add(key, value)
         if layer.experts and routed is not None and par.expert_tp > 1:
             add(f"{expert_tp_group(par)}/all_gather",
@@ -128,6 +138,13 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         add(key, -count * tokens * a)
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
+
+
+def _latent_widths(spec: ModelSpec) -> dict[str, int]:
+    """The input widths of MLA's up projections (their adapters' inputs), by target name."""
+    if spec.mla is None:
+        return {}
+    return {"linear_q_up_proj": spec.mla.q_lora_rank or 0, "linear_kv_up_proj": spec.mla.kv_lora_rank}
 
 
 def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: list[AdaptedLayer], *,
@@ -175,30 +192,34 @@ def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, 
     :func:`_mla_before_proj`."""
     targets = layer.targets(peft)
     order = [t for t in LAYER_ORDER if t != "linear_qkv" or not layer.mla]
-    index = order.index(targets[0]) if targets else len(order) - 1
+    in_mla = bool(targets) and targets[0] in layer.mla_names
+    index = order.index(targets[0]) if targets and not in_mla else -1 if in_mla else len(order) - 1
     before = order[: index + 1]
     h = spec.hidden_size
     column = h * sum(n in COLUMN_PARALLEL for n in before)
-    out = _mla_before_proj(spec, sp=sp, duplicated=duplicated) if layer.mla else {}
+    out = _mla_before_proj(spec, targets, sp=sp, duplicated=duplicated) if layer.mla else {}
     if not sp:
         out["tp/all_reduce"] = out.get("tp/all_reduce", 0) + column
         return out
     row = h * (len(before) - sum(n in COLUMN_PARALLEL for n in before))
-    first_adapter = h * int(bool(targets) and order[index] in COLUMN_PARALLEL)
+    first_adapter = h * int(bool(before) and bool(targets) and order[index] in COLUMN_PARALLEL)
     out["tp/reduce_scatter"] = out.get("tp/reduce_scatter", 0) + column + first_adapter
     out["tp/all_gather"] = out.get("tp/all_gather", 0) + row
     return out
 
 
-def _mla_before_proj(spec: ModelSpec, *, sp: bool, duplicated: bool) -> dict[str, int]:
+def _mla_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool, duplicated: bool) -> dict[str, int]:
     """An MLA layer's frozen projections before ``linear_proj`` (no backward): without sequence
     parallelism the input-gradient all-reduces of both down projections [T, h] (duplicated:
     none but ``linear_q_proj``'s) and both up projections' latents; under sequence parallelism
     their reduce-scatters and the latents' gradient all-gathers (duplicated: no latent
-    gathers, the reduce-scatter of the kv latent's RoPE part)."""
+    gathers, the reduce-scatter of the kv latent's RoPE part). With adapters on MLA's own
+    projections (``targets``): see :func:`_mla_adapted_before_proj`."""
     mla = spec.mla
     assert mla is not None
     h, latents = spec.hidden_size, (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    if any(t.startswith(("linear_q_", "linear_kv_")) for t in targets):
+        return _mla_adapted_before_proj(spec, targets, sp=sp)
     if duplicated:
         hidden = 0 if mla.q_lora_rank else h
         if not sp:
@@ -217,3 +238,24 @@ def expert_lora_unmeasured(spec: ModelSpec, par: Parallelism, peft: PeftSpec | N
     return [f"LoRA adapters on the routed experts with expert TP {par.expert_tp} other than TP {par.tp}: split over "
             "the expert TP group as Megatron-Bridge 0.6.2 splits them (is_expert: expert_tensor_parallel_size), "
             "their parameters, activations and etp/all_gather payloads a formula (measured with expert TP = TP)"]
+
+
+def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool) -> dict[str, int]:
+    """As :func:`_mla_before_proj` with adapters on MLA's projections (local spec): the base
+    down projections (or ``linear_q_proj``) never reduce their input gradient [T, h]; an up
+    projection's latent requires grad once its branch's down projection is adapted (then its
+    input gradient is reduced, and under sequence parallelism its slice's gradient all-gathered).
+    Under sequence parallelism an adapter whose input requires no grad skips its input's
+    gradient reduce-scatter (the hidden states', or a latent's)."""
+    mla = spec.mla
+    assert mla is not None
+    h, q, kv = spec.hidden_size, mla.q_lora_rank, mla.kv_lora_rank
+    q_on, kv_on = "linear_q_down_proj" in targets, "linear_kv_down_proj" in targets
+    skipped = 2 * h + (q or 0) * (not q_on) + kv * (not kv_on)  # base input gradients
+    if not sp:
+        return {"tp/all_reduce": skipped}
+    gathers = (q or 0) * (not q_on) + kv * (not kv_on)
+    adapters = h * sum(t in ("linear_q_down_proj", "linear_kv_down_proj", "linear_q_proj") for t in targets)
+    adapters += (q or 0) * ("linear_q_up_proj" in targets and not q_on) + kv * ("linear_kv_up_proj" in targets
+                                                                                and not kv_on)
+    return {"tp/reduce_scatter": skipped + adapters, "tp/all_gather": gathers}

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.lora import adapter_forward_payload
+from megatron_flops.memory.lora import adapter_forward_payload, mla_targets
 from megatron_flops.memory.lora_layers import expert_adapter_payload
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -40,14 +40,17 @@ _BEFORE_MLP = ("linear_qkv", "linear_proj")  # (an MLA layer has no linear_qkv)
 def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...], peft: PeftSpec | None) -> str | None:
     """Why the activations of selective recompute of ``modules`` are not modelled (None: they are)."""
     if "layernorm" in modules and peft is not None and peft.frozen:
-        return ("activations under selective recompute of layernorm with a frozen base: megatron-core 0.16.1's "
-                "CheckpointWithoutOutput fails in backward (no saved input) where a norm's input requires no grad, "
-                "as the first layer's does (Megatron-Bridge makes the decoder's input require grad under full "
-                "recompute only); seen here")
-    if "mla_up_proj" in modules and peft is not None and peft.frozen and par.tp > 1:
-        return ("activations under selective recompute of mla_up_proj with a frozen base are modelled with --tp 1 "
-                "(the checkpoint's latent inputs, slices of the gathered latents under sequence parallelism, are "
-                "not measured here)")
+        return ("activations under selective recompute of layernorm with a frozen base: megatron-core 0.16.1's and "
+                "0.19.0's CheckpointWithoutOutput fail in backward (no saved input) where a norm's input requires no "
+                "grad, as the first layer's does (Megatron-Bridge makes the decoder's input require grad under full "
+                "recompute only); seen here with both releases")
+    adapted = set(peft.lora_targets) & set(mla_targets(spec)) if peft is not None and peft.lora_rank else set()
+    if "mla_up_proj" in modules and peft is not None and peft.frozen and adapted \
+            and not adapted & {"linear_q_down_proj", "linear_kv_down_proj"}:
+        return ("activations under selective recompute of mla_up_proj on a frozen base with adapters on MLA's up "
+                f"projections ({sorted(adapted)}) and none on a down projection: the first layer's checkpoint inputs "
+                "require no grad, so megatron-core runs its up projections and their adapters under no_grad (they "
+                "train nowhere there); adapt a down projection too")
     if "mla_up_proj" in modules and spec.mla is None:
         return ("activations under selective recompute of mla_up_proj: megatron-core refuses it without "
                 "multi-latent attention")
@@ -104,8 +107,16 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
     if spec.moe is not None and peft is not None and peft.lora_rank is not None:
         _add_expert_adapter_reruns(out, spec, par, recompute, peft, layers, pp_rank, shared=shared, tokens=tokens,
                                    act=act)
-    if par.sequence_parallel:
-        out["tp/all_gather"] += _mla_up_proj_rerun_width(spec, par, recompute, layers, pp_rank) * tokens * act
+    mla = _mla_up_proj_reruns(spec, par, recompute, layers, pp_rank, peft)
+    if mla and spec.mla is not None:
+        q = spec.mla.q_lora_rank if spec.mla.q_lora_rank is not None else spec.hidden_size
+        if par.sequence_parallel:
+            out["tp/all_gather"] = out.get("tp/all_gather", 0) + mla * (q + spec.mla.kv_lora_rank) * tokens * act
+        widths = {"linear_q_up_proj": q, "linear_kv_up_proj": spec.mla.kv_lora_rank}
+        ups = tuple(t for t in mla_targets(spec) if t != "linear_q_down_proj" and t != "linear_kv_down_proj")
+        for key, value in adapter_forward_payload(peft, ups, tokens, spec.hidden_size, act, sp=par.sequence_parallel,
+                                                  widths=widths).items():
+            out[key] = out.get(key, 0) + mla * value
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
 
@@ -130,17 +141,21 @@ def _add_expert_adapter_reruns(out: dict[str, int], spec: ModelSpec, par: Parall
             spec, peft, routed=tokens * spec.moe.router_topk, act=act)
 
 
-def _mla_up_proj_rerun_width(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],
-                             pp_rank: int) -> int:
-    """Elements per token that selective ``mla_up_proj`` all-gathers again per micro-batch under
-    sequence parallelism over ``layers`` (and the MTP block's layers on the last stage): each MLA
-    layer's up-projection inputs, the q latent (or the hidden states) and the kv latent."""
+def _mla_up_proj_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],
+                        pp_rank: int, peft: PeftSpec | None) -> int:
+    """MLA layers whose up projections selective ``mla_up_proj`` re-runs per micro-batch over
+    ``layers`` (and the MTP block's layers on the last stage); each all-gathers its inputs again
+    under sequence parallelism, the q latent (or the hidden states) and the kv latent, and its
+    up projections' adapters run their forward collectives again. A frozen model's first layer
+    never re-runs unless a down projection is adapted: its checkpoint's inputs require no grad."""
     if spec.mla is None or "mla_up_proj" not in recompute.modules:
         return 0
     last = par.is_last_stage(pp_rank, par.num_chunks - 1)
-    num = sum(spec.layers[i][0] in ("attention", "dsa") for i in layers) + (spec.mtp_num_layers if last else 0)
-    q = spec.mla.q_lora_rank if spec.mla.q_lora_rank is not None else spec.hidden_size
-    return num * (q + spec.mla.kv_lora_rank)
+    mla_kinds = ("attention", "dsa", "dsa_shared")
+    num = sum(spec.layers[i][0] in mla_kinds for i in layers) + (spec.mtp_num_layers if last else 0)
+    down = peft is not None and bool({"linear_q_down_proj", "linear_kv_down_proj"} & set(peft.lora_targets))
+    return num - bool(peft is not None and peft.frozen and not down and par.is_first_stage(pp_rank, 0) and layers
+                      and layers[0] == 0 and spec.layers[0][0] in mla_kinds)
 
 
 def _shared_expert_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],

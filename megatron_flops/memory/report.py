@@ -39,6 +39,7 @@ from megatron_flops.memory.moe import (
 )
 from megatron_flops.memory.moe_grouped import check_grouped, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
+from megatron_flops.memory.kda_fla import kda_fla_unmeasured
 from megatron_flops.memory.linear_cp import linear_cp_notes
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
@@ -285,6 +286,7 @@ def decoder_memory(
                                               lora=peft is not None and peft.lora_rank is not None)
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
+        unmeasured += kda_fla_unmeasured(spec, training)
     unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None))
     unmeasured += tuple(expert_lora_unmeasured(spec, par, peft))
     unmeasured += tuple(parallel_layer_unmeasured(
