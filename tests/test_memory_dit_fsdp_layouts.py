@@ -23,6 +23,11 @@ def test_tp1_cp1_is_the_measured_data_parallel_report():
     for dp in (2, 4):
         assert dit_fsdp_layout_report(SPEC, Parallelism(dp=dp, fsdp=True), TRAINING) == \
             dit_memory_report(SPEC, TRAINING, dp=dp)
+    # Checkpointed blocks, one by one and in a group of 2 (measured in tests/test_memory_dit_activations.py).
+    for blocks, group in ((1, 1), (2, 2)):
+        assert dit_fsdp_layout_report(SPEC, Parallelism(dp=2, fsdp=True), TRAINING, checkpointed_blocks=blocks,
+                                      checkpoint_group=group) == \
+            dit_memory_report(SPEC, TRAINING, dp=2, checkpointed_blocks=blocks, checkpoint_group=group)
 
 
 def test_tp2_dp2_exact():

@@ -46,7 +46,8 @@ def tp_slice(tp: int) -> Callable[[DiTParam], DiTParam]:
 
 
 def dit_fsdp_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, peft: PeftSpec | None = None,
-                           attention: str = "flash", checkpointed_blocks: int = 0) -> dict[str, object]:
+                           attention: str = "flash", checkpointed_blocks: int = 0,
+                           checkpoint_group: int = 1) -> dict[str, object]:
     """The JSON form of :func:`~megatron_flops.memory.fsdp.dit_memory_report` for ``--fsdp`` with
     TP, sequence parallelism or CP (see the module NB): the most loaded rank (DP x CP rank 0)."""
     ddp = replace(par, fsdp=False, distributed_optimizer=False)
@@ -62,7 +63,7 @@ def dit_fsdp_layout_report(spec: DiTSpec, par: Parallelism, training: Training, 
             if not k.startswith("dp/")}
     comm = {**top.communication, **comm}
     activations, _ = dit_stage_activations(spec, ddp, training, pp_rank=0, peft=peft, attention=attention,
-                                           checkpointed_blocks=checkpointed_blocks)
+                                           checkpointed_blocks=checkpointed_blocks, checkpoint_group=checkpoint_group)
     transients = {"fsdp/unsharded_working_copies": fsdp_working_copies(spec, training, dp=group, peft=peft,
                                                                        shard=shard)} if group > 1 else {}
     counts = dit_parameter_counts(spec, peft)
