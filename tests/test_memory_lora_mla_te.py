@@ -11,12 +11,10 @@ tokens, so linear_in's all-gather concatenates different ranks' tokens: refused,
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from megatron_flops.flops.passes import PeftSpec
-from megatron_flops.memory.decoder import DecoderOptions, check_supported
+from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.report import decoder_memory
 from megatron_flops.model.spec import ModelSpec
@@ -31,72 +29,75 @@ LOCAL = DecoderOptions(transformer_impl="local")
 TE = DecoderOptions(transformer_impl="transformer_engine")
 
 
-def _reports(targets: tuple[str, ...], *, frozen: bool, tp: int = 2):
-    spec = ModelSpec.from_mapping(MLA)
-    peft = PeftSpec(frozen=frozen, lora_rank=4, lora_targets=targets)
-    par = Parallelism(tp=tp)
-    return (decoder_memory(spec, LOCAL, par, TRAINING, peft=peft),
-            decoder_memory(spec, TE, par, TRAINING, peft=peft),
-            decoder_memory(spec, TE, par, TRAINING, peft=dataclasses.replace(peft, lora_rank=None, lora_targets=())
-                           if not frozen else peft))
+PAR = Parallelism(tp=2)
 
 
-def _adapters(parameters: dict[str, int]) -> dict[str, int]:
-    return {k: v for k, v in parameters.items() if ".adapter." in k}
+def _report(options: DecoderOptions, targets: tuple[str, ...] | None, *, frozen: bool = False):
+    peft = None if targets is None else PeftSpec(frozen=frozen, lora_rank=4, lora_targets=targets)
+    return decoder_memory(ModelSpec.from_mapping(MLA), options, PAR, TRAINING, peft=peft)
 
 
-@pytest.mark.parametrize("frozen", [True, False])
-def test_adapter_parameters_equal_the_local_specs(frozen):
-    local, te, _ = _reports(FOUR + ("linear_proj",), frozen=frozen)
+def _adapters(options: DecoderOptions) -> dict[str, int]:
+    peft = PeftSpec(lora_rank=4, lora_targets=FOUR)
+    params = chunk_parameters(ModelSpec.from_mapping(MLA), options, PAR, pp_rank=0, chunk=0, seq_length=16, peft=peft)
+    return {p.name: p.numel for p in params if ".adapter." in p.name}
+
+
+def test_adapter_parameters_equal_the_local_specs():
+    te = _adapters(TE)
     # q_down: linear_in [r/TP, h] = 2 * 48 = 96, linear_out [q_lora/TP, r] = 12 * 4 = 48;
-    # kv_down: 96 and [(kv_lora + rope)/TP, r] = 20 * 4 = 80 (local: the same shapes, split output).
-    for name, numel in (("linear_q_down_proj.adapter.linear_in.weight", 96),
-                        ("linear_q_down_proj.adapter.linear_out.weight", 48),
-                        ("linear_kv_down_proj.adapter.linear_out.weight", 80)):
-        got = [v for k, v in te.parameters.items() if k.endswith(name)]
-        assert got and set(got) == {numel}
-    assert _adapters(te.parameters) == _adapters(local.parameters)
+    # kv_down: 96 and [(kv_lora + rope)/TP, r] = 20 * 4 = 80 (local: the same shapes, its output split).
+    assert te["decoder.layers.0.self_attention.linear_q_down_proj.adapter.linear_in.weight"] == 96
+    assert te["decoder.layers.0.self_attention.linear_q_down_proj.adapter.linear_out.weight"] == 48
+    assert te["decoder.layers.0.self_attention.linear_kv_down_proj.adapter.linear_out.weight"] == 80
+    assert te == _adapters(LOCAL)
 
 
-@pytest.mark.parametrize("frozen", [True, False])
-def test_one_term_delta_the_down_adapters_output_gather(frozen):
-    local, te, _ = _reports(FOUR + ("linear_proj",), frozen=frozen)
-    loc, dup = local.per_gpu.communication, te.per_gpu.communication
-    # Per layer, forward: each down adapter's linear_out all-gathers its output [T, out]:
-    # 32 * (24 + 40) * 4 B = 8192 B; 2 layers: 16384 B.
-    # The base's own terms differ too (no latent gathers, no down-projection input-gradient all-reduces):
-    # compare against the same TE base without adapters on the down projections instead.
-    spec = ModelSpec.from_mapping(MLA)
-    ups = PeftSpec(frozen=frozen, lora_rank=4, lora_targets=("linear_q_up_proj", "linear_kv_up_proj", "linear_proj"))
-    both = decoder_memory(spec, TE, Parallelism(tp=2), TRAINING,
-                          peft=dataclasses.replace(ups, lora_targets=FOUR + ("linear_proj",)))
-    assert both.per_gpu.communication == dup
-    assert loc.keys() >= {"tp/all_gather"} and dup["tp/all_gather"] > 0
-    assert te.per_gpu.activations == local.per_gpu.activations or te.per_gpu.activations is not None
+def _delta(options: DecoderOptions, targets: tuple[str, ...]) -> tuple[dict[str, int], int]:
+    """What the adapters on ``targets`` add to a trained base: collectives per step, saved bytes."""
+    with_lora, base = _report(options, targets).per_gpu, _report(options, None).per_gpu
+    keys = with_lora.communication.keys() | base.communication.keys()
+    comm = {k: with_lora.communication.get(k, 0) - base.communication.get(k, 0) for k in keys}
+    assert with_lora.activations is not None and base.activations is not None
+    return {k: v for k, v in comm.items() if v}, with_lora.activations - base.activations
+
+
+def test_one_term_delta_the_down_adapters_output_gather():
+    local, te = _delta(LOCAL, FOUR), _delta(TE, FOUR)
+    # Per layer, forward: each down adapter's linear_out all-gathers its output [T, out] (the local
+    # spec's leaves it split): 32 * (24 + 40) * 4 B = 8192 B; 2 layers: 16384 B. Nothing else differs.
+    assert te[0]["tp/all_gather"] - local[0]["tp/all_gather"] == 16384
+    assert {k: v for k, v in te[0].items() if k != "tp/all_gather"} == {
+        k: v for k, v in local[0].items() if k != "tp/all_gather"}
+    assert te[1] == local[1]  # saved tensors: linear_in's input (the base's), linear_out's [T, r]
 
 
 def test_down_adapters_collectives_per_step():
-    # A trained base, LoRA on q_down only vs none: per layer and micro-batch, forward all-gathers
-    # [T, r] = 32 * 4 * 4 = 512 B and [T, q_lora] = 32 * 24 * 4 = 3072 B; backward all-reduces
-    # [T, r] = 512 B and its input gradient [T, h] = 32 * 48 * 4 = 6144 B. 2 layers.
-    spec = ModelSpec.from_mapping(MLA)
-    par = Parallelism(tp=2)
-    with_q = decoder_memory(spec, TE, par, TRAINING, peft=PeftSpec(lora_rank=4, lora_targets=("linear_q_down_proj",)))
-    without = decoder_memory(spec, TE, par, TRAINING,
-                             peft=PeftSpec(lora_rank=4, lora_targets=("linear_proj",)))
-    proj = decoder_memory(spec, TE, par, TRAINING, peft=PeftSpec(lora_rank=4, lora_targets=("linear_q_down_proj",
-                                                                                            "linear_proj")))
-    a, b = proj.per_gpu.communication, without.per_gpu.communication
-    assert a["tp/all_gather"] - b["tp/all_gather"] == 2 * (512 + 3072)
-    assert a["tp/all_reduce"] - b["tp/all_reduce"] == 2 * (512 + 6144)
-    assert with_q.unmeasured and any("duplicated down projection" in u for u in with_q.unmeasured)
+    # LoRA on q_down: per layer and micro-batch, forward all-gathers [T, r] = 32 * 4 * 4 = 512 B and
+    # [T, q_lora] = 32 * 24 * 4 = 3072 B; backward all-reduces [T, r] = 512 B and its input gradient
+    # [T, h] = 32 * 48 * 4 = 6144 B. 2 layers.
+    comm, saved = _delta(TE, ("linear_q_down_proj",))
+    assert comm == {"tp/all_gather": 2 * (512 + 3072), "tp/all_reduce": 2 * (512 + 6144)}
+    assert saved == 2 * 512  # [T, r] per layer (its input is the base's)
+
+
+def test_frozen_first_layer_skips_only_the_latents():
+    # A frozen base adapted on kv_down only (+ linear_proj): TE's duplicated down projections reduce
+    # no input gradient, so layer 0 skips only q_up's latent all-reduce [T, q_lora] = 3072 B more than
+    # with both down projections adapted; the local spec's skips also its 2 [T, h] (same in both).
+    kv = _report(TE, ("linear_kv_down_proj", "linear_proj"), frozen=True).per_gpu.communication
+    both = _report(TE, ("linear_q_down_proj", "linear_kv_down_proj", "linear_proj"), frozen=True).per_gpu.communication
+    # both - kv: q_down's adapter: 2 layers x (512 + 3072) gathered, 2 x (512 + 6144) all-reduced; layer 0's q
+    # latent now requires grad: + 3072 all-reduced.
+    assert both["tp/all_gather"] - kv["tp/all_gather"] == 2 * (512 + 3072)
+    assert both["tp/all_reduce"] - kv["tp/all_reduce"] == 2 * (512 + 6144) + 3072
 
 
 def test_the_figures_are_labelled_unmeasured():
-    _, te, _ = _reports(FOUR + ("linear_proj",), frozen=True)
+    te = _report(TE, FOUR + ("linear_proj",), frozen=True)
     assert any(u.startswith("LoRA adapters on MLA's") and "--transformer-impl local is measured" in u
                for u in te.unmeasured)
-    local, _, _ = _reports(FOUR + ("linear_proj",), frozen=True)
+    local = _report(LOCAL, FOUR + ("linear_proj",), frozen=True)
     assert not any(u.startswith("LoRA adapters on MLA's") for u in local.unmeasured)
 
 
