@@ -143,7 +143,8 @@ def _latent_widths(spec: ModelSpec) -> dict[str, int]:
 
 def _down_widths(spec: ModelSpec) -> dict[str, int]:
     """The output widths of MLA's down projections, by target name."""
-    assert spec.mla is not None
+    if spec.mla is None:
+        return {}
     return {"linear_q_down_proj": spec.mla.q_lora_rank or 0,
             "linear_kv_down_proj": spec.mla.kv_lora_rank + spec.mla.qk_pos_emb_head_dim}
 
