@@ -44,7 +44,12 @@ local spec (the down projections' outputs split over TP and all-gathered by the 
 Bridge adapts each as a column-parallel target whose input is the hidden states (down
 projections, ``linear_q_proj``) or a latent (up projections: [T, q_lora], [T, kv_lora]).
 Transformer Engine's spec keeps the down projections whole on every TP rank (``TELinear``,
-``parallel_mode="duplicated"``; Bridge: ``base_linear_is_parallel=False``): not modelled under TP.
+``parallel_mode="duplicated"``; Bridge: ``base_linear_is_parallel=False``): Bridge's adapter there
+splits ``linear_in`` [r/TP, h] and ``linear_out`` [out/TP, r] as around a column-parallel target
+and gathers its output (``tp/all_gather`` [T, out] in forward); without sequence parallelism a
+formula, the rest as the local spec. Under sequence parallelism megatron-core feeds those layers
+this rank's [T/TP] tokens, which Bridge's adapter does not gather: linear_in's all-gather then
+concatenates different ranks' tokens and its input gradient is unreduced (refused, as Bridge's).
 
 MoE, MLA and multi-token prediction layers: :mod:`megatron_flops.memory.lora_layers`.
 
