@@ -68,7 +68,16 @@ MCORE = {
                                share_embeddings_and_output_weights=False),
     "dsa": dict(BASE, **_MLA, experimental_attention_variant="dsa", dsa_indexer_n_heads=2, dsa_indexer_head_dim=8,
                 dsa_indexer_topk=5),
+    # Layers 2 and 4 reuse layer 1's and 3's top-k (megatron-core 0.19's dsa_indexer_topk_freq); one MTP layer.
+    "dsa shared top-k mtp": dict(BASE, **_MLA, experimental_attention_variant="dsa", dsa_indexer_n_heads=2,
+                                 dsa_indexer_head_dim=8, dsa_indexer_topk=5, dsa_indexer_topk_freq=2, mtp_num_layers=1),
     "gdn": dict(BASE, **_LINEAR, experimental_attention_variant="gated_delta_net", linear_attention_freq=2),
+    # A list: 1 marks softmax attention; the last layer (and so the MTP layer) is GDN.
+    "gdn mtp": dict(BASE, **_LINEAR, experimental_attention_variant="gated_delta_net", linear_attention_freq=[0, 1, 0, 1],
+                    mtp_num_layers=1),
+    # A hybrid pattern's MTP part after '/' (megatron-core 0.19).
+    "hybrid mamba mtp": dict(BASE, hybrid_override_pattern="M*-M/*-", mamba_state_dim=16, mamba_head_dim=16,
+                             mamba_num_groups=2),
     "hybrid mamba": dict(BASE, hybrid_override_pattern="M*-M", mamba_state_dim=16, mamba_head_dim=16,
                          mamba_num_groups=2),
     # '|' marks megatron-core 0.19's pipeline stages: 4 segments, VPP 2 on PP 2 (no layout without PP).
@@ -179,6 +188,18 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
     # 0.19.2, not Megatron-Bridge 0.6.2, not transformers) and without context parallelism (transformers'
     # KDA layer has none). (GDN and DSA under CP: megatron-core 0.19.0's layers, memory/linear_cp.py.)
     ("hf:kimi_linear | CP2 | ", r"refused: .*KimiLinearDeltaAttention, which has no context parallelism"),
+    # DSA layers that reuse an earlier top-k under CP (megatron-core 0.19.0's index sharing with its CP layer: not
+    # modelled by memory/linear_cp.py).
+    ("mcore:dsa shared top-k mtp | CP2 | ", r"refused: .*context parallelism is not modelled for DeepSeek sparse "
+                                            r"attention layers that reuse an earlier layer's top-k"),
+    # DSA layers that reuse an earlier top-k under CP (megatron-core 0.19.0's index sharing with its CP layer: not
+    # modelled by memory/linear_cp.py).
+    ("mcore:dsa shared top-k mtp | CP2 | ", r"refused: .*context parallelism is not modelled for DeepSeek sparse "
+                                            r"attention layers that reuse an earlier layer's top-k"),
+    # A hybrid pattern's MTP part after '/' (megatron-core 0.19's HybridStack inside the MTP layer; 0.16.1's hybrid
+    # models have no MTP): its parameter names and sub-layers are 0.19's, not run or read here.
+    ("mcore:hybrid mamba mtp | *", r"refused: .*multi-token prediction of a hybrid pattern's MTP part after '/' is not "
+                                   r"modelled"),
     ("hf:kimi_linear | TP2* | ", r"refused: .*Kimi Delta Attention is modelled with --tp 1"),
     # olmo2's and olmo3's q/k norms over the whole q and k projections under TP (memory/hf_qk_norms.py): their
     # statistics span every head, and no framework splits them over TP (transformers' TP plan gathers q, k and v

@@ -334,16 +334,13 @@ class _Hadamard(torch.autograd.Function):
         return (x.float() @ h * scale).to(x.dtype)
 
 
-def _dsa_attention(model: dict, sequence_parallel: bool = False):
-    """megatron-core 0.16.1's MLA self-attention with DSAttention as its core (the DSA spec's,
-    built from the local spec's layers: the indexer's duplicated linears as torch linears), bf16,
-    on this process's TP group, for the fields ``model`` (as :data:`DSA`)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def dsa_core_attention_spec():
+    """The DSA spec's ``DSAttention`` built from the local spec's layers (the indexer's duplicated
+    linears as torch linears), with fast_hadamard_transform's CUDA kernel replaced (test-only: in
+    this process, for its life)."""
     from megatron.core.transformer.experimental_attention_variant import dsa
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     class Duplicated(torch.nn.Linear):  # TELinear(parallel_mode="duplicated"): (output, bias)
         def __init__(self, d_in, d_out, *, bias=False, **_):
@@ -352,19 +349,29 @@ def _dsa_attention(model: dict, sequence_parallel: bool = False):
         def forward(self, x):
             return super().forward(x), None
 
-    # Test-only: fast_hadamard_transform's CUDA kernel replaced (in this process, for its life).
     dsa.hadamard_transform = _Hadamard.apply
-    fields = {k: v for k, v in model.items() if k not in ("vocab_size", "experimental_attention_variant")}
+    return ModuleSpec(module=dsa.DSAttention, submodules=dsa.DSAttentionSubmodules(
+        indexer=ModuleSpec(module=dsa.DSAIndexer, submodules=dsa.DSAIndexerSubmodules(
+            linear_wq_b=Duplicated, linear_wk=Duplicated, k_norm=WrappedTorchNorm, linear_weights_proj=Duplicated))))
 
+
+def _dsa_attention(model: dict, sequence_parallel: bool = False):
+    """megatron-core 0.16.1's MLA self-attention with DSAttention as its core (the DSA spec's,
+    built from the local spec's layers: the indexer's duplicated linears as torch linears), bf16,
+    on this process's TP group, for the fields ``model`` (as :data:`DSA`)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    fields = {k: v for k, v in model.items() if k not in ("vocab_size", "experimental_attention_variant")}
     config = MLATransformerConfig(**fields, experimental_attention_variant="dsa", dsa_indexer_loss_coeff=0.01,
                                   normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
                                   rope_type="rope", bf16=True, params_dtype=torch.bfloat16,
                                   tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
                                   sequence_parallel=sequence_parallel)
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm").submodules.self_attention
-    spec.submodules.core_attention = ModuleSpec(module=dsa.DSAttention, submodules=dsa.DSAttentionSubmodules(
-        indexer=ModuleSpec(module=dsa.DSAIndexer, submodules=dsa.DSAIndexerSubmodules(
-            linear_wq_b=Duplicated, linear_wk=Duplicated, k_norm=WrappedTorchNorm, linear_weights_proj=Duplicated))))
+    spec.submodules.core_attention = dsa_core_attention_spec()
     with mcore_cpu.cuda_to_cpu_mode():
         return build_module(spec, config=config, layer_number=1).bfloat16()
 
@@ -408,16 +415,18 @@ def test_dsa_attention_saved_bytes(mcore, monkeypatch, seq, mbs):
     ours = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0).components["attention"]
     t = seq * mbs
     # NB: torch's CPU LayerNorm keeps k_norm's mean and rstd in bf16 (CUDA: fp32): 2 x T x 2 bytes less.
-    assert measured == ours - 2 * t * 2
+    # NB: the forward's count sees top-k's int64 indices [b, s, 8], which go before it ends (only the
+    # indices are used: top-k's backward node is dropped; tests/test_memory_dsa_more.py checks the peak).
+    assert measured == ours - 2 * t * 2 + mbs * seq * 8 * 8
     if (seq, mbs) == (16, 2):
         # T = 32, bf16. MLA: the input [T, 64], the q latent [T, 24], the kv latent [T, 32 + 8],
         # cos/sin 4 x [16, 8], linear_proj's input [T, 4 x 16]: 4,096 + 1,536 + 2,560 + 1,024 + 4,096
         # = 13,312. Indexer: cos/sin 4 x 256, k_norm's input [T, 16] 1,024 and stats 2 x 32 x 4, fp32
         # q [T, 2, 16] 4,096 and k [T, 16] 2,048, ReLU's [2, 2, 16, 16] fp32 4,096, weights [T, 2]
-        # 128, top-k [2, 16, 8] int64 2,048: 14,720. KL loss: 3 x [2, 16, 16] fp32 = 6,144. Sparse
-        # attention: fp32 q and k 2 x [8, 16, 24] x 4 = 24,576, softmax [2, 4, 16, 16] fp32 8,192
-        # and bf16 4,096, v [8, 16, 16] bf16 4,096: 40,960. Total 75,136 (measured: 75,136 - 128).
-        assert ours == dsa_saved(spec, s=16, b=2, heads=4, act=2) + 13_312 == 75_136
+        # 128: 12,672. KL loss: 3 x [2, 16, 16] fp32 = 6,144. Sparse attention: fp32 q and k
+        # 2 x [8, 16, 24] x 4 = 24,576, softmax [2, 4, 16, 16] fp32 8,192 and bf16 4,096, v [8, 16, 16]
+        # bf16 4,096 (a view of MLA's v): 40,960. Total 73,088 (measured: 73,088 - 128 + top-k's 2,048).
+        assert ours == dsa_saved(spec, s=16, b=2, heads=4, act=2) + 13_312 == 73_088
 
 
 DSA_TP_RUNS = {"TP2": (16, 2, False, DSA), "TP2 SP": (16, 2, True, DSA),
@@ -435,15 +444,16 @@ def test_dsa_attention_saved_bytes_under_tensor_parallelism(mcore):
                                                    position_embedding_type="rope", add_bias_linear=False))
         ours = chunk_activations(ModelSpec.from_mapping(model), options, Parallelism(tp=2, sequence_parallel=sp),
                                  training, pp_rank=0, chunk=0).components["attention"]
-        # NB: CPU k_norm statistics in bf16, as at TP 1 (the indexer sees all T = 32 tokens).
-        assert [r[name] for r in measured] == [ours - 2 * 32 * 2] * 2, name
+        # NB: CPU k_norm statistics in bf16 and top-k's transient [2, 16, 8] int64, as at TP 1 (the
+        # indexer sees all T = 32 tokens).
+        assert [r[name] for r in measured] == [ours - 2 * 32 * 2 + 2_048] * 2, name
     # TP 2 halves the sparse attention's heads (4 -> 2): its fp32 q, k, softmax, bf16 softmax and v
-    # (40,960 at TP 1, see above) to 20,480; the indexer (14,720) and the KL loss (6,144) stay whole.
+    # (40,960 at TP 1, see above) to 20,480; the indexer (12,672) and the KL loss (6,144) stay whole.
     # Sequence parallelism adds the indexer's gathered copies of the norm output [32, 64] and the q
     # latent [32, 24] in bf16: 32 x 88 x 2 = 5,632 (without a q latent, the norm output twice).
     spec = ModelSpec.from_mapping(DSA)
     tp2 = dsa_saved(spec, s=16, b=2, heads=2, act=2)
-    assert tp2 == 75_136 - 13_312 - 20_480
+    assert tp2 == 73_088 - 13_312 - 20_480
     assert dsa_saved(spec, s=16, b=2, heads=2, act=2, sequence_parallel=True) - tp2 == 5_632
 
 

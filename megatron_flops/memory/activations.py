@@ -72,12 +72,12 @@ from megatron_flops.memory.hf_parallel import ONE_NORM, SEQUENTIAL, TWO_NORMS
 from megatron_flops.memory.hf_qk_norms import qk_norm_saved_bytes
 from megatron_flops.memory.lora import lora_activation_reason, mla_targets
 from megatron_flops.memory.linear_cp import dsa_cp_saved, gdn_cp_saved
-from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, ssm_activation_reason
+from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, mtp_mixer, ssm_activation_reason
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
 from megatron_flops.memory.moe_grouped import grouped_reason
-from megatron_flops.memory.moe import (expert_lora_activations, layer_is_moe, moe_act_freed, moe_activation_reason,
+from megatron_flops.memory.moe import (expert_lora_activations, moe_act_freed, moe_activation_reason,
                                        moe_activations, shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -210,7 +210,7 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
     """Why activations are not modelled for this setup (None: they are)."""
     selective = recompute is not None and recompute.granularity == "selective" \
         and bool({"core_attn", "mla_up_proj"} & set(recompute.modules))
-    reason = lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute)
+    reason = lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute, cp=par.cp)
     if reason is not None:
         return reason
     if spec.moe is not None:
@@ -346,7 +346,7 @@ def _softmax(w: _Walk, x: _Dims, options: DecoderOptions, *, checkpointed: bool,
 
 
 def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool,
-                   dsa: bool = False) -> None:
+                   dsa: str = "") -> None:
     """Multi-latent attention (heads per TP rank; the latents whole) after the input norm: the
     norm's output (read by the query and the kv down projections), the latents (with
     ``qk_layernorm``: their norms' inputs and fp32 statistics, and outputs), RoPE's cos and sin,
@@ -360,7 +360,7 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     T, a, base = x.tokens, x.act, w.grad.base
     norm, loc = options.qk_layernorm, x.local_tokens
     stats = loc * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
-    if dsa and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:func:`.linear_cp.dsa_cp_saved`)
+    if dsa == "dsa" and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:func:`.linear_cp.dsa_cp_saved`)
         w.keep("attention", T * x.h * a)
         w.act("attention", dsa_cp_saved(spec, s=x.s, b=x.b, cp=x.cp, act=a, latent_norms=norm, norm_stats=stats // T))
         return
@@ -425,7 +425,7 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved, kv_rope=kv_rope, grads=grads)
 
 
-def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: bool,
+def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: str,
               moved: int, kv_rope: bool = True, grads: tuple[bool, bool] = (True, True)) -> None:
     """MLA after its latents: RoPE, q, k, v, the core attention and linear_proj's input.
     Selective ``mla_up_proj`` (CheckpointWithoutOutput around the up projections and RoPE,
@@ -438,8 +438,14 @@ def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, c
     T, a, heads = x.tokens, x.act, x.heads
     rope = (2 * grads[0] + 2 * kv_rope) * x.s * mla.qk_pos_emb_head_dim * a  # cos and sin, for q and for k
     v = T * heads * mla.v_head_dim * a
-    if dsa:  # DSAttention in place of the core attention (:func:`.ssm.dsa_saved`)
-        w.act("attention", rope + dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1) + v)
+    if dsa in ("dsa", "dsa_shared"):  # DSAttention for the core attention (:func:`.ssm.dsa_saved`; v: MLA's view)
+        core = dsa_saved(spec, s=x.s, b=x.b, heads=heads, act=a, sequence_parallel=x.sp > 1,
+                         indexer=dsa == "dsa") - v
+        restored = rope + v + moved if "mla_up_proj" in w.selective and w.grad.started else 0
+        w.act("attention", (x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + v) + core)
+        if restored:
+            w.region(restored)
+        w.linear("attention", "linear_proj", v, T, a)
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
     # (q@k^T keeps q for k's gradient and k for q's; a fused kernel keeps q, k and v for any)
@@ -519,7 +525,7 @@ def _layer(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, core
             if mixer in ("mamba", "gdn", "kda"):
                 _ssm_mixer(w, x, spec, mixer)
             elif spec.mla is not None:
-                _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer == "dsa")
+                _mla_attention(w, x, spec, options, checkpointed=core_attn, dsa=mixer)
             else:
                 _attention(w, x, options, checkpointed=core_attn)
                 if options.post_layernorms:
@@ -732,7 +738,7 @@ def chunk_activations(
         # NB: with a frozen base, Megatron-Bridge makes the decoder's input require grad under
         # full recompute (maybe_enable_recompute_inputs_grad), or no checkpoint would run backward.
         w.grad.started = True
-        _full_recompute_layers(w, x, spec, options, recompute, layer_is_moe(spec, layers))
+        _full_recompute_layers(w, x, spec, options, recompute, [spec.layers[i] for i in layers])
     else:
         kinds = spec.layers
         for i, layer in enumerate(layers):
@@ -778,7 +784,7 @@ def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
         # NB: under sequence parallelism eh_proj's output is all-gathered and sliced again: the
         # layer's input is a view of the whole [T, h] storage, which its first norm keeps alive.
         body.keep("mtp", (T - x.local_tokens) * x.h * a)
-        _layer(body, x, spec, options, core_attn=core_attn, moe=spec.mtp_ffn == "moe")
+        _layer(body, x, spec, options, core_attn=core_attn, moe=spec.mtp_ffn == "moe", mixer=mtp_mixer(spec))
         _norm(body, "mtp", x, options)
         if recomputed:
             inputs = 2 * x.local_tokens * x.h * a  # the norms' inputs (the checkpoint keeps them)
@@ -800,11 +806,11 @@ def _peft_grad(peft: PeftSpec | None, *, first_stage: bool) -> _Grad:
 
 
 def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
-                           recompute: RecomputeSpec, moe: list[bool]) -> None:
+                           recompute: RecomputeSpec, kinds: list[tuple[str, str]]) -> None:
     """Full recompute: checkpointed groups keep their input (hidden states, the mask, the cached
     RoPE frequencies); ``block`` checkpoints the first ``recompute_num_layers`` layers one by
-    one and runs the rest plainly. ``moe``: whether each layer of the chunk is a MoE layer."""
-    num_layers = len(moe)
+    one and runs the rest plainly. ``kinds``: each layer's (mixer, feed-forward) of the chunk."""
+    num_layers = len(kinds)
     group = recompute.num_layers or 1
     if recompute.method == "block":
         starts = list(range(min(group, num_layers)))
@@ -820,11 +826,11 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
             w.grad.mask_saved = True
         inner = _Walk(dataclasses.replace(w.grad, mask_saved=True))
         for j in range(start, start + size):
-            _layer(inner, x, spec, options, core_attn=False, moe=moe[j])
+            _layer(inner, x, spec, options, core_attn=False, moe=kinds[j][1] == "moe", mixer=kinds[j][0])
         w.region(inner.kept - hidden)  # the group input is the first norm's input
     plain = num_layers - sum(sizes)
     for j in range(num_layers - plain, num_layers):
-        _layer(w, x, spec, options, core_attn=False, moe=moe[j])
+        _layer(w, x, spec, options, core_attn=False, moe=kinds[j][1] == "moe", mixer=kinds[j][0])
     if x.rot and spec.mla is None:  # (MLA computes its RoPE inside the attention: no checkpoint input)
         w.out.shared = x.s * x.rot * 4
 

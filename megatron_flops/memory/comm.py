@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
+from megatron_flops.memory.dsa_tp import dsa_tensor_parallel
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
@@ -178,6 +179,9 @@ def step_communication(
             for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=len(layers), rerun=rerun,
                                                       last=last, recompute=recompute, learned_positions=learned,
                                                       duplicated=options.duplicated_mla_down).items():
+                add(key, m * value)
+            for key, value in dsa_tensor_parallel(spec, par, training, layers=list(layers), last=last,
+                                                  recompute=recompute).items():
                 add(key, m * value)
         if par.cp > 1:
             # NB: a formula, not measured (no context-parallel attention on CPU): Transformer

@@ -26,7 +26,7 @@ from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS, check_mla_mtp
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.linear_cp import linear_cp_reason
-from megatron_flops.memory.ssm import MIXERS_WITH_PARAMETERS, dsa_indexer_tensors, mixer_tensors, ssm_reason
+from megatron_flops.memory.ssm import MIXERS_WITH_PARAMETERS, dsa_indexer_tensors, mixer_tensors, mtp_mixer, ssm_reason
 from megatron_flops.model.spec import ModelSpec
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -277,7 +277,7 @@ def chunk_parameters(
             mtp = f"mtp.layers.{i}."
             out += _norm(options, mtp + "enorm.", h, base) + _norm(options, mtp + "hnorm.", h, base)
             out += _linear(mtp, "eh_proj", 2 * h, h // tp, False, peft)  # (column parallel)
-            out += _layer(spec, options, par, peft, mtp + "transformer_layer.", spec.mtp_ffn)
+            out += _layer(spec, options, par, peft, mtp + "transformer_layer.", spec.mtp_ffn, mtp_mixer(spec))
             out += _norm(options, mtp + "final_layernorm.", h, base)
         if not tied or not first:
             # (With MTP the tied weight the last stage reduces is its embedding copy: this one,

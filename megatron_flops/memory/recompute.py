@@ -151,10 +151,11 @@ def _mla_up_proj_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeS
     if spec.mla is None or "mla_up_proj" not in recompute.modules:
         return 0
     last = par.is_last_stage(pp_rank, par.num_chunks - 1)
-    num = sum(spec.layers[i][0] in ("attention", "dsa") for i in layers) + (spec.mtp_num_layers if last else 0)
+    mla_kinds = ("attention", "dsa", "dsa_shared")
+    num = sum(spec.layers[i][0] in mla_kinds for i in layers) + (spec.mtp_num_layers if last else 0)
     down = peft is not None and bool({"linear_q_down_proj", "linear_kv_down_proj"} & set(peft.lora_targets))
     return num - bool(peft is not None and peft.frozen and not down and par.is_first_stage(pp_rank, 0) and layers
-                      and layers[0] == 0 and spec.layers[0][0] in ("attention", "dsa"))
+                      and layers[0] == 0 and spec.layers[0][0] in mla_kinds)
 
 
 def _shared_expert_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],

@@ -40,6 +40,7 @@ from megatron_flops.memory.moe import (
 )
 from megatron_flops.memory.moe_grouped import check_grouped, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
+from megatron_flops.memory.kda_fla import kda_fla_unmeasured
 from megatron_flops.memory.linear_cp import linear_cp_notes
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
@@ -286,6 +287,7 @@ def decoder_memory(
     unmeasured += tuple(lora_duplicated_unmeasured(spec, par, peft, duplicated=options.duplicated_mla_down))
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
+        unmeasured += kda_fla_unmeasured(spec, training)
     unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None))
     unmeasured += tuple(parallel_layer_unmeasured(
         options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,

@@ -35,6 +35,14 @@ KDA_CHUNK = 64  # transformers' chunk_kimi_delta_attention's default chunk_size
 MIXERS_WITH_PARAMETERS = ("mamba", "gdn", "kda")
 
 
+def mtp_mixer(spec: ModelSpec) -> str:
+    """The mixer of a GPT's MTP layer: its last decoder layer's kind (attention unwindowed), as
+    Megatron-LM 0.19's gpt_builders builds it (the last layer of the experimental-variant spec).
+    NB: 0.16.1's builds a plain GPT layer there, which fails for DSA (see :func:`ssm_notes`)."""
+    (mixer, _), _ = spec.mtp_layer_runs[0]
+    return mixer
+
+
 def mamba_inner(spec: ModelSpec) -> int:
     """Mamba's inner width: heads x head dim (``expand x hidden`` by default)."""
     m = spec.mamba
@@ -229,8 +237,9 @@ def kda_saved(spec: ModelSpec, *, s: int, b: int, act: int) -> int:
       weighted input [T, dim], rstd [T, H], a fp32 copy of its weight [d] (16-bit weights);
       ``o_proj``'s input [T, dim].
 
-    NB: ``layer(x)`` as a training step runs it (no cache); with fla installed transformers
-    calls fla's ``chunk_kda`` instead, which keeps far less (not modelled: no fla on CPU).
+    NB: ``layer(x)`` as a training step runs it (no cache); with fla and causal-conv1d installed
+    transformers calls their kernels instead, which keep far less (:mod:`.kda_fla`: a formula,
+    printed under ``unmeasured``).
     """
     k = spec.kda
     assert k is not None
@@ -247,7 +256,8 @@ def kda_saved(spec: ModelSpec, *, s: int, b: int, act: int) -> int:
     return conv + gates + l2 + padded + chunks + per_chunk + out
 
 
-def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence_parallel: bool = False) -> int:
+def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence_parallel: bool = False,
+              indexer: bool = True) -> int:
     """Bytes megatron-core 0.16.1's ``DSAttention`` (its torch implementation) keeps for backward,
     in place of MLA's core attention, with ``heads`` attention heads on this TP rank: measured on
     CPU (``tests/test_memory_ssm.py``: TP 1, and TP 2 with and without sequence parallelism in
@@ -256,7 +266,8 @@ def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence
     The indexer (its inputs, the detached norm output and q latent, are MLA's own): RoPE's cos and
     sin for its q and k [s, rope]; ``k_norm``'s input [T, d] and fp32 mean and rstd per token; the
     fp32 q [T, nh, d] and k [T, d] of the score einsum, ReLU's fp32 output [b, nh, s, s], the
-    weights [T, nh]; top-k's int64 indices [b, s, min(topk, s)]. The KL indexer loss: the index
+    weights [T, nh]. (top-k saves its int64 indices [b, s, min(topk, s)], but only its indices are
+    used: its backward node and what it saved go before the forward ends.) The KL indexer loss: the index
     softmax's output, ``log``'s input and the normalised attention target (fp32 [b, s, s] each).
     The unfused sparse attention: fp32 q and k [b x heads, s, qk + rope], the fp32 softmax
     [b, heads, s, s] and its copy in the activation dtype (none in fp32), a contiguous v [T, heads, v].
@@ -267,28 +278,41 @@ def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence
     all-gathers its detached inputs and its linears keep the gathered copies: the norm output
     [T, h] and the q latent [T, q_lora] (without q_lora, the norm output again: [T, h]).
 
+    A layer that reuses an earlier layer's top-k (``indexer`` False: megatron-core 0.19's
+    ``dsa_indexer_topk_freq``; 0.16.1 has none) runs no indexer and no KL loss: the sparse attention
+    only. With such layers in the model, 0.19 keeps every computing layer's int64 top-k
+    [b, s, min(topk, s)] in a holder on the micro-batch's attention mask, alive until the mask goes
+    (after the backward): counted with the layer that computes it. (A formula: 0.19's DSAttention is
+    not run here.)
+
     NB: the graph is the same whatever ``dsa_indexer_loss_coeff`` (a zero coefficient still builds it).
     NB: fast_hadamard_transform saves nothing for backward (the test's stand-in neither).
     """
     mla, dsa = spec.mla, spec.dsa
     assert mla is not None and dsa is not None
     t, nh, d, rope = s * b, dsa.num_heads, dsa.head_dim, mla.qk_pos_emb_head_dim
-    indexer = (4 * s * rope * act + t * d * act + 2 * t * FP32_BYTES + t * nh * d * FP32_BYTES + t * d * FP32_BYTES
-               + b * nh * s * s * FP32_BYTES + t * nh * act + b * s * min(dsa.topk, s) * INDEX_BYTES)
+    indexer_bytes = (4 * s * rope * act + t * d * act + 2 * t * FP32_BYTES + t * nh * d * FP32_BYTES + t * d * FP32_BYTES
+               + b * nh * s * s * FP32_BYTES + t * nh * act)
     loss = 3 * b * s * s * FP32_BYTES
     scores = b * heads * s * s
     sparse = (2 * t * heads * (mla.qk_head_dim + rope) * FP32_BYTES + scores * FP32_BYTES + (scores * act if act < FP32_BYTES else 0)
               + t * heads * mla.v_head_dim * act)
+    if not indexer:
+        return sparse
+    held = b * s * min(dsa.topk, s) * INDEX_BYTES if any(m == "dsa_shared" for (m, _), _ in spec.layer_runs) else 0
     gathered = t * (spec.hidden_size + (mla.q_lora_rank or spec.hidden_size)) * act if sequence_parallel else 0
-    return indexer + loss + sparse + gathered
+    return indexer_bytes + loss + sparse + gathered + held
 
 
 def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str | None:
     """Why the parameters of this model are not modelled on ``par`` (None: they are)."""
     kinds = {kind for kind, _ in spec.layer_runs}
     mixers = {mixer for mixer, _ in kinds}
-    if spec.mtp_num_layers and any(m != "attention" or f == "none" for (m, f), _ in spec.mtp_layer_runs):
-        return "multi-token prediction is modelled for attention MTP layers (not Mamba, GDN, DSA or hybrid MTP parts)"
+    if spec.mtp_num_layers and (len(spec.mtp_layer_runs) > 1 or mtp_mixer(spec) not in ("attention", "dsa", "gdn")
+                                or spec.mtp_ffn == "none"):
+        return ("multi-token prediction of a hybrid pattern's MTP part after '/' is not modelled (megatron-core 0.19 "
+                "builds a HybridStack inside the MTP layer; 0.16.1's hybrid models have no MTP); MTP layers of one "
+                "attention, DSA or GDN layer are")
     if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
                                                             or any(f == "none" for _, f in kinds)):
         return "LoRA adapters are modelled on attention + MLP layers (not Mamba, GDN, KDA, DSA or hybrid layers)"
@@ -331,15 +355,19 @@ def _cp_reason(mixers: set[str]) -> str:
     return "Kimi Delta Attention is transformers' KimiLinearDeltaAttention, which has no context parallelism"
 
 
-def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None) -> str | None:
+def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None, *, cp: int = 1) -> str | None:
     """Why activations are not modelled for these layers (None: they are, or there are none)."""
     kinds = {kind for kind, _ in spec.layer_runs}
     mixers = {mixer for mixer, _ in kinds}
-    if "dsa_shared" in mixers:
-        return "activations are not modelled for DeepSeek sparse attention layers that reuse an earlier top-k"
-    if "dsa" in mixers and recompute is not None:
-        return "activations of DeepSeek sparse attention layers are modelled without recompute"
-    plain = mixers <= {"attention", "window"} and all(f != "none" for _, f in kinds)
+    if "dsa" in mixers and recompute is not None and cp > 1:
+        return ("activations of DeepSeek sparse attention layers under context parallelism (megatron-core 0.19.0's "
+                "layer) are modelled without recompute")
+    if mixers & {"dsa", "dsa_shared"} and recompute is not None and recompute.granularity == "selective" \
+            and "core_attn" in recompute.modules:
+        return ("activations under selective recompute of core_attn with DeepSeek sparse attention: megatron-core "
+                "0.16.1's checkpointed core attention calls DSAttention without its x and qr arguments (a TypeError "
+                "in the first forward; seen here)")
+    plain = mixers <= {"attention", "window", "dsa", "dsa_shared"} and all(f != "none" for _, f in kinds)
     if recompute is not None and recompute.granularity == "full" and not plain:
         return ("activations of Mamba, Gated DeltaNet, Kimi Delta Attention and hybrid layers are modelled "
                 "without full recompute")
@@ -377,13 +405,24 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
     if activations and "kda" in mixers:
         assumptions.append("Kimi Delta Attention's activations as transformers' torch path keeps them (no fla or "
                            "causal-conv1d installed; measured on CPU): fp32 [chunk, chunk, head dim] decay products "
-                           "per 64-token chunk; with fla installed transformers runs fla's chunk_kda, which keeps "
-                           "far less (not modelled)")
+                           "per 64-token chunk; with fla and causal-conv1d installed transformers runs their kernels, "
+                           "which keep far less: that figure is under unmeasured)")
     if activations and "dsa" in mixers and par.cp == 1:  # (under CP: megatron-core 0.19.0's, :mod:`.linear_cp`)
         assumptions.append("DeepSeek sparse attention as megatron-core 0.16.1's DSAttention runs it (torch, unfused: "
                            "fp32 [b, heads, s, s] scores, the indexer's KL loss graph, the indexer whole on every TP "
-                           "rank); measured on CPU (TP 1, TP 2 with and without sequence parallelism) with a "
-                           "stand-in for fast_hadamard_transform, which saves nothing for backward")
+                           "rank); measured on CPU (TP 1, TP 2 with and without sequence parallelism; whole GPT steps "
+                           "with full and selective recompute and an MTP layer) with a stand-in for "
+                           "fast_hadamard_transform, which saves nothing for backward")
+    if spec.mtp_num_layers and mtp_mixer(spec) in ("dsa", "gdn"):
+        assumptions.append("MTP layers of the last decoder layer's kind (DSA or GDN), as Megatron-LM 0.19's gpt_builders "
+                           "builds them; 0.16.1's builds a plain GPT layer there (for DSA, MLA then hands the plain core "
+                           "attention x and qr: a TypeError), and 0.16.1's DSAttention in an MTP layer logs its indexer "
+                           "loss out of range unless dsa_indexer_loss_coeff is 0 (measured so: the same graph)")
+    if activations and "dsa_shared" in mixers:
+        unmeasured.append("activations of DeepSeek sparse attention layers that reuse an earlier top-k (megatron-core "
+                          "0.19's dsa_indexer_topk_freq; 0.16.1 has none): 0.16.1's sparse attention without the indexer "
+                          "and its KL loss, and each computing layer's int64 top-k held for the micro-batch (0.19's "
+                          "holder on the attention mask); a formula")
     return assumptions, unmeasured
 
 
