@@ -100,3 +100,17 @@ def test_memory_and_estimate_agree_on_expert_adapters(fields):
     memory = any(".experts." in p.name and ".adapter." in p.name for p in params)
     estimate = routed_expert_adapters(LoadedModel(spec=SPEC, raw=raw, source="model.json", seq_length=10))
     assert memory is estimate
+
+
+def test_megatron_args_legacy_experts():
+    # One MoE layer, rank 2 on linear_qkv and linear_fc1, base trainable: TEGroupedMLP's expert fc1
+    # adapter is 3 x (640 + 480) = 3360; legacy GroupedMLP has none, and no other linear_fc1.
+    args = ("--num-layers 1 --hidden-size 8 --num-attention-heads 2 --ffn-hidden-size 16 --vocab-size 16 "
+            "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 6 --moe-grouped-gemm")
+    lora = ("--seqlens", "[4, 6]", "--lora-rank", "2", "--lora-targets", "linear_qkv,linear_fc1")
+    out = _cli("--megatron-args", args, *lora, "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["components"]["lora/experts.linear_fc1"] == TRAIN_PASSES * 1120 == 3360
+    out = _cli("--megatron-args", args + " --moe-use-legacy-grouped-gemm", *lora)
+    assert out.returncode == 2
+    assert "lora target 'linear_fc1' matches no projection of this model (its routed experts, legacy GroupedMLP" in out.stderr

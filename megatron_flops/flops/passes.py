@@ -273,7 +273,8 @@ def training_passes(
         present = {g.name.rsplit(".", 1)[-1] for run in runs for g in run.gemms if peft.adapted(g.name)}
         for target in peft.lora_targets:
             if target not in present:
-                raise ValueError(f"lora target {target!r} matches no projection of this model")
+                legacy = "" if peft.expert_adapters else " (its routed experts, legacy GroupedMLP, take no adapter)"
+                raise ValueError(f"lora target {target!r} matches no projection of this model{legacy}")
     needed = _walk(spec, runs, peft, None, executed=False)
     done = _walk(spec, runs, peft, recompute, executed=True)
     unneeded = {}
