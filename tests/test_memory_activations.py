@@ -270,6 +270,11 @@ PEFT_CASES = {
     # the wrapped layer's input (the permuted tokens, the weighted activation).
     "frozen MoE, shared experts, all four targets (every expert's fc1, fc2)": (
         dict(MOE, moe_shared_expert_intermediate_size=80), "rope", "fp32", ALL, True, 0, 0, 0),
+    # A frozen MoE first layer, no attention target: the first expert adapter starts the gradient inside
+    # the layer (memory/moe_lora_start.py): no attention, norm, router or permutation saves before it.
+    "frozen MoE first layer, linear_fc1 + linear_fc2 only": (dict(MOE), "rope", "fp32", ("linear_fc1", "linear_fc2"),
+                                                             True, 0, 0, 0),
+    "frozen MoE first layer, linear_fc2 only": (dict(MOE), "rope", "fp32", ("linear_fc2",), True, 0, 0, 0),
     "base trains, MoE SwiGLU fused every other layer, linear_fc1 + linear_fc2": (
         dict(MOE, gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True, moe_layer_freq=[0, 1]),
         "rope", "fp32", ("linear_fc1", "linear_fc2"), False, 0, 0, 0),

@@ -202,8 +202,12 @@ def test_cli_reports_the_whole_models_activations(capsys):
     assert gpu["total_bytes"] == sum(gpu["components"].values()) + want.total
     assert main(argv) == 0  # the flash convention by default: named as unmeasured
     assert "flash attention kernel" in json.loads(capsys.readouterr().out)["unmeasured"][0]
-    assert main([*argv, "--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]) == 2
-    assert "per-block checkpointing" in capsys.readouterr().err
+    # megatron-core's uniform method with 2 blocks per checkpoint: one group of the two blocks.
+    assert main([*argv, "--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2",
+                 "--attention-backend", "local"]) == 0
+    grouped = dit_activations(spec, DiTBatch(video=(16, 16), text=(12, 12)), act_bytes=4, attention="local",
+                              peft=peft, checkpointed_blocks=2, checkpoint_group=2)
+    assert json.loads(capsys.readouterr().out)["per_gpu"]["activations_bytes"] == grouped.total != want.total
 
 
 # ---- the whole model: embeddings, blocks, head and loss --------------------------------------------
@@ -302,6 +306,53 @@ def test_whole_model_checkpointed_peak(name, checkpointed):
     assert at_forward_end == embeddings + want.shared + want.kept + later + want.outside["head"] + want.outside["loss"]
     assert rerun == [embeddings + want.shared + want.kept + want.recompute]
     assert want.total == max(at_forward_end, rerun[0])
+
+
+class _Group(torch.nn.Module):
+    """Blocks run one after another under one checkpoint (megatron-core's uniform method's chunk)."""
+
+    def __init__(self, blocks) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x, *args):
+        for block in self.blocks:
+            x = block(x, *args)
+        return x
+
+
+@pytest.mark.parametrize("name, group", [(WHOLE[0], 2), (WHOLE[3], 2), (WHOLE[1], 2)])
+def test_whole_model_checkpointed_in_groups(name, group):
+    """Every block checkpointed in groups of ``group`` (the last group shorter when the blocks do
+    not divide): the saved storages at the end of the forward and at the end of each group's
+    re-run in backward; the report's total is the largest."""
+    spec, peft, model, batch, _ = _setup(name)
+    a, inputs = _act_bytes(model), _whole_inputs(spec, batch, next(model.parameters()).dtype)
+    blocks = list(model.blocks)
+    model.blocks = torch.nn.ModuleList(_Group(blocks[i:i + group]) for i in range(0, len(blocks), group))
+    model.checkpoint_blocks = len(model.blocks)
+    before = set(_python_storages(set())) | {p.untyped_storage().data_ptr() for p in model.parameters()}
+    meter = mcore_memory.SavedTensorMeter(model.parameters())
+
+    def alive(exclude: torch.Tensor | None = None) -> int:
+        found = {**_python_storages(before), **{k: n for k, (_, n) in meter.live.items()}}
+        found.pop(None if exclude is None else exclude.untyped_storage().data_ptr(), None)
+        return sum(found.values())
+
+    reruns: list[int] = []
+    done = False
+    for g in model.blocks:
+        g.register_forward_hook(lambda module, args, out: reruns.append(alive(out)) if done else None)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False), meter.tracking():
+        loss = _whole_loss(model, inputs)
+    at_forward_end, done = alive(), True
+    loss.backward()
+    want = dit_activations(spec, batch, act_bytes=a, attention="local", peft=peft, checkpointed_blocks=spec.num_layers,
+                           checkpoint_group=group, layer_norm_stats_bytes=a)
+    embeddings = sum(want.outside.values()) - want.outside["head"] - want.outside["loss"]
+    assert at_forward_end == embeddings + want.shared + want.kept + want.outside["head"] + want.outside["loss"]
+    assert max(reruns) == embeddings + want.shared + want.kept + want.recompute
+    assert want.total == max(at_forward_end, *reruns)
 
 
 # ---- FSDP2's transient whole copies (a formula: gloo cannot show which gathered units overlap) -------

@@ -136,11 +136,14 @@ _MLA_SPEC = dict(_MOE_SPEC, multi_latent_attention=True, kv_lora_rank=16, qk_hea
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj", "linear_kv_up_proj")),
      None),
     (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)),
-     "frozen MoE layer before the model's first adapter"),
+     "first adapter is a routed expert's are measured with the alltoall dispatcher"),
+    (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall"), Parallelism(),
+     PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
     (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
-], ids=["MLA projections", "MoE first layer, experts only", "MoE default targets",
+], ids=["MLA projections", "MoE first layer, experts only, allgather", "MoE first layer, experts only",
+        "MoE default targets",
         "MLA + MoE default targets (linear_qkv adapts nothing)", "MLA, dense first layer, fc1"])
 def test_lora_moe_mla_activations_refused_with_a_reason(fields, par, peft, reason):
     # Activations of LoRA/frozen MoE and MLA decoders are measured at TP 1 (tests/test_memory_activations.py);
@@ -184,3 +187,34 @@ def test_moe_expert_adapters_under_tp_by_hand():
     assert comm["tp/all_reduce"] == 2 * 2 * 2 * 256
     # Layer 0's linear_qkv input gradient (before the first adapter) is not reduce-scattered.
     assert comm["tp/reduce_scatter"] == -2 * 3_072
+
+
+def test_moe_expert_adapters_with_their_own_tp_by_hand():
+    # As above with an expert TP other than TP (a formula, labelled unmeasured: Megatron-Bridge 0.6.2 splits
+    # an expert linear's adapter over expert_tensor_parallel_size). TP2 + SP, ETP1 x EP2: the experts'
+    # adapters whole ([r, h], [ffn, r]; [r, ffn], [h, r]), nothing gathered for them; the TP group's
+    # payloads are the dense adapters' alone (linear_proj: 2 x 3,072 a layer, less the 5 x 3,072 skipped).
+    from megatron_flops.memory.lora_layers import expert_lora_unmeasured, lora_tp_communication
+
+    spec = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
+                                       vocab_size=96, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32))
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_proj", "linear_fc1", "linear_fc2"))
+    etp1 = Parallelism(tp=2, dp=2, ep=2, etp=1, sequence_parallel=True)
+    check_supported(spec, etp1, peft, OPTIONS)
+    params = {p.name: p.numel for p in chunk_parameters(spec, OPTIONS, etp1, pp_rank=0, chunk=0, seq_length=16,
+                                                       peft=peft)}
+    expert = "decoder.layers.0.mlp.experts.local_experts.1."
+    assert [params[expert + f"linear_fc{i}.adapter.linear_{io}.weight"] for i in (1, 2) for io in ("in", "out")] \
+        == [4 * 48, 32 * 4, 4 * 32, 48 * 4]
+    comm = lora_tp_communication(spec, etp1, TRAINING, pp_rank=0, peft=peft)
+    assert comm["tp/all_gather"] == 2 * (2 * 2 * 3_072 - 5 * 3_072) and "etp/all_gather" not in comm
+    # TP1, ETP2 x EP2: no TP group; the expert TP group gathers, per layer and micro-batch, over the
+    # 128 tokens its experts get (32 per rank x ETP 2 x top-2), fc1's [n, r] (1,024) and fc2's output
+    # [n, h] (12,288).
+    etp2 = Parallelism(tp=1, dp=4, ep=2, etp=2)
+    assert lora_tp_communication(spec, etp2, TRAINING, pp_rank=0, peft=peft) == {
+        "etp/all_gather": 2 * 2 * (1_024 + 12_288)}
+    assert "expert TP 2 other than TP 1" in expert_lora_unmeasured(spec, etp2, peft)[0]
+    assert expert_lora_unmeasured(spec, Parallelism(tp=2, dp=2, sequence_parallel=True), peft) == []
+    with pytest.raises(ValueError, match="not divisible by the experts' TP 2"):
+        check_supported(spec, etp2, PeftSpec(frozen=True, lora_rank=3, lora_targets=("linear_fc1",)), OPTIONS)

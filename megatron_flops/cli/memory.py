@@ -141,18 +141,20 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
                       recompute_num_layers=args.recompute_num_layers, source=model.source)
     backend = "flash" if args.attention_backend is None else backend_convention(args.attention_backend)
     attention = "local" if backend == "unfused" else backend
-    checkpointed = _checkpointed_dit_blocks(setup.spec.num_layers // (par.pp if megatron else 1), setup.recompute)
+    stage_blocks = setup.spec.num_layers // (par.pp if megatron else 1)
+    checkpointed, group = _checkpointed_dit_blocks(stage_blocks, setup.recompute)
     name = "LoRA" if setup.peft is not None and setup.peft.lora_rank else "this setup"
     if megatron:
         from megatron_flops.memory.dit_layouts import dit_layout_report
 
-        return {n: dit_layout_report(setup.spec, par, training, peft=p, attention=attention, checkpointed_blocks=checkpointed)
+        return {n: dit_layout_report(setup.spec, par, training, peft=p, attention=attention,
+                                     checkpointed_blocks=checkpointed, checkpoint_group=group)
                 for n, p in ((name, setup.peft), ("full", None)) if n == name or args.compare_full}
     reports = {name: dit_memory_report(setup.spec, training, dp=par.dp, peft=setup.peft, attention=attention,
-                                       checkpointed_blocks=checkpointed)}
+                                       checkpointed_blocks=checkpointed, checkpoint_group=group)}
     if args.compare_full:
         reports["full"] = dit_memory_report(setup.spec, training, dp=par.dp, attention=attention,
-                                            checkpointed_blocks=checkpointed)
+                                            checkpointed_blocks=checkpointed, checkpoint_group=group)
     return reports
 
 
@@ -164,14 +166,14 @@ def _dit_megatron(par: Parallelism) -> bool:
                              or par.megatron_fsdp is not None)
 
 
-def _checkpointed_dit_blocks(num_layers: int, recompute: Any) -> int:
-    """Blocks checkpointed one by one: the first ``recompute_num_layers`` (block), or all."""
+def _checkpointed_dit_blocks(num_layers: int, recompute: Any) -> tuple[int, int]:
+    """(blocks checkpointed, blocks per checkpoint): block: the first ``recompute_num_layers`` one
+    by one; uniform: all, in groups of ``recompute_num_layers`` (megatron-core's methods)."""
     if recompute is None:
-        return 0
-    if recompute.method == "uniform" and recompute.num_layers not in (None, 1):
-        raise ValueError("DiT activations are modelled for per-block checkpointing (--recompute-method block, "
-                         "or uniform with --recompute-num-layers 1)")
-    return num_layers if recompute.method == "uniform" else min(recompute.num_layers or num_layers, num_layers)
+        return 0, 1
+    if recompute.method == "uniform":
+        return num_layers, min(recompute.num_layers or 1, num_layers)
+    return min(recompute.num_layers or num_layers, num_layers), 1
 
 
 def _decoder(args: argparse.Namespace, model: LoadedModel, training: Training, par: Parallelism) -> dict[str, dict]:

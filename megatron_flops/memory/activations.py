@@ -77,6 +77,7 @@ from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYT
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
 from megatron_flops.memory.moe_grouped import expert_adapter_targets, frozen_experts_keep_inputs
+from megatron_flops.memory.moe_lora_start import first_adapter_moe_reason, first_adapter_moe_saved
 from megatron_flops.memory.moe import (expert_lora_activations, moe_act_freed, moe_activation_reason,
                                        moe_activations, shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
@@ -210,7 +211,8 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
     """Why activations are not modelled for this setup (None: they are)."""
     selective = recompute is not None and recompute.granularity == "selective" \
         and bool({"core_attn", "mla_up_proj"} & set(recompute.modules))
-    reason = lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute, cp=par.cp)
+    reason = (lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute, cp=par.cp)
+              or first_adapter_moe_reason(spec, options, par, recompute, peft))
     if reason is not None:
         return reason
     if spec.moe is not None:
@@ -613,6 +615,12 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
     moe = spec.moe
     assert moe is not None
     if not w.grad.started:
+        if w.grad.adapted and {"linear_fc1", "linear_fc2"} & set(w.grad.adapted):  # the experts' adapters start it
+            peft = PeftSpec(frozen=True, lora_rank=w.grad.rank, lora_targets=w.grad.adapted)
+            for key, nbytes in first_adapter_moe_saved(spec, options, peft, tokens=x.expert_tokens,
+                                                       local_tokens=x.local_tokens, act=x.act, tp=x.etp).items():
+                w.keep(key, nbytes)
+            w.grad.started = True
         return
     g, moe_act = w.grad, "moe_act" in w.selective
     frozen = not g.base and not frozen_experts_keep_inputs(options)

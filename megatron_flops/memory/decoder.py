@@ -241,9 +241,9 @@ def check_supported(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, op
                 raise ValueError(f"{name}={value} is not divisible by {flag} {size}")
     elif par.ep > 1:
         raise ValueError(f"--ep {par.ep} needs a MoE model (num_moe_experts)")
-    if spec.moe is not None and peft is not None and peft.lora_rank is not None and par.expert_tp != par.tp:
-        raise ValueError(f"LoRA adapters are modelled with the experts' TP equal to TP, not --etp {par.expert_tp} "
-                         f"with --tp {par.tp}")
+    if spec.moe is not None and peft is not None and peft.lora_rank is not None and peft.lora_rank % par.expert_tp:
+        raise ValueError(f"--lora-rank {peft.lora_rank} is not divisible by the experts' TP {par.expert_tp} "
+                         "(Bridge splits the expert adapters' linear_in rows)")
     reason = lora_tp_reason(spec, par, peft, duplicated=options.duplicated_mla_down)
     if reason is not None:
         raise ValueError(reason)

@@ -31,6 +31,9 @@ log-sum-exp ``[heads, T]`` per call. ``flash`` is a convention: not measured on 
 NB: a checkpointed block keeps its inputs until its backward: the hidden states ``T h a`` each,
 and once per forward the per-token modulation input ``[T, 6, h]`` and the text/image embeddings;
 backward re-runs one block at a time, which saves a whole block again except its input.
+Groups of N blocks under one checkpoint (megatron-core's ``uniform`` method, ``recompute_num_layers``
+N > 1): each group keeps its first block's input and re-runs its N blocks together; when a group
+re-runs, the later groups' backward has freed their inputs.
 FSDP2 runs forward and backward of one micro-batch before the next: one micro-batch in flight.
 NB: ``tp`` > 1 (a formula): the column-parallel outputs, heads and FFN split over TP, q and k
 gathered whole for the norms; with ``sequence_parallel`` also the residual stream (and what the
@@ -100,8 +103,8 @@ class DiTActivations:
     """Bytes per micro-batch: ``block`` (one block's own saved storages, by part), ``outside``
     (the embeddings', head's and loss's, by part), ``shared`` (the text/image embeddings all blocks
     save), ``kept`` (what the checkpointed blocks keep), ``recompute`` (the largest region re-run
-    in backward), ``total`` (the peak of saved storages), ``held`` (what it holds from the end
-    of its forward until its backward starts)."""
+    in backward, less the later checkpoints' freed inputs), ``total`` (the peak of saved storages),
+    ``held`` (what it holds from the end of its forward until its backward starts)."""
 
     block: dict[str, int]
     outside: dict[str, int]
@@ -332,14 +335,17 @@ def dit_outside_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, trains:
 def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
                     peft: PeftSpec | None = None, checkpointed_blocks: int = 0,
                     layer_norm_stats_bytes: int = NORM_STATS_BYTES, first: bool = True,
-                    last: bool = True, tp: int = 1, sequence_parallel: bool = False) -> DiTActivations:
+                    last: bool = True, tp: int = 1, sequence_parallel: bool = False,
+                    checkpoint_group: int = 1) -> DiTActivations:
     """Peak saved bytes of the model and its loss for one micro-batch, the first
     ``checkpointed_blocks`` blocks checkpointed (see the module NB). ``block``: the parts of a
     block whose input needs a gradient (every block but a frozen base's first). A pipeline
     stage (``spec.num_layers`` its blocks): not ``first``, no patch embedding and an input that
     needs a gradient; not ``last``, no head and loss. ``tp``: one tensor-parallel rank's (a formula);
     ``sequence_parallel``: with the residual stream, the head and the checkpoints on 1/TP of the
-    video tokens and the text (CLIP) side of cross-attention TP times over (a formula)."""
+    video tokens and the text (CLIP) side of cross-attention TP times over (a formula).
+    ``checkpoint_group``: blocks per checkpoint (megatron-core's ``uniform`` method with
+    ``recompute_num_layers`` N: each group of N keeps only its first block's input and re-runs whole)."""
     if not 0 <= checkpointed_blocks <= spec.num_layers:
         raise ValueError(f"checkpointing {checkpointed_blocks} of {spec.num_layers} blocks")
     peft = DiTPeftSpec.of(peft)
@@ -358,11 +364,15 @@ def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
     shared_names = {k for b in blocks[checkpointed_blocks:] for k in b if k in SHARED}
     kept = recompute = 0
     if checkpointed_blocks:
-        # The checkpoints keep their inputs: each block's hidden states, and once the per-token
-        # modulation input and the text/image embeddings; backward re-runs one block at a time.
+        # The checkpoints keep their inputs: each group's hidden states, and once the per-token
+        # modulation input and the text/image embeddings; backward re-runs one group at a time, the
+        # last first: group g re-runs while groups 0..g still keep their inputs (later ones freed).
         shared_names |= set(SHARED)
-        kept = checkpointed_blocks * T * h * a + 6 * T * h * a
-        recompute = max(n - (T * h * a if "x" in b else 0) for n, b in zip(own, blocks[:checkpointed_blocks]))
+        starts = range(0, checkpointed_blocks, checkpoint_group)
+        kept = len(starts) * T * h * a + 6 * T * h * a
+        recompute = max(sum(own[i:min(i + checkpoint_group, checkpointed_blocks)])
+                        - (T * h * a if "x" in blocks[i] else 0) - (len(starts) - 1 - g) * T * h * a
+                        for g, i in enumerate(starts))
     shared = sum(sources[k] for k in shared_names)
     parts = dit_block_saved(spec, batch, act_bytes=a, attention=attention, peft=peft, input_grad=True,
                             layer_norm_stats_bytes=layer_norm_stats_bytes, tp=tp, sequence_parallel=sequence_parallel)

@@ -228,7 +228,8 @@ def _sp_outside(spec: DiTSpec, video: int, scale: int, *, first: bool, last: boo
 
 
 def dit_stage_activations(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int,
-                          peft: PeftSpec | None, attention: str, checkpointed_blocks: int) -> tuple[int, int]:
+                          peft: PeftSpec | None, attention: str, checkpointed_blocks: int,
+                          checkpoint_group: int = 1) -> tuple[int, int]:
     """(peak saved bytes, micro-batches in flight) on pipeline rank ``pp_rank``. 1F1B holds
     ``min(PP - rank, micro-batches)`` forward passes, all but the one in backward whole."""
     in_flight = min(par.pp - pp_rank, training.num_microbatches)
@@ -238,15 +239,17 @@ def dit_stage_activations(spec: DiTSpec, par: Parallelism, training: Training, *
     batch = DiTBatch(video=(video,) * b, text=(text,) * b, image=None if spec.image_dim is None else (image,) * b)
     act = dit_activations(stage, batch, act_bytes=training.param_bytes, attention="flash" if par.cp > 1 else attention,
                           peft=peft, checkpointed_blocks=checkpointed_blocks, first=pp_rank == 0,
-                          last=pp_rank == par.pp - 1, tp=par.tp, sequence_parallel=_sp(par))
+                          last=pp_rank == par.pp - 1, tp=par.tp, sequence_parallel=_sp(par),
+                          checkpoint_group=checkpoint_group)
     return (in_flight - 1) * act.held + act.total, in_flight
 
 
 def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, peft: PeftSpec | None = None,
-                      attention: str = "flash", checkpointed_blocks: int = 0) -> dict[str, object]:
+                      attention: str = "flash", checkpointed_blocks: int = 0,
+                      checkpoint_group: int = 1) -> dict[str, object]:
     """The JSON form for megatron-core DDP / distributed optimizer with TP, PP, CP (the CLI's
     keys): the most loaded stage, every stage, and the labels of what is a formula.
-    ``checkpointed_blocks``: per pipeline stage."""
+    ``checkpointed_blocks``: per pipeline stage, in groups of ``checkpoint_group``."""
     reason = dit_layout_reason(spec, par, training, peft)
     if reason is not None:
         raise ValueError(reason)
@@ -256,7 +259,8 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
         comm = dit_step_communication(spec, par, training, pp_rank=pp_rank, buffers=buffers, params=params, peft=peft,
                                       checkpointed_blocks=checkpointed_blocks)
         act, in_flight = dit_stage_activations(spec, par, training, pp_rank=pp_rank, peft=peft, attention=attention,
-                                               checkpointed_blocks=checkpointed_blocks)
+                                               checkpointed_blocks=checkpointed_blocks,
+                                               checkpoint_group=checkpoint_group)
         c = states.components
         if par.megatron_fsdp is not None:  # its states and dp/ traffic in place of DDP's
             c, dp = dit_megatron_fsdp_states(params, par, training)

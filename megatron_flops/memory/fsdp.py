@@ -128,7 +128,8 @@ def fsdp_working_copies(spec: DiTSpec, training: Training, *, dp: int, peft: Pef
 
 
 def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftSpec | None = None,
-                      attention: str = "flash", checkpointed_blocks: int = 0) -> dict[str, object]:
+                      attention: str = "flash", checkpointed_blocks: int = 0,
+                      checkpoint_group: int = 1) -> dict[str, object]:
     """The JSON form of :func:`fsdp_rank_memory` for the most loaded rank (rank 0 holds the most
     real rows), in the keys the decoder report uses; activations for micro-batches
     of ``training.micro_batch_size`` clips of ``training.seq_length`` video tokens and WAN's
@@ -141,7 +142,8 @@ def dit_memory_report(spec: DiTSpec, training: Training, *, dp: int, peft: PeftS
     bus = bus_bytes(top.communication, {"fsdp": dp})
     batch = DiTBatch.uniform(spec, video_tokens=training.seq_length, num_clips=training.micro_batch_size)
     activations = dit_activations(spec, batch, act_bytes=training.param_bytes, attention=attention, peft=peft,
-                                  checkpointed_blocks=checkpointed_blocks).total
+                                  checkpointed_blocks=checkpointed_blocks,
+                                  checkpoint_group=checkpoint_group).total
     # NB: one rank (dp 1) is no FSDP: the CLI asks --fsdp only with --dp > 1.
     transients = {"fsdp/unsharded_working_copies": fsdp_working_copies(spec, training, dp=dp, peft=peft)} if dp > 1 else {}
     rank = {

@@ -128,11 +128,7 @@ def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None, *, selective:
             return (f"activations of a frozen MLA layer adapted on one latent branch only ({sorted(q or kv)}: in the "
                     "first layer the other branch's q, or k and v, require no grad) are modelled without selective "
                     "core_attn or mla_up_proj recompute and DSA layers")
-    attention = {"linear_proj"} if spec.mla is not None else {"linear_qkv", "linear_proj"}
-    if peft.frozen and spec.moe is not None and spec.layers[0][1] == "moe" and not attention & set(peft.lora_targets):
-        return ("activations of a frozen MoE layer before the model's first adapter (the experts' adapters start "
-                "the gradient inside it) are not modelled: add an attention target (linear_proj)")
-    return None
+    return None  # (a frozen MoE first layer whose experts' adapters come first: memory/moe_lora_start.py)
 
 
 def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tokens: int, hidden: int, act: int,

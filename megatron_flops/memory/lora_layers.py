@@ -15,12 +15,16 @@ As Megatron-Bridge 0.3.1's LoRA wraps megatron-core's local layers (``ParallelLi
 - MoE layers: the shared experts' ``linear_fc1``/``linear_fc2`` as a dense MLP's (tensor
   parallel, sequence-parallel gathers of their own); a MoE layer without shared experts has no
   dense MLP to adapt. Every routed expert's ``linear_fc1``/``linear_fc2`` (``SequentialMLP``,
-  Bridge's ``is_expert_linear``) gets an adapter split over expert TP (= TP) as its layer:
+  Bridge's ``is_expert_linear``) gets an adapter split over expert TP as its layer:
   ``linear_fc1``'s ``linear_in`` [r/TP, h], ``linear_fc2``'s ``linear_out`` [h/TP, r]. They run
   megatron-core's explicit expert communication (no input-gradient reduction, no sequence
   parallelism; the dispatcher reduces): per routed token, forward only, ``linear_fc1``'s adapter
   all-gathers its [n, r] intermediate and ``linear_fc2``'s its output [n, h] over expert TP
   (grouped-GEMM experts: :mod:`megatron_flops.memory.moe_grouped`).
+  NB: with an expert TP other than TP (``--etp``) a formula: Bridge 0.6.2 splits an expert
+  linear's adapter over the expert TP group (``get_adapter_attributes_from_linear(is_expert=True)``
+  reads ``expert_tensor_parallel_size``), so its gathers are ``etp/all_gather``; measured with
+  expert TP = TP only (:func:`expert_lora_unmeasured`).
 - MTP layers (last stage): their decoder layer's adapters as a main layer's (``eh_proj`` is no
   target); under sequence parallelism a frozen MTP layer skips the embedding gradient's, eh_proj's
   input's and the output layer's re-gathers, and its column-parallel layers' weight-gradient ones.
@@ -39,6 +43,7 @@ from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import (COLUMN_PARALLEL, LAYER_ORDER, adapter_backward_payload,
                                         adapter_forward_payload, mla_targets)
 from megatron_flops.memory.mla_mtp import mtp_recomputed
+from megatron_flops.memory.moe import expert_tp_group
 from megatron_flops.model.spec import ModelSpec
 
 
@@ -104,15 +109,16 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
     """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1):
     every layer's adapters (forward again where full recompute re-runs it), less what a frozen
     base does not run (:func:`_frozen_skips`); ``received``: routed tokens per MoE layer reaching
-    this rank's experts (None: balanced, ``s*b x topk``); ``duplicated``: Transformer Engine's MLA
+    this rank's experts (None: balanced, ``s/TP*b x ETP x topk``); ``duplicated``: Transformer Engine's MLA
     down projections, whole on every TP rank (a formula); ``expert_adapters``: whether the routed
     experts have adapters (legacy ``GroupedMLP`` has none; ``TEGroupedMLP``'s shared one runs the
-    same explicit expert communication over all routed tokens). {} at TP 1."""
-    if peft is None or peft.lora_rank is None or par.tp == 1:
+    same explicit expert communication over all routed tokens). {} at TP 1 and expert TP 1."""
+    if peft is None or peft.lora_rank is None or (par.tp == 1 and par.expert_tp == 1):
         return {}
     a, h, sp = training.param_bytes, spec.hidden_size, par.sequence_parallel
     tokens = training.seq_length * training.micro_batch_size
-    routed = received if received is not None or spec.moe is None else tokens * spec.moe.router_topk
+    routed = received if received is not None or spec.moe is None \
+        else tokens // par.tp * par.expert_tp * spec.moe.router_topk
     out: dict[str, int] = {}
 
     def add(key: str, value: int) -> None:
@@ -121,15 +127,17 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
     layers = adapted_layers(spec, par, recompute, pp_rank=pp_rank)
     widths = _latent_widths(spec)
     for layer in layers:
-        targets = layer.targets(peft)
+        targets = layer.targets(peft) if par.tp > 1 else ()
         for key, value in adapter_forward_payload(peft, targets, tokens, h, a, sp=sp, widths=widths).items():
             add(key, (1 + layer.rerun) * value)
         for key, value in adapter_backward_payload(peft, targets, tokens, h, a, sp=sp, widths=widths).items():
             add(key, value)
-        if layer.experts and routed is not None and expert_adapters:
-            add("tp/all_gather", (1 + layer.rerun) * expert_adapter_payload(spec, peft, routed=routed, act=a))
+        if layer.experts and routed is not None and par.expert_tp > 1 and expert_adapters:
+            add(f"{expert_tp_group(par)}/all_gather",
+                (1 + layer.rerun) * expert_adapter_payload(spec, peft, routed=routed, act=a))
     full = recompute is not None and recompute.granularity == "full"
-    skips = _frozen_skips(spec, par, peft, layers, pp_rank=pp_rank, started=full, duplicated=duplicated)
+    skips = _frozen_skips(spec, par, peft, layers, pp_rank=pp_rank, started=full, duplicated=duplicated) \
+        if par.tp > 1 else {}
     for key, count in skips.items():
         add(key, -count * tokens * a)
     m = training.num_microbatches
@@ -224,6 +232,16 @@ def _mla_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool, dup
     if not sp:
         return {"tp/all_reduce": 2 * h + latents}
     return {"tp/reduce_scatter": 2 * h + latents, "tp/all_gather": latents}
+
+
+def expert_lora_unmeasured(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> list[str]:
+    """The label of LoRA adapters on routed experts whose TP is not TP (a formula, see the NB)."""
+    adapted = peft is not None and peft.lora_rank is not None and {"linear_fc1", "linear_fc2"} & set(peft.lora_targets)
+    if spec.moe is None or not adapted or par.expert_tp == par.tp:
+        return []
+    return [f"LoRA adapters on the routed experts with expert TP {par.expert_tp} other than TP {par.tp}: split over "
+            "the expert TP group as Megatron-Bridge 0.6.2 splits them (is_expert: expert_tensor_parallel_size), "
+            "their parameters, activations and etp/all_gather payloads a formula (measured with expert TP = TP)"]
 
 
 def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool) -> dict[str, int]:

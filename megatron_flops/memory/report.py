@@ -27,7 +27,7 @@ from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.hf_layers import hf_layer_assumptions
 from megatron_flops.memory.hf_parallel import parallel_layer_assumptions, parallel_layer_unmeasured
 from megatron_flops.memory.hf_qk_norms import hf_attention_notes
-from megatron_flops.memory.lora_layers import lora_tp_communication
+from megatron_flops.memory.lora_layers import expert_lora_unmeasured, lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
 from megatron_flops.memory.moe import (
     all_to_all_range,
@@ -191,14 +191,15 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
                 lo, hi = out.get(key, (comm[key], comm[key]))
                 balanced = at[0].get(key, 0)
                 out[key] = (lo + m * (at[1].get(key, 0) - balanced), hi + m * (at[2].get(key, 0) - balanced))
-    if peft is not None and peft.lora_rank is not None and par.tp > 1:
+    if peft is not None and peft.lora_rank is not None and par.expert_tp > 1:
+        key = f"{expert_tp_group(par)}/all_gather"
         lora = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
                                       received=received, duplicated=options.duplicated_mla_down,
-                                      expert_adapters=experts_module(options) != "GroupedMLP").get("tp/all_gather", 0)
+                                      expert_adapters=experts_module(options) != "GroupedMLP").get(key, 0)
                 for received in (None, fewest, most)]
         if lora[1] != lora[2]:
-            lo, hi = out.get("tp/all_gather", (comm["tp/all_gather"], comm["tp/all_gather"]))
-            out["tp/all_gather"] = (lo + lora[1] - lora[0], hi + lora[2] - lora[0])
+            lo, hi = out.get(key, (comm.get(key, 0), comm.get(key, 0)))
+            out[key] = (lo + lora[1] - lora[0], hi + lora[2] - lora[0])
     return out
 
 
@@ -290,6 +291,7 @@ def decoder_memory(
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
         unmeasured += kda_fla_unmeasured(spec, training)
     unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None, peft=peft))
+    unmeasured += tuple(expert_lora_unmeasured(spec, par, peft))
     unmeasured += tuple(parallel_layer_unmeasured(
         options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
         selective=reason is None and recompute is not None and recompute.granularity == "selective"

@@ -1,0 +1,62 @@
+"""A frozen base whose first layer is MoE and whose first adapter is a routed expert's
+(``--lora-targets linear_fc1,linear_fc2`` without an attention target): what that layer saves
+before and after the hidden states start to require grad inside it (stdlib only).
+
+Measured (``tests/test_memory_activations.py``, megatron-core 0.16.1's local layers on CPU, TP 1,
+EP 1, alltoall, GELU ``SequentialMLP`` experts, no shared experts): nothing requires grad before
+the first expert adapter, so the attention, the pre-MLP norm, the router and the dispatcher's
+permutation save nothing. From ``linear_fc1``'s adapter on (it keeps the permuted tokens and
+its [n, r] intermediate) an expert saves as a started frozen one, less the activation's output the
+probabilities multiply: the probabilities need no gradient, so the product keeps only them. With
+``linear_fc2`` the only expert target, nothing before its adapter saves either: its input
+[n, ffn] and [n, r]. The combine (unpermutation) then keeps the permutation's sorted indices
+(int64 [T x k]); the routing map and the scattered probabilities are not kept.
+"""
+
+from __future__ import annotations
+
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.memory.layout import INDEX_BYTES, Parallelism
+from megatron_flops.memory.moe import expert_lora_activations, moe_activations
+from megatron_flops.model.spec import ModelSpec
+
+
+def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
+                             recompute: RecomputeSpec | None, peft: PeftSpec | None) -> str | None:
+    """Why a frozen MoE first layer whose first adapter is an expert's is not modelled (None: it
+    is, or this is not that layer)."""
+    moe = spec.moe
+    if not starts_in_experts(spec, peft) or moe is None:
+        return None
+    if (moe.shared_expert_ffn_hidden_size or options.moe_token_dispatcher_type != "alltoall" or spec.gated_linear_unit
+            or moe.latent_size or par.ep > 1 or recompute is not None):
+        return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are measured with "
+                "the alltoall dispatcher, EP 1, non-gated experts, no shared experts or latent projections and no "
+                "recompute; add an attention target (linear_proj) for the rest")
+    return None
+
+
+def starts_in_experts(spec: ModelSpec, peft: PeftSpec | None) -> bool:
+    """A frozen base whose first layer is MoE and whose first adapter is a routed expert's."""
+    if peft is None or peft.lora_rank is None or not peft.frozen or spec.moe is None or spec.layers[0][1] != "moe":
+        return False
+    attention = {"linear_proj"} if spec.mla is not None else {"linear_qkv", "linear_proj"}
+    return not attention & set(peft.lora_targets)
+
+
+def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, *, tokens: int,
+                            local_tokens: int, act: int, tp: int) -> dict[str, int]:
+    """Bytes that MoE layer saves per micro-batch by key (see the module doc)."""
+    moe = spec.moe
+    assert moe is not None and peft.lora_rank is not None
+    got, ffn = tokens * moe.router_topk, moe.ffn_hidden_size // tp
+    adapted = tuple(t for t in ("linear_fc1", "linear_fc2") if t in peft.lora_targets)
+    experts = 0
+    if "linear_fc1" in adapted:
+        started = moe_activations(spec, options, tokens=tokens, local_tokens=local_tokens, act=act, tp=tp, ep=1,
+                                  received=None, frozen=True)
+        experts = started["moe/experts"] - got * ffn * act
+    return {"moe/dispatcher": local_tokens * moe.router_topk * INDEX_BYTES, "moe/experts": experts,
+            "lora": expert_lora_activations(spec, adapted=adapted, rank=peft.lora_rank, frozen=True, tokens=tokens,
+                                            act=act, tp=tp, received=None)}
