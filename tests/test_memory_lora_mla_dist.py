@@ -136,12 +136,14 @@ def test_what_is_not_modelled_says_why(targets, fields, reason):
     assert got is not None and reason in got
 
 
-def test_transformer_engine_down_projections_under_tp_are_refused():
+def test_transformer_engine_down_projections_under_sequence_parallelism_are_refused():
+    # (Without sequence parallelism: a formula, tests/test_memory_lora_mla_te.py.)
     spec, _ = _spec()
     peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=FOUR)
-    with pytest.raises(ValueError, match="duplicated TELinear down projections"):
-        check_supported(spec, Parallelism(tp=2), peft, DecoderOptions(transformer_impl="transformer_engine"))
-    check_supported(spec, Parallelism(tp=2), peft, DecoderOptions(transformer_impl="local"))
+    par = Parallelism(tp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="Megatron-Bridge .*duplicated TELinear"):
+        check_supported(spec, par, peft, DecoderOptions(transformer_impl="transformer_engine"))
+    check_supported(spec, par, peft, DecoderOptions(transformer_impl="local"))
 
 
 # Selective layernorm recompute of a frozen base (one adapter, on linear_proj): the first layer's

@@ -327,7 +327,7 @@ def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: Pef
         params.append(Param(inner + "bias", d_out, base, expert, tp_replicated=name in ROW_PARALLEL))
     if adapted:
         assert peft.lora_rank is not None
-        numel_in, numel_out = adapter_numels(name, d_in, d_out, peft.lora_rank, tp)
+        numel_in, numel_out = adapter_numels(name, d_in, d_out, peft.lora_rank, tp, duplicated=duplicated)
         params.append(Param(f"{prefix}{name}.adapter.linear_in.weight", numel_in, True, expert,
                             rows=numel_in // d_in))
         params.append(Param(f"{prefix}{name}.adapter.linear_out.weight", numel_out, True, expert,

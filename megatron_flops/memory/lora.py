@@ -44,7 +44,12 @@ local spec (the down projections' outputs split over TP and all-gathered by the 
 Bridge adapts each as a column-parallel target whose input is the hidden states (down
 projections, ``linear_q_proj``) or a latent (up projections: [T, q_lora], [T, kv_lora]).
 Transformer Engine's spec keeps the down projections whole on every TP rank (``TELinear``,
-``parallel_mode="duplicated"``; Bridge: ``base_linear_is_parallel=False``): not modelled under TP.
+``parallel_mode="duplicated"``; Bridge: ``base_linear_is_parallel=False``): Bridge's adapter there
+splits ``linear_in`` [r/TP, h] and ``linear_out`` [out/TP, r] as around a column-parallel target
+and gathers its output (``tp/all_gather`` [T, out] in forward); without sequence parallelism a
+formula, the rest as the local spec. Under sequence parallelism megatron-core feeds those layers
+this rank's [T/TP] tokens, which Bridge's adapter does not gather: linear_in's all-gather then
+concatenates different ranks' tokens and its input gradient is unreduced (refused, as Bridge's).
 
 MoE, MLA and multi-token prediction layers: :mod:`megatron_flops.memory.lora_layers`.
 
@@ -75,13 +80,15 @@ def mla_targets(spec: ModelSpec) -> tuple[str, ...]:
     return tuple(t for t in MLA_TARGETS if t in q or "_kv_" in t)
 
 
-def adapter_numels(name: str, d_in: int, d_out: int, rank: int, tp: int) -> tuple[int, int]:
+def adapter_numels(name: str, d_in: int, d_out: int, rank: int, tp: int, *,
+                   duplicated: bool = False) -> tuple[int, int]:
     """Elements of ``linear_in`` and ``linear_out`` on one TP rank, for a target ``name`` whose
     weight on that rank is [d_out, d_in]: a column-parallel target splits linear_in's rank rows,
-    a row-parallel one linear_out's (whole) output rows."""
+    a row-parallel one linear_out's (whole) output rows, a ``duplicated`` one (Transformer
+    Engine's MLA down projections, weight whole on every rank) both: [r/TP, d_in], [d_out/TP, r]."""
     if name in ROW_PARALLEL:
         return rank * d_in, d_out // tp * rank
-    return rank // tp * d_in, d_out * rank
+    return rank // tp * d_in, (d_out // tp if duplicated else d_out) * rank
 
 
 def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
@@ -90,12 +97,26 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
     ``duplicated``: Transformer Engine's MLA down projections, whole on every TP rank."""
     if peft is None or peft.lora_rank is None or par.tp == 1:
         return None
-    mla = [t for t in peft.lora_targets if t in mla_targets(spec)]
-    if duplicated and mla:
-        return (f"LoRA adapters on MLA's {mla} under tensor parallelism as Transformer Engine's spec builds MLA "
-                "(duplicated TELinear down projections: Bridge's adapter there gathers its output and skips the "
-                "sequence gather) are not modelled (no Transformer Engine on CPU); --transformer-impl local is "
-                "measured")
+    downs = [t for t in peft.lora_targets if t in mla_targets(spec) and "_down_" in t]
+    if duplicated and downs and par.sequence_parallel:
+        return (f"Megatron-Bridge (0.3.1 to 0.6.2) cannot train LoRA adapters on MLA's {downs} under sequence "
+                "parallelism as Transformer Engine's spec builds them (duplicated TELinear, fed this rank's "
+                "[s/TP] tokens): its ParallelLinearAdapter there (base_linear_is_parallel=False) skips the "
+                "sequence all-gather, so linear_in's gather_output concatenates different ranks' tokens along "
+                "the rank dimension, and its input gradient is left unreduced (disable_grad_reduce); "
+                "--transformer-impl local is measured")
+    ups = [t for t in peft.lora_targets if t in mla_targets(spec) and "_down_" not in t]
+    if duplicated and ups and par.sequence_parallel:
+        return (f"LoRA adapters on MLA's {ups} under sequence parallelism as Transformer Engine's spec builds MLA "
+                "(the up projections' fused norm + linear returns its norm output gathered to the adapter) are not "
+                "modelled (no Transformer Engine on CPU); --transformer-impl local is measured")
+    mla = spec.mla
+    if duplicated and downs and mla is not None:
+        for name, width in (("q_lora_rank", mla.q_lora_rank or 0),
+                            ("kv_lora_rank + qk_pos_emb_head_dim", mla.kv_lora_rank + mla.qk_pos_emb_head_dim)):
+            if width % par.tp:
+                return (f"{name}={width} is not divisible by --tp {par.tp} (LoRA's linear_out rows on a "
+                        "duplicated down projection)")
     if peft.lora_rank % par.tp:
         return f"--lora-rank {peft.lora_rank} is not divisible by --tp {par.tp} (Bridge splits linear_in's rows)"
     if spec.hidden_size % par.tp:
@@ -109,6 +130,22 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
         return ("LoRA under tensor parallelism on a frozen base whose first layer has no tensor-parallel adapter "
                 "(only its routed experts', or none) is not modelled: add an attention target (linear_proj)")
     return None
+
+
+def lora_duplicated_unmeasured(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
+                               duplicated: bool) -> list[str]:
+    """The LoRA figures on MLA's projections that are formulas (Transformer Engine's spec under
+    TP without sequence parallelism; with it Bridge's adapter is refused: :func:`lora_tp_reason`)."""
+    if peft is None or peft.lora_rank is None or par.tp == 1 or not duplicated:
+        return []
+    mla = [t for t in peft.lora_targets if t in mla_targets(spec)]
+    if not mla:
+        return []
+    return [f"LoRA adapters on MLA's {mla} as Transformer Engine's spec builds MLA (no Transformer Engine on CPU; "
+            "--transformer-impl local is measured): on a duplicated down projection Bridge's adapter splits "
+            "linear_in [r/TP, h] and linear_out [out/TP, r] and all-gathers its output [T, out] (tp/all_gather), "
+            "its input-gradient and [T, r] all-reduces and saved tensors as the local spec's adapter; the up "
+            "projections' adapters as the local spec's"]
 
 
 def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None, *, selective: bool = False) -> str | None:
@@ -132,10 +169,13 @@ def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None, *, selective:
 
 
 def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tokens: int, hidden: int, act: int,
-                            *, sp: bool = False, widths: dict[str, int] | None = None) -> dict[str, int]:
+                            *, sp: bool = False, widths: dict[str, int] | None = None,
+                            duplicated: dict[str, int] | None = None) -> dict[str, int]:
     """``tp/*`` payload of the forward passes of one layer's adapters on ``targets`` (among
     ``peft.lora_targets``), for ``tokens`` tokens at TP > 1 (see the module doc); ``widths``: a
-    column-parallel target's input width where it is not ``hidden`` (MLA's up projections)."""
+    column-parallel target's input width where it is not ``hidden`` (MLA's up projections);
+    ``duplicated``: the output width of a target whole on every TP rank (Transformer Engine's MLA
+    down projections, a formula), whose adapter's linear_out all-gathers its output [T, out]."""
     out = {"tp/all_gather": 0, "tp/all_reduce": 0}
     if peft is None or peft.lora_rank is None:
         return out
@@ -148,6 +188,7 @@ def adapter_forward_payload(peft: PeftSpec | None, targets: tuple[str, ...], tok
             # linear_in's output [T, r]; under sequence parallelism first its input [T, h].
             width = (widths or {}).get(target, hidden)
             out["tp/all_gather"] += tokens * r * act + (tokens * width * act if sp else 0)
+            out["tp/all_gather"] += tokens * (duplicated or {}).get(target, 0) * act  # linear_out's [T, out]
     return out
 
 

@@ -126,9 +126,11 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
 
     layers = adapted_layers(spec, par, recompute, pp_rank=pp_rank)
     widths = _latent_widths(spec)
+    outputs = _down_widths(spec) if duplicated else None
     for layer in layers:
         targets = layer.targets(peft) if par.tp > 1 else ()
-        for key, value in adapter_forward_payload(peft, targets, tokens, h, a, sp=sp, widths=widths).items():
+        for key, value in adapter_forward_payload(peft, targets, tokens, h, a, sp=sp, widths=widths,
+                                                  duplicated=outputs).items():
             add(key, (1 + layer.rerun) * value)
         for key, value in adapter_backward_payload(peft, targets, tokens, h, a, sp=sp, widths=widths).items():
             add(key, value)
@@ -149,6 +151,14 @@ def _latent_widths(spec: ModelSpec) -> dict[str, int]:
     if spec.mla is None:
         return {}
     return {"linear_q_up_proj": spec.mla.q_lora_rank or 0, "linear_kv_up_proj": spec.mla.kv_lora_rank}
+
+
+def _down_widths(spec: ModelSpec) -> dict[str, int]:
+    """The output widths of MLA's down projections, by target name."""
+    if spec.mla is None:
+        return {}
+    return {"linear_q_down_proj": spec.mla.q_lora_rank or 0,
+            "linear_kv_down_proj": spec.mla.kv_lora_rank + spec.mla.qk_pos_emb_head_dim}
 
 
 def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: list[AdaptedLayer], *,
@@ -223,7 +233,7 @@ def _mla_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool, dup
     assert mla is not None
     h, latents = spec.hidden_size, (mla.q_lora_rank or 0) + mla.kv_lora_rank
     if any(t.startswith(("linear_q_", "linear_kv_")) for t in targets):
-        return _mla_adapted_before_proj(spec, targets, sp=sp)
+        return _mla_adapted_before_proj(spec, targets, sp=sp, duplicated=duplicated)
     if duplicated:
         hidden = 0 if mla.q_lora_rank else h
         if not sp:
@@ -244,18 +254,22 @@ def expert_lora_unmeasured(spec: ModelSpec, par: Parallelism, peft: PeftSpec | N
             "their parameters, activations and etp/all_gather payloads a formula (measured with expert TP = TP)"]
 
 
-def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool) -> dict[str, int]:
+def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool,
+                             duplicated: bool = False) -> dict[str, int]:
     """As :func:`_mla_before_proj` with adapters on MLA's projections (local spec): the base
     down projections (or ``linear_q_proj``) never reduce their input gradient [T, h]; an up
     projection's latent requires grad once its branch's down projection is adapted (then its
     input gradient is reduced, and under sequence parallelism its slice's gradient all-gathered).
     Under sequence parallelism an adapter whose input requires no grad skips its input's
-    gradient reduce-scatter (the hidden states', or a latent's)."""
+    gradient reduce-scatter (the hidden states', or a latent's). ``duplicated`` (Transformer
+    Engine's spec, without sequence parallelism: a formula): the base down projections reduce
+    no input gradient anyway, so only ``linear_q_proj``'s [T, h] and the latents' are skipped."""
     mla = spec.mla
     assert mla is not None
     h, q, kv = spec.hidden_size, mla.q_lora_rank, mla.kv_lora_rank
     q_on, kv_on = "linear_q_down_proj" in targets, "linear_kv_down_proj" in targets
-    skipped = 2 * h + (q or 0) * (not q_on) + kv * (not kv_on)  # base input gradients
+    hidden = (0 if q else h) if duplicated else 2 * h
+    skipped = hidden + (q or 0) * (not q_on) + kv * (not kv_on)  # base input gradients
     if not sp:
         return {"tp/all_reduce": skipped}
     gathers = (q or 0) * (not q_on) + kv * (not kv_on)

@@ -27,6 +27,7 @@ from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.hf_layers import hf_layer_assumptions
 from megatron_flops.memory.hf_parallel import parallel_layer_assumptions, parallel_layer_unmeasured
 from megatron_flops.memory.hf_qk_norms import hf_attention_notes
+from megatron_flops.memory.lora import lora_duplicated_unmeasured
 from megatron_flops.memory.lora_layers import expert_lora_unmeasured, lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
 from megatron_flops.memory.moe import (
@@ -287,6 +288,7 @@ def decoder_memory(
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
+    unmeasured += tuple(lora_duplicated_unmeasured(spec, par, peft, duplicated=options.duplicated_mla_down))
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
         unmeasured += kda_fla_unmeasured(spec, training)
