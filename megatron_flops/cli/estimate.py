@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS, Row, SeqStats, parse_rows, training_flops
@@ -20,6 +21,7 @@ from megatron_flops.flops.passes import (
     price,
 )
 from megatron_flops.cli._common import format_components, json_list_arg
+from megatron_flops.cli._memory_model import routed_expert_adapters
 from megatron_flops.cli._model_args import add_model_arguments, load_model
 from megatron_flops.cli._dit import add_arguments as add_dit_arguments, estimate_dit
 from megatron_flops.model.hf_config import hf_text_config, is_hf_config
@@ -213,6 +215,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         if value is not None:
             raise ValueError(f"{flag} prices cross-attention: give a DiT model file (a 'dit' section)")
     peft, recompute = _training_setup(args, raw, source)
+    if peft is not None and peft.lora_rank is not None and spec is not None and spec.moe is not None \
+            and not routed_expert_adapters(model):
+        peft = replace(peft, expert_adapters=False)
     vision = None
     if args.grid_thw is not None:
         from megatron_flops.flops.vision import hf_vision_sections, vision_report

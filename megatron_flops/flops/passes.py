@@ -96,7 +96,9 @@ class PeftSpec:
     """Which weights train: ``frozen`` freezes every base parameter; ``lora_rank`` adds a rank-r
     adapter ``x @ A @ B`` (A: in x r, B: r x out, run on the projection's input rows) beside every
     projection named in ``lora_targets``, in every layer (MTP layers and routed/shared experts
-    included, as Megatron-Bridge matches module names). Subclasses name another model's
+    included, as Megatron-Bridge matches module names); ``expert_adapters=False``: the routed
+    experts take none (megatron-core's legacy ``GroupedMLP`` keeps them in ``weight1``/``weight2``,
+    no ``linear_fc1``/``linear_fc2`` for Megatron-Bridge to match). Subclasses name another model's
     projections in ``KNOWN_TARGETS`` (``dit.DiTPeftSpec``)."""
 
     KNOWN_TARGETS: ClassVar[tuple[str, ...]] = LORA_TARGETS
@@ -104,6 +106,7 @@ class PeftSpec:
     frozen: bool = False
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    expert_adapters: bool = True
 
     def __post_init__(self) -> None:
         if self.lora_rank is not None and (
@@ -120,6 +123,12 @@ class PeftSpec:
                 raise ValueError(f"unknown lora target {target!r}{hint}; known: {', '.join(known)}")
         if self.frozen and self.lora_rank is None:
             raise ValueError("a frozen base without LoRA adapters has nothing to train; give a lora rank")
+
+    def adapted(self, gemm: str) -> bool:
+        """Whether the GEMM of module ``gemm`` (``linear_qkv``, ``experts.linear_fc1``, ...) gets an adapter."""
+        if self.lora_rank is None or (not self.expert_adapters and gemm.startswith("experts.")):
+            return False
+        return gemm.rsplit(".", 1)[-1] in self.lora_targets
 
     @classmethod
     def from_lora_mapping(cls, section: Mapping[str, Any], *, source: str = "model file") -> PeftSpec:
@@ -261,10 +270,11 @@ def training_passes(
         )
     runs = forward_runs(spec, stats, attention=attention, include_padding=include_padding)
     if peft.lora_rank is not None:
-        present = {g.name.rsplit(".", 1)[-1] for run in runs for g in run.gemms}
+        present = {g.name.rsplit(".", 1)[-1] for run in runs for g in run.gemms if peft.adapted(g.name)}
         for target in peft.lora_targets:
             if target not in present:
-                raise ValueError(f"lora target {target!r} matches no projection of this model")
+                legacy = "" if peft.expert_adapters else " (its routed experts, legacy GroupedMLP, take no adapter)"
+                raise ValueError(f"lora target {target!r} matches no projection of this model{legacy}")
     needed = _walk(spec, runs, peft, None, executed=False)
     done = _walk(spec, runs, peft, recompute, executed=True)
     unneeded = {}
@@ -475,7 +485,7 @@ class _LayerWalker:
         out: list[tuple[str, int, int, int, int]] = []
         for g in gemms:
             operands = [any(value(v) for v in sources) for sources in _OPERANDS[g.name]]
-            adapted = peft.lora_rank is not None and g.name.rsplit(".", 1)[-1] in peft.lora_targets
+            adapted = peft.adapted(g.name)
             weight = g.has_weight and self.trainable
             # Backward: one GEMM of the forward's size per operand that gets a gradient.
             d = g.flops * sum(operands)
