@@ -88,6 +88,11 @@ def test_cli_reads_the_experts_module(tmp_path, fields, adapters):
     assert report["total_flops"] == passes.model().total
     assert report["executed_flops"] == passes.executed().total
     assert ("lora/experts.linear_fc1" in report["components"]) is adapters
+    # Hand-derived (test_legacy_experts_hand_derived): the routed experts' adapters add fc1's 1120
+    # and fc2's 1120 forward FLOPs, x 3 per step (layer 0's adapters train, so A's dgrad runs too).
+    legacy = training_passes(SPEC, STATS, peft=dataclasses.replace(peft, expert_adapters=False))
+    assert sum(passes.forward.values()) - sum(legacy.forward.values()) == (1120 + 1120 if adapters else 0)
+    assert report["total_flops"] - legacy.model().total == (TRAIN_PASSES * (1120 + 1120) if adapters else 0)
 
 
 @pytest.mark.parametrize("fields", [{}, dict(moe_grouped_gemm=True), LEGACY,

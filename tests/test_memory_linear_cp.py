@@ -22,7 +22,7 @@ from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.linear_cp import dsa_cp_communication, dsa_cp_saved, gdn_cp_all_to_all, gdn_cp_saved
 from megatron_flops.memory.report import decoder_memory
-from megatron_flops.memory.ssm import gdn_saved, mixer_tensors
+from megatron_flops.memory.ssm import gdn_saved, mixer_tensors, mtp_mixer
 from megatron_flops.model.spec import ModelSpec
 
 TESTS = Path(__file__).resolve().parent
@@ -121,6 +121,18 @@ def test_cp2_reports_gdn_and_dsa():
     assert dsa.per_gpu.activations_per_microbatch[0]["attention"] == 2 * (16 * 64 * 2 + dsa_cp_saved(
         spec, s=8, b=2, cp=2, act=2, latent_norms=False, norm_stats=4))
 
+
+
+def test_cp2_counts_the_last_stages_gdn_mtp_layer():
+    # One MTP layer whose mixer is GDN (the last decoder layer's kind): its all-to-alls are one more
+    # GDN layer's, 2 micro-batches x (forward + backward) x 5,376 (8 of 16 tokens x 2 sequences x
+    # (2 x 32 + 3 x 32 + 2 x 4) x 2 bytes); everything else on the CP ring is unchanged.
+    model = dict(GDN, linear_attention_freq=[0, 1, 0, 1])
+    assert mtp_mixer(ModelSpec.from_mapping(dict(model, mtp_num_layers=1))) == "gdn"
+    with_mtp = _reports(dict(model, mtp_num_layers=1), (2,))[0].per_gpu.communication
+    without = _reports(model, (2,))[0].per_gpu.communication
+    assert with_mtp["cp/all_to_all"] - without["cp/all_to_all"] == 2 * 2 * 8 * 2 * (2 * 32 + 3 * 32 + 2 * 4) * 2
+    assert with_mtp["cp/send_recv"] == without["cp/send_recv"]
 
 def test_refusals(tmp_path, capsys):
     from megatron_flops.cli import main

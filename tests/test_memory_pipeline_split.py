@@ -209,10 +209,16 @@ def test_megatron_args_virtual_stage_options_as_megatron_lm_validates_them(capsy
     report = _memory(capsys, "--megatron-args", TINY + " --account-for-embedding-in-pipeline-split "
                      "--account-for-loss-in-pipeline-split --num-layers-per-virtual-pipeline-stage 2")
     assert any("[1, 2, 2, 1]" in a for a in report["assumptions"])
-    for extra in (" --decoder-first-pipeline-num-layers 2 --num-layers-per-virtual-pipeline-stage 2",
-                  " --pipeline-model-parallel-layout 'Ett|tt|t|tL' --num-virtual-stages-per-pipeline-rank 2"):
+    for extra, reason in (
+            (" --decoder-first-pipeline-num-layers 2 --num-layers-per-virtual-pipeline-stage 2", "uneven first/last"),
+            (" --pipeline-model-parallel-layout 'Ett|tt|t|tL' --num-virtual-stages-per-pipeline-rank 2",
+             "more than one of"),
+            (" --num-layers-per-virtual-pipeline-stage 1 --num-virtual-stages-per-pipeline-rank 3", "more than one of"),
+            # 6 / PP 2 = 3 layers per rank, not a multiple of 2; 6 + the embedding = 7 over PP 2
+            (" --num-layers-per-virtual-pipeline-stage 2", "3 layers per pipeline stage"),
+            (" --num-layers-per-virtual-pipeline-stage 1 --account-for-embedding-in-pipeline-split", "refuses 7 layers")):
         assert main(["memory", "--megatron-args", TINY + extra]) == 2
-        assert "Megatron-LM refuses" in capsys.readouterr().err
+        assert "Megatron-LM refuses " in (err := capsys.readouterr().err) and reason in err
 
 
 def test_hybrid_pattern_first_stage_as_mamba_stack_builds_it(tmp_path, capsys):

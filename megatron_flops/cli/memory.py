@@ -247,9 +247,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         f"{par.world_size} GPUs (TP {par.tp} x PP {par.pp}" + (f" x CP {par.cp}" if par.cp > 1 else "")
         + f" x DP {par.dp}" + (f", VPP {par.vpp}" if par.vpp else "") + (f", EP {par.ep}" if par.ep > 1 else "")
         + (f", expert TP {par.expert_tp}" if par.expert_tp != par.tp and par.ep > 1 else "")
-        + (", sequence parallel" if par.sequence_parallel and par.tp > 1 else "")
-        + (f", uneven pipeline split: {list(par.stage_layers)} layers per virtual stage (v x PP + r)"
-           if par.stage_layers and not (model.spec and model.spec.pipeline_segments) else "") + ")",
+        + (", sequence parallel" if par.sequence_parallel and par.tp > 1 else "") + ")",  # (split_note: the split)
         "FSDP2" if par.fsdp else f"Megatron-FSDP ({par.megatron_fsdp})" if par.megatron_fsdp
         else "distributed optimizer" if par.distributed_optimizer else "DDP",
         f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {training.seq_length} tokens",

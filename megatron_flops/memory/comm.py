@@ -44,10 +44,10 @@ from dataclasses import replace
 from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.dsa_tp import dsa_tensor_parallel
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
+from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel, mtp_recomputed
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
 from megatron_flops.memory.linear_cp import CP_MIXERS, linear_cp_communication
-from megatron_flops.memory.ssm import mamba_cp_all_to_all, missing_blocks
+from megatron_flops.memory.ssm import mamba_cp_all_to_all, missing_blocks, mtp_mixer
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -203,6 +203,16 @@ def step_communication(
                                                       act=act, reruns=fully_recomputed_layers(recompute, len(layers))
                                                       ).items():
                 add(key, m * value)
+            # NB: the last stage's MTP layers too, as many GDN or DSA mixers as spec.mtp_num_layers
+            # (:func:`~.ssm.mtp_mixer`), re-run as :func:`~.mla_mtp.mtp_recomputed` says.
+            mtp = spec.mtp_num_layers if last else 0
+            if mtp and mtp_mixer(spec) in CP_MIXERS:
+                for key, value in linear_cp_communication(spec, [mtp_mixer(spec)] * mtp, tokens=tokens,
+                                                          s=training.seq_length, b=training.micro_batch_size,
+                                                          par=par, act=act,
+                                                          reruns=mtp if mtp_recomputed(spec, recompute) else 0
+                                                          ).items():
+                    add(key, m * value)
         if moe_layers:
             rerun_moe = rerun_moe_layers(spec, recompute, layers, last=last)
             for key, value in moe_communication(spec, options, par, training, moe_layers, rerun_moe).items():

@@ -18,7 +18,7 @@ payload equals these formulas.
 
 from __future__ import annotations
 
-from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism
+from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism
 from megatron_flops.memory.ssm import gdn_saved
 from megatron_flops.model.spec import ModelSpec
 

@@ -16,7 +16,7 @@ probabilities multiply: the probabilities need no gradient, so the product keeps
 from __future__ import annotations
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
-from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.memory.decoder import DecoderOptions, experts_module
 from megatron_flops.memory.layout import INDEX_BYTES, Parallelism
 from megatron_flops.memory.moe import expert_lora_activations, moe_activations
 from megatron_flops.model.spec import ModelSpec
@@ -30,10 +30,11 @@ def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Para
     if not starts_in_experts(spec, peft) or moe is None:
         return None
     if (moe.shared_expert_ffn_hidden_size or options.moe_token_dispatcher_type != "alltoall" or spec.gated_linear_unit
-            or moe.latent_size or par.ep > 1 or recompute is not None):
+            or moe.latent_size or par.ep > 1 or recompute is not None
+            or experts_module(options) != "SequentialMLP"):  # NB: grouped experts take no adapter
         return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are measured with "
-                "the alltoall dispatcher, EP 1, non-gated experts, no shared experts or latent projections and no "
-                "recompute; add an attention target (linear_proj) for the rest")
+                "the alltoall dispatcher, SequentialMLP experts (no grouped GEMM), EP 1, non-gated experts, no shared "
+                "experts or latent projections and no recompute; add an attention target (linear_proj) for the rest")
     return None
 
 

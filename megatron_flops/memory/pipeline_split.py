@@ -42,8 +42,6 @@ def uneven_stages(split: PipelineSplit, par: Parallelism, *, spec: ModelSpec) ->
                          "stage only)")
     stages, vpp = split_stages(split, num_layers=spec.num_layers, pp=par.pp, vpp=par.vpp,
                                mtp_num_layers=spec.mtp_num_layers)
-    if vpp is not None and par.pp == 1:
-        raise ValueError("pipeline_model_parallel_layout: interleaving needs PP > 1")
     return replace(par, vpp=vpp, stage_layers=stages)
 
 

@@ -372,8 +372,9 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                            "megatron-core's local linear layers (column-parallel targets split linear_in and "
                            "all-gather [tokens, rank]; row-parallel ones all-reduce it and all-gather their output)")
         if spec.moe is not None:
+            split = "expert TP = TP" if par.expert_tp == par.tp else "the expert TP group"
             assumptions.append("routed experts' LoRA adapters as Bridge 0.3.1 wraps SequentialMLP experts (one per "
-                               "expert, split over expert TP = TP, all-gathering [tokens, rank] and their output per "
+                               f"expert, split over {split}, all-gathering [tokens, rank] and their output per "
                                "routed token); every expert's token count divisible by TP (Bridge pads an odd count "
                                "under no_grad, which detaches that adapter's output)"
                                + ("; under EP, the adapter traffic selective moe recompute re-runs assumes balanced "

@@ -121,9 +121,10 @@ def training_fields(args: SimpleNamespace) -> dict[str, Any]:
     :meth:`RecomputeSpec.from_mapping`), as Megatron-LM's ``validate_args`` derives them."""
     pp = args.pipeline_model_parallel_size or 1
     vpp = args.num_virtual_stages_per_pipeline_rank
-    if args.pipeline_model_parallel_layout is not None and (vpp is not None or args.num_layers_per_virtual_pipeline_stage):
-        raise ValueError("Megatron-LM refuses --pipeline-model-parallel-layout beside --num-virtual-stages-per-pipeline-"
-                         "rank or --num-layers-per-virtual-pipeline-stage (the layout gives the virtual stages)")
+    if sum(v is not None for v in (args.num_layers_per_virtual_pipeline_stage, vpp,
+                                   args.pipeline_model_parallel_layout)) > 1:
+        raise ValueError("Megatron-LM refuses more than one of --num-layers-per-virtual-pipeline-stage, "
+                         "--num-virtual-stages-per-pipeline-rank and --pipeline-model-parallel-layout")
     if vpp is None and args.num_layers_per_virtual_pipeline_stage:
         if not isinstance(args.num_layers, int) or not isinstance(pp, int) or pp < 1:
             raise ValueError("--num-layers-per-virtual-pipeline-stage needs integer --num-layers and "
@@ -134,7 +135,15 @@ def training_fields(args: SimpleNamespace) -> dict[str, Any]:
         # NB: Megatron-LM counts the embedding and the loss as layers here when the split accounts for them.
         num_layers = args.num_layers + bool(args.account_for_embedding_in_pipeline_split) \
             + bool(args.account_for_loss_in_pipeline_split)
-        vpp = (num_layers // pp) // args.num_layers_per_virtual_pipeline_stage
+        if num_layers % pp:
+            raise ValueError(f"Megatron-LM refuses {num_layers} layers (with the embedding and loss the split accounts "
+                             f"for) over --pipeline-model-parallel-size {pp}: the number of layers of the model must "
+                             "be divisible by the pipeline model parallel size")
+        if num_layers // pp % args.num_layers_per_virtual_pipeline_stage:
+            raise ValueError(f"Megatron-LM refuses {num_layers // pp} layers per pipeline stage with "
+                             f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}: "
+                             "the layers per pipeline stage must be divisible by the layers per virtual stage")
+        vpp = num_layers // pp // args.num_layers_per_virtual_pipeline_stage
     return {
         "recompute_granularity": args.recompute_granularity,
         "recompute_method": args.recompute_method,
