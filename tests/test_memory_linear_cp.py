@@ -134,6 +134,17 @@ def test_cp2_counts_the_last_stages_gdn_mtp_layer():
     assert with_mtp["cp/all_to_all"] - without["cp/all_to_all"] == 2 * 2 * 8 * 2 * (2 * 32 + 3 * 32 + 2 * 4) * 2
     assert with_mtp["cp/send_recv"] == without["cp/send_recv"]
 
+def test_cp2_counts_the_last_stages_attention_mtp_layer():
+    # An MTP layer with softmax attention passes its K and V round the CP ring as a decoder layer does:
+    # 2 micro-batches x (CP-1 = 1 step) x 2 x (K,V forward + K,V and their gradients backward = 3 x kv),
+    # kv = 2 (K and V) x 8 of 16 tokens x 2 sequences x 4 groups x 16 channels x 2 bytes = 4,096.
+    model = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256)
+    with_mtp = _reports(dict(model, mtp_num_layers=1), (2,))[0].per_gpu.communication
+    without = _reports(model, (2,))[0].per_gpu.communication
+    assert with_mtp["cp/send_recv"] - without["cp/send_recv"] == 2 * 1 * 2 * 3 * (2 * 8 * 2 * 4 * 16 * 2)
+    assert without["cp/send_recv"] == 2 * (2 * 1 * 2 * 3 * (2 * 8 * 2 * 4 * 16 * 2))  # two decoder layers
+
+
 def test_refusals(tmp_path, capsys):
     from megatron_flops.cli import main
 

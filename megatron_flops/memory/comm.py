@@ -190,7 +190,10 @@ def step_communication(
             # A hybrid pattern's Mamba layers all-to-all instead (:func:`~.ssm.mamba_cp_all_to_all`,
             # forward, backward and a full recompute's rerun); its MLP-only layers pass nothing.
             kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
-            ring = sum(kinds[i][0] not in ("mamba", "none", *CP_MIXERS) for i in layers)
+            # (and the last stage's MTP layers, whose attention is the last decoder layer's kind)
+            no_ring = ("mamba", "none", *CP_MIXERS)
+            ring = sum(kinds[i][0] not in no_ring for i in layers) \
+                + (spec.mtp_num_layers if last and spec.mtp_num_layers and mtp_mixer(spec) not in no_ring else 0)
             add("cp/send_recv", m * ring * (par.cp - 1) * 2 * (kv + 2 * kv))
             mamba = [kinds[i][0] == "mamba" for i in layers]
             passes = 2 * sum(mamba) + sum(mamba[:fully_recomputed_layers(recompute, len(layers))])
