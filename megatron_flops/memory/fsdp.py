@@ -38,7 +38,7 @@ from megatron_flops.flops.dit import DiTParam, DiTSpec, dit_block_parameters, di
 from megatron_flops.memory.comm import bus_bytes
 from megatron_flops.memory.dit_activations import DiTBatch, dit_activations
 from megatron_flops.memory.fsdp_transients import unsharded_working_copies
-from megatron_flops.memory.layout import Training
+from megatron_flops.memory.layout import FP32_BYTES, Training
 from megatron_flops.memory.states import optimizer_keys
 from megatron_flops.flops.passes import PeftSpec
 
@@ -102,7 +102,7 @@ def fsdp_rank_memory(spec: DiTSpec, training: Training, *, dp: int, rank: int = 
         return sum(times * sum(elements(p) for p in params if p.trainable or not trainable_only)
                    for params, times, _ in units)
 
-    fp32 = 4  # NB: fp32 shards (the main copies under mixed precision)
+    fp32 = FP32_BYTES  # NB: fp32 shards (the main copies under mixed precision)
     weights = total(lambda p: shard_rows(p, dp) * _row_numel(p)) * fp32
     # NB: the sharded gradients are views into each unit's padded reduce-scatter output.
     grads = total(lambda p: shard_rows(p, dp) * _row_numel(p), trainable_only=True)

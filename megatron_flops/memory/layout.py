@@ -16,6 +16,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32_BYTES = DTYPE_BYTES["fp32"]
 NORM_STATS_BYTES = FP32_BYTES  # a norm's mean/rstd per token, in fp32 as CUDA kernels keep them
 INDEX_BYTES = 8  # int64 token ids, positions, targets, top-k and gather indices
+BOOL_BYTES = 1  # torch.bool masks and flags
 OPTIMIZERS = ("adam", "sgd")
 # Megatron-FSDP's data_parallel_sharding_strategy values, from nothing sharded to everything.
 FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")

@@ -18,12 +18,11 @@ payload equals these formulas.
 
 from __future__ import annotations
 
-from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism
+from megatron_flops.memory.layout import BOOL_BYTES, FP32_BYTES, INDEX_BYTES, Parallelism
 from megatron_flops.memory.ssm import gdn_saved
 from megatron_flops.model.spec import ModelSpec
 
 CP_MIXERS = ("gdn", "dsa")  # mixers whose CP traffic is their own (no attention ring)
-BOOL_BYTES = 1
 
 
 def gdn_cp_saved(spec: ModelSpec, *, tokens: int, tp: int, cp: int, act: int, param: int) -> int:

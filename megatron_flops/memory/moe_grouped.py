@@ -47,7 +47,7 @@ for the alltoall dispatcher), ``N = n x min(topk, EP) / topk`` tokens arrive per
 from __future__ import annotations
 
 from megatron_flops.memory.decoder import DecoderOptions, experts_module
-from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism, Training
+from megatron_flops.memory.layout import BOOL_BYTES, FP32_BYTES, INDEX_BYTES, Parallelism, Training
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -138,9 +138,9 @@ def flex_dispatcher_saved(spec: ModelSpec, options: DecoderOptions, *, local_tok
     arrived = got * min(k, ep) // k  # N: tokens arriving (once per rank holding any of their experts)
     local = moe.num_experts // ep
     return (local_tokens * etp * k * INDEX_BYTES  # top-(ETP k) indices of the expanded probabilities
-            + arrived * etp * k  # mask of the received indices that are this rank's experts
+            + arrived * etp * k * BOOL_BYTES  # mask of the received indices that are this rank's experts
             + 2 * got * INDEX_BYTES  # (token, expert) index pairs of the multihot conversion
-            + arrived * local * (1 + FP32_BYTES)  # permute's transposed map and probabilities
+            + arrived * local * (BOOL_BYTES + FP32_BYTES)  # permute's transposed map and probabilities
             + got * INDEX_BYTES)  # permute's sorted indices
 
 
