@@ -11,6 +11,7 @@ from typing import Any
 
 from megatron_flops.flops.formulas import ATTENTION_CONVENTIONS, Row, SeqStats, parse_rows, training_flops
 from megatron_flops.flops.passes import (
+    GROUPED_EXPERT_ADAPTERS,
     LORA_TARGETS,
     MODEL_FLOPS_CONVENTIONS,
     RECOMPUTE_GRANULARITIES,
@@ -171,13 +172,17 @@ def _training_setup(
     peft = PeftSpec.from_lora_mapping(raw["lora"], source=source) if raw.get("lora") is not None else None
     if args.lora_targets is not None and args.lora_rank is None and peft is None:
         raise ValueError("--lora-targets needs --lora-rank")
-    if args.frozen or args.lora_rank is not None or args.lora_targets is not None:
+    grouped = getattr(args, "lora_grouped_experts", None)
+    if grouped is not None and args.lora_rank is None and (peft is None or peft.lora_rank is None):
+        raise ValueError("--lora-grouped-experts needs --lora-rank")
+    if args.frozen or args.lora_rank is not None or args.lora_targets is not None or grouped is not None:
         base = peft or PeftSpec()
         peft = PeftSpec(
             frozen=args.frozen or base.frozen,
             lora_rank=base.lora_rank if args.lora_rank is None else args.lora_rank,
             lora_targets=base.lora_targets if args.lora_targets is None
             else tuple(t.strip() for t in args.lora_targets.split(",")),
+            grouped_expert_adapters=base.grouped_expert_adapters if grouped is None else grouped,
         )
     flags = {
         "recompute_granularity": args.recompute,
@@ -290,6 +295,10 @@ def add_parser(sub: Any) -> None:
                      help="add rank-R LoRA adapters (model file: 'lora': {'dim': R})")
     est.add_argument("--lora-targets", metavar="NAMES",
                      help=f"comma-separated projections to adapt, of {','.join(LORA_TARGETS)}")
+    est.add_argument("--lora-grouped-experts", choices=GROUPED_EXPERT_ADAPTERS,
+                     help="Megatron-Bridge 0.6's adapters on grouped-GEMM (TEGroupedMLP) experts: one shared by "
+                          "the local experts (default; share_expert_adapters), one per expert, or shared-outer "
+                          "(experts_shared_outer_loras); the same FLOPs")
     est.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES,
                      help="activation recompute granularity (default: the model file's recompute_granularity)")
     est.add_argument("--recompute-method", choices=RECOMPUTE_METHODS,

@@ -18,7 +18,8 @@ from megatron_flops.memory.hybrid_pipeline import hybrid_stages
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS
 from megatron_flops.memory.pipeline_split import split_note, uneven_stages
 from megatron_flops.memory.layout import DTYPE_BYTES, FSDP_STRATEGIES, OPTIMIZERS, Parallelism, Training
-from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
+from megatron_flops.flops.passes import (GROUPED_EXPERT_ADAPTERS, LORA_TARGETS, RECOMPUTE_GRANULARITIES,
+                                         RECOMPUTE_METHODS)
 
 NOT_COUNTED = ("allocator caching and fragmentation", "workspaces (cuBLAS, NCCL, kernels)", "the CUDA context",
                "temporaries freed inside an op", "gradients of activations during backward")
@@ -336,6 +337,9 @@ def add_parser(sub: Any) -> None:
     mem.add_argument("--lora-rank", type=int, metavar="R", help="add rank-R LoRA adapters")
     mem.add_argument("--lora-targets", metavar="NAMES",
                      help=f"decoder: of {','.join(LORA_TARGETS)}; DiT: WAN module names (q,k,v,o,k_img,...)")
+    mem.add_argument("--lora-grouped-experts", choices=GROUPED_EXPERT_ADAPTERS,
+                     help="Megatron-Bridge 0.6's adapters on grouped-GEMM (TEGroupedMLP) experts: shared by the "
+                          "local experts (default), per-expert or shared-outer (formulas: CUDA-only)")
     mem.add_argument("--grid-thw", metavar="GRIDS",
                      help="a VLM: JSON list of the [t, h, w] vision grids of one micro-batch (inline or a file): "
                           "the vision tower's activations")

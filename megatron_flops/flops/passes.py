@@ -86,6 +86,10 @@ LORA_TARGETS = (
 )
 # Megatron-Bridge's LoRA default.
 DEFAULT_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# Megatron-Bridge 0.6.2's adapters on grouped-GEMM experts (TEGroupedMLP): one shared by the local
+# experts (``share_expert_adapters``, the default), one per local expert (it off), or shared-outer
+# (``experts_shared_outer_loras``: fc1's A and fc2's B shared, the other side per expert).
+GROUPED_EXPERT_ADAPTERS = ("shared", "per-expert", "shared-outer")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
@@ -98,8 +102,10 @@ class PeftSpec:
     projection named in ``lora_targets``, in every layer (MTP layers and routed/shared experts
     included, as Megatron-Bridge matches module names); ``expert_adapters=False``: the routed
     experts take none (megatron-core's legacy ``GroupedMLP`` keeps them in ``weight1``/``weight2``,
-    no ``linear_fc1``/``linear_fc2`` for Megatron-Bridge to match). Subclasses name another model's
-    projections in ``KNOWN_TARGETS`` (``dit.DiTPeftSpec``)."""
+    no ``linear_fc1``/``linear_fc2`` for Megatron-Bridge to match); ``grouped_expert_adapters``:
+    Megatron-Bridge 0.6.2's adapter layout on grouped-GEMM experts (:data:`GROUPED_EXPERT_ADAPTERS`;
+    the same GEMM FLOPs each: every routed token runs one rank-r pair per adapted linear).
+    Subclasses name another model's projections in ``KNOWN_TARGETS`` (``dit.DiTPeftSpec``)."""
 
     KNOWN_TARGETS: ClassVar[tuple[str, ...]] = LORA_TARGETS
 
@@ -107,8 +113,12 @@ class PeftSpec:
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     expert_adapters: bool = True
+    grouped_expert_adapters: str = "shared"
 
     def __post_init__(self) -> None:
+        if self.grouped_expert_adapters not in GROUPED_EXPERT_ADAPTERS:
+            raise ValueError(f"grouped expert adapters must be one of {', '.join(GROUPED_EXPERT_ADAPTERS)}, "
+                             f"got {self.grouped_expert_adapters!r}")
         if self.lora_rank is not None and (
             isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1
         ):
@@ -132,22 +142,30 @@ class PeftSpec:
 
     @classmethod
     def from_lora_mapping(cls, section: Mapping[str, Any], *, source: str = "model file") -> PeftSpec:
-        """A model file's ``"lora"`` section in Megatron-Bridge's field names: ``dim`` (rank) and
-        optional ``target_modules``. LoRA freezes the base, as Megatron-Bridge's PEFT does."""
+        """A model file's ``"lora"`` section in Megatron-Bridge's field names: ``dim`` (rank),
+        optional ``target_modules``, and 0.6.2's ``share_expert_adapters`` (default true) and
+        ``experts_shared_outer_loras`` (default false; it wins over the other, as in Bridge).
+        LoRA freezes the base, as Megatron-Bridge's PEFT does."""
         if not isinstance(section, Mapping):
             raise ValueError(f"{source}: 'lora' must be a mapping with 'dim' and 'target_modules'")
-        unknown = set(section) - {"dim", "target_modules"}
+        known = ("dim", "target_modules", "share_expert_adapters", "experts_shared_outer_loras")
+        unknown = set(section) - set(known)
         if unknown:
-            raise ValueError(f"{source}: unknown key(s) {sorted(unknown)} in 'lora' (known: dim, target_modules)")
+            raise ValueError(f"{source}: unknown key(s) {sorted(unknown)} in 'lora' (known: {', '.join(known)})")
         if "dim" not in section:
             raise ValueError(f"{source}: 'lora' needs 'dim' (the adapter rank)")
         targets = section.get("target_modules")
         if targets is not None and (isinstance(targets, str) or not isinstance(targets, (list, tuple))):
             raise ValueError(f"{source}: lora 'target_modules' must be a list of names, got {targets!r}")
+        switches = {k: section.get(k, k == "share_expert_adapters") for k in known[2:]}
+        for key, value in switches.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"{source}: lora {key!r} must be true or false, got {value!r}")
+        grouped = "shared-outer" if switches["experts_shared_outer_loras"] else \
+            "shared" if switches["share_expert_adapters"] else "per-expert"
         try:
-            if targets is None:
-                return cls(frozen=True, lora_rank=section["dim"])
-            return cls(frozen=True, lora_rank=section["dim"], lora_targets=tuple(targets))
+            return cls(frozen=True, lora_rank=section["dim"], grouped_expert_adapters=grouped,
+                       **({} if targets is None else {"lora_targets": tuple(targets)}))
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
 

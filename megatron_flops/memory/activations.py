@@ -76,7 +76,7 @@ from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, mtp_mix
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
-from megatron_flops.memory.moe_grouped import expert_adapter_targets, frozen_experts_keep_inputs
+from megatron_flops.memory.moe_grouped import expert_adapter_targets, frozen_experts_keep_inputs, grouped_lora_saved
 from megatron_flops.memory.moe_lora_start import first_adapter_moe_reason, first_adapter_moe_saved
 from megatron_flops.memory.moe import (expert_lora_activations, moe_act_freed, moe_activation_reason,
                                        moe_activations, shared_gate_activations)
@@ -151,6 +151,7 @@ class _Grad:
     rank: int = 0
     started: bool = True
     mask_saved: bool = False
+    grouped_lora: int = 0  # bytes per MoE layer of grouped-expert adapters beyond shared ones (:mod:`.grouped_lora`)
 
 
 class _Walk:
@@ -629,6 +630,7 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
     adapted = expert_adapter_targets(options, g.adapted)
     routed["lora"] = expert_lora_activations(spec, adapted=adapted, rank=g.rank, frozen=frozen, moe_act=moe_act,
                                              tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received)
+    routed["lora"] += g.grouped_lora
     shared = moe.shared_expert_ffn_hidden_size
     if shared:
         sub = _Walk(_Grad(base=g.base, adapted=g.adapted, rank=g.rank))
@@ -733,6 +735,8 @@ def chunk_activations(
     first = par.is_first_stage(pp_rank, chunk)
     selective = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
     w = _Walk(_peft_grad(peft, first_stage=first), selective=selective)
+    w.grad.grouped_lora = grouped_lora_saved(spec, options, par, training, peft, tokens=x.expert_tokens,
+                                             received=received, moe_act="moe_act" in selective)
     layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
     if first:
         positions = options.position_embedding_type == "learned_absolute"

@@ -22,6 +22,7 @@ from megatron_flops.memory.hf_parallel import ONE_NORM
 from megatron_flops.memory.hf_qk_norms import HF_QK_NORMS, PER_HEAD_LAYERNORM, qk_norm_reason, qk_norm_tensors
 from megatron_flops.model.hf_config import hf_family_of, hf_text_config
 from megatron_flops.memory.layout import Parallelism
+from megatron_flops.memory.grouped_lora import grouped_adapter_tensors
 from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS, check_mla_mtp
 from megatron_flops.flops.passes import PeftSpec
@@ -432,7 +433,8 @@ def _routed_experts(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
     """This rank's routed experts. LoRA (Megatron-Bridge, which matches module names): every
     ``SequentialMLP`` expert's ``linear_fc1``/``linear_fc2`` its own adapter; ``TEGroupedMLP``'s
     grouped ``linear_fc1``/``linear_fc2`` one adapter each, shared by the E/EP local experts
-    (Bridge 0.3.1; 0.6.2's default ``share_expert_adapters``); legacy ``GroupedMLP`` has no linear
+    (Bridge 0.3.1; 0.6.2's default ``share_expert_adapters``; its per-expert and shared-outer
+    layouts: :mod:`.grouped_lora`); legacy ``GroupedMLP`` has no linear
     modules (``weight1``, ``weight2``): no adapter."""
     moe = spec.moe
     assert moe is not None
@@ -443,8 +445,12 @@ def _routed_experts(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
                                                                      bias, **kw)]
     if each is not peft:
         out = [replace(p, trainable=not peft.frozen) for p in out]
-    if module == "TEGroupedMLP" and peft.lora_rank is not None:
+    if module == "TEGroupedMLP" and peft.lora_rank is not None and peft.grouped_expert_adapters == "shared":
         out += [p for p in _mlp(spec, peft, prefix, ffn, bias, **kw) if ".adapter." in p.name]
+    elif module == "TEGroupedMLP" and peft.lora_rank is not None:  # (Bridge 0.6.2's other layouts)
+        out += [Param(prefix + name, numel, True, grouped, rows=rows) for name, numel, rows, grouped in
+                grouped_adapter_tensors(peft, par, width=kw["width"], ffn=ffn, num_local=moe.num_experts // par.ep,
+                                        gate=2 if spec.gated_linear_unit else 1)]
     return out
 
 

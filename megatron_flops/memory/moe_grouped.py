@@ -47,6 +47,8 @@ for the alltoall dispatcher), ``N = n x min(topk, EP) / topk`` tokens arrive per
 from __future__ import annotations
 
 from megatron_flops.memory.decoder import DecoderOptions, experts_module
+from megatron_flops.memory.grouped_lora import (check_grouped_lora, cross_ep_all_reduce, grouped_adapter_saved,
+                                                grouped_lora_note, uses_grouped_mm)
 from megatron_flops.memory.layout import BOOL_BYTES, FP32_BYTES, INDEX_BYTES, Parallelism, Training
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -59,7 +61,7 @@ def _moe_act(recompute: RecomputeSpec | None) -> bool:
 
 
 def check_grouped(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
-                  recompute: RecomputeSpec | None) -> None:
+                  recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> None:
     """ValueError, with megatron-core's own reason, for the grouped-GEMM, ``moe_act`` and flex
     layouts megatron-core 0.16.1 refuses to build or train."""
     if _moe_act(recompute) and not options.moe_grouped_gemm:
@@ -78,6 +80,7 @@ def check_grouped(spec: ModelSpec, options: DecoderOptions, par: Parallelism, tr
         if training.params_dtype != "bf16":
             raise ValueError("megatron-core's GroupedMLP trains in bf16 only ('Currently GroupedMLP for MoE only "
                              f"supports bf16.'), not {training.params_dtype}")
+    check_grouped_lora(par, peft, grouped=experts_module(options) == "TEGroupedMLP")
     if experts_module(options) == "TEGroupedMLP" and options.add_bias_linear and options.bias_dropout_fusion:
         raise ValueError("megatron-core's TEGroupedMLP refuses linear biases with bias_dropout_fusion ("
                          "'bias_dropout_fusion is not supported in TEGroupedMLP when add_bias_linear=True'): set "
@@ -98,6 +101,33 @@ def expert_adapter_targets(options: DecoderOptions, adapted: tuple[str, ...]) ->
     shared adapter sees every routed token, as ``SequentialMLP``'s per-expert ones see theirs, so
     it keeps the same per token."""
     return () if experts_module(options) == "GroupedMLP" else adapted
+
+
+def grouped_lora_saved(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
+                       peft: PeftSpec | None, *, tokens: int, received: int | None, moe_act: bool) -> int:
+    """Bytes per MoE layer and micro-batch that ``TEGroupedMLP``'s per-expert or shared-outer
+    adapters keep beyond the shared adapter's (:mod:`.grouped_lora`); ``tokens``: the expert
+    TP group's tokens (``received``: routed tokens reaching this rank, None: balanced)."""
+    moe = spec.moe
+    if moe is None or peft is None or peft.lora_rank is None or experts_module(options) != "TEGroupedMLP":
+        return 0
+    width, ffn, gate = moe.latent_size or spec.hidden_size, moe.ffn_hidden_size // par.expert_tp, \
+        2 if spec.gated_linear_unit else 1
+    return grouped_adapter_saved(
+        peft, grouped_mm=uses_grouped_mm(peft, par, bf16=training.params_dtype == "bf16", width=width, ffn=ffn,
+                                         gate=gate),
+        got=tokens * moe.router_topk if received is None else received, num_local=moe.num_experts // par.ep,
+        width=width, ffn=ffn, act=training.param_bytes, frozen=peft.frozen, moe_act=moe_act)
+
+
+def grouped_lora_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
+                               peft: PeftSpec | None, *, moe_layers: int) -> dict[str, int]:
+    """Shared-outer adapters' ``tp_dp_cp/all_reduce`` on ``moe_layers`` MoE layers of a pipeline
+    rank (:func:`~megatron_flops.memory.grouped_lora.cross_ep_all_reduce`); {} otherwise."""
+    if spec.moe is None or experts_module(options) != "TEGroupedMLP":
+        return {}
+    return cross_ep_all_reduce(peft, par, width=spec.moe.latent_size or spec.hidden_size, moe_layers=moe_layers,
+                               param_bytes=training.param_bytes, num_microbatches=training.num_microbatches)
 
 
 def frozen_experts_keep_inputs(options: DecoderOptions) -> bool:
@@ -181,8 +211,8 @@ def grouped_unmeasured(spec: ModelSpec, options: DecoderOptions, recompute: Reco
                       "fc1's output and the probabilities") + "); SequentialMLP experts are measured")
     if module != "SequentialMLP" and peft is not None:
         out.append(f"LoRA or a frozen base on {module} experts (Megatron-Bridge: "
-                   + ("one adapter per grouped linear shared by the local experts, kept per routed token as "
-                      "SequentialMLP's; frozen GroupedLinear keeps no input" if module == "TEGroupedMLP" else
+                   + (grouped_lora_note(peft) + "; frozen GroupedLinear keeps no input" if module == "TEGroupedMLP"
+                      else
                       "no expert adapter, as GroupedMLP has no linear modules; gmm keeps its inputs when frozen")
                    + ")")
     if activations and _moe_act(recompute):

@@ -39,7 +39,7 @@ from megatron_flops.memory.moe import (
     moe_unmeasured,
     rerun_moe_layers,
 )
-from megatron_flops.memory.moe_grouped import check_grouped, grouped_unmeasured
+from megatron_flops.memory.moe_grouped import check_grouped, grouped_lora_communication, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
 from megatron_flops.memory.kda_fla import kda_fla_unmeasured
 from megatron_flops.memory.linear_cp import linear_cp_notes
@@ -94,7 +94,7 @@ def rank_memory(
     (``vision``: a VLM's tower, on model chunk 0 of pipeline rank 0)."""
     par = hybrid_stages(spec, par)
     check_moe(spec, options, par)
-    check_grouped(spec, options, par, training, recompute)
+    check_grouped(spec, options, par, training, recompute, peft)
     vision = vision or VisionMemory(params=(), activations=None)
     states: dict[str, int] = {}
     buffers: dict[str, list[Bucket]] = {"dp": [], "expt_dp": []}
@@ -120,7 +120,10 @@ def rank_memory(
                                         duplicated=options.duplicated_mla_down,
                                         expert_adapters=experts_module(options) != "GroupedMLP"),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft),
-                  vision.communication(par.tp, training.grad_bytes, pp_rank == 0))
+                  vision.communication(par.tp, training.grad_bytes, pp_rank == 0),
+                  grouped_lora_communication(spec, options, par, local, peft, moe_layers=sum(
+                      sum(layer_is_moe(spec, par.chunk_layers(spec.num_layers, pp_rank, c)))
+                      + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c)) for c in range(par.num_chunks))))
     peak = count = None
     per_mb = None
     bounds = None
@@ -315,7 +318,7 @@ def decoder_memory(
         stages=tuple(stages),
         group_sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2,
                      "tp_ep": par.expert_tp * par.ep, "etp": par.expert_tp,
-                     "cp": par.cp},
+                     "cp": par.cp, "tp_dp_cp": par.tp * par.dp * par.cp},
         not_modelled=(reason,) if reason else (),
         assumptions=assumptions + tower.assumptions,
         unmeasured=unmeasured + tower.unmeasured,
