@@ -34,6 +34,11 @@ RUNS = {
     "DP2 x PP2 (1F1B), embedding counted in the split (1 + 2 layers), distributed optimizer, bf16, M=2": dict(
         layout=dict(pp=2), model=dict(BASE, num_layers=3, account_for_embedding_in_pipeline_split=True), m=2,
         build=dict(distributed_optimizer=True)),
+    # mtp_standalone without a layout: MTP stays on the last stage, and each pipeline transfer sends its shape
+    # first (3 int64: megatron-core's _communicate_shapes), 2 micro-batches x 2 directions x 24 bytes per rank.
+    "DP2 x PP2 (1F1B), mtp_standalone without a layout, DDP, fp32, M=2": dict(
+        layout=dict(pp=2), model=dict(BASE, num_layers=2, mtp_num_layers=1, mtp_standalone=True), m=2,
+        build=dict(params_dtype="fp32")),
 }
 
 

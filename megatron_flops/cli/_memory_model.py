@@ -68,6 +68,7 @@ def _megatron_options(namespace: SimpleNamespace) -> DecoderOptions:
         moe_grouped_gemm=getattr(namespace, "moe_grouped_gemm", False),
         moe_use_legacy_grouped_gemm=getattr(namespace, "moe_use_legacy_grouped_gemm", False),
         bias_dropout_fusion=getattr(namespace, "bias_dropout_fusion", True),
+        mtp_standalone=bool(getattr(namespace, "mtp_standalone", False)),
         moe_flex_dispatcher_backend=getattr(namespace, "_unread", {}).get("moe_flex_dispatcher_backend", ["deepep"])[0],
         add_bias_linear=getattr(namespace, "add_bias_linear", True),
         add_qkv_bias=getattr(namespace, "add_qkv_bias", False),

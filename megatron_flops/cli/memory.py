@@ -187,6 +187,8 @@ def _decoder(args: argparse.Namespace, model: LoadedModel, training: Training, p
     if spec is None:
         raise ValueError(f"{model.source}: holds no decoder (a vision tower alone is not modelled)")
     options, differences = decoder_options(args, model)
+    if raw.get("pipeline_model_parallel_layout") is not None:  # (megatron-core sets mtp_standalone from it)
+        options = replace(options, mtp_standalone=False)
     peft, recompute = _training_setup(args, raw, model.source)
     if training.optimizer != "adam" and par.distributed_optimizer:
         raise ValueError("megatron-core's distributed optimizer supports Adam only")

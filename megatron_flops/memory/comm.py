@@ -43,7 +43,7 @@ from dataclasses import replace
 
 from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.dsa_tp import dsa_tensor_parallel
-from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel, mtp_recomputed
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
 from megatron_flops.memory.linear_cp import CP_MIXERS, linear_cp_communication
@@ -164,7 +164,9 @@ def step_communication(
             # and its gradient in (not the last).
             # NB: under sequence parallelism each TP rank sends its slice [s/TP, b, h].
             sp = par.tp if par.sequence_parallel else 1
-            add("pp/send_recv", m * hidden // sp * 2 * ((not first) + (not last)))
+            # NB: under variable_seq_lengths or mtp_standalone each transfer's shape goes first (3 int64).
+            shape = 3 * INDEX_BYTES if options.variable_seq_lengths or options.mtp_standalone else 0
+            add("pp/send_recv", m * (hidden // sp + shape) * 2 * ((not first) + (not last)))
         moe_layers = sum(kinds[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
         if par.tp > 1:
             rerun = fully_recomputed_layers(recompute, len(layers))

@@ -75,6 +75,10 @@ class DecoderOptions:
     moe_use_legacy_grouped_gemm: bool = False
     moe_flex_dispatcher_backend: str = "deepep"
     bias_dropout_fusion: bool = True  # (read for TEGroupedMLP's refusal of it with linear biases only)
+    # Pipeline sends preceded by their shape (3 int64), as megatron-core's P2PCommunicator does under either
+    # (memory/comm.py). mtp_standalone without a layout keeps MTP on the last stage; a layout resets it.
+    variable_seq_lengths: bool = False
+    mtp_standalone: bool = False
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: int | None = None
     transformer_impl: str = "transformer_engine"
