@@ -64,6 +64,8 @@ REFUSED = [
     (4, 2, None, 0, {LAYOUT: "Ett|ttL", FIRST: 2}),  # layout with another split field
     (4, 2, None, 1, {LAYOUT: "Ettm|ttL"}),  # MTP before decoder layers
     (4, 3, None, 0, {LAYOUT: "Ett|ttL"}),  # 2 stages over PP 3
+    (4, 2, None, 1, {LAYOUT: "Ett|ttm|L|"}),  # MTP in rank 1's first model chunk, not its last
+    (4, 2, None, 2, {LAYOUT: "Ett|tt|m|mL"}),  # MTP layers on two stages
 ]
 
 

@@ -169,9 +169,16 @@ def _layout_stages(layout: str, *, num_layers: int, pp: int, vpp: int | None,
         if not ok:
             raise ValueError(f"pipeline_model_parallel_layout {layout!r}: {reason} (megatron-core refuses it)")
     where = [i for i, stage in enumerate(stages) if "mtp" in stage]
+    if any(i < len(stages) - pp for i in where):  # (stage v x PP + r: not the last model chunk of its rank)
+        raise ValueError(f"pipeline_model_parallel_layout {layout!r}: Currently we restrict that the MTP should be "
+                         "always in the last virtual pipeline stage of that rank (megatron-core refuses it)")
+    if len(where) > 1:
+        raise ValueError(f"pipeline_model_parallel_layout {layout!r}: All of the MTP layers must be in the same one "
+                         "virtual pipeline stage (megatron-core refuses it)")
     if where and (where != [len(stages) - 1]):
-        raise ValueError(f"pipeline_model_parallel_layout {layout!r}: MTP layers on a virtual stage other than the "
-                         "last (the one with the loss) are not modelled")
+        raise ValueError(f"pipeline_model_parallel_layout {layout!r}: MTP layers on virtual stage {where[0]} (model "
+                         f"chunk {where[0] // pp} of pipeline rank {where[0] % pp}), apart from the loss's, are "
+                         "megatron-core's mtp_standalone: not modelled")
     if "embedding" not in stages[0] or "loss" not in stages[-1]:
         raise ValueError(f"pipeline_model_parallel_layout {layout!r}: megatron-core builds the embedding on the first "
                          "virtual stage and the loss on the last whatever the layout says; a layout with empty stages "
