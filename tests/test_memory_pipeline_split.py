@@ -133,6 +133,33 @@ def test_layout_string_grammar():
         parse_layout("Ex|tL")
 
 
+@needs_mcore
+@pytest.mark.parametrize("layout", ["Et|t|t|mL", "Et|tt|t|tmL", "Ett|ttmL", "E|tt|tt|mL"])
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_final_norm_stage_is_megatron_cores(layout, mtp, monkeypatch):
+    # megatron-core 0.16.1's TransformerBlock.has_final_layernorm_in_this_stage on each virtual stage's layers
+    # (numbered from its layout's offsets): with MTP layers the stage of the last decoder layer, else the last.
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    if not mtp:
+        layout = layout.replace("m", "")
+    num_layers = layout.count("t")
+    case = (num_layers, 2, None, mtp, {LAYOUT: layout})
+    stages = _megatron(case, monkeypatch)
+    par = uneven_stages(PipelineSplit(pipeline_model_parallel_layout=layout), Parallelism(pp=2),
+                        spec=ModelSpec.from_mapping(dict(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
+                                                         vocab_size=128, mtp_num_layers=mtp or None)))
+    for stage, (count, offset) in enumerate(stages):
+        block = SimpleNamespace(
+            config=SimpleNamespace(mtp_num_layers=mtp or None, num_layers=num_layers),
+            layers=[SimpleNamespace(layer_number=offset + i + 1) for i in range(count)],
+            submodules=SimpleNamespace(layer_norm=True), post_layer_norm=True, post_process=stage == len(stages) - 1)
+        want = bool(TransformerBlock.has_final_layernorm_in_this_stage(block))
+        assert par.holds_final_norm(num_layers, stage % 2, stage // 2, mtp=bool(mtp)) == want, stage
+
+
 def test_mtp_on_a_standalone_stage_is_refused_as_not_modelled():
     # megatron-core 0.16.1 builds it (mtp_standalone); the reports place MTP with the loss.
     with pytest.raises(ValueError, match="not modelled"):

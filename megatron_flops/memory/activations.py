@@ -758,8 +758,9 @@ def chunk_activations(
         for i, layer in enumerate(layers):
             mixer, ffn = kinds[layer]
             _layer(w, x, spec, options, core_attn=core_attn, moe=ffn == "moe", mixer=mixer, ffn=ffn != "none")
-    if par.is_last_stage(pp_rank, chunk):
+    if par.holds_final_norm(spec.num_layers, pp_rank, chunk, mtp=bool(spec.mtp_num_layers)):
         _norm(w, "output", x, options)
+    if par.is_last_stage(pp_rank, chunk):
         _mtp_layers(w, x, spec, options, vocab_parallel=par.tp > 1, core_attn=core_attn,
                     recomputed=mtp_recomputed(spec, recompute))
         # output_layer input (a slice under sequence parallelism): with MTP, one storage holding

@@ -284,8 +284,9 @@ def chunk_parameters(
     layers, kinds = par.chunk_layers(spec.num_layers, pp_rank, chunk), spec.layers
     for local, layer in enumerate(layers):  # NB: layer numbering is per chunk (megatron's local index)
         out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1], kinds[layer][0])
-    if last:
+    if par.holds_final_norm(spec.num_layers, pp_rank, chunk, mtp=has_mtp):
         out += _norm(options, "decoder.final_layernorm.", h, base)
+    if last:
         for i in range(spec.mtp_num_layers):
             # NB: an MTP layer: norms of the embedding and of the hidden state, eh_proj [h/TP, 2h], a
             # decoder layer of the last layer's kind, and its own final norm.
