@@ -164,8 +164,8 @@ class PeftSpec:
         grouped = "shared-outer" if switches["experts_shared_outer_loras"] else \
             "shared" if switches["share_expert_adapters"] else "per-expert"
         try:
-            return cls(frozen=True, lora_rank=section["dim"], grouped_expert_adapters=grouped,
-                       **({} if targets is None else {"lora_targets": tuple(targets)}))
+            extra: dict[str, Any] = {} if targets is None else {"lora_targets": tuple(targets)}
+            return cls(frozen=True, lora_rank=section["dim"], grouped_expert_adapters=grouped, **extra)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
 
