@@ -107,6 +107,12 @@ class DecoderOptions:
         """Transformer Engine's MLA spec: the down projections whole on every TP rank."""
         return self.transformer_impl == "transformer_engine"
 
+    @property
+    def fused_mla_up_norm(self) -> bool:
+        """Transformer Engine's MLA spec with ``qk_layernorm``: the latent norms fused into the up
+        projections (``TELayerNormColumnParallelLinear``)."""
+        return self.duplicated_mla_down and self.qk_layernorm
+
     def __post_init__(self) -> None:
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
