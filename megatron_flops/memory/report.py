@@ -392,7 +392,8 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                            "+/-6.3% per rank on 4-rank tests), the EP group's total is exact; the per-rank range "
                            "over all routings is shown")
     assumptions += mla_mtp_assumptions(spec, par, duplicated=options.duplicated_mla_down)
-    unmeasured += mla_unmeasured(spec, par, duplicated=options.duplicated_mla_down) + moe_unmeasured(spec, options)
+    unmeasured += mla_unmeasured(spec, par, duplicated=options.duplicated_mla_down,
+                                  down_bias=options.hf_mla_down_bias) + moe_unmeasured(spec, options)
     if par.cp > 1 and any(mixer in ("attention", "window") for (mixer, _), _ in spec.layer_runs):  # GDN, DSA: measured
         unmeasured.append(f"context parallelism (CP {par.cp}): activations and collectives as s/CP tokens per rank "
                           "through a fused attention, and the cp/send_recv ring of K/V (no context-parallel "
