@@ -180,3 +180,21 @@ def test_frozen_first_layer_runs_no_fused_adapter_reduce_scatter():
     assert plain["tp/all_gather"] - fused["tp/all_gather"] == 2 * (3072 + 4096)
     assert plain["tp/reduce_scatter"] - fused["tp/reduce_scatter"] == 3072 + 4096
     assert plain["tp/all_reduce"] == fused["tp/all_reduce"]
+
+
+def test_selective_mla_up_proj_rerun_regathers_no_fused_adapter_input():
+    from megatron_flops.flops.passes import RecomputeSpec
+    from megatron_flops.memory.recompute import selective_rerun_communication
+
+    recompute = RecomputeSpec(granularity="selective", modules=("mla_up_proj",))
+    peft = PeftSpec(lora_rank=4, lora_targets=UP)
+
+    def rerun(fused_up: bool) -> dict[str, int]:
+        return selective_rerun_communication(ModelSpec.from_mapping(MLA), SP, TRAINING, pp_rank=0, recompute=recompute,
+                                             peft=peft, fused_up=fused_up)
+
+    # The re-run up projections all-gather their latents again (Transformer Engine's gather serves the
+    # fused adapters); the unfused adapters gather theirs again too: 2 layers x (3072 + 4096) B more.
+    # Both re-gather linear_in's [T, r] (512 B per adapter and layer).
+    assert rerun(True) == {"tp/all_gather": 2 * (3072 + 4096 + 2 * 512)}
+    assert rerun(False)["tp/all_gather"] - rerun(True)["tp/all_gather"] == 2 * (3072 + 4096)
