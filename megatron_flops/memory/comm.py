@@ -48,7 +48,7 @@ from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel, mtp_recompute
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
 from megatron_flops.memory.linear_cp import CP_MIXERS, linear_cp_communication
 from megatron_flops.memory.ssm import mamba_cp_all_to_all, missing_blocks
-from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds, mtp_sub_blocks
+from megatron_flops.memory.mtp_layers import acceptance_all_gather, last_stage_mtp_kinds, mtp_sub_blocks
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -178,6 +178,7 @@ def step_communication(
             extra = (mtp_sub_blocks(spec) - 2) * spec.mtp_num_layers if last else 0
             for key, count in tensor_parallel_activations(options, par, abs(extra), 0, False, False).items():
                 add(key, m * hidden * count // 2 * (1 if extra > 0 else -1))
+            add("tp/all_gather", m * acceptance_all_gather(spec, par, training, last=last))
             if last:
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
             learned = options.position_embedding_type == "learned_absolute"

@@ -16,6 +16,7 @@ Every MTP depth runs on the last pipeline stage (megatron-core's default placeme
 
 from __future__ import annotations
 
+from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
 from megatron_flops.model.spec import ModelSpec
 
 
@@ -46,3 +47,14 @@ def mtp_sub_blocks(spec: ModelSpec) -> int:
     """Sub-blocks (mixers and feed-forward parts, each with one TP collective pair) of one MTP
     depth: 2 for a GPT's decoder layer."""
     return sum((mixer != "none") + (ffn != "none") for mixer, ffn in mtp_kinds(spec))
+
+
+def acceptance_all_gather(spec: ModelSpec, par: Parallelism, training: Training, *, last: bool) -> int:
+    """``tp/all_gather`` bytes per micro-batch of megatron-core 0.19's MTP acceptance counts
+    (``_compute_mtp_acceptance_counts``, under no_grad): each MTP depth's vocab-parallel argmax
+    gathers every TP rank's max logit (activation dtype) and its int64 index [s, b]. Counted for
+    a hybrid MTP part only (0.19's; a GPT's MTP layers are 0.16.1's, which has no such count)."""
+    if par.tp == 1 or not last or not hybrid_mtp(spec):
+        return 0
+    tokens = training.seq_length * training.micro_batch_size
+    return spec.mtp_num_layers * par.tp * tokens * (training.param_bytes + INDEX_BYTES)
