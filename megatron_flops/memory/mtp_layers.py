@@ -58,3 +58,21 @@ def acceptance_all_gather(spec: ModelSpec, par: Parallelism, training: Training,
         return 0
     tokens = training.seq_length * training.micro_batch_size
     return spec.mtp_num_layers * par.tp * tokens * (training.param_bytes + INDEX_BYTES)
+
+
+def hybrid_mtp_notes(spec: ModelSpec, par: Parallelism) -> tuple[list[str], list[str]]:
+    """(assumptions, unmeasured) of a hybrid MTP part (none for other models)."""
+    if not hybrid_mtp(spec):
+        return [], []
+    assumptions = ["a hybrid pattern's MTP part after '/' as megatron-core 0.19's HybridModel builds it: per depth a "
+                   "HybridStack of the part's layers (mtp.layers.N.mtp_model_layer.layers.M) between enorm, hnorm, "
+                   "eh_proj and its final norm, and under TP 0.19's acceptance-count all-gather (max logit and int64 "
+                   "argmax per token and depth); measured on CPU in megatron-core 0.19.0 (parameters; attention and "
+                   "MLP layers' saved tensors, GEMM FLOPs and tp/* traffic at TP 1 and TP 2 with and without sequence "
+                   "parallelism)"]
+    unmeasured = []
+    if par.pp > 1:
+        unmeasured.append("a hybrid MTP part under pipeline parallelism: on the last stage with a copy of the word "
+                          "embeddings, as megatron-core 0.16.1's GPTModel places MTP layers (measured there); 0.19's "
+                          "HybridModel is not run under PP here")
+    return assumptions, unmeasured

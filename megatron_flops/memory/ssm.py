@@ -25,7 +25,7 @@ from __future__ import annotations
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.hybrid_pipeline import hybrid_pipeline_notes, is_hybrid
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism
-from megatron_flops.memory.mtp_layers import hybrid_mtp, mtp_kinds
+from megatron_flops.memory.mtp_layers import hybrid_mtp, hybrid_mtp_notes, mtp_kinds
 from megatron_flops.model.spec import ModelSpec
 
 Tensor = tuple[str, int, bool]  # (name, elements on one TP rank, whole on every TP rank)
@@ -380,7 +380,7 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None, *, c
 def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[list[str], list[str]]:
     """(assumptions, unmeasured) for these layers: every activation formula here is unmeasured."""
     mixers = {mixer for mixer, _ in model_kinds(spec)}
-    assumptions, unmeasured = [], []
+    assumptions: list[str] = []
     if "gdn" in mixers or is_hybrid(spec):
         assumptions.append("Mamba, GDN and hybrid layers as megatron-core builds them (Transformer Engine specs: a "
                            "layer's norm fused into its first linear layer, listed as a separate norm: same bytes)")
@@ -388,6 +388,8 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
         assumptions.append("hybrid multi-latent attention layers without latent norms (megatron-core's hybrid specs "
                            "build q_layernorm and kv_layernorm as IdentityOp, whatever qk_layernorm says)")
     assumptions += hybrid_pipeline_notes(spec, par)
+    mtp_assumptions, unmeasured = hybrid_mtp_notes(spec, par)
+    assumptions += mtp_assumptions
     if activations and "mamba" in mixers:
         unmeasured.append("activations of Mamba layers: a formula from what mamba_ssm's fused conv1d + chunked scan "
                           "and gated RMSNorm save for backward (CUDA/Triton kernels: they do not run on CPU)")
