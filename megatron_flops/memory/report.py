@@ -42,7 +42,7 @@ from megatron_flops.memory.moe import (
 from megatron_flops.memory.moe_grouped import check_grouped, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
 from megatron_flops.memory.kda_fla import kda_fla_unmeasured
-from megatron_flops.memory.linear_cp import linear_cp_notes
+from megatron_flops.memory.linear_cp import gdn_cp_head_permutation, linear_cp_notes
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import NeededInput, VisionMemory
@@ -125,13 +125,16 @@ def rank_memory(
     per_mb = None
     bounds = None
     if _activation_reason(spec, options, par, recompute, peft) is None:
+        permutation = gdn_cp_head_permutation(spec, par, pp_rank=pp_rank)  # (GDN under CP: one per rank)
+
         def peak_of(received: int | None) -> tuple[int, int, list[ChunkActivations]]:
             chunks = [chunk_activations(spec, options, par, local, pp_rank=pp_rank, chunk=c, recompute=recompute,
                                         peft=peft, received=received) for c in range(par.num_chunks)]
             chunks = [replace(c, components={**c.components,
                                              **vision.chunk_activations(par.is_first_stage(pp_rank, i))})
                       for i, c in enumerate(chunks)]
-            return (*schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank)), chunks)
+            peak, count = schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank))
+            return peak + permutation, count, chunks
 
         peak, count, chunks = peak_of(None)
         per_mb = tuple(dict(c.components) for c in chunks)
