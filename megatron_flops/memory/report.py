@@ -20,7 +20,7 @@ from megatron_flops.memory.comm import (
     sequence_parallel_slice,
     step_communication,
 )
-from megatron_flops.memory.decoder import (DecoderOptions, check_supported, chunk_parameters, experts_module,
+from megatron_flops.memory.decoder import (DecoderOptions, check_supported, chunk_parameters, experts_take_adapters,
                                           parameter_counts)
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
@@ -118,7 +118,7 @@ def rank_memory(
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
     _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute,
                                         duplicated=options.duplicated_mla_down,
-                                        expert_adapters=experts_module(options) != "GroupedMLP"),
+                                        expert_adapters=experts_take_adapters(options)),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0))
     peak = count = None
@@ -199,7 +199,7 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
         key = f"{expert_tp_group(par)}/all_gather"
         lora = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
                                       received=received, duplicated=options.duplicated_mla_down,
-                                      expert_adapters=experts_module(options) != "GroupedMLP").get(key, 0)
+                                      expert_adapters=experts_take_adapters(options)).get(key, 0)
                 for received in (None, fewest, most)]
         if lora[1] != lora[2]:
             lo, hi = out.get(key, (comm.get(key, 0), comm.get(key, 0)))
