@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import (COLUMN_PARALLEL, LAYER_ORDER, adapter_backward_payload,
-                                        adapter_forward_payload, mla_targets)
+                                        adapter_forward_payload, mla_targets, mla_up_widths)
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.moe import expert_tp_group
 from megatron_flops.model.spec import ModelSpec
@@ -125,7 +125,7 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         out[key] = out.get(key, 0) + value
 
     layers = adapted_layers(spec, par, recompute, pp_rank=pp_rank)
-    widths = _latent_widths(spec)
+    widths = mla_up_widths(spec)
     outputs = _down_widths(spec) if duplicated else None
     for layer in layers:
         targets = layer.targets(peft) if par.tp > 1 else ()
@@ -144,13 +144,6 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         add(key, -count * tokens * a)
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
-
-
-def _latent_widths(spec: ModelSpec) -> dict[str, int]:
-    """The input widths of MLA's up projections (their adapters' inputs), by target name."""
-    if spec.mla is None:
-        return {}
-    return {"linear_q_up_proj": spec.mla.q_lora_rank or 0, "linear_kv_up_proj": spec.mla.kv_lora_rank}
 
 
 def _down_widths(spec: ModelSpec) -> dict[str, int]:
