@@ -336,22 +336,7 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                     *, activations: bool, lora: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """What can make a figure differ from a real run (``assumptions``), and which figures are
     formulas that could not be measured on CPU (``unmeasured``)."""
-    assumptions: list[str] = []
-    unmeasured: list[str] = []
-    if activations:
-        assumptions.append("norm statistics saved in fp32 per token, as CUDA kernels keep them (torch's CPU "
-                           "LayerNorm keeps them in the input dtype; its CPU RMSNorm also saves x * rstd)")
-        if options.attention_backend == "flash" or par.cp > 1:
-            assumptions.append("attention saves q, k, v, its output and an fp32 log-sum-exp per query and head, "
-                               "as flash/cuDNN kernels do")
-            unmeasured.append("activations of the fused attention kernel (no Transformer Engine on CPU; the local "
-                              "unfused attention is measured: --attention-backend local)")
-        else:
-            assumptions.append("attention as megatron-core's local unfused DotProductAttention (the [s, s] softmax "
-                               "is saved)")
-        if options.hidden_dropout > 0 or options.attention_dropout > 0:
-            assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
-                               "activation-dtype mask)")
+    assumptions, unmeasured = _kernel_notes(options, par) if activations else ([], [])
     more_assumptions, more_unmeasured = hf_attention_notes(
         qk_norm=options.hf_qk_norm if options.qk_layernorm else None, alibi=options.alibi, tp=par.tp,
         fused=options.attention_backend == "flash" or par.cp > 1, activations=activations)
@@ -366,31 +351,8 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
     cp_assumptions, cp_unmeasured = linear_cp_notes(spec, par)
     assumptions += more_assumptions + cp_assumptions
     unmeasured += more_unmeasured + cp_unmeasured
-    if activations and lora:
-        assumptions.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each "
-                           "saves the projection's input and the [tokens, rank] intermediate; under full recompute "
-                           "of a frozen base the decoder's input requires grad, as Bridge makes it")
-    if lora and par.tp > 1:
-        assumptions.append("LoRA adapters split over TP and communicate as Bridge's ParallelLinearAdapter around "
-                           "megatron-core's local linear layers (column-parallel targets split linear_in and "
-                           "all-gather [tokens, rank]; row-parallel ones all-reduce it and all-gather their output)")
-        if spec.moe is not None:
-            split = "expert TP = TP" if par.expert_tp == par.tp else "the expert TP group"
-            assumptions.append("routed experts' LoRA adapters as Bridge 0.3.1 wraps SequentialMLP experts (one per "
-                               f"expert, split over {split}, all-gathering [tokens, rank] and their output per "
-                               "routed token); every expert's token count divisible by TP (Bridge pads an odd count "
-                               "under no_grad, which detaches that adapter's output)"
-                               + ("; under EP, the adapter traffic selective moe recompute re-runs assumes balanced "
-                                  "routing and is not in the per-rank range" if par.ep > 1 else ""))
-    if activations and spec.moe is not None and not options.moe_grouped_gemm:
-        assumptions.append("routed experts save as megatron-core's SequentialMLP (moe_grouped_gemm off; measured with "
-                           "the local spec)")
-    if par.ep > 1 and spec.moe is not None:
-        assumptions.append("ep/all_to_all (with TP, the TP all-gather and reduce-scatter of routed tokens too) and "
-                           "the routed experts' activations assume balanced routing (each EP rank receives as many "
-                           "routed tokens as it sends): a rank's figures move with the router (measured: within "
-                           "+/-6.3% per rank on 4-rank tests), the EP group's total is exact; the per-rank range "
-                           "over all routings is shown")
+    assumptions += _lora_notes(spec, par, activations=activations, lora=lora)
+    assumptions += _moe_notes(spec, options, par, activations=activations)
     assumptions += mla_mtp_assumptions(spec, par, duplicated=options.duplicated_mla_down)
     unmeasured += mla_unmeasured(spec, par, duplicated=options.duplicated_mla_down) + moe_unmeasured(spec, options)
     if par.cp > 1 and any(mixer in ("attention", "window") for (mixer, _), _ in spec.layer_runs):  # GDN, DSA: measured
@@ -398,6 +360,64 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                           "through a fused attention, and the cp/send_recv ring of K/V (no context-parallel "
                           "attention on CPU)")
     return tuple(assumptions), tuple(unmeasured)
+
+
+def _kernel_notes(options: DecoderOptions, par: Parallelism) -> tuple[list[str], list[str]]:
+    """(assumptions, unmeasured) of the kernels whose saved tensors the activations follow: norm
+    statistics, the attention kernel, dropout masks."""
+    assumptions = ["norm statistics saved in fp32 per token, as CUDA kernels keep them (torch's CPU LayerNorm keeps "
+                   "them in the input dtype; its CPU RMSNorm also saves x * rstd)"]
+    unmeasured = []
+    if options.attention_backend == "flash" or par.cp > 1:
+        assumptions.append("attention saves q, k, v, its output and an fp32 log-sum-exp per query and head, "
+                           "as flash/cuDNN kernels do")
+        unmeasured.append("activations of the fused attention kernel (no Transformer Engine on CPU; the local "
+                          "unfused attention is measured: --attention-backend local)")
+    else:
+        assumptions.append("attention as megatron-core's local unfused DotProductAttention (the [s, s] softmax "
+                           "is saved)")
+    if options.hidden_dropout > 0 or options.attention_dropout > 0:
+        assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
+                           "activation-dtype mask)")
+    return assumptions, unmeasured
+
+
+def _lora_notes(spec: ModelSpec, par: Parallelism, *, activations: bool, lora: bool) -> list[str]:
+    """Assumptions about LoRA adapters (Megatron-Bridge's): what they save, and how they split and
+    communicate over TP (the routed experts' too)."""
+    out = []
+    if activations and lora:
+        out.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each saves the "
+                   "projection's input and the [tokens, rank] intermediate; under full recompute of a frozen base "
+                   "the decoder's input requires grad, as Bridge makes it")
+    if lora and par.tp > 1:
+        out.append("LoRA adapters split over TP and communicate as Bridge's ParallelLinearAdapter around "
+                   "megatron-core's local linear layers (column-parallel targets split linear_in and "
+                   "all-gather [tokens, rank]; row-parallel ones all-reduce it and all-gather their output)")
+        if spec.moe is not None:
+            split = "expert TP = TP" if par.expert_tp == par.tp else "the expert TP group"
+            out.append("routed experts' LoRA adapters as Bridge 0.3.1 wraps SequentialMLP experts (one per "
+                       f"expert, split over {split}, all-gathering [tokens, rank] and their output per "
+                       "routed token); every expert's token count divisible by TP (Bridge pads an odd count "
+                       "under no_grad, which detaches that adapter's output)"
+                       + ("; under EP, the adapter traffic selective moe recompute re-runs assumes balanced "
+                          "routing and is not in the per-rank range" if par.ep > 1 else ""))
+    return out
+
+
+def _moe_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism, *, activations: bool) -> list[str]:
+    """Assumptions about the routed experts: the module they save as, and balanced routing under EP."""
+    out = []
+    if activations and spec.moe is not None and not options.moe_grouped_gemm:
+        out.append("routed experts save as megatron-core's SequentialMLP (moe_grouped_gemm off; measured with "
+                   "the local spec)")
+    if par.ep > 1 and spec.moe is not None:
+        out.append("ep/all_to_all (with TP, the TP all-gather and reduce-scatter of routed tokens too) and "
+                   "the routed experts' activations assume balanced routing (each EP rank receives as many "
+                   "routed tokens as it sends): a rank's figures move with the router (measured: within "
+                   "+/-6.3% per rank on 4-rank tests), the EP group's total is exact; the per-rank range "
+                   "over all routings is shown")
+    return out
 
 
 def report_dict(report: MemoryReport, *, extra: dict[str, Any] | None = None) -> dict[str, Any]:
