@@ -190,8 +190,8 @@ def linear_cp_notes(spec: ModelSpec, par: Parallelism) -> tuple[list[str], list[
     if par.cp > 1 and "gdn" in mixers:
         out.append(f"Gated DeltaNet under context parallelism (CP {par.cp}) as megatron-core 0.19.0 runs it (0.16.1 "
                    "refuses it): in_proj's output all-to-all'd to 1/CP of the heads on the whole sequence, the gated "
-                   "norm's output back; the int64 head permutation its cache shares by every GDN layer and micro-batch, "
-                   "counted once per rank; parameters as 0.16.1 lists them (the same tensors)")
+                   "norm's output back; its int64 head permutation, one cached tensor for every GDN layer and "
+                   "micro-batch, counted once per rank; parameters as 0.16.1 lists them (the same tensors)")
     if par.cp > 1 and "dsa" in mixers:
         out.append(f"DeepSeek sparse attention under context parallelism (CP {par.cp}) as megatron-core 0.19.0 runs it "
                    "(0.16.1 refuses it): an absorbed-MLA layer, cp_comm_type allgather (the latent and indexer keys "
