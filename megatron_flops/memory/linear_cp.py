@@ -19,7 +19,8 @@ payload equals these formulas.
 from __future__ import annotations
 
 from megatron_flops.memory.layout import BOOL_BYTES, FP32_BYTES, INDEX_BYTES, Parallelism
-from megatron_flops.memory.ssm import gdn_saved, mtp_mixer
+from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds
+from megatron_flops.memory.ssm import gdn_saved
 from megatron_flops.model.spec import ModelSpec
 
 CP_MIXERS = ("gdn", "dsa")  # mixers whose CP traffic is their own (no attention ring)
@@ -54,8 +55,7 @@ def gdn_cp_head_permutation(spec: ModelSpec, par: Parallelism, *, pp_rank: int) 
     if par.cp == 1 or spec.gdn is None:
         return 0
     mixers = {spec.layers[i][0] for c in range(par.num_chunks) for i in par.chunk_layers(spec.num_layers, pp_rank, c)}
-    if par.is_last_stage(pp_rank, par.num_chunks - 1) and spec.mtp_num_layers:
-        mixers.add(mtp_mixer(spec))
+    mixers |= {mixer for mixer, _ in last_stage_mtp_kinds(spec, par.is_last_stage(pp_rank, par.num_chunks - 1))}
     if "gdn" not in mixers:
         return 0
     g = spec.gdn
