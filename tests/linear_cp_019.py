@@ -1,10 +1,10 @@
 """Test-only worker, run in megatron-core 0.19.0's Python 3.12 venv (tests/frameworks/envs.py):
-megatron-core 0.19.0's ``GatedDeltaNet`` in gloo processes under context parallelism, with
-stand-ins for fla's CUDA/Triton kernels that save what those kernels save (the sizes
-:func:`megatron_flops.memory.ssm.gdn_saved` names). Measured: every storage saved for backward
-(megatron-core's own: the all-to-all output's copies, the CP-sliced conv weight, ``exp(A_log)``,
-the head permutation's index; the stand-ins' of the kernels' sizes) and the ``cp/*`` payloads
-forward and backward.
+megatron-core 0.19.0's ``GatedDeltaNet`` (one, or ``layers`` in a row) in gloo processes under
+context parallelism, with stand-ins for fla's CUDA/Triton kernels that save what those kernels
+save (the sizes :func:`megatron_flops.memory.ssm.gdn_saved` names). Measured: every storage saved
+for backward (megatron-core's own: the all-to-all output's copies, the CP-sliced conv weight,
+``exp(A_log)``, the head permutation's index, one cached tensor for every layer; the stand-ins'
+of the kernels' sizes) and the ``cp/*`` payloads forward and backward.
 
 NB: megatron-core decorates ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta`` and
 ``_apply_gated_norm`` with ``torch.compile`` (``jit_fuser``); here the fuser is off (eager), and
@@ -122,24 +122,24 @@ def _gdn_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
                                             activation_func=torch.nn.functional.silu, normalization="RMSNorm",
                                             add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16))
         with mcore_cpu.cuda_to_cpu_mode():
-            layer = gdn.GatedDeltaNet(config, common.GatedDeltaNetSubmodules(
+            layers = torch.nn.ModuleList(gdn.GatedDeltaNet(config, common.GatedDeltaNetSubmodules(
                 in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear),
-                layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-        meter = mcore_memory.SavedTensorMeter(layer.parameters())
+                layer_number=n + 1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                for n in range(case.get("layers", 1)))
+        meter = mcore_memory.SavedTensorMeter(layers.parameters())
         comm = mcore_memory.CommMeter([("cp", ps.get_context_parallel_group())])
-        x = torch.randn(case["seq"] // cp, case["mbs"], case["model"]["hidden_size"], dtype=torch.bfloat16,
+        y = torch.randn(case["seq"] // cp, case["mbs"], case["model"]["hidden_size"], dtype=torch.bfloat16,
                         requires_grad=True)
         with comm, meter.tracking(), meter.one_forward(), mcore_cpu.cuda_to_cpu_mode():
-            y, _ = layer(x, None)
+            for layer in layers:  # (each layer's output is the next one's input)
+                y, _ = layer(y, None)
         forward_comm = dict(comm.bytes)
         with comm, mcore_cpu.cuda_to_cpu_mode():
             y.float().sum().backward()
-        params = [(name, p.numel()) for name, p in layer.named_parameters()]
+        params = [(name, p.numel()) for name, p in layers[0].named_parameters()]
         out.append(dict(saved=meter.forward[0], forward=forward_comm, step=dict(comm.bytes), params=params))
     dist.barrier()
     return out
-
-
 
 
 class _Hadamard(torch.autograd.Function):

@@ -20,7 +20,8 @@ import pytest
 
 from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.linear_cp import dsa_cp_communication, dsa_cp_saved, gdn_cp_all_to_all, gdn_cp_saved
+from megatron_flops.memory.linear_cp import (dsa_cp_communication, dsa_cp_saved, gdn_cp_all_to_all,
+                                             gdn_cp_head_permutation, gdn_cp_saved)
 from megatron_flops.memory.report import decoder_memory
 from megatron_flops.memory.ssm import gdn_saved, mixer_tensors, mtp_mixer
 from megatron_flops.model.spec import ModelSpec
@@ -54,8 +55,13 @@ def test_gdn_cp_formulas():
     # conv input 32*48*2 = 3,072; l2norm 2*(32*16*2 + 32*4) = 2,304; repeated q, k 2*32*2*16*2 = 4,096;
     # softplus 2*32*2*4 + exp, -exp 2*2*2 + beta 32*2*2 = 648; v 1,024, cumulated g 256, WY matrix
     # 32*2*64*2 = 8,192; gated norm 3*1,024 + 256; out_proj's input [16, 32] 1,024: 23,944. Under CP:
-    # the conv weight's slice [48, 4] bf16 384 and the head permutation [136] int64 1,088: 25,416.
-    assert gdn_cp_saved(spec, tokens=16, tp=1, cp=2, act=2, param=2) == 25_416
+    # the conv weight's slice [48, 4] bf16 384: 24,328.
+    assert gdn_cp_saved(spec, tokens=16, tp=1, cp=2, act=2, param=2) == 24_328
+    # The int64 head permutation [136]: 1,088 once per rank (megatron-core's lru_cache), on every
+    # stage holding a GDN layer (GDN's layers 0 and 2 of 4 alternate with attention), none at CP 1.
+    assert [gdn_cp_head_permutation(spec, Parallelism(cp=2, pp=pp), pp_rank=r) for pp in (1, 4) for r in range(pp)
+            ] == [1_088, 1_088, 0, 1_088, 0]
+    assert gdn_cp_head_permutation(spec, Parallelism(cp=1), pp_rank=0) == 0
     # in_proj's output [16, 2*32 + 2*32 + 2*4 = 136] and the norm's output [32, 16] back: (2,176 + 512) x 2.
     assert gdn_cp_all_to_all(spec, tokens=16, tp=1, cp=2, act=2) == 5_376
 
@@ -108,6 +114,8 @@ def test_cp2_reports_gdn_and_dsa():
     assert gdn.per_gpu.communication["cp/all_to_all"] == 2 * 2 * 2 * 5_376
     assert gdn.per_gpu.activations_per_microbatch[0]["gdn"] == 2 * (16 * 64 * 2 + gdn_cp_saved(
         spec, tokens=16, tp=1, cp=2, act=2, param=2))
+    # PP 1 holds one micro-batch at its peak, and the one head permutation [136] int64 its 2 GDN layers share.
+    assert gdn.per_gpu.activations == sum(gdn.per_gpu.activations_per_microbatch[0].values()) + 1_088
     assert any("Gated DeltaNet under context parallelism (CP 2) as megatron-core 0.19.0" in a for a in gdn.assumptions)
     assert not gdn.not_modelled and not any("cp/all_to_all of Gated DeltaNet" in u for u in gdn.unmeasured)
     assert any("cp/all_to_all of Gated DeltaNet layers under TP 2 x CP 2" in u
@@ -162,6 +170,7 @@ def test_refusals(tmp_path, capsys):
 CASES = [
     dict(layer="gdn", cp=2, seq=16, mbs=2, model=GDN_LAYER),
     dict(layer="gdn", cp=1, seq=16, mbs=2, model=GDN_LAYER),
+    dict(layer="gdn", cp=2, seq=16, mbs=2, model=GDN_LAYER, layers=2),
     dict(layer="dsa", cp=2, seq=16, mbs=2, model=DSA_LAYER, loss_coeff=0.01, dtype="bfloat16"),
     dict(layer="dsa", cp=1, seq=16, mbs=2, model=DSA_LAYER, loss_coeff=0.01, dtype="bfloat16"),
     dict(layer="dsa", cp=2, seq=16, mbs=2, model=DSA_LAYER, loss_coeff=0.0, dtype="bfloat16"),
@@ -176,11 +185,12 @@ def _expected(case: dict) -> tuple[int, dict, dict]:
     """(saved bytes, forward payloads, step payloads) one rank of ``case`` should measure."""
     cp, s, b = case["cp"], case["seq"] // case["cp"], case["mbs"]
     if case["layer"] == "gdn":
-        spec = ModelSpec.from_mapping(GDN)
-        one_way = gdn_cp_all_to_all(spec, tokens=s * b, tp=1, cp=cp, act=2)
+        spec, layers = ModelSpec.from_mapping(GDN), case.get("layers", 1)
+        one_way = layers * gdn_cp_all_to_all(spec, tokens=s * b, tp=1, cp=cp, act=2)
         comm = {"cp/all_to_all": one_way} if cp > 1 else {}
-        # in_proj's input [T, 64] bf16, then the formula.
-        return s * b * 64 * 2 + gdn_cp_saved(spec, tokens=s * b, tp=1, cp=cp, act=2, param=2), comm, (
+        # Per layer in_proj's input [T, 64] bf16, then the formula; one head permutation for all.
+        saved = layers * (s * b * 64 * 2 + gdn_cp_saved(spec, tokens=s * b, tp=1, cp=cp, act=2, param=2))
+        return saved + gdn_cp_head_permutation(spec, Parallelism(cp=cp), pp_rank=0), comm, (
             {"cp/all_to_all": 2 * one_way} if cp > 1 else {})
     model, t = case["model"], s * b
     spec = _dsa_spec(model, case["loss_coeff"] > 0)
@@ -216,6 +226,8 @@ def test_measured_in_megatron_core_019_on_gloo():
         saved, forward, step = _expected(case)
         for rank in ranks:
             assert (rank["saved"], rank["forward"], rank["step"]) == (saved, forward, step), case
+    # Two GDN layers keep one head permutation (1,088 B) between them: 2 x (2,048 + 24,328) + 1,088.
+    assert measured[2][0]["saved"] == 2 * (16 * 64 * 2 + 24_328) + 1_088
     # Parameters: 0.19.0's layers hold the tensors 0.16.1's list (names and sizes; their order differs).
     gdn_params = sorted(("self_attention." + name, n) for name, n in measured[0][0]["params"])
     assert gdn_params == sorted((name, n) for name, n, _ in mixer_tensors(ModelSpec.from_mapping(GDN), "gdn", "", 1,
@@ -224,4 +236,4 @@ def test_measured_in_megatron_core_019_on_gloo():
     options = DecoderOptions.from_mapping(dict(DSA_LAYER, vocab_size=256, **OPTIONS))
     ours = [(p.name.removeprefix("decoder.layers.0.self_attention."), p.numel) for p in chunk_parameters(
         spec, options, Parallelism(), pp_rank=0, chunk=0, seq_length=16) if ".self_attention." in p.name]
-    assert sorted(ours) == sorted((name, n) for name, n in measured[2][0]["params"])
+    assert sorted(ours) == sorted((name, n) for name, n in measured[3][0]["params"])

@@ -19,6 +19,7 @@ payload equals these formulas.
 from __future__ import annotations
 
 from megatron_flops.memory.layout import BOOL_BYTES, FP32_BYTES, INDEX_BYTES, Parallelism
+from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds
 from megatron_flops.memory.ssm import gdn_saved
 from megatron_flops.model.spec import ModelSpec
 
@@ -30,20 +31,36 @@ def gdn_cp_saved(spec: ModelSpec, *, tokens: int, tp: int, cp: int, act: int, pa
     ``tokens`` tokens (s/CP of each sequence): :func:`.ssm.gdn_saved` of the whole sequence
     (``tokens x CP``) and 1/CP of this TP rank's heads (every term there is tokens x heads, so
     only ``exp(A_log)`` [heads/TP/CP] shrinks), plus under CP the conv weight sliced for this rank
-    and concatenated (a new [(2qk + v)/TP/CP, K] in the parameter dtype, handed to the conv) and
-    the int64 head permutation [in/TP] ``index_select`` keeps before the all-to-all.
-
-    NB: megatron-core caches that permutation (``lru_cache``): every GDN layer's ``index_select``
-    keeps the same storage, counted here once per layer (L - 1 copies of 8 x in/TP bytes too many).
-    """
+    and concatenated (a new [(2qk + v)/TP/CP, K] in the parameter dtype, handed to the conv).
+    The head permutation its ``index_select`` keeps is one storage per rank:
+    :func:`gdn_cp_head_permutation`."""
     if cp == 1:
         return gdn_saved(spec, tokens=tokens, tp=tp, act=act, param=param)
     g = spec.gdn
     assert g is not None
-    qk, v, nv = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim, g.num_value_heads
+    qk, v = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim
     conv = (2 * qk + v) // tp // cp * g.conv_kernel_dim * param
-    perm = (2 * qk + 2 * v + 2 * nv) // tp * INDEX_BYTES
-    return gdn_saved(spec, tokens=tokens * cp, tp=tp * cp, act=act, param=param) + conv + perm
+    return gdn_saved(spec, tokens=tokens * cp, tp=tp * cp, act=act, param=param) + conv
+
+
+def gdn_cp_head_permutation(spec: ModelSpec, par: Parallelism, *, pp_rank: int) -> int:
+    """Bytes of the int64 head permutation [(2qk + 2v + 2 nv)/TP] pipeline rank ``pp_rank`` holds
+    under CP when any of its layers (the last stage's MTP layers included) is a GDN mixer; else 0.
+
+    NB: megatron-core 0.19.0 builds it in ``_build_head_perm_for_split_sections``, an
+    ``lru_cache`` keyed by the TP-local ``in_proj`` sections, the CP size and the device: one
+    tensor per process, which every GDN layer's ``index_select`` keeps for backward on every
+    micro-batch, and which the cache keeps alive from the first forward on. It is counted once in
+    the rank's activation peak, never per layer or per micro-batch."""
+    if par.cp == 1 or spec.gdn is None:
+        return 0
+    mixers = {spec.layers[i][0] for c in range(par.num_chunks) for i in par.chunk_layers(spec.num_layers, pp_rank, c)}
+    mixers |= {mixer for mixer, _ in last_stage_mtp_kinds(spec, par.is_last_stage(pp_rank, par.num_chunks - 1))}
+    if "gdn" not in mixers:
+        return 0
+    g = spec.gdn
+    return (2 * g.num_key_heads * g.key_head_dim + 2 * g.num_value_heads * g.value_head_dim
+            + 2 * g.num_value_heads) // par.tp * INDEX_BYTES
 
 
 def gdn_cp_all_to_all(spec: ModelSpec, *, tokens: int, tp: int, cp: int, act: int) -> int:
@@ -173,7 +190,8 @@ def linear_cp_notes(spec: ModelSpec, par: Parallelism) -> tuple[list[str], list[
     if par.cp > 1 and "gdn" in mixers:
         out.append(f"Gated DeltaNet under context parallelism (CP {par.cp}) as megatron-core 0.19.0 runs it (0.16.1 "
                    "refuses it): in_proj's output all-to-all'd to 1/CP of the heads on the whole sequence, the gated "
-                   "norm's output back; parameters as 0.16.1 lists them (the same tensors)")
+                   "norm's output back; its int64 head permutation, one cached tensor for every GDN layer and "
+                   "micro-batch, counted once per rank; parameters as 0.16.1 lists them (the same tensors)")
     if par.cp > 1 and "dsa" in mixers:
         out.append(f"DeepSeek sparse attention under context parallelism (CP {par.cp}) as megatron-core 0.19.0 runs it "
                    "(0.16.1 refuses it): an absorbed-MLA layer, cp_comm_type allgather (the latent and indexer keys "

@@ -57,6 +57,16 @@ def check_mla_mtp(spec: ModelSpec, par: Parallelism, *, duplicated: bool) -> Non
             raise ValueError(f"multi-latent attention splits {name}={value} over TP: not divisible by --tp {par.tp}")
 
 
+def fully_recomputed_layers(recompute: RecomputeSpec | None, num_layers: int) -> int:
+    """Layers of a model chunk that full recompute re-runs: all (``uniform``) or the first
+    ``recompute_num_layers`` (``block``)."""
+    if recompute is None or recompute.granularity != "full":
+        return 0
+    if recompute.method == "block":
+        return min(recompute.num_layers or 0, num_layers)
+    return num_layers
+
+
 def mtp_recomputed(spec: ModelSpec, recompute: RecomputeSpec | None) -> bool:
     """Whether full recompute checkpoints the MTP layers (``uniform``; ValueError for a group of
     more than one layer, which megatron-core refuses for MTP)."""
