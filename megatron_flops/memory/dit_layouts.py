@@ -50,7 +50,8 @@ run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/
   sequence-parallel ``linear_kv``: ``TP x C`` rows of k and v (activations, collectives, the CP
   ring). LoRA adapters gather a column-parallel target's input themselves and keep it gathered
   (:mod:`megatron_flops.memory.dit_tp`, ``dit_activations``).
-- PP: ``num_layers / PP`` blocks per stage; the patch embedding on the first, the head and loss on
+- PP: ``num_layers / PP`` blocks per stage (or an uneven split's, ``par.stage_layers``: megatron-core's
+  ``get_num_layers_to_build``, :mod:`megatron_flops.memory.pipeline_split`); the patch embedding on the first, the head and loss on
   the last, the text and time embeddings (and ``img_emb``) on every stage (``WanModel`` builds them
   whatever the stage); 1F1B keeps ``min(PP - rank, micro-batches)`` micro-batches in flight;
   ``pp/send_recv`` the [T, h] hidden states and their gradients.
