@@ -20,7 +20,8 @@ import pytest
 
 from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.linear_cp import dsa_cp_communication, dsa_cp_saved, gdn_cp_all_to_all, gdn_cp_saved
+from megatron_flops.memory.linear_cp import (dsa_cp_communication, dsa_cp_saved, dsa_cp_traffic, gdn_cp_all_to_all,
+                                             gdn_cp_saved)
 from megatron_flops.memory.report import decoder_memory
 from megatron_flops.memory.ssm import gdn_saved, mixer_tensors, mtp_mixer
 from megatron_flops.model.spec import ModelSpec
@@ -35,6 +36,8 @@ GDN = dict(GDN_LAYER, num_layers=4, vocab_size=256, normalization="RMSNorm", add
 DSA_LAYER = dict(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, multi_latent_attention=True,
                  q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
                  dsa_indexer_n_heads=2, dsa_indexer_head_dim=16, dsa_indexer_topk=8)
+# Index sharing (megatron-core 0.19's dsa_indexer_topk_freq): layer 2 reuses layer 1's top-k.
+SHARED = dict(DSA_LAYER, num_layers=2, dsa_indexer_topk_freq=2)
 OPTIONS = dict(normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope", padded_vocab_size=256)
 
 
@@ -81,6 +84,39 @@ def test_dsa_cp_formulas():
     assert dsa_cp_communication(trains, s=8, b=2, cp=2, act=2) == {"cp/all_gather": 2_560 + 1_024 + 16,
                                                                    "cp/reduce_scatter": 3_584}
     assert dsa_cp_communication(frozen, s=8, b=2, cp=2, act=2)["cp/reduce_scatter"] == 2_560
+
+
+def test_dsa_cp_formulas_with_a_shared_top_k_and_tensor_parallelism():
+    trains, frozen = _dsa_spec(SHARED, True), _dsa_spec(SHARED, False)
+    f = lambda spec, **kw: dsa_cp_saved(spec, s=8, b=2, cp=2, act=2, latent_norms=False, norm_stats=4, **kw)  # noqa: E731
+    # A layer reusing the top-k (CP 2, s = 8, b = 2): no indexer, what a frozen computing layer keeps
+    # (68,032 above) whether or not the indexer trains.
+    assert f(trains, indexer=False) == f(frozen, indexer=False) == 68_032
+    # A frozen computing layer of this model also leaves its int64 top-k [2, 8, 8] in the holder: 1,024;
+    # a training one keeps it for the loss already (80,000 above).
+    assert f(frozen) == 68_032 + 1_024 and f(trains) == 80_000
+    # TP 2 under sequence parallelism (2 heads a rank): MLA q latent [16, 24] 768 (whole: q_up's input is
+    # a slice of it), query [16, 2, 24] 1,536, cos/sin 512; order 128; fp32 query [16, 2, 40] 5,120, key
+    # [4, 40, 16] 10,240; softmax (scores [2, 2, 8, 16] = 512): masks 1,536, two fp32 4,096, rows
+    # 32 x 17 = 544; probabilities 1,024; value [4, 16, 32] 4,096; up weight [2, 16, 32] 2,048, latent
+    # output [16, 2, 32] 2,048, linear_proj's input [16, 32] 1,024: 34,720.
+    assert f(trains, tp=2, indexer=False) == 34_720
+    # The training indexer adds 11,968 less the detached query's other 2 heads (2,560), plus its gathered
+    # inputs [16, 64 + 24] 2,816: 12,224.
+    assert f(trains, tp=2) == 34_720 + 12_224
+    # Latent norms under sequence parallelism: q_up's input, the q norm's output [8, 24] 384, the kv down
+    # output [16, 40] 1,280, fp32 statistics of 8 tokens twice 64.
+    assert dsa_cp_saved(trains, s=8, b=2, cp=2, act=2, latent_norms=True, norm_stats=4, tp=2,
+                        indexer=False) == 34_720 + 384 + 1_280 + 64
+    # Traffic: a reusing layer gathers no indexer key; under TP 2 + SP the indexer gathers [16, 64 + 24]
+    # every forward; the loss all-reduces fp32 [2, 8, 16] forward and backward; one [16, 32] all-gather
+    # fewer than an MLA layer's.
+    assert dsa_cp_communication(trains, s=8, b=2, cp=2, act=2, indexer=False) == {"cp/all_gather": 2_560 + 16,
+                                                                                  "cp/reduce_scatter": 2_560}
+    assert dsa_cp_traffic(trains, s=8, b=2, cp=2, act=2, tp=2) == (
+        {"cp/all_gather": 3_600, "tp/all_gather": 2_816},
+        {"cp/reduce_scatter": 3_584, "tp/all_gather": -1_024, "tp/all_reduce": 2_048})
+    assert dsa_cp_traffic(trains, s=8, b=2, cp=2, act=2, tp=2, indexer=False)[1]["tp/all_reduce"] == 0
 
 
 def _reports(model: dict, cps: tuple[int, ...], **par) -> list:
@@ -154,7 +190,7 @@ def test_refusals(tmp_path, capsys):
     assert "linear_num_key_heads / TP = 2 is not divisible by --cp 4" in capsys.readouterr().err
     model.write_text(json.dumps(dict(DSA_LAYER, vocab_size=256, experimental_attention_variant="dsa")))
     assert main(["memory", "--model", str(model), "--seq-length", "64", "--cp", "2", "--tp", "2"]) == 2
-    assert "modelled with --tp 1" in capsys.readouterr().err
+    assert "asserts sequence parallelism under TP" in capsys.readouterr().err
 
 
 # (layer, CP, seq, micro-batch, fields, indexer loss coefficient, dtype: megatron-core 0.19.0's DSA indexer

@@ -362,9 +362,10 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     T, a, base = x.tokens, x.act, w.grad.base
     norm, loc = options.qk_layernorm, x.local_tokens
     stats = loc * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
-    if dsa == "dsa" and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:func:`.linear_cp.dsa_cp_saved`)
-        w.keep("attention", T * x.h * a)
-        w.act("attention", dsa_cp_saved(spec, s=x.s, b=x.b, cp=x.cp, act=a, latent_norms=norm, norm_stats=stats // T))
+    if dsa in ("dsa", "dsa_shared") and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:func:`.linear_cp.dsa_cp_saved`)
+        w.keep("attention", loc * x.h * a)
+        w.act("attention", dsa_cp_saved(spec, s=x.s, b=x.b, cp=x.cp, act=a, latent_norms=norm, norm_stats=stats // loc,
+                                        tp=x.sp, indexer=dsa == "dsa"))
         return
     # NB: Transformer Engine's spec fuses the latent norms into the up projections, so selective
     # ``mla_up_proj`` re-runs them too: their statistics and outputs are saved in backward only.
