@@ -243,8 +243,12 @@ def _dsa_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
         dtype = getattr(torch, case["dtype"])
-        attentions = _dsa_attentions(dict(case["model"], sequence_parallel=sp), case["loss_coeff"], dtype,
-                                     case.get("layers", 1))
+        try:
+            attentions = _dsa_attentions(dict(case["model"], sequence_parallel=sp), case["loss_coeff"], dtype,
+                                         case.get("layers", 1))
+        except AssertionError as exc:
+            out.append(dict(error=str(exc)))
+            continue
         meter = mcore_memory.SavedTensorMeter([p for a in attentions for p in a.parameters()])
         comm = mcore_memory.CommMeter([("cp", ps.get_context_parallel_group()),
                                        ("tp", ps.get_tensor_model_parallel_group())])

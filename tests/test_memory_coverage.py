@@ -143,6 +143,8 @@ SPOT_LAYOUTS = {
     "TP2 SP DP2 FSDP": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--fsdp"],
     "CP2 DP2 FSDP": ["--cp", "2", "--dp", "2", "--fsdp"],
     "DP2 FSDP SGD": ["--dp", "2", "--fsdp", "--optimizer", "sgd"],
+    "TP2 SP CP2": ["--tp", "2", "--sequence-parallel", "--cp", "2"],
+    "TP2 CP2": ["--tp", "2", "--cp", "2"],
 }
 SPOT_CHECKS = [
     ("mcore:mla", "frozen LoRA proj, selective recompute of mla_up_proj", ("1 GPU", "TP2 SP")),
@@ -152,6 +154,7 @@ SPOT_CHECKS = [
     ("examples/wan_tiny_dit.json", "full recompute of 2-block groups", ("1 GPU", "DP2")),
     ("examples/wan_tiny_dit.json", "", ("TP2 SP DP2 FSDP", "CP2 DP2 FSDP", "DP2 FSDP SGD")),
     ("mcore:untied mla moe mtp", "", ("TP2 SP DP2 FSDP", "CP2 DP2 FSDP", "DP2 FSDP SGD")),
+    ("mcore:dsa*", "", ("TP2 SP CP2", "TP2 CP2")),  # (megatron-core 0.19.0's DSA layer under TP x CP)
     ("examples/qwen2_5_vl_7b_config.json", "vision grids", ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2")),
 ]
 # What a report leaves out until the user gives an input no model file holds (``needs_input``): not
@@ -210,14 +213,12 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
     # DiT (memory/dit_layouts.py) with virtual pipeline stages: Megatron-Bridge 0.6.2 itself cannot build them
     # (WanModelProvider.provide ignores vp_stage), so there is no layout to model.
     ("examples/wan* | PP2 VPP2 | ", r"refused: .*Megatron-Bridge 0.6.2 cannot interleave WAN itself"),
+    # DSA under CP needs megatron-core 0.19.0's AbsorbedMLASelfAttention, which asserts sequence parallelism under TP.
+    ("mcore:dsa* | TP2 CP2 | ", r"refused: .*AbsorbedMLASelfAttention asserts it"),
 ]
 
 # GAPS: ours. Each is a refusal or a not-modelled row for a layout the frameworks train.
 GAPS: list[tuple[str, str]] = [
-    # DSA layers that reuse an earlier top-k under CP (megatron-core 0.19.0's index sharing with its CP layer: not
-    # modelled by memory/linear_cp.py).
-    ("mcore:dsa shared top-k mtp | CP2 | ", r"refused: .*context parallelism is not modelled for DeepSeek sparse "
-                                            r"attention layers that reuse an earlier layer's top-k"),
     # A hybrid pattern's MTP part after '/' (megatron-core 0.19's HybridStack inside the MTP layer; 0.16.1's hybrid
     # models have no MTP): its parameter names and sub-layers are 0.19's, not run or read here.
     ("mcore:hybrid mamba mtp | *", r"refused: .*multi-token prediction of a hybrid pattern's MTP part after '/' is not "

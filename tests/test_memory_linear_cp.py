@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
-from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
 from megatron_flops.memory.linear_cp import (dsa_cp_communication, dsa_cp_saved, dsa_cp_traffic, gdn_cp_all_to_all,
                                              gdn_cp_saved)
 from megatron_flops.memory.report import decoder_memory
@@ -190,7 +190,7 @@ def test_refusals(tmp_path, capsys):
     assert "linear_num_key_heads / TP = 2 is not divisible by --cp 4" in capsys.readouterr().err
     model.write_text(json.dumps(dict(DSA_LAYER, vocab_size=256, experimental_attention_variant="dsa")))
     assert main(["memory", "--model", str(model), "--seq-length", "64", "--cp", "2", "--tp", "2"]) == 2
-    assert "asserts sequence parallelism under TP" in capsys.readouterr().err
+    assert "requires sequence parallelism under TP" in capsys.readouterr().err
 
 
 # (layer, CP, seq, micro-batch, fields, indexer loss coefficient, dtype: megatron-core 0.19.0's DSA indexer
@@ -206,6 +206,63 @@ CASES = [
     dict(layer="dsa", cp=2, seq=16, mbs=2, model=dict(DSA_LAYER, qk_layernorm=True), loss_coeff=0.01,
          dtype="bfloat16"),
 ]
+
+
+# Index sharing (2 layers: the second reuses the first's top-k; "held": the top-k left in the holder), on 2
+# processes at TP 1 and on 4 at TP 2 x CP 2 under sequence parallelism (with latent norms; without a q
+# latent); TP 2 without sequence parallelism: megatron-core 0.19.0 asserts.
+SHARED_CASES = [
+    dict(layer="dsa", cp=2, seq=16, mbs=2, layers=2, model=SHARED, loss_coeff=0.0, dtype="bfloat16"),
+    dict(layer="dsa", cp=2, seq=16, mbs=1, layers=2, model=SHARED, loss_coeff=0.01, dtype="bfloat16"),
+    dict(layer="dsa", tp=2, sp=True, cp=2, seq=16, mbs=2, layers=2, model=SHARED, loss_coeff=0.01, dtype="bfloat16"),
+    dict(layer="dsa", tp=2, sp=True, cp=2, seq=16, mbs=1, layers=2, model=dict(SHARED, qk_layernorm=True),
+         loss_coeff=0.0, dtype="bfloat16"),
+    dict(layer="dsa", tp=2, sp=True, cp=2, seq=16, mbs=2, layers=2, model=dict(SHARED, q_lora_rank=None),
+         loss_coeff=0.01, dtype="bfloat16"),
+    dict(layer="dsa", tp=2, sp=False, cp=2, seq=16, mbs=1, layers=1, model=DSA_LAYER, loss_coeff=0.0,
+         dtype="bfloat16"),
+]
+
+
+def _expected_layers(case: dict) -> dict:
+    """Per layer (saved bytes, forward payloads), the holder's bytes and the step's payloads one rank of a
+    :data:`SHARED_CASES` case should measure: the formulas, and for ``tp/*`` what the report counts of an
+    MLA layer (:func:`.mla_mtp.mla_mtp_tensor_parallel`, plus a dense attention's ``linear_qkv`` all-gather
+    forward and backward, reduce-scatter of its input gradient, and ``linear_proj``'s reduce-scatter and
+    all-gather) with :func:`.linear_cp.dsa_cp_traffic`'s terms."""
+    from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
+
+    model, tp, cp, b = case["model"], case.get("tp", 1), case["cp"], case["mbs"]
+    s, a, t, norms = case["seq"] // cp, 2, case["seq"] // cp * case["mbs"], bool(model.get("qk_layernorm"))
+    spec = _dsa_spec(model, case["loss_coeff"] > 0)
+    q, kv, latent, h = model["q_lora_rank"] or 0, model["kv_lora_rank"], 40, model["hidden_size"]
+    layers, step = [], {}
+    for indexer in (True, False):
+        saved = t // tp * h * a + dsa_cp_saved(spec, s=s, b=b, cp=cp, act=a, latent_norms=norms, norm_stats=4,
+                                                tp=tp, indexer=indexer)
+        if indexer and spec.dsa.trains_indexer:
+            saved -= 2 * t * (4 - a)  # NB: torch's CPU LayerNorm keeps k_norm's mean and rstd in bf16
+        if norms:  # NB: torch's CPU RMSNorm (see _expected)
+            saved += 2 * t // tp * (q + kv) * 4 - t * (q + latent) * a
+        forward, once = dsa_cp_traffic(spec, s=s, b=b, cp=cp, act=a, tp=tp, indexer=indexer)
+        if tp > 1:  # the down projections' inputs [T, h] x 2, the q latent, kv down output and kv latent
+            # gathered, q_up's input [T, q] (no q latent: linear_q_proj's [T, h] in place of one down input);
+            # the indexer's gathers; the loss's all-reduce; linear_proj's reduce-scatter [T, h]
+            forward["tp/all_gather"] += t * (2 * h + 2 * q + latent + kv) * a
+            forward["tp/all_reduce"] = once["tp/all_reduce"] // 2
+            forward["tp/reduce_scatter"] = t * h * a
+        layers.append((saved, {k: v for k, v in forward.items() if v}))
+        for key in {**forward, **once}:
+            step[key] = step.get(key, 0) + dsa_cp_traffic(spec, s=s, b=b, cp=cp, act=a, tp=tp, indexer=indexer)[0].get(
+                key, 0) + once.get(key, 0)
+    if tp > 1:
+        mla = mla_mtp_tensor_parallel(spec, Parallelism(tp=tp, cp=cp, sequence_parallel=True), Training(
+            seq_length=s, micro_batch_size=b), num_layers=2, rerun=0, last=False, recompute=None,
+            learned_positions=False, duplicated=False)
+        step["tp/all_gather"] += mla["tp/all_gather"] + 2 * 3 * t * h * a
+        step["tp/reduce_scatter"] = mla["tp/reduce_scatter"] + 2 * 2 * t * h * a
+    held = b * s * min(spec.dsa.topk, s * cp) * INDEX_BYTES if not spec.dsa.trains_indexer else 0
+    return dict(layers=layers, held=held, step={k: v for k, v in step.items() if v})
 
 
 def _expected(case: dict) -> tuple[int, dict, dict]:
@@ -243,11 +300,22 @@ def test_measured_in_megatron_core_019_on_gloo():
         python = envs.ensure("megatron-lm-0.19.0")
     except envs.Unavailable as exc:
         pytest.skip(str(exc))
-    done = subprocess.run([str(python), "-c", "import linear_cp_019; linear_cp_019.main()", json.dumps(CASES)],
+    done = subprocess.run([str(python), "-c", "import linear_cp_019; linear_cp_019.main()",
+                           json.dumps(CASES + SHARED_CASES)],
                           capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL, cwd=TESTS,
                           env={**__import__("os").environ, "PYTHONPATH": str(TESTS)})
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, ranks in zip(SHARED_CASES, measured[len(CASES):]):
+        if case.get("tp", 1) > 1 and not case["sp"]:
+            assert all("AbsorbedMLA requires sequence_parallel" in rank["error"] for rank in ranks), ranks
+            continue
+        expected = _expected_layers(case)
+        for rank in ranks:
+            got = [(layer["saved"], layer["forward"]) for layer in rank["layers"]]
+            # (the holder's top-k: counted with the layer that computes it)
+            assert ([(got[0][0] + rank["held"], got[0][1]), got[1]], rank["held"], rank["step"]) == (
+                expected["layers"], expected["held"], expected["step"]), case
     for case, ranks in zip(CASES, measured):
         saved, forward, step = _expected(case)
         for rank in ranks:

@@ -202,8 +202,8 @@ def linear_cp_reason(spec: ModelSpec, par: Parallelism) -> str | None:
                         "GatedDeltaNet splits every head section over CP ranks)")
     if mixers & {"dsa", "dsa_shared"} and par.tp > 1 and not par.sequence_parallel:
         return ("megatron-core 0.19.0's absorbed-MLA DeepSeek sparse attention layer, which context parallelism "
-                "needs, asserts sequence parallelism under TP (its core attention output has s rows where s x TP "
-                "are expected): add --sequence-parallel")
+                "needs, requires sequence parallelism under TP (AbsorbedMLASelfAttention asserts it): add "
+                "--sequence-parallel")
     return None
 
 
