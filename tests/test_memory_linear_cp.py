@@ -159,6 +159,24 @@ def test_cp2_reports_gdn_and_dsa():
 
 
 
+def test_cp2_reports_dsa_layers_reusing_a_top_k_under_tp_and_sequence_parallelism():
+    # Layer 1 computes its top-k (indexer frozen: the holder's top-k counted with it), layer 2 reuses it:
+    # each keeps its input [T/TP, h] and dsa_cp_saved's bytes (8 of 16 tokens x 2 sequences on a CP rank).
+    spec = ModelSpec.from_mapping(dict(SHARED, vocab_size=256, experimental_attention_variant="dsa"))
+    for tp, par in ((1, {}), (2, dict(tp=2, sequence_parallel=True))):
+        report = _reports(dict(SHARED, vocab_size=256, experimental_attention_variant="dsa"), (2,), **par)[0]
+        assert not report.not_modelled and not any("reuse an earlier top-k" in u for u in report.unmeasured)
+        assert any("reuse an earlier layer's top-k" in a for a in report.assumptions)
+        assert report.per_gpu.activations_per_microbatch[0]["attention"] == sum(
+            16 // tp * 64 * 2 + dsa_cp_saved(spec, s=8, b=2, cp=2, act=2, latent_norms=False, norm_stats=4, tp=tp,
+                                              indexer=indexer) for indexer in (True, False))
+        comm = report.per_gpu.communication
+        # 2 micro-batches x (layer 1: key [32, 40] + indexer key [32, 16] + 16; layer 2: key + 16) forward, no
+        # ring; backward the keys' gradients only (the indexer frozen).
+        assert "cp/send_recv" not in comm and comm["cp/all_gather"] == 2 * (3_600 + 2_576)
+        assert comm["cp/reduce_scatter"] == 2 * 2 * 2_560
+
+
 def test_cp2_counts_the_last_stages_gdn_mtp_layer():
     # One MTP layer whose mixer is GDN (the last decoder layer's kind): its all-to-alls are one more
     # GDN layer's, 2 micro-batches x (forward + backward) x 5,376 (8 of 16 tokens x 2 sequences x
