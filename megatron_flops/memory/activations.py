@@ -362,7 +362,7 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     T, a, base = x.tokens, x.act, w.grad.base
     norm, loc = options.qk_layernorm, x.local_tokens
     stats = loc * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
-    if dsa in ("dsa", "dsa_shared") and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:func:`.linear_cp.dsa_cp_saved`)
+    if dsa in ("dsa", "dsa_shared") and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:mod:`.linear_cp`)
         w.keep("attention", loc * x.h * a)
         w.act("attention", dsa_cp_saved(spec, s=x.s, b=x.b, cp=x.cp, act=a, latent_norms=norm, norm_stats=stats // loc,
                                         tp=x.sp, indexer=dsa == "dsa"))

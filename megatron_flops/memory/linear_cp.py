@@ -8,12 +8,15 @@ lists otherwise, refuses CP for both; 0.19.0 rewrote them:
 - DSA is an absorbed-MLA self-attention (``AbsorbedMLASelfAttention``) around ``DSAttention``,
   which all-gathers the latent key (and the indexer's key) over CP (``cp_comm_type`` allgather
   only) and attends from this rank's s/CP queries to every key, through the torch path
-  (``dsa_kernel_backend`` ``none``, the default).
+  (``dsa_kernel_backend`` ``none``, the default). A layer that reuses an earlier layer's top-k
+  (``dsa_indexer_topk_freq``) runs no indexer; under TP the layer needs sequence parallelism
+  (``AbsorbedMLASelfAttention`` asserts it).
 
 Measured on CPU (``tests/test_memory_linear_cp.py``): the real 0.19.0 layers in 2 gloo processes
 at CP 1 and CP 2 (TP 1; GDN with stand-ins for fla's kernels that save what those keep, DSA with a
-stand-in for fast_hadamard_transform, which saves nothing): every saved storage and every ``cp/*``
-payload equals these formulas.
+stand-in for fast_hadamard_transform, which saves nothing), and DSA (a computing and a reusing
+layer) in 4 at TP 2 x CP 2 with sequence parallelism: every saved storage and every ``cp/*`` (and
+DSA's ``tp/*``) payload equals these formulas.
 """
 
 from __future__ import annotations
