@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds
 from megatron_flops.model.spec import ModelSpec
 
 CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials (as comm.CE_REDUCTIONS)
@@ -85,7 +86,9 @@ def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Trainin
     mtp_rerun = mtp if mtp_recomputed(spec, recompute) else 0
     out: dict[str, int] = {}
     mla_tp = _mla_tp_duplicated if duplicated else _mla_tp
-    for part in (mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp, rerun + mtp_rerun),
+    # (a hybrid MTP part's MLA layers: those of its mixers that are attention, :mod:`.mtp_layers`)
+    mtp_mla = sum(mixer not in ("none", "mamba", "gdn") for mixer, _ in last_stage_mtp_kinds(spec, last))
+    for part in (mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp_mla, rerun + mtp_rerun),
                  _mtp_tp(spec.hidden_size * tokens, par.sequence_parallel, mtp, mtp_rerun, learned_positions)):
         for key, count in part.items():
             out[key] = out.get(key, 0) + count * training.param_bytes
@@ -175,11 +178,22 @@ def mla_mtp_assumptions(spec: ModelSpec, par: Parallelism, *, duplicated: bool) 
     return out
 
 
-def mla_unmeasured(spec: ModelSpec, par: Parallelism, *, duplicated: bool) -> list[str]:
-    """The MLA figures that are formulas no CPU step could check (Transformer Engine's spec under TP)."""
-    if spec.mla is None or par.tp == 1 or not duplicated:
+def mla_unmeasured(spec: ModelSpec, par: Parallelism, *, duplicated: bool, down_bias: bool = False) -> list[str]:
+    """The MLA figures that are formulas no CPU step could check (Transformer Engine's spec under
+    TP; ``down_bias``: Hugging Face's biases on the down projections under TP, which no
+    megatron-core MLA has)."""
+    if spec.mla is None or par.tp == 1:
         return []
-    return ["multi-latent attention as Transformer Engine's spec builds it (--transformer-impl transformer_engine, "
+    out = []
+    if down_bias:
+        out.append("the multi-latent attention down projections' biases of Hugging Face's attention_bias (q_a_proj, "
+                   "kv_a_proj_with_mqa; megatron-core's MLA has none, so no TP run has them): under TP split as their "
+                   "weights' rows (--transformer-impl local) or whole on every rank (Transformer Engine's duplicated "
+                   "layers, their gradients all-reduced over TP under sequence parallelism); measured at TP 1 "
+                   "against transformers")
+    if not duplicated:
+        return out
+    return out + ["multi-latent attention as Transformer Engine's spec builds it (--transformer-impl transformer_engine, "
             "Megatron-LM's default; no Transformer Engine on CPU, --transformer-impl local is measured): the q and "
             "kv down projections whole on every TP rank (parallel_mode='duplicated': their weights, gradients and "
             "optimizer state not split; gradients all-reduced over TP under sequence parallelism), no latent "
