@@ -155,6 +155,8 @@ SPOT_LAYOUTS = {
     "PP2 layout Ett|ttL": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", "Ett|ttL"],
     "PP2 layout Et*8|t*32L": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout",
                               "Et*8|t*32L"],
+    "TP2 SP CP2": ["--tp", "2", "--sequence-parallel", "--cp", "2"],
+    "TP2 CP2": ["--tp", "2", "--cp", "2"],
 }
 SPOT_CHECKS = [
     ("mcore:mla", "frozen LoRA proj, selective recompute of mla_up_proj", ("1 GPU", "TP2 SP")),
@@ -166,6 +168,7 @@ SPOT_CHECKS = [
     ("examples/wan_tiny_dit.json", "full recompute of 2-block groups", ("1 GPU", "DP2")),
     ("examples/wan_tiny_dit.json", "", ("TP2 SP DP2 FSDP", "CP2 DP2 FSDP", "DP2 FSDP SGD")),
     ("mcore:untied mla moe mtp", "", ("TP2 SP DP2 FSDP", "CP2 DP2 FSDP", "DP2 FSDP SGD")),
+    ("mcore:dsa*", "", ("TP2 SP CP2", "TP2 CP2")),  # (megatron-core 0.19.0's DSA layer under TP x CP)
     ("examples/qwen2_5_vl_7b_config.json", "vision grids", ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2")),
     ("mcore:hybrid mamba", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split", "PP2 layout Ett|ttL")),
     ("mcore:hybrid mamba piped", "", ("PP2 first stage 1 layer",)),
@@ -238,14 +241,12 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
                                                    r"layout with a hybrid layer pattern"),
     ("mcore:hybrid mamba piped | PP2 first stage 1 layer | ", r"refused: .*megatron-core 0.19 refuses num_layers_in_"
                                                               r"first/last_pipeline_stage when the hybrid pattern"),
+    # DSA under CP needs megatron-core 0.19.0's AbsorbedMLASelfAttention, which asserts sequence parallelism under TP.
+    ("mcore:dsa* | TP2 CP2 | ", r"refused: .*AbsorbedMLASelfAttention asserts it"),
 ]
 
 # GAPS: ours. Each is a refusal or a not-modelled row for a layout the frameworks train.
 GAPS: list[tuple[str, str]] = [
-    # DSA layers that reuse an earlier top-k under CP (megatron-core 0.19.0's index sharing with its CP layer: not
-    # modelled by memory/linear_cp.py).
-    ("mcore:dsa shared top-k mtp | CP2 | ", r"refused: .*context parallelism is not modelled for DeepSeek sparse "
-                                            r"attention layers that reuse an earlier layer's top-k"),
     # A frozen base whose first layer is MoE, adapted on the experts only: measured at TP 1 with non-gated
     # SequentialMLP experts, the alltoall dispatcher and no shared experts (memory/moe_lora_start.py); Mixtral's
     # gated experts and TP are not.

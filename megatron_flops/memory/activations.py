@@ -360,10 +360,11 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     inputs); nothing before the hidden states require grad."""
     mla = spec.mla
     assert mla is not None
-    if dsa == "dsa" and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:func:`.linear_cp.dsa_cp_saved`)
-        w.keep("attention", x.tokens * x.h * x.act)
+    if dsa in ("dsa", "dsa_shared") and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:mod:`.linear_cp`)
+        w.keep("attention", x.local_tokens * x.h * x.act)
         w.act("attention", dsa_cp_saved(spec, s=x.s, b=x.b, cp=x.cp, act=x.act, latent_norms=options.qk_layernorm,
-                                        norm_stats=_mla_norm_stats(x, options) // x.tokens))
+                                        norm_stats=_mla_norm_stats(x, options) // x.local_tokens, tp=x.sp,
+                                        indexer=dsa == "dsa"))
         return
     ad, started = _MlaAdapters.of(w.grad, spec, sp=x.sp > 1), w.grad.started
     moved, kv_rope = _mla_latents(w, x, spec, options, ad)

@@ -13,6 +13,7 @@ forward:
   the target needs no grad).
 
 A layer that reuses an earlier top-k (``dsa_shared``) runs no indexer and no loss: none.
+Under CP: megatron-core 0.19.0's layer (:func:`.linear_cp.dsa_cp_traffic`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def dsa_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Training, *
     mtp = len(mtp_mixers)
     kinds = [spec.layers[i][0] for i in layers] + mtp_mixers
     indexed = [kind == "dsa" for kind in kinds]
-    if mla is None or not any(indexed) or par.tp == 1:
+    if mla is None or not any(indexed) or par.tp == 1 or par.cp > 1:
         return {}
     rerun = fully_recomputed_layers(recompute, len(layers))
     reruns = [j < rerun for j in range(len(layers))] + [mtp_recomputed(spec, recompute)] * mtp
