@@ -695,10 +695,10 @@ def _hybrid_layers(f: Fields, pattern: Any, moe: MoESpec | None, mla: MLASpec | 
         if mtp not in (0, len(mtp_parts)):
             raise f.error(f"{f.name('mtp_num_layers')}={mtp} but {name} has {len(mtp_parts)} MTP depths")
         return _Layers(main=runs, mtp_num_layers=len(mtp_parts), mtp=mtp_runs, segments=segments)
-    # NB: a pattern without '/' and mtp_num_layers: one attention layer with the last FFN kind (Megatron-LM's count).
-    ffns = [ffn for (_, ffn), _ in runs if ffn != "none"]
-    return _Layers(main=runs, mtp_num_layers=mtp, mtp=((("attention", ffns[-1] if ffns else "mlp"), 1),),
-                   segments=segments)
+    # NB: a pattern without '/' builds no MTP, whatever mtp_num_layers says: megatron-core 0.19's HybridModel
+    # builds MTP depths only from parts after '/' (Megatron-LM warns "Hybrid model with --mtp-num-layers but
+    # no MTP pattern"), and 0.16.1's MambaModel has none.
+    return _Layers(main=runs, mtp_num_layers=0, mtp=(), segments=segments)
 
 
 def _hybrid_windows(f: Fields, runs: LayerRuns) -> LayerRuns:
