@@ -163,6 +163,19 @@ def test_a_pattern_without_mtp_parts_builds_no_mtp():
     assert _tp_traffic("*-*-", Parallelism(tp=2), mtp_num_layers=2) == {"tp/all_reduce": 82_304}
 
 
+def test_legacy_mtp_pattern_option_becomes_the_parts_after_slash():
+    # Megatron-LM 0.19's validate_args: --mtp-hybrid-override-pattern P with --mtp-num-layers N beside
+    # a pattern without '/' is the unified pattern's N parts "/P"; without it, no MTP (above).
+    from megatron_flops.model.megatron_args import load_megatron_args, model_spec
+
+    line = ("--hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --vocab-size 128 --mamba-state-dim 16 "
+            "--mamba-head-dim 16 --mamba-num-groups 2 --hybrid-layer-pattern M*-M --mtp-num-layers 2")
+    legacy = model_spec(*load_megatron_args(line + " --mtp-hybrid-override-pattern '*-'"))
+    unified = model_spec(*load_megatron_args(line.replace("M*-M", "M*-M/*-/*-")))
+    assert legacy == unified and legacy.mtp_num_layers == 2
+    assert model_spec(*load_megatron_args(line)).mtp_num_layers == 0
+
+
 def test_hybrid_mla_layers_under_tp_count_the_attention_layers_only():
     # "+-+-" with MLA at TP 2: the latent collectives of its 2 MLA layers, not of 4 (its MLP layers
     # have none). T = 32, fp32. Without SP: the dense part 10 x 8,192 + 384 (as "*-*-"); per MLA

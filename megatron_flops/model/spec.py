@@ -283,6 +283,12 @@ class ModelSpec:
         fields["tensor_model_parallel_size"] = get("tensor_model_parallel_size", 1)
         fields["share_embeddings_and_output_weights"] = not get("untie_embeddings_and_output_weights", False)
         pattern = get("hybrid_layer_pattern") or get("hybrid_override_pattern")
+        # NB: Megatron-LM 0.19 turns the legacy --mtp-hybrid-override-pattern P with --mtp-num-layers N
+        # beside a pattern without '/' into the unified pattern's N parts "/P" (validate_args).
+        legacy = (getattr(args, "_unread", {}).get("mtp_hybrid_override_pattern") or [None])[0]
+        mtp = get("mtp_num_layers")
+        if isinstance(pattern, str) and legacy and isinstance(mtp, int) and mtp > 0 and _HYBRID_MTP not in pattern:
+            pattern += _HYBRID_MTP + _HYBRID_MTP.join([legacy] * mtp)
         if pattern:
             fields["hybrid_override_pattern"] = pattern
         names = dict(_MLM_NAMES)
