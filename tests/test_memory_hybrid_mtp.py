@@ -199,6 +199,22 @@ def test_hybrid_mla_layers_under_tp_count_the_attention_layers_only():
     assert _tp_traffic("+-/+-", Parallelism(tp=2), **MLA) == {"tp/all_reduce": 148_224, "tp/all_gather": 29_440}
 
 
+def test_a_gpt_mtp_layer_names_the_release_its_tp_traffic_follows():
+    # A GPT's MTP layers follow megatron-core 0.16.1 (no acceptance counts, measured there); 0.19's
+    # gather of them under TP is named in the assumptions, not counted. A hybrid MTP part counts it.
+    from megatron_flops.memory.mla_mtp import mla_mtp_assumptions
+
+    gpt = ModelSpec.from_mapping(dict(FIELDS, num_layers=2, mtp_num_layers=1))
+    note = [a for a in mla_mtp_assumptions(gpt, Parallelism(tp=2), duplicated=False) if "acceptance" in a]
+    assert len(note) == 1 and "megatron-core 0.16.1's GPTModel" in note[0] and "not counted" in note[0]
+    assert not [a for a in mla_mtp_assumptions(gpt, Parallelism(), duplicated=False) if "acceptance" in a]
+    assert not [a for a in mla_mtp_assumptions(_spec("*-/*-"), Parallelism(tp=2), duplicated=False)
+                if "acceptance" in a]
+    # (gathered: eh_proj's output [T, h] only, 8,192 bytes; 0.19 would gather 2 x 32 x (4 + 8) = 768 more)
+    traffic = step_communication(gpt, OPTIONS, Parallelism(tp=2), FP32, pp_rank=0, buffers={})
+    assert traffic["tp/all_gather"] == 8_192
+
+
 # (pattern, TP, SP, run a step, fields): steps only without Mamba layers (their kernels are CUDA-only).
 CASES = [("M*-M/*-", 1, False, False, {}), ("M*-M/M-", 1, False, False, {}), ("*-*-/*-", 1, False, True, {}),
          ("*-/*-*-/*-*-", 2, False, True, {}), ("*-/*-*-/*-*-", 2, True, True, {}),

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds
+from megatron_flops.memory.mtp_layers import hybrid_mtp, last_stage_mtp_kinds
 from megatron_flops.model.spec import ModelSpec
 
 CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials (as comm.CE_REDUCTIONS)
@@ -183,6 +183,11 @@ def mla_mtp_assumptions(spec: ModelSpec, par: Parallelism, *, duplicated: bool) 
                    "local, measured): the q and kv down projections column parallel, their outputs all-gathered "
                    "(tp/all_gather); Megatron-LM's default Transformer Engine spec keeps them whole on every TP rank "
                    "(parallel_mode='duplicated')")
+    if spec.mtp_num_layers and par.tp > 1 and not hybrid_mtp(spec):
+        out.append("multi-token prediction layers as megatron-core 0.16.1's GPTModel runs them under TP; 0.19 also "
+                   "counts MTP acceptance (under no grad): each depth's vocab-parallel argmax all-gathers every TP "
+                   "rank's max logit and int64 index per token, TP x tokens x (activation bytes + 8) more "
+                   "tp/all_gather per depth and micro-batch, not counted here (a hybrid MTP part, 0.19's, counts it)")
     if spec.mtp_num_layers and par.pp > 1:
         out.append("multi-token prediction on the last pipeline stage (megatron-core's default placement), with a "
                    "copy of the word embeddings there, all-reduced with the first stage's (embd/all_reduce)")
