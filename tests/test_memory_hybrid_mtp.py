@@ -163,6 +163,18 @@ def test_a_pattern_without_mtp_parts_builds_no_mtp():
     assert _tp_traffic("*-*-", Parallelism(tp=2), mtp_num_layers=2) == {"tp/all_reduce": 82_304}
 
 
+def test_estimate_notes_an_mtp_count_a_hybrid_pattern_without_slash_ignores(tmp_path, capsys):
+    model = tmp_path / "hybrid.json"
+    model.write_text(json.dumps(dict(FIELDS, hybrid_override_pattern="*-*-", mtp_num_layers=2)))
+    assert main(["estimate", "--model", str(model), "--seq-length", "16", "--batch-size", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [n for n in report["notes"] if n.startswith("mtp_num_layers=2 is not counted")]
+    assert not [k for k in report["components"] if k.startswith("mtp/")]
+    model.write_text(json.dumps(dict(FIELDS, hybrid_override_pattern="*-*-/*-")))  # (an MTP part: no note)
+    assert main(["estimate", "--model", str(model), "--seq-length", "16", "--batch-size", "2", "--json"]) == 0
+    assert "notes" not in json.loads(capsys.readouterr().out)
+
+
 def test_legacy_mtp_pattern_option_becomes_the_parts_after_slash():
     # Megatron-LM 0.19's validate_args: --mtp-hybrid-override-pattern P with --mtp-num-layers N beside
     # a pattern without '/' is the unified pattern's N parts "/P"; without it, no MTP (above).
