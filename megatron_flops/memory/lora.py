@@ -90,6 +90,18 @@ def mla_targets(spec: ModelSpec) -> tuple[str, ...]:
     return tuple(t for t in MLA_TARGETS if t in q or "_kv_" in t)
 
 
+def mla_up_widths(spec: ModelSpec, *, fused: bool = False) -> dict[str, int]:
+    """The input widths of MLA's up projections (their adapters' inputs), by target name;
+    ``fused`` (Transformer Engine's fused norm + linear under sequence parallelism): 0, the
+    adapter gathering no input and reduce-scattering no input gradient of its own (the base's
+    all-gathered norm output and reduce-scatter serve it)."""
+    if spec.mla is None:
+        return {}
+    if fused:
+        return {"linear_q_up_proj": 0, "linear_kv_up_proj": 0}
+    return {"linear_q_up_proj": spec.mla.q_lora_rank or 0, "linear_kv_up_proj": spec.mla.kv_lora_rank}
+
+
 def adapter_numels(name: str, d_in: int, d_out: int, rank: int, tp: int, *,
                    duplicated: bool = False) -> tuple[int, int]:
     """Elements of ``linear_in`` and ``linear_out`` on one TP rank, for a target ``name`` whose

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import (COLUMN_PARALLEL, LAYER_ORDER, adapter_backward_payload,
-                                        adapter_forward_payload, mla_targets)
+                                        adapter_forward_payload, mla_targets, mla_up_widths)
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.moe import expert_tp_group
 from megatron_flops.model.spec import ModelSpec
@@ -112,7 +112,7 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
     this rank's experts (None: balanced, ``s/TP*b x ETP x topk``); ``duplicated``: Transformer Engine's MLA
     down projections, whole on every TP rank (a formula); ``fused_up``: its up projections with the latent
     norms fused in (under sequence parallelism their adapters read the norm output the base gathered:
-    :func:`_latent_widths`); ``expert_adapters``: whether the routed
+    :func:`~megatron_flops.memory.lora.mla_up_widths`); ``expert_adapters``: whether the routed
     experts have adapters (legacy ``GroupedMLP`` has none; ``TEGroupedMLP``'s shared one runs the
     same explicit expert communication over all routed tokens). {} at TP 1 and expert TP 1."""
     if peft is None or peft.lora_rank is None or (par.tp == 1 and par.expert_tp == 1):
@@ -127,7 +127,7 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         out[key] = out.get(key, 0) + value
 
     layers = adapted_layers(spec, par, recompute, pp_rank=pp_rank)
-    widths = _latent_widths(spec, fused=fused_up and sp)
+    widths = mla_up_widths(spec, fused=fused_up and sp)
     outputs = _down_widths(spec) if duplicated else None
     for layer in layers:
         targets = layer.targets(peft) if par.tp > 1 else ()
@@ -147,18 +147,6 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         add(key, -count * tokens * a)
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
-
-
-def _latent_widths(spec: ModelSpec, *, fused: bool = False) -> dict[str, int]:
-    """The input widths of MLA's up projections (their adapters' inputs), by target name;
-    ``fused`` (Transformer Engine's fused norm + linear under sequence parallelism): 0, the
-    adapter gathering no input and reduce-scattering no input gradient of its own (the base's
-    all-gathered norm output and reduce-scatter serve it: :mod:`megatron_flops.memory.lora`)."""
-    if spec.mla is None:
-        return {}
-    if fused:
-        return {"linear_q_up_proj": 0, "linear_kv_up_proj": 0}
-    return {"linear_q_up_proj": spec.mla.q_lora_rank or 0, "linear_kv_up_proj": spec.mla.kv_lora_rank}
 
 
 def _down_widths(spec: ModelSpec) -> dict[str, int]:
@@ -276,7 +264,7 @@ def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: b
     only ``linear_q_proj``'s [T, h] and the latents' are skipped; under sequence parallelism
     (up-projection adapters only) no latent gathers, and the kv latent's RoPE part's
     reduce-scatter [T, rope] is skipped too; ``fused``: the up projections' adapters run no
-    reduce-scatter of their own (:func:`_latent_widths`)."""
+    reduce-scatter of their own (:func:`~megatron_flops.memory.lora.mla_up_widths`)."""
     mla = spec.mla
     assert mla is not None
     h, q, kv = spec.hidden_size, mla.q_lora_rank, mla.kv_lora_rank
@@ -288,7 +276,7 @@ def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: b
     gathers = 0 if duplicated else (q or 0) * (not q_on) + kv * (not kv_on)
     rope = mla.qk_pos_emb_head_dim * (duplicated and not kv_on)
     adapters = h * sum(t in ("linear_q_down_proj", "linear_kv_down_proj", "linear_q_proj") for t in targets)
-    widths = _latent_widths(spec, fused=fused)
+    widths = mla_up_widths(spec, fused=fused)
     adapters += widths["linear_q_up_proj"] * ("linear_q_up_proj" in targets and not q_on) \
         + widths["linear_kv_up_proj"] * ("linear_kv_up_proj" in targets and not kv_on)
     return {"tp/reduce_scatter": skipped + rope + adapters, "tp/all_gather": gathers}

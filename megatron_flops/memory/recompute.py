@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.lora import adapter_forward_payload, mla_targets
+from megatron_flops.memory.lora import adapter_forward_payload, mla_targets, mla_up_widths
 from megatron_flops.memory.lora_layers import expert_adapter_payload
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -114,9 +114,8 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
         q = spec.mla.q_lora_rank if spec.mla.q_lora_rank is not None else spec.hidden_size
         if par.sequence_parallel:
             out["tp/all_gather"] = out.get("tp/all_gather", 0) + mla * (q + spec.mla.kv_lora_rank) * tokens * act
-        fused = fused_up and par.sequence_parallel
-        widths = {"linear_q_up_proj": 0 if fused else q, "linear_kv_up_proj": 0 if fused else spec.mla.kv_lora_rank}
         ups = tuple(t for t in mla_targets(spec) if t != "linear_q_down_proj" and t != "linear_kv_down_proj")
+        widths = mla_up_widths(spec, fused=fused_up and par.sequence_parallel)
         for key, value in adapter_forward_payload(peft, ups, tokens, spec.hidden_size, act, sp=par.sequence_parallel,
                                                   widths=widths).items():
             out[key] = out.get(key, 0) + mla * value
