@@ -74,6 +74,7 @@ from megatron_flops.memory.lora import lora_activation_reason, mla_targets
 from megatron_flops.memory.linear_cp import dsa_cp_saved, gdn_cp_saved
 from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.mtp_layers import mtp_kinds
+from megatron_flops.memory.hybrid_pipeline import is_hybrid
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
@@ -786,7 +787,7 @@ def chunk_activations(
         for i, layer in enumerate(layers):
             mixer, ffn = kinds[layer]
             _layer(w, x, spec, options, core_attn=core_attn, moe=ffn == "moe", mixer=mixer, ffn=ffn != "none")
-    if par.holds_final_norm(spec.num_layers, pp_rank, chunk, mtp=bool(spec.mtp_num_layers)):
+    if par.holds_final_norm(spec.num_layers, pp_rank, chunk, mtp=bool(spec.mtp_num_layers) and not is_hybrid(spec)):
         _norm(w, "output", x, options)
     if par.is_last_stage(pp_rank, chunk):
         _mtp_layers(w, x, spec, options, vocab_parallel=par.tp > 1, core_attn=core_attn,

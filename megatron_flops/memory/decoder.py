@@ -21,6 +21,7 @@ from megatron_flops.memory.hf_layers import hf_decoder_fields
 from megatron_flops.memory.hf_parallel import ONE_NORM
 from megatron_flops.memory.hf_qk_norms import HF_QK_NORMS, PER_HEAD_LAYERNORM, qk_norm_reason, qk_norm_tensors
 from megatron_flops.model.hf_config import hf_family_of, hf_text_config
+from megatron_flops.memory.hybrid_pipeline import is_hybrid
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.memory.grouped_lora import grouped_adapter_tensors
 from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
@@ -300,7 +301,7 @@ def chunk_parameters(
     layers, kinds = par.chunk_layers(spec.num_layers, pp_rank, chunk), spec.layers
     for local, layer in enumerate(layers):  # NB: layer numbering is per chunk (megatron's local index)
         out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1], kinds[layer][0])
-    if par.holds_final_norm(spec.num_layers, pp_rank, chunk, mtp=has_mtp):
+    if par.holds_final_norm(spec.num_layers, pp_rank, chunk, mtp=has_mtp and not is_hybrid(spec)):
         out += _norm(options, "decoder.final_layernorm.", h, base)
     if last:
         for i in range(spec.mtp_num_layers):

@@ -114,7 +114,8 @@ class Parallelism:
     def holds_final_norm(self, num_layers: int, pp_rank: int, chunk: int, *, mtp: bool) -> bool:
         """Whether this model chunk builds the decoder's final norm (megatron-core's
         ``has_final_layernorm_in_this_stage``): the last stage, or with MTP layers the stage of the
-        last decoder layer (a layout can leave the last stage none)."""
+        last decoder layer (a layout can leave the last stage none); ``mtp`` False for a hybrid
+        stack, whose final norm is always the last stage's."""
         if not mtp:
             return self.is_last_stage(pp_rank, chunk)
         return num_layers - 1 in self.chunk_layers(num_layers, pp_rank, chunk)
