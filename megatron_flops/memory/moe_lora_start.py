@@ -29,8 +29,7 @@ def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Para
     moe = spec.moe
     if not starts_in_experts(spec, peft) or moe is None:
         return None
-    if (moe.shared_expert_ffn_hidden_size or options.moe_token_dispatcher_type != "alltoall" or spec.gated_linear_unit
-            or moe.latent_size or par.ep > 1 or recompute is not None
+    if (moe.latent_size or par.ep > 1 or recompute is not None
             or experts_module(options) != "SequentialMLP"):  # NB: grouped experts take no adapter
         return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are measured with "
                 "the alltoall dispatcher, SequentialMLP experts (no grouped GEMM), EP 1, non-gated experts, no shared "
@@ -57,7 +56,12 @@ def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: Peft
     if "linear_fc1" in adapted:
         started = moe_activations(spec, options, tokens=tokens, local_tokens=local_tokens, act=act, tp=tp, ep=1,
                                   received=None, frozen=True)
-        experts = started["moe/experts"] - got * ffn * act
-    return {"moe/dispatcher": local_tokens * moe.router_topk * INDEX_BYTES, "moe/experts": experts,
+        # NB: the fused SwiGLU's kernel keeps its input and the probabilities only (no product to drop).
+        fused = spec.gated_linear_unit and options.bias_activation_fusion
+        experts = started["moe/experts"] - (0 if fused else got * ffn * act)
+    # The combine's sorted indices: of this rank's T_l tokens permuted before the all-to-all, or (allgather)
+    # of the gathered tokens its experts take.
+    permuted = got if options.moe_token_dispatcher_type == "allgather" else local_tokens * moe.router_topk
+    return {"moe/dispatcher": permuted * INDEX_BYTES, "moe/experts": experts,
             "lora": expert_lora_activations(spec, adapted=adapted, rank=peft.lora_rank, frozen=True, tokens=tokens,
                                             act=act, tp=tp, received=None)}
