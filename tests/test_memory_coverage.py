@@ -222,12 +222,6 @@ GAPS: list[tuple[str, str]] = [
     # models have no MTP): its parameter names and sub-layers are 0.19's, not run or read here.
     ("mcore:hybrid mamba mtp | *", r"refused: .*multi-token prediction of a hybrid pattern's MTP part after '/' is not "
                                    r"modelled"),
-    # A frozen base whose first layer is MoE, adapted on the experts only: measured at TP 1 with non-gated
-    # SequentialMLP experts, the alltoall dispatcher and no shared experts (memory/moe_lora_start.py); Mixtral's
-    # gated experts and TP are not.
-    ("hf:mixtral | 1 GPU | frozen LoRA fc1, fc2", r"not modelled: activations of a frozen MoE first layer whose "
-                                                   r"first adapter is a routed expert's"),
-    ("hf:mixtral | TP2 SP | frozen LoRA fc1, fc2", r"refused: .*no tensor-parallel adapter"),
 ]
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.decoder import DecoderOptions, experts_module
-from megatron_flops.memory.layout import INDEX_BYTES, Parallelism
-from megatron_flops.memory.moe import expert_lora_activations, moe_activations
+from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
+from megatron_flops.memory.moe import expert_lora_activations, expert_tp_group, moe_activations
 from megatron_flops.model.spec import ModelSpec
 
 
@@ -29,11 +29,11 @@ def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Para
     moe = spec.moe
     if not starts_in_experts(spec, peft) or moe is None:
         return None
-    if (moe.latent_size or par.ep > 1 or recompute is not None
+    if (options.moe_token_dispatcher_type not in ("alltoall", "allgather") or moe.latent_size or par.ep > 1 or recompute is not None
             or experts_module(options) != "SequentialMLP"):  # NB: grouped experts take no adapter
         return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are measured with "
-                "the alltoall dispatcher, SequentialMLP experts (no grouped GEMM), EP 1, non-gated experts, no shared "
-                "experts or latent projections and no recompute; add an attention target (linear_proj) for the rest")
+                "the alltoall and allgather dispatchers, SequentialMLP experts (no grouped GEMM), EP 1, no latent "
+                "projections and no recompute; add an attention target (linear_proj) for the rest")
     return None
 
 
@@ -65,3 +65,19 @@ def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: Peft
     return {"moe/dispatcher": permuted * INDEX_BYTES, "moe/experts": experts,
             "lora": expert_lora_activations(spec, adapted=adapted, rank=peft.lora_rank, frozen=True, tokens=tokens,
                                             act=act, tp=tp, received=None)}
+
+
+def first_adapter_dispatcher_skip(spec: ModelSpec, par: Parallelism, training: Training, *, dispatcher: str,
+                                  routed: int) -> dict[str, int]:
+    """Payload bytes per micro-batch the first layer's dispatcher does not run in backward (its
+    tokens and probabilities require no grad), beyond the trained layer's: under expert TP
+    (``alltoall``) the reduce-scatter of the ``routed`` tokens' and probabilities' gradients
+    [n, h + 1]; ``allgather`` (expert TP x EP > 1) that of the gathered tokens' and probabilities'
+    [G, h + E]. The experts' output gradient is still all-gathered."""
+    moe = spec.moe
+    assert moe is not None
+    a, h = training.param_bytes, spec.hidden_size
+    if dispatcher == "allgather":
+        rows = training.seq_length * training.micro_batch_size // par.tp * par.expert_tp * par.ep
+        return {"tp_ep/reduce_scatter": rows * (h + moe.num_experts) * a} if par.expert_tp * par.ep > 1 else {}
+    return {f"{expert_tp_group(par)}/reduce_scatter": routed * (h + 1) * a} if par.expert_tp > 1 else {}

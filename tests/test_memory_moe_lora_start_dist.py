@@ -1,0 +1,56 @@
+"""A frozen base whose first layer is MoE, adapted on the experts only (``linear_fc1``/``linear_fc2``,
+no attention target: the gradient starts inside that layer, :mod:`megatron_flops.memory.moe_lora_start`)
+under TP2 + sequence parallelism: one real training step each on megatron-core 0.16.1 in 2 gloo
+processes with Megatron-Bridge 0.3.1's adapters (tests/test_memory_lora_tp_dist.py's scaffolding: top-k =
+experts, fp32), against :mod:`megatron_flops.memory` to the byte: parameters, states, every collective's
+payload, the bytes each forward saves and the schedule's peak."""
+
+from __future__ import annotations
+
+import pytest
+
+import mcore_cpu
+from test_memory_lora_tp_dist import (BASE, MLA, MOE, check_activations, check_parameters, check_states_and_communication,
+                                      measure, setup)
+
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)]
+
+SWIGLU = dict(gated_linear_unit=True, activation_func="silu")
+RUNS = {
+    # Mixtral's layer: every layer MoE, fused SwiGLU experts, alltoall, no shared experts.
+    "TP2 + SP, MoE every layer (alltoall), fused SwiGLU experts, LoRA on linear_fc1 + linear_fc2": dict(
+        world=2, layout=dict(tp=2, sp=True),
+        model=dict(BASE, **dict(MOE, moe_layer_freq=1), **SWIGLU, bias_activation_fusion=True,
+                   moe_token_dispatcher_type="alltoall"), m=2, lora=(("linear_fc1", "linear_fc2"), 4)),
+    # The shared experts' fc2 adapter comes first (they run before the router), then the routed experts'.
+    "TP2 + SP, MoE first of 2 layers (allgather), unfused SwiGLU, gated shared experts, LoRA on linear_fc2": dict(
+        world=2, layout=dict(tp=2, sp=True),
+        model=dict(BASE, **dict(MOE, moe_layer_freq=[1, 0]), **SWIGLU, moe_token_dispatcher_type="allgather",
+                   moe_shared_expert_intermediate_size=40, moe_shared_expert_gate=True),
+        m=2, lora=(("linear_fc2",), 4)),
+    # An MLA first layer: its projections, as attention's, run no backward before the experts' adapters.
+    "TP2 + SP, MLA (q_lora) + MoE every layer (alltoall), LoRA on linear_fc1": dict(
+        world=2, layout=dict(tp=2, sp=True),
+        model=dict(BASE, **MLA, q_lora_rank=24, **dict(MOE, moe_layer_freq=1), moe_token_dispatcher_type="alltoall"),
+        m=2, lora=(("linear_fc1",), 4)),
+}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return measure(RUNS)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_parameters_in_megatron_order(measured, name):
+    check_parameters(measured[name], *setup(name, RUNS))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_states_and_communication(measured, name):
+    check_states_and_communication(measured[name], *setup(name, RUNS))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_activations_per_forward_and_schedule_peak(measured, name):
+    check_activations(measured[name], *setup(name, RUNS))
