@@ -134,8 +134,10 @@ _MLA_SPEC = dict(_MOE_SPEC, multi_latent_attention=True, kv_lora_rank=16, qk_hea
     # (MLA's own projections: measured, tests/test_memory_lora_mla_dist.py.)
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj", "linear_kv_up_proj")),
      None),
-    (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)),
-     "first adapter is a routed expert's are measured with the alltoall dispatcher"),
+    (dict(_MOE_SPEC, moe_token_dispatcher_type="flex"), Parallelism(),
+     PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)),
+     "first adapter is a routed expert's are measured with the alltoall and allgather dispatchers"),
+    (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
     (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall"), Parallelism(),
      PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
     (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True),
@@ -143,7 +145,8 @@ _MLA_SPEC = dict(_MOE_SPEC, multi_latent_attention=True, kv_lora_rank=16, qk_hea
     (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
-], ids=["MLA projections", "MoE first layer, experts only, allgather", "MoE first layer, experts only",
+], ids=["MLA projections", "MoE first layer, experts only, flex", "MoE first layer, experts only, allgather",
+        "MoE first layer, experts only",
         "MoE first layer, experts only, legacy grouped experts", "MoE default targets",
         "MLA + MoE default targets (linear_qkv adapts nothing)", "MLA, dense first layer, fc1"])
 def test_lora_moe_mla_activations_refused_with_a_reason(fields, par, peft, reason):
