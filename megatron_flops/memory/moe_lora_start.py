@@ -1,17 +1,24 @@
-"""A frozen base whose first layer is MoE and whose first adapter is a routed expert's
-(``--lora-targets linear_fc1,linear_fc2`` without an attention target): what that layer saves
-before and after the hidden states start to require grad inside it (stdlib only).
+"""A frozen base whose first layer is MoE and whose first adapter is an expert's
+(``--lora-targets linear_fc1,linear_fc2`` without an attention target, as for Mixtral): what that
+layer saves before and after the hidden states start to require grad inside it, and which of its
+backward collectives never run (stdlib only).
 
-Measured (``tests/test_memory_activations.py``, megatron-core 0.16.1's local layers on CPU, TP 1,
-EP 1, alltoall, GELU ``SequentialMLP`` experts, no shared experts): nothing requires grad before
-the first expert adapter, so the attention, the pre-MLP norm, the router and the dispatcher's
-permutation save nothing. From ``linear_fc1``'s adapter on (it keeps the permuted tokens and
-its [n, r] intermediate) an expert saves as a started frozen one, less the activation's output the
-probabilities multiply: the probabilities need no gradient, so the product keeps only them. With
+Measured (megatron-core 0.16.1's local layers on CPU, Megatron-Bridge 0.3.1's adapters, EP 1,
+``SequentialMLP`` experts; ``tests/test_memory_activations.py`` at TP 1: GELU, fused and unfused
+SwiGLU experts, gated shared experts, alltoall and allgather; ``tests/test_memory_moe_lora_start_dist.py``
+under TP2 + SP on gloo): nothing requires grad before the first expert adapter, so the attention,
+the pre-MLP norm, the router and the dispatcher's permutation save nothing. The shared experts run
+first, as a frozen dense MLP whose adapter starts the gradient (the caller walks them); their gate
+keeps only its output [T_l, 1]. From ``linear_fc1``'s adapter on (it keeps the permuted tokens and
+its [n, r] intermediate) a routed expert saves as a started frozen one, less the activation's
+output the probabilities multiply (unfused: the probabilities need no gradient, so the product
+keeps only them; the fused SwiGLU kernel keeps its input and the probabilities regardless). With
 ``linear_fc2`` the only expert target, nothing before its adapter saves either: its input
 [n, ffn] and [n, r]. The combine (unpermutation) then keeps the permutation's sorted indices
-(int64 [T x k]); the routing map and the scattered probabilities are not kept.
-"""
+(int64: this rank's [T_l x k] before the all-to-all, or the gathered tokens its experts take with
+the allgather dispatcher); the routing map and the scattered probabilities are not kept. In
+backward the dispatcher's tokens and probabilities need no gradient: no reduce-scatter of theirs.
+""""""
 
 from __future__ import annotations
 
