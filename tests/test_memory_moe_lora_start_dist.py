@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 import mcore_cpu
-from test_memory_lora_tp_dist import (BASE, MLA, MOE, check_activations, check_parameters, check_states_and_communication,
-                                      measure, setup)
+from test_memory_lora_tp_dist import (BASE, MLA, MOE, check_activations, check_parameters,
+                                      check_states_and_communication, measure, setup)
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)]
 

@@ -18,7 +18,7 @@ keeps only them; the fused SwiGLU kernel keeps its input and the probabilities r
 (int64: this rank's [T_l x k] before the all-to-all, or the gathered tokens its experts take with
 the allgather dispatcher); the routing map and the scattered probabilities are not kept. In
 backward the dispatcher's tokens and probabilities need no gradient: no reduce-scatter of theirs.
-""""""
+"""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Para
     moe = spec.moe
     if not starts_in_experts(spec, peft) or moe is None:
         return None
-    if (options.moe_token_dispatcher_type not in ("alltoall", "allgather") or moe.latent_size or par.ep > 1 or recompute is not None
-            or experts_module(options) != "SequentialMLP"):  # NB: grouped experts take no adapter
+    if (options.moe_token_dispatcher_type not in ("alltoall", "allgather") or moe.latent_size or par.ep > 1
+            or recompute is not None or experts_module(options) != "SequentialMLP"):  # NB: grouped: no adapter
         return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are measured with "
                 "the alltoall and allgather dispatchers, SequentialMLP experts (no grouped GEMM), EP 1, no latent "
                 "projections and no recompute; add an attention target (linear_proj) for the rest")
@@ -49,7 +49,8 @@ def starts_in_experts(spec: ModelSpec, peft: PeftSpec | None) -> bool:
     if peft is None or peft.lora_rank is None or not peft.frozen or spec.moe is None or spec.layers[0][1] != "moe":
         return False
     attention = {"linear_proj"} if spec.mla is not None else {"linear_qkv", "linear_proj"}
-    return not attention & set(peft.lora_targets)
+    mla = {t for t in peft.lora_targets if spec.mla is not None and t.startswith(("linear_q_", "linear_kv_"))}
+    return not (attention | mla) & set(peft.lora_targets)
 
 
 def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, *, tokens: int,
