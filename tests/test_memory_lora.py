@@ -222,3 +222,15 @@ def test_moe_expert_adapters_with_their_own_tp_by_hand():
     assert expert_lora_unmeasured(spec, Parallelism(tp=2, dp=2, sequence_parallel=True), peft) == []
     with pytest.raises(ValueError, match="not divisible by the experts' TP 2"):
         check_supported(spec, etp2, PeftSpec(frozen=True, lora_rank=3, lora_targets=("linear_fc1",)), OPTIONS)
+
+
+def test_first_adapter_in_experts_only_without_attention_targets():
+    # A frozen MLA + MoE first layer: an adapter on MLA's own projections starts the gradient in attention.
+    from megatron_flops.memory.moe_lora_start import starts_in_experts
+
+    spec = ModelSpec.from_mapping(dict(_MLA_SPEC, moe_layer_freq=1))
+    assert starts_in_experts(spec, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1", "linear_fc2")))
+    assert not starts_in_experts(spec, PeftSpec(frozen=True, lora_rank=4,
+                                                 lora_targets=("linear_q_proj", "linear_fc1")))
+    # (MLA has no linear_qkv: that target adapts nothing there, the experts' adapters start the gradient.)
+    assert starts_in_experts(spec, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_qkv", "linear_fc1")))
