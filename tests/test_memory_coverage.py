@@ -218,10 +218,6 @@ GAPS: list[tuple[str, str]] = [
     # modelled by memory/linear_cp.py).
     ("mcore:dsa shared top-k mtp | CP2 | ", r"refused: .*context parallelism is not modelled for DeepSeek sparse "
                                             r"attention layers that reuse an earlier layer's top-k"),
-    # A hybrid pattern's MTP part after '/' (megatron-core 0.19's HybridStack inside the MTP layer; 0.16.1's hybrid
-    # models have no MTP): its parameter names and sub-layers are 0.19's, not run or read here.
-    ("mcore:hybrid mamba mtp | *", r"refused: .*multi-token prediction of a hybrid pattern's MTP part after '/' is not "
-                                   r"modelled"),
 ]
 
 

@@ -72,7 +72,8 @@ from megatron_flops.memory.hf_parallel import ONE_NORM, SEQUENTIAL, TWO_NORMS
 from megatron_flops.memory.hf_qk_norms import qk_norm_saved_bytes
 from megatron_flops.memory.lora import lora_activation_reason, mla_targets
 from megatron_flops.memory.linear_cp import dsa_cp_saved, gdn_cp_saved
-from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, mtp_mixer, ssm_activation_reason
+from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, ssm_activation_reason
+from megatron_flops.memory.mtp_layers import mtp_kinds
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, NORM_STATS_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
@@ -791,8 +792,8 @@ def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
     """The multi-token-prediction layers, then their losses. Each layer: the embedding's ids
     (the rolled ids; with TP > 1 the vocab-parallel lookup's shifted ids and bool mask), its
     ``enorm`` and ``hnorm`` (of the previous hidden states), ``eh_proj``'s input [T, 2h], a
-    decoder layer of the last layer's kind and its final norm. Full recompute (``recomputed``)
-    checkpoints all but the embedding: the checkpoint keeps the previous hidden states, the
+    decoder layer of the last layer's kind (a hybrid MTP part: its layers) and its final norm.
+    Full recompute (``recomputed``) checkpoints all but the embedding: the checkpoint keeps the previous hidden states, the
     embedding's output, the mask and the cached RoPE frequencies (shared; none for MLA, which
     makes its own). Each loss: cross-entropy, the rolled fp32 loss mask and the scaled per-token
     loss ``MTPLossAutoScaler`` keeps."""
@@ -810,7 +811,8 @@ def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
         # NB: under sequence parallelism eh_proj's output is all-gathered and sliced again: the
         # layer's input is a view of the whole [T, h] storage, which its first norm keeps alive.
         body.keep("mtp", (T - x.local_tokens) * x.h * a)
-        _layer(body, x, spec, options, core_attn=core_attn, moe=spec.mtp_ffn == "moe", mixer=mtp_mixer(spec))
+        for mixer, ffn in mtp_kinds(spec):  # (a hybrid MTP part: its layers, :mod:`.mtp_layers`)
+            _layer(body, x, spec, options, core_attn=core_attn, moe=ffn == "moe", mixer=mixer, ffn=ffn != "none")
         _norm(body, "mtp", x, options)
         if recomputed:
             inputs = 2 * x.local_tokens * x.h * a  # the norms' inputs (the checkpoint keeps them)

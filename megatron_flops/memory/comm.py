@@ -47,7 +47,8 @@ from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel, mtp_recomputed
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
 from megatron_flops.memory.linear_cp import CP_MIXERS, linear_cp_communication
-from megatron_flops.memory.ssm import mamba_cp_all_to_all, missing_blocks, mtp_mixer
+from megatron_flops.memory.ssm import mamba_cp_all_to_all, missing_blocks
+from megatron_flops.memory.mtp_layers import acceptance_all_gather, last_stage_mtp_kinds, mtp_sub_blocks
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -173,6 +174,11 @@ def step_communication(
             for key, count in tensor_parallel_activations(options, par, missing_blocks(kinds, layers), 0, False,
                                                           False).items():
                 add(key, -m * hidden * count // 2)  # a hybrid layer has one sub-block: half a layer's traffic
+            # (MTP: each depth priced as a decoder layer's 2 sub-blocks; a hybrid MTP part has its own count)
+            extra = (mtp_sub_blocks(spec) - 2) * spec.mtp_num_layers if last else 0
+            for key, count in tensor_parallel_activations(options, par, abs(extra), 0, False, False).items():
+                add(key, m * hidden * count // 2 * (1 if extra > 0 else -1))
+            add("tp/all_gather", m * acceptance_all_gather(spec, par, training, last=last))
             if last:
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
             learned = options.position_embedding_type == "learned_absolute"
@@ -192,11 +198,12 @@ def step_communication(
             kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
             # (and the last stage's MTP layers, whose attention is the last decoder layer's kind)
             no_ring = ("mamba", "none", *CP_MIXERS)
-            ring = sum(kinds[i][0] not in no_ring for i in layers) \
-                + (spec.mtp_num_layers if last and spec.mtp_num_layers and mtp_mixer(spec) not in no_ring else 0)
+            mtp_kinds = last_stage_mtp_kinds(spec, last)  # (every depth's layers: :mod:`.mtp_layers`)
+            ring = sum(kinds[i][0] not in no_ring for i in layers) + sum(m not in no_ring for m, _ in mtp_kinds)
             add("cp/send_recv", m * ring * (par.cp - 1) * 2 * (kv + 2 * kv))
             mamba = [kinds[i][0] == "mamba" for i in layers]
-            passes = 2 * sum(mamba) + sum(mamba[:fully_recomputed_layers(recompute, len(layers))])
+            passes = 2 * sum(mamba) + sum(mamba[:fully_recomputed_layers(recompute, len(layers))]) \
+                + 2 * sum(m == "mamba" for m, _ in mtp_kinds)
             if passes:
                 add("cp/all_to_all", m * passes * mamba_cp_all_to_all(spec, tokens=tokens, tp=par.tp, cp=par.cp,
                                                                       act=act))
@@ -206,14 +213,13 @@ def step_communication(
                                                       act=act, reruns=fully_recomputed_layers(recompute, len(layers))
                                                       ).items():
                 add(key, m * value)
-            # NB: the last stage's MTP layers too, as many GDN or DSA mixers as spec.mtp_num_layers
-            # (:func:`~.ssm.mtp_mixer`), re-run as :func:`~.mla_mtp.mtp_recomputed` says.
-            mtp = spec.mtp_num_layers if last else 0
-            if mtp and mtp_mixer(spec) in CP_MIXERS:
-                for key, value in linear_cp_communication(spec, [mtp_mixer(spec)] * mtp, tokens=tokens,
-                                                          s=training.seq_length, b=training.micro_batch_size,
-                                                          par=par, act=act,
-                                                          reruns=mtp if mtp_recomputed(spec, recompute) else 0
+            # NB: the last stage's MTP layers too, their GDN or DSA mixers (:mod:`.mtp_layers`), re-run as
+            # :func:`~.mla_mtp.mtp_recomputed` says.
+            mtp = [mixer for mixer, _ in mtp_kinds if mixer in CP_MIXERS]
+            if mtp:
+                for key, value in linear_cp_communication(spec, mtp, tokens=tokens, s=training.seq_length,
+                                                          b=training.micro_batch_size, par=par, act=act,
+                                                          reruns=len(mtp) if mtp_recomputed(spec, recompute) else 0
                                                           ).items():
                     add(key, m * value)
         if moe_layers:
@@ -245,7 +251,7 @@ def sequence_parallel_slice(training: Training, par: Parallelism) -> Training:
 
 def mtp_moe_layers(spec: ModelSpec, last: bool) -> int:
     """MoE layers inside the multi-token-prediction block (on the last stage)."""
-    return spec.mtp_num_layers if last and spec.mtp_ffn == "moe" else 0
+    return sum(ffn == "moe" for _, ffn in last_stage_mtp_kinds(spec, last))
 
 
 def bus_bytes(payload: Mapping[str, int], group_sizes: Mapping[str, int]) -> dict[str, int]:

@@ -24,9 +24,10 @@ from megatron_flops.model.hf_config import hf_family_of, hf_text_config
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.memory.lora import adapter_numels, lora_tp_reason
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS, check_mla_mtp
+from megatron_flops.memory.mtp_layers import mtp_kinds, mtp_layer_prefix
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.linear_cp import linear_cp_reason
-from megatron_flops.memory.ssm import MIXERS_WITH_PARAMETERS, dsa_indexer_tensors, mixer_tensors, mtp_mixer, ssm_reason
+from megatron_flops.memory.ssm import MIXERS_WITH_PARAMETERS, dsa_indexer_tensors, mixer_tensors, ssm_reason
 from megatron_flops.model.spec import ModelSpec
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -283,11 +284,13 @@ def chunk_parameters(
         out += _norm(options, "decoder.final_layernorm.", h, base)
         for i in range(spec.mtp_num_layers):
             # NB: an MTP layer: norms of the embedding and of the hidden state, eh_proj [h/TP, 2h], a
-            # decoder layer of the last layer's kind, and its own final norm.
+            # decoder layer of the last layer's kind (a hybrid MTP part: its layers, :mod:`.mtp_layers`),
+            # and its own final norm.
             mtp = f"mtp.layers.{i}."
             out += _norm(options, mtp + "enorm.", h, base) + _norm(options, mtp + "hnorm.", h, base)
             out += _linear(mtp, "eh_proj", 2 * h, h // tp, False, peft)  # (column parallel)
-            out += _layer(spec, options, par, peft, mtp + "transformer_layer.", spec.mtp_ffn, mtp_mixer(spec))
+            for j, (mixer, ffn) in enumerate(mtp_kinds(spec)):
+                out += _layer(spec, options, par, peft, mtp_layer_prefix(spec, i, j), ffn, mixer)
             out += _norm(options, mtp + "final_layernorm.", h, base)
         if not tied or not first:
             # (With MTP the tied weight the last stage reduces is its embedding copy: this one,

@@ -44,7 +44,7 @@ from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.states import optimizer_keys
 from megatron_flops.model.spec import ModelSpec
 
-_UNIT = re.compile(r"^(embedding\.|decoder\.layers\.\d+\.|mtp\.layers\.\d+\.transformer_layer\.)")
+_UNIT = re.compile(r"^(embedding\.|decoder\.layers\.\d+\.|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer\.layers\.\d+)\.)")
 
 
 def check_fsdp_supported(spec: ModelSpec, par: Parallelism, training: Training) -> None:

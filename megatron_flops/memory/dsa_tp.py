@@ -20,7 +20,7 @@ from __future__ import annotations
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.memory.layout import FP32_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
-from megatron_flops.memory.ssm import mtp_mixer
+from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds
 from megatron_flops.model.spec import ModelSpec
 
 
@@ -30,8 +30,9 @@ def dsa_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Training, *
     recompute re-runs all of them (``uniform``; the MTP layers as :func:`.mla_mtp.mtp_recomputed`
     says) or the first ``recompute_num_layers`` (``block``)."""
     mla = spec.mla
-    mtp = spec.mtp_num_layers if last else 0
-    kinds = [spec.layers[i][0] for i in layers] + [mtp_mixer(spec)] * mtp
+    mtp_mixers = [mixer for mixer, _ in last_stage_mtp_kinds(spec, last)]  # (:mod:`.mtp_layers`)
+    mtp = len(mtp_mixers)
+    kinds = [spec.layers[i][0] for i in layers] + mtp_mixers
     indexed = [kind == "dsa" for kind in kinds]
     if mla is None or not any(indexed) or par.tp == 1:
         return {}

@@ -52,7 +52,7 @@ from megatron_flops.memory.layout import FP32_BYTES, FSDP_STRATEGIES as STRATEGI
 from megatron_flops.memory.states import optimizer_keys
 from megatron_flops.model.spec import ModelSpec
 
-_UNIT = re.compile(r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.transformer_layer\.)")
+_UNIT = re.compile(r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer\.layers\.\d+)\.)")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds
 from megatron_flops.model.spec import ModelSpec
 
 CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials (as comm.CE_REDUCTIONS)
@@ -85,7 +86,9 @@ def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Trainin
     mtp_rerun = mtp if mtp_recomputed(spec, recompute) else 0
     out: dict[str, int] = {}
     mla_tp = _mla_tp_duplicated if duplicated else _mla_tp
-    for part in (mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp, rerun + mtp_rerun),
+    # (a hybrid MTP part's MLA layers: those of its mixers that are attention, :mod:`.mtp_layers`)
+    mtp_mla = sum(mixer not in ("none", "mamba", "gdn") for mixer, _ in last_stage_mtp_kinds(spec, last))
+    for part in (mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp_mla, rerun + mtp_rerun),
                  _mtp_tp(spec.hidden_size * tokens, par.sequence_parallel, mtp, mtp_rerun, learned_positions)):
         for key, count in part.items():
             out[key] = out.get(key, 0) + count * training.param_bytes

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
+from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds
 from megatron_flops.memory.moe_grouped import (expert_elements, flex_communication, flex_dispatcher_saved,
                                                probability_bytes)
 from megatron_flops.flops.passes import RecomputeSpec
@@ -190,12 +191,12 @@ def rerun_moe_layers(spec: ModelSpec, recompute: RecomputeSpec | None, layers: S
     if recompute is None or (recompute.granularity != "full" and "moe" not in recompute.modules):
         return 0
     moe = layer_is_moe(spec, layers)
+    mtp = sum(ffn == "moe" for _, ffn in last_stage_mtp_kinds(spec, last))  # (:mod:`.mtp_layers`)
     if recompute.granularity == "selective":
-        return sum(moe) + (spec.mtp_num_layers if last and spec.mtp_ffn == "moe" else 0)
+        return sum(moe) + mtp
     if recompute.method == "block":
         moe = moe[:recompute.num_layers or 0]
-    mtp = spec.mtp_num_layers if last and spec.mtp_ffn == "moe" and mtp_recomputed(spec, recompute) else 0
-    return sum(moe) + mtp
+    return sum(moe) + (mtp if mtp_recomputed(spec, recompute) else 0)
 
 
 def moe_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,

@@ -25,6 +25,7 @@ from __future__ import annotations
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.hybrid_pipeline import hybrid_pipeline_notes, is_hybrid
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism
+from megatron_flops.memory.mtp_layers import hybrid_mtp, hybrid_mtp_notes, mtp_kinds
 from megatron_flops.model.spec import ModelSpec
 
 Tensor = tuple[str, int, bool]  # (name, elements on one TP rank, whole on every TP rank)
@@ -33,6 +34,11 @@ MAMBA_CONV_WIDTH = 4
 FLA_CHUNK = 64  # fla's chunk size: the solved [chunk, chunk] WY matrix per chunk and head
 KDA_CHUNK = 64  # transformers' chunk_kimi_delta_attention's default chunk_size
 MIXERS_WITH_PARAMETERS = ("mamba", "gdn", "kda")
+
+
+def model_kinds(spec: ModelSpec) -> set[tuple[str, str]]:
+    """Every (mixer, feed-forward) kind of the decoder's and the MTP depths' layers."""
+    return {kind for kind, _ in spec.layer_runs} | (set(mtp_kinds(spec)) if spec.mtp_num_layers else set())
 
 
 def mtp_mixer(spec: ModelSpec) -> str:
@@ -306,13 +312,10 @@ def dsa_saved(spec: ModelSpec, *, s: int, b: int, heads: int, act: int, sequence
 
 def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str | None:
     """Why the parameters of this model are not modelled on ``par`` (None: they are)."""
-    kinds = {kind for kind, _ in spec.layer_runs}
+    kinds = model_kinds(spec)
     mixers = {mixer for mixer, _ in kinds}
-    if spec.mtp_num_layers and (len(spec.mtp_layer_runs) > 1 or mtp_mixer(spec) not in ("attention", "dsa", "gdn")
-                                or spec.mtp_ffn == "none"):
-        return ("multi-token prediction of a hybrid pattern's MTP part after '/' is not modelled (megatron-core 0.19 "
-                "builds a HybridStack inside the MTP layer; 0.16.1's hybrid models have no MTP); MTP layers of one "
-                "attention, DSA or GDN layer are")
+    if spec.mtp_num_layers and not hybrid_mtp(spec) and mtp_mixer(spec) not in ("attention", "dsa", "gdn"):
+        return "multi-token prediction is modelled with MTP layers of one attention, DSA or GDN layer"
     if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
                                                             or any(f == "none" for _, f in kinds)):
         return "LoRA adapters are modelled on attention + MLP layers (not Mamba, GDN, KDA, DSA or hybrid layers)"
@@ -357,7 +360,7 @@ def _cp_reason(mixers: set[str]) -> str:
 
 def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None, *, cp: int = 1) -> str | None:
     """Why activations are not modelled for these layers (None: they are, or there are none)."""
-    kinds = {kind for kind, _ in spec.layer_runs}
+    kinds = model_kinds(spec)
     mixers = {mixer for mixer, _ in kinds}
     if "dsa" in mixers and recompute is not None and cp > 1:
         return ("activations of DeepSeek sparse attention layers under context parallelism (megatron-core 0.19.0's "
@@ -376,8 +379,8 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None, *, c
 
 def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[list[str], list[str]]:
     """(assumptions, unmeasured) for these layers: every activation formula here is unmeasured."""
-    mixers = {mixer for (mixer, _), _ in spec.layer_runs}
-    assumptions, unmeasured = [], []
+    mixers = {mixer for mixer, _ in model_kinds(spec)}
+    assumptions: list[str] = []
     if "gdn" in mixers or is_hybrid(spec):
         assumptions.append("Mamba, GDN and hybrid layers as megatron-core builds them (Transformer Engine specs: a "
                            "layer's norm fused into its first linear layer, listed as a separate norm: same bytes)")
@@ -385,6 +388,8 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
         assumptions.append("hybrid multi-latent attention layers without latent norms (megatron-core's hybrid specs "
                            "build q_layernorm and kv_layernorm as IdentityOp, whatever qk_layernorm says)")
     assumptions += hybrid_pipeline_notes(spec, par)
+    mtp_assumptions, unmeasured = hybrid_mtp_notes(spec, par)
+    assumptions += mtp_assumptions
     if activations and "mamba" in mixers:
         unmeasured.append("activations of Mamba layers: a formula from what mamba_ssm's fused conv1d + chunked scan "
                           "and gated RMSNorm save for backward (CUDA/Triton kernels: they do not run on CPU)")
@@ -413,7 +418,7 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
                            "rank); measured on CPU (TP 1, TP 2 with and without sequence parallelism; whole GPT steps "
                            "with full and selective recompute and an MTP layer) with a stand-in for "
                            "fast_hadamard_transform, which saves nothing for backward")
-    if spec.mtp_num_layers and mtp_mixer(spec) in ("dsa", "gdn"):
+    if spec.mtp_num_layers and not hybrid_mtp(spec) and mtp_mixer(spec) in ("dsa", "gdn"):
         assumptions.append("MTP layers of the last decoder layer's kind (DSA or GDN), as Megatron-LM 0.19's gpt_builders "
                            "builds them; 0.16.1's builds a plain GPT layer there (for DSA, MLA then hands the plain core "
                            "attention x and qr: a TypeError), and 0.16.1's DSAttention in an MTP layer logs its indexer "

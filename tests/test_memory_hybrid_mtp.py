@@ -1,0 +1,183 @@
+"""A hybrid pattern's MTP part after '/' (memory/mtp_layers.py): megatron-core 0.19's
+``HybridModel`` builds each MTP depth as a ``MultiTokenPredictionLayer`` around a ``HybridStack``
+of the part's layers (0.16.1's hybrid models have no MTP).
+
+Measured: the real 0.19.0 ``HybridModel`` in its Python 3.12 venv (tests/frameworks/envs.py;
+skipped where it cannot be made), from local layers in 2 gloo processes, run by
+tests/hybrid_mtp_019.py: every parameter's name and size (Mamba layers too, built with a stand-in
+for mamba_ssm's norm); for parts of attention and MLP layers (Mamba's kernels do not run on CPU)
+every storage one forward saves for backward, the GEMM FLOPs of a forward and backward
+(``FlopCounterMode``, against ``estimate``) and every ``tp/*`` payload, at TP 1 and TP 2 with and
+without sequence parallelism. Formulas: exact integers with the derivation."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_flops.cli import main
+from megatron_flops.flops.formulas import estimate, parse_rows
+from megatron_flops.memory.activations import chunk_activations
+from megatron_flops.memory.comm import mtp_moe_layers, step_communication
+from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.model.spec import ModelSpec
+
+TESTS = Path(__file__).resolve().parent
+SEQ, MBS, VOCAB = 16, 2, 128
+# 4 heads of 16, ffn 128; Mamba: 8 heads of 16 (inner 128), 2 groups, state 16 (tests/test_memory_ssm.py's).
+LAYER = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, mamba_state_dim=16, mamba_head_dim=16,
+             mamba_num_groups=2, normalization="LayerNorm")
+FIELDS = dict(LAYER, add_bias_linear=False, vocab_size=VOCAB, padded_vocab_size=VOCAB)
+OPTIONS = DecoderOptions.from_mapping(dict(FIELDS, attention_backend="local", transformer_impl="local",
+                                           position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0))
+FP32 = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=1, params_dtype="fp32")
+
+
+def _spec(pattern: str, **fields) -> ModelSpec:
+    return ModelSpec.from_mapping(dict(FIELDS, hybrid_override_pattern=pattern, **fields))
+
+
+def _params(pattern: str, par: Parallelism = Parallelism()) -> list[tuple[str, int]]:
+    return [(p.name, p.numel) for p in chunk_parameters(_spec(pattern), OPTIONS, par, pp_rank=0, chunk=0,
+                                                        seq_length=SEQ)]
+
+
+def _saved(pattern: str, par: Parallelism = Parallelism()) -> int:
+    act = chunk_activations(_spec(pattern), OPTIONS, par, FP32, pp_rank=0, chunk=0)
+    return act.forward + act.shared
+
+
+def _tp_traffic(pattern: str, par: Parallelism) -> dict[str, int]:
+    """Activation traffic of one micro-batch (no gradient buffers: no DP or gradient reductions)."""
+    return step_communication(_spec(pattern), OPTIONS, par, FP32, pp_rank=0, buffers={})
+
+
+def test_each_mtp_depth_lists_its_hybrid_layers():
+    mtp = [(n, k) for n, k in _params("M*-M/*-") if n.startswith("mtp.") and not n.endswith(".bias")]
+    p = "mtp.layers.0."
+    layer = p + "mtp_model_layer.layers."
+    assert mtp == [
+        (p + "enorm.weight", 64), (p + "hnorm.weight", 64), (p + "eh_proj.weight", 64 * 128),  # [h, 2h]
+        (layer + "0.input_layernorm.weight", 64), (layer + "0.self_attention.linear_proj.weight", 64 * 64),
+        (layer + "0.self_attention.linear_qkv.weight", 3 * 64 * 64),  # [(4 + 2 x 4) x 16, h]
+        (layer + "1.pre_mlp_layernorm.weight", 64), (layer + "1.mlp.linear_fc1.weight", 128 * 64),
+        (layer + "1.mlp.linear_fc2.weight", 64 * 128), (p + "final_layernorm.weight", 64),
+    ]
+    # (Each LayerNorm's bias [64] after its weight.) One depth: 5 norms x 2 x 64 + eh_proj 8,192 +
+    # attention 16,384 + MLP 16,384 = 41,600; the whole model: embedding 128 x 64 = 8,192, two
+    # attention + MLP pairs 2 x 33,024 (with their norms), the final norm 128, the MTP depth: 115,968
+    # (measured: 0.19's HybridModel, tied).
+    assert sum(k for n, k in _params("*-*-/*-") if n.startswith("mtp.")) == 41_600
+    assert sum(k for _, k in _params("*-*-/*-")) == 8_192 + 2 * 33_024 + 128 + 41_600 == 115_968
+    # Two depths of two sub-layers each: mtp.layers.1's layers are numbered from 0 again.
+    names = [n for n, _ in _params("*-/*-*-/*-*-")]
+    assert "mtp.layers.1.mtp_model_layer.layers.3.mlp.linear_fc2.weight" in names
+
+
+def test_saved_bytes_are_the_part_layers_plus_the_mtp_wrapper():
+    # T = 32 tokens, h = 64, fp32. An MTP depth of "*-" saves what one more decoder pair "*-" saves,
+    # and around it: the rolled ids 32 x 8 = 256; enorm, hnorm and the final norm, each its input
+    # 8,192 and LayerNorm's fp32 mean and rstd 256; eh_proj's input [T, 2h] 16,384; the MTP loss
+    # (fp32 softmax [T, V], bool target mask, int64 targets, the rolled fp32 loss mask and the
+    # scaled per-token loss) 32 x (512 + 1 + 8) + 128 + 128 = 16,928; and one more [T, h] of the
+    # output layer's (main + MTP) input, 8,192. Measured (0.19's HybridModel): 483,776.
+    wrapper = 256 + 3 * (8_192 + 256) + 16_384 + 16_928 + 8_192
+    assert _saved("*-*-/*-") == _saved("*-*-*-") + wrapper == 416_672 + 67_104 == 483_776
+    # TP 2 (no SP): the vocab-parallel lookup's bool mask 32 more; the softmax [T, V/2] halves
+    # (8,192 less); the layers' and norms' as a decoder pair's at TP 2. Measured: 332,288.
+    assert _saved("*-*-/*-", Parallelism(tp=2)) == _saved("*-*-*-", Parallelism(tp=2)) + wrapper + 32 - 8_192
+
+
+def test_tp_traffic_counts_each_sub_block_and_the_acceptance_gather():
+    # T = 32, fp32: one [T, h] activation is 8,192 bytes. Without SP each sub-block all-reduces 2
+    # (forward, backward); the embedding and the output layer's input gradient 1 each. Main "*-": 2
+    # sub-blocks + 2 = 6; each MTP depth: embedding 1, eh_proj's input gradient 2, the part's 4
+    # sub-blocks 8, its output-layer call 1 = 12; cross-entropy's 3 fp32 reductions [T] per loss
+    # (main + 2 MTP) 3 x 384. eh_proj's output all-gathered (8,192 per depth), and 0.19's acceptance
+    # count gathers the max logit (fp32) and its int64 index per token and depth from both ranks:
+    # 2 x 2 x 32 x 12 = 1,536. Measured: the same.
+    assert (6 + 2 * 12) * 8_192 + 3 * 384 == 246_912 and 2 * 8_192 + 1_536 == 17_920
+    assert _tp_traffic("*-/*-*-/*-*-", Parallelism(tp=2)) == {"tp/all_reduce": 246_912, "tp/all_gather": 17_920}
+    # With SP: a sub-block gathers 3 and reduce-scatters 2; the main part 3 + 3 (and the embedding's 1
+    # gather, the output layer's 2) and 2 + 2 (the embedding's and the output layer's 1 each); an
+    # MTP depth gathers 15 as a dense depth (tests/test_memory_mla_mtp.py) + 2 extra sub-blocks x 3,
+    # reduce-scatters 8 + 2 x 2. Measured: the same.
+    assert (9 + 2 * 21) * 8_192 + 1_536 == 419_328 and (6 + 2 * 12) * 8_192 == 245_760
+    assert _tp_traffic("*-/*-*-/*-*-", Parallelism(tp=2, sequence_parallel=True)) == {
+        "tp/all_gather": 419_328, "tp/reduce_scatter": 245_760, "tp/all_reduce": 3 * 384}
+
+
+def test_flops_price_every_sub_layer_of_every_depth():
+    parts = estimate(_spec("*-*-/*-*-/*-*-"), parse_rows([SEQ] * MBS)).components
+    # 2 depths of 2 attention and 2 MLP layers: 4 of each, as many as the main part's 2 x 2.
+    assert parts["mtp/attn/qkv"] == 2 * parts["attn/qkv"] and parts["mtp/mlp"] == 2 * parts["mlp"]
+    mamba = estimate(_spec("M*-M/M-"), parse_rows([SEQ] * MBS)).components
+    assert 2 * mamba["mtp/mamba/in_proj"] == mamba["mamba/in_proj"] and mamba["mtp/mlp"] == mamba["mlp"]
+
+
+def test_moe_and_mamba_sub_layers_of_the_mtp_part():
+    moe = _spec("M*EM/*E", num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+    assert mtp_moe_layers(moe, last=True) == 1 and mtp_moe_layers(moe, last=False) == 0
+    names = [n for n, _ in _params("M*-M/M-")]
+    assert "mtp.layers.0.mtp_model_layer.layers.0.mixer.in_proj.weight" in names
+
+
+def test_cli_labels_the_hybrid_mtp_part(tmp_path, capsys):
+    model = tmp_path / "hybrid_mtp.json"
+    model.write_text(json.dumps(dict(FIELDS, hybrid_override_pattern="M*-M/M-")))
+    assert main(["memory", "--model", str(model), "--seq-length", "16", "--tp", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["per_gpu"]["activations_bytes"] > 0 and not report["not_modelled"]
+    assert any("a hybrid pattern's MTP part after '/' as megatron-core 0.19's HybridModel" in a
+               for a in report["assumptions"])
+    assert any("activations of Mamba layers" in u for u in report["unmeasured"])  # (the MTP part's Mamba layer)
+    assert main(["memory", "--model", str(model), "--seq-length", "16", "--pp", "2", "--num-microbatches", "2"]) == 0
+    assert "a hybrid MTP part under pipeline parallelism" in capsys.readouterr().out
+
+
+# (pattern, TP, SP, run a step): steps only without Mamba layers (their kernels are CUDA-only).
+CASES = [("M*-M/*-", 1, False, False), ("M*-M/M-", 1, False, False), ("*-*-/*-", 1, False, True),
+         ("*-/*-*-/*-*-", 2, False, True), ("*-/*-*-/*-*-", 2, True, True)]
+# 0.19's names for what 0.16.1's (and this listing's) call otherwise, in the main decoder's and MTP parts'
+# Mamba layers (their order in the layer differs too) and the stack's final norm.
+RENAMES = {r"\.mixer\.conv1d_(weight|bias)$": r".mixer.conv1d.\1", r"(layers\.\d+)\.norm\.": r"\1.input_layernorm.",
+           r"^decoder\.final_norm\.": "decoder.final_layernorm."}
+
+
+def _renamed(name: str) -> str:
+    for old, new in RENAMES.items():
+        name = re.sub(old, new, name)
+    return name
+
+
+@pytest.mark.dist
+def test_measured_in_megatron_core_019():
+    from frameworks import envs
+
+    try:
+        python = envs.ensure("megatron-lm-0.19.0")
+    except envs.Unavailable as exc:
+        pytest.skip(str(exc))
+    cases = [dict(pattern=p, model=LAYER, vocab=VOCAB, seq=SEQ, mbs=MBS, tp=tp, sp=sp, run=run)
+             for p, tp, sp, run in CASES]
+    done = subprocess.run([str(python), "-c", "import hybrid_mtp_019; hybrid_mtp_019.main()", json.dumps(cases)],
+                          capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL, cwd=TESTS,
+                          env={**os.environ, "PYTHONPATH": str(TESTS)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (pattern, tp, sp, run), measured in zip(CASES, json.loads(done.stdout.strip().splitlines()[-1])):
+        par = Parallelism(tp=tp, sequence_parallel=sp)
+        theirs = [(_renamed(n), k) for n, k in measured["params"]]
+        ours = _params(pattern, par)
+        assert sorted(theirs) == sorted(ours), pattern
+        if "M" not in pattern.split("/")[1]:  # (the MTP part in order)
+            assert [p for p in theirs if p[0].startswith("mtp.")] == [p for p in ours if p[0].startswith("mtp.")]
+        if run:
+            assert measured["saved"] == _saved(pattern, par), (pattern, tp, sp)
+            assert measured["flops"] == estimate(_spec(pattern), parse_rows([SEQ] * MBS), attention="full").total // tp
+            assert measured["comm"] == _tp_traffic(pattern, par), (pattern, tp, sp)
