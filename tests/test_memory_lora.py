@@ -10,7 +10,7 @@ import re
 import pytest
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
-from megatron_flops.memory.activations import check_activations_supported
+from megatron_flops.memory.activations import check_activations_supported, chunk_activations
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import adapter_numels
@@ -234,3 +234,27 @@ def test_first_adapter_in_experts_only_without_attention_targets():
                                                  lora_targets=("linear_q_proj", "linear_fc1")))
     # (MLA has no linear_qkv: that target adapts nothing there, the experts' adapters start the gradient.)
     assert starts_in_experts(spec, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_qkv", "linear_fc1")))
+
+
+@pytest.mark.parametrize("gating, per_token", [
+    # (T k = 32 x 2 = 64 routed tokens, ffn 96, fp32; each of the 2 MoE layers keeps the probabilities [64].)
+    # GELU: a started frozen expert keeps fc1's output and the activation's [64, 96]; layer 0 not the latter,
+    # which only the (gradient-free) probabilities multiply.
+    (dict(), 2),
+    # Fused SwiGLU: the kernel keeps its input [64, 2 x 96] (and the probabilities) either way: no delta.
+    (dict(gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True), 2),
+    # Unfused SwiGLU: fc1's output (2), silu(x1), x2 and their product; layer 0 not the product.
+    (dict(gated_linear_unit=True, activation_func="silu"), 5),
+], ids=["GELU", "fused SwiGLU (Mixtral)", "unfused SwiGLU"])
+def test_experts_of_a_frozen_first_layer_whose_adapters_start_the_gradient(gating, per_token):
+    # tests/test_memory_activations.py's "frozen MoE first layer" cases (measured at TP 1): 2 MoE layers, top-2 of 4.
+    fields = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
+                  num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, moe_token_dispatcher_type="alltoall",
+                  **gating)
+    spec, options = ModelSpec.from_mapping(fields), DecoderOptions.from_mapping(dict(fields, padded_vocab_size=256))
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=2, params_dtype="fp32")
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1", "linear_fc2"))
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0, peft=peft)
+    started = 64 * 96 * 4 * per_token + 64 * 4
+    dropped = 0 if gating.get("bias_activation_fusion") else 64 * 96 * 4
+    assert act.components["moe/experts"] == 2 * started - dropped
