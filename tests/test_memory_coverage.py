@@ -134,6 +134,9 @@ SPOT_SETUPS = {
         "--frozen", "--lora-rank", "4", "--lora-targets", "linear_proj", "--recompute", "selective",
         "--recompute-modules", "mla_up_proj"],
     "LoRA q_down, proj": ["--lora-rank", "4", "--lora-targets", "linear_q_down_proj,linear_proj"],
+    # MLA's up projections only, under Transformer Engine's spec + SP (tests/test_memory_lora_mla_te.py).
+    "frozen LoRA q_up, kv_up, proj": ["--frozen", "--lora-rank", "4", "--lora-targets",
+                                      "linear_q_up_proj,linear_kv_up_proj,linear_proj"],
     "frozen LoRA fc1, fc2": ["--frozen", "--lora-rank", "4", "--lora-targets", "linear_fc1,linear_fc2"],
     "full recompute of 2-block groups": ["--recompute", "full", "--recompute-method", "uniform",
                                          "--recompute-num-layers", "2"],
@@ -147,6 +150,8 @@ SPOT_LAYOUTS = {
 SPOT_CHECKS = [
     ("mcore:mla", "frozen LoRA proj, selective recompute of mla_up_proj", ("1 GPU", "TP2 SP")),
     ("mcore:mla", "LoRA q_down, proj", ("1 GPU", "TP2 SP")),
+    ("mcore:mla", "frozen LoRA q_up, kv_up, proj", ("TP2 SP",)),  # (up projections: TEColumnParallelLinear)
+    ("hf:deepseek_v3", "frozen LoRA q_up, kv_up, proj", ("TP2 SP",)),  # (latent norms fused into them)
     ("hf:mixtral", "frozen LoRA fc1, fc2", ("1 GPU", "TP2 SP")),
     ("mcore:moe alltoall", "LoRA", ("TP2 SP DP2 EP2 ETP1",)),
     ("examples/wan_tiny_dit.json", "full recompute of 2-block groups", ("1 GPU", "DP2")),
@@ -243,6 +248,8 @@ def _hf_cases() -> dict[str, tuple[str, dict[str, Any]]]:
         "kimi_linear": ("kimi_linear", test_linear_attention.KIMI),
         "deepseek_v32": ("deepseek_v32", test_sparse_attention.V32),
         "glm_moe_dsa": ("glm_moe_dsa", dict(test_sparse_attention.V32, num_hidden_layers=4)),
+        # The down projections' biases (q_a_proj, kv_a_proj_with_mqa: tests/test_memory_hf_biases.py).
+        "deepseek_v3 attention_bias": ("deepseek_v3", dict(test_hf_config.FAMILIES["deepseek_v3"], attention_bias=True)),
     })
     return cases
 

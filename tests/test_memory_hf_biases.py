@@ -33,10 +33,18 @@ DENSE = test_hf_config.DENSE
 # - attention_bias: q [4 x 16], k and v [2 x 16], o_proj [64]: 64 + 32 + 32 + 64 = 192.
 # - mlp_bias: gate_proj and up_proj [96], down_proj [64]: 256.
 # - gpt_neox's attention_bias (the fused query_key_value [3 x 64], dense [64]): 256.
+# - the MLA families' attention_bias (deepseek_v3: 3 layers, q_lora 24, kv_lora 16, rope 8): q_a_proj [24],
+#   kv_a_proj_with_mqa [16 + 8], o_proj [64]: 112 (deepseek_v2, direct q: q_proj has none: 88). Every layer
+#   dense (first_k_dense_replace 3): the routed experts' tokens would depend on the weights drawn.
+MLA_FAMILIES = {k: dict(test_hf_config.FAMILIES[k], first_k_dense_replace=3) for k in ("deepseek_v2", "deepseek_v3")}
 PARTIAL = {
     "llama attention_bias": ("llama", dict(DENSE, attention_bias=True), dict(DENSE), LAYERS * 192),
     "llama mlp_bias": ("llama", dict(DENSE, mlp_bias=True), dict(DENSE), LAYERS * 256),
     "gpt_neox without attention_bias": ("gpt_neox", dict(DENSE), dict(DENSE, attention_bias=False), LAYERS * 256),
+    "deepseek_v3 attention_bias": ("deepseek_v3", dict(MLA_FAMILIES["deepseek_v3"], attention_bias=True),
+                                   MLA_FAMILIES["deepseek_v3"], 3 * 112),
+    "deepseek_v2 attention_bias": ("deepseek_v2", dict(MLA_FAMILIES["deepseek_v2"], attention_bias=True),
+                                   MLA_FAMILIES["deepseek_v2"], 3 * 88),
 }
 
 
@@ -69,7 +77,8 @@ def test_biases_add_parameters_and_no_saved_tensor(case, dtype):
 def test_options_name_each_linear_layers_bias(case):
     model_type, with_kw, without_kw, _ = PARTIAL[case]
     expected = {"llama attention_bias": (True, True, False), "llama mlp_bias": (False, False, True),
-                "gpt_neox without attention_bias": (False, False, True)}[case]
+                "gpt_neox without attention_bias": (False, False, True), "deepseek_v3 attention_bias": (True, True, False),
+                "deepseek_v2 attention_bias": (True, True, False)}[case]
     options = DecoderOptions.from_mapping(_raw(model_type, with_kw if "without" not in case else without_kw), hf=True)
     assert (options.add_qkv_bias, options.proj_bias, options.mlp_bias) == expected
     assert not options.add_bias_linear  # (megatron-core's one switch would put biases on all four)
@@ -122,3 +131,34 @@ def test_in_megatron_cores_layer_partial_biases_save_as_counted(mcore, name):
     # The same figures as the model with every bias (megatron-core's add_bias_linear): biases save nothing.
     every = dataclasses.replace(options, add_bias_linear=True, hf_proj_bias=None, hf_mlp_bias=None)
     assert chunk_activations(spec, every, Parallelism(), training, pp_rank=0, chunk=0) == act
+
+
+@pytest.mark.parametrize("impl, down, reduced", [("transformer_engine", 24, 64 + 24 + 24), ("local", 12, 64)])
+def test_mla_down_projection_biases_under_tensor_parallelism(impl, down, reduced):
+    # deepseek_v3's attention_bias under TP2 + SP (a formula: megatron-core's MLA has no down-projection
+    # biases, so no TP run has them; labelled unmeasured). Transformer Engine's duplicated down projections
+    # keep theirs whole ([q_lora] = 24, [kv_lora + rope] = 24), their gradients all-reduced over TP with
+    # o_proj's [64] (row parallel); the local spec splits them as the weights' rows (24 / 2 = 12), not
+    # reduced. 3 layers, fp32 gradients: tp/all_reduce grows by 3 x reduced x 4 B.
+    from megatron_flops.memory.report import decoder_memory
+
+    par = Parallelism(tp=2, sequence_parallel=True)
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, params_dtype="fp32", grad_reduce_in_fp32=False)
+    reports, biases = {}, {}
+    for bias in (True, False):
+        raw = _raw("deepseek_v3", dict(test_hf_config.FAMILIES["deepseek_v3"], attention_bias=bias))
+        spec = ModelSpec.from_hf_config(raw)
+        options = dataclasses.replace(DecoderOptions.from_mapping(raw, hf=True), transformer_impl=impl)
+        reports[bias] = decoder_memory(spec, options, par, training)
+        biases[bias] = {p.name.split(".")[-2]: p.numel for p in chunk_parameters(spec, options, par, pp_rank=0, chunk=0,
+                                                                                 seq_length=SEQ)
+                        if p.name.startswith("decoder.layers.0.") and p.name.endswith(".bias")}
+    assert biases[True] == {"linear_proj": 64, "linear_q_down_proj": down, "linear_kv_down_proj": down}
+    assert biases[False] == {}
+    comm = [reports[b].per_gpu.communication for b in (True, False)]
+    assert comm[0]["tp/all_reduce"] - comm[1]["tp/all_reduce"] == 3 * reduced * 4
+    assert {k: v for k, v in comm[0].items() if k != "tp/all_reduce"} == \
+        {k: v for k, v in comm[1].items() if k != "tp/all_reduce"}
+    assert reports[True].per_gpu.activations == reports[False].per_gpu.activations
+    assert any(u.startswith("the multi-latent attention down projections' biases") for u in reports[True].unmeasured)
+    assert not any(u.startswith("the multi-latent attention down projections' biases") for u in reports[False].unmeasured)

@@ -7,7 +7,16 @@ Megatron-Bridge's ``ParallelLinearAdapter`` on a duplicated ``TELinear`` (``base
 ``linear_out = ColumnParallelLinear(r, out, gather_output=True)`` [out/TP, r] (the local spec's adapter
 has the same shapes, its linear_out without the gather), and no sequence-parallel gather of its own.
 Under sequence parallelism megatron-core feeds the duplicated down projections this rank's [s/TP]
-tokens, so linear_in's all-gather concatenates different ranks' tokens: refused, as Bridge's."""
+tokens, so linear_in's all-gather concatenates different ranks' tokens: refused, as Bridge's.
+
+The up projections are column parallel in both specs and their adapters read the latent the base
+all-gathered over the sequence, so adapters on them alone are priced under sequence parallelism too:
+``TEColumnParallelLinear`` (no ``qk_layernorm``) as the local spec's adapter (measured:
+tests/test_memory_lora_mla_dist.py); with ``qk_layernorm`` the latent norm is fused in
+(``TELayerNormColumnParallelLinear``), Bridge sets ``return_layernorm_output_gathered`` and
+``disable_sequence_parallel_comm`` (0.3.1 and 0.6.2's ``get_adapter_attributes_from_linear``, Transformer
+Engine >= 1.5), and Transformer Engine adds the adapter's input gradient to its own before its
+reduce-scatter: no adapter all-gather of the [T, latent] input, no reduce-scatter of its gradient."""
 
 from __future__ import annotations
 
@@ -101,14 +110,91 @@ def test_the_figures_are_labelled_unmeasured():
     assert not any(u.startswith("LoRA adapters on MLA's") for u in local.unmeasured)
 
 
-@pytest.mark.parametrize("targets, reason", [
-    (FOUR, "Megatron-Bridge .* cannot train LoRA adapters on MLA's .* under sequence parallelism"),
-    (("linear_q_up_proj", "linear_proj"), "up projections' fused norm"),
-])
-def test_sequence_parallel_is_refused(targets, reason):
+def test_sequence_parallel_down_adapters_are_refused():
     spec = ModelSpec.from_mapping(MLA)
-    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=targets)
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=FOUR)
     par = Parallelism(tp=2, sequence_parallel=True)
-    with pytest.raises(ValueError, match=reason):
+    with pytest.raises(ValueError, match="Megatron-Bridge .* cannot train LoRA adapters on MLA's .* under sequence "
+                                         "parallelism"):
         check_supported(spec, par, peft, TE)
     check_supported(spec, par, peft, LOCAL)
+
+
+UP = ("linear_q_up_proj", "linear_kv_up_proj")
+SP = Parallelism(tp=2, sequence_parallel=True)
+
+
+def _sp_delta(options: DecoderOptions, targets: tuple[str, ...]) -> tuple[dict[str, int], int]:
+    """As :func:`_delta` under TP2 + sequence parallelism."""
+    def report(peft: PeftSpec | None):
+        return decoder_memory(ModelSpec.from_mapping(MLA), options, SP, TRAINING, peft=peft).per_gpu
+
+    with_lora, base = report(PeftSpec(lora_rank=4, lora_targets=targets)), report(None)
+    keys = with_lora.communication.keys() | base.communication.keys()
+    comm = {k: with_lora.communication.get(k, 0) - base.communication.get(k, 0) for k in keys}
+    assert with_lora.activations is not None and base.activations is not None
+    return {k: v for k, v in comm.items() if v}, with_lora.activations - base.activations
+
+
+def test_sequence_parallel_up_adapters_without_latent_norms_equal_the_local_specs():
+    # TEColumnParallelLinear: Bridge's adapter as around the local ColumnParallelLinear. Per layer,
+    # forward: each adapter all-gathers its latent [T, q_lora] = 32 * 24 * 4 = 3072 B, [T, kv_lora]
+    # = 4096 B, and [T, r] = 512 B; backward: all-reduces [T, r] = 512 B each and reduce-scatters
+    # its input gradient (3072 + 4096 B). Saved: the gathered latents and [T, r] twice. 2 layers.
+    te, local = _sp_delta(TE, UP), _sp_delta(LOCAL, UP)
+    assert te == local
+    assert te[0] == {"tp/all_gather": 2 * (3072 + 4096 + 2 * 512), "tp/all_reduce": 2 * 2 * 512,
+                     "tp/reduce_scatter": 2 * (3072 + 4096)}
+    assert te[1] == 2 * (3072 + 4096 + 2 * 512)
+
+
+def test_sequence_parallel_up_adapters_around_the_fused_latent_norms():
+    # qk_layernorm: the adapters read the norm output Transformer Engine gathered: the local spec's
+    # figures less, per layer, the latents' all-gather (3072 + 4096 B) and their gradients'
+    # reduce-scatter (the same); saved tensors as the local spec's (the gathered latents, [T, r]).
+    fused = DecoderOptions(transformer_impl="transformer_engine", qk_layernorm=True)
+    te, local = _sp_delta(fused, UP), _sp_delta(DecoderOptions(transformer_impl="local", qk_layernorm=True), UP)
+    assert te[0] == {"tp/all_gather": 2 * 2 * 512, "tp/all_reduce": 2 * 2 * 512}
+    assert local[0]["tp/all_gather"] - te[0]["tp/all_gather"] == 2 * (3072 + 4096)
+    assert local[0]["tp/reduce_scatter"] == 2 * (3072 + 4096)
+    assert te[1] == local[1] == 2 * (3072 + 4096 + 2 * 512)
+    report = decoder_memory(ModelSpec.from_mapping(MLA), fused, SP, TRAINING,
+                            peft=PeftSpec(frozen=True, lora_rank=4, lora_targets=UP + ("linear_proj",)))
+    assert any(u.startswith("LoRA adapters on MLA's") and "return_layernorm_output_gathered" in u
+               for u in report.unmeasured)
+
+
+def test_frozen_first_layer_runs_no_fused_adapter_reduce_scatter():
+    from megatron_flops.memory.lora_layers import lora_tp_communication
+
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=UP + ("linear_proj",))
+
+    def comm(fused_up: bool) -> dict[str, int]:
+        return lora_tp_communication(ModelSpec.from_mapping(MLA), SP, TRAINING, pp_rank=0, peft=peft,
+                                     duplicated=True, fused_up=fused_up)
+
+    plain, fused = comm(False), comm(True)
+    # Fused: no latent all-gathers in either layer (2 * (3072 + 4096) B); their gradients'
+    # reduce-scatters only in layer 1 (layer 0's latents require no grad: the unfused adapters skip
+    # theirs there too). Nothing else differs.
+    assert plain["tp/all_gather"] - fused["tp/all_gather"] == 2 * (3072 + 4096)
+    assert plain["tp/reduce_scatter"] - fused["tp/reduce_scatter"] == 3072 + 4096
+    assert plain["tp/all_reduce"] == fused["tp/all_reduce"]
+
+
+def test_selective_mla_up_proj_rerun_regathers_no_fused_adapter_input():
+    from megatron_flops.flops.passes import RecomputeSpec
+    from megatron_flops.memory.recompute import selective_rerun_communication
+
+    recompute = RecomputeSpec(granularity="selective", modules=("mla_up_proj",))
+    peft = PeftSpec(lora_rank=4, lora_targets=UP)
+
+    def rerun(fused_up: bool) -> dict[str, int]:
+        return selective_rerun_communication(ModelSpec.from_mapping(MLA), SP, TRAINING, pp_rank=0, recompute=recompute,
+                                             peft=peft, fused_up=fused_up)
+
+    # The re-run up projections all-gather their latents again (Transformer Engine's gather serves the
+    # fused adapters); the unfused adapters gather theirs again too: 2 layers x (3072 + 4096) B more.
+    # Both re-gather linear_in's [T, r] (512 B per adapter and layer).
+    assert rerun(True) == {"tp/all_gather": 2 * (3072 + 4096 + 2 * 512)}
+    assert rerun(False)["tp/all_gather"] - rerun(True)["tp/all_gather"] == 2 * (3072 + 4096)

@@ -53,6 +53,9 @@ class DecoderOptions:
     # MLP's and shared experts' (linear_fc1, linear_fc2); None: add_bias_linear's (megatron-core's one switch).
     hf_proj_bias: bool | None = None
     hf_mlp_bias: bool | None = None
+    # Hugging Face MLA families' attention_bias (memory/hf_layers.py): biases on the down projections
+    # (q_a_proj, kv_a_proj_with_mqa), which megatron-core's MLA builds without.
+    hf_mla_down_bias: bool = False
     qk_layernorm: bool = False
     # Hugging Face q/k norms megatron-core has no module for (memory/hf_qk_norms.py): cohere's per-head
     # weights, olmo2/olmo3's whole-projection norms; None: megatron-core's [head_dim] norms.
@@ -107,6 +110,12 @@ class DecoderOptions:
     def duplicated_mla_down(self) -> bool:
         """Transformer Engine's MLA spec: the down projections whole on every TP rank."""
         return self.transformer_impl == "transformer_engine"
+
+    @property
+    def fused_mla_up_norm(self) -> bool:
+        """Transformer Engine's MLA spec with ``qk_layernorm``: the latent norms fused into the up
+        projections (``TELayerNormColumnParallelLinear``)."""
+        return self.duplicated_mla_down and self.qk_layernorm
 
     def __post_init__(self) -> None:
         if self.normalization not in NORMALIZATIONS:
@@ -321,13 +330,13 @@ def _linear(prefix: str, name: str, d_in: int, d_out: int, bias: bool, peft: Pef
     ``name`` is a target: A [r, d_in] and B [d_out, r] train, the wrapped layer is frozen (under
     TP, as Megatron-Bridge splits them: :func:`~megatron_flops.memory.lora.adapter_numels`).
     NB: a row-parallel layer's (``linear_proj``, ``linear_fc2``) bias is whole on every TP rank, as
-    is a ``duplicated`` layer's weight (Transformer Engine's MLA down projections)."""
+    are a ``duplicated`` layer's weight and bias (Transformer Engine's MLA down projections)."""
     base = not peft.frozen
     adapted = peft.lora_rank is not None and name in peft.lora_targets
     inner = f"{prefix}{name}.to_wrap." if adapted else f"{prefix}{name}."
     params = [Param(inner + "weight", d_out * d_in, base, expert, tp_replicated=duplicated, rows=d_out)]
     if bias:
-        params.append(Param(inner + "bias", d_out, base, expert, tp_replicated=name in ROW_PARALLEL))
+        params.append(Param(inner + "bias", d_out, base, expert, tp_replicated=name in ROW_PARALLEL or duplicated))
     if adapted:
         assert peft.lora_rank is not None
         numel_in, numel_out = adapter_numels(name, d_in, d_out, peft.lora_rank, tp, duplicated=duplicated)
@@ -406,7 +415,9 @@ def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bi
     every TP rank).
     NB: the local spec splits the down projections over TP (their outputs are all-gathered);
     Transformer Engine's spec keeps them whole on every rank (``parallel_mode="duplicated"``, a
-    formula). Only ``linear_proj`` has a bias (megatron-core builds the others with bias=False)."""
+    formula). Only ``linear_proj`` has a bias (megatron-core builds the others with bias=False), and
+    with ``hf_mla_down_bias`` the down projections (Hugging Face's ``q_a_proj`` [q_lora] and
+    ``kv_a_proj_with_mqa`` [kv_lora + rope], split over TP as their weights' rows, or whole)."""
     mla = spec.mla
     assert mla is not None
     h, heads, base = spec.hidden_size, spec.num_attention_heads, not peft.frozen
@@ -417,10 +428,11 @@ def _mla(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, attn: str, bi
     if mla.q_lora_rank is None:
         out += _linear(attn, "linear_q_proj", h, q_out, False, peft, tp=tp)
     else:
-        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank // down, False, peft, duplicated=dup, tp=tp)
+        out += _linear(attn, "linear_q_down_proj", h, mla.q_lora_rank // down, options.hf_mla_down_bias, peft,
+                       duplicated=dup, tp=tp)
         out += _linear(attn, "linear_q_up_proj", mla.q_lora_rank, q_out, False, peft, tp=tp)
-    out += _linear(attn, "linear_kv_down_proj", h, (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) // down, False, peft,
-                   duplicated=dup, tp=tp)
+    out += _linear(attn, "linear_kv_down_proj", h, (mla.kv_lora_rank + mla.qk_pos_emb_head_dim) // down,
+                   options.hf_mla_down_bias, peft, duplicated=dup, tp=tp)
     out += _linear(attn, "linear_kv_up_proj", mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim) // tp,
                    False, peft, tp=tp)
     if options.qk_layernorm:

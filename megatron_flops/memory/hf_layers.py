@@ -5,7 +5,9 @@ and the MLP in parallel: :mod:`.hf_parallel`), and, named, what megatron-core's 
 express (norms after the sublayers instead of before them, norms without weights or bias, xIELU),
 which the memory report then lists as not modelled. (cohere's and stablelm's per-head and olmo2/olmo3's
 whole-projection q/k norms, and falcon's ALiBi: :mod:`.hf_qk_norms`.) Biases on some linear layers only
-(o_proj's without the MLP's, or the MLP's without attention's) are ``hf_proj_bias``/``hf_mlp_bias``:
+(o_proj's without the MLP's, or the MLP's without attention's) are ``hf_proj_bias``/``hf_mlp_bias``, and
+the MLA families' ``attention_bias`` on the down projections (``q_a_proj``, ``kv_a_proj_with_mqa``, which
+megatron-core's MLA lacks) ``hf_mla_down_bias``:
 a bias adds parameters, gradients and optimizer state, and no saved tensor (transformers' ``addmm`` and
 megatron-core's bias-dropout-add and bias-activation fusions save the same tensors with it or without).
 
@@ -55,6 +57,7 @@ def hf_decoder_fields(text: Mapping[str, Any], family: str) -> dict[str, Any]:
         "add_qkv_bias": qkv,
         "hf_proj_bias": out,
         "hf_mlp_bias": mlp,
+        "hf_mla_down_bias": bool(text.get("kv_lora_rank")) and qkv,
         "qk_layernorm": _qk_norm(text, family),
         "hf_qk_norm": hf_qk_norm_kind(family) if _qk_norm(text, family) else None,
         "alibi": alibi,
@@ -158,8 +161,5 @@ def _layer_differences(text: Mapping[str, Any], family: str) -> list[str]:
     out = []
     if family not in _BRIDGE_POST_NORMS and (text.get("final_logit_softcapping") or text.get("attn_logit_softcapping")):
         out.append("logit soft-capping (tanh of the scores or logits: its saved output left out)")
-    if text.get("kv_lora_rank") and _biases(text, family)[0]:
-        out.append("the down projections' biases of attention_bias (q_a_proj, kv_a_proj_with_mqa; megatron-core's "
-                   "multi-latent attention has none there): not counted (o_proj's is)")
     return out
 

@@ -50,12 +50,22 @@ and gathers its output (``tp/all_gather`` [T, out] in forward); without sequence
 formula, the rest as the local spec. Under sequence parallelism megatron-core feeds those layers
 this rank's [T/TP] tokens, which Bridge's adapter does not gather: linear_in's all-gather then
 concatenates different ranks' tokens and its input gradient is unreduced (refused, as Bridge's).
+The up projections are column parallel in both specs (``TEColumnParallelLinear``, or with
+``qk_layernorm`` ``TELayerNormColumnParallelLinear``, the latent norm fused in) and read the
+latent all-gathered over the sequence by the base layer, so their adapters are Bridge's
+column-parallel ones, as the local spec's (a formula), but for one difference under sequence
+parallelism: around a fused norm + linear Bridge sets ``return_layernorm_output_gathered`` and
+``disable_sequence_parallel_comm`` (Transformer Engine >= 1.5, no TP communication overlap),
+so the adapter reads the norm output the base layer all-gathered and Transformer Engine adds the
+adapter's input gradient to its own before its reduce-scatter: no adapter all-gather of its
+[T, latent] input in forward, no reduce-scatter of its gradient in backward.
 
 MoE, MLA and multi-token prediction layers: :mod:`megatron_flops.memory.lora_layers`.
 
 NB: measured with megatron-core's local layers and Bridge 0.3.1's adapter (gloo, CPU). Bridge's
 adapters around Transformer Engine's fused norm + linear (``return_layernorm_output_gathered``:
-no adapter all-gather under sequence parallelism) are not modelled here.
+no adapter all-gather under sequence parallelism) are modelled for MLA's up projections only
+(:mod:`megatron_flops.memory.lora_layers`), not for ``linear_qkv`` and ``linear_fc1``.
 """
 
 from __future__ import annotations
@@ -105,11 +115,6 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
                 "sequence all-gather, so linear_in's gather_output concatenates different ranks' tokens along "
                 "the rank dimension, and its input gradient is left unreduced (disable_grad_reduce); "
                 "--transformer-impl local is measured")
-    ups = [t for t in peft.lora_targets if t in mla_targets(spec) and "_down_" not in t]
-    if duplicated and ups and par.sequence_parallel:
-        return (f"LoRA adapters on MLA's {ups} under sequence parallelism as Transformer Engine's spec builds MLA "
-                "(the up projections' fused norm + linear returns its norm output gathered to the adapter) are not "
-                "modelled (no Transformer Engine on CPU); --transformer-impl local is measured")
     mla = spec.mla
     if duplicated and downs and mla is not None:
         for name, width in (("q_lora_rank", mla.q_lora_rank or 0),
@@ -130,19 +135,26 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
 
 
 def lora_duplicated_unmeasured(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
-                               duplicated: bool) -> list[str]:
+                               duplicated: bool, fused_up: bool = False) -> list[str]:
     """The LoRA figures on MLA's projections that are formulas (Transformer Engine's spec under
-    TP without sequence parallelism; with it Bridge's adapter is refused: :func:`lora_tp_reason`)."""
+    TP; under sequence parallelism only the up projections' adapters, the down projections'
+    being refused: :func:`lora_tp_reason`); ``fused_up``: the latent norms fused into the up
+    projections (``qk_layernorm``)."""
     if peft is None or peft.lora_rank is None or par.tp == 1 or not duplicated:
         return []
     mla = [t for t in peft.lora_targets if t in mla_targets(spec)]
     if not mla:
         return []
+    ups = "the up projections' adapters as the local spec's"
+    if par.sequence_parallel and fused_up:
+        ups = ("the up projections' adapters as the local spec's but for their sequence-parallel input all-gather "
+               "[T, latent] and its gradient's reduce-scatter, which they do not run: the fused norm + linear "
+               "(TELayerNormColumnParallelLinear) returns its all-gathered norm output to the adapter "
+               "(return_layernorm_output_gathered) and reduce-scatters the adapter's input gradient with its own")
     return [f"LoRA adapters on MLA's {mla} as Transformer Engine's spec builds MLA (no Transformer Engine on CPU; "
             "--transformer-impl local is measured): on a duplicated down projection Bridge's adapter splits "
             "linear_in [r/TP, h] and linear_out [out/TP, r] and all-gathers its output [T, out] (tp/all_gather), "
-            "its input-gradient and [T, r] all-reduces and saved tensors as the local spec's adapter; the up "
-            "projections' adapters as the local spec's"]
+            f"its input-gradient and [T, r] all-reduces and saved tensors as the local spec's adapter; {ups}"]
 
 
 def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None, *, selective: bool = False) -> str | None:

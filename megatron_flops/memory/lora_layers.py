@@ -105,13 +105,15 @@ def expert_adapter_payload(spec: ModelSpec, peft: PeftSpec, *, routed: int, act:
 
 def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
                           peft: PeftSpec | None, recompute: RecomputeSpec | None = None,
-                          received: int | None = None, duplicated: bool = False,
+                          received: int | None = None, duplicated: bool = False, fused_up: bool = False,
                           expert_adapters: bool = True, dispatcher: str = "alltoall") -> dict[str, int]:
     """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1):
     every layer's adapters (forward again where full recompute re-runs it), less what a frozen
     base does not run (:func:`_frozen_skips`); ``received``: routed tokens per MoE layer reaching
     this rank's experts (None: balanced, ``s/TP*b x ETP x topk``); ``duplicated``: Transformer Engine's MLA
-    down projections, whole on every TP rank (a formula); ``expert_adapters``: whether the routed
+    down projections, whole on every TP rank (a formula); ``fused_up``: its up projections with the latent
+    norms fused in (under sequence parallelism their adapters read the norm output the base gathered:
+    :func:`_latent_widths`); ``expert_adapters``: whether the routed
     experts have adapters (legacy ``GroupedMLP`` has none; ``TEGroupedMLP``'s shared one runs the
     same explicit expert communication over all routed tokens); ``dispatcher``: the MoE token
     dispatcher (a frozen MoE first layer whose gradient starts in its experts runs no dispatcher
@@ -128,7 +130,7 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         out[key] = out.get(key, 0) + value
 
     layers = adapted_layers(spec, par, recompute, pp_rank=pp_rank)
-    widths = _latent_widths(spec)
+    widths = _latent_widths(spec, fused=fused_up and sp)
     outputs = _down_widths(spec) if duplicated else None
     for layer in layers:
         targets = layer.targets(peft) if par.tp > 1 else ()
@@ -141,7 +143,8 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
             add(f"{expert_tp_group(par)}/all_gather",
                 (1 + layer.rerun) * expert_adapter_payload(spec, peft, routed=routed, act=a))
     full = recompute is not None and recompute.granularity == "full"
-    skips = _frozen_skips(spec, par, peft, layers, pp_rank=pp_rank, started=full, duplicated=duplicated) \
+    skips = _frozen_skips(spec, par, peft, layers, pp_rank=pp_rank, started=full, duplicated=duplicated,
+                          fused=fused_up) \
         if par.tp > 1 else {}
     for key, count in skips.items():
         add(key, -count * tokens * a)
@@ -153,10 +156,15 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
     return {key: m * value for key, value in out.items() if value}
 
 
-def _latent_widths(spec: ModelSpec) -> dict[str, int]:
-    """The input widths of MLA's up projections (their adapters' inputs), by target name."""
+def _latent_widths(spec: ModelSpec, *, fused: bool = False) -> dict[str, int]:
+    """The input widths of MLA's up projections (their adapters' inputs), by target name;
+    ``fused`` (Transformer Engine's fused norm + linear under sequence parallelism): 0, the
+    adapter gathering no input and reduce-scattering no input gradient of its own (the base's
+    all-gathered norm output and reduce-scatter serve it: :mod:`megatron_flops.memory.lora`)."""
     if spec.mla is None:
         return {}
+    if fused:
+        return {"linear_q_up_proj": 0, "linear_kv_up_proj": 0}
     return {"linear_q_up_proj": spec.mla.q_lora_rank or 0, "linear_kv_up_proj": spec.mla.kv_lora_rank}
 
 
@@ -169,7 +177,7 @@ def _down_widths(spec: ModelSpec) -> dict[str, int]:
 
 
 def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: list[AdaptedLayer], *,
-                  pp_rank: int, started: bool, duplicated: bool) -> dict[str, int]:
+                  pp_rank: int, started: bool, duplicated: bool, fused: bool = False) -> dict[str, int]:
     """Elements per token of the collectives :mod:`megatron_flops.memory.comm` prices for a
     trained base that a frozen one does not run. Under sequence parallelism: every layer's
     column-parallel weight-gradient all-gathers (``linear_qkv`` or MLA's, ``linear_fc1``), the
@@ -181,7 +189,8 @@ def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: lis
         return {}
     h, sp = spec.hidden_size, par.sequence_parallel
     first = par.is_first_stage(pp_rank, 0) and not started
-    out = _before_first_adapter(spec, peft, layers[0], sp=sp, duplicated=duplicated) if first and layers else {}
+    out = _before_first_adapter(spec, peft, layers[0], sp=sp, duplicated=duplicated, fused=fused) \
+        if first and layers else {}
     if not sp:
         return out
     gathers = 0
@@ -204,7 +213,7 @@ def _mla_weight_gathers(spec: ModelSpec, layer: AdaptedLayer, duplicated: bool) 
 
 
 def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, *, sp: bool,
-                          duplicated: bool) -> dict[str, int]:
+                          duplicated: bool, fused: bool = False) -> dict[str, int]:
     """The first layer's base linears up to its first adapter run no backward (their input
     requires no grad): per column-parallel one its input gradient's all-reduce (reduce-scatter
     under sequence parallelism), per row-parallel one under sequence parallelism its output
@@ -220,7 +229,7 @@ def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, 
     before = order[: index + 1]
     h = spec.hidden_size
     column = h * sum(n in COLUMN_PARALLEL for n in before)
-    out = _mla_before_proj(spec, targets, sp=sp, duplicated=duplicated) if layer.mla else {}
+    out = _mla_before_proj(spec, targets, sp=sp, duplicated=duplicated, fused=fused) if layer.mla else {}
     if not sp:
         out["tp/all_reduce"] = out.get("tp/all_reduce", 0) + column
         return out
@@ -231,7 +240,8 @@ def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, 
     return out
 
 
-def _mla_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool, duplicated: bool) -> dict[str, int]:
+def _mla_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool, duplicated: bool,
+                     fused: bool = False) -> dict[str, int]:
     """An MLA layer's frozen projections before ``linear_proj`` (no backward): without sequence
     parallelism the input-gradient all-reduces of both down projections [T, h] (duplicated:
     none but ``linear_q_proj``'s) and both up projections' latents; under sequence parallelism
@@ -242,7 +252,7 @@ def _mla_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool, dup
     assert mla is not None
     h, latents = spec.hidden_size, (mla.q_lora_rank or 0) + mla.kv_lora_rank
     if any(t.startswith(("linear_q_", "linear_kv_")) for t in targets):
-        return _mla_adapted_before_proj(spec, targets, sp=sp, duplicated=duplicated)
+        return _mla_adapted_before_proj(spec, targets, sp=sp, duplicated=duplicated, fused=fused)
     if duplicated:
         hidden = 0 if mla.q_lora_rank else h
         if not sp:
@@ -264,15 +274,18 @@ def expert_lora_unmeasured(spec: ModelSpec, par: Parallelism, peft: PeftSpec | N
 
 
 def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool,
-                             duplicated: bool = False) -> dict[str, int]:
+                             duplicated: bool = False, fused: bool = False) -> dict[str, int]:
     """As :func:`_mla_before_proj` with adapters on MLA's projections (local spec): the base
     down projections (or ``linear_q_proj``) never reduce their input gradient [T, h]; an up
     projection's latent requires grad once its branch's down projection is adapted (then its
     input gradient is reduced, and under sequence parallelism its slice's gradient all-gathered).
     Under sequence parallelism an adapter whose input requires no grad skips its input's
     gradient reduce-scatter (the hidden states', or a latent's). ``duplicated`` (Transformer
-    Engine's spec, without sequence parallelism: a formula): the base down projections reduce
-    no input gradient anyway, so only ``linear_q_proj``'s [T, h] and the latents' are skipped."""
+    Engine's spec, a formula): the base down projections reduce no input gradient anyway, so
+    only ``linear_q_proj``'s [T, h] and the latents' are skipped; under sequence parallelism
+    (up-projection adapters only) no latent gathers, and the kv latent's RoPE part's
+    reduce-scatter [T, rope] is skipped too; ``fused``: the up projections' adapters run no
+    reduce-scatter of their own (:func:`_latent_widths`)."""
     mla = spec.mla
     assert mla is not None
     h, q, kv = spec.hidden_size, mla.q_lora_rank, mla.kv_lora_rank
@@ -281,8 +294,10 @@ def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: b
     skipped = hidden + (q or 0) * (not q_on) + kv * (not kv_on)  # base input gradients
     if not sp:
         return {"tp/all_reduce": skipped}
-    gathers = (q or 0) * (not q_on) + kv * (not kv_on)
+    gathers = 0 if duplicated else (q or 0) * (not q_on) + kv * (not kv_on)
+    rope = mla.qk_pos_emb_head_dim * (duplicated and not kv_on)
     adapters = h * sum(t in ("linear_q_down_proj", "linear_kv_down_proj", "linear_q_proj") for t in targets)
-    adapters += (q or 0) * ("linear_q_up_proj" in targets and not q_on) + kv * ("linear_kv_up_proj" in targets
-                                                                                and not kv_on)
-    return {"tp/reduce_scatter": skipped + adapters, "tp/all_gather": gathers}
+    widths = _latent_widths(spec, fused=fused)
+    adapters += widths["linear_q_up_proj"] * ("linear_q_up_proj" in targets and not q_on) \
+        + widths["linear_kv_up_proj"] * ("linear_kv_up_proj" in targets and not kv_on)
+    return {"tp/reduce_scatter": skipped + rope + adapters, "tp/all_gather": gathers}

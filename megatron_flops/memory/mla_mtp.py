@@ -178,11 +178,22 @@ def mla_mtp_assumptions(spec: ModelSpec, par: Parallelism, *, duplicated: bool) 
     return out
 
 
-def mla_unmeasured(spec: ModelSpec, par: Parallelism, *, duplicated: bool) -> list[str]:
-    """The MLA figures that are formulas no CPU step could check (Transformer Engine's spec under TP)."""
-    if spec.mla is None or par.tp == 1 or not duplicated:
+def mla_unmeasured(spec: ModelSpec, par: Parallelism, *, duplicated: bool, down_bias: bool = False) -> list[str]:
+    """The MLA figures that are formulas no CPU step could check (Transformer Engine's spec under
+    TP; ``down_bias``: Hugging Face's biases on the down projections under TP, which no
+    megatron-core MLA has)."""
+    if spec.mla is None or par.tp == 1:
         return []
-    return ["multi-latent attention as Transformer Engine's spec builds it (--transformer-impl transformer_engine, "
+    out = []
+    if down_bias:
+        out.append("the multi-latent attention down projections' biases of Hugging Face's attention_bias (q_a_proj, "
+                   "kv_a_proj_with_mqa; megatron-core's MLA has none, so no TP run has them): under TP split as their "
+                   "weights' rows (--transformer-impl local) or whole on every rank (Transformer Engine's duplicated "
+                   "layers, their gradients all-reduced over TP under sequence parallelism); measured at TP 1 "
+                   "against transformers")
+    if not duplicated:
+        return out
+    return out + ["multi-latent attention as Transformer Engine's spec builds it (--transformer-impl transformer_engine, "
             "Megatron-LM's default; no Transformer Engine on CPU, --transformer-impl local is measured): the q and "
             "kv down projections whole on every TP rank (parallel_mode='duplicated': their weights, gradients and "
             "optimizer state not split; gradients all-reduced over TP under sequence parallelism), no latent "

@@ -81,10 +81,12 @@ def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | Non
 
 
 def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
-                                  recompute: RecomputeSpec | None, peft: PeftSpec | None) -> dict[str, int]:
+                                  recompute: RecomputeSpec | None, peft: PeftSpec | None,
+                                  fused_up: bool = False) -> dict[str, int]:
     """``tp/*`` payload per step of the MLPs selective ``mlp`` recompute re-runs on pipeline rank
     ``pp_rank`` (see the module doc), and of the shared experts ``moe`` and ``shared_experts``
-    re-run; {} at TP 1 or without them."""
+    re-run; {} at TP 1 or without them. ``fused_up``: Transformer Engine's MLA up projections with
+    the latent norms fused in, whose adapters under sequence parallelism gather nothing of their own."""
     if par.tp == 1 or recompute is None or recompute.granularity != "selective":
         return {}
     kinds = spec.layers
@@ -112,7 +114,8 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
         q = spec.mla.q_lora_rank if spec.mla.q_lora_rank is not None else spec.hidden_size
         if par.sequence_parallel:
             out["tp/all_gather"] = out.get("tp/all_gather", 0) + mla * (q + spec.mla.kv_lora_rank) * tokens * act
-        widths = {"linear_q_up_proj": q, "linear_kv_up_proj": spec.mla.kv_lora_rank}
+        fused = fused_up and par.sequence_parallel
+        widths = {"linear_q_up_proj": 0 if fused else q, "linear_kv_up_proj": 0 if fused else spec.mla.kv_lora_rank}
         ups = tuple(t for t in mla_targets(spec) if t != "linear_q_down_proj" and t != "linear_kv_down_proj")
         for key, value in adapter_forward_payload(peft, ups, tokens, spec.hidden_size, act, sp=par.sequence_parallel,
                                                   widths=widths).items():

@@ -117,10 +117,11 @@ def rank_memory(
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
     _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute,
-                                        duplicated=options.duplicated_mla_down,
+                                        duplicated=options.duplicated_mla_down, fused_up=options.fused_mla_up_norm,
                                         expert_adapters=experts_module(options) != "GroupedMLP",
                                         dispatcher=options.moe_token_dispatcher_type),
-                  selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft),
+                  selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft,
+                                                fused_up=options.fused_mla_up_norm),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0))
     peak = count = None
     per_mb = None
@@ -196,6 +197,7 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
     if peft is not None and peft.lora_rank is not None and par.expert_tp > 1:
         payloads = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
                                           received=received, duplicated=options.duplicated_mla_down,
+                                          fused_up=options.fused_mla_up_norm,
                                           expert_adapters=experts_module(options) != "GroupedMLP",
                                           dispatcher=options.moe_token_dispatcher_type)
                     for received in (None, fewest, most)]
@@ -291,7 +293,8 @@ def decoder_memory(
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
-    unmeasured += tuple(lora_duplicated_unmeasured(spec, par, peft, duplicated=options.duplicated_mla_down))
+    unmeasured += tuple(lora_duplicated_unmeasured(spec, par, peft, duplicated=options.duplicated_mla_down,
+                                                   fused_up=options.fused_mla_up_norm))
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
         unmeasured += kda_fla_unmeasured(spec, training)
@@ -392,7 +395,8 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                            "+/-6.3% per rank on 4-rank tests), the EP group's total is exact; the per-rank range "
                            "over all routings is shown")
     assumptions += mla_mtp_assumptions(spec, par, duplicated=options.duplicated_mla_down)
-    unmeasured += mla_unmeasured(spec, par, duplicated=options.duplicated_mla_down) + moe_unmeasured(spec, options)
+    unmeasured += mla_unmeasured(spec, par, duplicated=options.duplicated_mla_down,
+                                  down_bias=options.hf_mla_down_bias) + moe_unmeasured(spec, options)
     if par.cp > 1 and any(mixer in ("attention", "window") for (mixer, _), _ in spec.layer_runs):  # GDN, DSA: measured
         unmeasured.append(f"context parallelism (CP {par.cp}): activations and collectives as s/CP tokens per rank "
                           "through a fused attention, and the cp/send_recv ring of K/V (no context-parallel "
