@@ -247,12 +247,6 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
 
 # GAPS: ours. Each is a refusal or a not-modelled row for a layout the frameworks train.
 GAPS: list[tuple[str, str]] = [
-    # A frozen base whose first layer is MoE, adapted on the experts only: measured at TP 1 with non-gated
-    # SequentialMLP experts, the alltoall dispatcher and no shared experts (memory/moe_lora_start.py); Mixtral's
-    # gated experts and TP are not.
-    ("hf:mixtral | 1 GPU | frozen LoRA fc1, fc2", r"not modelled: activations of a frozen MoE first layer whose "
-                                                   r"first adapter is a routed expert's"),
-    ("hf:mixtral | TP2 SP | frozen LoRA fc1, fc2", r"refused: .*no tensor-parallel adapter"),
 ]
 
 

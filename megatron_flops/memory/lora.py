@@ -138,14 +138,11 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
         return f"--lora-rank {peft.lora_rank} is not divisible by --tp {par.tp} (Bridge splits linear_in's rows)"
     if spec.hidden_size % par.tp:
         return f"hidden_size={spec.hidden_size} is not divisible by --tp {par.tp} (LoRA's linear_out rows)"
-    moe = spec.moe
     absent = set(MLA_TARGETS) - set(mla_targets(spec))
     absent |= {"linear_qkv"} if spec.mla is not None else set()
-    if moe is not None and spec.layers[0][1] == "moe" and not moe.shared_expert_ffn_hidden_size:
-        absent |= {"linear_fc1", "linear_fc2"}
     if peft.frozen and not set(peft.lora_targets) - absent:
-        return ("LoRA under tensor parallelism on a frozen base whose first layer has no tensor-parallel adapter "
-                "(only its routed experts', or none) is not modelled: add an attention target (linear_proj)")
+        return ("LoRA under tensor parallelism on a frozen base whose first layer has no adapter is not modelled: "
+                "add an attention target (linear_proj)")
     return None
 
 

@@ -44,6 +44,7 @@ from megatron_flops.memory.lora import (COLUMN_PARALLEL, LAYER_ORDER, adapter_ba
                                         adapter_forward_payload, mla_targets, mla_up_widths)
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.moe import expert_tp_group
+from megatron_flops.memory.moe_lora_start import first_adapter_dispatcher_skip, starts_in_experts
 from megatron_flops.model.spec import ModelSpec
 
 
@@ -105,7 +106,7 @@ def expert_adapter_payload(spec: ModelSpec, peft: PeftSpec, *, routed: int, act:
 def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
                           peft: PeftSpec | None, recompute: RecomputeSpec | None = None,
                           received: int | None = None, duplicated: bool = False, fused_up: bool = False,
-                          expert_adapters: bool = True) -> dict[str, int]:
+                          expert_adapters: bool = True, dispatcher: str = "alltoall") -> dict[str, int]:
     """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1):
     every layer's adapters (forward again where full recompute re-runs it), less what a frozen
     base does not run (:func:`_frozen_skips`); ``received``: routed tokens per MoE layer reaching
@@ -114,7 +115,9 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
     norms fused in (under sequence parallelism their adapters read the norm output the base gathered:
     :func:`~megatron_flops.memory.lora.mla_up_widths`); ``expert_adapters``: whether the routed
     experts have adapters (legacy ``GroupedMLP`` has none; ``TEGroupedMLP``'s shared one runs the
-    same explicit expert communication over all routed tokens). {} at TP 1 and expert TP 1."""
+    same explicit expert communication over all routed tokens); ``dispatcher``: the MoE token
+    dispatcher (a frozen MoE first layer whose gradient starts in its experts runs no dispatcher
+    backward: :mod:`~megatron_flops.memory.moe_lora_start`). {} at TP 1 and expert TP 1."""
     if peft is None or peft.lora_rank is None or (par.tp == 1 and par.expert_tp == 1):
         return {}
     a, h, sp = training.param_bytes, spec.hidden_size, par.sequence_parallel
@@ -145,6 +148,10 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         if par.tp > 1 else {}
     for key, count in skips.items():
         add(key, -count * tokens * a)
+    if not full and par.is_first_stage(pp_rank, 0) and starts_in_experts(spec, peft) and routed is not None:
+        for key, value in first_adapter_dispatcher_skip(spec, par, training, dispatcher=dispatcher,
+                                                        routed=routed).items():
+            add(key, -value)
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
 
@@ -202,7 +209,9 @@ def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, 
     input-gradient reduce-scatter too. An MLA layer's projections before ``linear_proj``: see
     :func:`_mla_before_proj`."""
     targets = layer.targets(peft)
-    order = [t for t in LAYER_ORDER if t != "linear_qkv" or not layer.mla]
+    # (A MoE layer without shared experts has no dense fc1/fc2: moe_communication takes theirs out.)
+    order = [t for t in LAYER_ORDER if (t != "linear_qkv" or not layer.mla)
+             and (layer.dense or t not in ("linear_fc1", "linear_fc2"))]
     in_mla = bool(targets) and targets[0] in layer.mla_names
     index = order.index(targets[0]) if targets and not in_mla else -1 if in_mla else len(order) - 1
     before = order[: index + 1]

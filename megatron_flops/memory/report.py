@@ -118,7 +118,8 @@ def rank_memory(
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
     _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute,
                                         duplicated=options.duplicated_mla_down, fused_up=options.fused_mla_up_norm,
-                                        expert_adapters=experts_take_adapters(options)),
+                                        expert_adapters=experts_take_adapters(options),
+                                        dispatcher=options.moe_token_dispatcher_type),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft,
                                                 fused_up=options.fused_mla_up_norm),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0))
@@ -197,15 +198,17 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
                 balanced = at[0].get(key, 0)
                 out[key] = (lo + m * (at[1].get(key, 0) - balanced), hi + m * (at[2].get(key, 0) - balanced))
     if peft is not None and peft.lora_rank is not None and par.expert_tp > 1:
-        key = f"{expert_tp_group(par)}/all_gather"
-        lora = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
-                                      received=received, duplicated=options.duplicated_mla_down,
-                                      fused_up=options.fused_mla_up_norm,
-                                      expert_adapters=experts_take_adapters(options)).get(key, 0)
-                for received in (None, fewest, most)]
-        if lora[1] != lora[2]:
-            lo, hi = out.get(key, (comm.get(key, 0), comm.get(key, 0)))
-            out[key] = (lo + lora[1] - lora[0], hi + lora[2] - lora[0])
+        payloads = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
+                                          received=received, duplicated=options.duplicated_mla_down,
+                                          fused_up=options.fused_mla_up_norm,
+                                          expert_adapters=experts_take_adapters(options),
+                                          dispatcher=options.moe_token_dispatcher_type)
+                    for received in (None, fewest, most)]
+        for key in (f"{expert_tp_group(par)}/all_gather", f"{expert_tp_group(par)}/reduce_scatter"):
+            lora = [p.get(key, 0) for p in payloads]
+            if lora[1] != lora[2]:
+                lo, hi = out.get(key, (comm.get(key, 0), comm.get(key, 0)))
+                out[key] = (lo + lora[1] - lora[0], hi + lora[2] - lora[0])
     return out
 
 
