@@ -82,11 +82,12 @@ def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | Non
 
 def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
                                   recompute: RecomputeSpec | None, peft: PeftSpec | None,
-                                  fused_up: bool = False) -> dict[str, int]:
+                                  fused: tuple[str, ...] = ()) -> dict[str, int]:
     """``tp/*`` payload per step of the MLPs selective ``mlp`` recompute re-runs on pipeline rank
     ``pp_rank`` (see the module doc), and of the shared experts ``moe`` and ``shared_experts``
-    re-run; {} at TP 1 or without them. ``fused_up``: Transformer Engine's MLA up projections with
-    the latent norms fused in, whose adapters under sequence parallelism gather nothing of their own."""
+    re-run; {} at TP 1 or without them. ``fused``: the targets Transformer Engine builds with a norm
+    fused in (a dense MLP's ``linear_fc1``, MLA's up projections with latent norms), whose adapters under
+    sequence parallelism gather nothing of their own."""
     if par.tp == 1 or recompute is None or recompute.granularity != "selective":
         return {}
     kinds = spec.layers
@@ -99,9 +100,10 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
     hidden = tokens * spec.hidden_size * act
     mlp = {"tp/all_gather": hidden, "tp/reduce_scatter": hidden} if par.sequence_parallel else {"tp/all_reduce": hidden}
     out = {key: dense * value for key, value in mlp.items()}
+    widths = {t: 0 for t in fused} if par.sequence_parallel else {}
     if dense:
         for key, value in adapter_forward_payload(peft, ("linear_fc1", "linear_fc2"), tokens, spec.hidden_size, act,
-                                                  sp=par.sequence_parallel).items():
+                                                  sp=par.sequence_parallel, widths=widths).items():
             out[key] = out.get(key, 0) + dense * value
     shared = _shared_expert_reruns(spec, par, recompute, layers, pp_rank)
     for key, value in mlp.items():
@@ -114,8 +116,7 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
         q = spec.mla.q_lora_rank if spec.mla.q_lora_rank is not None else spec.hidden_size
         if par.sequence_parallel:
             out["tp/all_gather"] = out.get("tp/all_gather", 0) + mla * (q + spec.mla.kv_lora_rank) * tokens * act
-        fused = fused_up and par.sequence_parallel
-        widths = {"linear_q_up_proj": 0 if fused else q, "linear_kv_up_proj": 0 if fused else spec.mla.kv_lora_rank}
+        widths = {"linear_q_up_proj": q, "linear_kv_up_proj": spec.mla.kv_lora_rank} | widths
         ups = tuple(t for t in mla_targets(spec) if t != "linear_q_down_proj" and t != "linear_kv_down_proj")
         for key, value in adapter_forward_payload(peft, ups, tokens, spec.hidden_size, act, sp=par.sequence_parallel,
                                                   widths=widths).items():
