@@ -7,7 +7,7 @@ stack's final norm, which ``HybridStack`` builds as ``TENorm`` whatever the spec
 
 - ``params``: every parameter's name and size, in order (Mamba layers built with a stand-in for
   mamba_ssm's gated RMSNorm that allocates the same weight: mamba_ssm's kernels run in forward
-  only);
+  only), also for a pattern without '/' given ``mtp_num_layers`` and for MLA layers ('+');
 - ``saved``/``flops``/``comm`` (patterns without Mamba layers, which run on CPU; TP 1, or TP 2
   with and without sequence parallelism): the distinct storages one forward (model and loss)
   keeps for backward, the GEMM FLOPs (``FlopCounterMode``) of a forward and backward, and every
@@ -55,7 +55,9 @@ def local_hybrid_stack_spec() -> Any:
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlock, MultiTokenPredictionBlockSubmodules, MultiTokenPredictionLayer,
         MultiTokenPredictionLayerSubmodules)
@@ -79,6 +81,18 @@ def local_hybrid_stack_spec() -> Any:
                                           linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
                                           linear_proj=RowParallelLinear)),
             self_attn_bda=get_bias_dropout_add)),
+        # ('+': the local spec's MLA projections, the hybrid spec's IdentityOp latent norms)
+        mla_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                      submodules=MLASelfAttentionSubmodules(
+                                          linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                                          linear_q_up_proj=ColumnParallelLinear,
+                                          linear_kv_down_proj=ColumnParallelLinear,
+                                          linear_kv_up_proj=ColumnParallelLinear, core_attention=DotProductAttention,
+                                          linear_proj=RowParallelLinear, q_layernorm=IdentityOp,
+                                          kv_layernorm=IdentityOp)),
+            self_attn_bda=get_bias_dropout_add)),
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm,
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
@@ -95,7 +109,9 @@ def _build(case: dict) -> Any:
 
     pattern = case["pattern"]
     main, *mtp = pattern.split("/")
-    config = mcore_cpu.make_config(dict(case["model"], num_layers=len(main), mtp_num_layers=len(mtp) or None,
+    # (a case's "mtp_num_layers": given beside a pattern without '/', as Megatron-LM passes --mtp-num-layers)
+    config = mcore_cpu.make_config(dict(case["model"], num_layers=len(main),
+                                        mtp_num_layers=case.get("mtp_num_layers", len(mtp) or None),
                                         tensor_model_parallel_size=case.get("tp", 1),
                                         sequence_parallel=case.get("sp", False)))
     with mcore_cpu.cuda_to_cpu_mode():

@@ -146,6 +146,17 @@ SPOT_LAYOUTS = {
     "TP2 SP DP2 FSDP": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--fsdp"],
     "CP2 DP2 FSDP": ["--cp", "2", "--dp", "2", "--fsdp"],
     "DP2 FSDP SGD": ["--dp", "2", "--fsdp", "--optimizer", "sgd"],
+    # Uneven pipeline splits of a hybrid pattern and of a DiT's blocks (a GPT's: the "uneven pipeline" and
+    # "pipeline layout" files); a layout names each model's layer count.
+    "PP2 first stage 1 layer": ["--pp", "2", "--num-microbatches", "4", "--decoder-first-pipeline-num-layers", "1"],
+    "PP2 embedding and loss in the split": ["--pp", "2", "--num-microbatches", "4",
+                                            "--account-for-embedding-in-pipeline-split",
+                                            "--account-for-loss-in-pipeline-split"],
+    "PP2 layout Ett|ttL": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", "Ett|ttL"],
+    "PP2 layout Et*8|t*32L": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout",
+                              "Et*8|t*32L"],
+    "TP2 SP CP2": ["--tp", "2", "--sequence-parallel", "--cp", "2"],
+    "TP2 CP2": ["--tp", "2", "--cp", "2"],
 }
 SPOT_CHECKS = [
     ("mcore:mla", "frozen LoRA proj, selective recompute of mla_up_proj", ("1 GPU", "TP2 SP")),
@@ -157,7 +168,13 @@ SPOT_CHECKS = [
     ("examples/wan_tiny_dit.json", "full recompute of 2-block groups", ("1 GPU", "DP2")),
     ("examples/wan_tiny_dit.json", "", ("TP2 SP DP2 FSDP", "CP2 DP2 FSDP", "DP2 FSDP SGD")),
     ("mcore:untied mla moe mtp", "", ("TP2 SP DP2 FSDP", "CP2 DP2 FSDP", "DP2 FSDP SGD")),
+    ("mcore:dsa*", "", ("TP2 SP CP2", "TP2 CP2")),  # (megatron-core 0.19.0's DSA layer under TP x CP)
     ("examples/qwen2_5_vl_7b_config.json", "vision grids", ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2")),
+    ("mcore:hybrid mamba", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split", "PP2 layout Ett|ttL")),
+    ("mcore:hybrid mamba piped", "", ("PP2 first stage 1 layer",)),
+    ("mcore:gdn", "", ("PP2 first stage 1 layer",)),
+    ("examples/wan21_14b_dit.json", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split",
+                                         "PP2 layout Et*8|t*32L")),
 ]
 # What a report leaves out until the user gives an input no model file holds (``needs_input``): not
 # a gap. A VLM without --grid-thw: the vision tower's activations (the survey passes no grids but in
@@ -215,14 +232,21 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
     # DiT (memory/dit_layouts.py) with virtual pipeline stages: Megatron-Bridge 0.6.2 itself cannot build them
     # (WanModelProvider.provide ignores vp_stage), so there is no layout to model.
     ("examples/wan* | PP2 VPP2 | ", r"refused: .*Megatron-Bridge 0.6.2 cannot interleave WAN itself"),
+    # A hybrid pattern with the account-for flags or a layout: Megatron-LM 0.19's validate_args refuses them
+    # (megatron-core 0.16.1's MambaStack ignores them); with '|' separators, first/last sizes too (0.19's
+    # select_pipeline_segment). tests/test_memory_pipeline_split_hybrid_dit.py runs both.
+    ("mcore:hybrid mamba | PP2 embedding and loss in the split | ", r"refused: .*Megatron-LM 0.19 refuses "
+                                                                    r"--account-for-.* with a hybrid layer pattern"),
+    ("mcore:hybrid mamba | PP2 layout Ett|ttL | ", r"refused: .*Megatron-LM 0.19 refuses --pipeline-model-parallel-"
+                                                   r"layout with a hybrid layer pattern"),
+    ("mcore:hybrid mamba piped | PP2 first stage 1 layer | ", r"refused: .*megatron-core 0.19 refuses num_layers_in_"
+                                                              r"first/last_pipeline_stage when the hybrid pattern"),
+    # DSA under CP needs megatron-core 0.19.0's AbsorbedMLASelfAttention, which asserts sequence parallelism under TP.
+    ("mcore:dsa* | TP2 CP2 | ", r"refused: .*AbsorbedMLASelfAttention asserts it"),
 ]
 
 # GAPS: ours. Each is a refusal or a not-modelled row for a layout the frameworks train.
 GAPS: list[tuple[str, str]] = [
-    # DSA layers that reuse an earlier top-k under CP (megatron-core 0.19.0's index sharing with its CP layer: not
-    # modelled by memory/linear_cp.py).
-    ("mcore:dsa shared top-k mtp | CP2 | ", r"refused: .*context parallelism is not modelled for DeepSeek sparse "
-                                            r"attention layers that reuse an earlier layer's top-k"),
     # A frozen base whose first layer is MoE, adapted on the experts only: measured at TP 1 with non-gated
     # SequentialMLP experts, the alltoall dispatcher and no shared experts (memory/moe_lora_start.py); Mixtral's
     # gated experts and TP are not.

@@ -39,23 +39,28 @@ OPTIONS = DecoderOptions.from_mapping(dict(FIELDS, attention_backend="local", tr
 FP32 = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=1, params_dtype="fp32")
 
 
+# Multi-latent attention ('+'): q and kv latents of 32, 4 heads of 16 + a RoPE part of 16.
+MLA = dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=16,
+           v_head_dim=16)
+
+
 def _spec(pattern: str, **fields) -> ModelSpec:
     return ModelSpec.from_mapping(dict(FIELDS, hybrid_override_pattern=pattern, **fields))
 
 
-def _params(pattern: str, par: Parallelism = Parallelism()) -> list[tuple[str, int]]:
-    return [(p.name, p.numel) for p in chunk_parameters(_spec(pattern), OPTIONS, par, pp_rank=0, chunk=0,
+def _params(pattern: str, par: Parallelism = Parallelism(), **fields) -> list[tuple[str, int]]:
+    return [(p.name, p.numel) for p in chunk_parameters(_spec(pattern, **fields), OPTIONS, par, pp_rank=0, chunk=0,
                                                         seq_length=SEQ)]
 
 
-def _saved(pattern: str, par: Parallelism = Parallelism()) -> int:
-    act = chunk_activations(_spec(pattern), OPTIONS, par, FP32, pp_rank=0, chunk=0)
+def _saved(pattern: str, par: Parallelism = Parallelism(), **fields) -> int:
+    act = chunk_activations(_spec(pattern, **fields), OPTIONS, par, FP32, pp_rank=0, chunk=0)
     return act.forward + act.shared
 
 
-def _tp_traffic(pattern: str, par: Parallelism) -> dict[str, int]:
+def _tp_traffic(pattern: str, par: Parallelism, **fields) -> dict[str, int]:
     """Activation traffic of one micro-batch (no gradient buffers: no DP or gradient reductions)."""
-    return step_communication(_spec(pattern), OPTIONS, par, FP32, pp_rank=0, buffers={})
+    return step_communication(_spec(pattern, **fields), OPTIONS, par, FP32, pp_rank=0, buffers={})
 
 
 def test_each_mtp_depth_lists_its_hybrid_layers():
@@ -141,9 +146,92 @@ def test_cli_labels_the_hybrid_mtp_part(tmp_path, capsys):
     assert "a hybrid MTP part under pipeline parallelism" in capsys.readouterr().out
 
 
-# (pattern, TP, SP, run a step): steps only without Mamba layers (their kernels are CUDA-only).
-CASES = [("M*-M/*-", 1, False, False), ("M*-M/M-", 1, False, False), ("*-*-/*-", 1, False, True),
-         ("*-/*-*-/*-*-", 2, False, True), ("*-/*-*-/*-*-", 2, True, True)]
+def test_a_pattern_without_mtp_parts_builds_no_mtp():
+    # megatron-core 0.19's HybridModel builds MTP depths from the parts after '/' only (Megatron-LM
+    # warns "Hybrid model with --mtp-num-layers but no MTP pattern" and trains none); 0.16.1's
+    # MambaModel has no MTP. So mtp_num_layers=2 beside "*-*-" is "*-*-": no MTP parameters, saved
+    # tensors, FLOPs or traffic (measured: 0.19's HybridModel with mtp_num_layers=1).
+    assert _spec("*-*-", mtp_num_layers=2).mtp_num_layers == 0
+    assert _params("*-*-", mtp_num_layers=2) == _params("*-*-")
+    assert sum(k for _, k in _params("*-*-", mtp_num_layers=2)) == 8_192 + 2 * 33_024 + 128 == 74_368
+    assert _saved("*-*-", mtp_num_layers=2) == _saved("*-*-")
+    parts = estimate(_spec("*-*-", mtp_num_layers=2), parse_rows([SEQ] * MBS)).components
+    assert parts == estimate(_spec("*-*-"), parse_rows([SEQ] * MBS)).components and "mtp/logits" not in parts
+    # TP 2: 2 layers x 2 sub-blocks x 2 all-reduces + the embedding's + the output layer's = 10 x
+    # [T, h] (8,192 bytes), cross-entropy's 3 fp32 [T] reductions 384; no acceptance gather.
+    assert 10 * 8_192 + 384 == 82_304
+    assert _tp_traffic("*-*-", Parallelism(tp=2), mtp_num_layers=2) == {"tp/all_reduce": 82_304}
+
+
+def test_estimate_notes_an_mtp_count_a_hybrid_pattern_without_slash_ignores(tmp_path, capsys):
+    model = tmp_path / "hybrid.json"
+    model.write_text(json.dumps(dict(FIELDS, hybrid_override_pattern="*-*-", mtp_num_layers=2)))
+    assert main(["estimate", "--model", str(model), "--seq-length", "16", "--batch-size", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [n for n in report["notes"] if n.startswith("mtp_num_layers=2 is not counted")]
+    assert not [k for k in report["components"] if k.startswith("mtp/")]
+    model.write_text(json.dumps(dict(FIELDS, hybrid_override_pattern="*-*-/*-")))  # (an MTP part: no note)
+    assert main(["estimate", "--model", str(model), "--seq-length", "16", "--batch-size", "2", "--json"]) == 0
+    assert "notes" not in json.loads(capsys.readouterr().out)
+
+
+def test_legacy_mtp_pattern_option_becomes_the_parts_after_slash():
+    # Megatron-LM 0.19's validate_args: --mtp-hybrid-override-pattern P with --mtp-num-layers N beside
+    # a pattern without '/' is the unified pattern's N parts "/P"; without it, no MTP (above).
+    from megatron_flops.model.megatron_args import load_megatron_args, model_spec
+
+    line = ("--hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --vocab-size 128 --mamba-state-dim 16 "
+            "--mamba-head-dim 16 --mamba-num-groups 2 --hybrid-layer-pattern M*-M --mtp-num-layers 2")
+    legacy = model_spec(*load_megatron_args(line + " --mtp-hybrid-override-pattern '*-'"))
+    unified = model_spec(*load_megatron_args(line.replace("M*-M", "M*-M/*-/*-")))
+    assert legacy == unified and legacy.mtp_num_layers == 2
+    assert model_spec(*load_megatron_args(line)).mtp_num_layers == 0
+
+
+def test_hybrid_mla_layers_under_tp_count_the_attention_layers_only():
+    # "+-+-" with MLA at TP 2: the latent collectives of its 2 MLA layers, not of 4 (its MLP layers
+    # have none). T = 32, fp32. Without SP: the dense part 10 x 8,192 + 384 (as "*-*-"); per MLA
+    # layer the q and kv latents all-gathered T x (32 + 32 + 16) x 4 = 10,240, and the second down
+    # projection's and the up projections' input gradients all-reduced T x (64 + 32 + 32) x 4 =
+    # 16,384 (as 2 GPT MLA layers, tests/test_memory_mla_mtp.py). Measured: the same.
+    assert 82_304 + 2 * 16_384 == 115_072 and 32 * (32 + 32 + 16) * 4 == 10_240 and 32 * 128 * 4 == 16_384
+    assert _tp_traffic("+-+-", Parallelism(tp=2), **MLA) == {"tp/all_reduce": 115_072, "tp/all_gather": 20_480}
+    # With SP: the dense part gathers 15 and reduce-scatters 10 x 8,192; per MLA layer forward
+    # T x (64 + 32 + 48 + 32 + 32) and backward T x (64 + 32 + 32 + 32 + 32) gathered (51,200 bytes),
+    # T x (64 + 32 + 32) reduce-scattered (16,384). Measured: the same.
+    assert 32 * (208 + 192) * 4 == 51_200 and 15 * 8_192 + 2 * 51_200 == 225_280
+    assert 10 * 8_192 + 2 * 16_384 == 114_688
+    assert _tp_traffic("+-+-", Parallelism(tp=2, sequence_parallel=True), **MLA) == {
+        "tp/all_gather": 225_280, "tp/reduce_scatter": 114_688, "tp/all_reduce": 384}
+    # An MTP part "+-" (one depth): all-reduced, the main "+-" 6 x 8,192, the depth 8 x 8,192 (the
+    # embedding 1, eh_proj's input gradient 2, its 2 sub-blocks 4, its output-layer call 1), each
+    # of the 2 MLA layers 16,384 and 2 losses' 384; gathered, the 2 MLA layers' latents, eh_proj's
+    # output 8,192 and the acceptance count 2 ranks x 32 x (4 + 8) = 768. Measured: the same.
+    assert (6 + 8) * 8_192 + 2 * 16_384 + 2 * 384 == 148_224 and 2 * 10_240 + 8_192 + 768 == 29_440
+    assert _tp_traffic("+-/+-", Parallelism(tp=2), **MLA) == {"tp/all_reduce": 148_224, "tp/all_gather": 29_440}
+
+
+def test_a_gpt_mtp_layer_names_the_release_its_tp_traffic_follows():
+    # A GPT's MTP layers follow megatron-core 0.16.1 (no acceptance counts, measured there); 0.19's
+    # gather of them under TP is named in the assumptions, not counted. A hybrid MTP part counts it.
+    from megatron_flops.memory.mla_mtp import mla_mtp_assumptions
+
+    gpt = ModelSpec.from_mapping(dict(FIELDS, num_layers=2, mtp_num_layers=1))
+    note = [a for a in mla_mtp_assumptions(gpt, Parallelism(tp=2), duplicated=False) if "acceptance" in a]
+    assert len(note) == 1 and "megatron-core 0.16.1's GPTModel" in note[0] and "not counted" in note[0]
+    assert not [a for a in mla_mtp_assumptions(gpt, Parallelism(), duplicated=False) if "acceptance" in a]
+    assert not [a for a in mla_mtp_assumptions(_spec("*-/*-"), Parallelism(tp=2), duplicated=False)
+                if "acceptance" in a]
+    # (gathered: eh_proj's output [T, h] only, 8,192 bytes; 0.19 would gather 2 x 32 x (4 + 8) = 768 more)
+    traffic = step_communication(gpt, OPTIONS, Parallelism(tp=2), FP32, pp_rank=0, buffers={})
+    assert traffic["tp/all_gather"] == 8_192
+
+
+# (pattern, TP, SP, run a step, fields): steps only without Mamba layers (their kernels are CUDA-only).
+CASES = [("M*-M/*-", 1, False, False, {}), ("M*-M/M-", 1, False, False, {}), ("*-*-/*-", 1, False, True, {}),
+         ("*-/*-*-/*-*-", 2, False, True, {}), ("*-/*-*-/*-*-", 2, True, True, {}),
+         ("*-*-", 2, False, True, {"mtp_num_layers": 1}), ("+-+-", 2, False, True, MLA),
+         ("+-+-", 2, True, True, MLA), ("+-/+-", 2, False, True, MLA)]
 # 0.19's names for what 0.16.1's (and this listing's) call otherwise, in the main decoder's and MTP parts'
 # Mamba layers (their order in the layer differs too) and the stack's final norm.
 RENAMES = {r"\.mixer\.conv1d_(weight|bias)$": r".mixer.conv1d.\1", r"(layers\.\d+)\.norm\.": r"\1.input_layernorm.",
@@ -164,20 +252,24 @@ def test_measured_in_megatron_core_019():
         python = envs.ensure("megatron-lm-0.19.0")
     except envs.Unavailable as exc:
         pytest.skip(str(exc))
-    cases = [dict(pattern=p, model=LAYER, vocab=VOCAB, seq=SEQ, mbs=MBS, tp=tp, sp=sp, run=run)
-             for p, tp, sp, run in CASES]
+    cases = [dict(pattern=p, model=dict(LAYER, **{k: v for k, v in fields.items() if k != "mtp_num_layers"},
+                                        **({"rope_type": "rope"} if fields.get("multi_latent_attention") else {})),
+                  vocab=VOCAB, seq=SEQ, mbs=MBS, tp=tp, sp=sp, run=run, **{k: v for k, v in fields.items()
+                                                                              if k == "mtp_num_layers"})
+             for p, tp, sp, run, fields in CASES]
     done = subprocess.run([str(python), "-c", "import hybrid_mtp_019; hybrid_mtp_019.main()", json.dumps(cases)],
                           capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL, cwd=TESTS,
                           env={**os.environ, "PYTHONPATH": str(TESTS)})
     assert done.returncode == 0, done.stderr[-3000:]
-    for (pattern, tp, sp, run), measured in zip(CASES, json.loads(done.stdout.strip().splitlines()[-1])):
+    for (pattern, tp, sp, run, fields), measured in zip(CASES, json.loads(done.stdout.strip().splitlines()[-1])):
         par = Parallelism(tp=tp, sequence_parallel=sp)
         theirs = [(_renamed(n), k) for n, k in measured["params"]]
-        ours = _params(pattern, par)
+        ours = _params(pattern, par, **fields)
         assert sorted(theirs) == sorted(ours), pattern
-        if "M" not in pattern.split("/")[1]:  # (the MTP part in order)
+        if "M" not in pattern.split("/")[-1]:  # (the MTP part in order)
             assert [p for p in theirs if p[0].startswith("mtp.")] == [p for p in ours if p[0].startswith("mtp.")]
         if run:
-            assert measured["saved"] == _saved(pattern, par), (pattern, tp, sp)
-            assert measured["flops"] == estimate(_spec(pattern), parse_rows([SEQ] * MBS), attention="full").total // tp
-            assert measured["comm"] == _tp_traffic(pattern, par), (pattern, tp, sp)
+            assert measured["saved"] == _saved(pattern, par, **fields), (pattern, tp, sp)
+            assert measured["flops"] == estimate(_spec(pattern, **fields), parse_rows([SEQ] * MBS),
+                                                 attention="full").total // tp
+            assert measured["comm"] == _tp_traffic(pattern, par, **fields), (pattern, tp, sp)

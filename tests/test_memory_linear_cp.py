@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
-from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.linear_cp import dsa_cp_communication, dsa_cp_saved, gdn_cp_all_to_all, gdn_cp_saved
+from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
+from megatron_flops.memory.linear_cp import (dsa_cp_communication, dsa_cp_saved, dsa_cp_traffic, gdn_cp_all_to_all,
+                                             gdn_cp_head_permutation, gdn_cp_saved)
 from megatron_flops.memory.report import decoder_memory
 from megatron_flops.memory.ssm import gdn_saved, mixer_tensors, mtp_mixer
 from megatron_flops.model.spec import ModelSpec
@@ -35,6 +36,8 @@ GDN = dict(GDN_LAYER, num_layers=4, vocab_size=256, normalization="RMSNorm", add
 DSA_LAYER = dict(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, multi_latent_attention=True,
                  q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
                  dsa_indexer_n_heads=2, dsa_indexer_head_dim=16, dsa_indexer_topk=8)
+# Index sharing (megatron-core 0.19's dsa_indexer_topk_freq): layer 2 reuses layer 1's top-k.
+SHARED = dict(DSA_LAYER, num_layers=2, dsa_indexer_topk_freq=2)
 OPTIONS = dict(normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope", padded_vocab_size=256)
 
 
@@ -54,8 +57,13 @@ def test_gdn_cp_formulas():
     # conv input 32*48*2 = 3,072; l2norm 2*(32*16*2 + 32*4) = 2,304; repeated q, k 2*32*2*16*2 = 4,096;
     # softplus 2*32*2*4 + exp, -exp 2*2*2 + beta 32*2*2 = 648; v 1,024, cumulated g 256, WY matrix
     # 32*2*64*2 = 8,192; gated norm 3*1,024 + 256; out_proj's input [16, 32] 1,024: 23,944. Under CP:
-    # the conv weight's slice [48, 4] bf16 384 and the head permutation [136] int64 1,088: 25,416.
-    assert gdn_cp_saved(spec, tokens=16, tp=1, cp=2, act=2, param=2) == 25_416
+    # the conv weight's slice [48, 4] bf16 384: 24,328.
+    assert gdn_cp_saved(spec, tokens=16, tp=1, cp=2, act=2, param=2) == 24_328
+    # The int64 head permutation [136]: 1,088 once per rank (megatron-core's lru_cache), on every
+    # stage holding a GDN layer (GDN's layers 0 and 2 of 4 alternate with attention), none at CP 1.
+    assert [gdn_cp_head_permutation(spec, Parallelism(cp=2, pp=pp), pp_rank=r) for pp in (1, 4) for r in range(pp)
+            ] == [1_088, 1_088, 0, 1_088, 0]
+    assert gdn_cp_head_permutation(spec, Parallelism(cp=1), pp_rank=0) == 0
     # in_proj's output [16, 2*32 + 2*32 + 2*4 = 136] and the norm's output [32, 16] back: (2,176 + 512) x 2.
     assert gdn_cp_all_to_all(spec, tokens=16, tp=1, cp=2, act=2) == 5_376
 
@@ -83,6 +91,39 @@ def test_dsa_cp_formulas():
     assert dsa_cp_communication(frozen, s=8, b=2, cp=2, act=2)["cp/reduce_scatter"] == 2_560
 
 
+def test_dsa_cp_formulas_with_a_shared_top_k_and_tensor_parallelism():
+    trains, frozen = _dsa_spec(SHARED, True), _dsa_spec(SHARED, False)
+    f = lambda spec, **kw: dsa_cp_saved(spec, s=8, b=2, cp=2, act=2, latent_norms=False, norm_stats=4, **kw)  # noqa: E731
+    # A layer reusing the top-k (CP 2, s = 8, b = 2): no indexer, what a frozen computing layer keeps
+    # (68,032 above) whether or not the indexer trains.
+    assert f(trains, indexer=False) == f(frozen, indexer=False) == 68_032
+    # A frozen computing layer of this model also leaves its int64 top-k [2, 8, 8] in the holder: 1,024;
+    # a training one keeps it for the loss already (80,000 above).
+    assert f(frozen) == 68_032 + 1_024 and f(trains) == 80_000
+    # TP 2 under sequence parallelism (2 heads a rank): MLA q latent [16, 24] 768 (whole: q_up's input is
+    # a slice of it), query [16, 2, 24] 1,536, cos/sin 512; order 128; fp32 query [16, 2, 40] 5,120, key
+    # [4, 40, 16] 10,240; softmax (scores [2, 2, 8, 16] = 512): masks 1,536, two fp32 4,096, rows
+    # 32 x 17 = 544; probabilities 1,024; value [4, 16, 32] 4,096; up weight [2, 16, 32] 2,048, latent
+    # output [16, 2, 32] 2,048, linear_proj's input [16, 32] 1,024: 34,720.
+    assert f(trains, tp=2, indexer=False) == 34_720
+    # The training indexer adds 11,968 less the detached query's other 2 heads (2,560), plus its gathered
+    # inputs [16, 64 + 24] 2,816: 12,224.
+    assert f(trains, tp=2) == 34_720 + 12_224
+    # Latent norms under sequence parallelism: q_up's input, the q norm's output [8, 24] 384, the kv down
+    # output [16, 40] 1,280, fp32 statistics of 8 tokens twice 64.
+    assert dsa_cp_saved(trains, s=8, b=2, cp=2, act=2, latent_norms=True, norm_stats=4, tp=2,
+                        indexer=False) == 34_720 + 384 + 1_280 + 64
+    # Traffic: a reusing layer gathers no indexer key; under TP 2 + SP the indexer gathers [16, 64 + 24]
+    # every forward; the loss all-reduces fp32 [2, 8, 16] forward and backward; one [16, 32] all-gather
+    # fewer than an MLA layer's.
+    assert dsa_cp_communication(trains, s=8, b=2, cp=2, act=2, indexer=False) == {"cp/all_gather": 2_560 + 16,
+                                                                                  "cp/reduce_scatter": 2_560}
+    assert dsa_cp_traffic(trains, s=8, b=2, cp=2, act=2, tp=2) == (
+        {"cp/all_gather": 3_600, "tp/all_gather": 2_816},
+        {"cp/reduce_scatter": 3_584, "tp/all_gather": -1_024, "tp/all_reduce": 2_048})
+    assert dsa_cp_traffic(trains, s=8, b=2, cp=2, act=2, tp=2, indexer=False)[1]["tp/all_reduce"] == 0
+
+
 def _reports(model: dict, cps: tuple[int, ...], **par) -> list:
     spec = ModelSpec.from_mapping(model)
     options = DecoderOptions.from_mapping(dict(model, **OPTIONS))
@@ -108,6 +149,8 @@ def test_cp2_reports_gdn_and_dsa():
     assert gdn.per_gpu.communication["cp/all_to_all"] == 2 * 2 * 2 * 5_376
     assert gdn.per_gpu.activations_per_microbatch[0]["gdn"] == 2 * (16 * 64 * 2 + gdn_cp_saved(
         spec, tokens=16, tp=1, cp=2, act=2, param=2))
+    # PP 1 holds one micro-batch at its peak, and the one head permutation [136] int64 its 2 GDN layers share.
+    assert gdn.per_gpu.activations == sum(gdn.per_gpu.activations_per_microbatch[0].values()) + 1_088
     assert any("Gated DeltaNet under context parallelism (CP 2) as megatron-core 0.19.0" in a for a in gdn.assumptions)
     assert not gdn.not_modelled and not any("cp/all_to_all of Gated DeltaNet" in u for u in gdn.unmeasured)
     assert any("cp/all_to_all of Gated DeltaNet layers under TP 2 x CP 2" in u
@@ -121,6 +164,24 @@ def test_cp2_reports_gdn_and_dsa():
     assert dsa.per_gpu.activations_per_microbatch[0]["attention"] == 2 * (16 * 64 * 2 + dsa_cp_saved(
         spec, s=8, b=2, cp=2, act=2, latent_norms=False, norm_stats=4))
 
+
+
+def test_cp2_reports_dsa_layers_reusing_a_top_k_under_tp_and_sequence_parallelism():
+    # Layer 1 computes its top-k (indexer frozen: the holder's top-k counted with it), layer 2 reuses it:
+    # each keeps its input [T/TP, h] and dsa_cp_saved's bytes (8 of 16 tokens x 2 sequences on a CP rank).
+    spec = ModelSpec.from_mapping(dict(SHARED, vocab_size=256, experimental_attention_variant="dsa"))
+    for tp, par in ((1, {}), (2, dict(tp=2, sequence_parallel=True))):
+        report = _reports(dict(SHARED, vocab_size=256, experimental_attention_variant="dsa"), (2,), **par)[0]
+        assert not report.not_modelled and not any("reuse an earlier top-k" in u for u in report.unmeasured)
+        assert any("reuse an earlier layer's top-k" in a for a in report.assumptions)
+        assert report.per_gpu.activations_per_microbatch[0]["attention"] == sum(
+            16 // tp * 64 * 2 + dsa_cp_saved(spec, s=8, b=2, cp=2, act=2, latent_norms=False, norm_stats=4, tp=tp,
+                                              indexer=indexer) for indexer in (True, False))
+        comm = report.per_gpu.communication
+        # 2 micro-batches x (layer 1: key [32, 40] + indexer key [32, 16] + 16; layer 2: key + 16) forward, no
+        # ring; backward the keys' gradients only (the indexer frozen).
+        assert "cp/send_recv" not in comm and comm["cp/all_gather"] == 2 * (3_600 + 2_576)
+        assert comm["cp/reduce_scatter"] == 2 * 2 * 2_560
 
 
 def test_cp2_counts_the_last_stages_gdn_mtp_layer():
@@ -154,7 +215,7 @@ def test_refusals(tmp_path, capsys):
     assert "linear_num_key_heads / TP = 2 is not divisible by --cp 4" in capsys.readouterr().err
     model.write_text(json.dumps(dict(DSA_LAYER, vocab_size=256, experimental_attention_variant="dsa")))
     assert main(["memory", "--model", str(model), "--seq-length", "64", "--cp", "2", "--tp", "2"]) == 2
-    assert "modelled with --tp 1" in capsys.readouterr().err
+    assert "requires sequence parallelism under TP" in capsys.readouterr().err
 
 
 # (layer, CP, seq, micro-batch, fields, indexer loss coefficient, dtype: megatron-core 0.19.0's DSA indexer
@@ -162,6 +223,7 @@ def test_refusals(tmp_path, capsys):
 CASES = [
     dict(layer="gdn", cp=2, seq=16, mbs=2, model=GDN_LAYER),
     dict(layer="gdn", cp=1, seq=16, mbs=2, model=GDN_LAYER),
+    dict(layer="gdn", cp=2, seq=16, mbs=2, model=GDN_LAYER, layers=2),
     dict(layer="dsa", cp=2, seq=16, mbs=2, model=DSA_LAYER, loss_coeff=0.01, dtype="bfloat16"),
     dict(layer="dsa", cp=1, seq=16, mbs=2, model=DSA_LAYER, loss_coeff=0.01, dtype="bfloat16"),
     dict(layer="dsa", cp=2, seq=16, mbs=2, model=DSA_LAYER, loss_coeff=0.0, dtype="bfloat16"),
@@ -172,15 +234,73 @@ CASES = [
 ]
 
 
+# Index sharing (2 layers: the second reuses the first's top-k; "held": the top-k left in the holder), on 2
+# processes at TP 1 and on 4 at TP 2 x CP 2 under sequence parallelism (with latent norms; without a q
+# latent); TP 2 without sequence parallelism: megatron-core 0.19.0 asserts.
+SHARED_CASES = [
+    dict(layer="dsa", cp=2, seq=16, mbs=2, layers=2, model=SHARED, loss_coeff=0.0, dtype="bfloat16"),
+    dict(layer="dsa", cp=2, seq=16, mbs=1, layers=2, model=SHARED, loss_coeff=0.01, dtype="bfloat16"),
+    dict(layer="dsa", tp=2, sp=True, cp=2, seq=16, mbs=2, layers=2, model=SHARED, loss_coeff=0.01, dtype="bfloat16"),
+    dict(layer="dsa", tp=2, sp=True, cp=2, seq=16, mbs=1, layers=2, model=dict(SHARED, qk_layernorm=True),
+         loss_coeff=0.0, dtype="bfloat16"),
+    dict(layer="dsa", tp=2, sp=True, cp=2, seq=16, mbs=2, layers=2, model=dict(SHARED, q_lora_rank=None),
+         loss_coeff=0.01, dtype="bfloat16"),
+    dict(layer="dsa", tp=2, sp=False, cp=2, seq=16, mbs=1, layers=1, model=DSA_LAYER, loss_coeff=0.0,
+         dtype="bfloat16"),
+]
+
+
+def _expected_layers(case: dict) -> dict:
+    """Per layer (saved bytes, forward payloads), the holder's bytes and the step's payloads one rank of a
+    :data:`SHARED_CASES` case should measure: the formulas, and for ``tp/*`` what the report counts of an
+    MLA layer (:func:`.mla_mtp.mla_mtp_tensor_parallel`, plus a dense attention's ``linear_qkv`` all-gather
+    forward and backward, reduce-scatter of its input gradient, and ``linear_proj``'s reduce-scatter and
+    all-gather) with :func:`.linear_cp.dsa_cp_traffic`'s terms."""
+    from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
+
+    model, tp, cp, b = case["model"], case.get("tp", 1), case["cp"], case["mbs"]
+    s, a, t, norms = case["seq"] // cp, 2, case["seq"] // cp * case["mbs"], bool(model.get("qk_layernorm"))
+    spec = _dsa_spec(model, case["loss_coeff"] > 0)
+    q, kv, latent, h = model["q_lora_rank"] or 0, model["kv_lora_rank"], 40, model["hidden_size"]
+    layers, step = [], {}
+    for indexer in (True, False):
+        saved = t // tp * h * a + dsa_cp_saved(spec, s=s, b=b, cp=cp, act=a, latent_norms=norms, norm_stats=4,
+                                                tp=tp, indexer=indexer)
+        if indexer and spec.dsa.trains_indexer:
+            saved -= 2 * t * (4 - a)  # NB: torch's CPU LayerNorm keeps k_norm's mean and rstd in bf16
+        if norms:  # NB: torch's CPU RMSNorm (see _expected)
+            saved += 2 * t // tp * (q + kv) * 4 - t * (q + latent) * a
+        forward, once = dsa_cp_traffic(spec, s=s, b=b, cp=cp, act=a, tp=tp, indexer=indexer)
+        if tp > 1:  # the down projections' inputs [T, h] x 2, the q latent, kv down output and kv latent
+            # gathered, q_up's input [T, q] (no q latent: linear_q_proj's [T, h] in place of one down input);
+            # the indexer's gathers; the loss's all-reduce; linear_proj's reduce-scatter [T, h]
+            forward["tp/all_gather"] += t * (2 * h + 2 * q + latent + kv) * a
+            forward["tp/all_reduce"] = once["tp/all_reduce"] // 2
+            forward["tp/reduce_scatter"] = t * h * a
+        layers.append((saved, {k: v for k, v in forward.items() if v}))
+        for key in {**forward, **once}:
+            step[key] = step.get(key, 0) + dsa_cp_traffic(spec, s=s, b=b, cp=cp, act=a, tp=tp, indexer=indexer)[0].get(
+                key, 0) + once.get(key, 0)
+    if tp > 1:
+        mla = mla_mtp_tensor_parallel(spec, Parallelism(tp=tp, cp=cp, sequence_parallel=True), Training(
+            seq_length=s, micro_batch_size=b), num_layers=2, rerun=0, last=False, recompute=None,
+            learned_positions=False, duplicated=False)
+        step["tp/all_gather"] += mla["tp/all_gather"] + 2 * 3 * t * h * a
+        step["tp/reduce_scatter"] = mla["tp/reduce_scatter"] + 2 * 2 * t * h * a
+    held = b * s * min(spec.dsa.topk, s * cp) * INDEX_BYTES if not spec.dsa.trains_indexer else 0
+    return dict(layers=layers, held=held, step={k: v for k, v in step.items() if v})
+
+
 def _expected(case: dict) -> tuple[int, dict, dict]:
     """(saved bytes, forward payloads, step payloads) one rank of ``case`` should measure."""
     cp, s, b = case["cp"], case["seq"] // case["cp"], case["mbs"]
     if case["layer"] == "gdn":
-        spec = ModelSpec.from_mapping(GDN)
-        one_way = gdn_cp_all_to_all(spec, tokens=s * b, tp=1, cp=cp, act=2)
+        spec, layers = ModelSpec.from_mapping(GDN), case.get("layers", 1)
+        one_way = layers * gdn_cp_all_to_all(spec, tokens=s * b, tp=1, cp=cp, act=2)
         comm = {"cp/all_to_all": one_way} if cp > 1 else {}
-        # in_proj's input [T, 64] bf16, then the formula.
-        return s * b * 64 * 2 + gdn_cp_saved(spec, tokens=s * b, tp=1, cp=cp, act=2, param=2), comm, (
+        # Per layer in_proj's input [T, 64] bf16, then the formula; one head permutation for all.
+        saved = layers * (s * b * 64 * 2 + gdn_cp_saved(spec, tokens=s * b, tp=1, cp=cp, act=2, param=2))
+        return saved + gdn_cp_head_permutation(spec, Parallelism(cp=cp), pp_rank=0), comm, (
             {"cp/all_to_all": 2 * one_way} if cp > 1 else {})
     model, t = case["model"], s * b
     spec = _dsa_spec(model, case["loss_coeff"] > 0)
@@ -207,15 +327,28 @@ def test_measured_in_megatron_core_019_on_gloo():
         python = envs.ensure("megatron-lm-0.19.0")
     except envs.Unavailable as exc:
         pytest.skip(str(exc))
-    done = subprocess.run([str(python), "-c", "import linear_cp_019; linear_cp_019.main()", json.dumps(CASES)],
+    done = subprocess.run([str(python), "-c", "import linear_cp_019; linear_cp_019.main()",
+                           json.dumps(CASES + SHARED_CASES)],
                           capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL, cwd=TESTS,
                           env={**__import__("os").environ, "PYTHONPATH": str(TESTS)})
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, ranks in zip(SHARED_CASES, measured[len(CASES):]):
+        if case.get("tp", 1) > 1 and not case["sp"]:
+            assert all("AbsorbedMLA requires sequence_parallel" in rank["error"] for rank in ranks), ranks
+            continue
+        expected = _expected_layers(case)
+        for rank in ranks:
+            got = [(layer["saved"], layer["forward"]) for layer in rank["layers"]]
+            # (the holder's top-k: counted with the layer that computes it)
+            assert ([(got[0][0] + rank["held"], got[0][1]), got[1]], rank["held"], rank["step"]) == (
+                expected["layers"], expected["held"], expected["step"]), case
     for case, ranks in zip(CASES, measured):
         saved, forward, step = _expected(case)
         for rank in ranks:
             assert (rank["saved"], rank["forward"], rank["step"]) == (saved, forward, step), case
+    # Two GDN layers keep one head permutation (1,088 B) between them: 2 x (2,048 + 24,328) + 1,088.
+    assert measured[2][0]["saved"] == 2 * (16 * 64 * 2 + 24_328) + 1_088
     # Parameters: 0.19.0's layers hold the tensors 0.16.1's list (names and sizes; their order differs).
     gdn_params = sorted(("self_attention." + name, n) for name, n in measured[0][0]["params"])
     assert gdn_params == sorted((name, n) for name, n, _ in mixer_tensors(ModelSpec.from_mapping(GDN), "gdn", "", 1,
@@ -224,4 +357,4 @@ def test_measured_in_megatron_core_019_on_gloo():
     options = DecoderOptions.from_mapping(dict(DSA_LAYER, vocab_size=256, **OPTIONS))
     ours = [(p.name.removeprefix("decoder.layers.0.self_attention."), p.numel) for p in chunk_parameters(
         spec, options, Parallelism(), pp_rank=0, chunk=0, seq_length=16) if ".self_attention." in p.name]
-    assert sorted(ours) == sorted((name, n) for name, n in measured[2][0]["params"])
+    assert sorted(ours) == sorted((name, n) for name, n in measured[3][0]["params"])

@@ -219,19 +219,3 @@ def test_megatron_args_virtual_stage_options_as_megatron_lm_validates_them(capsy
             (" --num-layers-per-virtual-pipeline-stage 1 --account-for-embedding-in-pipeline-split", "refuses 7 layers")):
         assert main(["memory", "--megatron-args", TINY + extra]) == 2
         assert "Megatron-LM refuses " in (err := capsys.readouterr().err) and reason in err
-
-
-def test_hybrid_pattern_first_stage_as_mamba_stack_builds_it(tmp_path, capsys):
-    # megatron-core 0.16.1's MambaStack reads num_layers_in_first/last_pipeline_stage as the GPT
-    # block does: 'M*-M' with 1 layer first puts 'M' on rank 0 and '*-M' on rank 1.
-    fields = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=100,
-                  hybrid_override_pattern="M*-M", mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
-    path = tmp_path / "hybrid.json"
-    path.write_text(json.dumps(fields))
-    report = _memory(capsys, "--model", str(path), "--seq-length", "16", "--pp", "2", "--num-microbatches", "4",
-                     "--decoder-first-pipeline-num-layers", "1")
-    assert any("[1, 3]" in a for a in report["assumptions"])
-    assert not any("split evenly" in a for a in report["assumptions"])
-    assert main(["memory", "--model", str(path), "--seq-length", "16", "--pp", "2",
-                 "--account-for-loss-in-pipeline-split"]) == 2
-    assert "MambaStack reads num_layers_in_first/last_pipeline_stage only" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from megatron_flops.cli._model_args import LoadedModel
-from megatron_flops.memory.decoder import DecoderOptions, backend_convention, experts_module
+from megatron_flops.memory.decoder import DecoderOptions, backend_convention, experts_take_adapters
 from megatron_flops.memory.hf_layers import hf_differences
 from megatron_flops.model.hf_config import hf_family_of, hf_text_config, is_hf_config
 
@@ -42,14 +42,14 @@ def decoder_options(args: argparse.Namespace, model: LoadedModel) -> tuple[Decod
 
 def routed_expert_adapters(model: LoadedModel) -> bool:
     """Whether Megatron-Bridge's LoRA can adapt the routed experts megatron-core builds for this
-    model: not legacy ``GroupedMLP`` (:func:`~megatron_flops.memory.decoder.experts_module`)."""
+    model (:func:`~megatron_flops.memory.decoder.experts_take_adapters`)."""
     if model.megatron_args is not None:
         options = _megatron_options(model.megatron_args)
     elif is_hf_config(model.raw):
         return True  # (no grouped-GEMM fields: SequentialMLP, as memory reads the file)
     else:
         options = DecoderOptions.from_mapping(model.raw)
-    return experts_module(options) != "GroupedMLP"
+    return experts_take_adapters(options)
 
 
 def _megatron_options(namespace: SimpleNamespace) -> DecoderOptions:

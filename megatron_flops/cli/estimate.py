@@ -22,7 +22,8 @@ from megatron_flops.flops.passes import (
 )
 from megatron_flops.cli._common import format_components, json_list_arg
 from megatron_flops.cli._memory_model import routed_expert_adapters
-from megatron_flops.cli._model_args import add_model_arguments, load_model
+from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
+from megatron_flops.memory.hybrid_pipeline import is_hybrid
 from megatron_flops.cli._dit import add_arguments as add_dit_arguments, estimate_dit
 from megatron_flops.model.hf_config import hf_text_config, is_hf_config
 from megatron_flops.model.spec import ModelSpec
@@ -205,6 +206,21 @@ def _notes(args: argparse.Namespace, raw: dict[str, Any]) -> list[str]:
     return []
 
 
+def _hybrid_mtp_notes(args: argparse.Namespace, model: LoadedModel) -> list[str]:
+    """A hybrid pattern without '/' beside mtp_num_layers: megatron-core builds no MTP layers."""
+    spec = model.spec
+    if spec is None or spec.mtp_num_layers or not is_hybrid(spec):
+        return []
+    asked = args.mtp_num_layers if args.mtp_num_layers is not None else \
+        getattr(model.megatron_args, "mtp_num_layers", None) if model.megatron_args is not None else \
+        model.raw.get("mtp_num_layers")
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked <= 0:
+        return []
+    return [f"mtp_num_layers={asked} is not counted: megatron-core builds no multi-token prediction layers for a "
+            "hybrid pattern without '/' (0.19's HybridModel builds one depth per part after '/', e.g. "
+            "'M*-M/*-'; 0.16.1's MambaModel has none)"]
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     model = load_model(args)
     spec, raw, source, seq_length = model.spec, model.raw, model.source, model.seq_length
@@ -244,7 +260,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                                      peft=peft, recompute=recompute, convention=args.convention)
         if vision is not None:
             report = _add_vision(report, vision)
-    notes = _notes(args, raw)
+    notes = _notes(args, raw) + _hybrid_mtp_notes(args, model)
     for note in notes:
         print(f"megatron-flops: note: {note}", file=sys.stderr)
     if args.json:

@@ -14,9 +14,9 @@ from megatron_flops.cli._memory_model import decoder_options, layout_defaults, n
 from megatron_flops.cli._pipeline_split import SPLIT_FIELDS, add_split_arguments, pipeline_split
 from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
 from megatron_flops.memory.decoder import ATTENTION_BACKENDS, backend_convention
-from megatron_flops.memory.hybrid_pipeline import hybrid_stages
+from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.mla_mtp import TRANSFORMER_IMPLS
-from megatron_flops.memory.pipeline_split import split_note, uneven_stages
+from megatron_flops.memory.pipeline_split import dit_split_note, dit_uneven_stages, split_note, uneven_stages
 from megatron_flops.memory.layout import DTYPE_BYTES, FSDP_STRATEGIES, OPTIMIZERS, Parallelism, Training
 from megatron_flops.flops.passes import LORA_TARGETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
@@ -137,7 +137,8 @@ def _dit(args: argparse.Namespace, model: LoadedModel, training: Training, par: 
                       recompute_num_layers=args.recompute_num_layers, source=model.source)
     backend = "flash" if args.attention_backend is None else backend_convention(args.attention_backend)
     attention = "local" if backend == "unfused" else backend
-    stage_blocks = setup.spec.num_layers // (par.pp if megatron else 1)
+    # (the largest stage's: memory/dit_layouts.py caps each stage's checkpointing at its blocks)
+    stage_blocks = max(par.stage_layers) if par.stage_layers else setup.spec.num_layers // (par.pp if megatron else 1)
     checkpointed, group = _checkpointed_dit_blocks(stage_blocks, setup.recompute)
     name = "LoRA" if setup.peft is not None and setup.peft.lora_rank else "this setup"
     if par.fsdp and (par.world_size > par.dp or par.vpp):  # FSDP2 beside TP/CP (PP, EP refused there)
@@ -230,12 +231,18 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     training, par = _training(args, model.seq_length), _parallelism(args)
     dit = "dit" in model.raw
     split = pipeline_split(args, model)
-    if split.uneven:  # the split fields reach RecomputeSpec, which refuses block recompute with them
-        model = replace(model, raw={**model.raw, **{k: getattr(split, k) for k in SPLIT_FIELDS}})
-    if model.spec is not None and not dit:  # a hybrid pattern's '|' segments make its VPP
-        par = uneven_stages(split, hybrid_stages(model.spec, par), spec=model.spec)
-    elif split.uneven and dit:
-        raise ValueError("an uneven pipeline split of a DiT model file is not modelled")
+    if dit:  # (a DiT file holds no split fields: the flags give them)
+        from megatron_flops.flops.dit import DiTSpec
+
+        par = dit_uneven_stages(split, par, num_layers=DiTSpec.from_mapping(model.raw["dit"], source=model.source)
+                                .num_layers)
+        split_notes = dit_split_note(split, par)
+    else:
+        if split.uneven:  # the split fields reach RecomputeSpec, which re-runs each uneven chunk's first layers
+            model = replace(model, raw={**model.raw, **{k: getattr(split, k) for k in SPLIT_FIELDS}})
+        if model.spec is not None:  # a hybrid pattern's '|' segments make its VPP
+            par = uneven_stages(split, hybrid_stages(model.spec, par), spec=model.spec)
+        split_notes = split_note(split, par, hybrid=model.spec is not None and is_hybrid(model.spec))
     reports = (_dit if dit else _decoder)(args, model, training, par)
     assumptions = [
         f"{args.params_dtype} weights" + (" (fp32 shards cast for compute)" if dit and not _dit_megatron(par)
@@ -251,7 +258,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         "FSDP2" if par.fsdp else f"Megatron-FSDP ({par.megatron_fsdp})" if par.megatron_fsdp
         else "distributed optimizer" if par.distributed_optimizer else "DDP",
         f"{args.num_microbatches} micro-batches of {args.micro_batch_size} x {training.seq_length} tokens",
-        *split_note(split, par),
+        *split_notes,
     ]
     if args.json:
         out = dict(next(iter(reports.values())))

@@ -360,18 +360,42 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
     inputs); nothing before the hidden states require grad."""
     mla = spec.mla
     assert mla is not None
-    T, a, base = x.tokens, x.act, w.grad.base
-    norm, loc = options.qk_layernorm, x.local_tokens
-    stats = loc * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
-    if dsa == "dsa" and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:func:`.linear_cp.dsa_cp_saved`)
-        w.keep("attention", T * x.h * a)
-        w.act("attention", dsa_cp_saved(spec, s=x.s, b=x.b, cp=x.cp, act=a, latent_norms=norm, norm_stats=stats // T))
+    if dsa in ("dsa", "dsa_shared") and x.cp > 1:  # megatron-core 0.19.0's absorbed-MLA DSA layer (:mod:`.linear_cp`)
+        w.keep("attention", x.local_tokens * x.h * x.act)
+        w.act("attention", dsa_cp_saved(spec, s=x.s, b=x.b, cp=x.cp, act=x.act, latent_norms=options.qk_layernorm,
+                                        norm_stats=_mla_norm_stats(x, options) // x.local_tokens, tp=x.sp,
+                                        indexer=dsa == "dsa"))
         return
+    ad, started = _MlaAdapters.of(w.grad, spec, sp=x.sp > 1), w.grad.started
+    moved, kv_rope = _mla_latents(w, x, spec, options, ad)
+    # The up projections' adapters: under selective mla_up_proj inside its checkpoint, saved when it re-runs.
+    up = _mla_up_adapters(ad, x, mla.q_lora_rank, mla.kv_lora_rank, norm=options.qk_layernorm, rank=w.grad.rank)
+    moved += up if "mla_up_proj" in w.selective else 0
+    w.keep("lora", 0 if "mla_up_proj" in w.selective else up)
+    w.grad.started = started or ad.any
+    # (a frozen first layer adapted on one branch: the other's q, or k and v, require no grad)
+    grads = (started or ad.q_down or ad.q_up or ad.q_proj, started or ad.kv_down or ad.kv_up)
+    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved, kv_rope=kv_rope, grads=grads)
+
+
+def _mla_norm_stats(x: _Dims, options: DecoderOptions) -> int:
+    """Bytes of one latent norm's statistics on this rank's tokens (LayerNorm: mean and rstd)."""
+    return x.local_tokens * NORM_STATS_BYTES * (2 if options.normalization == "LayerNorm" else 1)
+
+
+def _mla_latents(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, ad: _MlaAdapters) -> tuple[int, bool]:
+    """:func:`_mla_attention` up to its up projections: the input norm's output, the down
+    projections' adapters, the q and kv latents, the up-projection checkpoint's inputs, the latent
+    norms. Returns (what the ``mla_up_proj`` re-run saves of the latent norms fused into it,
+    whether k's RoPE input requires grad); leaves ``w.grad.started`` as the latter."""
+    mla = spec.mla
+    assert mla is not None
+    T, a, base = x.tokens, x.act, w.grad.base
+    norm, loc, stats = options.qk_layernorm, x.local_tokens, _mla_norm_stats(x, options)
     # NB: Transformer Engine's spec fuses the latent norms into the up projections, so selective
     # ``mla_up_proj`` re-runs them too: their statistics and outputs are saved in backward only.
     fused = "mla_up_proj" in w.selective and norm and options.transformer_impl == "transformer_engine"
     moved = 0
-    ad = _MlaAdapters.of(w.grad, spec, sp=x.sp > 1)
     # (an up projection's adapter keeps the latent it reads: without sequence parallelism the latent
     # itself, unless it runs inside the mla_up_proj checkpoint, which keeps its inputs)
     outside = x.sp == 1 and "mla_up_proj" not in w.selective
@@ -396,7 +420,23 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
               else loc * mla.kv_lora_rank * a)
     kv_rope = w.grad.started  # (k_pos_emb requires grad: RoPE keeps k's cos and sin)
     w.grad.started = started or ad.q_down or ad.kv_down  # (the up-projection checkpoint's inputs)
-    if "mla_up_proj" in w.selective and w.grad.started and not base:
+    if "mla_up_proj" in w.selective and w.grad.started:
+        _mla_up_proj_inputs(w, x, spec, options)
+    w.grad.started = kv_rope
+    if norm:
+        kv_norm = stats + (loc * mla.kv_lora_rank * a if base or ad.kv_up and outside else 0)
+        moved += kv_norm if fused else 0
+        w.act("attention", 0 if fused else kv_norm)
+    return moved, kv_rope
+
+
+def _mla_up_proj_inputs(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
+    """What selective ``mla_up_proj``'s checkpoint keeps beyond what the up projections keep of
+    their inputs (a trained base's keep the latents already)."""
+    mla = spec.mla
+    assert mla is not None
+    T, loc, norm = x.tokens, x.local_tokens, options.qk_layernorm
+    if not w.grad.base:
         # A frozen base's up projections keep no input, but the up-projection checkpoint keeps its
         # inputs: the q latent (the q norm's output, or q_down's output [T, q_lora]; direct q: the
         # input norm's output [T, h]) and the kv latent (the kv norm's output, or kv_down's output
@@ -405,27 +445,14 @@ def _mla_attention(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions,
         q = (loc if norm else T) * mla.q_lora_rank if mla.q_lora_rank is not None else loc * x.h
         kv = (loc * mla.kv_lora_rank if norm or x.sp > 1 else 0) + (T * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
                                                                    if x.sp > 1 or not norm else 0)
-        w.act("attention", (q + kv) * a)
-    elif "mla_up_proj" in w.selective and w.grad.started and x.sp > 1:
+        w.act("attention", (q + kv) * x.act)
+    elif x.sp > 1:
         # The up-projection checkpoint keeps k_pos_emb, all-gathered [T, rope] under sequence
         # parallelism: a view of the all-gathered kv_down output [T, kv_lora + rope] (the local
         # spec's column-parallel down projections), its own storage under Transformer Engine's
         # (duplicated TELinear down projections; unmeasured: :func:`.recompute.selective_unmeasured`).
         local = options.transformer_impl != "transformer_engine"
-        w.act("attention", T * ((mla.kv_lora_rank if local else 0) + mla.qk_pos_emb_head_dim) * a)
-    w.grad.started = kv_rope
-    if norm:
-        kv_norm = stats + (loc * mla.kv_lora_rank * a if base or ad.kv_up and outside else 0)
-        moved += kv_norm if fused else 0
-        w.act("attention", 0 if fused else kv_norm)
-    # The up projections' adapters: under selective mla_up_proj inside its checkpoint, saved when it re-runs.
-    up = _mla_up_adapters(ad, x, mla.q_lora_rank, mla.kv_lora_rank, norm=norm, rank=w.grad.rank)
-    moved += up if "mla_up_proj" in w.selective else 0
-    w.keep("lora", 0 if "mla_up_proj" in w.selective else up)
-    w.grad.started = started or ad.any
-    # (a frozen first layer adapted on one branch: the other's q, or k and v, require no grad)
-    grads = (started or ad.q_down or ad.q_up or ad.q_proj, started or ad.kv_down or ad.kv_up)
-    _mla_core(w, x, spec, options, checkpointed=checkpointed, dsa=dsa, moved=moved, kv_rope=kv_rope, grads=grads)
+        w.act("attention", T * ((mla.kv_lora_rank if local else 0) + mla.qk_pos_emb_head_dim) * x.act)
 
 
 def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, checkpointed: bool, dsa: str,

@@ -44,7 +44,8 @@ from dataclasses import replace
 from megatron_flops.memory.decoder import DecoderOptions, Param, padded_vocab
 from megatron_flops.memory.dsa_tp import dsa_tensor_parallel
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel, mtp_recomputed
+from megatron_flops.memory.mla_mtp import (fully_recomputed_layers, mla_layer_count, mla_mtp_tensor_parallel,
+                                           mtp_recomputed)
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
 from megatron_flops.memory.linear_cp import CP_MIXERS, linear_cp_communication
 from megatron_flops.memory.ssm import mamba_cp_all_to_all, missing_blocks
@@ -54,16 +55,6 @@ from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
 CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials
-
-
-def fully_recomputed_layers(recompute: RecomputeSpec | None, num_layers: int) -> int:
-    """Layers of a model chunk that full recompute re-runs: all (``uniform``) or the first
-    ``recompute_num_layers`` (``block``)."""
-    if recompute is None or recompute.granularity != "full":
-        return 0
-    if recompute.method == "block":
-        return min(recompute.num_layers or 0, num_layers)
-    return num_layers
 
 
 def data_parallel_bytes(
@@ -182,8 +173,10 @@ def step_communication(
             if last:
                 add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
             learned = options.position_embedding_type == "learned_absolute"
-            for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=len(layers), rerun=rerun,
-                                                      last=last, recompute=recompute, learned_positions=learned,
+            chunk_kinds = [kinds[i] for i in layers]  # (MLA: only the attention layers of a hybrid pattern)
+            for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=mla_layer_count(chunk_kinds),
+                                                      rerun=mla_layer_count(chunk_kinds[:rerun]), last=last,
+                                                      recompute=recompute, learned_positions=learned,
                                                       duplicated=options.duplicated_mla_down).items():
                 add(key, m * value)
             for key, value in dsa_tensor_parallel(spec, par, training, layers=list(layers), last=last,

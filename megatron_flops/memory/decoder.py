@@ -219,6 +219,12 @@ def experts_module(options: DecoderOptions) -> str:
     return "TEGroupedMLP"
 
 
+def experts_take_adapters(options: DecoderOptions) -> bool:
+    """Whether Megatron-Bridge's LoRA (which matches module names) can adapt the routed experts:
+    legacy ``GroupedMLP`` has no ``linear_fc1``/``linear_fc2`` modules (``weight1``, ``weight2``)."""
+    return experts_module(options) != "GroupedMLP"
+
+
 def padded_vocab(spec: ModelSpec, options: DecoderOptions, tp: int) -> int:
     """The vocabulary rows of the embedding and output layer: the file's ``padded_vocab_size``,
     else ``vocab_size`` padded to a multiple of ``make_vocab_size_divisible_by x TP``."""

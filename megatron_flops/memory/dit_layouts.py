@@ -50,7 +50,8 @@ run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/
   sequence-parallel ``linear_kv``: ``TP x C`` rows of k and v (activations, collectives, the CP
   ring). LoRA adapters gather a column-parallel target's input themselves and keep it gathered
   (:mod:`megatron_flops.memory.dit_tp`, ``dit_activations``).
-- PP: ``num_layers / PP`` blocks per stage; the patch embedding on the first, the head and loss on
+- PP: ``num_layers / PP`` blocks per stage (or an uneven split's, ``par.stage_layers``: megatron-core's
+  ``get_num_layers_to_build``, :mod:`megatron_flops.memory.pipeline_split`); the patch embedding on the first, the head and loss on
   the last, the text and time embeddings (and ``img_emb``) on every stage (``WanModel`` builds them
   whatever the stage); 1F1B keeps ``min(PP - rank, micro-batches)`` micro-batches in flight;
   ``pp/send_recv`` the [T, h] hidden states and their gradients.
@@ -88,6 +89,10 @@ def dit_layout_reason(spec: DiTSpec, par: Parallelism, training: Training, peft:
         return ("virtual pipeline stages of a DiT are not modelled: Megatron-Bridge 0.6.2 cannot interleave WAN itself "
                 "(WanModelProvider.provide ignores vp_stage and builds every model chunk with the pre_process/"
                 "post_process of its pipeline rank alone)")
+    if par.stage_layers is not None and 0 in par.stage_layers:
+        return (f"a DiT pipeline stage without blocks (blocks per stage {list(par.stage_layers)}) is not modelled: the "
+                "text (and time) embeddings it computes feed no block there, and what autograd then keeps is not "
+                "derived")
     if _sp(par) and training.seq_length % (par.cp * par.tp):
         return (f"sequence parallelism splits each rank's video tokens over TP: --seq-length {training.seq_length} is "
                 f"not divisible by CP x TP = {par.cp * par.tp}")
@@ -101,7 +106,7 @@ def dit_layout_reason(spec: DiTSpec, par: Parallelism, training: Training, peft:
     for name, value in sizes.items():
         if value % par.tp:
             return f"{name}={value} is not divisible by --tp {par.tp}"
-    if spec.num_layers % par.pp:
+    if par.stage_layers is None and spec.num_layers % par.pp:
         return f"num_layers={spec.num_layers} is not divisible by --pp {par.pp}"
     if par.cp > 1 and training.seq_length % (2 * par.cp):
         return (f"context parallelism splits each clip into 2 x CP chunks: --seq-length {training.seq_length} is not "
@@ -143,15 +148,19 @@ def dit_rank_params(spec: DiTSpec, par: Parallelism, *, pp_rank: int, peft: Peft
     the embeddings (the patch embedding on the first stage), this stage's blocks, the head (last
     stage) and ``img_emb``."""
     first, last = pp_rank == 0, pp_rank == par.pp - 1
-    per_stage = spec.num_layers // par.pp
     root = [p for p in dit_root_parameters(spec, peft)
             if (first or not p.name.startswith("patch_embedding.")) and (last or not p.name.startswith("head."))]
     late = [p for p in root if p.name.startswith(("head.", "img_emb."))]
     block = dit_block_parameters(spec, peft)
-    blocks = [tp_rank_param(p, par.tp, f"blocks.{i}.") for i in range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
-              for p in block]
+    blocks = [tp_rank_param(p, par.tp, f"blocks.{i}.") for i in stage_blocks(spec, par, pp_rank) for p in block]
     return ([tp_rank_param(p, par.tp) for p in root if p not in late] + blocks
             + [tp_rank_param(p, par.tp) for p in late])
+
+
+def stage_blocks(spec: DiTSpec, par: Parallelism, pp_rank: int) -> range:
+    """The blocks of pipeline rank ``pp_rank``: ``num_layers / PP`` each, or an uneven split's
+    (``par.stage_layers``, megatron-core's ``get_num_layers_to_build``)."""
+    return par.chunk_layers(spec.num_layers, pp_rank, 0)
 
 
 def dit_rank_states(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int, dp_rank: int = 0,
@@ -187,7 +196,8 @@ def dit_step_communication(spec: DiTSpec, par: Parallelism, training: Training, 
     b = training.micro_batch_size
     video, text, image = clip_tokens(spec, training, par)
     tokens = (video * b, text * b, image * b)
-    blocks = spec.num_layers // par.pp
+    blocks = len(stage_blocks(spec, par, pp_rank))
+    checkpointed_blocks = min(checkpointed_blocks, blocks)
     first, last = pp_rank == 0, pp_rank == par.pp - 1
     if par.tp > 1:
         # Once per step: the gradients of the weights every TP rank holds whole (not the row-parallel
@@ -234,7 +244,10 @@ def dit_stage_activations(spec: DiTSpec, par: Parallelism, training: Training, *
     """(peak saved bytes, micro-batches in flight) on pipeline rank ``pp_rank``. 1F1B holds
     ``min(PP - rank, micro-batches)`` forward passes, all but the one in backward whole."""
     in_flight = min(par.pp - pp_rank, training.num_microbatches)
-    stage = replace(spec, num_layers=spec.num_layers // par.pp)
+    stage = replace(spec, num_layers=len(stage_blocks(spec, par, pp_rank)))
+    # NB: the report's checkpointing is for its largest stage: a smaller one checkpoints what it holds.
+    checkpointed_blocks = min(checkpointed_blocks, stage.num_layers)
+    checkpoint_group = max(1, min(checkpoint_group, stage.num_layers))
     video, text, image = clip_tokens(spec, training, par)
     b = training.micro_batch_size
     batch = DiTBatch(video=(video,) * b, text=(text,) * b, image=None if spec.image_dim is None else (image,) * b)
@@ -287,12 +300,16 @@ def dit_layout_report(spec: DiTSpec, par: Parallelism, training: Training, *, pe
         "needs_input": [],
         "unmeasured": layout_unmeasured(par, attention, peft),
         "modelling_assumptions": [*dit_assumptions(attention, checkpointed_blocks, spec.num_layers)[:3],
-                                  _layout_assumption(par, checkpointed_blocks, spec.num_layers // par.pp)],
+                                  _layout_assumption(par, checkpointed_blocks, spec.num_layers)],
     }
 
 
-def _layout_assumption(par: Parallelism, checkpointed_blocks: int, stage_blocks: int) -> str:
-    blocks = f"{checkpointed_blocks} of {stage_blocks} blocks per stage checkpointed"
+def _layout_assumption(par: Parallelism, checkpointed_blocks: int, num_layers: int) -> str:
+    stages = [len(par.chunk_layers(num_layers, r, 0)) for r in range(par.pp)]
+    if len(set(stages)) == 1:
+        blocks = f"{checkpointed_blocks} of {stages[0]} blocks per stage checkpointed"
+    else:
+        blocks = f"{[min(checkpointed_blocks, n) for n in stages]} of {stages} blocks per stage checkpointed"
     if par.megatron_fsdp is not None:
         return (f"Megatron-FSDP ({par.megatron_fsdp}) over the example module's parameters as megatron-core 0.16.1 "
                 "allocates it (each block an FSDP unit under optim_grads_params; fp32 main weights, no double buffer, "
@@ -330,7 +347,8 @@ def layout_unmeasured(par: Parallelism, attention: str, peft: PeftSpec | None = 
                    + "; a frozen base's backward collectives only where autograd reaches them (Transformer Engine "
                    "layers: no CPU run)")
     if par.pp > 1:
-        out.append(f"pipeline parallelism (PP {par.pp}): blocks split evenly, the text and time embeddings on every "
+        split = "evenly" if par.stage_layers is None else f"{list(par.stage_layers)} (get_num_layers_to_build)"
+        out.append(f"pipeline parallelism (PP {par.pp}): blocks split {split}, the text and time embeddings on every "
                    "stage, 1F1B in-flight micro-batches, pp/send_recv of the hidden states")
     if par.cp > 1:
         out.append(f"context parallelism (CP {par.cp}): s/CP video tokens per rank through the flash convention, "

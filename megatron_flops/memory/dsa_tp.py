@@ -13,13 +13,14 @@ forward:
   the target needs no grad).
 
 A layer that reuses an earlier top-k (``dsa_shared``) runs no indexer and no loss: none.
+Under CP: megatron-core 0.19.0's layer (:func:`.linear_cp.dsa_cp_traffic`).
 """
 
 from __future__ import annotations
 
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.memory.layout import FP32_BYTES, Parallelism, Training
-from megatron_flops.memory.mla_mtp import mtp_recomputed
+from megatron_flops.memory.mla_mtp import fully_recomputed_layers, mtp_recomputed
 from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds
 from megatron_flops.model.spec import ModelSpec
 
@@ -34,11 +35,9 @@ def dsa_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Training, *
     mtp = len(mtp_mixers)
     kinds = [spec.layers[i][0] for i in layers] + mtp_mixers
     indexed = [kind == "dsa" for kind in kinds]
-    if mla is None or not any(indexed) or par.tp == 1:
+    if mla is None or not any(indexed) or par.tp == 1 or par.cp > 1:
         return {}
-    rerun = 0
-    if recompute is not None and recompute.granularity == "full":
-        rerun = min(recompute.num_layers or 0, len(layers)) if recompute.method == "block" else len(layers)
+    rerun = fully_recomputed_layers(recompute, len(layers))
     reruns = [j < rerun for j in range(len(layers))] + [mtp_recomputed(spec, recompute)] * mtp
     s, b = training.seq_length, training.micro_batch_size
     out = {"tp/all_reduce": sum(indexed) * b * s * s * FP32_BYTES}

@@ -94,6 +94,18 @@ def mla_targets(spec: ModelSpec) -> tuple[str, ...]:
     return tuple(t for t in MLA_TARGETS if t in q or "_kv_" in t)
 
 
+def input_widths(spec: ModelSpec, *, fused: tuple[str, ...] = (), experts: bool = False) -> dict[str, int]:
+    """The input widths of column-parallel targets whose input the adapter gathers under sequence
+    parallelism where they are not the hidden size, by target name: MLA's up projections' latents;
+    a target in ``fused`` (Transformer Engine's fused norm + linear under sequence parallelism) 0,
+    the adapter gathering no input and reduce-scattering no input gradient of its own (the base's
+    all-gathered norm output and reduce-scatter serve it), but ``linear_fc1`` in a MoE layer
+    (``experts``: the shared experts' fc1 has no norm fused in)."""
+    out = {} if spec.mla is None else {"linear_q_up_proj": spec.mla.q_lora_rank or 0,
+                                       "linear_kv_up_proj": spec.mla.kv_lora_rank}
+    return out | {t: 0 for t in fused if not (experts and t == "linear_fc1")}
+
+
 def adapter_numels(name: str, d_in: int, d_out: int, rank: int, tp: int, *,
                    duplicated: bool = False) -> tuple[int, int]:
     """Elements of ``linear_in`` and ``linear_out`` on one TP rank, for a target ``name`` whose

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import (COLUMN_PARALLEL, LAYER_ORDER, adapter_backward_payload,
-                                        adapter_forward_payload, mla_targets)
+                                        adapter_forward_payload, input_widths, mla_targets)
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.moe import expert_tp_group
 from megatron_flops.model.spec import ModelSpec
@@ -112,7 +112,7 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
     this rank's experts (None: balanced, ``s/TP*b x ETP x topk``); ``duplicated``: Transformer Engine's MLA
     down projections, whole on every TP rank (a formula); ``fused``: the targets Transformer Engine builds
     with a norm fused in (under sequence parallelism their adapters read the norm output the base gathered:
-    :func:`_input_widths`); ``expert_adapters``: whether the routed
+    :func:`~megatron_flops.memory.lora.input_widths`); ``expert_adapters``: whether the routed
     experts have adapters (legacy ``GroupedMLP`` has none; ``TEGroupedMLP``'s shared one runs the
     same explicit expert communication over all routed tokens). {} at TP 1 and expert TP 1."""
     if peft is None or peft.lora_rank is None or (par.tp == 1 and par.expert_tp == 1):
@@ -130,7 +130,7 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
     outputs = _down_widths(spec) if duplicated else None
     for layer in layers:
         targets = layer.targets(peft) if par.tp > 1 else ()
-        widths = _input_widths(spec, fused=fused if sp else (), experts=layer.experts)
+        widths = input_widths(spec, fused=fused if sp else (), experts=layer.experts)
         for key, value in adapter_forward_payload(peft, targets, tokens, h, a, sp=sp, widths=widths,
                                                   duplicated=outputs).items():
             add(key, (1 + layer.rerun) * value)
@@ -146,18 +146,6 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         add(key, -count * tokens * a)
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
-
-
-def _input_widths(spec: ModelSpec, *, fused: tuple[str, ...] = (), experts: bool = False) -> dict[str, int]:
-    """The input widths of column-parallel targets whose input the adapter gathers under sequence
-    parallelism where they are not the hidden size, by target name: MLA's up projections' latents;
-    a target in ``fused`` (Transformer Engine's fused norm + linear under sequence parallelism) 0,
-    the adapter gathering no input and reduce-scattering no input gradient of its own (the base's
-    all-gathered norm output and reduce-scatter serve it: :mod:`megatron_flops.memory.lora`), but
-    ``linear_fc1`` in a MoE layer (``experts``: the shared experts' fc1 has no norm fused in)."""
-    out = {} if spec.mla is None else {"linear_q_up_proj": spec.mla.q_lora_rank or 0,
-                                       "linear_kv_up_proj": spec.mla.kv_lora_rank}
-    return out | {t: 0 for t in fused if not (experts and t == "linear_fc1")}
 
 
 def _down_widths(spec: ModelSpec) -> dict[str, int]:
@@ -225,7 +213,7 @@ def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, 
         return out
     row = h * (len(before) - sum(n in COLUMN_PARALLEL for n in before))
     first = order[index] if before and targets else ""
-    first_adapter = _input_widths(spec, fused=fused, experts=layer.experts).get(first, h) \
+    first_adapter = input_widths(spec, fused=fused, experts=layer.experts).get(first, h) \
         if first in COLUMN_PARALLEL else 0
     out["tp/reduce_scatter"] = out.get("tp/reduce_scatter", 0) + column + first_adapter
     out["tp/all_gather"] = out.get("tp/all_gather", 0) + row
@@ -277,7 +265,7 @@ def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: b
     only ``linear_q_proj``'s [T, h] and the latents' are skipped; under sequence parallelism
     (up-projection adapters only) no latent gathers, and the kv latent's RoPE part's
     reduce-scatter [T, rope] is skipped too; ``fused``: adapters on the up projections there
-    run no reduce-scatter of their own (:func:`_input_widths`)."""
+    run no reduce-scatter of their own (:func:`~megatron_flops.memory.lora.input_widths`)."""
     mla = spec.mla
     assert mla is not None
     h, q, kv = spec.hidden_size, mla.q_lora_rank, mla.kv_lora_rank
@@ -289,7 +277,7 @@ def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: b
     gathers = 0 if duplicated else (q or 0) * (not q_on) + kv * (not kv_on)
     rope = mla.qk_pos_emb_head_dim * (duplicated and not kv_on)
     adapters = h * sum(t in ("linear_q_down_proj", "linear_kv_down_proj", "linear_q_proj") for t in targets)
-    widths = _input_widths(spec, fused=fused)
+    widths = input_widths(spec, fused=fused)
     adapters += widths["linear_q_up_proj"] * ("linear_q_up_proj" in targets and not q_on) \
         + widths["linear_kv_up_proj"] * ("linear_kv_up_proj" in targets and not kv_on)
     return {"tp/reduce_scatter": skipped + rope + adapters, "tp/all_gather": gathers}

@@ -145,6 +145,16 @@ def bucket_layout(bucket: FsdpBucket, dp: int) -> tuple[int, list[tuple[int, int
     return size, [(starts[i], starts[i] + numel[i]) for i in range(len(numel))]
 
 
+def _all_gathers(bucket: FsdpBucket, *, m: int, last: bool, frozen: bool) -> int:
+    """Times per step of ``m`` micro-batches a bucket's weights are all-gathered: once after the
+    optimizer step, and a TransformerLayer ``unit``'s (optim_grads_params) also in every forward
+    and after every backward but the last (2m); with a frozen base (0.19.2) the chunk's ``last``
+    layer stays gathered into backward (m + 1)."""
+    if bucket.unit is None:
+        return 1
+    return m + 1 if frozen and last else 2 * m
+
+
 def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy: str, sizes: dict[str, int],
                        ranks: dict[str, int], bucket_size: int | None,
                        unit: re.Pattern[str] = _UNIT) -> tuple[dict[str, int], dict[str, int]]:
@@ -181,7 +191,7 @@ def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy:
         if not bucket.trainable:
             grads.append(0)
             if n > 1:  # (0.19.2: gathered as the trainable buckets are)
-                ag = (m + 1 if [bucket.unit] == last_unit else 2 * m) if bucket.unit is not None else 1
+                ag = _all_gathers(bucket, m=m, last=[bucket.unit] == last_unit, frozen=True)
                 comm[f"{bucket.group}/all_gather"] = comm.get(f"{bucket.group}/all_gather", 0) + ag * size * a
             continue
         # NB: fp32 main weights for every trainable bucket (preserve_fp32_weights), even of fp32 models.
@@ -194,12 +204,8 @@ def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy:
         if n > 1:
             # Gradients: optim reduce-scatters in the last micro-batch's backward and, without
             # overlap_grad_reduce, again in finish_grad_sync; optim_grads(_params) every backward.
-            # Weights: all-gathered once per step, and with optim_grads_params each
-            # TransformerLayer's in every forward and again in backward (the rest stays gathered).
             rs = (1 if bucket_size else 2) if strategy == "optim" else m
-            ag = 2 * m if bucket.unit is not None else 1
-            if frozen and [bucket.unit] == last_unit:
-                ag = m + 1  # (0.19.2 with a frozen base: the last layer stays gathered into backward)
+            ag = _all_gathers(bucket, m=m, last=[bucket.unit] == last_unit, frozen=frozen)
             for kind, value in (("reduce_scatter", rs * size * g), ("all_gather", ag * size * a)):
                 comm[f"{bucket.group}/{kind}"] = comm.get(f"{bucket.group}/{kind}", 0) + value
     states["megatron_fsdp/unsharded_working_copies"] = unsharded_working_copies(gathered, grads)

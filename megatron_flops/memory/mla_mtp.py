@@ -29,15 +29,25 @@ As megatron-core 0.16's local layer spec builds them (measured on CPU with gloo)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds
+from megatron_flops.memory.mtp_layers import hybrid_mtp, last_stage_mtp_kinds
 from megatron_flops.model.spec import ModelSpec
 
 CE_REDUCTIONS = 3  # max logit, target logit, sum of exponentials (as comm.CE_REDUCTIONS)
 
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
+# Mixers that are not multi-latent attention when a model has MLA (``spec.mla``): a hybrid pattern's
+# Mamba and MLP-only layers, linear attention; attention and DSA layers are MLA.
+NOT_MLA = ("none", "mamba", "gdn", "kda")
+
+
+def mla_layer_count(kinds: Sequence[tuple[str, str]]) -> int:
+    """How many of these (mixer, feed-forward) layers run multi-latent attention (with ``spec.mla``)."""
+    return sum(mixer not in NOT_MLA for mixer, _ in kinds)
 
 
 def check_mla_mtp(spec: ModelSpec, par: Parallelism, *, duplicated: bool) -> None:
@@ -55,6 +65,16 @@ def check_mla_mtp(spec: ModelSpec, par: Parallelism, *, duplicated: bool) -> Non
     for name, value in widths.items():
         if value % par.tp:
             raise ValueError(f"multi-latent attention splits {name}={value} over TP: not divisible by --tp {par.tp}")
+
+
+def fully_recomputed_layers(recompute: RecomputeSpec | None, num_layers: int) -> int:
+    """Layers of a model chunk that full recompute re-runs: all (``uniform``) or the first
+    ``recompute_num_layers`` (``block``)."""
+    if recompute is None or recompute.granularity != "full":
+        return 0
+    if recompute.method == "block":
+        return min(recompute.num_layers or 0, num_layers)
+    return num_layers
 
 
 def mtp_recomputed(spec: ModelSpec, recompute: RecomputeSpec | None) -> bool:
@@ -75,8 +95,9 @@ def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Trainin
                             learned_positions: bool, duplicated: bool) -> dict[str, int]:
     """``tp/*`` payload bytes per micro-batch of one model chunk beyond
     :func:`~megatron_flops.memory.comm.tensor_parallel_activations`'s dense layers and main output
-    (TP > 1): the MLA layers' latent collectives and extra input-gradient reductions (``rerun``
-    main layers run their forward twice), and on the last stage every MTP layer. Activations in
+    (TP > 1): the ``num_layers`` MLA layers' latent collectives and extra input-gradient reductions
+    (``rerun`` of them run their forward twice; a hybrid pattern's Mamba and MLP layers are none:
+    :func:`mla_layer_count`), and on the last stage every MTP layer. Activations in
     the parameter dtype, cross-entropy's reductions in fp32. ``duplicated``: Transformer Engine's
     MLA spec (see the module doc)."""
     if par.tp == 1:
@@ -87,7 +108,7 @@ def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Trainin
     out: dict[str, int] = {}
     mla_tp = _mla_tp_duplicated if duplicated else _mla_tp
     # (a hybrid MTP part's MLA layers: those of its mixers that are attention, :mod:`.mtp_layers`)
-    mtp_mla = sum(mixer not in ("none", "mamba", "gdn") for mixer, _ in last_stage_mtp_kinds(spec, last))
+    mtp_mla = mla_layer_count(last_stage_mtp_kinds(spec, last))
     for part in (mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp_mla, rerun + mtp_rerun),
                  _mtp_tp(spec.hidden_size * tokens, par.sequence_parallel, mtp, mtp_rerun, learned_positions)):
         for key, count in part.items():
@@ -172,6 +193,11 @@ def mla_mtp_assumptions(spec: ModelSpec, par: Parallelism, *, duplicated: bool) 
                    "local, measured): the q and kv down projections column parallel, their outputs all-gathered "
                    "(tp/all_gather); Megatron-LM's default Transformer Engine spec keeps them whole on every TP rank "
                    "(parallel_mode='duplicated')")
+    if spec.mtp_num_layers and par.tp > 1 and not hybrid_mtp(spec):
+        out.append("multi-token prediction layers as megatron-core 0.16.1's GPTModel runs them under TP; 0.19 also "
+                   "counts MTP acceptance (under no grad): each depth's vocab-parallel argmax all-gathers every TP "
+                   "rank's max logit and int64 index per token, TP x tokens x (activation bytes + 8) more "
+                   "tp/all_gather per depth and micro-batch, not counted here (a hybrid MTP part, 0.19's, counts it)")
     if spec.mtp_num_layers and par.pp > 1:
         out.append("multi-token prediction on the last pipeline stage (megatron-core's default placement), with a "
                    "copy of the word embeddings there, all-reduced with the first stage's (embd/all_reduce)")

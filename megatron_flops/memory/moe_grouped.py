@@ -46,7 +46,7 @@ for the alltoall dispatcher), ``N = n x min(topk, EP) / topk`` tokens arrive per
 
 from __future__ import annotations
 
-from megatron_flops.memory.decoder import DecoderOptions, experts_module
+from megatron_flops.memory.decoder import DecoderOptions, experts_module, experts_take_adapters
 from megatron_flops.memory.layout import BOOL_BYTES, FP32_BYTES, INDEX_BYTES, Parallelism, Training
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -97,7 +97,7 @@ def expert_adapter_targets(options: DecoderOptions, adapted: tuple[str, ...]) ->
     ``GroupedMLP`` (no ``linear_fc1``/``linear_fc2`` modules to match); ``TEGroupedMLP``'s one
     shared adapter sees every routed token, as ``SequentialMLP``'s per-expert ones see theirs, so
     it keeps the same per token."""
-    return () if experts_module(options) == "GroupedMLP" else adapted
+    return adapted if experts_take_adapters(options) else ()
 
 
 def frozen_experts_keep_inputs(options: DecoderOptions) -> bool:

@@ -14,6 +14,17 @@ layers after the previous one's (``get_transformer_layer_offset``), so the count
 stays on the first virtual stage and the output layer and loss on the last whatever the split
 (megatron-core's ``pre_process``/``post_process``). ``tests/test_memory_pipeline_split.py``
 checks every count against megatron-core 0.16.1's own functions.
+
+A hybrid pattern (Mamba, GDN, ... symbols) is split by its own stack: megatron-core 0.16.1's
+``MambaStack._select_layers_for_pipeline_parallel`` and 0.19's ``select_pipeline_segment`` read
+the first/last sizes as above (without ``|`` separators; 0.19 refuses them beside ``|``) and
+nothing else: 0.16.1 ignores the account-for fields and a layout (its stack takes
+``num_layers // PP`` layers per rank, dropping the remainder), Megatron-LM 0.19 refuses them with
+a hybrid pattern, and so do these reports, with 0.19's reason. A DiT (Megatron-Bridge 0.6.2's
+``WanModel``) builds its blocks in megatron-core's ``TransformerBlock``, which places them by
+``get_num_layers_to_build`` as for a GPT, every split field honoured; its ``provide`` passes no
+``vp_stage``, so a layout with more stages than PP is refused (memory/dit_layouts.py).
+``tests/test_memory_pipeline_split_hybrid_dit.py`` checks both against the frameworks' functions.
 """
 
 from __future__ import annotations
@@ -25,31 +36,66 @@ from megatron_flops.memory.hybrid_pipeline import is_hybrid
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.model.spec import ModelSpec
 
+# Megatron-LM 0.19's flag per split field it refuses beside a hybrid layer pattern (validate_args).
+_HYBRID_REFUSED = {"pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
+                   "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
+                   "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split"}
+
 
 def uneven_stages(split: PipelineSplit, par: Parallelism, *, spec: ModelSpec) -> Parallelism:
     """``par`` with ``split``'s virtual stages of ``spec`` as ``stage_layers`` (and a layout's VPP);
     ``par`` itself for an even split."""
     if not split.uneven or par.pp == 1:  # (one stage holds every layer: a file's split is for its PP run)
         return par
+    if is_hybrid(spec):
+        _hybrid_split_check(split)
     if par.stage_layers is not None:
-        raise ValueError("megatron-core 0.19 refuses num_layers_in_first/last_pipeline_stage and the other split "
-                         "fields when the hybrid pattern contains '|' separators: the pipeline layout is already "
-                         "defined by the separators")
-    if is_hybrid(spec) and (split.pipeline_model_parallel_layout is not None
-                            or split.account_for_embedding_in_pipeline_split or split.account_for_loss_in_pipeline_split):
-        raise ValueError("a hybrid pattern's stages with pipeline_model_parallel_layout or account_for_*_in_pipeline_"
-                         "split are not modelled (megatron-core's MambaStack reads num_layers_in_first/last_pipeline_"
-                         "stage only)")
+        raise ValueError("megatron-core 0.19 refuses num_layers_in_first/last_pipeline_stage when the hybrid pattern "
+                         "contains '|' separators: the pipeline layout is already explicitly defined by the pipe "
+                         "separators")
     stages, vpp = split_stages(split, num_layers=spec.num_layers, pp=par.pp, vpp=par.vpp,
                                mtp_num_layers=spec.mtp_num_layers)
     return replace(par, vpp=vpp, stage_layers=stages)
 
 
-def split_note(split: PipelineSplit, par: Parallelism) -> list[str]:
+def _hybrid_split_check(split: PipelineSplit) -> None:
+    """Megatron-LM 0.19's refusal of the split fields a hybrid stack does not read."""
+    given = [flag for field, flag in _HYBRID_REFUSED.items() if getattr(split, field) not in (None, False)]
+    if given:
+        raise ValueError(f"Megatron-LM 0.19 refuses {' and '.join(given)} with a hybrid layer pattern (\"Pipeline "
+                         "stage layout is defined by | separators in the pattern\"; megatron-core 0.16.1's MambaStack "
+                         "ignores it and takes num_layers // PP layers per rank): give the stages as '|' separators "
+                         "in the pattern, or --decoder-first/last-pipeline-num-layers")
+
+
+def dit_uneven_stages(split: PipelineSplit, par: Parallelism, *, num_layers: int) -> Parallelism:
+    """``par`` with ``split``'s stages of a DiT's ``num_layers`` blocks as ``stage_layers`` (and a
+    layout's VPP, which memory/dit_layouts.py refuses); ``par`` itself for an even split."""
+    if not split.uneven or par.pp == 1:
+        return par
+    stages, vpp = split_stages(split, num_layers=num_layers, pp=par.pp, vpp=par.vpp)
+    return replace(par, vpp=vpp, stage_layers=stages)
+
+
+def split_note(split: PipelineSplit, par: Parallelism, *, hybrid: bool = False) -> list[str]:
     """The assumption an uneven split adds (none for an even one)."""
     if not split.uneven or par.stage_layers is None:
         return []
-    given = ", ".join(f"{k}={v!r}" for k in FIELDS if (v := getattr(split, k)) not in (None, False))
-    return [f"pipeline stages as megatron-core 0.16.1 splits them ({given}): decoder layers per virtual stage "
+    builder = ("megatron-core 0.16.1's MambaStack (and 0.19's select_pipeline_segment) split the hybrid pattern"
+               if hybrid else "megatron-core 0.16.1 splits them")
+    return [f"pipeline stages as {builder} ({_given(split)}): decoder layers per virtual stage "
             f"{list(par.stage_layers)} (stage v x PP + r on model chunk v of pipeline rank r); the embedding on the "
             "first virtual stage, the output layer and loss on the last"]
+
+
+def dit_split_note(split: PipelineSplit, par: Parallelism) -> list[str]:
+    """The assumption an uneven split of a DiT's blocks adds (none for an even one)."""
+    if not split.uneven or par.stage_layers is None:
+        return []
+    return [f"pipeline stages as megatron-core 0.19.2's get_num_layers_to_build places Megatron-Bridge 0.6.2's WanModel "
+            f"blocks ({_given(split)}): blocks per stage {list(par.stage_layers)}; the patch embedding on the first "
+            "stage, the head and loss on the last, the text and time embeddings on every stage"]
+
+
+def _given(split: PipelineSplit) -> str:
+    return ", ".join(f"{k}={v!r}" for k in FIELDS if (v := getattr(split, k)) not in (None, False))

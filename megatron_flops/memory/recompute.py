@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.lora import adapter_forward_payload, mla_targets
+from megatron_flops.memory.lora import adapter_forward_payload, input_widths, mla_targets
 from megatron_flops.memory.lora_layers import expert_adapter_payload
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -100,7 +100,7 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
     hidden = tokens * spec.hidden_size * act
     mlp = {"tp/all_gather": hidden, "tp/reduce_scatter": hidden} if par.sequence_parallel else {"tp/all_reduce": hidden}
     out = {key: dense * value for key, value in mlp.items()}
-    widths = {t: 0 for t in fused} if par.sequence_parallel else {}
+    widths = input_widths(spec, fused=fused if par.sequence_parallel else ())
     if dense:
         for key, value in adapter_forward_payload(peft, ("linear_fc1", "linear_fc2"), tokens, spec.hidden_size, act,
                                                   sp=par.sequence_parallel, widths=widths).items():
@@ -116,7 +116,6 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
         q = spec.mla.q_lora_rank if spec.mla.q_lora_rank is not None else spec.hidden_size
         if par.sequence_parallel:
             out["tp/all_gather"] = out.get("tp/all_gather", 0) + mla * (q + spec.mla.kv_lora_rank) * tokens * act
-        widths = {"linear_q_up_proj": q, "linear_kv_up_proj": spec.mla.kv_lora_rank} | widths
         ups = tuple(t for t in mla_targets(spec) if t != "linear_q_down_proj" and t != "linear_kv_down_proj")
         for key, value in adapter_forward_payload(peft, ups, tokens, spec.hidden_size, act, sp=par.sequence_parallel,
                                                   widths=widths).items():

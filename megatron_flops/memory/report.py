@@ -20,7 +20,7 @@ from megatron_flops.memory.comm import (
     sequence_parallel_slice,
     step_communication,
 )
-from megatron_flops.memory.decoder import (DecoderOptions, check_supported, chunk_parameters, experts_module,
+from megatron_flops.memory.decoder import (DecoderOptions, check_supported, chunk_parameters, experts_take_adapters,
                                           parameter_counts)
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
@@ -42,7 +42,7 @@ from megatron_flops.memory.moe import (
 from megatron_flops.memory.moe_grouped import check_grouped, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
 from megatron_flops.memory.kda_fla import kda_fla_unmeasured
-from megatron_flops.memory.linear_cp import linear_cp_notes
+from megatron_flops.memory.linear_cp import gdn_cp_head_permutation, linear_cp_notes
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
 from megatron_flops.memory.vision import NeededInput, VisionMemory
@@ -118,7 +118,7 @@ def rank_memory(
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
     _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute,
                                         duplicated=options.duplicated_mla_down, fused=options.fused_norm_targets,
-                                        expert_adapters=experts_module(options) != "GroupedMLP"),
+                                        expert_adapters=experts_take_adapters(options)),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft,
                                                 fused=options.fused_norm_targets),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0))
@@ -126,13 +126,16 @@ def rank_memory(
     per_mb = None
     bounds = None
     if _activation_reason(spec, options, par, recompute, peft) is None:
+        permutation = gdn_cp_head_permutation(spec, par, pp_rank=pp_rank)  # (GDN under CP: one per rank)
+
         def peak_of(received: int | None) -> tuple[int, int, list[ChunkActivations]]:
             chunks = [chunk_activations(spec, options, par, local, pp_rank=pp_rank, chunk=c, recompute=recompute,
                                         peft=peft, received=received) for c in range(par.num_chunks)]
             chunks = [replace(c, components={**c.components,
                                              **vision.chunk_activations(par.is_first_stage(pp_rank, i))})
                       for i, c in enumerate(chunks)]
-            return (*schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank)), chunks)
+            peak, count = schedule_peak(chunks, in_flight(par, training.num_microbatches, pp_rank))
+            return peak + permutation, count, chunks
 
         peak, count, chunks = peak_of(None)
         per_mb = tuple(dict(c.components) for c in chunks)
@@ -198,7 +201,7 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
         lora = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
                                       received=received, duplicated=options.duplicated_mla_down,
                                       fused=options.fused_norm_targets,
-                                      expert_adapters=experts_module(options) != "GroupedMLP").get(key, 0)
+                                      expert_adapters=experts_take_adapters(options)).get(key, 0)
                 for received in (None, fewest, most)]
         if lora[1] != lora[2]:
             lo, hi = out.get(key, (comm.get(key, 0), comm.get(key, 0)))
@@ -337,22 +340,7 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                     *, activations: bool, lora: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """What can make a figure differ from a real run (``assumptions``), and which figures are
     formulas that could not be measured on CPU (``unmeasured``)."""
-    assumptions: list[str] = []
-    unmeasured: list[str] = []
-    if activations:
-        assumptions.append("norm statistics saved in fp32 per token, as CUDA kernels keep them (torch's CPU "
-                           "LayerNorm keeps them in the input dtype; its CPU RMSNorm also saves x * rstd)")
-        if options.attention_backend == "flash" or par.cp > 1:
-            assumptions.append("attention saves q, k, v, its output and an fp32 log-sum-exp per query and head, "
-                               "as flash/cuDNN kernels do")
-            unmeasured.append("activations of the fused attention kernel (no Transformer Engine on CPU; the local "
-                              "unfused attention is measured: --attention-backend local)")
-        else:
-            assumptions.append("attention as megatron-core's local unfused DotProductAttention (the [s, s] softmax "
-                               "is saved)")
-        if options.hidden_dropout > 0 or options.attention_dropout > 0:
-            assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
-                               "activation-dtype mask)")
+    assumptions, unmeasured = _kernel_notes(options, par) if activations else ([], [])
     more_assumptions, more_unmeasured = hf_attention_notes(
         qk_norm=options.hf_qk_norm if options.qk_layernorm else None, alibi=options.alibi, tp=par.tp,
         fused=options.attention_backend == "flash" or par.cp > 1, activations=activations)
@@ -367,31 +355,8 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
     cp_assumptions, cp_unmeasured = linear_cp_notes(spec, par)
     assumptions += more_assumptions + cp_assumptions
     unmeasured += more_unmeasured + cp_unmeasured
-    if activations and lora:
-        assumptions.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each "
-                           "saves the projection's input and the [tokens, rank] intermediate; under full recompute "
-                           "of a frozen base the decoder's input requires grad, as Bridge makes it")
-    if lora and par.tp > 1:
-        assumptions.append("LoRA adapters split over TP and communicate as Bridge's ParallelLinearAdapter around "
-                           "megatron-core's local linear layers (column-parallel targets split linear_in and "
-                           "all-gather [tokens, rank]; row-parallel ones all-reduce it and all-gather their output)")
-        if spec.moe is not None:
-            split = "expert TP = TP" if par.expert_tp == par.tp else "the expert TP group"
-            assumptions.append("routed experts' LoRA adapters as Bridge 0.3.1 wraps SequentialMLP experts (one per "
-                               f"expert, split over {split}, all-gathering [tokens, rank] and their output per "
-                               "routed token); every expert's token count divisible by TP (Bridge pads an odd count "
-                               "under no_grad, which detaches that adapter's output)"
-                               + ("; under EP, the adapter traffic selective moe recompute re-runs assumes balanced "
-                                  "routing and is not in the per-rank range" if par.ep > 1 else ""))
-    if activations and spec.moe is not None and not options.moe_grouped_gemm:
-        assumptions.append("routed experts save as megatron-core's SequentialMLP (moe_grouped_gemm off; measured with "
-                           "the local spec)")
-    if par.ep > 1 and spec.moe is not None:
-        assumptions.append("ep/all_to_all (with TP, the TP all-gather and reduce-scatter of routed tokens too) and "
-                           "the routed experts' activations assume balanced routing (each EP rank receives as many "
-                           "routed tokens as it sends): a rank's figures move with the router (measured: within "
-                           "+/-6.3% per rank on 4-rank tests), the EP group's total is exact; the per-rank range "
-                           "over all routings is shown")
+    assumptions += _lora_notes(spec, par, activations=activations, lora=lora)
+    assumptions += _moe_notes(spec, options, par, activations=activations)
     assumptions += mla_mtp_assumptions(spec, par, duplicated=options.duplicated_mla_down)
     unmeasured += mla_unmeasured(spec, par, duplicated=options.duplicated_mla_down,
                                   down_bias=options.hf_mla_down_bias) + moe_unmeasured(spec, options)
@@ -400,6 +365,64 @@ def modelling_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                           "through a fused attention, and the cp/send_recv ring of K/V (no context-parallel "
                           "attention on CPU)")
     return tuple(assumptions), tuple(unmeasured)
+
+
+def _kernel_notes(options: DecoderOptions, par: Parallelism) -> tuple[list[str], list[str]]:
+    """(assumptions, unmeasured) of the kernels whose saved tensors the activations follow: norm
+    statistics, the attention kernel, dropout masks."""
+    assumptions = ["norm statistics saved in fp32 per token, as CUDA kernels keep them (torch's CPU LayerNorm keeps "
+                   "them in the input dtype; its CPU RMSNorm also saves x * rstd)"]
+    unmeasured = []
+    if options.attention_backend == "flash" or par.cp > 1:
+        assumptions.append("attention saves q, k, v, its output and an fp32 log-sum-exp per query and head, "
+                           "as flash/cuDNN kernels do")
+        unmeasured.append("activations of the fused attention kernel (no Transformer Engine on CPU; the local "
+                          "unfused attention is measured: --attention-backend local)")
+    else:
+        assumptions.append("attention as megatron-core's local unfused DotProductAttention (the [s, s] softmax "
+                           "is saved)")
+    if options.hidden_dropout > 0 or options.attention_dropout > 0:
+        assumptions.append("dropout masks saved as bool (CUDA's native_dropout; torch's CPU dropout keeps an "
+                           "activation-dtype mask)")
+    return assumptions, unmeasured
+
+
+def _lora_notes(spec: ModelSpec, par: Parallelism, *, activations: bool, lora: bool) -> list[str]:
+    """Assumptions about LoRA adapters (Megatron-Bridge's): what they save, and how they split and
+    communicate over TP (the routed experts' too)."""
+    out = []
+    if activations and lora:
+        out.append("LoRA adapters as Megatron-Bridge's (linear_in, linear_out; no adapter dropout): each saves the "
+                   "projection's input and the [tokens, rank] intermediate; under full recompute of a frozen base "
+                   "the decoder's input requires grad, as Bridge makes it")
+    if lora and par.tp > 1:
+        out.append("LoRA adapters split over TP and communicate as Bridge's ParallelLinearAdapter around "
+                   "megatron-core's local linear layers (column-parallel targets split linear_in and "
+                   "all-gather [tokens, rank]; row-parallel ones all-reduce it and all-gather their output)")
+        if spec.moe is not None:
+            split = "expert TP = TP" if par.expert_tp == par.tp else "the expert TP group"
+            out.append("routed experts' LoRA adapters as Bridge 0.3.1 wraps SequentialMLP experts (one per "
+                       f"expert, split over {split}, all-gathering [tokens, rank] and their output per "
+                       "routed token); every expert's token count divisible by TP (Bridge pads an odd count "
+                       "under no_grad, which detaches that adapter's output)"
+                       + ("; under EP, the adapter traffic selective moe recompute re-runs assumes balanced "
+                          "routing and is not in the per-rank range" if par.ep > 1 else ""))
+    return out
+
+
+def _moe_notes(spec: ModelSpec, options: DecoderOptions, par: Parallelism, *, activations: bool) -> list[str]:
+    """Assumptions about the routed experts: the module they save as, and balanced routing under EP."""
+    out = []
+    if activations and spec.moe is not None and not options.moe_grouped_gemm:
+        out.append("routed experts save as megatron-core's SequentialMLP (moe_grouped_gemm off; measured with "
+                   "the local spec)")
+    if par.ep > 1 and spec.moe is not None:
+        out.append("ep/all_to_all (with TP, the TP all-gather and reduce-scatter of routed tokens too) and "
+                   "the routed experts' activations assume balanced routing (each EP rank receives as many "
+                   "routed tokens as it sends): a rank's figures move with the router (measured: within "
+                   "+/-6.3% per rank on 4-rank tests), the EP group's total is exact; the per-rank range "
+                   "over all routings is shown")
+    return out
 
 
 def report_dict(report: MemoryReport, *, extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -319,8 +319,8 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
                                                             or any(f == "none" for _, f in kinds)):
         return "LoRA adapters are modelled on attention + MLP layers (not Mamba, GDN, KDA, DSA or hybrid layers)"
-    if par.cp > 1 and not mixers <= {"attention", "window", "none", "mamba", "gdn", "dsa"}:
-        return _cp_reason(mixers)  # (GDN and DSA: :mod:`.linear_cp`)
+    if par.cp > 1 and "kda" in mixers:  # (GDN and DSA: :mod:`.linear_cp`)
+        return "Kimi Delta Attention is transformers' KimiLinearDeltaAttention, which has no context parallelism"
     if "kda" in mixers and par.tp > 1:
         return ("Kimi Delta Attention is modelled with --tp 1: neither megatron-core (0.16.1 to 0.19.2) nor "
                 "Megatron-Bridge 0.6.2 has a KDA layer, and transformers' KimiLinearDeltaAttention has no tensor "
@@ -349,20 +349,11 @@ def _mamba_cp_reason(spec: ModelSpec, par: Parallelism) -> str | None:
     return None
 
 
-def _cp_reason(mixers: set[str]) -> str:
-    """Why ``--cp`` > 1 is refused for these mixers (Gated DeltaNet and DSA layers that compute
-    their top-k: megatron-core 0.19.0's, :mod:`.linear_cp`)."""
-    if "dsa_shared" in mixers:
-        return ("context parallelism is not modelled for DeepSeek sparse attention layers that reuse an earlier "
-                "layer's top-k (megatron-core 0.19.0's index sharing)")
-    return "Kimi Delta Attention is transformers' KimiLinearDeltaAttention, which has no context parallelism"
-
-
 def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None, *, cp: int = 1) -> str | None:
     """Why activations are not modelled for these layers (None: they are, or there are none)."""
     kinds = model_kinds(spec)
     mixers = {mixer for mixer, _ in kinds}
-    if "dsa" in mixers and recompute is not None and cp > 1:
+    if mixers & {"dsa", "dsa_shared"} and recompute is not None and cp > 1:
         return ("activations of DeepSeek sparse attention layers under context parallelism (megatron-core 0.19.0's "
                 "layer) are modelled without recompute")
     if mixers & {"dsa", "dsa_shared"} and recompute is not None and recompute.granularity == "selective" \
@@ -423,7 +414,7 @@ def ssm_notes(spec: ModelSpec, par: Parallelism, *, activations: bool) -> tuple[
                            "builds them; 0.16.1's builds a plain GPT layer there (for DSA, MLA then hands the plain core "
                            "attention x and qr: a TypeError), and 0.16.1's DSAttention in an MTP layer logs its indexer "
                            "loss out of range unless dsa_indexer_loss_coeff is 0 (measured so: the same graph)")
-    if activations and "dsa_shared" in mixers:
+    if activations and "dsa_shared" in mixers and par.cp == 1:  # (under CP: measured, :mod:`.linear_cp`)
         unmeasured.append("activations of DeepSeek sparse attention layers that reuse an earlier top-k (megatron-core "
                           "0.19's dsa_indexer_topk_freq; 0.16.1 has none): 0.16.1's sparse attention without the indexer "
                           "and its KL loss, and each computing layer's int64 top-k held for the micro-batch (0.19's "

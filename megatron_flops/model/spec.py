@@ -283,6 +283,12 @@ class ModelSpec:
         fields["tensor_model_parallel_size"] = get("tensor_model_parallel_size", 1)
         fields["share_embeddings_and_output_weights"] = not get("untie_embeddings_and_output_weights", False)
         pattern = get("hybrid_layer_pattern") or get("hybrid_override_pattern")
+        # NB: Megatron-LM 0.19 turns the legacy --mtp-hybrid-override-pattern P with --mtp-num-layers N
+        # beside a pattern without '/' into the unified pattern's N parts "/P" (validate_args).
+        legacy = (getattr(args, "_unread", {}).get("mtp_hybrid_override_pattern") or [None])[0]
+        mtp = get("mtp_num_layers")
+        if isinstance(pattern, str) and legacy and isinstance(mtp, int) and mtp > 0 and _HYBRID_MTP not in pattern:
+            pattern += _HYBRID_MTP + _HYBRID_MTP.join([legacy] * mtp)
         if pattern:
             fields["hybrid_override_pattern"] = pattern
         names = dict(_MLM_NAMES)
@@ -695,10 +701,10 @@ def _hybrid_layers(f: Fields, pattern: Any, moe: MoESpec | None, mla: MLASpec | 
         if mtp not in (0, len(mtp_parts)):
             raise f.error(f"{f.name('mtp_num_layers')}={mtp} but {name} has {len(mtp_parts)} MTP depths")
         return _Layers(main=runs, mtp_num_layers=len(mtp_parts), mtp=mtp_runs, segments=segments)
-    # NB: a pattern without '/' and mtp_num_layers: one attention layer with the last FFN kind (Megatron-LM's count).
-    ffns = [ffn for (_, ffn), _ in runs if ffn != "none"]
-    return _Layers(main=runs, mtp_num_layers=mtp, mtp=((("attention", ffns[-1] if ffns else "mlp"), 1),),
-                   segments=segments)
+    # NB: a pattern without '/' builds no MTP, whatever mtp_num_layers says: megatron-core 0.19's HybridModel
+    # builds MTP depths only from parts after '/' (Megatron-LM warns "Hybrid model with --mtp-num-layers but
+    # no MTP pattern"), and 0.16.1's MambaModel has none.
+    return _Layers(main=runs, mtp_num_layers=0, mtp=(), segments=segments)
 
 
 def _hybrid_windows(f: Fields, runs: LayerRuns) -> LayerRuns:
