@@ -22,7 +22,7 @@ ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 SPEC = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
                                    vocab_size=96))
 OPTIONS = DecoderOptions(add_bias_linear=False, position_embedding_type="rope", attention_backend="unfused",
-                         hidden_dropout=0.0, attention_dropout=0.0, padded_vocab_size=96)
+                         hidden_dropout=0.0, attention_dropout=0.0, padded_vocab_size=96, transformer_impl="local")
 TRAINING = Training(seq_length=16, micro_batch_size=2, num_microbatches=2, params_dtype="bf16")
 TP2 = Parallelism(tp=2, dp=2)
 LORA = PeftSpec(frozen=True, lora_rank=4, lora_targets=ALL)
