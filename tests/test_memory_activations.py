@@ -275,6 +275,22 @@ PEFT_CASES = {
     "frozen MoE first layer, linear_fc1 + linear_fc2 only": (dict(MOE), "rope", "fp32", ("linear_fc1", "linear_fc2"),
                                                              True, 0, 0, 0),
     "frozen MoE first layer, linear_fc2 only": (dict(MOE), "rope", "fp32", ("linear_fc2",), True, 0, 0, 0),
+    "frozen MoE first layer, SwiGLU fused (Mixtral), linear_fc1 + linear_fc2": (
+        dict(MOE, gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True), "rope", "fp32",
+        ("linear_fc1", "linear_fc2"), True, 0, 0, 0),
+    "frozen MoE first layer, SwiGLU fused, linear_fc2 only": (
+        dict(MOE, gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True), "rope", "fp32",
+        ("linear_fc2",), True, 0, 0, 0),
+    "frozen MoE first layer, SwiGLU unfused, linear_fc1 + linear_fc2": (
+        dict(MOE, gated_linear_unit=True, activation_func="silu"), "rope", "fp32", ("linear_fc1", "linear_fc2"),
+        True, 0, 0, 0),
+    "frozen MoE first layer, SwiGLU unfused, linear_fc2 only": (
+        dict(MOE, gated_linear_unit=True, activation_func="silu"), "rope", "fp32", ("linear_fc2",), True, 0, 0, 0),
+    "frozen MoE first layer, gated shared experts, allgather, linear_fc1 + linear_fc2": (
+        dict(MOE, moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True,
+             moe_token_dispatcher_type="allgather"), "rope", "fp32", ("linear_fc1", "linear_fc2"), True, 0, 0, 0),
+    "frozen MoE first layer, shared experts, linear_fc2 only": (
+        dict(MOE, moe_shared_expert_intermediate_size=80), "rope", "fp32", ("linear_fc2",), True, 0, 0, 0),
     "base trains, MoE SwiGLU fused every other layer, linear_fc1 + linear_fc2": (
         dict(MOE, gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True, moe_layer_freq=[0, 1]),
         "rope", "fp32", ("linear_fc1", "linear_fc2"), False, 0, 0, 0),

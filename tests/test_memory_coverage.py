@@ -261,12 +261,6 @@ GAPS: list[tuple[str, str]] = [
     # MTP stage's embedding copy and concatenated [(1 + k) s, b, h] sends, the final norm with the last decoder layer,
     # the losses on the last stage are not modelled (flops/pipeline_split.py refuses it).
     ("mcore:mtp standalone layout | PP2* | *", r"refused: .*megatron-core's mtp_standalone: not modelled"),
-    # A frozen base whose first layer is MoE, adapted on the experts only: measured at TP 1 with non-gated
-    # SequentialMLP experts, the alltoall dispatcher and no shared experts (memory/moe_lora_start.py); Mixtral's
-    # gated experts and TP are not.
-    ("hf:mixtral | 1 GPU | frozen LoRA fc1, fc2", r"not modelled: activations of a frozen MoE first layer whose "
-                                                   r"first adapter is a routed expert's"),
-    ("hf:mixtral | TP2 SP | frozen LoRA fc1, fc2", r"refused: .*no tensor-parallel adapter"),
 ]
 
 

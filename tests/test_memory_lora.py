@@ -10,7 +10,7 @@ import re
 import pytest
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
-from megatron_flops.memory.activations import check_activations_supported
+from megatron_flops.memory.activations import check_activations_supported, chunk_activations
 from megatron_flops.memory.decoder import DecoderOptions, check_supported, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import adapter_numels
@@ -22,7 +22,7 @@ ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 SPEC = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
                                    vocab_size=96))
 OPTIONS = DecoderOptions(add_bias_linear=False, position_embedding_type="rope", attention_backend="unfused",
-                         hidden_dropout=0.0, attention_dropout=0.0, padded_vocab_size=96)
+                         hidden_dropout=0.0, attention_dropout=0.0, padded_vocab_size=96, transformer_impl="local")
 TRAINING = Training(seq_length=16, micro_batch_size=2, num_microbatches=2, params_dtype="bf16")
 TP2 = Parallelism(tp=2, dp=2)
 LORA = PeftSpec(frozen=True, lora_rank=4, lora_targets=ALL)
@@ -82,20 +82,19 @@ def test_frozen_first_layer_mlp_checkpoint_never_reruns():
 
 @pytest.mark.parametrize("par, peft, match", [
     # (MLA's projection on a dense model: nothing adapted, no adapter to start the gradient.)
-    (TP2, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj",)), "no tensor-parallel adapter"),
+    (TP2, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj",)), "first layer has no adapter"),
     (TP2, PeftSpec(frozen=True, lora_rank=3, lora_targets=ALL), "not divisible by --tp 2"),
 ])
 def test_lora_under_tp_refusals(par, peft, match):
     with pytest.raises(ValueError, match=match):
         check_supported(SPEC, par, peft, OPTIONS)
     # A frozen MoE first layer without shared experts and no attention target: its first adapters
-    # are the routed experts' (the gradient starts inside the layer), not modelled under TP.
+    # are the routed experts' (the gradient starts inside the layer: tests/test_memory_moe_lora_start_dist.py).
     moe = ModelSpec.from_mapping(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
                                       vocab_size=96, num_moe_experts=4, moe_router_topk=2))
     sp = Parallelism(tp=2, dp=2, sequence_parallel=True)
     check_supported(moe, sp, LORA, OPTIONS)
-    with pytest.raises(ValueError, match="no tensor-parallel adapter"):
-        check_supported(moe, sp, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), OPTIONS)
+    check_supported(moe, sp, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), OPTIONS)
 
 
 def test_selective_mlp_with_biases_refused():
@@ -135,8 +134,10 @@ _MLA_SPEC = dict(_MOE_SPEC, multi_latent_attention=True, kv_lora_rank=16, qk_hea
     # (MLA's own projections: measured, tests/test_memory_lora_mla_dist.py.)
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_q_proj", "linear_kv_up_proj")),
      None),
-    (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)),
-     "first adapter is a routed expert's are measured with the alltoall dispatcher"),
+    (dict(_MOE_SPEC, moe_token_dispatcher_type="flex"), Parallelism(),
+     PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)),
+     "first adapter is a routed expert's are measured with the alltoall and allgather dispatchers"),
+    (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
     (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall"), Parallelism(),
      PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
     (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True),
@@ -144,7 +145,8 @@ _MLA_SPEC = dict(_MOE_SPEC, multi_latent_attention=True, kv_lora_rank=16, qk_hea
     (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
-], ids=["MLA projections", "MoE first layer, experts only, allgather", "MoE first layer, experts only",
+], ids=["MLA projections", "MoE first layer, experts only, flex", "MoE first layer, experts only, allgather",
+        "MoE first layer, experts only",
         "MoE first layer, experts only, legacy grouped experts", "MoE default targets",
         "MLA + MoE default targets (linear_qkv adapts nothing)", "MLA, dense first layer, fc1"])
 def test_lora_moe_mla_activations_refused_with_a_reason(fields, par, peft, reason):
@@ -220,3 +222,39 @@ def test_moe_expert_adapters_with_their_own_tp_by_hand():
     assert expert_lora_unmeasured(spec, Parallelism(tp=2, dp=2, sequence_parallel=True), peft) == []
     with pytest.raises(ValueError, match="not divisible by the experts' TP 2"):
         check_supported(spec, etp2, PeftSpec(frozen=True, lora_rank=3, lora_targets=("linear_fc1",)), OPTIONS)
+
+
+def test_first_adapter_in_experts_only_without_attention_targets():
+    # A frozen MLA + MoE first layer: an adapter on MLA's own projections starts the gradient in attention.
+    from megatron_flops.memory.moe_lora_start import starts_in_experts
+
+    spec = ModelSpec.from_mapping(dict(_MLA_SPEC, moe_layer_freq=1))
+    assert starts_in_experts(spec, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1", "linear_fc2")))
+    assert not starts_in_experts(spec, PeftSpec(frozen=True, lora_rank=4,
+                                                 lora_targets=("linear_q_proj", "linear_fc1")))
+    # (MLA has no linear_qkv: that target adapts nothing there, the experts' adapters start the gradient.)
+    assert starts_in_experts(spec, PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_qkv", "linear_fc1")))
+
+
+@pytest.mark.parametrize("gating, per_token", [
+    # (T k = 32 x 2 = 64 routed tokens, ffn 96, fp32; each of the 2 MoE layers keeps the probabilities [64].)
+    # GELU: a started frozen expert keeps fc1's output and the activation's [64, 96]; layer 0 not the latter,
+    # which only the (gradient-free) probabilities multiply.
+    (dict(), 2),
+    # Fused SwiGLU: the kernel keeps its input [64, 2 x 96] (and the probabilities) either way: no delta.
+    (dict(gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True), 2),
+    # Unfused SwiGLU: fc1's output (2), silu(x1), x2 and their product; layer 0 not the product.
+    (dict(gated_linear_unit=True, activation_func="silu"), 5),
+], ids=["GELU", "fused SwiGLU (Mixtral)", "unfused SwiGLU"])
+def test_experts_of_a_frozen_first_layer_whose_adapters_start_the_gradient(gating, per_token):
+    # tests/test_memory_activations.py's "frozen MoE first layer" cases (measured at TP 1): 2 MoE layers, top-2 of 4.
+    fields = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
+                  num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, moe_token_dispatcher_type="alltoall",
+                  **gating)
+    spec, options = ModelSpec.from_mapping(fields), DecoderOptions.from_mapping(dict(fields, padded_vocab_size=256))
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=2, params_dtype="fp32")
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1", "linear_fc2"))
+    act = chunk_activations(spec, options, Parallelism(), training, pp_rank=0, chunk=0, peft=peft)
+    started = 64 * 96 * 4 * per_token + 64 * 4
+    dropped = 0 if gating.get("bias_activation_fusion") else 64 * 96 * 4
+    assert act.components["moe/experts"] == 2 * started - dropped

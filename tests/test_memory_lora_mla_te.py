@@ -171,7 +171,7 @@ def test_frozen_first_layer_runs_no_fused_adapter_reduce_scatter():
 
     def comm(fused_up: bool) -> dict[str, int]:
         return lora_tp_communication(ModelSpec.from_mapping(MLA), SP, TRAINING, pp_rank=0, peft=peft,
-                                     duplicated=True, fused_up=fused_up)
+                                     duplicated=True, fused=UP if fused_up else ())
 
     plain, fused = comm(False), comm(True)
     # Fused: no latent all-gathers in either layer (2 * (3072 + 4096) B); their gradients'
@@ -191,7 +191,7 @@ def test_selective_mla_up_proj_rerun_regathers_no_fused_adapter_input():
 
     def rerun(fused_up: bool) -> dict[str, int]:
         return selective_rerun_communication(ModelSpec.from_mapping(MLA), SP, TRAINING, pp_rank=0, recompute=recompute,
-                                             peft=peft, fused_up=fused_up)
+                                             peft=peft, fused=UP if fused_up else ())
 
     # The re-run up projections all-gather their latents again (Transformer Engine's gather serves the
     # fused adapters); the unfused adapters gather theirs again too: 2 layers x (3072 + 4096) B more.

@@ -646,11 +646,7 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
     assert moe is not None
     if not w.grad.started:
         if w.grad.adapted and {"linear_fc1", "linear_fc2"} & set(w.grad.adapted):  # the experts' adapters start it
-            peft = PeftSpec(frozen=True, lora_rank=w.grad.rank, lora_targets=w.grad.adapted)
-            for key, nbytes in first_adapter_moe_saved(spec, options, peft, tokens=x.expert_tokens,
-                                                       local_tokens=x.local_tokens, act=x.act, tp=x.etp).items():
-                w.keep(key, nbytes)
-            w.grad.started = True
+            _first_adapter_moe(w, x, spec, options)
         return
     g, moe_act = w.grad, "moe_act" in w.selective
     frozen = not g.base and not frozen_experts_keep_inputs(options)
@@ -674,6 +670,26 @@ def _moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
     freed = moe_act_freed(spec, options, tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received) \
         if moe_act else 0
     _selective_moe(w, routed, x.local_tokens * x.h * x.act, freed)
+
+
+def _first_adapter_moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions) -> None:
+    """A frozen MoE first layer whose first adapters are its experts' (:mod:`.moe_lora_start`):
+    the shared experts (they run first) as a frozen dense MLP whose adapter starts the gradient,
+    their gate keeping only its output [T_l, 1] for the product; then the routed experts."""
+    moe, g = spec.moe, w.grad
+    assert moe is not None
+    if moe.shared_expert_ffn_hidden_size:
+        sub = _Walk(_Grad(base=False, adapted=g.adapted, rank=g.rank, started=False))
+        _mlp(sub, dataclasses.replace(x, ffn=moe.shared_expert_ffn_hidden_size // x.tp), options,
+             spec.gated_linear_unit)
+        lora = sub.out.components.pop("lora", 0)
+        w.keep("moe/shared_experts", sub.kept - lora + (x.local_tokens * x.act if moe.shared_expert_gate else 0))
+        w.keep("lora", lora)
+    peft = PeftSpec(frozen=True, lora_rank=g.rank, lora_targets=g.adapted)
+    for key, nbytes in first_adapter_moe_saved(spec, options, peft, tokens=x.expert_tokens,
+                                               local_tokens=x.local_tokens, act=x.act, tp=x.etp).items():
+        w.keep(key, nbytes)
+    g.started = True
 
 
 def _selective_moe(w: _Walk, kept: dict[str, int], inp: int, freed: int = 0) -> None:

@@ -118,10 +118,15 @@ class DecoderOptions:
         return self.transformer_impl == "transformer_engine"
 
     @property
-    def fused_mla_up_norm(self) -> bool:
-        """Transformer Engine's MLA spec with ``qk_layernorm``: the latent norms fused into the up
-        projections (``TELayerNormColumnParallelLinear``)."""
-        return self.duplicated_mla_down and self.qk_layernorm
+    def fused_norm_targets(self) -> tuple[str, ...]:
+        """The LoRA targets Transformer Engine's spec builds with a norm fused in
+        (``TELayerNormColumnParallelLinear``, megatron-core 0.16.1's ``gpt_layer_specs``): a dense
+        attention's ``linear_qkv`` (the input norm), a dense MLP's ``linear_fc1`` (the pre-MLP norm;
+        not in a MoE layer, whose pre-MLP norm is its own module), with ``qk_layernorm`` MLA's up
+        projections (the latent norms)."""
+        if self.transformer_impl != "transformer_engine":
+            return ()
+        return ("linear_qkv", "linear_fc1") + (("linear_q_up_proj", "linear_kv_up_proj") if self.qk_layernorm else ())
 
     def __post_init__(self) -> None:
         if self.normalization not in NORMALIZATIONS:

@@ -62,10 +62,14 @@ adapter's input gradient to its own before its reduce-scatter: no adapter all-ga
 
 MoE, MLA and multi-token prediction layers: :mod:`megatron_flops.memory.lora_layers`.
 
-NB: measured with megatron-core's local layers and Bridge 0.3.1's adapter (gloo, CPU). Bridge's
-adapters around Transformer Engine's fused norm + linear (``return_layernorm_output_gathered``:
-no adapter all-gather under sequence parallelism) are modelled for MLA's up projections only
-(:mod:`megatron_flops.memory.lora_layers`), not for ``linear_qkv`` and ``linear_fc1``.
+Transformer Engine's spec fuses the same norms into a dense attention's ``linear_qkv`` (the input
+norm) and a dense MLP's ``linear_fc1`` (the pre-MLP norm; a MoE layer's is its own module, its
+shared experts' ``linear_fc1`` plain ``TEColumnParallelLinear``): under sequence parallelism their
+adapters too gather no [T, h] input and reduce-scatter no input gradient of their own (a formula,
+:func:`lora_fused_norm_unmeasured`); without it they are the local spec's.
+
+NB: measured with megatron-core's local layers and Bridge 0.3.1's adapter (gloo, CPU); Bridge's
+adapters around Transformer Engine's fused norm + linear are formulas (no Transformer Engine on CPU).
 """
 
 from __future__ import annotations
@@ -90,16 +94,16 @@ def mla_targets(spec: ModelSpec) -> tuple[str, ...]:
     return tuple(t for t in MLA_TARGETS if t in q or "_kv_" in t)
 
 
-def mla_up_widths(spec: ModelSpec, *, fused: bool = False) -> dict[str, int]:
-    """The input widths of MLA's up projections (their adapters' inputs), by target name;
-    ``fused`` (Transformer Engine's fused norm + linear under sequence parallelism): 0, the
-    adapter gathering no input and reduce-scattering no input gradient of its own (the base's
-    all-gathered norm output and reduce-scatter serve it)."""
-    if spec.mla is None:
-        return {}
-    if fused:
-        return {"linear_q_up_proj": 0, "linear_kv_up_proj": 0}
-    return {"linear_q_up_proj": spec.mla.q_lora_rank or 0, "linear_kv_up_proj": spec.mla.kv_lora_rank}
+def input_widths(spec: ModelSpec, *, fused: tuple[str, ...] = (), experts: bool = False) -> dict[str, int]:
+    """The input widths of column-parallel targets whose input the adapter gathers under sequence
+    parallelism where they are not the hidden size, by target name: MLA's up projections' latents;
+    a target in ``fused`` (Transformer Engine's fused norm + linear under sequence parallelism) 0,
+    the adapter gathering no input and reduce-scattering no input gradient of its own (the base's
+    all-gathered norm output and reduce-scatter serve it), but ``linear_fc1`` in a MoE layer
+    (``experts``: the shared experts' fc1 has no norm fused in)."""
+    out = {} if spec.mla is None else {"linear_q_up_proj": spec.mla.q_lora_rank or 0,
+                                       "linear_kv_up_proj": spec.mla.kv_lora_rank}
+    return out | {t: 0 for t in fused if not (experts and t == "linear_fc1")}
 
 
 def adapter_numels(name: str, d_in: int, d_out: int, rank: int, tp: int, *,
@@ -138,38 +142,55 @@ def lora_tp_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
         return f"--lora-rank {peft.lora_rank} is not divisible by --tp {par.tp} (Bridge splits linear_in's rows)"
     if spec.hidden_size % par.tp:
         return f"hidden_size={spec.hidden_size} is not divisible by --tp {par.tp} (LoRA's linear_out rows)"
-    moe = spec.moe
     absent = set(MLA_TARGETS) - set(mla_targets(spec))
     absent |= {"linear_qkv"} if spec.mla is not None else set()
-    if moe is not None and spec.layers[0][1] == "moe" and not moe.shared_expert_ffn_hidden_size:
-        absent |= {"linear_fc1", "linear_fc2"}
     if peft.frozen and not set(peft.lora_targets) - absent:
-        return ("LoRA under tensor parallelism on a frozen base whose first layer has no tensor-parallel adapter "
-                "(only its routed experts', or none) is not modelled: add an attention target (linear_proj)")
+        return ("LoRA under tensor parallelism on a frozen base whose first layer has no adapter is not modelled: "
+                "add an attention target (linear_proj)")
     return None
 
 
 def lora_duplicated_unmeasured(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
-                               duplicated: bool, fused_up: bool = False) -> list[str]:
+                               duplicated: bool, fused: tuple[str, ...] = ()) -> list[str]:
     """The LoRA figures on MLA's projections that are formulas (Transformer Engine's spec under
     TP; under sequence parallelism only the up projections' adapters, the down projections'
-    being refused: :func:`lora_tp_reason`); ``fused_up``: the latent norms fused into the up
-    projections (``qk_layernorm``)."""
+    being refused: :func:`lora_tp_reason`); ``fused``: the targets built with a norm fused in
+    (the up projections with ``qk_layernorm``)."""
     if peft is None or peft.lora_rank is None or par.tp == 1 or not duplicated:
         return []
     mla = [t for t in peft.lora_targets if t in mla_targets(spec)]
     if not mla:
         return []
     ups = "the up projections' adapters as the local spec's"
-    if par.sequence_parallel and fused_up:
-        ups = ("the up projections' adapters as the local spec's but for their sequence-parallel input all-gather "
-               "[T, latent] and its gradient's reduce-scatter, which they do not run: the fused norm + linear "
-               "(TELayerNormColumnParallelLinear) returns its all-gathered norm output to the adapter "
-               "(return_layernorm_output_gathered) and reduce-scatters the adapter's input gradient with its own")
+    if par.sequence_parallel and "linear_q_up_proj" in fused:
+        ups = f"the up projections' adapters as the local spec's but for {_FUSED_SP.format(width='latent')}"
     return [f"LoRA adapters on MLA's {mla} as Transformer Engine's spec builds MLA (no Transformer Engine on CPU; "
             "--transformer-impl local is measured): on a duplicated down projection Bridge's adapter splits "
             "linear_in [r/TP, h] and linear_out [out/TP, r] and all-gathers its output [T, out] (tp/all_gather), "
             f"its input-gradient and [T, r] all-reduces and saved tensors as the local spec's adapter; {ups}"]
+
+
+_FUSED_SP = ("their sequence-parallel input all-gather [T, {width}] and its gradient's reduce-scatter, which they "
+             "do not run: the fused norm + linear (TELayerNormColumnParallelLinear) returns its all-gathered norm "
+             "output to the adapter (return_layernorm_output_gathered, Transformer Engine >= 1.5, no TP "
+             "communication overlap) and reduce-scatters the adapter's input gradient with its own")
+
+
+def lora_fused_norm_unmeasured(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None, *,
+                               fused: tuple[str, ...]) -> list[str]:
+    """The label of adapters on a dense layer's targets that Transformer Engine's spec builds with a
+    norm fused in (``fused``: ``linear_qkv``, ``linear_fc1``) under TP + sequence parallelism (a
+    formula: see the module doc; MLA's up projections: :func:`lora_duplicated_unmeasured`)."""
+    if peft is None or peft.lora_rank is None or par.tp == 1 or not par.sequence_parallel:
+        return []
+    dense_mlp = any(ffn == "mlp" for _, ffn in spec.layers) or bool(spec.mtp_num_layers and spec.mtp_ffn != "moe")
+    present = {"linear_qkv": spec.mla is None, "linear_fc1": dense_mlp}
+    adapted = [t for t in ("linear_qkv", "linear_fc1") if t in fused and t in peft.lora_targets and present[t]]
+    if not adapted:
+        return []
+    return [f"LoRA adapters on {adapted} around Transformer Engine's fused norm + linear (no Transformer Engine on "
+            "CPU; --transformer-impl local is measured): as the local spec's adapters, saved tensors included, but "
+            f"for {_FUSED_SP.format(width='h')}"]
 
 
 def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None, *, selective: bool = False) -> str | None:

@@ -41,9 +41,10 @@ from dataclasses import dataclass
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import (COLUMN_PARALLEL, LAYER_ORDER, adapter_backward_payload,
-                                        adapter_forward_payload, mla_targets, mla_up_widths)
+                                        adapter_forward_payload, input_widths, mla_targets)
 from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.moe import expert_tp_group
+from megatron_flops.memory.moe_lora_start import first_adapter_dispatcher_skip, starts_in_experts
 from megatron_flops.model.spec import ModelSpec
 
 
@@ -104,17 +105,19 @@ def expert_adapter_payload(spec: ModelSpec, peft: PeftSpec, *, routed: int, act:
 
 def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
                           peft: PeftSpec | None, recompute: RecomputeSpec | None = None,
-                          received: int | None = None, duplicated: bool = False, fused_up: bool = False,
-                          expert_adapters: bool = True) -> dict[str, int]:
+                          received: int | None = None, duplicated: bool = False, fused: tuple[str, ...] = (),
+                          expert_adapters: bool = True, dispatcher: str = "alltoall") -> dict[str, int]:
     """``tp/*`` payload per step that LoRA adapters add on pipeline rank ``pp_rank`` (TP > 1):
     every layer's adapters (forward again where full recompute re-runs it), less what a frozen
     base does not run (:func:`_frozen_skips`); ``received``: routed tokens per MoE layer reaching
     this rank's experts (None: balanced, ``s/TP*b x ETP x topk``); ``duplicated``: Transformer Engine's MLA
-    down projections, whole on every TP rank (a formula); ``fused_up``: its up projections with the latent
-    norms fused in (under sequence parallelism their adapters read the norm output the base gathered:
-    :func:`~megatron_flops.memory.lora.mla_up_widths`); ``expert_adapters``: whether the routed
+    down projections, whole on every TP rank (a formula); ``fused``: the targets Transformer Engine builds
+    with a norm fused in (under sequence parallelism their adapters read the norm output the base gathered:
+    :func:`~megatron_flops.memory.lora.input_widths`); ``expert_adapters``: whether the routed
     experts have adapters (legacy ``GroupedMLP`` has none; ``TEGroupedMLP``'s shared one runs the
-    same explicit expert communication over all routed tokens). {} at TP 1 and expert TP 1."""
+    same explicit expert communication over all routed tokens); ``dispatcher``: the MoE token
+    dispatcher (a frozen MoE first layer whose gradient starts in its experts runs no dispatcher
+    backward: :mod:`~megatron_flops.memory.moe_lora_start`). {} at TP 1 and expert TP 1."""
     if peft is None or peft.lora_rank is None or (par.tp == 1 and par.expert_tp == 1):
         return {}
     a, h, sp = training.param_bytes, spec.hidden_size, par.sequence_parallel
@@ -127,10 +130,10 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
         out[key] = out.get(key, 0) + value
 
     layers = adapted_layers(spec, par, recompute, pp_rank=pp_rank)
-    widths = mla_up_widths(spec, fused=fused_up and sp)
     outputs = _down_widths(spec) if duplicated else None
     for layer in layers:
         targets = layer.targets(peft) if par.tp > 1 else ()
+        widths = input_widths(spec, fused=fused if sp else (), experts=layer.experts)
         for key, value in adapter_forward_payload(peft, targets, tokens, h, a, sp=sp, widths=widths,
                                                   duplicated=outputs).items():
             add(key, (1 + layer.rerun) * value)
@@ -141,10 +144,13 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
                 (1 + layer.rerun) * expert_adapter_payload(spec, peft, routed=routed, act=a))
     full = recompute is not None and recompute.granularity == "full"
     skips = _frozen_skips(spec, par, peft, layers, pp_rank=pp_rank, started=full, duplicated=duplicated,
-                          fused=fused_up) \
-        if par.tp > 1 else {}
+                          fused=fused) if par.tp > 1 else {}
     for key, count in skips.items():
         add(key, -count * tokens * a)
+    if not full and par.is_first_stage(pp_rank, 0) and starts_in_experts(spec, peft) and routed is not None:
+        for key, value in first_adapter_dispatcher_skip(spec, par, training, dispatcher=dispatcher,
+                                                        routed=routed).items():
+            add(key, -value)
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
 
@@ -158,14 +164,14 @@ def _down_widths(spec: ModelSpec) -> dict[str, int]:
 
 
 def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: list[AdaptedLayer], *,
-                  pp_rank: int, started: bool, duplicated: bool, fused: bool = False) -> dict[str, int]:
+                  pp_rank: int, started: bool, duplicated: bool, fused: tuple[str, ...] = ()) -> dict[str, int]:
     """Elements per token of the collectives :mod:`megatron_flops.memory.comm` prices for a
     trained base that a frozen one does not run. Under sequence parallelism: every layer's
     column-parallel weight-gradient all-gathers (``linear_qkv`` or MLA's, ``linear_fc1``), the
     output layer's, the embedding's gradient; an MTP layer's embedding gradient and ``eh_proj``
     input [T, 2h]. On the first stage, unless its decoder input requires grad (``started``), the
     backward collectives of the first layer's base linears up to its first adapter (see
-    :func:`_before_first_adapter`)."""
+    :func:`_before_first_adapter`; ``fused``: as :func:`lora_tp_communication`)."""
     if not peft.frozen:
         return {}
     h, sp = spec.hidden_size, par.sequence_parallel
@@ -194,15 +200,17 @@ def _mla_weight_gathers(spec: ModelSpec, layer: AdaptedLayer, duplicated: bool) 
 
 
 def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, *, sp: bool,
-                          duplicated: bool, fused: bool = False) -> dict[str, int]:
+                          duplicated: bool, fused: tuple[str, ...] = ()) -> dict[str, int]:
     """The first layer's base linears up to its first adapter run no backward (their input
     requires no grad): per column-parallel one its input gradient's all-reduce (reduce-scatter
     under sequence parallelism), per row-parallel one under sequence parallelism its output
     gradient's all-gather; under sequence parallelism a first column-parallel adapter's
-    input-gradient reduce-scatter too. An MLA layer's projections before ``linear_proj``: see
-    :func:`_mla_before_proj`."""
+    input-gradient reduce-scatter too (none around a ``fused`` norm + linear: it runs none of its
+    own). An MLA layer's projections before ``linear_proj``: see :func:`_mla_before_proj`."""
     targets = layer.targets(peft)
-    order = [t for t in LAYER_ORDER if t != "linear_qkv" or not layer.mla]
+    # (A MoE layer without shared experts has no dense fc1/fc2: moe_communication takes theirs out.)
+    order = [t for t in LAYER_ORDER if (t != "linear_qkv" or not layer.mla)
+             and (layer.dense or t not in ("linear_fc1", "linear_fc2"))]
     in_mla = bool(targets) and targets[0] in layer.mla_names
     index = order.index(targets[0]) if targets and not in_mla else -1 if in_mla else len(order) - 1
     before = order[: index + 1]
@@ -213,14 +221,16 @@ def _before_first_adapter(spec: ModelSpec, peft: PeftSpec, layer: AdaptedLayer, 
         out["tp/all_reduce"] = out.get("tp/all_reduce", 0) + column
         return out
     row = h * (len(before) - sum(n in COLUMN_PARALLEL for n in before))
-    first_adapter = h * int(bool(before) and bool(targets) and order[index] in COLUMN_PARALLEL)
+    first = order[index] if before and targets else ""
+    first_adapter = input_widths(spec, fused=fused, experts=layer.experts).get(first, h) \
+        if first in COLUMN_PARALLEL else 0
     out["tp/reduce_scatter"] = out.get("tp/reduce_scatter", 0) + column + first_adapter
     out["tp/all_gather"] = out.get("tp/all_gather", 0) + row
     return out
 
 
 def _mla_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool, duplicated: bool,
-                     fused: bool = False) -> dict[str, int]:
+                     fused: tuple[str, ...] = ()) -> dict[str, int]:
     """An MLA layer's frozen projections before ``linear_proj`` (no backward): without sequence
     parallelism the input-gradient all-reduces of both down projections [T, h] (duplicated:
     none but ``linear_q_proj``'s) and both up projections' latents; under sequence parallelism
@@ -253,7 +263,7 @@ def expert_lora_unmeasured(spec: ModelSpec, par: Parallelism, peft: PeftSpec | N
 
 
 def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: bool,
-                             duplicated: bool = False, fused: bool = False) -> dict[str, int]:
+                             duplicated: bool = False, fused: tuple[str, ...] = ()) -> dict[str, int]:
     """As :func:`_mla_before_proj` with adapters on MLA's projections (local spec): the base
     down projections (or ``linear_q_proj``) never reduce their input gradient [T, h]; an up
     projection's latent requires grad once its branch's down projection is adapted (then its
@@ -263,8 +273,8 @@ def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: b
     Engine's spec, a formula): the base down projections reduce no input gradient anyway, so
     only ``linear_q_proj``'s [T, h] and the latents' are skipped; under sequence parallelism
     (up-projection adapters only) no latent gathers, and the kv latent's RoPE part's
-    reduce-scatter [T, rope] is skipped too; ``fused``: the up projections' adapters run no
-    reduce-scatter of their own (:func:`~megatron_flops.memory.lora.mla_up_widths`)."""
+    reduce-scatter [T, rope] is skipped too; ``fused``: adapters on the up projections there
+    run no reduce-scatter of their own (:func:`~megatron_flops.memory.lora.input_widths`)."""
     mla = spec.mla
     assert mla is not None
     h, q, kv = spec.hidden_size, mla.q_lora_rank, mla.kv_lora_rank
@@ -276,7 +286,7 @@ def _mla_adapted_before_proj(spec: ModelSpec, targets: tuple[str, ...], *, sp: b
     gathers = 0 if duplicated else (q or 0) * (not q_on) + kv * (not kv_on)
     rope = mla.qk_pos_emb_head_dim * (duplicated and not kv_on)
     adapters = h * sum(t in ("linear_q_down_proj", "linear_kv_down_proj", "linear_q_proj") for t in targets)
-    widths = mla_up_widths(spec, fused=fused)
+    widths = input_widths(spec, fused=fused)
     adapters += widths["linear_q_up_proj"] * ("linear_q_up_proj" in targets and not q_on) \
         + widths["linear_kv_up_proj"] * ("linear_kv_up_proj" in targets and not kv_on)
     return {"tp/reduce_scatter": skipped + rope + adapters, "tp/all_gather": gathers}

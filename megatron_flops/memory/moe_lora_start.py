@@ -1,24 +1,31 @@
-"""A frozen base whose first layer is MoE and whose first adapter is a routed expert's
-(``--lora-targets linear_fc1,linear_fc2`` without an attention target): what that layer saves
-before and after the hidden states start to require grad inside it (stdlib only).
+"""A frozen base whose first layer is MoE and whose first adapter is an expert's
+(``--lora-targets linear_fc1,linear_fc2`` without an attention target, as for Mixtral): what that
+layer saves before and after the hidden states start to require grad inside it, and which of its
+backward collectives never run (stdlib only).
 
-Measured (``tests/test_memory_activations.py``, megatron-core 0.16.1's local layers on CPU, TP 1,
-EP 1, alltoall, GELU ``SequentialMLP`` experts, no shared experts): nothing requires grad before
-the first expert adapter, so the attention, the pre-MLP norm, the router and the dispatcher's
-permutation save nothing. From ``linear_fc1``'s adapter on (it keeps the permuted tokens and
-its [n, r] intermediate) an expert saves as a started frozen one, less the activation's output the
-probabilities multiply: the probabilities need no gradient, so the product keeps only them. With
+Measured (megatron-core 0.16.1's local layers on CPU, Megatron-Bridge 0.3.1's adapters, EP 1,
+``SequentialMLP`` experts; ``tests/test_memory_activations.py`` at TP 1: GELU, fused and unfused
+SwiGLU experts, gated shared experts, alltoall and allgather; ``tests/test_memory_moe_lora_start_dist.py``
+under TP2 + SP on gloo): nothing requires grad before the first expert adapter, so the attention,
+the pre-MLP norm, the router and the dispatcher's permutation save nothing. The shared experts run
+first, as a frozen dense MLP whose adapter starts the gradient (the caller walks them); their gate
+keeps only its output [T_l, 1]. From ``linear_fc1``'s adapter on (it keeps the permuted tokens and
+its [n, r] intermediate) a routed expert saves as a started frozen one, less the activation's
+output the probabilities multiply (unfused: the probabilities need no gradient, so the product
+keeps only them; the fused SwiGLU kernel keeps its input and the probabilities regardless). With
 ``linear_fc2`` the only expert target, nothing before its adapter saves either: its input
 [n, ffn] and [n, r]. The combine (unpermutation) then keeps the permutation's sorted indices
-(int64 [T x k]); the routing map and the scattered probabilities are not kept.
+(int64: this rank's [T_l x k] before the all-to-all, or the gathered tokens its experts take with
+the allgather dispatcher); the routing map and the scattered probabilities are not kept. In
+backward the dispatcher's tokens and probabilities need no gradient: no reduce-scatter of theirs.
 """
 
 from __future__ import annotations
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.decoder import DecoderOptions, experts_module
-from megatron_flops.memory.layout import INDEX_BYTES, Parallelism
-from megatron_flops.memory.moe import expert_lora_activations, moe_activations
+from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
+from megatron_flops.memory.moe import expert_lora_activations, expert_tp_group, moe_activations
 from megatron_flops.model.spec import ModelSpec
 
 
@@ -29,12 +36,11 @@ def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Para
     moe = spec.moe
     if not starts_in_experts(spec, peft) or moe is None:
         return None
-    if (moe.shared_expert_ffn_hidden_size or options.moe_token_dispatcher_type != "alltoall" or spec.gated_linear_unit
-            or moe.latent_size or par.ep > 1 or recompute is not None
-            or experts_module(options) != "SequentialMLP"):  # NB: grouped experts take no adapter
+    if (options.moe_token_dispatcher_type not in ("alltoall", "allgather") or moe.latent_size or par.ep > 1
+            or recompute is not None or experts_module(options) != "SequentialMLP"):  # NB: grouped: no adapter
         return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are measured with "
-                "the alltoall dispatcher, SequentialMLP experts (no grouped GEMM), EP 1, non-gated experts, no shared "
-                "experts or latent projections and no recompute; add an attention target (linear_proj) for the rest")
+                "the alltoall and allgather dispatchers, SequentialMLP experts (no grouped GEMM), EP 1, no latent "
+                "projections and no recompute; add an attention target (linear_proj) for the rest")
     return None
 
 
@@ -43,7 +49,8 @@ def starts_in_experts(spec: ModelSpec, peft: PeftSpec | None) -> bool:
     if peft is None or peft.lora_rank is None or not peft.frozen or spec.moe is None or spec.layers[0][1] != "moe":
         return False
     attention = {"linear_proj"} if spec.mla is not None else {"linear_qkv", "linear_proj"}
-    return not attention & set(peft.lora_targets)
+    mla = {t for t in peft.lora_targets if spec.mla is not None and t.startswith(("linear_q_", "linear_kv_"))}
+    return not (attention | mla) & set(peft.lora_targets)
 
 
 def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, *, tokens: int,
@@ -57,7 +64,28 @@ def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: Peft
     if "linear_fc1" in adapted:
         started = moe_activations(spec, options, tokens=tokens, local_tokens=local_tokens, act=act, tp=tp, ep=1,
                                   received=None, frozen=True)
-        experts = started["moe/experts"] - got * ffn * act
-    return {"moe/dispatcher": local_tokens * moe.router_topk * INDEX_BYTES, "moe/experts": experts,
+        # NB: the fused SwiGLU's kernel keeps its input and the probabilities only (no product to drop).
+        fused = spec.gated_linear_unit and options.bias_activation_fusion
+        experts = started["moe/experts"] - (0 if fused else got * ffn * act)
+    # The combine's sorted indices: of this rank's T_l tokens permuted before the all-to-all, or (allgather)
+    # of the gathered tokens its experts take.
+    permuted = got if options.moe_token_dispatcher_type == "allgather" else local_tokens * moe.router_topk
+    return {"moe/dispatcher": permuted * INDEX_BYTES, "moe/experts": experts,
             "lora": expert_lora_activations(spec, adapted=adapted, rank=peft.lora_rank, frozen=True, tokens=tokens,
                                             act=act, tp=tp, received=None)}
+
+
+def first_adapter_dispatcher_skip(spec: ModelSpec, par: Parallelism, training: Training, *, dispatcher: str,
+                                  routed: int) -> dict[str, int]:
+    """Payload bytes per micro-batch the first layer's dispatcher does not run in backward (its
+    tokens and probabilities require no grad), beyond the trained layer's: under expert TP
+    (``alltoall``) the reduce-scatter of the ``routed`` tokens' and probabilities' gradients
+    [n, h + 1]; ``allgather`` (expert TP x EP > 1) that of the gathered tokens' and probabilities'
+    [G, h + E]. The experts' output gradient is still all-gathered."""
+    moe = spec.moe
+    assert moe is not None
+    a, h = training.param_bytes, spec.hidden_size
+    if dispatcher == "allgather":
+        rows = training.seq_length * training.micro_batch_size // par.tp * par.expert_tp * par.ep
+        return {"tp_ep/reduce_scatter": rows * (h + moe.num_experts) * a} if par.expert_tp * par.ep > 1 else {}
+    return {f"{expert_tp_group(par)}/reduce_scatter": routed * (h + 1) * a} if par.expert_tp > 1 else {}

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.lora import adapter_forward_payload, mla_targets, mla_up_widths
+from megatron_flops.memory.lora import adapter_forward_payload, input_widths, mla_targets
 from megatron_flops.memory.lora_layers import expert_adapter_payload
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -82,11 +82,12 @@ def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | Non
 
 def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
                                   recompute: RecomputeSpec | None, peft: PeftSpec | None,
-                                  fused_up: bool = False) -> dict[str, int]:
+                                  fused: tuple[str, ...] = ()) -> dict[str, int]:
     """``tp/*`` payload per step of the MLPs selective ``mlp`` recompute re-runs on pipeline rank
     ``pp_rank`` (see the module doc), and of the shared experts ``moe`` and ``shared_experts``
-    re-run; {} at TP 1 or without them. ``fused_up``: Transformer Engine's MLA up projections with
-    the latent norms fused in, whose adapters under sequence parallelism gather nothing of their own."""
+    re-run; {} at TP 1 or without them. ``fused``: the targets Transformer Engine builds with a norm
+    fused in (a dense MLP's ``linear_fc1``, MLA's up projections with latent norms), whose adapters under
+    sequence parallelism gather nothing of their own."""
     if par.tp == 1 or recompute is None or recompute.granularity != "selective":
         return {}
     kinds = spec.layers
@@ -99,9 +100,10 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
     hidden = tokens * spec.hidden_size * act
     mlp = {"tp/all_gather": hidden, "tp/reduce_scatter": hidden} if par.sequence_parallel else {"tp/all_reduce": hidden}
     out = {key: dense * value for key, value in mlp.items()}
+    widths = input_widths(spec, fused=fused if par.sequence_parallel else ())
     if dense:
         for key, value in adapter_forward_payload(peft, ("linear_fc1", "linear_fc2"), tokens, spec.hidden_size, act,
-                                                  sp=par.sequence_parallel).items():
+                                                  sp=par.sequence_parallel, widths=widths).items():
             out[key] = out.get(key, 0) + dense * value
     shared = _shared_expert_reruns(spec, par, recompute, layers, pp_rank)
     for key, value in mlp.items():
@@ -115,7 +117,6 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
         if par.sequence_parallel:
             out["tp/all_gather"] = out.get("tp/all_gather", 0) + mla * (q + spec.mla.kv_lora_rank) * tokens * act
         ups = tuple(t for t in mla_targets(spec) if t != "linear_q_down_proj" and t != "linear_kv_down_proj")
-        widths = mla_up_widths(spec, fused=fused_up and par.sequence_parallel)
         for key, value in adapter_forward_payload(peft, ups, tokens, spec.hidden_size, act, sp=par.sequence_parallel,
                                                   widths=widths).items():
             out[key] = out.get(key, 0) + mla * value

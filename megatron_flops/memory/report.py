@@ -27,7 +27,7 @@ from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.hf_layers import hf_layer_assumptions
 from megatron_flops.memory.hf_parallel import parallel_layer_assumptions, parallel_layer_unmeasured
 from megatron_flops.memory.hf_qk_norms import hf_attention_notes
-from megatron_flops.memory.lora import lora_duplicated_unmeasured
+from megatron_flops.memory.lora import lora_duplicated_unmeasured, lora_fused_norm_unmeasured
 from megatron_flops.memory.lora_layers import expert_lora_unmeasured, lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
 from megatron_flops.memory.moe import (
@@ -117,10 +117,11 @@ def rank_memory(
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
     _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute,
-                                        duplicated=options.duplicated_mla_down, fused_up=options.fused_mla_up_norm,
-                                        expert_adapters=experts_take_adapters(options)),
+                                        duplicated=options.duplicated_mla_down, fused=options.fused_norm_targets,
+                                        expert_adapters=experts_take_adapters(options),
+                                        dispatcher=options.moe_token_dispatcher_type),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft,
-                                                fused_up=options.fused_mla_up_norm),
+                                                fused=options.fused_norm_targets),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0),
                   grouped_lora_communication(spec, options, par, local, peft, moe_layers=sum(
                       sum(layer_is_moe(spec, par.chunk_layers(spec.num_layers, pp_rank, c)))
@@ -200,15 +201,17 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
                 balanced = at[0].get(key, 0)
                 out[key] = (lo + m * (at[1].get(key, 0) - balanced), hi + m * (at[2].get(key, 0) - balanced))
     if peft is not None and peft.lora_rank is not None and par.expert_tp > 1:
-        key = f"{expert_tp_group(par)}/all_gather"
-        lora = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
-                                      received=received, duplicated=options.duplicated_mla_down,
-                                      fused_up=options.fused_mla_up_norm,
-                                      expert_adapters=experts_take_adapters(options)).get(key, 0)
-                for received in (None, fewest, most)]
-        if lora[1] != lora[2]:
-            lo, hi = out.get(key, (comm.get(key, 0), comm.get(key, 0)))
-            out[key] = (lo + lora[1] - lora[0], hi + lora[2] - lora[0])
+        payloads = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
+                                          received=received, duplicated=options.duplicated_mla_down,
+                                          fused=options.fused_norm_targets,
+                                          expert_adapters=experts_take_adapters(options),
+                                          dispatcher=options.moe_token_dispatcher_type)
+                    for received in (None, fewest, most)]
+        for key in (f"{expert_tp_group(par)}/all_gather", f"{expert_tp_group(par)}/reduce_scatter"):
+            lora = [p.get(key, 0) for p in payloads]
+            if lora[1] != lora[2]:
+                lo, hi = out.get(key, (comm.get(key, 0), comm.get(key, 0)))
+                out[key] = (lo + lora[1] - lora[0], hi + lora[2] - lora[0])
     return out
 
 
@@ -297,7 +300,8 @@ def decoder_memory(
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
     unmeasured += tuple(lora_duplicated_unmeasured(spec, par, peft, duplicated=options.duplicated_mla_down,
-                                                   fused_up=options.fused_mla_up_norm))
+                                                   fused=options.fused_norm_targets))
+    unmeasured += tuple(lora_fused_norm_unmeasured(spec, par, peft, fused=options.fused_norm_targets))
     if reason is None:
         unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
         unmeasured += kda_fla_unmeasured(spec, training)

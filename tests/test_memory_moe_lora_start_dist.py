@@ -1,0 +1,70 @@
+"""A frozen base whose first layer is MoE, adapted on the experts only (``linear_fc1``/``linear_fc2``,
+no attention target: the gradient starts inside that layer, :mod:`megatron_flops.memory.moe_lora_start`)
+under TP2 + sequence parallelism: one real training step each on megatron-core 0.16.1 in 2 gloo
+processes with Megatron-Bridge 0.3.1's adapters (tests/test_memory_lora_tp_dist.py's scaffolding: top-k =
+experts, fp32), against :mod:`megatron_flops.memory` to the byte: parameters, states, every collective's
+payload, the bytes each forward saves and the schedule's peak."""
+
+from __future__ import annotations
+
+import pytest
+
+import mcore_cpu
+from test_memory_lora_tp_dist import (BASE, MLA, MOE, check_activations, check_parameters,
+                                      check_states_and_communication, measure, setup)
+
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)]
+
+SWIGLU = dict(gated_linear_unit=True, activation_func="silu")
+MIXTRAL = "TP2 + SP, MoE every layer (alltoall), fused SwiGLU experts, LoRA on linear_fc1 + linear_fc2"
+WITH_PROJ = "TP2 + SP, MoE every layer (alltoall), fused SwiGLU experts, LoRA on linear_proj + linear_fc1 + linear_fc2"
+_MIXTRAL_LIKE = dict(BASE, **dict(MOE, moe_layer_freq=1), **SWIGLU, bias_activation_fusion=True,
+                     moe_token_dispatcher_type="alltoall")
+RUNS = {
+    # Mixtral's layer: every layer MoE, fused SwiGLU experts, alltoall, no shared experts.
+    MIXTRAL: dict(world=2, layout=dict(tp=2, sp=True), model=_MIXTRAL_LIKE, m=2,
+                  lora=(("linear_fc1", "linear_fc2"), 4)),
+    # The same with an attention target: the gradient starts before the dispatcher.
+    WITH_PROJ: dict(world=2, layout=dict(tp=2, sp=True), model=_MIXTRAL_LIKE, m=2,
+                    lora=(("linear_proj", "linear_fc1", "linear_fc2"), 4)),
+    # The shared experts' fc2 adapter comes first (they run before the router), then the routed experts'.
+    "TP2 + SP, MoE first of 2 layers (allgather), unfused SwiGLU, gated shared experts, LoRA on linear_fc2": dict(
+        world=2, layout=dict(tp=2, sp=True),
+        model=dict(BASE, **dict(MOE, moe_layer_freq=[1, 0]), **SWIGLU, moe_token_dispatcher_type="allgather",
+                   moe_shared_expert_intermediate_size=40, moe_shared_expert_gate=True),
+        m=2, lora=(("linear_fc2",), 4)),
+    # An MLA first layer: its projections, as attention's, run no backward before the experts' adapters.
+    "TP2 + SP, MLA (q_lora) + MoE every layer (alltoall), LoRA on linear_fc1": dict(
+        world=2, layout=dict(tp=2, sp=True),
+        model=dict(BASE, **MLA, q_lora_rank=24, **dict(MOE, moe_layer_freq=1), moe_token_dispatcher_type="alltoall"),
+        m=2, lora=(("linear_fc1",), 4)),
+}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return measure(RUNS)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_parameters_in_megatron_order(measured, name):
+    check_parameters(measured[name], *setup(name, RUNS))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_states_and_communication(measured, name):
+    check_states_and_communication(measured[name], *setup(name, RUNS))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_activations_per_forward_and_schedule_peak(measured, name):
+    check_activations(measured[name], *setup(name, RUNS))
+
+
+def test_dispatcher_runs_no_backward_before_the_experts_adapters(measured):
+    # Layer 0's alltoall dispatcher all-gathers over TP the routed tokens [n, h] and probabilities [n]
+    # (n = s/TP x b x TP x k = 8 x 2 x 2 x 4 = 128); with linear_proj adapted they require grad, and their
+    # gradients [n, h + 1] = 128 x 49 fp32 = 25,088 B are reduce-scattered per micro-batch, x 2. linear_proj's
+    # adapter and base add no reduce-scatter (all-gathers and all-reduces only): the one term between them.
+    for experts, proj in zip(measured[MIXTRAL], measured[WITH_PROJ]):
+        assert dict(proj["comm"])["tp/reduce_scatter"] - dict(experts["comm"])["tp/reduce_scatter"] == 2 * 25_088
