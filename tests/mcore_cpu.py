@@ -51,6 +51,8 @@ __all__ = [
     "cuda_to_cpu_mode",
     "AGENT_STORE_ENV",
     "rendezvous_store",
+    "GatedRMSNormStub",
+    "stub_mamba_ssm",
     "init_single_process",
     "make_config",
     "build_layer_spec",
@@ -330,6 +332,24 @@ def rendezvous_store(world_size: int) -> "torch.distributed.TCPStore":
 
     return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=300))
+
+
+class GatedRMSNormStub(torch.nn.Module):
+    """mamba_ssm's gated RMSNorm stand-in for building a ``MambaMixer``: the same ``weight``."""
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+
+def stub_mamba_ssm(set_attr: Callable[..., None] = setattr, norm: type = GatedRMSNormStub) -> None:
+    """Let megatron-core's ``MambaMixer`` build without mamba_ssm (its kernels run in forward only):
+    ``norm`` stands in for mamba_ssm's gated RMSNorm. ``set_attr``: ``monkeypatch.setattr`` in a test."""
+    from megatron.core.ssm import mamba_mixer
+
+    for name, value in (("HAVE_MAMBA_SSM", True), ("HAVE_EINOPS", True), ("RMSNormGated", norm),
+                        ("ExtendedRMSNorm", norm)):
+        set_attr(mamba_mixer, name, value)
 
 
 def init_single_process(seed: int = 1234) -> None:
