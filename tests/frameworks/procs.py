@@ -16,6 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -99,3 +100,23 @@ def launch(python: str | Path, rank_args: list[str], *, world_size: int, workdir
     if any(r.returncode != 0 for r in ranks):
         raise RunFailed("a rank failed", ranks)
     return ranks
+
+
+def run_json(venv: str, script: str, arg: object, *, timeout_s: float = 1800) -> Any:
+    """``python -c script JSON(arg)`` in the framework venv ``venv`` (the calling test skips where it
+    cannot be made), with tests/ importable and as the working directory; the last line of its stdout,
+    parsed as JSON. A failure shows the tail of its stderr."""
+    import pytest
+
+    from frameworks import envs
+
+    try:
+        python = envs.ensure(venv)
+    except envs.Unavailable as exc:
+        pytest.skip(str(exc))
+    tests = REPO / "tests"
+    done = subprocess.run([str(python), "-c", script, json.dumps(arg)], capture_output=True, text=True,
+                          timeout=timeout_s, stdin=subprocess.DEVNULL, cwd=tests,
+                          env={**os.environ, "PYTHONPATH": str(tests)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
