@@ -36,11 +36,18 @@ def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Para
     moe = spec.moe
     if not starts_in_experts(spec, peft) or moe is None:
         return None
-    if (options.moe_token_dispatcher_type not in ("alltoall", "allgather") or moe.latent_size or par.ep > 1
-            or recompute is not None or experts_module(options) != "SequentialMLP"):  # NB: grouped: no adapter
+    modules = set(recompute.modules) if recompute is not None and recompute.granularity == "selective" else set()
+    if "moe" in modules:
+        return ("selective recompute of 'moe' around a frozen MoE first layer whose first adapter is a routed expert's "
+                "trains no adapter of that layer: megatron-core's checkpoint passes no gradient when its input "
+                "requires none (measured: its backward never runs); use full recompute (Megatron-Bridge then makes "
+                "the decoder's input require grad) or add an attention target (linear_proj)")
+    if (options.moe_token_dispatcher_type not in ("alltoall", "allgather") or moe.latent_size
+            or experts_module(options) != "SequentialMLP" or modules - {"core_attn"}):  # NB: grouped: no adapter
         return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are measured with "
-                "the alltoall and allgather dispatchers, SequentialMLP experts (no grouped GEMM), EP 1, no latent "
-                "projections and no recompute; add an attention target (linear_proj) for the rest")
+                "the alltoall and allgather dispatchers, SequentialMLP experts (no grouped GEMM), no latent "
+                "projections, and full or selective core_attn recompute; add an attention target (linear_proj) "
+                "for the rest")
     return None
 
 
@@ -54,16 +61,17 @@ def starts_in_experts(spec: ModelSpec, peft: PeftSpec | None) -> bool:
 
 
 def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, *, tokens: int,
-                            local_tokens: int, act: int, tp: int) -> dict[str, int]:
+                            local_tokens: int, act: int, tp: int, ep: int = 1,
+                            received: int | None = None) -> dict[str, int]:
     """Bytes that MoE layer saves per micro-batch by key (see the module doc)."""
     moe = spec.moe
     assert moe is not None and peft.lora_rank is not None
-    got, ffn = tokens * moe.router_topk, moe.ffn_hidden_size // tp
+    got, ffn = tokens * moe.router_topk if received is None else received, moe.ffn_hidden_size // tp
     adapted = tuple(t for t in ("linear_fc1", "linear_fc2") if t in peft.lora_targets)
     experts = 0
     if "linear_fc1" in adapted:
-        started = moe_activations(spec, options, tokens=tokens, local_tokens=local_tokens, act=act, tp=tp, ep=1,
-                                  received=None, frozen=True)
+        started = moe_activations(spec, options, tokens=tokens, local_tokens=local_tokens, act=act, tp=tp, ep=ep,
+                                  received=received, frozen=True)
         # NB: the fused SwiGLU's kernel keeps its input and the probabilities only (no product to drop).
         fused = spec.gated_linear_unit and options.bias_activation_fusion
         experts = started["moe/experts"] - (0 if fused else got * ffn * act)
@@ -72,20 +80,38 @@ def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: Peft
     permuted = got if options.moe_token_dispatcher_type == "allgather" else local_tokens * moe.router_topk
     return {"moe/dispatcher": permuted * INDEX_BYTES, "moe/experts": experts,
             "lora": expert_lora_activations(spec, adapted=adapted, rank=peft.lora_rank, frozen=True, tokens=tokens,
-                                            act=act, tp=tp, received=None)}
+                                            act=act, tp=tp, received=received)}
 
 
 def first_adapter_dispatcher_skip(spec: ModelSpec, par: Parallelism, training: Training, *, dispatcher: str,
                                   routed: int) -> dict[str, int]:
-    """Payload bytes per micro-batch the first layer's dispatcher does not run in backward (its
-    tokens and probabilities require no grad), beyond the trained layer's: under expert TP
-    (``alltoall``) the reduce-scatter of the ``routed`` tokens' and probabilities' gradients
-    [n, h + 1]; ``allgather`` (expert TP x EP > 1) that of the gathered tokens' and probabilities'
-    [G, h + E]. The experts' output gradient is still all-gathered."""
-    moe = spec.moe
-    assert moe is not None
+    """Payload bytes per micro-batch the first layer's dispatcher does not run in backward under
+    expert TP (its tokens and probabilities require no grad), beyond the trained layer's: with
+    ``alltoall``, the reduce-scatter of the ``routed`` tokens' and probabilities' gradients [n, h + 1].
+    The experts' output gradient is still all-gathered (EP and ``allgather``: :func:`first_adapter_ep_skip`)."""
     a, h = training.param_bytes, spec.hidden_size
-    if dispatcher == "allgather":
-        rows = training.seq_length * training.micro_batch_size // par.tp * par.expert_tp * par.ep
-        return {"tp_ep/reduce_scatter": rows * (h + moe.num_experts) * a} if par.expert_tp * par.ep > 1 else {}
-    return {f"{expert_tp_group(par)}/reduce_scatter": routed * (h + 1) * a} if par.expert_tp > 1 else {}
+    if dispatcher == "allgather" or par.expert_tp == 1:
+        return {}
+    return {f"{expert_tp_group(par)}/reduce_scatter": routed * (h + 1) * a}
+
+
+def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
+                          pp_rank: int, peft: PeftSpec | None, recompute: RecomputeSpec | None) -> dict[str, int]:
+    """Payload bytes per step the first layer's dispatcher does not run in backward over the
+    expert TP x EP group, as negative ``group/kind`` entries (measured at EP 2, TP 1 and TP2 + SP):
+    ``alltoall`` (EP > 1): the all-to-all of this rank's routed tokens' and probabilities'
+    gradients [T_l x k, h + 1] (the combine's all-to-all still runs backward); ``allgather``
+    (expert TP x EP > 1): the reduce-scatter of the gathered tokens' and probabilities' gradients
+    [G, h + E]. None under full recompute (Bridge makes the decoder's input require grad)."""
+    moe = spec.moe
+    if (moe is None or not starts_in_experts(spec, peft) or not par.is_first_stage(pp_rank, 0)
+            or (recompute is not None and recompute.granularity == "full")):
+        return {}
+    a, h, m = training.param_bytes, spec.hidden_size, training.num_microbatches
+    local = training.seq_length * training.micro_batch_size // par.tp  # this rank's T_l tokens
+    if options.moe_token_dispatcher_type == "allgather":
+        rows = local * par.expert_tp * par.ep
+        return {"tp_ep/reduce_scatter": -m * rows * (h + moe.num_experts) * a} if par.expert_tp * par.ep > 1 else {}
+    if options.moe_token_dispatcher_type == "alltoall" and par.ep > 1:
+        return {"ep/all_to_all": -m * local * moe.router_topk * (h + 1) * a}
+    return {}
