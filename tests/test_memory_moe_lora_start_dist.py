@@ -107,4 +107,5 @@ def test_selective_moe_recompute_runs_no_backward_in_the_moe_layers(measured):
     for result in measured[SELECTIVE_MOE]:
         assert dict(result["comm"])["ep/all_to_all"] == 198_656
     spec, options, par, _, peft, recompute = setup(SELECTIVE_MOE, REFUSED)
-    assert "trains no adapter" in (first_adapter_moe_reason(spec, options, par, recompute, peft) or "")
+    with pytest.raises(ValueError, match="trains no adapter"):
+        first_adapter_moe_reason(spec, options, par, recompute, peft)

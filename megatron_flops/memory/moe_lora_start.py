@@ -32,16 +32,17 @@ from megatron_flops.model.spec import ModelSpec
 def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                              recompute: RecomputeSpec | None, peft: PeftSpec | None) -> str | None:
     """Why a frozen MoE first layer whose first adapter is an expert's is not modelled (None: it
-    is, or this is not that layer)."""
+    is, or this is not that layer); ValueError where no adapter of it would train."""
     moe = spec.moe
     if not starts_in_experts(spec, peft) or moe is None:
         return None
     modules = set(recompute.modules) if recompute is not None and recompute.granularity == "selective" else set()
-    if "moe" in modules:
-        return ("selective recompute of 'moe' around a frozen MoE first layer whose first adapter is a routed expert's "
-                "trains no adapter of that layer: megatron-core's checkpoint passes no gradient when its input "
-                "requires none (measured: its backward never runs); use full recompute (Megatron-Bridge then makes "
-                "the decoder's input require grad) or add an attention target (linear_proj)")
+    if "moe" in modules:  # (as the FLOPs side refuses it, flops/passes.py)
+        raise ValueError("selective recompute of 'moe' around a frozen MoE first layer whose first adapter is a "
+                         "routed expert's trains no adapter of that layer: megatron-core's checkpoint passes no "
+                         "gradient when its input requires none (measured: its backward never runs); use full "
+                         "recompute (Megatron-Bridge then makes the decoder's input require grad) or add an "
+                         "attention target (linear_proj)")
     if (options.moe_token_dispatcher_type not in ("alltoall", "allgather") or moe.latent_size
             or experts_module(options) != "SequentialMLP" or modules - {"core_attn"}):  # NB: grouped: no adapter
         return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are measured with "
