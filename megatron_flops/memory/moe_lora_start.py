@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.decoder import DecoderOptions, experts_module
-from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
+from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism, Training
 from megatron_flops.memory.moe import expert_lora_activations, expert_tp_group, moe_activations
 from megatron_flops.model.spec import ModelSpec
 
@@ -43,11 +43,12 @@ def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Para
                          "gradient when its input requires none (measured: its backward never runs); use full "
                          "recompute (Megatron-Bridge then makes the decoder's input require grad) or add an "
                          "attention target (linear_proj)")
-    if (options.moe_token_dispatcher_type not in ("alltoall", "allgather") or moe.latent_size
-            or experts_module(options) != "SequentialMLP" or modules - {"core_attn"}):  # NB: grouped: no adapter
-        return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are measured with "
-                "the alltoall and allgather dispatchers, SequentialMLP experts (no grouped GEMM), no latent "
-                "projections, and full or selective core_attn recompute; add an attention target (linear_proj) "
+    module = experts_module(options)
+    if (moe.latent_size or modules - {"core_attn"} or module == "GroupedMLP"  # NB: legacy grouped: no adapter
+            or (module == "TEGroupedMLP" and peft is not None and peft.grouped_expert_adapters != "shared")):
+        return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are modelled for "
+                "SequentialMLP experts (measured) and TEGroupedMLP's shared adapters (a formula), without latent "
+                "projections, with full or selective core_attn recompute; add an attention target (linear_proj) "
                 "for the rest")
     return None
 
@@ -77,8 +78,11 @@ def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: Peft
         fused = spec.gated_linear_unit and options.bias_activation_fusion
         experts = started["moe/experts"] - (0 if fused else got * ffn * act)
     # The combine's sorted indices: of this rank's T_l tokens permuted before the all-to-all, or (allgather)
-    # of the gathered tokens its experts take.
-    permuted = got if options.moe_token_dispatcher_type == "allgather" else local_tokens * moe.router_topk
+    # of the gathered tokens its experts take. NB: flex (a formula, CUDA only): DeepEP's unpermute of the
+    # pairs that reached this rank; HybridEP permutes inside its kernels (its handle not counted).
+    dispatcher = options.moe_token_dispatcher_type
+    permuted = {"allgather": got, "alltoall": local_tokens * moe.router_topk}.get(
+        dispatcher, 0 if options.moe_flex_dispatcher_backend == "hybridep" else got)
     return {"moe/dispatcher": permuted * INDEX_BYTES, "moe/experts": experts,
             "lora": expert_lora_activations(spec, adapted=adapted, rank=peft.lora_rank, frozen=True, tokens=tokens,
                                             act=act, tp=tp, received=received)}
@@ -91,7 +95,7 @@ def first_adapter_dispatcher_skip(spec: ModelSpec, par: Parallelism, training: T
     ``alltoall``, the reduce-scatter of the ``routed`` tokens' and probabilities' gradients [n, h + 1].
     The experts' output gradient is still all-gathered (EP and ``allgather``: :func:`first_adapter_ep_skip`)."""
     a, h = training.param_bytes, spec.hidden_size
-    if dispatcher == "allgather" or par.expert_tp == 1:
+    if dispatcher != "alltoall" or par.expert_tp == 1:  # (flex: in its all-to-all, first_adapter_ep_skip)
         return {}
     return {f"{expert_tp_group(par)}/reduce_scatter": routed * (h + 1) * a}
 
@@ -115,4 +119,27 @@ def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Paralle
         return {"tp_ep/reduce_scatter": -m * rows * (h + moe.num_experts) * a} if par.expert_tp * par.ep > 1 else {}
     if options.moe_token_dispatcher_type == "alltoall" and par.ep > 1:
         return {"ep/all_to_all": -m * local * moe.router_topk * (h + 1) * a}
+    if options.moe_token_dispatcher_type == "flex":
+        # NB: a formula (moe_grouped.flex_communication's backward less the combine's, which still runs):
+        # per (token, rank) sent, the gradient [h] and DeepEP's ETP x topk fp32 weights' gradient (HybridEP:
+        # the rank's E/EP fp32 probabilities).
+        sent = local * par.expert_tp * min(moe.router_topk, par.ep)
+        extra = (moe.num_experts // par.ep if options.moe_flex_dispatcher_backend == "hybridep"
+                 else par.expert_tp * moe.router_topk) * FP32_BYTES
+        return {f"{'ep' if par.expert_tp == 1 else 'tp_ep'}/all_to_all": -m * sent * (h * a + extra)}
     return {}
+
+
+def first_adapter_unmeasured(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec | None) -> list[str]:
+    """The figures of this module that are formulas (CUDA-only experts or dispatcher)."""
+    if not starts_in_experts(spec, peft):
+        return []
+    out = []
+    if experts_module(options) == "TEGroupedMLP":
+        out.append("the first MoE layer's TEGroupedMLP experts under a frozen base whose first adapter is theirs: "
+                   "as SequentialMLP's (measured): from linear_fc1's shared adapter on, no activation output kept")
+    if options.moe_token_dispatcher_type == "flex":
+        out.append("the first MoE layer's flex dispatcher under a frozen base whose first adapter is an expert's: "
+                   "only the combine's sorted indices kept (DeepEP; HybridEP nothing), and no backward of the "
+                   "dispatch all-to-all (the combine's runs)")
+    return out
