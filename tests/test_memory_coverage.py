@@ -176,7 +176,6 @@ SPOT_CHECKS = [
     *[("mcore:moe grouped gemm*", setup, ("1 GPU", "DP2 EP2", "TP2 SP DP2 EP2", "TP2 SP DP2 EP2 ETP1", "PP2"))
       for setup in ("LoRA per-expert grouped", "frozen LoRA shared-outer grouped")],
     ("mcore:dsa*", "", ("TP2 SP CP2", "TP2 CP2")),  # (megatron-core 0.19.0's DSA layer under TP x CP)
-    ("mcore:dsa*", "full recompute", ("TP2 SP CP2",)),
     ("examples/qwen2_5_vl_7b_config.json", "vision grids", ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2")),
     ("mcore:hybrid mamba", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split", "PP2 layout Ett|ttL")),
     ("mcore:hybrid mamba piped", "", ("PP2 first stage 1 layer",)),

@@ -157,6 +157,21 @@ def test_dsa_cp_full_recompute(trains):
     assert full.backward_peak == before + max(2_048 + 1_024 + l2, 1_024 + l1) == (100_736 if trains else 90_816)
 
 
+def test_cli_reports_dsa_under_tp_sp_cp_with_full_recompute(tmp_path, capsys):
+    # (The coverage survey skips it: `estimate` refuses recompute with DSA layers.) Full recompute is reported;
+    # selective recompute of core_attn (the default), which 0.19.0's absorbed-MLA layer checkpoints itself, is not.
+    from megatron_flops.cli import main
+    model = tmp_path / "dsa.json"
+    model.write_text(json.dumps(dict(SHARED, vocab_size=256, experimental_attention_variant="dsa")))
+    argv = ["memory", "--model", str(model), "--seq-length", "16", "--tp", "2", "--sequence-parallel", "--cp", "2",
+            "--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["not_modelled"] == [] and isinstance(report["per_gpu"]["activations_bytes"], int)
+    assert main([*argv[:10], "--recompute", "selective", "--json"]) == 0
+    assert "not of core_attn, mla_up_proj or layernorm" in json.loads(capsys.readouterr().out)["not_modelled"][0]
+
+
 def _reports(model: dict, cps: tuple[int, ...], **par) -> list:
     spec = ModelSpec.from_mapping(model)
     options = DecoderOptions.from_mapping(dict(model, **OPTIONS))
