@@ -39,6 +39,7 @@ from megatron_flops.memory.moe import (
     moe_unmeasured,
     rerun_moe_layers,
 )
+from megatron_flops.memory.moe_lora_start import first_adapter_ep_skip, first_adapter_unmeasured
 from megatron_flops.memory.moe_grouped import check_grouped, grouped_lora_communication, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
 from megatron_flops.memory.kda_fla import kda_fla_unmeasured
@@ -123,6 +124,7 @@ def rank_memory(
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft,
                                                 fused=options.fused_norm_targets),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0),
+                  first_adapter_ep_skip(spec, options, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
                   grouped_lora_communication(spec, options, par, local, peft, moe_layers=sum(
                       sum(layer_is_moe(spec, par.chunk_layers(spec.num_layers, pp_rank, c)))
                       + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c)) for c in range(par.num_chunks))))
@@ -307,6 +309,7 @@ def decoder_memory(
         unmeasured += kda_fla_unmeasured(spec, training)
     unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None, peft=peft))
     unmeasured += tuple(expert_lora_unmeasured(spec, par, peft))
+    unmeasured += tuple(first_adapter_unmeasured(spec, options, peft))
     unmeasured += tuple(parallel_layer_unmeasured(
         options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
         selective=reason is None and recompute is not None and recompute.granularity == "selective"
