@@ -225,12 +225,24 @@ def _dsa_attentions(model: dict, loss_coeff: float, dtype: torch.dtype, num_laye
                 for n in range(1, num_layers + 1)]
 
 
+def _run(attention: Any, x: torch.Tensor, recompute: bool) -> torch.Tensor:
+    """One DSA attention's output; ``recompute``: inside megatron-core's full-recompute checkpoint
+    (``tensor_parallel.checkpoint``, as ``TransformerBlock._checkpointed_forward`` wraps a layer)."""
+    if not recompute:
+        return attention(x, attention_mask=None)[0]
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.checkpoint(lambda inp: attention(inp, attention_mask=None)[0], False, x)
+
+
 def _dsa_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     """Per case: ``layers`` DSA attentions (default 1; with ``dsa_indexer_topk_freq`` 2 the second
     reuses the first's top-k) on TP ``tp`` (default 1; ``sp``: sequence parallelism) x CP ``cp``,
-    their forwards in turn, then one backward. ``saved``/``forward``: the first layer's; ``layers``:
-    each one's saved bytes and forward payloads; ``held``: bytes of the shared top-k holder's
-    storages that no layer saved; ``error``: an AssertionError's message instead."""
+    their forwards in turn (``recompute``: each in a full-recompute checkpoint), then one backward.
+    ``saved``/``forward``: the first layer's; ``layers``: each one's saved bytes and forward
+    payloads; ``held``: bytes of the shared top-k holder's storages that no layer saved;
+    ``forward_peak``/``peak``: the most saved bytes live after the forwards / at any time (the
+    backward's re-runs); ``error``: an AssertionError's message instead."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -259,7 +271,7 @@ def _dsa_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
                 x = torch.randn(seq // cp // (tp if sp else 1), mbs, case["model"]["hidden_size"], dtype=dtype,
                                 requires_grad=True)
                 with comm, meter.tracking(), meter.one_forward(), _cpu_mode():
-                    ys.append(attention(x, attention_mask=None)[0])
+                    ys.append(_run(attention, x, case.get("recompute", False)))
                 now = dict(comm.bytes)
                 layers.append(dict(saved=meter.forward[-1], forward={k: v - before.get(k, 0) for k, v in now.items()
                                                                      if v != before.get(k, 0)}))
@@ -270,11 +282,12 @@ def _dsa_worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         holder = getattr(attentions[0].core_attention.config, "_dsa_index_share_topk_holder", {})
         held = sum(t.untyped_storage().nbytes() for t in holder.values() if t.untyped_storage().data_ptr()
                    not in meter.live)
-        with comm, _cpu_mode():
+        forward_peak = meter.peak
+        with comm, meter.tracking(), _cpu_mode():
             sum(y.float().sum() for y in ys).backward()
         params = [(name, p.numel()) for name, p in attentions[0].named_parameters()]
         out.append(dict(saved=layers[0]["saved"], forward=layers[0]["forward"], layers=layers, held=held,
-                        step=dict(comm.bytes), params=params))
+                        step=dict(comm.bytes), params=params, forward_peak=forward_peak, peak=meter.peak))
     dist.barrier()
     return out
 

@@ -167,6 +167,8 @@ SPOT_LAYOUTS = {
     "PP2 layout Ett|ttL": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", "Ett|ttL"],
     "PP2 layout Et*8|t*32L": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout",
                               "Et*8|t*32L"],
+    "PP2 layout E|t*40L": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", "E|t*40L"],
+    "PP2 layout Et*40|L": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", "Et*40|L"],
     "TP2 SP CP2": ["--tp", "2", "--sequence-parallel", "--cp", "2"],
     "TP2 CP2": ["--tp", "2", "--cp", "2"],
 }
@@ -190,7 +192,7 @@ SPOT_CHECKS = [
     ("mcore:hybrid mamba piped", "", ("PP2 first stage 1 layer",)),
     ("mcore:gdn", "", ("PP2 first stage 1 layer",)),
     ("examples/wan21_14b_dit.json", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split",
-                                         "PP2 layout Et*8|t*32L")),
+                                         "PP2 layout Et*8|t*32L", "PP2 layout E|t*40L", "PP2 layout Et*40|L")),
 ]
 # What a report leaves out until the user gives an input no model file holds (``needs_input``): not
 # a gap. A VLM without --grid-thw: the vision tower's activations (the survey passes no grids but in

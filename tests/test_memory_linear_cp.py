@@ -16,10 +16,12 @@ import json
 
 import pytest
 
+from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.memory.activations import chunk_activations
 from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
-from megatron_flops.memory.linear_cp import (dsa_cp_communication, dsa_cp_saved, dsa_cp_traffic, gdn_cp_all_to_all,
-                                             gdn_cp_head_permutation, gdn_cp_saved)
+from megatron_flops.memory.linear_cp import (dsa_cp_communication, dsa_cp_recompute_held, dsa_cp_saved,
+                                             dsa_cp_traffic, gdn_cp_all_to_all, gdn_cp_head_permutation, gdn_cp_saved)
 from megatron_flops.memory.report import decoder_memory
 from megatron_flops.memory.ssm import gdn_saved, mixer_tensors, mtp_mixer
 from megatron_flops.model.spec import ModelSpec
@@ -119,6 +121,52 @@ def test_dsa_cp_formulas_with_a_shared_top_k_and_tensor_parallelism():
         {"cp/all_gather": 3_600, "tp/all_gather": 2_816},
         {"cp/reduce_scatter": 3_584, "tp/all_gather": -1_024, "tp/all_reduce": 2_048})
     assert dsa_cp_traffic(trains, s=8, b=2, cp=2, act=2, tp=2, indexer=False)[1]["tp/all_reduce"] == 0
+
+
+@pytest.mark.parametrize("trains", [False, True])
+def test_dsa_cp_full_recompute(trains):
+    # SHARED (layer 1 computes its top-k, layer 2 reuses it), CP 2, s = 8 of S = 16 tokens, b = 2, bf16; one
+    # layer per checkpoint. Each checkpoint keeps its input [16, 64] 2,048; the computing layer's first,
+    # no-grad forward leaves its int64 top-k [2, 8, 8] 1,024 in the holder whether or not the indexer trains
+    # (no loss is built to save it).
+    spec = _dsa_spec(SHARED, trains)
+    assert dsa_cp_recompute_held(spec, "dsa", s=8, b=2, cp=2) == 1_024
+    assert dsa_cp_recompute_held(spec, "dsa_shared", s=8, b=2, cp=2) == 0
+    assert dsa_cp_recompute_held(spec, "dsa", s=8, b=2, cp=1) == 0
+    assert dsa_cp_recompute_held(_dsa_spec(DSA_LAYER, trains), "dsa", s=8, b=2, cp=2) == 0  # (no layer reuses it)
+    options = DecoderOptions.from_mapping(dict(SHARED, vocab_size=256, **OPTIONS))
+    chunk = lambda recompute: chunk_activations(spec, options, Parallelism(cp=2), Training(  # noqa: E731
+        seq_length=8, micro_batch_size=2), pp_rank=0, chunk=0, recompute=recompute)
+    plain, full = chunk(None), chunk(RecomputeSpec(granularity="full", method="uniform", num_layers=1))
+    # Before the layers: the ids 128 and the embedding's dropout mask [16, 64] bool 1,024: 1,152. The
+    # layers' own bytes without recompute, L1 + L2 (what each re-run saves again, its input included):
+    # L1 - L2 is what the computing layer's attention keeps beyond the reusing one's (dsa_cp_saved: the
+    # held top-k 1,024 when the indexer is frozen, the indexer's 11,968 when it trains).
+    before, output = 128 + 1_024, plain.components["output"]
+    both = plain.forward - before - output
+    diff = 11_968 if trains else 1_024
+    l1, l2 = (both + diff) // 2, (both - diff) // 2
+    assert (l1, l2) == ((98_560, 86_592) if trains else (87_616, 86_592))
+    assert full.components == {"embedding": 128, "dropout": 1_024, "recompute": 2 * 2_048, "attention": 1_024,
+                               "output": output}
+    # Backward re-runs layer 2 first (layer 1's input and held top-k kept), then layer 1 (the held top-k
+    # replaced only once its re-run ends: both held meanwhile; frozen, the new one is in L1).
+    assert full.backward_peak == before + max(2_048 + 1_024 + l2, 1_024 + l1) == (100_736 if trains else 90_816)
+
+
+def test_cli_reports_dsa_under_tp_sp_cp_with_full_recompute(tmp_path, capsys):
+    # (The coverage survey skips it: `estimate` refuses recompute with DSA layers.) Full recompute is reported;
+    # selective recompute of core_attn (the default), which 0.19.0's absorbed-MLA layer checkpoints itself, is not.
+    from megatron_flops.cli import main
+    model = tmp_path / "dsa.json"
+    model.write_text(json.dumps(dict(SHARED, vocab_size=256, experimental_attention_variant="dsa")))
+    argv = ["memory", "--model", str(model), "--seq-length", "16", "--tp", "2", "--sequence-parallel", "--cp", "2",
+            "--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["not_modelled"] == [] and isinstance(report["per_gpu"]["activations_bytes"], int)
+    assert main([*argv[:10], "--recompute", "selective", "--json"]) == 0
+    assert "not of core_attn, mla_up_proj or layernorm" in json.loads(capsys.readouterr().out)["not_modelled"][0]
 
 
 def _reports(model: dict, cps: tuple[int, ...], **par) -> list:
@@ -246,6 +294,42 @@ SHARED_CASES = [
 ]
 
 
+# Full recompute: each layer in megatron-core's checkpoint (tensor_parallel.checkpoint, as TransformerBlock wraps a
+# layer); one layer, and index sharing at TP 1 (frozen and training indexer) and TP 2 x CP 2 with sequence parallelism.
+RECOMPUTE_CASES = [
+    dict(layer="dsa", cp=2, seq=16, mbs=2, model=DSA_LAYER, loss_coeff=0.01, dtype="bfloat16", recompute=True),
+    dict(layer="dsa", cp=2, seq=16, mbs=2, layers=2, model=SHARED, loss_coeff=0.0, dtype="bfloat16", recompute=True),
+    dict(layer="dsa", cp=2, seq=16, mbs=1, layers=2, model=SHARED, loss_coeff=0.01, dtype="bfloat16", recompute=True),
+    dict(layer="dsa", tp=2, sp=True, cp=2, seq=16, mbs=2, layers=2, model=SHARED, loss_coeff=0.01, dtype="bfloat16",
+         recompute=True),
+]
+
+
+def _expected_recompute(case: dict) -> dict:
+    """What one rank of a :data:`RECOMPUTE_CASES` case should measure, from the case without recompute: each
+    checkpoint saves its input [T/TP, h]; the computing layer's top-k stays in the holder (no layer saved it:
+    the no-grad forward builds no indexer loss), its backward re-runs save what the layers saved without
+    recompute (the last layer's first, beside the others' inputs; the holder's top-k, which no layer saves,
+    apart); the payloads: each forward's again, but for the indexer loss's ``tp/all_reduce``, which the
+    no-grad forward skips."""
+    plain, (tp, b, s) = dict(case, recompute=False), (case.get("tp", 1), case["mbs"], case["seq"] // case["cp"])
+    x = s * b // tp * case["model"]["hidden_size"] * 2
+    spec = _dsa_spec(case["model"], case["loss_coeff"] > 0)
+    if case.get("layers", 1) == 1:
+        saved, forward, step = _expected(plain)
+        return dict(saved=[x], held=0, peak=saved, forward=[forward],
+                    step={k: v + forward.get(k, 0) for k, v in step.items()})
+    expected = _expected_layers(plain)
+    (l1, f1), (l2, f2) = expected["layers"]
+    forwards = [{k: v for k, v in f.items() if k != "tp/all_reduce"} for f in (f1, f2)]
+    step = dict(expected["step"])
+    for f in forwards:
+        for k, v in f.items():
+            step[k] += v
+    return dict(saved=[x, x], held=dsa_cp_recompute_held(spec, "dsa", s=s, b=b, cp=case["cp"]),
+                peak=max(x + l2, l1 - expected["held"]), forward=forwards, step=step)
+
+
 def _expected_layers(case: dict) -> dict:
     """Per layer (saved bytes, forward payloads), the holder's bytes and the step's payloads one rank of a
     :data:`SHARED_CASES` case should measure: the formulas, and for ``tp/*`` what the report counts of an
@@ -320,7 +404,7 @@ def test_measured_in_megatron_core_019_on_gloo():
     from frameworks import procs
 
     measured = procs.run_json("megatron-lm-0.19.0", "import linear_cp_019; linear_cp_019.main()",
-                              CASES + SHARED_CASES)
+                              CASES + SHARED_CASES + RECOMPUTE_CASES)
     for case, ranks in zip(SHARED_CASES, measured[len(CASES):]):
         if case.get("tp", 1) > 1 and not case["sp"]:
             assert all("AbsorbedMLA requires sequence_parallel" in rank["error"] for rank in ranks), ranks
@@ -331,6 +415,11 @@ def test_measured_in_megatron_core_019_on_gloo():
             # (the holder's top-k: counted with the layer that computes it)
             assert ([(got[0][0] + rank["held"], got[0][1]), got[1]], rank["held"], rank["step"]) == (
                 expected["layers"], expected["held"], expected["step"]), case
+    for case, ranks in zip(RECOMPUTE_CASES, measured[len(CASES) + len(SHARED_CASES):]):
+        expected = _expected_recompute(case)
+        for rank in ranks:
+            assert dict(saved=[layer["saved"] for layer in rank["layers"]], held=rank["held"], peak=rank["peak"],
+                        forward=[layer["forward"] for layer in rank["layers"]], step=rank["step"]) == expected, case
     for case, ranks in zip(CASES, measured):
         saved, forward, step = _expected(case)
         for rank in ranks:

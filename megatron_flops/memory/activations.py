@@ -71,7 +71,7 @@ from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
 from megatron_flops.memory.hf_parallel import ONE_NORM, SEQUENTIAL, TWO_NORMS
 from megatron_flops.memory.hf_qk_norms import qk_norm_saved_bytes
 from megatron_flops.memory.lora import lora_activation_reason, mla_targets
-from megatron_flops.memory.linear_cp import dsa_cp_saved, gdn_cp_saved
+from megatron_flops.memory.linear_cp import dsa_cp_recompute_held, dsa_cp_saved, gdn_cp_saved
 from megatron_flops.memory.ssm import dsa_saved, kda_saved, mamba_saved, ssm_activation_reason
 from megatron_flops.memory.mtp_layers import mtp_kinds
 from megatron_flops.memory.hybrid_pipeline import is_hybrid
@@ -889,6 +889,7 @@ def _full_recompute_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: Decoder
         inner = _Walk(dataclasses.replace(w.grad, mask_saved=True))
         for j in range(start, start + size):
             _layer(inner, x, spec, options, core_attn=False, moe=kinds[j][1] == "moe", mixer=kinds[j][0])
+            w.keep("attention", dsa_cp_recompute_held(spec, kinds[j][0], s=x.s, b=x.b, cp=x.cp))
         w.region(inner.kept - hidden)  # the group input is the first norm's input
     plain = num_layers - sum(sizes)
     for j in range(num_layers - plain, num_layers):

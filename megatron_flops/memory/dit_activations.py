@@ -332,11 +332,23 @@ def dit_outside_saved(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, trains:
     return out
 
 
+def _no_blocks_embeddings(spec: DiTSpec, batch: DiTBatch, a: int, *, trains: bool, last: bool) -> dict[str, int]:
+    """A pipeline stage without blocks (a layout's ``E|...`` or ``...|L`` stage) computes the text,
+    image and time embeddings all the same (``WanModel.forward``), but only the head reads any of
+    them: the text (image) embeddings and the time projection feed nothing, so their graphs (and
+    what they saved) are freed when the forward returns. The last stage keeps the time embedding's
+    saves, which the head's modulation reads: its first linear's input [B, freq] and the SiLU's
+    input and output [B, h]; a first stage keeps none."""
+    B, h = len(batch.video), spec.hidden_size
+    time = B * spec.freq_dim * a + 2 * B * h * a if trains and last else 0
+    return {"time_embed": time, "text_embed": 0, "image_embed": 0}
+
+
 def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention: str = "flash",
                     peft: PeftSpec | None = None, checkpointed_blocks: int = 0,
                     layer_norm_stats_bytes: int = NORM_STATS_BYTES, first: bool = True,
                     last: bool = True, tp: int = 1, sequence_parallel: bool = False,
-                    checkpoint_group: int = 1) -> DiTActivations:
+                    checkpoint_group: int = 1, num_blocks: int | None = None) -> DiTActivations:
     """Peak saved bytes of the model and its loss for one micro-batch, the first
     ``checkpointed_blocks`` blocks checkpointed (see the module NB). ``block``: the parts of a
     block whose input needs a gradient (every block but a frozen base's first). A pipeline
@@ -345,15 +357,17 @@ def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
     ``sequence_parallel``: with the residual stream, the head and the checkpoints on 1/TP of the
     video tokens and the text (CLIP) side of cross-attention TP times over (a formula).
     ``checkpoint_group``: blocks per checkpoint (megatron-core's ``uniform`` method with
-    ``recompute_num_layers`` N: each group of N keeps only its first block's input and re-runs whole)."""
-    if not 0 <= checkpointed_blocks <= spec.num_layers:
-        raise ValueError(f"checkpointing {checkpointed_blocks} of {spec.num_layers} blocks")
+    ``recompute_num_layers`` N: each group of N keeps only its first block's input and re-runs whole).
+    ``num_blocks``: the stage's blocks in place of ``spec.num_layers`` (a stage may have none)."""
+    n = spec.num_layers if num_blocks is None else num_blocks
+    if not 0 <= checkpointed_blocks <= n:
+        raise ValueError(f"checkpointing {checkpointed_blocks} of {n} blocks")
     peft = DiTPeftSpec.of(peft)
     walks = {g: _walk(spec, batch, peft, act_bytes, layer_norm_stats_bytes, attention, g, tp, sequence_parallel)
              for g in (False, True)}
     # the patch embedding's output needs a grad if it trains; a received activation always does
     x_grad, blocks = not (peft.frozen and first), []
-    for _ in range(spec.num_layers):
+    for _ in range(n):
         walk, out_grad = walks[x_grad]
         blocks.append(walk.saved)
         x_grad = out_grad
@@ -380,6 +394,8 @@ def dit_activations(spec: DiTSpec, batch: DiTBatch, *, act_bytes: int, attention
                                 layer_norm_stats_bytes=layer_norm_stats_bytes, head_split=split)
     outside.update({"patch_embed": outside["patch_embed"] * first, "head": outside["head"] * last,
                     "loss": outside["loss"] * last})
+    if not n:
+        outside.update(_no_blocks_embeddings(spec, batch, a, trains=not peft.frozen, last=last))
     # Backward frees the head's and loss's saves, then the later blocks', before a checkpoint re-runs.
     embeddings = sum(outside.values()) - outside["head"] - outside["loss"]
     after = sum(own[checkpointed_blocks:]) + outside["head"] + outside["loss"]

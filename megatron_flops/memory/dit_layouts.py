@@ -65,7 +65,6 @@ run on CPU), for ``T`` video tokens per rank (``s x b / CP``), ``C``/``M`` text/
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 from megatron_flops.flops.dit import DiTParam, DiTSpec, dit_block_parameters, dit_parameter_counts, dit_root_parameters
@@ -89,10 +88,9 @@ def dit_layout_reason(spec: DiTSpec, par: Parallelism, training: Training, peft:
         return ("virtual pipeline stages of a DiT are not modelled: Megatron-Bridge 0.6.2 cannot interleave WAN itself "
                 "(WanModelProvider.provide ignores vp_stage and builds every model chunk with the pre_process/"
                 "post_process of its pipeline rank alone)")
-    if par.stage_layers is not None and 0 in par.stage_layers:
-        return (f"a DiT pipeline stage without blocks (blocks per stage {list(par.stage_layers)}) is not modelled: the "
-                "text (and time) embeddings it computes feed no block there, and what autograd then keeps is not "
-                "derived")
+    if par.stage_layers is not None and par.stage_layers[0] == 0 and peft is not None and peft.frozen:
+        return ("a frozen DiT's first pipeline stage without blocks is not modelled: the patch embedding's output it "
+                "sends requires no gradient, and what megatron-core's backward_step does with it is not worked out")
     if _sp(par) and training.seq_length % (par.cp * par.tp):
         return (f"sequence parallelism splits each rank's video tokens over TP: --seq-length {training.seq_length} is "
                 f"not divisible by CP x TP = {par.cp * par.tp}")
@@ -244,17 +242,17 @@ def dit_stage_activations(spec: DiTSpec, par: Parallelism, training: Training, *
     """(peak saved bytes, micro-batches in flight) on pipeline rank ``pp_rank``. 1F1B holds
     ``min(PP - rank, micro-batches)`` forward passes, all but the one in backward whole."""
     in_flight = min(par.pp - pp_rank, training.num_microbatches)
-    stage = replace(spec, num_layers=len(stage_blocks(spec, par, pp_rank)))
+    blocks = len(stage_blocks(spec, par, pp_rank))
     # NB: the report's checkpointing is for its largest stage: a smaller one checkpoints what it holds.
-    checkpointed_blocks = min(checkpointed_blocks, stage.num_layers)
-    checkpoint_group = max(1, min(checkpoint_group, stage.num_layers))
+    checkpointed_blocks = min(checkpointed_blocks, blocks)
+    checkpoint_group = max(1, min(checkpoint_group, blocks))
     video, text, image = clip_tokens(spec, training, par)
     b = training.micro_batch_size
     batch = DiTBatch(video=(video,) * b, text=(text,) * b, image=None if spec.image_dim is None else (image,) * b)
-    act = dit_activations(stage, batch, act_bytes=training.param_bytes, attention="flash" if par.cp > 1 else attention,
+    act = dit_activations(spec, batch, act_bytes=training.param_bytes, attention="flash" if par.cp > 1 else attention,
                           peft=peft, checkpointed_blocks=checkpointed_blocks, first=pp_rank == 0,
                           last=pp_rank == par.pp - 1, tp=par.tp, sequence_parallel=_sp(par),
-                          checkpoint_group=checkpoint_group)
+                          checkpoint_group=checkpoint_group, num_blocks=blocks)
     return (in_flight - 1) * act.held + act.total, in_flight
 
 
@@ -350,6 +348,12 @@ def layout_unmeasured(par: Parallelism, attention: str, peft: PeftSpec | None = 
         split = "evenly" if par.stage_layers is None else f"{list(par.stage_layers)} (get_num_layers_to_build)"
         out.append(f"pipeline parallelism (PP {par.pp}): blocks split {split}, the text and time embeddings on every "
                    "stage, 1F1B in-flight micro-batches, pp/send_recv of the hidden states")
+    if par.pp > 1 and par.stage_layers is not None and 0 in par.stage_layers:
+        out.append("a pipeline stage without blocks: megatron-core builds it (an empty TransformerBlock), WanModel "
+                   "computes the text and time embeddings there all the same, and only the head's time embedding is "
+                   "kept for backward (the last stage; a first stage keeps the patch embedding's input only); their "
+                   "weights, gradient buffer and optimizer state as on any stage (gradients of the embeddings that "
+                   "feed nothing stay zero); pp/send_recv the hidden states alone")
     if par.cp > 1:
         out.append(f"context parallelism (CP {par.cp}): s/CP video tokens per rank through the flash convention, "
                    "and 1/CP of the text (padded to 2 x CP), cp/send_recv of the self- and cross-attention's K/V ring")

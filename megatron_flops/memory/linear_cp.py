@@ -132,7 +132,7 @@ def dsa_cp_saved(spec: ModelSpec, *, s: int, b: int, cp: int, act: int, latent_n
     gathered = t * (spec.hidden_size + (q_lora or spec.hidden_size)) * a if tp > 1 else 0
     indexer_part = (cos_sin + t * d * a + 2 * t * FP32_BYTES + t * nh * (d + 1) * a + big_s * b * d * a + gathered
                     + t * heads * latent * a + big_s * b * latent * a + topk) if trains else 0
-    held = topk if indexer and not trains and any(m == "dsa_shared" for (m, _), _ in spec.layer_runs) else 0
+    held = 0 if trains else dsa_cp_held_topk(spec, s=s, b=b, cp=cp, indexer=indexer)
     scores = b * heads * s * big_s
     key = (b * heads if b > 1 else 1) * big_s * latent * FP32_BYTES
     value = b * heads * big_s * kv * a if b > 1 else (0 if trains else big_s * latent * a)
@@ -141,6 +141,31 @@ def dsa_cp_saved(spec: ModelSpec, *, s: int, b: int, cp: int, act: int, latent_n
     core = t * heads * latent * FP32_BYTES + key + softmax + scores * a + value
     out = heads * mla.v_head_dim * kv * a + t * heads * kv * a + t * heads * mla.v_head_dim * a
     return mla_part + order + indexer_part + held + core + out
+
+
+def dsa_cp_held_topk(spec: ModelSpec, *, s: int, b: int, cp: int, indexer: bool = True) -> int:
+    """Bytes of the int64 top-k [b, s, min(topk, S)] a computing DSA layer (``indexer``) leaves in
+    megatron-core 0.19.0's top-k holder on the micro-batch's attention mask, when layers reuse it
+    (``dsa_shared``); else 0."""
+    dsa = spec.dsa
+    assert dsa is not None
+    if not indexer or not any(m == "dsa_shared" for (m, _), _ in spec.layer_runs):
+        return 0
+    return b * s * min(dsa.topk, s * cp) * INDEX_BYTES
+
+
+def dsa_cp_recompute_held(spec: ModelSpec, mixer: str, *, s: int, b: int, cp: int) -> int:
+    """Bytes a fully recomputed DSA layer under CP keeps beside its checkpoint's input until the
+    micro-batch's backward: a computing layer's top-k that the first (no-grad) forward leaves in the
+    holder (:func:`dsa_cp_held_topk`), whether or not its indexer trains (the no-grad forward builds
+    no indexer loss to save it); its re-run in backward computes another, which replaces it once the
+    layer's forward ends (both held meanwhile). Else 0.
+
+    NB: measured (``tests/test_memory_linear_cp.py``): the checkpoint keeps only the layer's input
+    [T/TP, h]; the re-run saves what the layer saves without recompute (:func:`dsa_cp_saved`)."""
+    if cp == 1 or mixer != "dsa":
+        return 0
+    return dsa_cp_held_topk(spec, s=s, b=b, cp=cp)
 
 
 def dsa_cp_traffic(spec: ModelSpec, *, s: int, b: int, cp: int, act: int, tp: int = 1,

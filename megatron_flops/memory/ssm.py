@@ -353,9 +353,12 @@ def ssm_activation_reason(spec: ModelSpec, recompute: RecomputeSpec | None, *, c
     """Why activations are not modelled for these layers (None: they are, or there are none)."""
     kinds = model_kinds(spec)
     mixers = {mixer for mixer, _ in kinds}
-    if mixers & {"dsa", "dsa_shared"} and recompute is not None and cp > 1:
+    attention_modules = {"core_attn", "mla_up_proj", "layernorm"}
+    if mixers & {"dsa", "dsa_shared"} and recompute is not None and cp > 1 and recompute.granularity == "selective" \
+            and attention_modules & set(recompute.modules):
         return ("activations of DeepSeek sparse attention layers under context parallelism (megatron-core 0.19.0's "
-                "layer) are modelled without recompute")
+                "absorbed-MLA layer) are modelled with full recompute or selective recompute of modules outside the "
+                "attention (mlp, moe, moe_act, shared_experts), not of core_attn, mla_up_proj or layernorm")
     if mixers & {"dsa", "dsa_shared"} and recompute is not None and recompute.granularity == "selective" \
             and "core_attn" in recompute.modules:
         return ("activations under selective recompute of core_attn with DeepSeek sparse attention: megatron-core "

@@ -1,0 +1,66 @@
+"""A DiT pipeline stage without blocks (a layout's ``E|...`` or ``...|L`` stage; memory/dit_layouts.py).
+
+megatron-core builds it: ``PipelineParallelLayerLayout`` allows a stage of no decoder layers and
+``TransformerBlock`` an empty one (``num_layers_in_first/last_pipeline_stage`` 0 it refuses:
+"must be larger than 0"). Megatron-Bridge 0.6.2's ``WanModel.forward`` computes the text and time
+embeddings on every stage and passes only the hidden states between stages; on an empty stage only
+the head reads the time embedding, so the rest of their graph is freed when the forward returns.
+Formulas (WAN builds Transformer Engine layers only: no CPU step), exact integers here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_flops.cli import main
+from megatron_flops.flops.dit import DiTSpec
+from megatron_flops.memory.dit_activations import DiTBatch, dit_activations
+
+TINY = json.loads((Path(__file__).resolve().parents[1] / "examples" / "wan_tiny_dit.json").read_text())["dit"]
+
+
+def _report(tmp_path: Path, capsys, layout: str, *extra: str) -> tuple[int, dict]:
+    model = tmp_path / "dit.json"
+    model.write_text(json.dumps({"dit": TINY, **({"lora": {"dim": 4, "target_modules": ["q"]}} if extra else {})}))
+    rc = main(["memory", "--model", str(model), "--pp", "2", "--num-microbatches", "4", "--seq-length", "64",
+               "--pipeline-model-parallel-layout", layout, "--json"])
+    out = capsys.readouterr()
+    return rc, (json.loads(out.out) if rc == 0 else {"error": out.err})
+
+
+def test_activations_of_a_stage_without_blocks():
+    spec, batch = DiTSpec.from_mapping(TINY), DiTBatch(video=(64,), text=(12,))
+    # First stage: the Conv3d's input [64 tokens, 4 channels x 1 x 2 x 2] bf16 2,048; the text and time
+    # embeddings feed nothing there: none of their saves survive the forward.
+    first = dit_activations(spec, batch, act_bytes=2, first=True, last=False, num_blocks=0)
+    assert first.outside == dict(patch_embed=2_048, time_embed=0, text_embed=0, image_embed=0, head=0, loss=0)
+    # Last stage: the time embedding the head's modulation reads: [1, 16] + 2 x [1, 32] bf16 = 160; the head:
+    # the received hidden states and (1 + scale) 2 x 64 x 32 x 2 = 8,192, LayerNorm stats 2 x 64 x 4 = 512,
+    # the normalised x and the head's input 8,192, e's repeat index 64 x 8 = 512: 17,408; the loss:
+    # prediction and target fp32 2 x 64 x 16 x 4 = 8,192. Total 25,760.
+    last = dit_activations(spec, batch, act_bytes=2, first=False, last=True, num_blocks=0)
+    assert last.outside == dict(patch_embed=0, time_embed=160, text_embed=0, image_embed=0, head=17_408, loss=8_192)
+    assert last.total == 25_760
+
+
+def test_reports_for_layouts_with_an_empty_stage(tmp_path, capsys):
+    for layout, stage in (("E|ttL", 0), ("Ett|L", 1)):
+        rc, report = _report(tmp_path, capsys, layout)
+        assert rc == 0 and report["not_modelled"] == []
+        empty = report["per_stage"][stage]
+        # Every stage holds the text embedding (24 x 32 + 32 + 32 x 32 + 32 = 1,856), the time embedding
+        # (16 x 32 + 32 + 32 x 32 + 32 = 1,600) and its projection (32 x 192 + 192 = 6,336); the first stage
+        # the patch embedding (4 x 4 x 32 + 32 = 544), the last the head (32 x 16 + 16 + 2 x 32 = 592); bf16.
+        assert empty["weights_bytes"] == 2 * (1_856 + 1_600 + 6_336 + (544 if stage == 0 else 592))
+        # 1F1B: the first stage holds 2 micro-batches (2 x 2,048), the last one (25,760, above).
+        assert (empty["activations_bytes"], empty["forward_passes_in_flight"]) == ((4_096, 2) if stage == 0
+                                                                                   else (25_760, 1))
+        # Only the hidden states pass between stages: 4 micro-batches x [64, 32] bf16 x (forward + backward).
+        assert report["communication_per_step"]["pp/send_recv"] == 4 * 64 * 32 * 2 * 2
+        assert any("a pipeline stage without blocks" in u for u in report["unmeasured"])
+
+
+def test_a_frozen_base_with_an_empty_first_stage_is_refused(tmp_path, capsys):
+    rc, report = _report(tmp_path, capsys, "E|ttL", "lora")
+    assert rc == 2 and "first pipeline stage without blocks is not modelled" in report["error"]
+    assert _report(tmp_path, capsys, "Ett|L", "lora")[0] == 0
