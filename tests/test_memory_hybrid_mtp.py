@@ -22,10 +22,12 @@ import pytest
 
 from megatron_flops.cli import main
 from megatron_flops.flops.formulas import estimate, parse_rows
+from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.memory.activations import chunk_activations
 from megatron_flops.memory.comm import mtp_moe_layers, step_communication
 from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
 from megatron_flops.model.spec import ModelSpec
 
 TESTS = Path(__file__).resolve().parent
@@ -273,3 +275,20 @@ def test_measured_in_megatron_core_019():
             assert measured["flops"] == estimate(_spec(pattern, **fields), parse_rows([SEQ] * MBS),
                                                  attention="full").total // tp
             assert measured["comm"] == _tp_traffic(pattern, par, **fields), (pattern, tp, sp)
+
+
+def test_full_recompute_reruns_the_mla_layers_of_each_mtp_depth():
+    # Under full uniform recompute a checkpointed MTP depth re-runs every layer of its part: each
+    # MLA layer's forward latent collectives once more, none for a part without MLA. TP 2 + SP,
+    # T = 32, fp32: per MLA layer forward T x (64 + 32 + 48 + 32 + 32) = 6,656 and backward
+    # T x (64 + 32 + 32 + 32 + 32) = 6,144 elements gathered, so a re-run one 2 x 6,656 + 6,144.
+    # One depth of "+-+-" against one of "M-" (the same MTP wrapper terms): 2 re-run MLA layers.
+    full = RecomputeSpec(granularity="full", method="uniform", num_layers=1)
+    sp = Parallelism(tp=2, sequence_parallel=True)
+
+    def gathered(pattern: str) -> int:
+        return mla_mtp_tensor_parallel(_spec(pattern, **MLA), sp, FP32, num_layers=1, rerun=1, last=True,
+                                       recompute=full, learned_positions=False, duplicated=False)["tp/all_gather"]
+
+    assert 2 * (2 * 6_656 + 6_144) * 4 == 155_648
+    assert gathered("M+-M/+-+-") - gathered("M+-M/M-") == 155_648
