@@ -24,10 +24,12 @@ from megatron_flops.cli import main
 from megatron_flops.flops.formulas import estimate, parse_rows
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.memory.activations import chunk_activations
-from megatron_flops.memory.comm import mtp_moe_layers, step_communication
+from megatron_flops.memory.comm import step_communication
 from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
+from megatron_flops.memory.mtp_layers import mtp_moe_layers
+from megatron_flops.memory.recompute import selective_rerun_communication
 from megatron_flops.model.spec import ModelSpec
 
 TESTS = Path(__file__).resolve().parent
@@ -292,3 +294,21 @@ def test_full_recompute_reruns_the_mla_layers_of_each_mtp_depth():
 
     assert 2 * (2 * 6_656 + 6_144) * 4 == 155_648
     assert gathered("M+-M/+-+-") - gathered("M+-M/M-") == 155_648
+
+
+def test_selective_recompute_reruns_the_moe_and_mla_layers_of_the_mtp_part():
+    # Selective moe re-runs every MoE layer's shared experts, the MTP part's too: "M*EM/*E*E" has 1
+    # main and 2 MTP MoE layers, each a dense-MLP-sized run under TP 2 + SP, fc1's input gathered and
+    # fc2's output reduce-scattered, T x h x 4 = 32 x 64 x 4 = 8,192 bytes each.
+    moe = _spec("M*EM/*E*E", num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                moe_shared_expert_intermediate_size=32)
+    sp = Parallelism(tp=2, sequence_parallel=True)
+    rerun_moe = RecomputeSpec(granularity="selective", modules=("moe",))
+    assert selective_rerun_communication(moe, sp, FP32, pp_rank=0, recompute=rerun_moe, peft=None) == {
+        "tp/all_gather": 3 * 8_192, "tp/reduce_scatter": 3 * 8_192}
+    # Selective mla_up_proj gathers each MLA layer's latents again, T x (32 + 32) x 4 = 8,192: the
+    # main "+" only, the MTP part "M-" has no MLA layer.
+    mla = _spec("M+-M/M-", **MLA)
+    rerun_up = RecomputeSpec(granularity="selective", modules=("mla_up_proj",))
+    assert selective_rerun_communication(mla, sp, FP32, pp_rank=0, recompute=rerun_up, peft=None) == {
+        "tp/all_gather": 8_192}

@@ -49,7 +49,8 @@ from megatron_flops.memory.mla_mtp import (fully_recomputed_layers, mla_layer_co
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
 from megatron_flops.memory.linear_cp import CP_MIXERS, linear_cp_communication
 from megatron_flops.memory.ssm import mamba_cp_all_to_all, missing_blocks
-from megatron_flops.memory.mtp_layers import acceptance_all_gather, last_stage_mtp_kinds, mtp_sub_blocks
+from megatron_flops.memory.mtp_layers import (acceptance_all_gather, last_stage_mtp_kinds, mtp_moe_layers,
+                                              mtp_sub_blocks)
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -242,11 +243,6 @@ def sequence_parallel_slice(training: Training, par: Parallelism) -> Training:
     if par.tp == 1:
         return training
     return replace(training, seq_length=training.seq_length // par.tp)
-
-
-def mtp_moe_layers(spec: ModelSpec, last: bool) -> int:
-    """MoE layers inside the multi-token-prediction block (on the last stage)."""
-    return sum(ffn == "moe" for _, ffn in last_stage_mtp_kinds(spec, last))
 
 
 def bus_bytes(payload: Mapping[str, int], group_sizes: Mapping[str, int]) -> dict[str, int]:

@@ -31,6 +31,7 @@ from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import adapter_forward_payload, input_widths, mla_targets
 from megatron_flops.memory.lora_layers import expert_adapter_payload
+from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds, mtp_moe_layers
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -138,8 +139,7 @@ def _add_expert_adapter_reruns(out: dict[str, int], spec: ModelSpec, par: Parall
             out[key] = out.get(key, 0) + shared * value
     if "moe" in recompute.modules:
         last = par.is_last_stage(pp_rank, par.num_chunks - 1)
-        moe = sum(spec.layers[i][1] == "moe" for i in layers) + (spec.mtp_num_layers if last and spec.mtp_ffn == "moe"
-                                                                  else 0)
+        moe = sum(spec.layers[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
         out["tp/all_gather"] = out.get("tp/all_gather", 0) + moe * expert_adapter_payload(
             spec, peft, routed=tokens * spec.moe.router_topk, act=act)
 
@@ -155,7 +155,8 @@ def _mla_up_proj_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeS
         return 0
     last = par.is_last_stage(pp_rank, par.num_chunks - 1)
     mla_kinds = ("attention", "dsa", "dsa_shared")
-    num = sum(spec.layers[i][0] in mla_kinds for i in layers) + (spec.mtp_num_layers if last else 0)
+    mtp = [mixer for mixer, _ in last_stage_mtp_kinds(spec, last)]  # (a hybrid MTP part: its MLA layers only)
+    num = sum(mixer in mla_kinds for mixer in [spec.layers[i][0] for i in layers] + mtp)
     down = peft is not None and bool({"linear_q_down_proj", "linear_kv_down_proj"} & set(peft.lora_targets))
     return num - bool(peft is not None and peft.frozen and not down and par.is_first_stage(pp_rank, 0) and layers
                       and layers[0] == 0 and spec.layers[0][0] in mla_kinds)
@@ -173,8 +174,7 @@ def _shared_expert_reruns(spec: ModelSpec, par: Parallelism, recompute: Recomput
     if spec.moe is None:
         return 0
     last = par.is_last_stage(pp_rank, par.num_chunks - 1)
-    moe = sum(spec.layers[i][1] == "moe" for i in layers) + (spec.mtp_num_layers if last and spec.mtp_ffn == "moe"
-                                                              else 0)
+    moe = sum(spec.layers[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
     runs = moe if "moe" in recompute.modules else 0
     if spec.moe.shared_expert_ffn_hidden_size and "shared_experts" in recompute.modules:
         runs += moe

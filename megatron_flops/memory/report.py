@@ -16,7 +16,6 @@ from megatron_flops.memory.activations import (
 )
 from megatron_flops.memory.comm import (
     bus_bytes,
-    mtp_moe_layers,
     sequence_parallel_slice,
     step_communication,
 )
@@ -30,6 +29,7 @@ from megatron_flops.memory.hf_qk_norms import hf_attention_notes
 from megatron_flops.memory.lora import lora_duplicated_unmeasured, lora_fused_norm_unmeasured
 from megatron_flops.memory.lora_layers import expert_lora_unmeasured, lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
+from megatron_flops.memory.mtp_layers import mtp_moe_layers
 from megatron_flops.memory.moe import (
     all_to_all_range,
     check_moe,
