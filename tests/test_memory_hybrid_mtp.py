@@ -312,3 +312,23 @@ def test_selective_recompute_reruns_the_moe_and_mla_layers_of_the_mtp_part():
     rerun_up = RecomputeSpec(granularity="selective", modules=("mla_up_proj",))
     assert selective_rerun_communication(mla, sp, FP32, pp_rank=0, recompute=rerun_up, peft=None) == {
         "tp/all_gather": 8_192}
+
+
+def test_full_recompute_reruns_one_sub_block_per_hybrid_layer():
+    # Full uniform recompute re-runs each layer's forward: a hybrid layer's one sub-block gathers
+    # its column-parallel input and reduce-scatters its row-parallel output once more under TP 2 +
+    # SP, T x h x 4 = 8,192 bytes each. "M*-M": 4 sub-blocks, +4 of each. An MTP depth "*-*-" (4
+    # sub-blocks) re-runs its wrapper (eh_proj's gathers, the output layer's call: 3 gathers) and
+    # its 4 sub-blocks: +7 gathers, +4 reduce-scatters; a depth "M" (1 sub-block) +4 and +1.
+    full = RecomputeSpec(granularity="full", method="uniform", num_layers=1)
+    sp = Parallelism(tp=2, sequence_parallel=True)
+
+    def added(pattern: str) -> tuple[int, int]:
+        def traffic(recompute: RecomputeSpec | None) -> dict[str, int]:
+            return step_communication(_spec(pattern), OPTIONS, sp, FP32, pp_rank=0, buffers={}, recompute=recompute)
+        before, after = traffic(None), traffic(full)
+        return tuple(after[k] - before[k] for k in ("tp/all_gather", "tp/reduce_scatter"))
+
+    assert added("M*-M") == (4 * 8_192, 4 * 8_192)
+    assert added("M*-M/*-*-") == ((4 + 7) * 8_192, (4 + 4) * 8_192)
+    assert added("M*-M/M") == ((4 + 4) * 8_192, (4 + 1) * 8_192)

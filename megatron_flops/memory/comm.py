@@ -165,12 +165,16 @@ def step_communication(
             rerun = fully_recomputed_layers(recompute, len(layers))
             for key, count in tensor_parallel_activations(options, par, len(layers), rerun, first, last).items():
                 add(key, m * hidden * count)
-            for key, count in tensor_parallel_activations(options, par, missing_blocks(kinds, layers), 0, False,
+            # (a hybrid layer has one sub-block: half a layer's traffic, its re-run forward's too)
+            for key, count in tensor_parallel_activations(options, par, missing_blocks(kinds, layers),
+                                                          missing_blocks(kinds, layers[:rerun]), False,
                                                           False).items():
-                add(key, -m * hidden * count // 2)  # a hybrid layer has one sub-block: half a layer's traffic
+                add(key, -m * hidden * count // 2)
             # (MTP: each depth priced as a decoder layer's 2 sub-blocks; a hybrid MTP part has its own count)
             extra = (mtp_sub_blocks(spec) - 2) * spec.mtp_num_layers if last else 0
-            for key, count in tensor_parallel_activations(options, par, abs(extra), 0, False, False).items():
+            extra_rerun = abs(extra) if mtp_recomputed(spec, recompute) else 0
+            for key, count in tensor_parallel_activations(options, par, abs(extra), extra_rerun, False,
+                                                          False).items():
                 add(key, m * hidden * count // 2 * (1 if extra > 0 else -1))
             add("tp/all_gather", m * acceptance_all_gather(spec, par, training, last=last))
             if last:
