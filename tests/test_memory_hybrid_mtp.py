@@ -30,6 +30,7 @@ from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
 from megatron_flops.memory.mtp_layers import mtp_moe_layers
 from megatron_flops.memory.recompute import selective_rerun_communication
+from megatron_flops.memory.ssm import mamba_cp_all_to_all
 from megatron_flops.model.spec import ModelSpec
 
 TESTS = Path(__file__).resolve().parent
@@ -332,3 +333,17 @@ def test_full_recompute_reruns_one_sub_block_per_hybrid_layer():
     assert added("M*-M") == (4 * 8_192, 4 * 8_192)
     assert added("M*-M/*-*-") == ((4 + 7) * 8_192, (4 + 4) * 8_192)
     assert added("M*-M/M") == ((4 + 4) * 8_192, (4 + 1) * 8_192)
+
+
+def test_full_recompute_reruns_the_mamba_all_to_alls_of_the_mtp_part_under_cp():
+    # Under CP each Mamba layer all-to-alls forward and backward, and once more when full recompute
+    # re-runs it: "M*-M/M*" at CP 2 has 2 main and 1 MTP Mamba layer, all re-run (uniform; the MTP
+    # depth checkpointed as a whole): 3 more passes than without recompute.
+    full = RecomputeSpec(granularity="full", method="uniform", num_layers=1)
+    spec, cp = _spec("M*-M/M*"), Parallelism(cp=2)
+    one = mamba_cp_all_to_all(spec, tokens=SEQ * MBS, tp=1, cp=2, act=4)  # (the tokens step_communication is given)
+
+    def all_to_all(recompute: RecomputeSpec | None) -> int:
+        return step_communication(spec, OPTIONS, cp, FP32, pp_rank=0, buffers={}, recompute=recompute)["cp/all_to_all"]
+
+    assert all_to_all(None) == 6 * one and all_to_all(full) == 9 * one

@@ -235,7 +235,8 @@ def _context_parallel_chunk(spec: ModelSpec, par: Parallelism, training: Trainin
     no_ring = ("mamba", "none", *CP_MIXERS)
     ring = sum(mixer not in no_ring for mixer in mixers + mtp)
     add("cp/send_recv", ring * (par.cp - 1) * 2 * (kv + 2 * kv))
-    passes = sum(2 * (mixer == "mamba") for mixer in mixers + mtp) + sum(mixer == "mamba" for mixer in mixers[:rerun])
+    passes = sum(2 * (mixer == "mamba") for mixer in mixers + mtp) \
+        + sum(mixer == "mamba" for mixer in mixers[:rerun] + mtp[:mtp_rerun])
     if passes:
         add("cp/all_to_all", passes * mamba_cp_all_to_all(spec, tokens=tokens, tp=par.tp, cp=par.cp, act=act))
     for chunk_mixers, reruns in ((mixers, rerun), ([mixer for mixer in mtp if mixer in CP_MIXERS], mtp_rerun)):
