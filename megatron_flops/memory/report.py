@@ -104,7 +104,8 @@ def rank_memory(
                      + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c)) for c in range(par.num_chunks))
     _add_payloads(comm, _lora_tp(spec, options, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft,
-                                                fused=options.fused_norm_targets),
+                                                fused=options.fused_norm_targets,
+                                                expert_adapters=experts_take_adapters(options)),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0),
                   grouped_lora_communication(spec, options, par, local, peft, moe_layers=moe_layers))
     peak = count = None
