@@ -25,21 +25,8 @@ from typing import Any
 
 import torch
 
+import mcore_cpu
 import mcore_dist
-
-
-def _stub_mamba_ssm() -> None:
-    """MambaMixer refuses to build without mamba_ssm: a gated RMSNorm allocating the same weight."""
-    from megatron.core.ssm import mamba_mixer
-
-    class GatedRMSNorm(torch.nn.Module):
-        def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-
-    for name, value in (("HAVE_MAMBA_SSM", True), ("HAVE_EINOPS", True), ("RMSNormGated", GatedRMSNorm),
-                        ("ExtendedRMSNorm", GatedRMSNorm)):
-        setattr(mamba_mixer, name, value)
 
 
 def local_hybrid_stack_spec() -> Any:
@@ -151,7 +138,7 @@ def _worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
 
     mcore_dist.init_worker()
     mcore_memory.patch_sequence_parallel_norm()
-    _stub_mamba_ssm()
+    mcore_cpu.stub_mamba_ssm()
     out = []
     for case in cases:
         ps.destroy_model_parallel()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
@@ -50,7 +49,10 @@ __all__ = [
     "apply_cpu_patches",
     "remove_cpu_patches",
     "cuda_to_cpu_mode",
-    "free_port",
+    "AGENT_STORE_ENV",
+    "rendezvous_store",
+    "GatedRMSNormStub",
+    "stub_mamba_ssm",
     "init_single_process",
     "make_config",
     "build_layer_spec",
@@ -313,11 +315,41 @@ def cuda_to_cpu_mode() -> TorchFunctionMode:
 # ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: In a rank's environment: ``env://`` and ``tcp://`` rendezvous join the store at MASTER_PORT as a
+#: client (torch's ``_create_c10d_store``), so rank 0 binds no port (see :func:`rendezvous_store`).
+AGENT_STORE_ENV: Dict[str, str] = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
+def rendezvous_store(world_size: int) -> "torch.distributed.TCPStore":
+    """A TCPStore served by this process on a port the server binds itself (port 0), for ranks
+    started with :data:`AGENT_STORE_ENV` and ``MASTER_PORT=store.port``; keep it until they finish.
+
+    Not a probed free port that rank 0 binds later: between the probe and the bind (seconds of
+    spawn and imports) another process's ``bind(0)`` (gloo's pair listeners in a concurrent test
+    run) may take it, and rank 0 fails with EADDRINUSE.
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=300))
+
+
+class GatedRMSNormStub(torch.nn.Module):
+    """mamba_ssm's gated RMSNorm stand-in for building a ``MambaMixer``: the same ``weight``."""
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+
+def stub_mamba_ssm(set_attr: Callable[..., None] = setattr, norm: type = GatedRMSNormStub) -> None:
+    """Let megatron-core's ``MambaMixer`` build without mamba_ssm (its kernels run in forward only):
+    ``norm`` stands in for mamba_ssm's gated RMSNorm. ``set_attr``: ``monkeypatch.setattr`` in a test."""
+    from megatron.core.ssm import mamba_mixer
+
+    for name, value in (("HAVE_MAMBA_SSM", True), ("HAVE_EINOPS", True), ("RMSNormGated", norm),
+                        ("ExtendedRMSNorm", norm)):
+        set_attr(mamba_mixer, name, value)
 
 
 def init_single_process(seed: int = 1234) -> None:
@@ -337,7 +369,7 @@ def init_single_process(seed: int = 1234) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         dist.init_process_group(
             backend="gloo",
-            init_method=f"tcp://127.0.0.1:{free_port()}",
+            store=dist.HashStore(),  # one process: no port to bind
             rank=0,
             world_size=1,
             timeout=datetime.timedelta(seconds=60),

@@ -6,7 +6,8 @@ Parent side::
 
 ``my_worker`` must be a top-level (picklable by reference) function
 ``my_worker(rank, world_size, *args)`` returning something picklable. Every worker runs in
-a fresh ``spawn`` process with ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``,
+a fresh ``spawn`` process with ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` the parent's store's
+(``mcore_cpu.rendezvous_store``: no rank binds a port),
 ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set and ``torch.set_num_threads(1)``. Results are
 written to files in a temporary directory and returned in rank order. A worker exception is
 re-raised in the parent as :class:`WorkerError` carrying the worker's traceback; on failure or
@@ -103,6 +104,7 @@ def _worker_entry(
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        **mcore_cpu.AGENT_STORE_ENV,
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -163,7 +165,8 @@ def run_distributed(
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    port = mcore_cpu.free_port()
+    store = mcore_cpu.rendezvous_store(world_size)  # held until the workers are done
+    port = store.port
     result_dir = tempfile.mkdtemp(prefix="mcore_dist_")
     procs = []
     t_launch = time.time()

@@ -445,7 +445,8 @@ def state_bytes(chunks: List[Any], optimizer: Any) -> Dict[str, int]:
         for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
             for group in getattr(opt, attr, None) or []:
                 main += list(group)
-        for state in opt.optimizer.state.values():
+        # (An optimizer over no parameters, e.g. the dense one when only experts train, has none.)
+        for state in opt.optimizer.state.values() if opt.optimizer is not None else ():
             for name, value in state.items():
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
                     key = f"optimizer/{name}"
@@ -765,7 +766,8 @@ def megatron_fsdp_state_bytes(model: Any, optimizer: Any) -> Dict[str, int]:
             if buffer is not None and buffer.data is not None:
                 out[key] += buffer.data.numel() * buffer.data.element_size()
     for opt in _inner_optimizers(optimizer):
-        for state in opt.optimizer.state.values():
+        # (An optimizer over no parameters, e.g. the dense one when only experts train, has none.)
+        for state in opt.optimizer.state.values() if opt.optimizer is not None else ():
             for name, value in state.items():
                 value = value.to_local() if hasattr(value, "to_local") else value
                 if isinstance(value, torch.Tensor) and value.numel() > 1:

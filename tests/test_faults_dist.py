@@ -15,7 +15,6 @@ import logging
 import os
 import pickle
 import random
-import socket
 import tempfile
 import time
 import traceback
@@ -23,6 +22,7 @@ import traceback
 import pytest
 import torch
 
+import mcore_cpu
 from megatron_flops.flops.formulas import SeqStats, parse_rows, training_flops
 from megatron_flops.model.spec import ModelSpec
 
@@ -284,6 +284,7 @@ def fault_worker(rank: int, port: int, result_dir: str, names: list[str]) -> Non
 
     torch.set_num_threads(1)
     results: dict = {}
+    os.environ.update(mcore_cpu.AGENT_STORE_ENV)  # join the parent's store
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
@@ -306,9 +307,8 @@ def _launch(names: list[str], bound_s: float = 300.0) -> list[dict | None]:
     """Run the scenarios in WORLD spawned processes; kill any still alive after ``bound_s``."""
     import multiprocessing
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = mcore_cpu.rendezvous_store(WORLD)  # held until the workers are done
+    port = store.port
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=fault_worker, args=(rank, port, tmp, names)) for rank in range(WORLD)]

@@ -140,6 +140,13 @@ SPOT_SETUPS = {
     "frozen LoRA q_up, kv_up, proj": ["--frozen", "--lora-rank", "4", "--lora-targets",
                                       "linear_q_up_proj,linear_kv_up_proj,linear_proj"],
     "frozen LoRA fc1, fc2": ["--frozen", "--lora-rank", "4", "--lora-targets", "linear_fc1,linear_fc2"],
+    # (tests/test_memory_moe_lora_start_dist.py: EP2, TP2 x EP2 + SP, full recompute; selective 'moe' is refused,
+    # by `estimate` too: no backward runs in the checkpointed layer.)
+    "frozen LoRA fc1, fc2, full recompute": ["--frozen", "--lora-rank", "4", "--lora-targets", "linear_fc1,linear_fc2",
+                                             "--recompute", "full", "--recompute-method", "uniform",
+                                             "--recompute-num-layers", "1"],
+    "frozen LoRA fc1, fc2, flex dispatcher": ["--frozen", "--lora-rank", "4", "--lora-targets",
+                                              "linear_fc1,linear_fc2", "--moe-token-dispatcher", "flex"],
     "full recompute of 2-block groups": ["--recompute", "full", "--recompute-method", "uniform",
                                          "--recompute-num-layers", "2"],
     "vision grids": ["--grid-thw", str(EXAMPLES / "vlm_grids.json")],
@@ -168,7 +175,9 @@ SPOT_CHECKS = [
     ("mcore:mla", "LoRA q_down, proj", ("1 GPU", "TP2 SP")),
     ("mcore:mla", "frozen LoRA q_up, kv_up, proj", ("TP2 SP",)),  # (up projections: TEColumnParallelLinear)
     ("hf:deepseek_v3", "frozen LoRA q_up, kv_up, proj", ("TP2 SP",)),  # (latent norms fused into them)
-    ("hf:mixtral", "frozen LoRA fc1, fc2", ("1 GPU", "TP2 SP")),
+    ("hf:mixtral", "frozen LoRA fc1, fc2", ("1 GPU", "TP2 SP", "DP2 EP2", "TP2 SP DP2 EP2")),
+    ("hf:mixtral", "frozen LoRA fc1, fc2, full recompute", ("DP2 EP2", "TP2 SP DP2 EP2")),
+    ("hf:mixtral", "frozen LoRA fc1, fc2, flex dispatcher", ("DP2 EP2", "TP2 SP DP2 EP2")),  # (a formula)
     ("mcore:moe alltoall", "LoRA", ("TP2 SP DP2 EP2 ETP1",)),
     ("examples/wan_tiny_dit.json", "full recompute of 2-block groups", ("1 GPU", "DP2")),
     ("examples/wan_tiny_dit.json", "", ("TP2 SP DP2 FSDP", "CP2 DP2 FSDP", "DP2 FSDP SGD")),

@@ -13,10 +13,7 @@ without sequence parallelism. Formulas: exact integers with the derivation."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -33,7 +30,6 @@ from megatron_flops.memory.recompute import selective_rerun_communication
 from megatron_flops.memory.ssm import mamba_cp_all_to_all
 from megatron_flops.model.spec import ModelSpec
 
-TESTS = Path(__file__).resolve().parent
 SEQ, MBS, VOCAB = 16, 2, 128
 # 4 heads of 16, ffn 128; Mamba: 8 heads of 16 (inner 128), 2 groups, state 16 (tests/test_memory_ssm.py's).
 LAYER = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, mamba_state_dim=16, mamba_head_dim=16,
@@ -251,22 +247,15 @@ def _renamed(name: str) -> str:
 
 @pytest.mark.dist
 def test_measured_in_megatron_core_019():
-    from frameworks import envs
+    from frameworks import procs
 
-    try:
-        python = envs.ensure("megatron-lm-0.19.0")
-    except envs.Unavailable as exc:
-        pytest.skip(str(exc))
     cases = [dict(pattern=p, model=dict(LAYER, **{k: v for k, v in fields.items() if k != "mtp_num_layers"},
                                         **({"rope_type": "rope"} if fields.get("multi_latent_attention") else {})),
                   vocab=VOCAB, seq=SEQ, mbs=MBS, tp=tp, sp=sp, run=run, **{k: v for k, v in fields.items()
                                                                               if k == "mtp_num_layers"})
              for p, tp, sp, run, fields in CASES]
-    done = subprocess.run([str(python), "-c", "import hybrid_mtp_019; hybrid_mtp_019.main()", json.dumps(cases)],
-                          capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL, cwd=TESTS,
-                          env={**os.environ, "PYTHONPATH": str(TESTS)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    for (pattern, tp, sp, run, fields), measured in zip(CASES, json.loads(done.stdout.strip().splitlines()[-1])):
+    done = procs.run_json("megatron-lm-0.19.0", "import hybrid_mtp_019; hybrid_mtp_019.main()", cases)
+    for (pattern, tp, sp, run, fields), measured in zip(CASES, done):
         par = Parallelism(tp=tp, sequence_parallel=sp)
         theirs = [(_renamed(n), k) for n, k in measured["params"]]
         ours = _params(pattern, par, **fields)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import pytest
 
@@ -129,16 +128,9 @@ print(json.dumps(out))
 
 
 def test_stages_match_megatron_core_019():
-    from frameworks import envs
+    from frameworks import procs
 
-    try:
-        python = envs.ensure("megatron-lm-0.19.0")
-    except envs.Unavailable as exc:
-        pytest.skip(str(exc))
-    done = subprocess.run([str(python), "-c", _MCORE_SELECT, json.dumps(CASES)], capture_output=True, text=True,
-                          timeout=600, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-2000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    measured = procs.run_json("megatron-lm-0.19.0", _MCORE_SELECT, CASES)
     for (pattern, pp), stages in zip(CASES, measured):
         spec = _spec(pattern)
         par = hybrid_stages(spec, Parallelism(pp=pp))

@@ -13,8 +13,6 @@ Formulas: exact integers with the derivation; the report at CP 1 equals the repo
 from __future__ import annotations
 
 import json
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +24,6 @@ from megatron_flops.memory.report import decoder_memory
 from megatron_flops.memory.ssm import gdn_saved, mixer_tensors, mtp_mixer
 from megatron_flops.model.spec import ModelSpec
 
-TESTS = Path(__file__).resolve().parent
 # GDN: 2 key heads x 16 (qk 32), 4 value heads x 8 (v 32), conv 4 (tests/test_memory_ssm.py's sizes).
 GDN_LAYER = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, linear_num_key_heads=2,
                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4)
@@ -163,7 +160,6 @@ def test_cp2_reports_gdn_and_dsa():
     spec = ModelSpec.from_mapping(model)
     assert dsa.per_gpu.activations_per_microbatch[0]["attention"] == 2 * (16 * 64 * 2 + dsa_cp_saved(
         spec, s=8, b=2, cp=2, act=2, latent_norms=False, norm_stats=4))
-
 
 
 def test_cp2_reports_dsa_layers_reusing_a_top_k_under_tp_and_sequence_parallelism():
@@ -321,18 +317,10 @@ def _expected(case: dict) -> tuple[int, dict, dict]:
 
 @pytest.mark.dist
 def test_measured_in_megatron_core_019_on_gloo():
-    from frameworks import envs
+    from frameworks import procs
 
-    try:
-        python = envs.ensure("megatron-lm-0.19.0")
-    except envs.Unavailable as exc:
-        pytest.skip(str(exc))
-    done = subprocess.run([str(python), "-c", "import linear_cp_019; linear_cp_019.main()",
-                           json.dumps(CASES + SHARED_CASES)],
-                          capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL, cwd=TESTS,
-                          env={**__import__("os").environ, "PYTHONPATH": str(TESTS)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    measured = procs.run_json("megatron-lm-0.19.0", "import linear_cp_019; linear_cp_019.main()",
+                              CASES + SHARED_CASES)
     for case, ranks in zip(SHARED_CASES, measured[len(CASES):]):
         if case.get("tp", 1) > 1 and not case["sp"]:
             assert all("AbsorbedMLA requires sequence_parallel" in rank["error"] for rank in ranks), ranks

@@ -41,9 +41,10 @@ TE = DecoderOptions(transformer_impl="transformer_engine")
 PAR = Parallelism(tp=2)
 
 
-def _report(options: DecoderOptions, targets: tuple[str, ...] | None, *, frozen: bool = False):
+def _report(options: DecoderOptions, targets: tuple[str, ...] | None, *, frozen: bool = False,
+            par: Parallelism = PAR):
     peft = None if targets is None else PeftSpec(frozen=frozen, lora_rank=4, lora_targets=targets)
-    return decoder_memory(ModelSpec.from_mapping(MLA), options, PAR, TRAINING, peft=peft)
+    return decoder_memory(ModelSpec.from_mapping(MLA), options, par, TRAINING, peft=peft)
 
 
 def _adapters(options: DecoderOptions) -> dict[str, int]:
@@ -62,9 +63,9 @@ def test_adapter_parameters_equal_the_local_specs():
     assert te == _adapters(LOCAL)
 
 
-def _delta(options: DecoderOptions, targets: tuple[str, ...]) -> tuple[dict[str, int], int]:
+def _delta(options: DecoderOptions, targets: tuple[str, ...], par: Parallelism = PAR) -> tuple[dict[str, int], int]:
     """What the adapters on ``targets`` add to a trained base: collectives per step, saved bytes."""
-    with_lora, base = _report(options, targets).per_gpu, _report(options, None).per_gpu
+    with_lora, base = _report(options, targets, par=par).per_gpu, _report(options, None, par=par).per_gpu
     keys = with_lora.communication.keys() | base.communication.keys()
     comm = {k: with_lora.communication.get(k, 0) - base.communication.get(k, 0) for k in keys}
     assert with_lora.activations is not None and base.activations is not None
@@ -124,24 +125,12 @@ UP = ("linear_q_up_proj", "linear_kv_up_proj")
 SP = Parallelism(tp=2, sequence_parallel=True)
 
 
-def _sp_delta(options: DecoderOptions, targets: tuple[str, ...]) -> tuple[dict[str, int], int]:
-    """As :func:`_delta` under TP2 + sequence parallelism."""
-    def report(peft: PeftSpec | None):
-        return decoder_memory(ModelSpec.from_mapping(MLA), options, SP, TRAINING, peft=peft).per_gpu
-
-    with_lora, base = report(PeftSpec(lora_rank=4, lora_targets=targets)), report(None)
-    keys = with_lora.communication.keys() | base.communication.keys()
-    comm = {k: with_lora.communication.get(k, 0) - base.communication.get(k, 0) for k in keys}
-    assert with_lora.activations is not None and base.activations is not None
-    return {k: v for k, v in comm.items() if v}, with_lora.activations - base.activations
-
-
 def test_sequence_parallel_up_adapters_without_latent_norms_equal_the_local_specs():
     # TEColumnParallelLinear: Bridge's adapter as around the local ColumnParallelLinear. Per layer,
     # forward: each adapter all-gathers its latent [T, q_lora] = 32 * 24 * 4 = 3072 B, [T, kv_lora]
     # = 4096 B, and [T, r] = 512 B; backward: all-reduces [T, r] = 512 B each and reduce-scatters
     # its input gradient (3072 + 4096 B). Saved: the gathered latents and [T, r] twice. 2 layers.
-    te, local = _sp_delta(TE, UP), _sp_delta(LOCAL, UP)
+    te, local = _delta(TE, UP, SP), _delta(LOCAL, UP, SP)
     assert te == local
     assert te[0] == {"tp/all_gather": 2 * (3072 + 4096 + 2 * 512), "tp/all_reduce": 2 * 2 * 512,
                      "tp/reduce_scatter": 2 * (3072 + 4096)}
@@ -153,7 +142,7 @@ def test_sequence_parallel_up_adapters_around_the_fused_latent_norms():
     # figures less, per layer, the latents' all-gather (3072 + 4096 B) and their gradients'
     # reduce-scatter (the same); saved tensors as the local spec's (the gathered latents, [T, r]).
     fused = DecoderOptions(transformer_impl="transformer_engine", qk_layernorm=True)
-    te, local = _sp_delta(fused, UP), _sp_delta(DecoderOptions(transformer_impl="local", qk_layernorm=True), UP)
+    te, local = _delta(fused, UP, SP), _delta(DecoderOptions(transformer_impl="local", qk_layernorm=True), UP, SP)
     assert te[0] == {"tp/all_gather": 2 * 2 * 512, "tp/all_reduce": 2 * 2 * 512}
     assert local[0]["tp/all_gather"] - te[0]["tp/all_gather"] == 2 * (3072 + 4096)
     assert local[0]["tp/reduce_scatter"] == 2 * (3072 + 4096)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 import mcore_cpu
+from megatron_flops.memory.moe_lora_start import first_adapter_moe_reason
 from test_memory_lora_tp_dist import (BASE, MLA, MOE, check_activations, check_parameters,
                                       check_states_and_communication, measure, setup)
 
@@ -20,6 +21,7 @@ MIXTRAL = "TP2 + SP, MoE every layer (alltoall), fused SwiGLU experts, LoRA on l
 WITH_PROJ = "TP2 + SP, MoE every layer (alltoall), fused SwiGLU experts, LoRA on linear_proj + linear_fc1 + linear_fc2"
 _MIXTRAL_LIKE = dict(BASE, **dict(MOE, moe_layer_freq=1), **SWIGLU, bias_activation_fusion=True,
                      moe_token_dispatcher_type="alltoall")
+EP_ALLTOALL = "EP2, MoE every layer (alltoall), fused SwiGLU experts, LoRA on linear_fc1 + linear_fc2"
 RUNS = {
     # Mixtral's layer: every layer MoE, fused SwiGLU experts, alltoall, no shared experts.
     MIXTRAL: dict(world=2, layout=dict(tp=2, sp=True), model=_MIXTRAL_LIKE, m=2,
@@ -38,12 +40,32 @@ RUNS = {
         world=2, layout=dict(tp=2, sp=True),
         model=dict(BASE, **MLA, q_lora_rank=24, **dict(MOE, moe_layer_freq=1), moe_token_dispatcher_type="alltoall"),
         m=2, lora=(("linear_fc1",), 4)),
+    # EP2 (TP 1): the alltoall dispatcher's all-to-all carries tokens that need no gradient (the first
+    # adapter is behind it), the combine's does; allgather gathers over the EP group.
+    EP_ALLTOALL: dict(world=2, layout=dict(tp=1, ep=2), model=_MIXTRAL_LIKE, m=2, lora=(("linear_fc1", "linear_fc2"), 4)),
+    "EP2, MoE every layer (allgather), fused SwiGLU experts, LoRA on linear_fc1 + linear_fc2": dict(
+        world=2, layout=dict(tp=1, ep=2), model=dict(_MIXTRAL_LIKE, moe_token_dispatcher_type="allgather"), m=2,
+        lora=(("linear_fc1", "linear_fc2"), 4)),
+    "EP2, Mixtral-like, LoRA on linear_fc1 + linear_fc2, full recompute (uniform 1)": dict(
+        world=2, layout=dict(tp=1, ep=2), m=2, lora=(("linear_fc1", "linear_fc2"), 4),
+        model=dict(_MIXTRAL_LIKE, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+    # Layer 0's checkpointed core attention runs before any adapter: it saves nothing, re-runs nothing.
+    "EP2, Mixtral-like, LoRA on linear_fc1 + linear_fc2, selective core_attn": dict(
+        world=2, layout=dict(tp=1, ep=2), m=2, lora=(("linear_fc1", "linear_fc2"), 4), live=True,
+        model=dict(_MIXTRAL_LIKE, recompute_granularity="selective")),
+    "TP2 x EP2 + SP, Mixtral-like (alltoall), LoRA on linear_fc1 + linear_fc2": dict(
+        world=4, layout=dict(tp=2, sp=True, ep=2), model=_MIXTRAL_LIKE, m=2, lora=(("linear_fc1", "linear_fc2"), 4)),
 }
+# Refused (moe_lora_start.first_adapter_moe_reason): selective 'moe' wraps each MoE layer in a checkpoint whose
+# input requires no grad, so no backward runs in it.
+SELECTIVE_MOE = "EP2, Mixtral-like, LoRA on linear_fc1 + linear_fc2, selective moe"
+REFUSED = {SELECTIVE_MOE: dict(world=2, layout=dict(tp=1, ep=2), m=2, lora=(("linear_fc1", "linear_fc2"), 4), live=True,
+                               model=dict(_MIXTRAL_LIKE, recompute_granularity="selective", recompute_modules=["moe"]))}
 
 
 @pytest.fixture(scope="module")
 def measured():
-    return measure(RUNS)
+    return measure(dict(RUNS, **REFUSED))
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -68,3 +90,22 @@ def test_dispatcher_runs_no_backward_before_the_experts_adapters(measured):
     # adapter and base add no reduce-scatter (all-gathers and all-reduces only): the one term between them.
     for experts, proj in zip(measured[MIXTRAL], measured[WITH_PROJ]):
         assert dict(proj["comm"])["tp/reduce_scatter"] - dict(experts["comm"])["tp/reduce_scatter"] == 2 * 25_088
+
+
+def test_ep_dispatcher_all_to_all_runs_no_backward_before_the_experts_adapters(measured):
+    # EP2, TP 1, alltoall: per MoE layer and micro-batch this rank's T_l x k = 16 x 2 x 4 = 128 routed tokens
+    # [128, h] and probabilities [128] go to the experts, their output [128, h] comes back: 128 x (2 x 48 + 1)
+    # x 4 B = 49,664 B forward, as much backward. Layer 0's dispatch needs no gradient: 128 x 49 x 4 =
+    # 25,088 B fewer. 2 layers x 2 micro-batches: 4 x 2 x 49,664 - 2 x 25,088 = 347,136 B.
+    for result in measured[EP_ALLTOALL]:
+        assert dict(result["comm"])["ep/all_to_all"] == 347_136
+
+
+def test_selective_moe_recompute_runs_no_backward_in_the_moe_layers(measured):
+    # Selective 'moe' checkpoints each MoE layer around an input that requires no grad: forward only,
+    # 4 x 49,664 = 198,656 B of ep/all_to_all (none in backward; no adapter trains), and refused.
+    for result in measured[SELECTIVE_MOE]:
+        assert dict(result["comm"])["ep/all_to_all"] == 198_656
+    spec, options, par, _, peft, recompute = setup(SELECTIVE_MOE, REFUSED)
+    with pytest.raises(ValueError, match="trains no adapter"):
+        first_adapter_moe_reason(spec, options, par, recompute, peft)

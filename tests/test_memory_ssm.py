@@ -47,21 +47,6 @@ def _ours(tensors, prefix: str) -> list[tuple[str, int]]:
     return [(name.removeprefix(prefix), numel) for name, numel, _ in tensors]
 
 
-def _stub_mamba_ssm(monkeypatch) -> None:
-    """MambaMixer refuses to build without mamba_ssm (its kernels run in forward only): a gated
-    RMSNorm that allocates the same ``weight`` stands in for mamba_ssm's."""
-    from megatron.core.ssm import mamba_mixer
-
-    class GatedRMSNorm(torch.nn.Module):
-        def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-
-    for name, value in (("HAVE_MAMBA_SSM", True), ("HAVE_EINOPS", True), ("RMSNormGated", GatedRMSNorm),
-                        ("ExtendedRMSNorm", GatedRMSNorm)):
-        monkeypatch.setattr(mamba_mixer, name, value, raising=False)
-
-
 def test_mixer_parameters_match_megatron_core_modules(mcore, monkeypatch):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm import gated_delta_net, mamba_mixer
@@ -73,7 +58,7 @@ def test_mixer_parameters_match_megatron_core_modules(mcore, monkeypatch):
     config = mcore_cpu.make_config(dict(fields, activation_func=torch.nn.functional.silu))
     groups = ProcessGroupCollection.use_mpu_process_groups()
     monkeypatch.setattr(gated_delta_net, "HAVE_FLA", True)  # (fla's kernels run in forward only)
-    _stub_mamba_ssm(monkeypatch)
+    mcore_cpu.stub_mamba_ssm(lambda obj, name, value: monkeypatch.setattr(obj, name, value, raising=False))
     with mcore_cpu.cuda_to_cpu_mode():
         gdn = gated_delta_net.GatedDeltaNet(config, gated_delta_net.GatedDeltaNetSubmodules(
             in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear),

@@ -22,10 +22,11 @@ __all__ = ["SPLIT_FIELDS", "add_split_arguments", "pipeline_split"]
 
 def add_split_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",
-                        help="decoder layers on the first pipeline rank (the rest split evenly over the others; "
-                             "default: the model file's num_layers_in_first_pipeline_stage or --megatron-args')")
+                        help="decoder layers (a DiT: blocks) on the first pipeline rank (the rest split evenly "
+                             "over the others; default: the model file's num_layers_in_first_pipeline_stage or "
+                             "--megatron-args')")
     parser.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
-                        help="decoder layers on the last pipeline rank (default: the model file's "
+                        help="decoder layers (a DiT: blocks) on the last pipeline rank (default: the model file's "
                              "num_layers_in_last_pipeline_stage or --megatron-args')")
     parser.add_argument("--account-for-embedding-in-pipeline-split", action="store_true", default=None,
                         help="count the embedding as a layer when splitting the layers over pipeline ranks")
@@ -33,7 +34,8 @@ def add_split_arguments(parser: argparse.ArgumentParser) -> None:
                         help="count the output layer and loss as a layer when splitting the layers over pipeline ranks")
     parser.add_argument("--pipeline-model-parallel-layout", metavar="LAYOUT",
                         help="megatron-core's layer layout per virtual stage, e.g. 'Et|(tt|)*2,tL' (E embedding, "
-                             "t decoder, m MTP, L loss; '|' between stages v x PP + r; VPP = stages / PP)")
+                             "t decoder layer or DiT block, m MTP, L loss; '|' between stages v x PP + r; "
+                             "VPP = stages / PP)")
 
 
 def pipeline_split(args: argparse.Namespace, model: LoadedModel) -> PipelineSplit:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -336,9 +336,12 @@ def _process_group(rank: int, world_size: int, init_method: str | None) -> Itera
             raise ValueError("the demo needs its own process group: one is already initialized")
         yield
         return
+    # NB: no TCP port (one probed now may be another process's by the time it is bound): a world of
+    # one keeps its store in memory, spawned ranks meet in a file (_spawn).
     dist.init_process_group(
         backend="gloo",
-        init_method=init_method or f"tcp://127.0.0.1:{_free_port()}",
+        init_method=init_method,
+        store=dist.HashStore() if init_method is None else None,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
@@ -365,18 +368,16 @@ def _model_parallel(options: DemoOptions) -> Iterator[None]:
         ps.destroy_model_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(options: DemoOptions) -> int:
     """Run every rank in a spawned local process; kill the rest when one fails or time runs out."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    with tempfile.TemporaryDirectory(prefix="megatron-flops-demo-") as rendezvous:
+        return _run_ranks(context, options, f"file://{os.path.join(rendezvous, 'store')}")
+
+
+def _run_ranks(context: Any, options: DemoOptions, init_method: str) -> int:
     procs = [
         context.Process(target=_worker, args=(rank, options, init_method), name=f"demo-rank{rank}")
         for rank in range(options.world_size)

@@ -687,7 +687,8 @@ def _first_adapter_moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOpti
         w.keep("lora", lora)
     peft = PeftSpec(frozen=True, lora_rank=g.rank, lora_targets=g.adapted)
     for key, nbytes in first_adapter_moe_saved(spec, options, peft, tokens=x.expert_tokens,
-                                               local_tokens=x.local_tokens, act=x.act, tp=x.etp).items():
+                                               local_tokens=x.local_tokens, act=x.act, tp=x.etp, ep=x.ep,
+                                               received=x.received).items():
         w.keep(key, nbytes)
     g.started = True
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.decoder import DecoderOptions, experts_module
-from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
+from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism, Training
 from megatron_flops.memory.moe import expert_lora_activations, expert_tp_group, moe_activations
 from megatron_flops.model.spec import ModelSpec
 
@@ -32,15 +32,24 @@ from megatron_flops.model.spec import ModelSpec
 def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                              recompute: RecomputeSpec | None, peft: PeftSpec | None) -> str | None:
     """Why a frozen MoE first layer whose first adapter is an expert's is not modelled (None: it
-    is, or this is not that layer)."""
+    is, or this is not that layer); ValueError where no adapter of it would train."""
     moe = spec.moe
     if not starts_in_experts(spec, peft) or moe is None:
         return None
-    if (options.moe_token_dispatcher_type not in ("alltoall", "allgather") or moe.latent_size or par.ep > 1
-            or recompute is not None or experts_module(options) != "SequentialMLP"):  # NB: grouped: no adapter
-        return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are measured with "
-                "the alltoall and allgather dispatchers, SequentialMLP experts (no grouped GEMM), EP 1, no latent "
-                "projections and no recompute; add an attention target (linear_proj) for the rest")
+    modules = set(recompute.modules) if recompute is not None and recompute.granularity == "selective" else set()
+    if "moe" in modules:  # (as the FLOPs side refuses it, flops/passes.py)
+        raise ValueError("selective recompute of 'moe' around a frozen MoE first layer whose first adapter is a "
+                         "routed expert's trains no adapter of that layer: megatron-core's checkpoint passes no "
+                         "gradient when its input requires none (measured: its backward never runs); use full "
+                         "recompute (Megatron-Bridge then makes the decoder's input require grad) or add an "
+                         "attention target (linear_proj)")
+    module = experts_module(options)
+    if (moe.latent_size or modules - {"core_attn"} or module == "GroupedMLP"  # NB: legacy grouped: no adapter
+            or (module == "TEGroupedMLP" and peft is not None and peft.grouped_expert_adapters != "shared")):
+        return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are modelled for "
+                "SequentialMLP experts (measured) and TEGroupedMLP's shared adapters (a formula), without latent "
+                "projections, with full or selective core_attn recompute; add an attention target (linear_proj) "
+                "for the rest")
     return None
 
 
@@ -54,38 +63,83 @@ def starts_in_experts(spec: ModelSpec, peft: PeftSpec | None) -> bool:
 
 
 def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, *, tokens: int,
-                            local_tokens: int, act: int, tp: int) -> dict[str, int]:
+                            local_tokens: int, act: int, tp: int, ep: int = 1,
+                            received: int | None = None) -> dict[str, int]:
     """Bytes that MoE layer saves per micro-batch by key (see the module doc)."""
     moe = spec.moe
     assert moe is not None and peft.lora_rank is not None
-    got, ffn = tokens * moe.router_topk, moe.ffn_hidden_size // tp
+    got, ffn = tokens * moe.router_topk if received is None else received, moe.ffn_hidden_size // tp
     adapted = tuple(t for t in ("linear_fc1", "linear_fc2") if t in peft.lora_targets)
     experts = 0
     if "linear_fc1" in adapted:
-        started = moe_activations(spec, options, tokens=tokens, local_tokens=local_tokens, act=act, tp=tp, ep=1,
-                                  received=None, frozen=True)
+        started = moe_activations(spec, options, tokens=tokens, local_tokens=local_tokens, act=act, tp=tp, ep=ep,
+                                  received=received, frozen=True)
         # NB: the fused SwiGLU's kernel keeps its input and the probabilities only (no product to drop).
         fused = spec.gated_linear_unit and options.bias_activation_fusion
         experts = started["moe/experts"] - (0 if fused else got * ffn * act)
     # The combine's sorted indices: of this rank's T_l tokens permuted before the all-to-all, or (allgather)
-    # of the gathered tokens its experts take.
-    permuted = got if options.moe_token_dispatcher_type == "allgather" else local_tokens * moe.router_topk
+    # of the gathered tokens its experts take. NB: flex (a formula, CUDA only): DeepEP's unpermute of the
+    # pairs that reached this rank; HybridEP permutes inside its kernels (its handle not counted).
+    dispatcher = options.moe_token_dispatcher_type
+    permuted = {"allgather": got, "alltoall": local_tokens * moe.router_topk}.get(
+        dispatcher, 0 if options.moe_flex_dispatcher_backend == "hybridep" else got)
     return {"moe/dispatcher": permuted * INDEX_BYTES, "moe/experts": experts,
             "lora": expert_lora_activations(spec, adapted=adapted, rank=peft.lora_rank, frozen=True, tokens=tokens,
-                                            act=act, tp=tp, received=None)}
+                                            act=act, tp=tp, received=received)}
 
 
 def first_adapter_dispatcher_skip(spec: ModelSpec, par: Parallelism, training: Training, *, dispatcher: str,
                                   routed: int) -> dict[str, int]:
-    """Payload bytes per micro-batch the first layer's dispatcher does not run in backward (its
-    tokens and probabilities require no grad), beyond the trained layer's: under expert TP
-    (``alltoall``) the reduce-scatter of the ``routed`` tokens' and probabilities' gradients
-    [n, h + 1]; ``allgather`` (expert TP x EP > 1) that of the gathered tokens' and probabilities'
-    [G, h + E]. The experts' output gradient is still all-gathered."""
-    moe = spec.moe
-    assert moe is not None
+    """Payload bytes per micro-batch the first layer's dispatcher does not run in backward under
+    expert TP (its tokens and probabilities require no grad), beyond the trained layer's: with
+    ``alltoall``, the reduce-scatter of the ``routed`` tokens' and probabilities' gradients [n, h + 1].
+    The experts' output gradient is still all-gathered (EP and ``allgather``: :func:`first_adapter_ep_skip`)."""
     a, h = training.param_bytes, spec.hidden_size
-    if dispatcher == "allgather":
-        rows = training.seq_length * training.micro_batch_size // par.tp * par.expert_tp * par.ep
-        return {"tp_ep/reduce_scatter": rows * (h + moe.num_experts) * a} if par.expert_tp * par.ep > 1 else {}
-    return {f"{expert_tp_group(par)}/reduce_scatter": routed * (h + 1) * a} if par.expert_tp > 1 else {}
+    if dispatcher != "alltoall" or par.expert_tp == 1:  # (flex: in its all-to-all, first_adapter_ep_skip)
+        return {}
+    return {f"{expert_tp_group(par)}/reduce_scatter": routed * (h + 1) * a}
+
+
+def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
+                          pp_rank: int, peft: PeftSpec | None, recompute: RecomputeSpec | None) -> dict[str, int]:
+    """Payload bytes per step the first layer's dispatcher does not run in backward over the
+    expert TP x EP group, as negative ``group/kind`` entries (measured at EP 2, TP 1 and TP2 + SP):
+    ``alltoall`` (EP > 1): the all-to-all of this rank's routed tokens' and probabilities'
+    gradients [T_l x k, h + 1] (the combine's all-to-all still runs backward); ``allgather``
+    (expert TP x EP > 1): the reduce-scatter of the gathered tokens' and probabilities' gradients
+    [G, h + E]. None under full recompute (Bridge makes the decoder's input require grad)."""
+    moe = spec.moe
+    if (moe is None or not starts_in_experts(spec, peft) or not par.is_first_stage(pp_rank, 0)
+            or (recompute is not None and recompute.granularity == "full")):
+        return {}
+    a, h, m = training.param_bytes, spec.hidden_size, training.num_microbatches
+    local = training.seq_length * training.micro_batch_size // par.tp  # this rank's T_l tokens
+    if options.moe_token_dispatcher_type == "allgather":
+        rows = local * par.expert_tp * par.ep
+        return {"tp_ep/reduce_scatter": -m * rows * (h + moe.num_experts) * a} if par.expert_tp * par.ep > 1 else {}
+    if options.moe_token_dispatcher_type == "alltoall" and par.ep > 1:
+        return {"ep/all_to_all": -m * local * moe.router_topk * (h + 1) * a}
+    if options.moe_token_dispatcher_type == "flex":
+        # NB: a formula (moe_grouped.flex_communication's backward less the combine's, which still runs):
+        # per (token, rank) sent, the gradient [h] and DeepEP's ETP x topk fp32 weights' gradient (HybridEP:
+        # the rank's E/EP fp32 probabilities).
+        sent = local * par.expert_tp * min(moe.router_topk, par.ep)
+        extra = (moe.num_experts // par.ep if options.moe_flex_dispatcher_backend == "hybridep"
+                 else par.expert_tp * moe.router_topk) * FP32_BYTES
+        return {f"{'ep' if par.expert_tp == 1 else 'tp_ep'}/all_to_all": -m * sent * (h * a + extra)}
+    return {}
+
+
+def first_adapter_unmeasured(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec | None) -> list[str]:
+    """The figures of this module that are formulas (CUDA-only experts or dispatcher)."""
+    if not starts_in_experts(spec, peft):
+        return []
+    out = []
+    if experts_module(options) == "TEGroupedMLP":
+        out.append("the first MoE layer's TEGroupedMLP experts under a frozen base whose first adapter is theirs: "
+                   "as SequentialMLP's (measured): from linear_fc1's shared adapter on, no activation output kept")
+    if options.moe_token_dispatcher_type == "flex":
+        out.append("the first MoE layer's flex dispatcher under a frozen base whose first adapter is an expert's: "
+                   "only the combine's sorted indices kept (DeepEP; HybridEP nothing), and no backward of the "
+                   "dispatch all-to-all (the combine's runs)")
+    return out

@@ -39,6 +39,7 @@ from megatron_flops.memory.moe import (
     moe_unmeasured,
     rerun_moe_layers,
 )
+from megatron_flops.memory.moe_lora_start import first_adapter_ep_skip, first_adapter_unmeasured
 from megatron_flops.memory.moe_grouped import check_grouped, grouped_lora_communication, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
 from megatron_flops.memory.kda_fla import kda_fla_unmeasured
@@ -107,6 +108,7 @@ def rank_memory(
                                                 fused=options.fused_norm_targets,
                                                 expert_adapters=experts_take_adapters(options)),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0),
+                  first_adapter_ep_skip(spec, options, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
                   grouped_lora_communication(spec, options, par, local, peft, moe_layers=moe_layers))
     peak = count = None
     per_mb = None
@@ -322,6 +324,7 @@ def decoder_memory(
         unmeasured += kda_fla_unmeasured(spec, training)
     unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None, peft=peft))
     unmeasured += tuple(expert_lora_unmeasured(spec, par, peft))
+    unmeasured += tuple(first_adapter_unmeasured(spec, options, peft))
     unmeasured += tuple(parallel_layer_unmeasured(
         options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
         selective=reason is None and recompute is not None and recompute.granularity == "selective"

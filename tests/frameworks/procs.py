@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -43,12 +43,6 @@ class RunFailed(AssertionError):
         self.ranks = ranks
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def child_env(pythonpath: list[Path] = ()) -> dict[str, str]:
     """The environment of a framework process: the repository (and ``pythonpath``) importable, one
     thread, and no ``MEGATRON_FLOPS*`` inherited (each run says what it wants). E1: torch.compile
@@ -65,9 +59,12 @@ def launch(python: str | Path, rank_args: list[str], *, world_size: int, workdir
     rank order. Raises ``RunFailed`` (with each rank's output tail) when a rank fails or the run
     times out."""
     workdir.mkdir(parents=True, exist_ok=True)
+    import mcore_cpu
+
     base = child_env(pythonpath)
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
-                LOCAL_WORLD_SIZE=str(world_size))
+    store = mcore_cpu.rendezvous_store(world_size)  # the ranks join it (no rank binds a port); held until they end
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), **mcore_cpu.AGENT_STORE_ENV,
+                WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     procs, logs = [], []
     for rank in range(world_size):
         log = open(workdir / f"rank{rank}.log", "w+")
@@ -103,3 +100,23 @@ def launch(python: str | Path, rank_args: list[str], *, world_size: int, workdir
     if any(r.returncode != 0 for r in ranks):
         raise RunFailed("a rank failed", ranks)
     return ranks
+
+
+def run_json(venv: str, script: str, arg: object, *, timeout_s: float = 1800) -> Any:
+    """``python -c script JSON(arg)`` in the framework venv ``venv`` (the calling test skips where it
+    cannot be made), with tests/ importable and as the working directory; the last line of its stdout,
+    parsed as JSON. A failure shows the tail of its stderr."""
+    import pytest
+
+    from frameworks import envs
+
+    try:
+        python = envs.ensure(venv)
+    except envs.Unavailable as exc:
+        pytest.skip(str(exc))
+    tests = REPO / "tests"
+    done = subprocess.run([str(python), "-c", script, json.dumps(arg)], capture_output=True, text=True,
+                          timeout=timeout_s, stdin=subprocess.DEVNULL, cwd=tests,
+                          env={**os.environ, "PYTHONPATH": str(tests)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

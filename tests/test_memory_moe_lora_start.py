@@ -1,0 +1,82 @@
+"""A frozen MoE first layer adapted on its experts only (:mod:`megatron_flops.memory.moe_lora_start`):
+the formulas for what CPU cannot run (TEGroupedMLP experts, the flex dispatcher), exact integers, and
+their labels. (Measured layouts: tests/test_memory_moe_lora_start_dist.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.moe_lora_start import (first_adapter_ep_skip, first_adapter_moe_reason,
+                                                  first_adapter_moe_saved, first_adapter_unmeasured)
+from megatron_flops.model.spec import ModelSpec
+
+# Mixtral-like: every layer MoE, top-4 of 4 experts, h = 48, fused SwiGLU; s = 16, b = 2 (T_l = 32), fp32, m = 2.
+FIELDS = dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72, num_moe_experts=4,
+              moe_router_topk=4, moe_ffn_hidden_size=56, moe_layer_freq=1, gated_linear_unit=True,
+              activation_func="silu", vocab_size=64)
+SPEC = ModelSpec.from_mapping(FIELDS)
+PEFT = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1", "linear_fc2"))
+TRAINING = Training(seq_length=16, micro_batch_size=2, num_microbatches=2, params_dtype="fp32")
+EP2 = Parallelism(tp=1, ep=2, dp=2)
+
+
+def options(**kw) -> DecoderOptions:
+    return DecoderOptions.from_mapping(dict(FIELDS, padded_vocab_size=64, add_bias_linear=False,
+                                            bias_activation_fusion=True, **kw))
+
+
+def test_alltoall_ep_skip():
+    # This rank's T_l x k = 32 x 4 = 128 routed tokens' gradients [128, h + 1] are not sent back through the
+    # dispatch all-to-all: 128 x 49 x 4 B = 25,088 B per micro-batch, x 2 (as measured at EP2).
+    assert first_adapter_ep_skip(SPEC, options(moe_token_dispatcher_type="alltoall"), EP2, TRAINING, pp_rank=0,
+                                 peft=PEFT, recompute=None) == {"ep/all_to_all": -50_176}
+    # Full recompute: Megatron-Bridge makes the decoder's input require grad, the backward runs.
+    full = RecomputeSpec(granularity="full", method="uniform", num_layers=1)
+    assert first_adapter_ep_skip(SPEC, options(moe_token_dispatcher_type="alltoall"), EP2, TRAINING, pp_rank=0,
+                                 peft=PEFT, recompute=full) == {}
+
+
+@pytest.mark.parametrize(("backend", "skipped"), [
+    # DeepEP: sent = T_l x ETP x min(k, EP) = 32 x 1 x 2 = 64 (token, rank) pairs, each the gradient [h] and the
+    # ETP x k = 4 fp32 weights' gradient: 64 x (48 x 4 + 4 x 4) = 13,312 B per micro-batch, x 2.
+    ("deepep", 26_624),
+    # HybridEP: [h] and the rank's E/EP = 2 fp32 probabilities: 64 x (192 + 8) = 12,800 B, x 2.
+    ("hybridep", 25_600),
+])
+def test_flex_ep_skip(backend, skipped):
+    opts = options(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
+    assert first_adapter_ep_skip(SPEC, opts, EP2, TRAINING, pp_rank=0, peft=PEFT, recompute=None) == \
+        {"ep/all_to_all": -skipped}
+
+
+def test_flex_dispatcher_keeps_only_the_combines_sorted_indices():
+    # n = T x k = 32 x 4 = 128 pairs reach this rank (balanced): DeepEP's unpermute keeps int64 [128] = 1,024 B;
+    # HybridEP permutes in its kernels. The experts keep the same as with alltoall but fp32 probabilities.
+    saved = {backend: first_adapter_moe_saved(SPEC, options(moe_token_dispatcher_type="flex",
+                                                            moe_flex_dispatcher_backend=backend), PEFT,
+                                              tokens=32, local_tokens=32, act=2, tp=1, ep=2)
+             for backend in ("deepep", "hybridep")}
+    assert saved["deepep"]["moe/dispatcher"] == 1_024 and saved["hybridep"]["moe/dispatcher"] == 0
+    alltoall = first_adapter_moe_saved(SPEC, options(moe_token_dispatcher_type="alltoall"), PEFT, tokens=32,
+                                       local_tokens=32, act=2, tp=1, ep=2)
+    # bf16 (act = 2): 128 probabilities x (4 - 2) B more in fp32.
+    assert saved["deepep"]["moe/experts"] - alltoall["moe/experts"] == 256
+    assert saved["deepep"]["lora"] == alltoall["lora"]
+
+
+def test_grouped_experts_save_as_sequential_and_are_labelled():
+    grouped = options(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, transformer_impl="transformer_engine")
+    sequential = options(moe_token_dispatcher_type="alltoall")
+    kw = dict(tokens=32, local_tokens=32, act=4, tp=1, ep=2)
+    assert first_adapter_moe_saved(SPEC, grouped, PEFT, **kw) == first_adapter_moe_saved(SPEC, sequential, PEFT, **kw)
+    assert first_adapter_moe_reason(SPEC, grouped, EP2, None, PEFT) is None
+    assert any("TEGroupedMLP" in note for note in first_adapter_unmeasured(SPEC, grouped, PEFT))
+    assert first_adapter_unmeasured(SPEC, sequential, PEFT) == []
+    # Megatron-Bridge 0.6.2's per-expert adapters, legacy GroupedMLP (no adapter): not modelled.
+    per_expert = PeftSpec(frozen=True, lora_rank=4, lora_targets=PEFT.lora_targets, grouped_expert_adapters="per-expert")
+    assert first_adapter_moe_reason(SPEC, grouped, EP2, None, per_expert) is not None
+    legacy = options(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, transformer_impl="local")
+    assert first_adapter_moe_reason(SPEC, legacy, EP2, None, PEFT) is not None
