@@ -19,10 +19,15 @@ import pytest
 
 from megatron_flops.cli import main
 from megatron_flops.flops.formulas import estimate, parse_rows
+from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.memory.activations import chunk_activations
-from megatron_flops.memory.comm import mtp_moe_layers, step_communication
+from megatron_flops.memory.comm import step_communication
 from megatron_flops.memory.decoder import DecoderOptions, chunk_parameters
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.mla_mtp import mla_mtp_tensor_parallel
+from megatron_flops.memory.mtp_layers import mtp_moe_layers
+from megatron_flops.memory.recompute import selective_rerun_communication
+from megatron_flops.memory.ssm import mamba_cp_all_to_all
 from megatron_flops.model.spec import ModelSpec
 
 SEQ, MBS, VOCAB = 16, 2, 128
@@ -262,3 +267,72 @@ def test_measured_in_megatron_core_019():
             assert measured["flops"] == estimate(_spec(pattern, **fields), parse_rows([SEQ] * MBS),
                                                  attention="full").total // tp
             assert measured["comm"] == _tp_traffic(pattern, par, **fields), (pattern, tp, sp)
+
+
+def test_full_recompute_reruns_the_mla_layers_of_each_mtp_depth():
+    # Under full uniform recompute a checkpointed MTP depth re-runs every layer of its part: each
+    # MLA layer's forward latent collectives once more, none for a part without MLA. TP 2 + SP,
+    # T = 32, fp32: per MLA layer forward T x (64 + 32 + 48 + 32 + 32) = 6,656 and backward
+    # T x (64 + 32 + 32 + 32 + 32) = 6,144 elements gathered, so a re-run one 2 x 6,656 + 6,144.
+    # One depth of "+-+-" against one of "M-" (the same MTP wrapper terms): 2 re-run MLA layers.
+    full = RecomputeSpec(granularity="full", method="uniform", num_layers=1)
+    sp = Parallelism(tp=2, sequence_parallel=True)
+
+    def gathered(pattern: str) -> int:
+        return mla_mtp_tensor_parallel(_spec(pattern, **MLA), sp, FP32, num_layers=1, rerun=1, last=True,
+                                       recompute=full, learned_positions=False, duplicated=False)["tp/all_gather"]
+
+    assert 2 * (2 * 6_656 + 6_144) * 4 == 155_648
+    assert gathered("M+-M/+-+-") - gathered("M+-M/M-") == 155_648
+
+
+def test_selective_recompute_reruns_the_moe_and_mla_layers_of_the_mtp_part():
+    # Selective moe re-runs every MoE layer's shared experts, the MTP part's too: "M*EM/*E*E" has 1
+    # main and 2 MTP MoE layers, each a dense-MLP-sized run under TP 2 + SP, fc1's input gathered and
+    # fc2's output reduce-scattered, T x h x 4 = 32 x 64 x 4 = 8,192 bytes each.
+    moe = _spec("M*EM/*E*E", num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                moe_shared_expert_intermediate_size=32)
+    sp = Parallelism(tp=2, sequence_parallel=True)
+    rerun_moe = RecomputeSpec(granularity="selective", modules=("moe",))
+    assert selective_rerun_communication(moe, sp, FP32, pp_rank=0, recompute=rerun_moe, peft=None) == {
+        "tp/all_gather": 3 * 8_192, "tp/reduce_scatter": 3 * 8_192}
+    # Selective mla_up_proj gathers each MLA layer's latents again, T x (32 + 32) x 4 = 8,192: the
+    # main "+" only, the MTP part "M-" has no MLA layer.
+    mla = _spec("M+-M/M-", **MLA)
+    rerun_up = RecomputeSpec(granularity="selective", modules=("mla_up_proj",))
+    assert selective_rerun_communication(mla, sp, FP32, pp_rank=0, recompute=rerun_up, peft=None) == {
+        "tp/all_gather": 8_192}
+
+
+def test_full_recompute_reruns_one_sub_block_per_hybrid_layer():
+    # Full uniform recompute re-runs each layer's forward: a hybrid layer's one sub-block gathers
+    # its column-parallel input and reduce-scatters its row-parallel output once more under TP 2 +
+    # SP, T x h x 4 = 8,192 bytes each. "M*-M": 4 sub-blocks, +4 of each. An MTP depth "*-*-" (4
+    # sub-blocks) re-runs its wrapper (eh_proj's gathers, the output layer's call: 3 gathers) and
+    # its 4 sub-blocks: +7 gathers, +4 reduce-scatters; a depth "M" (1 sub-block) +4 and +1.
+    full = RecomputeSpec(granularity="full", method="uniform", num_layers=1)
+    sp = Parallelism(tp=2, sequence_parallel=True)
+
+    def added(pattern: str) -> tuple[int, int]:
+        def traffic(recompute: RecomputeSpec | None) -> dict[str, int]:
+            return step_communication(_spec(pattern), OPTIONS, sp, FP32, pp_rank=0, buffers={}, recompute=recompute)
+        before, after = traffic(None), traffic(full)
+        return tuple(after[k] - before[k] for k in ("tp/all_gather", "tp/reduce_scatter"))
+
+    assert added("M*-M") == (4 * 8_192, 4 * 8_192)
+    assert added("M*-M/*-*-") == ((4 + 7) * 8_192, (4 + 4) * 8_192)
+    assert added("M*-M/M") == ((4 + 4) * 8_192, (4 + 1) * 8_192)
+
+
+def test_full_recompute_reruns_the_mamba_all_to_alls_of_the_mtp_part_under_cp():
+    # Under CP each Mamba layer all-to-alls forward and backward, and once more when full recompute
+    # re-runs it: "M*-M/M*" at CP 2 has 2 main and 1 MTP Mamba layer, all re-run (uniform; the MTP
+    # depth checkpointed as a whole): 3 more passes than without recompute.
+    full = RecomputeSpec(granularity="full", method="uniform", num_layers=1)
+    spec, cp = _spec("M*-M/M*"), Parallelism(cp=2)
+    one = mamba_cp_all_to_all(spec, tokens=SEQ * MBS, tp=1, cp=2, act=4)  # (the tokens step_communication is given)
+
+    def all_to_all(recompute: RecomputeSpec | None) -> int:
+        return step_communication(spec, OPTIONS, cp, FP32, pp_rank=0, buffers={}, recompute=recompute)["cp/all_to_all"]
+
+    assert all_to_all(None) == 6 * one and all_to_all(full) == 9 * one

@@ -260,3 +260,30 @@ def test_transformer_engine_mla_up_proj_recomputes_the_fused_latent_norms():
                                     training, pp_rank=0, chunk=0, recompute=recompute)
             for impl in ("local", "transformer_engine")}
     assert kept["local"].forward - kept["transformer_engine"].forward == 2 * (3328 + 4352)
+
+
+def test_selective_moe_reruns_routed_expert_adapters_only_where_they_gather():
+    # 2 MoE layers (4 experts, top-2, no shared experts), [s, b] = [16, 2] = 32 tokens, bf16, LoRA
+    # rank 4 on linear_fc1/linear_fc2, TP2 + SP. Each re-run layer (selective moe) runs the dispatcher
+    # size of a dense MLP again, 32 x 64 x 2 = 4,096 bytes gathered and reduce-scattered, and its
+    # routed experts' adapters all-gather over expert TP [n, r] and [n, h] for n = 32 / TP x ETP x 2:
+    # at ETP = TP 2, n = 64, 64 x 2 x (4 + 64) = 8,704 bytes. At ETP 1 (EP 2) they gather nothing,
+    # and legacy GroupedMLP experts (no linear_fc1/linear_fc2 modules) have no adapter.
+    from megatron_flops.memory.recompute import selective_rerun_communication
+
+    spec = ModelSpec.from_mapping(dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_layers=2,
+                                       vocab_size=128, add_bias_linear=False, num_moe_experts=4, moe_router_topk=2,
+                                       moe_ffn_hidden_size=64))
+    training = Training(seq_length=16, micro_batch_size=2, num_microbatches=1, params_dtype="bf16")
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_proj", "linear_fc1", "linear_fc2"))
+    recompute = RecomputeSpec(granularity="selective", modules=("moe",))
+
+    def reruns(par: Parallelism, **kw: bool) -> dict[str, int]:
+        return selective_rerun_communication(spec, par, training, pp_rank=0, recompute=recompute, peft=peft, **kw)
+
+    assert 64 * 2 * (4 + 64) == 8_704
+    etp2 = Parallelism(tp=2, sequence_parallel=True)
+    assert reruns(etp2) == {"tp/all_gather": 2 * (4_096 + 8_704), "tp/reduce_scatter": 2 * 4_096}
+    assert reruns(etp2, expert_adapters=False) == {"tp/all_gather": 2 * 4_096, "tp/reduce_scatter": 2 * 4_096}
+    etp1 = Parallelism(tp=2, sequence_parallel=True, ep=2, etp=1, dp=2)
+    assert reruns(etp1) == {"tp/all_gather": 2 * 4_096, "tp/reduce_scatter": 2 * 4_096}

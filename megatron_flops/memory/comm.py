@@ -49,7 +49,8 @@ from megatron_flops.memory.mla_mtp import (fully_recomputed_layers, mla_layer_co
 from megatron_flops.memory.moe import moe_communication, rerun_moe_layers
 from megatron_flops.memory.linear_cp import CP_MIXERS, linear_cp_communication
 from megatron_flops.memory.ssm import mamba_cp_all_to_all, missing_blocks
-from megatron_flops.memory.mtp_layers import acceptance_all_gather, last_stage_mtp_kinds, mtp_sub_blocks
+from megatron_flops.memory.mtp_layers import (acceptance_all_gather, last_stage_mtp_kinds, mtp_moe_layers,
+                                              mtp_sub_blocks)
 from megatron_flops.memory.states import Bucket
 from megatron_flops.flops.passes import RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
@@ -141,9 +142,7 @@ def step_communication(
                                      fused_latent_norms=spec.mla is not None and options.duplicated_mla_down)
     if par.tp > 1 and replicated > 1:
         out["tp/all_reduce"] = replicated * training.grad_bytes
-    act = training.param_bytes
-    tokens = training.seq_length * training.micro_batch_size
-    hidden = tokens * spec.hidden_size * act  # one [s, b, h] activation
+    hidden = training.seq_length * training.micro_batch_size * spec.hidden_size * training.param_bytes  # [s, b, h]
     m = training.num_microbatches
     add = lambda key, value: out.__setitem__(key, out.get(key, 0) + value) if value else None  # noqa: E731
     add("embd/all_reduce", embedding_all_reduce(spec, options, par, training, pp_rank=pp_rank, buffers=buffers))
@@ -161,66 +160,90 @@ def step_communication(
             add("pp/send_recv", m * (hidden // sp + shape) * 2 * ((not first) + (not last)))
         moe_layers = sum(kinds[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
         if par.tp > 1:
-            rerun = fully_recomputed_layers(recompute, len(layers))
-            for key, count in tensor_parallel_activations(options, par, len(layers), rerun, first, last).items():
-                add(key, m * hidden * count)
-            for key, count in tensor_parallel_activations(options, par, missing_blocks(kinds, layers), 0, False,
-                                                          False).items():
-                add(key, -m * hidden * count // 2)  # a hybrid layer has one sub-block: half a layer's traffic
-            # (MTP: each depth priced as a decoder layer's 2 sub-blocks; a hybrid MTP part has its own count)
-            extra = (mtp_sub_blocks(spec) - 2) * spec.mtp_num_layers if last else 0
-            for key, count in tensor_parallel_activations(options, par, abs(extra), 0, False, False).items():
-                add(key, m * hidden * count // 2 * (1 if extra > 0 else -1))
-            add("tp/all_gather", m * acceptance_all_gather(spec, par, training, last=last))
-            if last:
-                add("tp/all_reduce", m * tokens * 4 * CE_REDUCTIONS)
-            learned = options.position_embedding_type == "learned_absolute"
-            chunk_kinds = [kinds[i] for i in layers]  # (MLA: only the attention layers of a hybrid pattern)
-            for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=mla_layer_count(chunk_kinds),
-                                                      rerun=mla_layer_count(chunk_kinds[:rerun]), last=last,
-                                                      recompute=recompute, learned_positions=learned,
-                                                      duplicated=options.duplicated_mla_down).items():
-                add(key, m * value)
-            for key, value in dsa_tensor_parallel(spec, par, training, layers=list(layers), last=last,
-                                                  recompute=recompute).items():
+            for key, value in _tensor_parallel_chunk(spec, options, par, training, layers=layers, first=first,
+                                                     last=last, recompute=recompute).items():
                 add(key, m * value)
         if par.cp > 1:
-            # NB: a formula, not measured (no context-parallel attention on CPU): Transformer
-            # Engine's ring attention passes each layer's K and V [s/CP, b, groups/TP, d] round
-            # the CP ring, CP-1 steps forward, and K, V and their gradients backward.
-            # A hybrid pattern's Mamba layers all-to-all instead (:func:`~.ssm.mamba_cp_all_to_all`,
-            # forward, backward and a full recompute's rerun); its MLP-only layers pass nothing.
-            kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
-            # (and the last stage's MTP layers, whose attention is the last decoder layer's kind)
-            no_ring = ("mamba", "none", *CP_MIXERS)
-            mtp_kinds = last_stage_mtp_kinds(spec, last)  # (every depth's layers: :mod:`.mtp_layers`)
-            ring = sum(kinds[i][0] not in no_ring for i in layers) + sum(m not in no_ring for m, _ in mtp_kinds)
-            add("cp/send_recv", m * ring * (par.cp - 1) * 2 * (kv + 2 * kv))
-            mamba = [kinds[i][0] == "mamba" for i in layers]
-            passes = 2 * sum(mamba) + sum(mamba[:fully_recomputed_layers(recompute, len(layers))]) \
-                + 2 * sum(m == "mamba" for m, _ in mtp_kinds)
-            if passes:
-                add("cp/all_to_all", m * passes * mamba_cp_all_to_all(spec, tokens=tokens, tp=par.tp, cp=par.cp,
-                                                                      act=act))
-            # GDN and DSA layers: megatron-core 0.19.0's own all-to-alls and all-gathers (:mod:`.linear_cp`).
-            for key, value in linear_cp_communication(spec, [kinds[i][0] for i in layers], tokens=tokens,
-                                                      s=training.seq_length, b=training.micro_batch_size, par=par,
-                                                      act=act, reruns=fully_recomputed_layers(recompute, len(layers))
-                                                      ).items():
+            for key, value in _context_parallel_chunk(spec, par, training, layers=layers, last=last,
+                                                      recompute=recompute).items():
                 add(key, m * value)
-            # NB: the last stage's MTP layers too, their GDN or DSA mixers (:mod:`.mtp_layers`), re-run as
-            # :func:`~.mla_mtp.mtp_recomputed` says.
-            mtp = [mixer for mixer, _ in mtp_kinds if mixer in CP_MIXERS]
-            if mtp:
-                for key, value in linear_cp_communication(spec, mtp, tokens=tokens, s=training.seq_length,
-                                                          b=training.micro_batch_size, par=par, act=act,
-                                                          reruns=len(mtp) if mtp_recomputed(spec, recompute) else 0
-                                                          ).items():
-                    add(key, m * value)
         if moe_layers:
             rerun_moe = rerun_moe_layers(spec, recompute, layers, last=last)
             for key, value in moe_communication(spec, options, par, training, moe_layers, rerun_moe).items():
                 add(key, m * value)
+    return out
+
+
+def _tensor_parallel_chunk(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
+                           layers: range, first: bool, last: bool, recompute: RecomputeSpec | None) -> dict[str, int]:
+    """``tp/*`` payload bytes per micro-batch of one model chunk's activations (TP > 1): its dense
+    sub-blocks (:func:`tensor_parallel_activations`), the MTP depths on the last stage, the loss's
+    reductions, MLA's and DSA's own collectives."""
+    out: dict[str, int] = {}
+    add = lambda key, value: out.__setitem__(key, out.get(key, 0) + value) if value else None  # noqa: E731
+    kinds = spec.layers
+    hidden = training.seq_length * training.micro_batch_size * spec.hidden_size * training.param_bytes
+    rerun = fully_recomputed_layers(recompute, len(layers))
+    for key, count in tensor_parallel_activations(options, par, len(layers), rerun, first, last).items():
+        add(key, hidden * count)
+    # (a hybrid layer has one sub-block: half a layer's traffic, its re-run forward's too)
+    for key, count in tensor_parallel_activations(options, par, missing_blocks(kinds, layers),
+                                                  missing_blocks(kinds, layers[:rerun]), False, False).items():
+        add(key, -hidden * count // 2)
+    # (MTP: each depth priced as a decoder layer's 2 sub-blocks; a hybrid MTP part has its own count)
+    extra = (mtp_sub_blocks(spec) - 2) * spec.mtp_num_layers if last else 0
+    extra_rerun = abs(extra) if mtp_recomputed(spec, recompute) else 0
+    for key, count in tensor_parallel_activations(options, par, abs(extra), extra_rerun, False, False).items():
+        add(key, hidden * count // 2 * (1 if extra > 0 else -1))
+    add("tp/all_gather", acceptance_all_gather(spec, par, training, last=last))
+    if last:
+        add("tp/all_reduce", training.seq_length * training.micro_batch_size * 4 * CE_REDUCTIONS)
+    learned = options.position_embedding_type == "learned_absolute"
+    chunk_kinds = [kinds[i] for i in layers]  # (MLA: only the attention layers of a hybrid pattern)
+    for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=mla_layer_count(chunk_kinds),
+                                              rerun=mla_layer_count(chunk_kinds[:rerun]), last=last,
+                                              recompute=recompute, learned_positions=learned,
+                                              duplicated=options.duplicated_mla_down).items():
+        add(key, value)
+    for key, value in dsa_tensor_parallel(spec, par, training, layers=list(layers), last=last,
+                                          recompute=recompute).items():
+        add(key, value)
+    return out
+
+
+def _context_parallel_chunk(spec: ModelSpec, par: Parallelism, training: Training, *, layers: range, last: bool,
+                            recompute: RecomputeSpec | None) -> dict[str, int]:
+    """``cp/*`` (and DSA's ``tp/*`` under CP) payload bytes per micro-batch of one model chunk's
+    layers and, on the last stage, its MTP depths (CP > 1).
+
+    NB: a formula, not measured (no context-parallel attention on CPU): Transformer Engine's ring
+    attention passes each layer's K and V [s/CP, b, groups/TP, d] round the CP ring, CP-1 steps
+    forward, and K, V and their gradients backward. A hybrid pattern's Mamba layers all-to-all
+    instead (:func:`~.ssm.mamba_cp_all_to_all`, forward, backward and a full recompute's rerun);
+    its MLP-only layers pass nothing. GDN and DSA layers: megatron-core 0.19.0's own all-to-alls
+    and all-gathers (:mod:`.linear_cp`)."""
+    out: dict[str, int] = {}
+    add = lambda key, value: out.__setitem__(key, out.get(key, 0) + value) if value else None  # noqa: E731
+    act, tokens = training.param_bytes, training.seq_length * training.micro_batch_size
+    kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
+    rerun = fully_recomputed_layers(recompute, len(layers))
+    mixers = [spec.layers[i][0] for i in layers]
+    # (the last stage's MTP depths too: every layer of each, :mod:`.mtp_layers`, re-run as
+    # :func:`~.mla_mtp.mtp_recomputed` says)
+    mtp = [mixer for mixer, _ in last_stage_mtp_kinds(spec, last)]
+    mtp_rerun = len(mtp) if mtp_recomputed(spec, recompute) else 0
+    no_ring = ("mamba", "none", *CP_MIXERS)
+    ring = sum(mixer not in no_ring for mixer in mixers + mtp)
+    add("cp/send_recv", ring * (par.cp - 1) * 2 * (kv + 2 * kv))
+    passes = sum(2 * (mixer == "mamba") for mixer in mixers + mtp) \
+        + sum(mixer == "mamba" for mixer in mixers[:rerun] + mtp[:mtp_rerun])
+    if passes:
+        add("cp/all_to_all", passes * mamba_cp_all_to_all(spec, tokens=tokens, tp=par.tp, cp=par.cp, act=act))
+    for chunk_mixers, reruns in ((mixers, rerun), ([mixer for mixer in mtp if mixer in CP_MIXERS], mtp_rerun)):
+        for key, value in linear_cp_communication(spec, chunk_mixers, tokens=tokens, s=training.seq_length,
+                                                  b=training.micro_batch_size, par=par, act=act,
+                                                  reruns=min(reruns, len(chunk_mixers))).items():
+            add(key, value)
     return out
 
 
@@ -242,11 +265,6 @@ def sequence_parallel_slice(training: Training, par: Parallelism) -> Training:
     if par.tp == 1:
         return training
     return replace(training, seq_length=training.seq_length // par.tp)
-
-
-def mtp_moe_layers(spec: ModelSpec, last: bool) -> int:
-    """MoE layers inside the multi-token-prediction block (on the last stage)."""
-    return sum(ffn == "moe" for _, ffn in last_stage_mtp_kinds(spec, last))
 
 
 def bus_bytes(payload: Mapping[str, int], group_sizes: Mapping[str, int]) -> dict[str, int]:

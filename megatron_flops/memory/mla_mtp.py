@@ -104,13 +104,15 @@ def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Trainin
         return {}
     tokens = training.seq_length * training.micro_batch_size
     mtp = spec.mtp_num_layers if last else 0
-    mtp_rerun = mtp if mtp_recomputed(spec, recompute) else 0
+    recomputed = mtp_recomputed(spec, recompute)  # (a checkpointed depth re-runs every one of its layers)
     out: dict[str, int] = {}
     mla_tp = _mla_tp_duplicated if duplicated else _mla_tp
     # (a hybrid MTP part's MLA layers: those of its mixers that are attention, :mod:`.mtp_layers`)
     mtp_mla = mla_layer_count(last_stage_mtp_kinds(spec, last))
-    for part in (mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp_mla, rerun + mtp_rerun),
-                 _mtp_tp(spec.hidden_size * tokens, par.sequence_parallel, mtp, mtp_rerun, learned_positions)):
+    for part in (mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp_mla,
+                        rerun + (mtp_mla if recomputed else 0)),
+                 _mtp_tp(spec.hidden_size * tokens, par.sequence_parallel, mtp, mtp if recomputed else 0,
+                         learned_positions)):
         for key, count in part.items():
             out[key] = out.get(key, 0) + count * training.param_bytes
     if mtp:

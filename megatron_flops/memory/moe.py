@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import INDEX_BYTES, Parallelism, Training
 from megatron_flops.memory.mla_mtp import mtp_recomputed
-from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds
+from megatron_flops.memory.mtp_layers import mtp_moe_layers
 from megatron_flops.memory.moe_grouped import (expert_elements, flex_communication, flex_dispatcher_saved,
                                                probability_bytes)
 from megatron_flops.flops.passes import RecomputeSpec
@@ -191,7 +191,7 @@ def rerun_moe_layers(spec: ModelSpec, recompute: RecomputeSpec | None, layers: S
     if recompute is None or (recompute.granularity != "full" and "moe" not in recompute.modules):
         return 0
     moe = layer_is_moe(spec, layers)
-    mtp = sum(ffn == "moe" for _, ffn in last_stage_mtp_kinds(spec, last))  # (:mod:`.mtp_layers`)
+    mtp = mtp_moe_layers(spec, last)  # (:mod:`.mtp_layers`)
     if recompute.granularity == "selective":
         return sum(moe) + mtp
     if recompute.method == "block":

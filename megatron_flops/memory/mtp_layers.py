@@ -43,6 +43,11 @@ def last_stage_mtp_kinds(spec: ModelSpec, last: bool) -> list[tuple[str, str]]:
     return mtp_kinds(spec) * spec.mtp_num_layers if last else []
 
 
+def mtp_moe_layers(spec: ModelSpec, last: bool) -> int:
+    """MoE layers of every MTP depth on a model chunk (the last stage's; none elsewhere)."""
+    return sum(ffn == "moe" for _, ffn in last_stage_mtp_kinds(spec, last))
+
+
 def mtp_sub_blocks(spec: ModelSpec) -> int:
     """Sub-blocks (mixers and feed-forward parts, each with one TP collective pair) of one MTP
     depth: 2 for a GPT's decoder layer."""

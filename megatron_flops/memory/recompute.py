@@ -31,6 +31,8 @@ from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.lora import adapter_forward_payload, input_widths, mla_targets
 from megatron_flops.memory.lora_layers import expert_adapter_payload
+from megatron_flops.memory.moe import expert_tp_group
+from megatron_flops.memory.mtp_layers import last_stage_mtp_kinds, mtp_moe_layers
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
@@ -82,12 +84,13 @@ def selective_unmeasured(options: DecoderOptions, recompute: RecomputeSpec | Non
 
 def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: Training, *, pp_rank: int,
                                   recompute: RecomputeSpec | None, peft: PeftSpec | None,
-                                  fused: tuple[str, ...] = ()) -> dict[str, int]:
+                                  fused: tuple[str, ...] = (), expert_adapters: bool = True) -> dict[str, int]:
     """``tp/*`` payload per step of the MLPs selective ``mlp`` recompute re-runs on pipeline rank
     ``pp_rank`` (see the module doc), and of the shared experts ``moe`` and ``shared_experts``
     re-run; {} at TP 1 or without them. ``fused``: the targets Transformer Engine builds with a norm
     fused in (a dense MLP's ``linear_fc1``, MLA's up projections with latent norms), whose adapters under
-    sequence parallelism gather nothing of their own."""
+    sequence parallelism gather nothing of their own; ``expert_adapters``: whether the routed experts
+    have adapters (as :func:`~megatron_flops.memory.lora_layers.lora_tp_communication`)."""
     if par.tp == 1 or recompute is None or recompute.granularity != "selective":
         return {}
     kinds = spec.layers
@@ -110,7 +113,7 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
         out[key] += shared * value
     if spec.moe is not None and peft is not None and peft.lora_rank is not None:
         _add_expert_adapter_reruns(out, spec, par, recompute, peft, layers, pp_rank, shared=shared, tokens=tokens,
-                                   act=act)
+                                   act=act, routed=expert_adapters)
     mla = _mla_up_proj_reruns(spec, par, recompute, layers, pp_rank, peft)
     if mla and spec.mla is not None:
         q = spec.mla.q_lora_rank if spec.mla.q_lora_rank is not None else spec.hidden_size
@@ -126,22 +129,25 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
 
 def _add_expert_adapter_reruns(out: dict[str, int], spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec,
                                peft: PeftSpec, layers: list[int], pp_rank: int, *, shared: int, tokens: int,
-                               act: int) -> None:
+                               act: int, routed: bool) -> None:
     """Add the forward collectives of the LoRA adapters that selective ``moe`` and
     ``shared_experts`` re-run per micro-batch: the shared experts' ``linear_fc1``/``linear_fc2``
     adapters as a dense MLP's, once per ``shared`` re-run, and each re-run MoE layer's routed-expert
-    adapters (:func:`~megatron_flops.memory.lora_layers.expert_adapter_payload`, balanced routing)."""
+    adapters when they exist (``routed``) and split over expert TP > 1
+    (:func:`~megatron_flops.memory.lora_layers.expert_adapter_payload` over the expert TP group,
+    balanced routing: ``s/TP*b x ETP x topk`` tokens, as
+    :func:`~megatron_flops.memory.lora_layers.lora_tp_communication` counts their first run)."""
     assert spec.moe is not None
     if spec.moe.shared_expert_ffn_hidden_size:
         for key, value in adapter_forward_payload(peft, ("linear_fc1", "linear_fc2"), tokens, spec.hidden_size, act,
                                                   sp=par.sequence_parallel).items():
             out[key] = out.get(key, 0) + shared * value
-    if "moe" in recompute.modules:
+    if "moe" in recompute.modules and routed and par.expert_tp > 1:
         last = par.is_last_stage(pp_rank, par.num_chunks - 1)
-        moe = sum(spec.layers[i][1] == "moe" for i in layers) + (spec.mtp_num_layers if last and spec.mtp_ffn == "moe"
-                                                                  else 0)
-        out["tp/all_gather"] = out.get("tp/all_gather", 0) + moe * expert_adapter_payload(
-            spec, peft, routed=tokens * spec.moe.router_topk, act=act)
+        moe = sum(spec.layers[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
+        key = f"{expert_tp_group(par)}/all_gather"
+        out[key] = out.get(key, 0) + moe * expert_adapter_payload(
+            spec, peft, routed=tokens // par.tp * par.expert_tp * spec.moe.router_topk, act=act)
 
 
 def _mla_up_proj_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],
@@ -155,7 +161,8 @@ def _mla_up_proj_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeS
         return 0
     last = par.is_last_stage(pp_rank, par.num_chunks - 1)
     mla_kinds = ("attention", "dsa", "dsa_shared")
-    num = sum(spec.layers[i][0] in mla_kinds for i in layers) + (spec.mtp_num_layers if last else 0)
+    mtp = [mixer for mixer, _ in last_stage_mtp_kinds(spec, last)]  # (a hybrid MTP part: its MLA layers only)
+    num = sum(mixer in mla_kinds for mixer in [spec.layers[i][0] for i in layers] + mtp)
     down = peft is not None and bool({"linear_q_down_proj", "linear_kv_down_proj"} & set(peft.lora_targets))
     return num - bool(peft is not None and peft.frozen and not down and par.is_first_stage(pp_rank, 0) and layers
                       and layers[0] == 0 and spec.layers[0][0] in mla_kinds)
@@ -173,8 +180,7 @@ def _shared_expert_reruns(spec: ModelSpec, par: Parallelism, recompute: Recomput
     if spec.moe is None:
         return 0
     last = par.is_last_stage(pp_rank, par.num_chunks - 1)
-    moe = sum(spec.layers[i][1] == "moe" for i in layers) + (spec.mtp_num_layers if last and spec.mtp_ffn == "moe"
-                                                              else 0)
+    moe = sum(spec.layers[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
     runs = moe if "moe" in recompute.modules else 0
     if spec.moe.shared_expert_ffn_hidden_size and "shared_experts" in recompute.modules:
         runs += moe

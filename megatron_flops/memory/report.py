@@ -16,7 +16,6 @@ from megatron_flops.memory.activations import (
 )
 from megatron_flops.memory.comm import (
     bus_bytes,
-    mtp_moe_layers,
     sequence_parallel_slice,
     step_communication,
 )
@@ -30,6 +29,7 @@ from megatron_flops.memory.hf_qk_norms import hf_attention_notes
 from megatron_flops.memory.lora import lora_duplicated_unmeasured, lora_fused_norm_unmeasured
 from megatron_flops.memory.lora_layers import expert_lora_unmeasured, lora_tp_communication
 from megatron_flops.memory.mla_mtp import mla_mtp_assumptions, mla_unmeasured
+from megatron_flops.memory.mtp_layers import mtp_moe_layers
 from megatron_flops.memory.moe import (
     all_to_all_range,
     check_moe,
@@ -97,37 +97,19 @@ def rank_memory(
     check_moe(spec, options, par)
     check_grouped(spec, options, par, training, recompute, peft)
     vision = vision or VisionMemory(params=(), activations=None)
-    states: dict[str, int] = {}
-    buffers: dict[str, list[Bucket]] = {"dp": [], "expt_dp": []}
-    sizes = {"dp": par.dp * par.cp, "expt_dp": par.expert_dp}
-    ranks = {"dp": dp_rank, "expt_dp": par.expert_dp_rank(dp_rank)}
-    for chunk in range(par.num_chunks):
-        params = chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk,
-                                  seq_length=training.seq_length, peft=peft)
-        params = vision.chunk_params(par.is_first_stage(pp_rank, chunk)) + params
-        # NB: megatron-core buckets only the first model chunk of the first pipeline rank.
-        bucket_size = training.bucket_size if chunk == 0 and pp_rank == 0 else None
-        chunk_buckets = chunk_buffers(params, dp=sizes["dp"], expert_dp=sizes["expt_dp"],
-                                      distributed_optimizer=par.distributed_optimizer, bucket_size=bucket_size)
-        for group, buckets in chunk_buckets.items():
-            buffers[group] += buckets
-        chunk_states = chunk_state_bytes(params, chunk_buckets, training, sizes=sizes, ranks=ranks,
-                                         distributed_optimizer=par.distributed_optimizer)
-        for key, value in chunk_states.components.items():
-            states[key] = states.get(key, 0) + value
+    states, buffers = _rank_states(spec, options, par, training, pp_rank=pp_rank, dp_rank=dp_rank, peft=peft,
+                                   vision=vision)
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
-    _add_payloads(comm, lora_tp_communication(spec, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute,
-                                        duplicated=options.duplicated_mla_down, fused=options.fused_norm_targets,
-                                        expert_adapters=experts_take_adapters(options),
-                                        dispatcher=options.moe_token_dispatcher_type),
+    moe_layers = sum(sum(layer_is_moe(spec, par.chunk_layers(spec.num_layers, pp_rank, c)))
+                     + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c)) for c in range(par.num_chunks))
+    _add_payloads(comm, _lora_tp(spec, options, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft,
-                                                fused=options.fused_norm_targets),
+                                                fused=options.fused_norm_targets,
+                                                expert_adapters=experts_take_adapters(options)),
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0),
                   first_adapter_ep_skip(spec, options, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
-                  grouped_lora_communication(spec, options, par, local, peft, moe_layers=sum(
-                      sum(layer_is_moe(spec, par.chunk_layers(spec.num_layers, pp_rank, c)))
-                      + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c)) for c in range(par.num_chunks))))
+                  grouped_lora_communication(spec, options, par, local, peft, moe_layers=moe_layers))
     peak = count = None
     per_mb = None
     bounds = None
@@ -152,6 +134,43 @@ def rank_memory(
                       activations_per_microbatch=per_mb, communication=comm,
                       communication_ranges=_routing_ranges(spec, options, par, local, pp_rank, recompute, comm, peft),
                       activations_range=bounds)
+
+
+def _rank_states(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *, pp_rank: int,
+                 dp_rank: int, peft: PeftSpec | None,
+                 vision: VisionMemory) -> tuple[dict[str, int], dict[str, list[Bucket]]]:
+    """(state bytes, gradient buffers' buckets by group) of every model chunk of pipeline rank
+    ``pp_rank`` on data-parallel rank ``dp_rank`` (a VLM's tower on the first stage's chunk 0)."""
+    states: dict[str, int] = {}
+    buffers: dict[str, list[Bucket]] = {"dp": [], "expt_dp": []}
+    sizes = {"dp": par.dp * par.cp, "expt_dp": par.expert_dp}
+    ranks = {"dp": dp_rank, "expt_dp": par.expert_dp_rank(dp_rank)}
+    for chunk in range(par.num_chunks):
+        params = chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk,
+                                  seq_length=training.seq_length, peft=peft)
+        params = vision.chunk_params(par.is_first_stage(pp_rank, chunk)) + params
+        # NB: megatron-core buckets only the first model chunk of the first pipeline rank.
+        bucket_size = training.bucket_size if chunk == 0 and pp_rank == 0 else None
+        chunk_buckets = chunk_buffers(params, dp=sizes["dp"], expert_dp=sizes["expt_dp"],
+                                      distributed_optimizer=par.distributed_optimizer, bucket_size=bucket_size)
+        for group, buckets in chunk_buckets.items():
+            buffers[group] += buckets
+        chunk_states = chunk_state_bytes(params, chunk_buckets, training, sizes=sizes, ranks=ranks,
+                                         distributed_optimizer=par.distributed_optimizer)
+        for key, value in chunk_states.components.items():
+            states[key] = states.get(key, 0) + value
+    return states, buffers
+
+
+def _lora_tp(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *, pp_rank: int,
+             peft: PeftSpec | None, recompute: RecomputeSpec | None, received: int | None = None) -> dict[str, int]:
+    """:func:`~megatron_flops.memory.lora_layers.lora_tp_communication` with what ``options`` says of
+    the layers (Transformer Engine's duplicated MLA down projections and fused norms, the experts'
+    module, the dispatcher): one call for the balanced figures and the routing ranges alike."""
+    return lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
+                                 received=received, duplicated=options.duplicated_mla_down,
+                                 fused=options.fused_norm_targets, expert_adapters=experts_take_adapters(options),
+                                 dispatcher=options.moe_token_dispatcher_type)
 
 
 def _add_payloads(total: dict[str, int], *extras: dict[str, int]) -> None:
@@ -203,12 +222,8 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
                 balanced = at[0].get(key, 0)
                 out[key] = (lo + m * (at[1].get(key, 0) - balanced), hi + m * (at[2].get(key, 0) - balanced))
     if peft is not None and peft.lora_rank is not None and par.expert_tp > 1:
-        payloads = [lora_tp_communication(spec, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
-                                          received=received, duplicated=options.duplicated_mla_down,
-                                          fused=options.fused_norm_targets,
-                                          expert_adapters=experts_take_adapters(options),
-                                          dispatcher=options.moe_token_dispatcher_type)
-                    for received in (None, fewest, most)]
+        payloads = [_lora_tp(spec, options, par, training, pp_rank=pp_rank, peft=peft, recompute=recompute,
+                             received=received) for received in (None, fewest, most)]
         for key in (f"{expert_tp_group(par)}/all_gather", f"{expert_tp_group(par)}/reduce_scatter"):
             lora = [p.get(key, 0) for p in payloads]
             if lora[1] != lora[2]:
