@@ -20,7 +20,7 @@ from megatron_flops.memory.fsdp import fsdp_rank_memory, real_rows, shard_rows
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.report import decoder_memory, rank_memory
 from megatron_flops.memory.states import buffer_buckets, chunk_buffers, chunk_state_bytes, shard_numel
-from megatron_flops.flops.passes import PeftSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -216,6 +216,15 @@ def test_context_parallel_formula_is_consistent():
     assert cp.communication["cp/send_recv"] == 2 * 2 * 1 * 2 * 3 * kv
     report = decoder_memory(TINY, PLAIN, Parallelism(cp=2, dp=2), training)
     assert any("context parallelism (CP 2)" in u for u in report.unmeasured)
+    # A re-run forward passes K and V round the ring again: full recompute of the 2 layers, or the
+    # selective core_attn checkpoint of both, adds 2 layers x 2 micro-batches x 1 step x 2 x kv.
+    for recompute in (RecomputeSpec(granularity="full", method="uniform", num_layers=1),
+                      RecomputeSpec(granularity="selective", modules=("core_attn",))):
+        rerun = rank_memory(TINY, PLAIN, Parallelism(cp=2, dp=2), training, pp_rank=0, recompute=recompute)
+        assert rerun.communication["cp/send_recv"] - cp.communication["cp/send_recv"] == 2 * 2 * 1 * 2 * kv
+    mlp_only = RecomputeSpec(granularity="selective", modules=("mlp",))
+    assert rank_memory(TINY, PLAIN, Parallelism(cp=2, dp=2), training, pp_rank=0, recompute=mlp_only
+                       ).communication["cp/send_recv"] == cp.communication["cp/send_recv"]
 
 
 def test_expert_all_to_all_range_by_hand():

@@ -218,7 +218,7 @@ def _context_parallel_chunk(spec: ModelSpec, par: Parallelism, training: Trainin
 
     NB: a formula, not measured (no context-parallel attention on CPU): Transformer Engine's ring
     attention passes each layer's K and V [s/CP, b, groups/TP, d] round the CP ring, CP-1 steps
-    forward, and K, V and their gradients backward. A hybrid pattern's Mamba layers all-to-all
+    forward (again in a re-run forward), and K, V and their gradients backward. A hybrid pattern's Mamba layers all-to-all
     instead (:func:`~.ssm.mamba_cp_all_to_all`, forward, backward and a full recompute's rerun);
     its MLP-only layers pass nothing. GDN and DSA layers: megatron-core 0.19.0's own all-to-alls
     and all-gathers (:mod:`.linear_cp`)."""
@@ -234,7 +234,11 @@ def _context_parallel_chunk(spec: ModelSpec, par: Parallelism, training: Trainin
     mtp_rerun = len(mtp) if mtp_recomputed(spec, recompute) else 0
     no_ring = ("mamba", "none", *CP_MIXERS)
     ring = sum(mixer not in no_ring for mixer in mixers + mtp)
-    add("cp/send_recv", ring * (par.cp - 1) * 2 * (kv + 2 * kv))
+    # NB: a re-run forward (full recompute, or selective ``core_attn``: the checkpointed attention
+    # kernel) passes K and V round the ring again.
+    selective_attn = recompute is not None and recompute.granularity == "selective" and "core_attn" in recompute.modules
+    ring_reruns = ring if selective_attn else sum(mixer not in no_ring for mixer in mixers[:rerun] + mtp[:mtp_rerun])
+    add("cp/send_recv", (ring * 3 + ring_reruns) * (par.cp - 1) * 2 * kv)
     passes = sum(2 * (mixer == "mamba") for mixer in mixers + mtp) \
         + sum(mixer == "mamba" for mixer in mixers[:rerun] + mtp[:mtp_rerun])
     if passes:
