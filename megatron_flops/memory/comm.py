@@ -151,15 +151,25 @@ def step_communication(
     for chunk in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
         first, last = par.is_first_stage(pp_rank, chunk), par.is_last_stage(pp_rank, chunk)
+        mtp_here = par.holds_mtp(pp_rank, chunk)  # (the last stage, or a standalone MTP stage)
         if par.pp > 1:
             # Activation in and its gradient out (not the first virtual stage), activation out
             # and its gradient in (not the last).
             # NB: under sequence parallelism each TP rank sends its slice [s/TP, b, h].
             sp = par.tp if par.sequence_parallel else 1
-            # NB: under variable_seq_lengths or mtp_standalone each transfer's shape goes first (3 int64).
-            shape = 3 * INDEX_BYTES if options.variable_seq_lengths or options.mtp_standalone else 0
-            add("pp/send_recv", m * (hidden // sp + shape) * 2 * ((not first) + (not last)))
-        moe_layers = sum(kinds[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
+            # NB: under variable_seq_lengths or mtp_standalone (a flag, or a layout's MTP stage apart
+            # from the loss's) each transfer's shape goes first (3 int64).
+            standalone = options.mtp_standalone or par.mtp_stage is not None
+            shape = 3 * INDEX_BYTES if options.variable_seq_lengths or standalone else 0
+            # NB: a standalone MTP stage and those after it send [(1 + k) s, b, h]: the decoder's
+            # hidden states and every MTP depth's, concatenated (MultiTokenPredictionBlock).
+            wide = lambda on: (1 + spec.mtp_num_layers) if on else 1  # noqa: E731
+            stage = chunk * par.pp + pp_rank
+            received = wide(par.mtp_stage is not None and stage - 1 >= par.mtp_stage)
+            sent = wide(par.sends_mtp(pp_rank, chunk))
+            add("pp/send_recv", m * 2 * ((not first) * (received * hidden // sp + shape)
+                                         + (not last) * (sent * hidden // sp + shape)))
+        moe_layers = sum(kinds[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, mtp_here)
         if par.tp > 1:
             rerun = fully_recomputed_layers(recompute, len(layers))
             for key, count in tensor_parallel_activations(options, par, len(layers), rerun, first, last).items():
@@ -168,7 +178,7 @@ def step_communication(
                                                           False).items():
                 add(key, -m * hidden * count // 2)  # a hybrid layer has one sub-block: half a layer's traffic
             # (MTP: each depth priced as a decoder layer's 2 sub-blocks; a hybrid MTP part has its own count)
-            extra = (mtp_sub_blocks(spec) - 2) * spec.mtp_num_layers if last else 0
+            extra = (mtp_sub_blocks(spec) - 2) * spec.mtp_num_layers if mtp_here else 0
             for key, count in tensor_parallel_activations(options, par, abs(extra), 0, False, False).items():
                 add(key, m * hidden * count // 2 * (1 if extra > 0 else -1))
             add("tp/all_gather", m * acceptance_all_gather(spec, par, training, last=last))
@@ -177,11 +187,12 @@ def step_communication(
             learned = options.position_embedding_type == "learned_absolute"
             chunk_kinds = [kinds[i] for i in layers]  # (MLA: only the attention layers of a hybrid pattern)
             for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=mla_layer_count(chunk_kinds),
-                                                      rerun=mla_layer_count(chunk_kinds[:rerun]), last=last,
+                                                      rerun=mla_layer_count(chunk_kinds[:rerun]), last=mtp_here,
+                                                      loss=last,
                                                       recompute=recompute, learned_positions=learned,
                                                       duplicated=options.duplicated_mla_down).items():
                 add(key, m * value)
-            for key, value in dsa_tensor_parallel(spec, par, training, layers=list(layers), last=last,
+            for key, value in dsa_tensor_parallel(spec, par, training, layers=list(layers), last=mtp_here,
                                                   recompute=recompute).items():
                 add(key, m * value)
         if par.cp > 1:
@@ -193,7 +204,7 @@ def step_communication(
             kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
             # (and the last stage's MTP layers, whose attention is the last decoder layer's kind)
             no_ring = ("mamba", "none", *CP_MIXERS)
-            mtp_kinds = last_stage_mtp_kinds(spec, last)  # (every depth's layers: :mod:`.mtp_layers`)
+            mtp_kinds = last_stage_mtp_kinds(spec, mtp_here)  # (every depth's layers: :mod:`.mtp_layers`)
             ring = sum(kinds[i][0] not in no_ring for i in layers) + sum(m not in no_ring for m, _ in mtp_kinds)
             add("cp/send_recv", m * ring * (par.cp - 1) * 2 * (kv + 2 * kv))
             mamba = [kinds[i][0] == "mamba" for i in layers]
@@ -218,7 +229,7 @@ def step_communication(
                                                           ).items():
                     add(key, m * value)
         if moe_layers:
-            rerun_moe = rerun_moe_layers(spec, recompute, layers, last=last)
+            rerun_moe = rerun_moe_layers(spec, recompute, layers, last=mtp_here)
             for key, value in moe_communication(spec, options, par, training, moe_layers, rerun_moe).items():
                 add(key, m * value)
     return out
@@ -232,7 +243,9 @@ def embedding_all_reduce(spec: ModelSpec, options: DecoderOptions, par: Parallel
     shared_trains = any(p.shared_embedding for group in buffers.values() for b in group for p, _, _ in b.params)
     if par.pp == 1 or not (spec.tied_output or spec.mtp_num_layers) or not shared_trains:
         return 0
-    if not any(par.is_first_stage(pp_rank, c) or par.is_last_stage(pp_rank, c) for c in range(par.num_chunks)):
+    # (a standalone MTP stage's embedding copy too: Megatron-LM's get_embedding_ranks adds the MTP ranks)
+    if not any(par.is_first_stage(pp_rank, c) or par.is_last_stage(pp_rank, c)
+               or (spec.mtp_num_layers and par.holds_mtp(pp_rank, c)) for c in range(par.num_chunks)):
         return 0
     return padded_vocab(spec, options, par.tp) // par.tp * spec.hidden_size * training.grad_bytes
 

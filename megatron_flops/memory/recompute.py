@@ -137,7 +137,7 @@ def _add_expert_adapter_reruns(out: dict[str, int], spec: ModelSpec, par: Parall
                                                   sp=par.sequence_parallel).items():
             out[key] = out.get(key, 0) + shared * value
     if "moe" in recompute.modules:
-        last = par.is_last_stage(pp_rank, par.num_chunks - 1)
+        last = any(par.holds_mtp(pp_rank, c) for c in range(par.num_chunks))  # (the MTP layers' rank)
         moe = sum(spec.layers[i][1] == "moe" for i in layers) + (spec.mtp_num_layers if last and spec.mtp_ffn == "moe"
                                                                   else 0)
         out["tp/all_gather"] = out.get("tp/all_gather", 0) + moe * expert_adapter_payload(
@@ -153,7 +153,7 @@ def _mla_up_proj_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeS
     never re-runs unless a down projection is adapted: its checkpoint's inputs require no grad."""
     if spec.mla is None or "mla_up_proj" not in recompute.modules:
         return 0
-    last = par.is_last_stage(pp_rank, par.num_chunks - 1)
+    last = any(par.holds_mtp(pp_rank, c) for c in range(par.num_chunks))  # (the MTP layers' rank)
     mla_kinds = ("attention", "dsa", "dsa_shared")
     num = sum(spec.layers[i][0] in mla_kinds for i in layers) + (spec.mtp_num_layers if last else 0)
     down = peft is not None and bool({"linear_q_down_proj", "linear_kv_down_proj"} & set(peft.lora_targets))
@@ -172,7 +172,7 @@ def _shared_expert_reruns(spec: ModelSpec, par: Parallelism, recompute: Recomput
     a re-run ``moe`` checkpoint, once more)."""
     if spec.moe is None:
         return 0
-    last = par.is_last_stage(pp_rank, par.num_chunks - 1)
+    last = any(par.holds_mtp(pp_rank, c) for c in range(par.num_chunks))  # (the MTP layers' rank)
     moe = sum(spec.layers[i][1] == "moe" for i in layers) + (spec.mtp_num_layers if last and spec.mtp_ffn == "moe"
                                                               else 0)
     runs = moe if "moe" in recompute.modules else 0

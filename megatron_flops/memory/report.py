@@ -125,7 +125,7 @@ def rank_memory(
                   vision.communication(par.tp, training.grad_bytes, pp_rank == 0),
                   grouped_lora_communication(spec, options, par, local, peft, moe_layers=sum(
                       sum(layer_is_moe(spec, par.chunk_layers(spec.num_layers, pp_rank, c)))
-                      + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c)) for c in range(par.num_chunks))))
+                      + mtp_moe_layers(spec, par.holds_mtp(pp_rank, c)) for c in range(par.num_chunks))))
     peak = count = None
     per_mb = None
     bounds = None
@@ -184,9 +184,9 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
     m, fewest, most = training.num_microbatches, *received_bounds(spec, par, training)
     for c in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, c)
-        last = par.is_last_stage(pp_rank, c)
-        moe_layers = sum(layer_is_moe(spec, layers)) + mtp_moe_layers(spec, last)
-        rerun = rerun_moe_layers(spec, recompute, layers, last=last)
+        mtp_here = par.holds_mtp(pp_rank, c)
+        moe_layers = sum(layer_is_moe(spec, layers)) + mtp_moe_layers(spec, mtp_here)
+        rerun = rerun_moe_layers(spec, recompute, layers, last=mtp_here)
         span = all_to_all_range(spec, options, par, sequence_parallel_slice(training, par), moe_layers,
                                 rerun) if moe_layers else None
         if span is not None:
