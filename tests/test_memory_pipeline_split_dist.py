@@ -45,6 +45,14 @@ RUNS = {
     "DP2 x PP2 (1F1B), layout Ettm|L (standalone MTP with the embedding), distributed optimizer, bf16, M=3": dict(
         layout=dict(pp=2), model=dict(BASE, num_layers=2, mtp_num_layers=1, pipeline_model_parallel_layout="Ettm|L"),
         m=3, build=dict(distributed_optimizer=True)),
+    # Interleaved: MTP in rank 0's second model chunk, the loss in rank 1's; stages 2 and 3 send and receive
+    # [2s, b, h]. Untied: Megatron-LM's embedding group is rank 0 alone (no embd/all_reduce). (Tied, megatron-core
+    # 0.16.1's setup_embeddings_and_output_layer all-reduces rank 0's embedding twice, for chunk 0 and the MTP
+    # chunk, the last rank's once: on gloo the step never starts.)
+    "DP2 x PP2 x VPP2, layout Et|t|m|L, DDP, fp32, untied, M=4": dict(
+        layout=dict(pp=2, vpp=2, embedding_ranks=(0,)),
+        model=dict(BASE, num_layers=2, mtp_num_layers=1, pipeline_model_parallel_layout="Et|t|m|L"), m=4,
+        build=dict(params_dtype="fp32", share_embeddings=False)),
 }
 
 # Standalone MTP stages on a pipeline rank of their own: PP3, in a 3-process group of its own. Rank 1

@@ -243,6 +243,8 @@ def embedding_all_reduce(spec: ModelSpec, options: DecoderOptions, par: Parallel
     shared_trains = any(p.shared_embedding for group in buffers.values() for b in group for p, _, _ in b.params)
     if par.pp == 1 or not (spec.tied_output or spec.mtp_num_layers) or not shared_trains:
         return 0
+    if not spec.tied_output and par.mtp_stage is not None and par.mtp_stage % par.pp == 0:
+        return 0  # (untied, MTP on the first rank: an embedding group of one rank, which megatron-core skips)
     # (a standalone MTP stage's embedding copy too: Megatron-LM's get_embedding_ranks adds the MTP ranks)
     if not any(par.is_first_stage(pp_rank, c) or par.is_last_stage(pp_rank, c)
                or (spec.mtp_num_layers and par.holds_mtp(pp_rank, c)) for c in range(par.num_chunks)):

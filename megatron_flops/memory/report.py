@@ -42,6 +42,7 @@ from megatron_flops.memory.moe import (
 from megatron_flops.memory.moe_grouped import check_grouped, grouped_lora_communication, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
 from megatron_flops.memory.kda_fla import kda_fla_unmeasured
+from megatron_flops.memory.mtp_stage import standalone_mtp_unmeasured
 from megatron_flops.memory.linear_cp import gdn_cp_head_permutation, linear_cp_notes
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
@@ -307,6 +308,7 @@ def decoder_memory(
         unmeasured += kda_fla_unmeasured(spec, training)
     unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None, peft=peft))
     unmeasured += tuple(expert_lora_unmeasured(spec, par, peft))
+    unmeasured += tuple(standalone_mtp_unmeasured(spec, par, recompute=recompute, peft=peft))
     unmeasured += tuple(parallel_layer_unmeasured(
         options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
         selective=reason is None and recompute is not None and recompute.granularity == "selective"
