@@ -21,6 +21,7 @@ Nothing here is imported by the ``megatron_flops`` package.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -414,18 +415,27 @@ def patch_sequence_parallel_norm() -> None:
 
 
 def reinit_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, seed: int = 1234,
-                    etp: Optional[int] = None) -> None:
+                    etp: Optional[int] = None, embedding_ranks: Tuple[int, ...] = ()) -> None:
     """(Re)create megatron's parallel groups (expert parallelism and expert TP, None: TP, included)
-    in one process group."""
+    in one process group. ``embedding_ranks``: the pipeline ranks of the embedding group where not
+    megatron-core's default first and last (Megatron-LM's pretrain_gpt get_embedding_ranks: the first,
+    the last when tied, and the MTP layers' ranks)."""
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vpp,
-                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                             **({"get_embedding_ranks": functools.partial(_embedding_ranks, embedding_ranks)}
+                                                if embedding_ranks else {}))
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def _embedding_ranks(embedding_ranks: Tuple[int, ...], pp_ranks: List[int]) -> List[int]:
+    """The global ranks of ``embedding_ranks`` (pipeline ranks) in this pipeline group."""
+    return [pp_ranks[r] for r in embedding_ranks]
 
 
 def _inner_optimizers(optimizer: Any) -> List[Any]:

@@ -87,7 +87,8 @@ MCORE = {
     # pipeline layout string.
     "uneven pipeline": dict(BASE, num_layers=8, num_layers_in_first_pipeline_stage=2),
     "pipeline layout": dict(BASE, pipeline_model_parallel_layout="Ettt|tL"),
-    # MTP on pipeline rank 0's second model chunk, the loss on rank 1's (megatron-core's mtp_standalone).
+    # MTP on pipeline rank 0's second model chunk, the loss on rank 1's (megatron-core's mtp_standalone; tied: a
+    # labelled formula, memory/mtp_stage.py).
     "mtp standalone layout": dict(BASE, mtp_num_layers=1, pipeline_model_parallel_layout="Ett|tt|m|L"),
     "lora and recompute in the file": dict(BASE, lora={"dim": 4}, recompute_granularity="full",
                                            recompute_method="uniform", recompute_num_layers=1),
@@ -268,10 +269,6 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
 
 # GAPS: ours. Each is a refusal or a not-modelled row for a layout the frameworks train.
 GAPS: list[tuple[str, str]] = [
-    # MTP layers on a virtual stage apart from the loss's (megatron-core's mtp_standalone, set from the layout): the
-    # MTP stage's embedding copy and concatenated [(1 + k) s, b, h] sends, the final norm with the last decoder layer,
-    # the losses on the last stage are not modelled (flops/pipeline_split.py refuses it).
-    ("mcore:mtp standalone layout | PP2* | *", r"refused: .*megatron-core's mtp_standalone: not modelled"),
 ]
 
 

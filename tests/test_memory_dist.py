@@ -198,7 +198,7 @@ def memory_worker(rank: int, world_size: int, runs: dict) -> dict:
         layout = run["layout"]
         ep, etp = layout.get("ep", 1), layout.get("etp")
         mcore_memory.reinit_parallel(tp=layout.get("tp", 1), pp=layout.get("pp", 1), vpp=layout.get("vpp"), ep=ep,
-                                     etp=etp)
+                                     etp=etp, embedding_ranks=layout.get("embedding_ranks", ()))
         model = dict(run["model"])
         if ep > 1:
             model["expert_model_parallel_size"] = ep
@@ -261,7 +261,8 @@ def setup(run: dict):
                                                position_embedding_type=build.get("position_embedding_type", "rope"),
                                                add_bias_linear=model.get("add_bias_linear", False)))
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
-    par = Parallelism(tp=tp, pp=pp, vpp=layout.get("vpp"), ep=layout.get("ep", 1), dp=WORLD // (tp * pp),
+    par = Parallelism(tp=tp, pp=pp, vpp=layout.get("vpp"), ep=layout.get("ep", 1),
+                      dp=layout.get("world", WORLD) // (tp * pp),
                       etp=layout.get("etp"),
                       sequence_parallel=layout.get("sp", False),
                       distributed_optimizer=build.get("distributed_optimizer", False))
@@ -339,7 +340,10 @@ def check_activations(run: dict, results: list) -> None:
             # layer 0's input norm runs before the first adapter.)
             last = par.is_last_stage(pp_rank, c)
             first_frozen = peft is not None and par.is_first_stage(pp_rank, c)
-            norms = 2 * layers + last * (1 + 5 * spec.mtp_num_layers) - first_frozen
+            # (a standalone MTP stage: its 5 norms per MTP layer there; the final norm with the last decoder layer)
+            final = par.holds_final_norm(spec.num_layers, pp_rank, c, mtp=bool(spec.mtp_num_layers)) \
+                if par.mtp_stage is not None else last
+            norms = 2 * layers + final + 5 * spec.mtp_num_layers * par.holds_mtp(pp_rank, c) - first_frozen
             act = dataclasses.replace(act, components={**act.components, "cpu": cpu_delta(par, training, norms)})
             chunks.append(act)
             measured_forwards = {b for chunk, b in result["forward"] if chunk == c}

@@ -363,7 +363,7 @@ def _expected_layers(case: dict) -> dict:
                 key, 0) + once.get(key, 0)
     if tp > 1:
         mla = mla_mtp_tensor_parallel(spec, Parallelism(tp=tp, cp=cp, sequence_parallel=True), Training(
-            seq_length=s, micro_batch_size=b), num_layers=2, rerun=0, last=False, recompute=None,
+            seq_length=s, micro_batch_size=b), num_layers=2, rerun=0, last=False, loss=False, recompute=None,
             learned_positions=False, duplicated=False)
         step["tp/all_gather"] += mla["tp/all_gather"] + 2 * 3 * t * h * a
         step["tp/reduce_scatter"] = mla["tp/reduce_scatter"] + 2 * 2 * t * h * a

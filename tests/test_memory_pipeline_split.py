@@ -160,10 +160,26 @@ def test_final_norm_stage_is_megatron_cores(layout, mtp, monkeypatch):
         assert par.holds_final_norm(num_layers, stage % 2, stage // 2, mtp=bool(mtp)) == want, stage
 
 
-def test_mtp_on_a_standalone_stage_is_refused_as_not_modelled():
-    # megatron-core 0.16.1 builds it (mtp_standalone); the reports place MTP with the loss.
-    with pytest.raises(ValueError, match="not modelled"):
-        _ours((4, 2, None, 1, {LAYOUT: "Ett|tt|m|L"}))
+@needs_mcore
+@pytest.mark.parametrize("layout, pp, stage", [("Ett|m|L", 3, 1), ("Et|tm|L", 3, 1), ("Etttm|L", 2, 0),
+                                               ("Ett|tt|m|L", 2, 2), ("Et|t|m|L", 2, 2), ("Ett|m||L", 4, 1),
+                                               ("Et|t|t|mL", 2, None), ("Ett|mL", 2, None)])
+def test_standalone_mtp_stage_where_megatron_sets_mtp_standalone(layout, pp, stage):
+    # megatron-core 0.16.1's validate_layer_layout returns mtp_standalone: MTP in the last model chunk of a
+    # pipeline rank other than the last; the reports place the MTP layers (and an embedding copy) on that
+    # virtual stage, the loss on the last.
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    num_layers = layout.count("t")
+    standalone = PipelineParallelLayerLayout(layout, pp).validate_layer_layout(num_layers=num_layers, mtp_num_layers=1)
+    spec = ModelSpec.from_mapping(dict(num_layers=num_layers, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                                       mtp_num_layers=1))
+    par = uneven_stages(PipelineSplit(pipeline_model_parallel_layout=layout), Parallelism(pp=pp), spec=spec)
+    assert (par.mtp_stage is not None) == standalone
+    assert par.mtp_stage == stage
+    where = pp * par.num_chunks - 1 if stage is None else stage  # (virtual stage v x PP + r)
+    assert [(r, c) for c in range(par.num_chunks) for r in range(pp) if par.holds_mtp(r, c)] == [(where % pp,
+                                                                                              where // pp)]
 
 
 def test_layout_makes_the_vpp_and_sets_stage_layers():

@@ -39,29 +39,62 @@ RUNS = {
     "DP2 x PP2 (1F1B), mtp_standalone without a layout, DDP, fp32, M=2": dict(
         layout=dict(pp=2), model=dict(BASE, num_layers=2, mtp_num_layers=1, mtp_standalone=True), m=2,
         build=dict(params_dtype="fp32")),
+    # A standalone MTP stage sharing pipeline rank 0 with the embedding and the decoder: rank 0 sends
+    # [(1 + 1) s, b, h] (the decoder's hidden states and the MTP layer's, concatenated), each transfer's
+    # shape first; rank 1 builds the output layer only and computes both losses.
+    "DP2 x PP2 (1F1B), layout Ettm|L (standalone MTP with the embedding), distributed optimizer, bf16, M=3": dict(
+        layout=dict(pp=2), model=dict(BASE, num_layers=2, mtp_num_layers=1, pipeline_model_parallel_layout="Ettm|L"),
+        m=3, build=dict(distributed_optimizer=True)),
+    # Interleaved: MTP in rank 0's second model chunk, the loss in rank 1's; stages 2 and 3 send and receive
+    # [2s, b, h]. Untied: Megatron-LM's embedding group is rank 0 alone (no embd/all_reduce). (Tied, megatron-core
+    # 0.16.1's setup_embeddings_and_output_layer all-reduces rank 0's embedding twice, for chunk 0 and the MTP
+    # chunk, the last rank's once: on gloo the step never starts.)
+    "DP2 x PP2 x VPP2, layout Et|t|m|L, DDP, fp32, untied, M=4": dict(
+        layout=dict(pp=2, vpp=2, embedding_ranks=(0,)),
+        model=dict(BASE, num_layers=2, mtp_num_layers=1, pipeline_model_parallel_layout="Et|t|m|L"), m=4,
+        build=dict(params_dtype="fp32", share_embeddings=False)),
 }
+
+# Standalone MTP stages on a pipeline rank of their own: PP3, in a 3-process group of its own. Rank 1
+# builds an embedding copy (in the embedding group: Megatron-LM's get_embedding_ranks, the first rank,
+# the last when tied, the MTP ranks) and the MTP layers, receives [s, b, h] and sends [(1 + k) s, b, h] to rank 2, which computes
+# every loss.
+PP3_WORLD = 3
+PP3_RUNS = {
+    "PP3 (1F1B), layout Ett|m|L, DDP, fp32, tied embeddings, M=2": dict(
+        layout=dict(pp=3, world=PP3_WORLD, embedding_ranks=(0, 1, 2)),
+        model=dict(BASE, num_layers=2, mtp_num_layers=1, pipeline_model_parallel_layout="Ett|m|L"), m=2,
+        build=dict(params_dtype="fp32")),
+    # 2 MTP depths on rank 1 beside a decoder layer: [3s, b, h] to rank 2; untied (no embedding group).
+    "PP3 (1F1B), layout Et|tmm|L, distributed optimizer, bf16, untied, M=3": dict(
+        layout=dict(pp=3, world=PP3_WORLD, embedding_ranks=(0, 1)),
+        model=dict(BASE, num_layers=2, mtp_num_layers=2, pipeline_model_parallel_layout="Et|tmm|L"), m=3,
+        build=dict(distributed_optimizer=True, share_embeddings=False)),
+}
+ALL_RUNS = {**RUNS, **PP3_RUNS}
 
 
 @pytest.fixture(scope="module")
 def measured():
-    return mcore_dist.run_by_name(memory_worker, WORLD, RUNS, timeout=600)
+    return {**mcore_dist.run_by_name(memory_worker, WORLD, RUNS, timeout=600),
+            **mcore_dist.run_by_name(memory_worker, PP3_WORLD, PP3_RUNS, timeout=600)}
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", list(ALL_RUNS))
 def test_parameters_in_megatron_order(measured, name):
-    check_parameters(RUNS[name], measured[name])
+    check_parameters(ALL_RUNS[name], measured[name])
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", list(ALL_RUNS))
 def test_weights_gradients_optimizer_state(measured, name):
-    check_states(RUNS[name], measured[name])
+    check_states(ALL_RUNS[name], measured[name])
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", list(ALL_RUNS))
 def test_communication_per_step(measured, name):
-    check_communication(RUNS[name], measured[name])
+    check_communication(ALL_RUNS[name], measured[name])
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", list(ALL_RUNS))
 def test_activations_per_forward_and_schedule_peak(measured, name):
-    check_activations(RUNS[name], measured[name])
+    check_activations(ALL_RUNS[name], measured[name])

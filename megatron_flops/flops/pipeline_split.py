@@ -98,6 +98,17 @@ def split_stages(split: PipelineSplit, *, num_layers: int, pp: int, vpp: int | N
     return tuple(stages), vpp
 
 
+def standalone_mtp_stage(split: PipelineSplit) -> int | None:
+    """The virtual stage (order ``v x PP + r``) of a layout's MTP layers when it is not the loss's:
+    megatron-core's ``mtp_standalone``, which ``validate_layer_layout`` sets when the MTP layers sit
+    in the last model chunk of a pipeline rank other than the last; None otherwise."""
+    if split.pipeline_model_parallel_layout is None:
+        return None
+    stages = parse_layout(split.pipeline_model_parallel_layout)
+    where = [i for i, stage in enumerate(stages) if "mtp" in stage]
+    return where[0] if where and where[0] != len(stages) - 1 else None
+
+
 def _uneven_ranks(first: int | None, last: int | None, *, num_layers: int, pp: int, vpp: int | None) -> list[int]:
     """Layers per pipeline rank with a given first and/or last rank (``TransformerConfig``'s checks)."""
     middle_layers, middle_ranks = num_layers, pp
@@ -175,10 +186,6 @@ def _layout_stages(layout: str, *, num_layers: int, pp: int, vpp: int | None,
     if len(where) > 1:
         raise ValueError(f"pipeline_model_parallel_layout {layout!r}: All of the MTP layers must be in the same one "
                          "virtual pipeline stage (megatron-core refuses it)")
-    if where and (where != [len(stages) - 1]):
-        raise ValueError(f"pipeline_model_parallel_layout {layout!r}: MTP layers on virtual stage {where[0]} (model "
-                         f"chunk {where[0] // pp} of pipeline rank {where[0] % pp}), apart from the loss's, are "
-                         "megatron-core's mtp_standalone: not modelled")
     if "embedding" not in stages[0] or "loss" not in stages[-1]:
         raise ValueError(f"pipeline_model_parallel_layout {layout!r}: megatron-core builds the embedding on the first "
                          "virtual stage and the loss on the last whatever the layout says; a layout with empty stages "

@@ -806,9 +806,13 @@ def chunk_activations(
             _layer(w, x, spec, options, core_attn=core_attn, moe=ffn == "moe", mixer=mixer, ffn=ffn != "none")
     if par.holds_final_norm(spec.num_layers, pp_rank, chunk, mtp=bool(spec.mtp_num_layers) and not is_hybrid(spec)):
         _norm(w, "output", x, options)
-    if par.is_last_stage(pp_rank, chunk):
+    if par.holds_mtp(pp_rank, chunk):
         _mtp_layers(w, x, spec, options, vocab_parallel=par.tp > 1, core_attn=core_attn,
                     recomputed=mtp_recomputed(spec, recompute))
+    if par.is_last_stage(pp_rank, chunk):
+        # The MTP losses, on the last stage wherever the MTP layers are: cross-entropy, the rolled fp32
+        # loss mask and the scaled per-token loss MTPLossAutoScaler keeps.
+        w.keep("mtp", spec.mtp_num_layers * (x.tokens * (x.vocab * 4 + 1 + INDEX_BYTES) + x.tokens * 4 * 2))
         # output_layer input (a slice under sequence parallelism): with MTP, one storage holding
         # the main and every MTP layer's hidden states, which megatron-core chunks.
         w.linear("output", "output_layer", (1 + spec.mtp_num_layers) * x.local_tokens * x.h * x.act, x.tokens,
@@ -823,14 +827,13 @@ def chunk_activations(
 
 def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, vocab_parallel: bool,
                 core_attn: bool, recomputed: bool) -> None:
-    """The multi-token-prediction layers, then their losses. Each layer: the embedding's ids
+    """The multi-token-prediction layers (their losses: on the last stage). Each layer: the embedding's ids
     (the rolled ids; with TP > 1 the vocab-parallel lookup's shifted ids and bool mask), its
     ``enorm`` and ``hnorm`` (of the previous hidden states), ``eh_proj``'s input [T, 2h], a
     decoder layer of the last layer's kind (a hybrid MTP part: its layers) and its final norm.
     Full recompute (``recomputed``) checkpoints all but the embedding: the checkpoint keeps the previous hidden states, the
     embedding's output, the mask and the cached RoPE frequencies (shared; none for MLA, which
-    makes its own). Each loss: cross-entropy, the rolled fp32 loss mask and the scaled per-token
-    loss ``MTPLossAutoScaler`` keeps."""
+    makes its own)."""
     T, a, base = x.tokens, x.act, w.grad.base
     positions = options.position_embedding_type == "learned_absolute"
     for _ in range(spec.mtp_num_layers):
@@ -854,7 +857,6 @@ def _mtp_layers(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *,
             w.region(body.kept - inputs // (1 if base else 2))  # (of which the norms keep their own)
             if x.rot and spec.mla is None:
                 w.out.shared = x.s * x.rot * 4
-    w.keep("mtp", spec.mtp_num_layers * (T * (x.vocab * 4 + 1 + INDEX_BYTES) + T * 4 + T * 4))
 
 
 def _peft_grad(peft: PeftSpec | None, *, first_stage: bool) -> _Grad:

@@ -150,35 +150,47 @@ def step_communication(
     for chunk in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
         first, last = par.is_first_stage(pp_rank, chunk), par.is_last_stage(pp_rank, chunk)
+        mtp_here = par.holds_mtp(pp_rank, chunk)  # (the last stage, or a standalone MTP stage)
         if par.pp > 1:
             # Activation in and its gradient out (not the first virtual stage), activation out
             # and its gradient in (not the last).
             # NB: under sequence parallelism each TP rank sends its slice [s/TP, b, h].
             sp = par.tp if par.sequence_parallel else 1
-            # NB: under variable_seq_lengths or mtp_standalone each transfer's shape goes first (3 int64).
-            shape = 3 * INDEX_BYTES if options.variable_seq_lengths or options.mtp_standalone else 0
-            add("pp/send_recv", m * (hidden // sp + shape) * 2 * ((not first) + (not last)))
-        moe_layers = sum(kinds[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
+            # NB: under variable_seq_lengths or mtp_standalone (a flag, or a layout's MTP stage apart
+            # from the loss's) each transfer's shape goes first (3 int64).
+            standalone = options.mtp_standalone or par.mtp_stage is not None
+            shape = 3 * INDEX_BYTES if options.variable_seq_lengths or standalone else 0
+            # NB: a standalone MTP stage and those after it send [(1 + k) s, b, h]: the decoder's
+            # hidden states and every MTP depth's, concatenated (MultiTokenPredictionBlock).
+            wide = lambda on: (1 + spec.mtp_num_layers) if on else 1  # noqa: E731
+            stage = chunk * par.pp + pp_rank
+            received = wide(par.mtp_stage is not None and stage - 1 >= par.mtp_stage)
+            sent = wide(par.sends_mtp(pp_rank, chunk))
+            add("pp/send_recv", m * 2 * ((not first) * (received * hidden // sp + shape)
+                                         + (not last) * (sent * hidden // sp + shape)))
+        moe_layers = sum(kinds[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, mtp_here)
         if par.tp > 1:
             for key, value in _tensor_parallel_chunk(spec, options, par, training, layers=layers, first=first,
-                                                     last=last, recompute=recompute).items():
+                                                     last=last, mtp_here=mtp_here, recompute=recompute).items():
                 add(key, m * value)
         if par.cp > 1:
-            for key, value in _context_parallel_chunk(spec, par, training, layers=layers, last=last,
+            for key, value in _context_parallel_chunk(spec, par, training, layers=layers, mtp_here=mtp_here,
                                                       recompute=recompute).items():
                 add(key, m * value)
         if moe_layers:
-            rerun_moe = rerun_moe_layers(spec, recompute, layers, last=last)
+            rerun_moe = rerun_moe_layers(spec, recompute, layers, last=mtp_here)
             for key, value in moe_communication(spec, options, par, training, moe_layers, rerun_moe).items():
                 add(key, m * value)
     return out
 
 
 def _tensor_parallel_chunk(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
-                           layers: range, first: bool, last: bool, recompute: RecomputeSpec | None) -> dict[str, int]:
+                           layers: range, first: bool, last: bool, mtp_here: bool,
+                           recompute: RecomputeSpec | None) -> dict[str, int]:
     """``tp/*`` payload bytes per micro-batch of one model chunk's activations (TP > 1): its dense
-    sub-blocks (:func:`tensor_parallel_activations`), the MTP depths on the last stage, the loss's
-    reductions, MLA's and DSA's own collectives."""
+    sub-blocks (:func:`tensor_parallel_activations`), the MTP depths where they are (``mtp_here``:
+    the last stage, or a standalone MTP stage), the loss's reductions (``last``), MLA's and DSA's
+    own collectives."""
     out: dict[str, int] = {}
     add = lambda key, value: out.__setitem__(key, out.get(key, 0) + value) if value else None  # noqa: E731
     kinds = spec.layers
@@ -191,7 +203,7 @@ def _tensor_parallel_chunk(spec: ModelSpec, options: DecoderOptions, par: Parall
                                                   missing_blocks(kinds, layers[:rerun]), False, False).items():
         add(key, -hidden * count // 2)
     # (MTP: each depth priced as a decoder layer's 2 sub-blocks; a hybrid MTP part has its own count)
-    extra = (mtp_sub_blocks(spec) - 2) * spec.mtp_num_layers if last else 0
+    extra = (mtp_sub_blocks(spec) - 2) * spec.mtp_num_layers if mtp_here else 0
     extra_rerun = abs(extra) if mtp_recomputed(spec, recompute) else 0
     for key, count in tensor_parallel_activations(options, par, abs(extra), extra_rerun, False, False).items():
         add(key, hidden * count // 2 * (1 if extra > 0 else -1))
@@ -201,25 +213,25 @@ def _tensor_parallel_chunk(spec: ModelSpec, options: DecoderOptions, par: Parall
     learned = options.position_embedding_type == "learned_absolute"
     chunk_kinds = [kinds[i] for i in layers]  # (MLA: only the attention layers of a hybrid pattern)
     for key, value in mla_mtp_tensor_parallel(spec, par, training, num_layers=mla_layer_count(chunk_kinds),
-                                              rerun=mla_layer_count(chunk_kinds[:rerun]), last=last,
+                                              rerun=mla_layer_count(chunk_kinds[:rerun]), last=mtp_here, loss=last,
                                               recompute=recompute, learned_positions=learned,
                                               duplicated=options.duplicated_mla_down).items():
         add(key, value)
-    for key, value in dsa_tensor_parallel(spec, par, training, layers=list(layers), last=last,
+    for key, value in dsa_tensor_parallel(spec, par, training, layers=list(layers), last=mtp_here,
                                           recompute=recompute).items():
         add(key, value)
     return out
 
 
-def _context_parallel_chunk(spec: ModelSpec, par: Parallelism, training: Training, *, layers: range, last: bool,
-                            recompute: RecomputeSpec | None) -> dict[str, int]:
+def _context_parallel_chunk(spec: ModelSpec, par: Parallelism, training: Training, *, layers: range,
+                            mtp_here: bool, recompute: RecomputeSpec | None) -> dict[str, int]:
     """``cp/*`` (and DSA's ``tp/*`` under CP) payload bytes per micro-batch of one model chunk's
-    layers and, on the last stage, its MTP depths (CP > 1).
+    layers and, where they are (``mtp_here``), its MTP depths (CP > 1).
 
     NB: a formula, not measured (no context-parallel attention on CPU): Transformer Engine's ring
     attention passes each layer's K and V [s/CP, b, groups/TP, d] round the CP ring, CP-1 steps
-    forward (again in a re-run forward), and K, V and their gradients backward. A hybrid pattern's Mamba layers all-to-all
-    instead (:func:`~.ssm.mamba_cp_all_to_all`, forward, backward and a full recompute's rerun);
+    forward (again in a re-run forward), and K, V and their gradients backward. A hybrid
+    pattern's Mamba layers all-to-all instead (:func:`~.ssm.mamba_cp_all_to_all`, forward, backward and a full recompute's rerun);
     its MLP-only layers pass nothing. GDN and DSA layers: megatron-core 0.19.0's own all-to-alls
     and all-gathers (:mod:`.linear_cp`)."""
     out: dict[str, int] = {}
@@ -228,9 +240,9 @@ def _context_parallel_chunk(spec: ModelSpec, par: Parallelism, training: Trainin
     kv = 2 * tokens * (spec.num_query_groups // par.tp) * spec.kv_channels * act
     rerun = fully_recomputed_layers(recompute, len(layers))
     mixers = [spec.layers[i][0] for i in layers]
-    # (the last stage's MTP depths too: every layer of each, :mod:`.mtp_layers`, re-run as
+    # (the MTP depths too: every layer of each, :mod:`.mtp_layers`, re-run as
     # :func:`~.mla_mtp.mtp_recomputed` says)
-    mtp = [mixer for mixer, _ in last_stage_mtp_kinds(spec, last)]
+    mtp = [mixer for mixer, _ in last_stage_mtp_kinds(spec, mtp_here)]
     mtp_rerun = len(mtp) if mtp_recomputed(spec, recompute) else 0
     no_ring = ("mamba", "none", *CP_MIXERS)
     ring = sum(mixer not in no_ring for mixer in mixers + mtp)
@@ -259,7 +271,11 @@ def embedding_all_reduce(spec: ModelSpec, options: DecoderOptions, par: Parallel
     shared_trains = any(p.shared_embedding for group in buffers.values() for b in group for p, _, _ in b.params)
     if par.pp == 1 or not (spec.tied_output or spec.mtp_num_layers) or not shared_trains:
         return 0
-    if not any(par.is_first_stage(pp_rank, c) or par.is_last_stage(pp_rank, c) for c in range(par.num_chunks)):
+    if not spec.tied_output and par.mtp_stage is not None and par.mtp_stage % par.pp == 0:
+        return 0  # (untied, MTP on the first rank: an embedding group of one rank, which megatron-core skips)
+    # (a standalone MTP stage's embedding copy too: Megatron-LM's get_embedding_ranks adds the MTP ranks)
+    if not any(par.is_first_stage(pp_rank, c) or par.is_last_stage(pp_rank, c)
+               or (spec.mtp_num_layers and par.holds_mtp(pp_rank, c)) for c in range(par.num_chunks)):
         return 0
     return padded_vocab(spec, options, par.tp) // par.tp * spec.hidden_size * training.grad_bytes
 

@@ -294,10 +294,11 @@ def chunk_parameters(
     h, tp, vocab = spec.hidden_size, par.tp, padded_vocab(spec, options, par.tp)
     first, last = par.is_first_stage(pp_rank, chunk), par.is_last_stage(pp_rank, chunk)
     tied, has_mtp = spec.tied_output, bool(spec.mtp_num_layers)
+    mtp_here = has_mtp and par.holds_mtp(pp_rank, chunk)
     base = not peft.frozen
-    # NB: with MTP, megatron-core keeps a copy of the word embeddings on the last stage (for the
-    # MTP layers' inputs), all-reduced with the first stage's like a tied output weight.
-    if first or (last and has_mtp):
+    # NB: with MTP, megatron-core keeps a copy of the word embeddings on the MTP layers' stage (the
+    # last, or a standalone one), all-reduced with the first stage's like a tied output weight.
+    if first or mtp_here:
         out.append(Param("embedding.word_embeddings.weight", vocab // tp * h, base,
                          shared_embedding=(tied or has_mtp) and par.pp > 1, rows=vocab // tp))
         if options.position_embedding_type == "learned_absolute":
@@ -308,7 +309,7 @@ def chunk_parameters(
         out += _layer(spec, options, par, peft, f"decoder.layers.{local}.", kinds[layer][1], kinds[layer][0])
     if par.holds_final_norm(spec.num_layers, pp_rank, chunk, mtp=has_mtp and not is_hybrid(spec)):
         out += _norm(options, "decoder.final_layernorm.", h, base)
-    if last:
+    if mtp_here:
         for i in range(spec.mtp_num_layers):
             # NB: an MTP layer: norms of the embedding and of the hidden state, eh_proj [h/TP, 2h], a
             # decoder layer of the last layer's kind (a hybrid MTP part: its layers, :mod:`.mtp_layers`),
@@ -319,11 +320,11 @@ def chunk_parameters(
             for j, (mixer, ffn) in enumerate(mtp_kinds(spec)):
                 out += _layer(spec, options, par, peft, mtp_layer_prefix(spec, i, j), ffn, mixer)
             out += _norm(options, mtp + "final_layernorm.", h, base)
-        if not tied or not first:
-            # (With MTP the tied weight the last stage reduces is its embedding copy: this one,
-            # allocated but unused when tied, is not marked.)
-            out.append(Param("output_layer.weight", vocab // tp * h, base,
-                             shared_embedding=tied and par.pp > 1 and not has_mtp, rows=vocab // tp))
+    if last and (not tied or not first):
+        # (With MTP here the tied weight the last stage reduces is its embedding copy: this one,
+        # allocated but unused when tied, is not marked.)
+        out.append(Param("output_layer.weight", vocab // tp * h, base,
+                         shared_embedding=tied and par.pp > 1 and not mtp_here, rows=vocab // tp))
     return tuple(out)
 
 

@@ -35,7 +35,8 @@ class Parallelism:
     (torch FSDP2, DiT models); ``megatron_fsdp`` Megatron-FSDP's sharding strategy (None: not
     Megatron-FSDP); ``etp`` the routed experts' tensor-parallel size (None: TP); ``stage_layers``:
     the decoder layers of each virtual stage in the order ``v x PP + r`` (a hybrid pattern's ``|``
-    segments; None: an even split)."""
+    segments; None: an even split); ``mtp_stage``: the virtual stage of the MTP layers when a layout
+    puts them apart from the loss's (megatron-core's ``mtp_standalone``; None: the last stage's)."""
 
     tp: int = 1
     pp: int = 1
@@ -49,6 +50,7 @@ class Parallelism:
     etp: int | None = None
     megatron_fsdp: str | None = None
     stage_layers: tuple[int, ...] | None = None
+    mtp_stage: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "dp"):
@@ -110,6 +112,17 @@ class Parallelism:
 
     def is_last_stage(self, pp_rank: int, chunk: int) -> bool:
         return pp_rank == self.pp - 1 and chunk == self.num_chunks - 1
+
+    def holds_mtp(self, pp_rank: int, chunk: int) -> bool:
+        """Whether this model chunk builds the MTP layers (and an embedding copy for them)."""
+        if self.mtp_stage is None:
+            return self.is_last_stage(pp_rank, chunk)
+        return chunk * self.pp + pp_rank == self.mtp_stage
+
+    def sends_mtp(self, pp_rank: int, chunk: int) -> bool:
+        """Whether this model chunk's forward output carries the MTP layers' hidden states too,
+        ``[(1 + k) s, b, h]`` (a standalone MTP stage and the stages after it)."""
+        return self.mtp_stage is not None and chunk * self.pp + pp_rank >= self.mtp_stage
 
     def holds_final_norm(self, num_layers: int, pp_rank: int, chunk: int, *, mtp: bool) -> bool:
         """Whether this model chunk builds the decoder's final norm (megatron-core's

@@ -58,7 +58,7 @@ def gdn_cp_head_permutation(spec: ModelSpec, par: Parallelism, *, pp_rank: int) 
     if par.cp == 1 or spec.gdn is None:
         return 0
     mixers = {spec.layers[i][0] for c in range(par.num_chunks) for i in par.chunk_layers(spec.num_layers, pp_rank, c)}
-    mixers |= {mixer for mixer, _ in last_stage_mtp_kinds(spec, par.is_last_stage(pp_rank, par.num_chunks - 1))}
+    mixers |= {mixer for c in range(par.num_chunks) for mixer, _ in last_stage_mtp_kinds(spec, par.holds_mtp(pp_rank, c))}
     if "gdn" not in mixers:
         return 0
     g = spec.gdn

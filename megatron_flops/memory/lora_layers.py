@@ -85,7 +85,7 @@ def adapted_layers(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec |
             moe = kinds[layer][1] == "moe"
             out.append(AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun,
                                     mla_names=mla_targets(spec)))
-        if par.is_last_stage(pp_rank, chunk):
+        if par.holds_mtp(pp_rank, chunk):
             moe, rerun = spec.mtp_ffn == "moe", mtp_recomputed(spec, recompute)
             out += [AdaptedLayer(mla=mla, dense=not moe or shared, experts=moe, rerun=rerun, mtp=True,
                                  mla_names=mla_targets(spec))

@@ -91,13 +91,14 @@ def mtp_recomputed(spec: ModelSpec, recompute: RecomputeSpec | None) -> bool:
 
 
 def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Training, *, num_layers: int,
-                            rerun: int, last: bool, recompute: RecomputeSpec | None,
+                            rerun: int, last: bool, loss: bool, recompute: RecomputeSpec | None,
                             learned_positions: bool, duplicated: bool) -> dict[str, int]:
     """``tp/*`` payload bytes per micro-batch of one model chunk beyond
     :func:`~megatron_flops.memory.comm.tensor_parallel_activations`'s dense layers and main output
     (TP > 1): the ``num_layers`` MLA layers' latent collectives and extra input-gradient reductions
     (``rerun`` of them run their forward twice; a hybrid pattern's Mamba and MLP layers are none:
-    :func:`mla_layer_count`), and on the last stage every MTP layer. Activations in
+    :func:`mla_layer_count`), and where ``last`` (the MTP stage) every MTP layer, where ``loss``
+    (the last stage) their losses' cross-entropy reductions. Activations in
     the parameter dtype, cross-entropy's reductions in fp32. ``duplicated``: Transformer Engine's
     MLA spec (see the module doc)."""
     if par.tp == 1:
@@ -112,11 +113,12 @@ def mla_mtp_tensor_parallel(spec: ModelSpec, par: Parallelism, training: Trainin
     for part in (mla_tp(spec, par.sequence_parallel, tokens, num_layers + mtp_mla,
                         rerun + (mtp_mla if recomputed else 0)),
                  _mtp_tp(spec.hidden_size * tokens, par.sequence_parallel, mtp, mtp if recomputed else 0,
-                         learned_positions)):
+                         learned_positions),
+                 _mtp_output_tp(spec.hidden_size * tokens, par.sequence_parallel, spec.mtp_num_layers if loss else 0)):
         for key, count in part.items():
             out[key] = out.get(key, 0) + count * training.param_bytes
-    if mtp:
-        out["tp/all_reduce"] = out.get("tp/all_reduce", 0) + mtp * tokens * 4 * CE_REDUCTIONS
+    if loss and spec.mtp_num_layers:
+        out["tp/all_reduce"] = out.get("tp/all_reduce", 0) + spec.mtp_num_layers * tokens * 4 * CE_REDUCTIONS
     return {k: v for k, v in out.items() if v}
 
 
@@ -167,24 +169,33 @@ def _mla_tp_duplicated(spec: ModelSpec, sp: bool, tokens: int, layers: int, reru
 def _mtp_tp(hidden: int, sp: bool, mtp: int, rerun: int, learned_positions: bool) -> dict[str, int]:
     """Elements per micro-batch of ``mtp`` MTP layers (``rerun`` of them recomputed) beyond their
     MLA terms: the embedding, ``eh_proj`` [T, 2h] -> [T, h/TP] and its output's all-gather, a
-    dense decoder layer's collectives and one more output-layer call (``hidden``: elements of
-    one [s, b, h] activation).
+    dense decoder layer's collectives (``hidden``: elements of one [s, b, h] activation; the
+    output layer's calls: :func:`_mtp_output_tp`).
 
     Without sequence parallelism: all-reduces of the embedding (forward), eh_proj's input
-    gradient, the layer (2 forward, 2 backward) and the output layer's input gradient; eh_proj's
+    gradient and the layer (2 forward, 2 backward); eh_proj's
     output all-gathered. Under sequence parallelism: the embedding reduce-scattered (learned
     positions: all-reduced, then sliced) and its gradient all-gathered; eh_proj all-gathers its
     input twice and reduce-scatters its gradient, its output all-gathered over the hidden
     dimension and the slice's gradient all-gathered back; the layer as a dense one (6 gathers, 4
-    reduce-scatters); the output layer's call (2 gathers, 1 reduce-scatter)."""
+    reduce-scatters)."""
     if not mtp:
         return {}
     if not sp:
-        return {"tp/all_reduce": mtp * (1 + 2 + 4 + 1) * hidden + rerun * 2 * hidden,
+        return {"tp/all_reduce": mtp * (1 + 2 + 4) * hidden + rerun * 2 * hidden,
                 "tp/all_gather": (mtp + rerun) * hidden}
-    return {"tp/all_gather": mtp * (1 + 2 * 2 + 2 + 6 + 2) * hidden + rerun * (2 + 1 + 2) * hidden,
-            "tp/reduce_scatter": mtp * ((0 if learned_positions else 1) + 2 + 4 + 1) * hidden + rerun * 2 * hidden,
+    return {"tp/all_gather": mtp * (1 + 2 * 2 + 2 + 6) * hidden + rerun * (2 + 1 + 2) * hidden,
+            "tp/reduce_scatter": mtp * ((0 if learned_positions else 1) + 2 + 4) * hidden + rerun * 2 * hidden,
             "tp/all_reduce": mtp * hidden if learned_positions else 0}
+
+
+def _mtp_output_tp(hidden: int, sp: bool, mtp: int) -> dict[str, int]:
+    """Elements per micro-batch of the ``mtp`` MTP depths' output-layer calls, on the last stage
+    (a standalone MTP stage's too): without sequence parallelism the input gradient's all-reduce;
+    under it 2 all-gathers and 1 reduce-scatter each, as the main output layer's."""
+    if not sp:
+        return {"tp/all_reduce": mtp * hidden}
+    return {"tp/all_gather": 2 * mtp * hidden, "tp/reduce_scatter": mtp * hidden}
 
 
 def mla_mtp_assumptions(spec: ModelSpec, par: Parallelism, *, duplicated: bool) -> list[str]:

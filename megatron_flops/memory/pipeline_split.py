@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatron_flops.flops.pipeline_split import FIELDS, PipelineSplit, split_stages
+from megatron_flops.flops.pipeline_split import FIELDS, PipelineSplit, split_stages, standalone_mtp_stage
 from megatron_flops.memory.hybrid_pipeline import is_hybrid
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.model.spec import ModelSpec
@@ -55,7 +55,7 @@ def uneven_stages(split: PipelineSplit, par: Parallelism, *, spec: ModelSpec) ->
                          "separators")
     stages, vpp = split_stages(split, num_layers=spec.num_layers, pp=par.pp, vpp=par.vpp,
                                mtp_num_layers=spec.mtp_num_layers)
-    return replace(par, vpp=vpp, stage_layers=stages)
+    return replace(par, vpp=vpp, stage_layers=stages, mtp_stage=standalone_mtp_stage(split))
 
 
 def _hybrid_split_check(split: PipelineSplit) -> None:

@@ -143,7 +143,7 @@ def _add_expert_adapter_reruns(out: dict[str, int], spec: ModelSpec, par: Parall
                                                   sp=par.sequence_parallel).items():
             out[key] = out.get(key, 0) + shared * value
     if "moe" in recompute.modules and routed and par.expert_tp > 1:
-        last = par.is_last_stage(pp_rank, par.num_chunks - 1)
+        last = any(par.holds_mtp(pp_rank, c) for c in range(par.num_chunks))  # (the MTP layers' rank)
         moe = sum(spec.layers[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
         key = f"{expert_tp_group(par)}/all_gather"
         out[key] = out.get(key, 0) + moe * expert_adapter_payload(
@@ -159,7 +159,7 @@ def _mla_up_proj_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeS
     never re-runs unless a down projection is adapted: its checkpoint's inputs require no grad."""
     if spec.mla is None or "mla_up_proj" not in recompute.modules:
         return 0
-    last = par.is_last_stage(pp_rank, par.num_chunks - 1)
+    last = any(par.holds_mtp(pp_rank, c) for c in range(par.num_chunks))  # (the MTP layers' rank)
     mla_kinds = ("attention", "dsa", "dsa_shared")
     mtp = [mixer for mixer, _ in last_stage_mtp_kinds(spec, last)]  # (a hybrid MTP part: its MLA layers only)
     num = sum(mixer in mla_kinds for mixer in [spec.layers[i][0] for i in layers] + mtp)
@@ -179,7 +179,7 @@ def _shared_expert_reruns(spec: ModelSpec, par: Parallelism, recompute: Recomput
     a re-run ``moe`` checkpoint, once more)."""
     if spec.moe is None:
         return 0
-    last = par.is_last_stage(pp_rank, par.num_chunks - 1)
+    last = any(par.holds_mtp(pp_rank, c) for c in range(par.num_chunks))  # (the MTP layers' rank)
     moe = sum(spec.layers[i][1] == "moe" for i in layers) + mtp_moe_layers(spec, last)
     runs = moe if "moe" in recompute.modules else 0
     if spec.moe.shared_expert_ffn_hidden_size and "shared_experts" in recompute.modules:

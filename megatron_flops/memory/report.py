@@ -43,6 +43,7 @@ from megatron_flops.memory.moe_lora_start import first_adapter_ep_skip, first_ad
 from megatron_flops.memory.moe_grouped import check_grouped, grouped_lora_communication, grouped_unmeasured
 from megatron_flops.memory.recompute import selective_rerun_communication, selective_unmeasured
 from megatron_flops.memory.kda_fla import kda_fla_unmeasured
+from megatron_flops.memory.mtp_stage import standalone_mtp_unmeasured
 from megatron_flops.memory.linear_cp import gdn_cp_head_permutation, linear_cp_notes
 from megatron_flops.memory.ssm import ssm_notes
 from megatron_flops.memory.states import Bucket, chunk_buffers, chunk_state_bytes
@@ -102,7 +103,7 @@ def rank_memory(
     local, options = context_parallel_view(par, training, options)
     comm = step_communication(spec, options, par, local, pp_rank=pp_rank, buffers=buffers, recompute=recompute)
     moe_layers = sum(sum(layer_is_moe(spec, par.chunk_layers(spec.num_layers, pp_rank, c)))
-                     + mtp_moe_layers(spec, par.is_last_stage(pp_rank, c)) for c in range(par.num_chunks))
+                     + mtp_moe_layers(spec, par.holds_mtp(pp_rank, c)) for c in range(par.num_chunks))
     _add_payloads(comm, _lora_tp(spec, options, par, local, pp_rank=pp_rank, peft=peft, recompute=recompute),
                   selective_rerun_communication(spec, par, local, pp_rank=pp_rank, recompute=recompute, peft=peft,
                                                 fused=options.fused_norm_targets,
@@ -205,9 +206,9 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
     m, fewest, most = training.num_microbatches, *received_bounds(spec, par, training)
     for c in range(par.num_chunks):
         layers = par.chunk_layers(spec.num_layers, pp_rank, c)
-        last = par.is_last_stage(pp_rank, c)
-        moe_layers = sum(layer_is_moe(spec, layers)) + mtp_moe_layers(spec, last)
-        rerun = rerun_moe_layers(spec, recompute, layers, last=last)
+        mtp_here = par.holds_mtp(pp_rank, c)
+        moe_layers = sum(layer_is_moe(spec, layers)) + mtp_moe_layers(spec, mtp_here)
+        rerun = rerun_moe_layers(spec, recompute, layers, last=mtp_here)
         span = all_to_all_range(spec, options, par, sequence_parallel_slice(training, par), moe_layers,
                                 rerun) if moe_layers else None
         if span is not None:
@@ -325,6 +326,7 @@ def decoder_memory(
     unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None, peft=peft))
     unmeasured += tuple(expert_lora_unmeasured(spec, par, peft))
     unmeasured += tuple(first_adapter_unmeasured(spec, options, peft))
+    unmeasured += tuple(standalone_mtp_unmeasured(spec, par, recompute=recompute, peft=peft))
     unmeasured += tuple(parallel_layer_unmeasured(
         options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
         selective=reason is None and recompute is not None and recompute.granularity == "selective"
