@@ -279,7 +279,7 @@ def test_full_recompute_reruns_the_mla_layers_of_each_mtp_depth():
     sp = Parallelism(tp=2, sequence_parallel=True)
 
     def gathered(pattern: str) -> int:
-        return mla_mtp_tensor_parallel(_spec(pattern, **MLA), sp, FP32, num_layers=1, rerun=1, last=True,
+        return mla_mtp_tensor_parallel(_spec(pattern, **MLA), sp, FP32, num_layers=1, rerun=1, last=True, loss=True,
                                        recompute=full, learned_positions=False, duplicated=False)["tp/all_gather"]
 
     assert 2 * (2 * 6_656 + 6_144) * 4 == 155_648
