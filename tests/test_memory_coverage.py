@@ -137,6 +137,8 @@ SPOT_SETUPS = {
         "--frozen", "--lora-rank", "4", "--lora-targets", "linear_proj", "--recompute", "selective",
         "--recompute-modules", "mla_up_proj"],
     "LoRA q_down, proj": ["--lora-rank", "4", "--lora-targets", "linear_q_down_proj,linear_proj"],
+    "frozen LoRA q_down, fc1, selective recompute": ["--frozen", "--lora-rank", "4", "--lora-targets",
+                                                     "linear_q_down_proj,linear_fc1", "--recompute", "selective"],
     # MLA's up projections only, under Transformer Engine's spec + SP (tests/test_memory_lora_mla_te.py).
     "frozen LoRA q_up, kv_up, proj": ["--frozen", "--lora-rank", "4", "--lora-targets",
                                       "linear_q_up_proj,linear_kv_up_proj,linear_proj"],
@@ -176,6 +178,7 @@ SPOT_LAYOUTS = {
 SPOT_CHECKS = [
     ("mcore:mla", "frozen LoRA proj, selective recompute of mla_up_proj", ("1 GPU", "TP2 SP")),
     ("mcore:mla", "LoRA q_down, proj", ("1 GPU", "TP2 SP")),
+    ("mcore:mla", "frozen LoRA q_down, fc1, selective recompute", ("1 GPU",)),
     ("mcore:mla", "frozen LoRA q_up, kv_up, proj", ("TP2 SP",)),  # (up projections: TEColumnParallelLinear)
     ("hf:deepseek_v3", "frozen LoRA q_up, kv_up, proj", ("TP2 SP",)),  # (latent norms fused into them)
     ("hf:mixtral", "frozen LoRA fc1, fc2", ("1 GPU", "TP2 SP", "DP2 EP2", "TP2 SP DP2 EP2")),
@@ -269,6 +272,11 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
 
 # GAPS: ours. Each is a refusal or a not-modelled row for a layout the frameworks train.
 GAPS: list[tuple[str, str]] = [
+    # A frozen MLA model adapted on one latent branch only (here the q branch) under selective core_attn recompute:
+    # in the first layer the other branch requires no grad, which the checkpointed attention's saved tensors
+    # (memory/activations.py's MLA walk) do not yet follow; measured without recompute only.
+    ("mcore:mla | 1 GPU | frozen LoRA q_down, fc1, selective recompute",
+     r"not modelled: activations of a frozen MLA layer adapted on one latent branch only"),
 ]
 
 
