@@ -271,13 +271,7 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
 ]
 
 # GAPS: ours. Each is a refusal or a not-modelled row for a layout the frameworks train.
-GAPS: list[tuple[str, str]] = [
-    # A frozen MLA model adapted on one latent branch only (here the q branch) under selective core_attn recompute:
-    # in the first layer the other branch requires no grad, which the checkpointed attention's saved tensors
-    # (memory/activations.py's MLA walk) do not yet follow; measured without recompute only.
-    ("mcore:mla | 1 GPU | frozen LoRA q_down, fc1, selective recompute",
-     r"not modelled: activations of a frozen MLA layer adapted on one latent branch only"),
-]
+GAPS: list[tuple[str, str]] = []
 
 
 # Hugging Face families whose layers save tensors a megatron-core GPT layer with the same sizes does

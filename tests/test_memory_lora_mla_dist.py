@@ -29,6 +29,7 @@ FOUR = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear
 UP = ("linear_q_up_proj", "linear_kv_up_proj")
 DENSE = ("linear_proj", "linear_fc1", "linear_fc2")
 UP_PROJ = dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"])
+CORE_ATTN = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
 
 # name -> world size, layout (tp, sp), model, micro-batches, LoRA (targets, rank), live-storage meter
 RUNS = {
@@ -65,6 +66,16 @@ RUNS = {
     "TP2 + SP, MLA (q_lora, latent norms), LoRA on linear_q_down_proj + linear_proj": dict(
         world=2, layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24, qk_layernorm=True), m=2,
         lora=(("linear_q_down_proj", "linear_proj"), 4)),
+    # One branch adapted under selective core_attn: its CheckpointFunction saves its inputs q, k and v
+    # whether they require grad or not, so layer 0 keeps the q or k [T, heads, qk + rope] that an
+    # unrecomputed q @ k^T would not (q branch only, TP1: q, 32 * 4 heads * (16 + 8) * 4 = 12288 B;
+    # kv branch only, TP2: k, 32 * 2 heads * 24 * 4 = 6144 B), and re-runs the core attention (its peak).
+    "TP1 x DP2, MLA (q_lora, latent norms), selective core_attn, LoRA on linear_q_down_proj + linear_fc1": dict(
+        world=2, layout=dict(tp=1), model=dict(MLA, q_lora_rank=24, qk_layernorm=True, **CORE_ATTN), m=2,
+        lora=(("linear_q_down_proj", "linear_fc1"), 4), live=True),
+    "TP2 + SP, MLA (q_lora), selective core_attn, LoRA on linear_kv_up_proj": dict(
+        world=2, layout=dict(tp=2, sp=True), model=dict(MLA, q_lora_rank=24, **CORE_ATTN), m=2,
+        lora=(("linear_kv_up_proj",), 4), live=True),
     "TP2, MLA (direct q), LoRA on linear_q_proj + linear_fc1": dict(
         world=2, layout=dict(tp=2), model=dict(MLA, q_lora_rank=None), m=2, lora=(("linear_q_proj", "linear_fc1"), 4)),
     # An MTP layer's MLA projections are adapted as a main layer's.
@@ -120,9 +131,8 @@ def _spec(**fields):
 
 
 @pytest.mark.parametrize("targets, fields, reason", [
-    # One branch adapted, under selective core_attn (its checkpoint keeps q, k, v: not measured).
-    (("linear_kv_down_proj",), dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
-     "adapted on one latent branch only"),
+    # One branch adapted, under selective mla_up_proj (its CheckpointWithoutOutput restores q, k and v: not measured).
+    (("linear_kv_down_proj",), UP_PROJ, "adapted on one latent branch only"),
     (UP + ("linear_proj",), UP_PROJ, "adapters on MLA's up projections (['linear_kv_up_proj', 'linear_q_up_proj']) "
                                      "and none on a down projection"),
     (DENSE, dict(recompute_granularity="selective", recompute_modules=["layernorm"]),

@@ -212,8 +212,7 @@ class _Walk:
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are)."""
-    selective = recompute is not None and recompute.granularity == "selective" \
-        and bool({"core_attn", "mla_up_proj"} & set(recompute.modules))
+    selective = recompute is not None and recompute.granularity == "selective" and "mla_up_proj" in recompute.modules
     reason = (lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute, cp=par.cp)
               or first_adapter_moe_reason(spec, options, par, recompute, peft))
     if reason is not None:
@@ -480,8 +479,10 @@ def _mla_core(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOptions, *, c
         w.linear("attention", "linear_proj", v, T, a)
         return
     qk = T * heads * (mla.qk_head_dim + mla.qk_pos_emb_head_dim) * a
-    # (q@k^T keeps q for k's gradient and k for q's; a fused kernel keeps q, k and v for any)
-    qkv = (2 * qk if options.attention_backend == "flash" else qk * (grads[0] + grads[1])) + v
+    # (q@k^T keeps q for k's gradient and k for q's; a fused kernel keeps q, k and v for any, and so
+    # does selective core_attn's CheckpointFunction, which saves its inputs whether they require grad or not)
+    kept = options.attention_backend == "flash" or checkpointed
+    qkv = (2 * qk if kept else qk * (grads[0] + grads[1])) + v
     restored = rope + qkv + moved if "mla_up_proj" in w.selective and w.grad.started else 0
     w.act("attention", x.s * mla.qk_pos_emb_head_dim * FP32_BYTES if restored else rope + qkv)
     w.restored += restored

@@ -199,8 +199,8 @@ def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None, *, selective:
     (router, dispatcher, routed and shared experts, adapters on every expert's ``linear_fc1``/
     ``linear_fc2``) and MLA layers with adapters on ``linear_proj``, ``linear_fc1``,
     ``linear_fc2`` (an MLA layer has no ``linear_qkv``: that target adapts nothing there, as in
-    Bridge) and on MLA's own projections; ``selective``: selective ``core_attn`` or
-    ``mla_up_proj`` recompute."""
+    Bridge) and on MLA's own projections, with or without selective ``core_attn`` recompute;
+    ``selective``: selective ``mla_up_proj`` recompute."""
     if peft is None or peft.lora_rank is None or (spec.moe is None and spec.mla is None):
         return None
     if spec.mla is not None and peft.frozen and (selective or any(m == "dsa" for (m, _), _ in spec.layer_runs)):
@@ -209,7 +209,7 @@ def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None, *, selective:
         if bool(q) != bool(kv):
             return (f"activations of a frozen MLA layer adapted on one latent branch only ({sorted(q or kv)}: in the "
                     "first layer the other branch's q, or k and v, require no grad) are modelled without selective "
-                    "core_attn or mla_up_proj recompute and DSA layers")
+                    "mla_up_proj recompute and DSA layers")
     return None  # (a frozen MoE first layer whose experts' adapters come first: memory/moe_lora_start.py)
 
 
