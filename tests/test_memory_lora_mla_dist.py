@@ -131,8 +131,8 @@ def _spec(**fields):
 
 
 @pytest.mark.parametrize("targets, fields, reason", [
-    # One branch adapted, under selective mla_up_proj (its CheckpointWithoutOutput restores q, k and v: not measured).
-    (("linear_kv_down_proj",), UP_PROJ, "adapted on one latent branch only"),
+    # One branch adapted, under selective mla_up_proj: megatron-core fails (test_frozen_recompute_fails_in_megatron_core).
+    (("linear_kv_down_proj",), UP_PROJ, "0.19.0's CheckpointWithoutOutput fail in backward"),
     (UP + ("linear_proj",), UP_PROJ, "adapters on MLA's up projections (['linear_kv_up_proj', 'linear_q_up_proj']) "
                                      "and none on a down projection"),
     (DENSE, dict(recompute_granularity="selective", recompute_modules=["layernorm"]),
@@ -158,35 +158,46 @@ def test_transformer_engine_down_projections_under_sequence_parallelism_are_refu
 
 # Selective layernorm recompute of a frozen base (one adapter, on linear_proj): the first layer's
 # norm input requires no grad, so CheckpointWithoutOutput saves no input and its re-run in backward
-# calls the norm with none. Run on megatron-core's local spec, CPU, one process, in the test
-# environment (0.16.1) and in Megatron-LM 0.19.0's venv: both fail alike, so the memory report
-# refuses the layout (a layout the framework cannot train).
-_FROZEN_LAYERNORM_STEP = """
+# calls the norm with none. Selective mla_up_proj recompute of a frozen MLA base adapted on one latent
+# branch (here linear_q_down_proj): in the first layer k and v require no grad, and the checkpoint's
+# backward hands every output (q, k, v) to torch.autograd.backward, which raises. Run on megatron-core's
+# local spec, CPU, one process, in the test environment (0.16.1) and in Megatron-LM 0.19.0's venv: both
+# fail alike, so the memory report says so (a layout the framework cannot train).
+_FROZEN_RECOMPUTE_STEP = """
 import sys
 sys.path.insert(0, "tests")
 import mcore_cpu, mcore_dist, mcore_memory
 mcore_cpu.init_single_process()
 model = mcore_cpu.build_gpt(dict(num_layers=2, hidden_size=48, num_attention_heads=4, ffn_hidden_size=72,
                                  hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity="selective",
-                                 recompute_modules=["layernorm"]), vocab_size=96, max_seq_len=16)
+                                 **{fields}), vocab_size=96, max_seq_len=16)
 for p in model.parameters():
     p.requires_grad_(False)
 for prefix, parent in list(model.named_modules()):
     for name, child in list(parent.named_children()):
-        if name == "linear_proj":
+        if name == "{target}":
             setattr(parent, name, mcore_memory.LoRALinear(child, mcore_memory._StandInAdapter(child, 4)))
 try:
     mcore_dist.run_schedule([model], num_microbatches=1, micro_batch_size=2, seq_length=16, vocab_size=96,
                             count_flops=False)
     print("RESULT ok")
-except TypeError as exc:
+except (TypeError, RuntimeError) as exc:
     print("RESULT", type(exc).__name__, exc)
 """
+_FAILS = {
+    "layernorm": (dict(recompute_modules=["layernorm"]), "linear_proj",
+                  "RESULT TypeError LayerNorm.forward() missing 1 required positional argument: 'input'"),
+    "mla_up_proj, one branch": (
+        dict({k: v for k, v in MLA.items() if k not in BASE}, q_lora_rank=24, recompute_modules=["mla_up_proj"]),
+        "linear_q_down_proj",
+        "RESULT RuntimeError element 1 of tensors does not require grad and does not have a grad_fn"),
+}
 
 
 @pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)
 @pytest.mark.parametrize("release", ["megatron-lm-0.16.1", "megatron-lm-0.19.0"])
-def test_frozen_layernorm_recompute_fails_in_megatron_core(release):
+@pytest.mark.parametrize("case", list(_FAILS))
+def test_frozen_recompute_fails_in_megatron_core(release, case):
     import subprocess
     import sys
     from pathlib import Path
@@ -199,7 +210,9 @@ def test_frozen_layernorm_recompute_fails_in_megatron_core(release):
             python = envs.ensure(release)
         except envs.Unavailable as exc:
             pytest.skip(str(exc))
-    done = subprocess.run([str(python), "-c", _FROZEN_LAYERNORM_STEP], capture_output=True, text=True, timeout=600,
+    fields, target, expected = _FAILS[case]
+    step = _FROZEN_RECOMPUTE_STEP.format(fields=repr(fields), target=target)
+    done = subprocess.run([str(python), "-c", step], capture_output=True, text=True, timeout=600,
                           stdin=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[1])
-    assert "RESULT TypeError LayerNorm.forward() missing 1 required positional argument: 'input'" in done.stdout, \
+    assert expected in done.stdout, \
         done.stdout[-2000:] + done.stderr[-2000:]

@@ -207,9 +207,13 @@ def lora_activation_reason(spec: ModelSpec, peft: PeftSpec | None, *, selective:
         adapted = set(peft.lora_targets) & set(mla_targets(spec))
         q, kv = {t for t in adapted if "_q_" in t}, {t for t in adapted if "_kv_" in t}
         if bool(q) != bool(kv):
+            if selective:
+                return (f"activations of a frozen MLA layer adapted on one latent branch only ({sorted(q or kv)}) under "
+                        "selective recompute of mla_up_proj: in the first layer the other branch's q, or k and v, "
+                        "require no grad, and megatron-core 0.16.1's and 0.19.0's CheckpointWithoutOutput fail in "
+                        "backward (torch.autograd.backward of an output without grad_fn); seen here with both releases")
             return (f"activations of a frozen MLA layer adapted on one latent branch only ({sorted(q or kv)}: in the "
-                    "first layer the other branch's q, or k and v, require no grad) are modelled without selective "
-                    "mla_up_proj recompute and DSA layers")
+                    "first layer the other branch's q, or k and v, require no grad) are modelled without DSA layers")
     return None  # (a frozen MoE first layer whose experts' adapters come first: memory/moe_lora_start.py)
 
 
