@@ -11,6 +11,9 @@ re-run in backward is one block's saves, measured without checkpointing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import copy
 import dataclasses
 import gc
@@ -125,6 +128,20 @@ def _python_storages(exclude: set[int]) -> dict[int, int]:
             if storage.data_ptr() not in exclude:
                 found[storage.data_ptr()] = storage.nbytes()
     return found
+
+
+def _checkpoint_meter(model: torch.nn.Module) -> tuple[Any, Callable[..., int]]:
+    """A saved-tensor meter over ``model`` and ``alive(exclude)``: the bytes of distinct storages
+    saved outside the checkpoints (the meter's) or kept or re-saved by them, less ``exclude``'s."""
+    before = set(_python_storages(set())) | {p.untyped_storage().data_ptr() for p in model.parameters()}
+    meter = mcore_memory.SavedTensorMeter(model.parameters())
+
+    def alive(exclude: torch.Tensor | None = None) -> int:
+        found = {**_python_storages(before), **{k: n for k, (_, n) in meter.live.items()}}
+        found.pop(None if exclude is None else exclude.untyped_storage().data_ptr(), None)
+        return sum(found.values())
+
+    return meter, alive
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -276,14 +293,7 @@ def test_whole_model_checkpointed_peak(name, checkpointed):
     spec, peft, model, batch, _ = _setup(name)
     a, inputs = _act_bytes(model), _whole_inputs(spec, batch, next(model.parameters()).dtype)
     model.checkpoint_blocks = checkpointed
-    before = set(_python_storages(set())) | {p.untyped_storage().data_ptr() for p in model.parameters()}
-    meter = mcore_memory.SavedTensorMeter(model.parameters())
-
-    def alive(exclude: torch.Tensor | None = None) -> int:
-        """Distinct storages saved outside the checkpoints (the meter's) or kept or re-saved by them."""
-        found = {**_python_storages(before), **{k: n for k, (_, n) in meter.live.items()}}
-        found.pop(None if exclude is None else exclude.untyped_storage().data_ptr(), None)
-        return sum(found.values())
+    meter, alive = _checkpoint_meter(model)
 
     rerun: list[int] = []
     done = False
@@ -331,13 +341,7 @@ def test_whole_model_checkpointed_in_groups(name, group):
     blocks = list(model.blocks)
     model.blocks = torch.nn.ModuleList(_Group(blocks[i:i + group]) for i in range(0, len(blocks), group))
     model.checkpoint_blocks = len(model.blocks)
-    before = set(_python_storages(set())) | {p.untyped_storage().data_ptr() for p in model.parameters()}
-    meter = mcore_memory.SavedTensorMeter(model.parameters())
-
-    def alive(exclude: torch.Tensor | None = None) -> int:
-        found = {**_python_storages(before), **{k: n for k, (_, n) in meter.live.items()}}
-        found.pop(None if exclude is None else exclude.untyped_storage().data_ptr(), None)
-        return sum(found.values())
+    meter, alive = _checkpoint_meter(model)
 
     reruns: list[int] = []
     done = False
