@@ -46,11 +46,13 @@ for the alltoall dispatcher), ``N = n x min(topk, EP) / topk`` tokens arrive per
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megatron_flops.memory.decoder import DecoderOptions, experts_module, experts_take_adapters
 from megatron_flops.memory.grouped_lora import (check_grouped_lora, cross_ep_all_reduce, grouped_adapter_saved,
                                                 grouped_lora_note, uses_grouped_mm)
 from megatron_flops.memory.layout import BOOL_BYTES, FP32_BYTES, INDEX_BYTES, Parallelism, Training
-from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec, check_lora_targets, check_moe_act
 from megatron_flops.model.spec import ModelSpec
 
 FLEX_BACKENDS = ("deepep", "hybridep")
@@ -64,13 +66,11 @@ def check_grouped(spec: ModelSpec, options: DecoderOptions, par: Parallelism, tr
                   recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> None:
     """ValueError, with megatron-core's own reason, for the grouped-GEMM, ``moe_act`` and flex
     layouts megatron-core 0.16.1 refuses to build or train."""
-    if _moe_act(recompute) and not options.moe_grouped_gemm:
-        raise ValueError("megatron-core refuses selective recompute of moe_act without grouped-GEMM experts "
-                         "(TransformerConfig: 'moe_act in recompute_modules is only supported with "
-                         "moe_grouped_gemm'): set moe_grouped_gemm")
+    check_moe_act(recompute, grouped_gemm=options.moe_grouped_gemm)
     if spec.moe is None:
         return
     if experts_module(options) == "GroupedMLP":
+        check_lora_targets(spec, None if peft is None else replace(peft, expert_adapters=False))
         if options.add_bias_linear:
             raise ValueError("megatron-core's GroupedMLP refuses linear biases ('bias not supported in Grouped GEMM "
                              "yet, please set '--disable-bias-linear' instead.')")

@@ -325,7 +325,7 @@ def decoder_memory(
         unmeasured += kda_fla_unmeasured(spec, training)
     unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None, peft=peft))
     unmeasured += tuple(expert_lora_unmeasured(spec, par, peft))
-    unmeasured += tuple(first_adapter_unmeasured(spec, options, peft))
+    unmeasured += tuple(first_adapter_unmeasured(spec, options, peft, recompute))
     unmeasured += tuple(standalone_mtp_unmeasured(spec, par, recompute=recompute, peft=peft))
     unmeasured += tuple(parallel_layer_unmeasured(
         options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
