@@ -57,6 +57,13 @@ MCORE = {
     "moe grouped gemm moe_act": dict(BASE, **_MOE, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
                                      add_bias_linear=False, recompute_granularity="selective",
                                      recompute_modules=["moe_act"]),
+    # Every layer MoE (the first adapter a routed expert's under --lora-targets linear_fc1,linear_fc2; memory/
+    # grouped_start.py: formulas): TEGroupedMLP, and legacy GroupedMLP (no expert adapter: the shared experts' first).
+    "moe grouped gemm all moe": dict(BASE, **{**_MOE, "moe_layer_freq": 1}, moe_token_dispatcher_type="alltoall",
+                                     moe_grouped_gemm=True, add_bias_linear=False),
+    "moe grouped gemm legacy all moe": dict(BASE, **{**_MOE, "moe_layer_freq": 1}, moe_token_dispatcher_type="alltoall",
+                                            moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True,
+                                            add_bias_linear=False),
     "moe flex deepep": dict(BASE, **_MOE, moe_token_dispatcher_type="flex"),
     "moe flex hybridep grouped": dict(BASE, **_MOE, moe_token_dispatcher_type="flex",
                                       moe_flex_dispatcher_backend="hybridep", moe_grouped_gemm=True,
@@ -156,6 +163,13 @@ SPOT_SETUPS = {
     # Megatron-Bridge 0.6.2's other adapter layouts on TEGroupedMLP experts (memory/grouped_lora.py).
     "LoRA per-expert grouped": ["--lora-rank", "4", "--lora-grouped-experts", "per-expert"],
     "frozen LoRA shared-outer grouped": ["--frozen", "--lora-rank", "4", "--lora-grouped-experts", "shared-outer"],
+    # The same and selective moe_act with the first adapter a routed expert's (memory/grouped_start.py; rank 8: every
+    # per-expert dimension a multiple of 8, grouped_mm's path).
+    **{f"frozen LoRA fc1, fc2 {layout} grouped": ["--frozen", "--lora-rank", "8", "--lora-targets", "linear_fc1,linear_fc2",
+                                                  "--lora-grouped-experts", layout]
+       for layout in ("per-expert", "shared-outer")},
+    "frozen LoRA fc1, fc2, selective moe_act": ["--frozen", "--lora-rank", "4", "--lora-targets", "linear_fc1,linear_fc2",
+                                               "--recompute", "selective", "--recompute-modules", "moe_act"],
 }
 SPOT_LAYOUTS = {
     "TP2 SP DP2 FSDP": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--fsdp"],
@@ -190,6 +204,9 @@ SPOT_CHECKS = [
     ("mcore:untied mla moe mtp", "", ("TP2 SP DP2 FSDP", "CP2 DP2 FSDP", "DP2 FSDP SGD")),
     *[("mcore:moe grouped gemm*", setup, ("1 GPU", "DP2 EP2", "TP2 SP DP2 EP2", "TP2 SP DP2 EP2 ETP1", "PP2"))
       for setup in ("LoRA per-expert grouped", "frozen LoRA shared-outer grouped")],
+    *[("mcore:moe grouped gemm*all moe", setup, ("1 GPU", "DP2 EP2", "TP2 SP DP2 EP2", "TP2 SP DP2 EP2 ETP1", "PP2"))
+      for setup in ("frozen LoRA fc1, fc2 per-expert grouped", "frozen LoRA fc1, fc2 shared-outer grouped",
+                    "frozen LoRA fc1, fc2, selective moe_act", "frozen LoRA fc1, fc2")],
     ("mcore:dsa*", "", ("TP2 SP CP2", "TP2 CP2")),  # (megatron-core 0.19.0's DSA layer under TP x CP)
     ("examples/qwen2_5_vl_7b_config.json", "vision grids", ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2")),
     ("mcore:hybrid mamba", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split", "PP2 layout Ett|ttL")),

@@ -75,8 +75,9 @@ def test_grouped_experts_save_as_sequential_and_are_labelled():
     assert first_adapter_moe_reason(SPEC, grouped, EP2, None, PEFT) is None
     assert any("TEGroupedMLP" in note for note in first_adapter_unmeasured(SPEC, grouped, PEFT))
     assert first_adapter_unmeasured(SPEC, sequential, PEFT) == []
-    # Megatron-Bridge 0.6.2's per-expert adapters, legacy GroupedMLP (no adapter): not modelled.
+    # Megatron-Bridge 0.6.2's per-expert adapters: modelled (tests/test_memory_grouped_start.py); legacy
+    # GroupedMLP without shared experts: no adapter of the layer trains, not modelled.
     per_expert = PeftSpec(frozen=True, lora_rank=4, lora_targets=PEFT.lora_targets, grouped_expert_adapters="per-expert")
-    assert first_adapter_moe_reason(SPEC, grouped, EP2, None, per_expert) is not None
+    assert first_adapter_moe_reason(SPEC, grouped, EP2, None, per_expert) is None
     legacy = options(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, transformer_impl="local")
-    assert first_adapter_moe_reason(SPEC, legacy, EP2, None, PEFT) is not None
+    assert "legacy GroupedMLP experts without shared experts" in first_adapter_moe_reason(SPEC, legacy, EP2, None, PEFT)
