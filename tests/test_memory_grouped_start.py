@@ -56,15 +56,22 @@ def _saved(report: dict) -> dict[str, int]:
     return report["per_stage"][0]["activations_per_microbatch"][0]
 
 
-@pytest.mark.parametrize("layout", ["per-expert", "shared-outer"])
-def test_per_expert_and_shared_outer_add_their_grouped_offsets(tmp_path, layout):
+@pytest.mark.parametrize(("layout", "extra"), [
+    # The per-expert adapters take grouped_mm (bf16, r 8, h 64, 2 ffn 96, ffn 48: multiples of 8), whose copy of
+    # fc1's input [n, h] (its grouped GEMM keeps it: only the weight requires grad) replaces the permuted tokens
+    # the shared adapter keeps, and fc2's likewise: no more bytes (as for a started frozen layer). Each indexes
+    # its weights (weight[[0, 1]]: a copy, and the index op's int64 indices [2]: 16 B, 4 x 16 = 64): grouped_mm
+    # keeps fc1's B [2, 96, 8] (1536 elements: its input, the [n, r] intermediate, requires grad), not fc1's A
+    # (the permuted tokens require no grad), and fc2's A [2, 8, 48] and B [2, 64, 8] (768 + 1024): 3328 x 2 B.
+    ("per-expert", 16 + 64 + 3328 * 2),
+    # shared-outer's per-expert sides are parameters used whole (no copy): torch._grouped_mm's offsets only.
+    ("shared-outer", 16),
+])
+def test_per_expert_and_shared_outer_add_their_grouped_tensors(tmp_path, layout, extra):
     shared = _saved(_memory(tmp_path, rank="8"))
     report = _memory(tmp_path, "--lora-grouped-experts", layout, rank="8")
-    # Both layouts' grouped GEMMs keep their int32 offsets [E/EP = 2] per adapted linear: 2 x 2 x 4 B = 16. The
-    # per-expert adapters take grouped_mm (bf16, r 8, h 64, 2 ffn 96, ffn 48: multiples of 8), whose copy of
-    # fc1's input [n, h] (its grouped GEMM keeps it: only the weight requires grad) replaces the permuted tokens
-    # the shared adapter keeps, and fc2's likewise: no more bytes (as for a started frozen layer).
-    assert _saved(report) == {**shared, "lora": shared["lora"] + 16}
+    # Both layouts' grouped GEMMs keep their int32 offsets [E/EP = 2] per adapted linear: 2 x 2 x 4 B = 16.
+    assert _saved(report) == {**shared, "lora": shared["lora"] + extra}
     assert any(line.startswith(f"the first MoE layer's TEGroupedMLP {layout} adapters") for line in report["unmeasured"])
 
 

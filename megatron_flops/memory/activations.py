@@ -155,6 +155,7 @@ class _Grad:
     started: bool = True
     mask_saved: bool = False
     grouped_lora: int = 0  # bytes per MoE layer of grouped-expert adapters beyond shared ones (:mod:`.grouped_lora`)
+    grouped_lora_first: int = 0  # the same in a frozen first MoE layer whose gradient starts in them
 
 
 class _Walk:
@@ -693,7 +694,7 @@ def _first_adapter_moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOpti
                                                received=x.received, moe_act=moe_act).items():
         w.keep(key, nbytes)
     g.started = True
-    w.keep("lora", g.grouped_lora)  # (per-expert, shared-outer adapters: :mod:`.grouped_start`)
+    w.keep("lora", g.grouped_lora_first)  # (per-expert, shared-outer adapters: :mod:`.grouped_start`)
     freed = first_adapter_moe_act_freed(
         spec, options, tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received,
         freed=moe_act_freed(spec, options, tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received)) \
@@ -790,8 +791,9 @@ def chunk_activations(
     first = par.is_first_stage(pp_rank, chunk)
     selective = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
     w = _Walk(_peft_grad(peft, first_stage=first), selective=selective)
-    w.grad.grouped_lora = grouped_lora_saved(spec, options, par, training, peft, tokens=x.expert_tokens,
-                                             received=received, moe_act="moe_act" in selective)
+    w.grad.grouped_lora, w.grad.grouped_lora_first = (
+        grouped_lora_saved(spec, options, par, training, peft, tokens=x.expert_tokens, received=received,
+                           moe_act="moe_act" in selective, first=start) for start in (False, True))
     layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
     if first:
         positions = options.position_embedding_type == "learned_absolute"
