@@ -15,7 +15,9 @@ anyway; legacy ``GroupedMLP`` has no linear to match) in one of three ways (``Lo
   path: bf16 on a GPU of compute capability 8.0 or more with every local matrix dimension a
   multiple of 8 runs ``torch.nn.functional.grouped_mm`` over ``torch.cat`` of the experts' token
   slices, a copy of its input [n, in] (with more than one local expert) that the grouped GEMM
-  keeps, and its int32 offsets [E/EP]; otherwise (fp32/fp16, other sizes) a loop of per-expert
+  keeps, its int32 offsets [E/EP], and the weights it indexes per call (``weight[active experts]``:
+  copies, which it keeps where the GEMM's input requires grad, each index op keeping its int64
+  indices [E/EP]); otherwise (fp32/fp16, other sizes) a loop of per-expert
   ``linear`` calls that keep views of the input and [n_e, r] each: the shared adapter's count.
   NB: FP8 (Transformer Engine's grouped kernel) is not modelled.
 - ``shared-outer`` (``experts_shared_outer_loras``, SGLang's serving contract):

@@ -7,8 +7,9 @@ in ``unmeasured``.
 - ``per-expert`` and ``shared-outer`` adapters keep what the shared adapter keeps there, plus what
   :func:`~megatron_flops.memory.grouped_lora.grouped_adapter_saved` counts for a frozen base (the
   grouped GEMMs' int32 offsets; per-expert's ``grouped_mm`` copy of fc1's input stands in for the
-  permuted tokens the shared adapter keeps): ``torch._grouped_mm`` keeps its input when only its
-  weight requires grad (seen with torch 2.13 on CPU), as a linear does.
+  permuted tokens the shared adapter keeps, and of the weight copies it indexes it keeps all but
+  fc1's ``linear_in``'s): ``torch._grouped_mm`` keeps its input when only its weight requires grad,
+  and its weight only when its input does (seen with torch 2.13 on CPU), as a linear does.
 - ``moe_act``: ``CheckpointWithoutOutput`` keeps its inputs, fc1's output (which requires grad
   from fc1's adapter on) and the probabilities (which do not), and frees the activation's output
   (fc2's adapter's input) after fc2; in backward the activation re-runs and, as without the
@@ -28,7 +29,7 @@ in ``unmeasured``.
 from __future__ import annotations
 
 from megatron_flops.flops.passes import PeftSpec
-from megatron_flops.memory.decoder import DecoderOptions, experts_take_adapters
+from megatron_flops.memory.decoder import DecoderOptions, experts_module, experts_take_adapters
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.model.spec import ModelSpec
 
@@ -94,17 +95,19 @@ def legacy_combine_skip(spec: ModelSpec, options: DecoderOptions, par: Paralleli
     return out
 
 
-def grouped_start_unmeasured(options: DecoderOptions, peft: PeftSpec | None, *, moe_act: bool) -> list[str]:
+def grouped_start_unmeasured(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec | None, *,
+                             moe_act: bool) -> list[str]:
     """The ``unmeasured`` labels of this module's figures in a report."""
     out = []
-    if not experts_take_adapters(options):
+    if not experts_take_adapters(options) and spec.moe is not None and spec.moe.shared_expert_ffn_hidden_size:
         out.append("the first MoE layer's legacy GroupedMLP experts under a frozen base whose first adapter is the "
                    "shared experts' linear_fc1: the routed path keeps nothing and runs no backward (nor its "
                    "combine's collectives)")
-    elif peft is not None and peft.grouped_expert_adapters != "shared":
+    elif experts_module(options) == "TEGroupedMLP" and peft is not None and peft.grouped_expert_adapters != "shared":
         out.append(f"the first MoE layer's TEGroupedMLP {peft.grouped_expert_adapters} adapters under a frozen base "
                    "whose first adapter is theirs: as the shared adapter's there, plus their grouped GEMMs' offsets "
-                   "(and grouped_mm's input copies) as a frozen base's")
+                   "(per-expert on grouped_mm's path: its input copies and the indexed weight copies it keeps, fc1's "
+                   "linear_in's not, its input requiring no grad)")
     if moe_act and experts_take_adapters(options):
         out.append("selective moe_act recompute in the first MoE layer under a frozen base whose first adapter is "
                    "an expert's: CheckpointWithoutOutput keeps fc1's output and the probabilities, and holds the "

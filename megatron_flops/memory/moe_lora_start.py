@@ -151,7 +151,7 @@ def first_adapter_unmeasured(spec: ModelSpec, options: DecoderOptions, peft: Pef
     if not starts_in_experts(spec, peft):
         return []
     moe_act = recompute is not None and recompute.granularity == "selective" and "moe_act" in recompute.modules
-    out = grouped_start_unmeasured(options, peft, moe_act=moe_act)
+    out = grouped_start_unmeasured(spec, options, peft, moe_act=moe_act)
     if experts_module(options) == "TEGroupedMLP":
         out.append("the first MoE layer's TEGroupedMLP experts under a frozen base whose first adapter is theirs: "
                    "as SequentialMLP's (measured): from linear_fc1's shared adapter on, no activation output kept")
