@@ -43,7 +43,8 @@ def grouped_first_adapter_reason(spec: ModelSpec, options: DecoderOptions, peft:
     if not experts_take_adapters(options) and not moe.shared_expert_ffn_hidden_size:
         return ("activations of a frozen first MoE layer of legacy GroupedMLP experts without shared experts: no "
                 "adapter of it trains (GroupedMLP has no linear_fc1/linear_fc2 for Megatron-Bridge to adapt) and the "
-                "gradient starts in a later dense layer; add an attention target (linear_proj)")
+                "gradient starts in a later dense layer (the backward collectives skipped before it are counted for "
+                "the first layer only); add an attention target (linear_proj)")
     if moe_act and experts_take_adapters(options) and peft is not None and "linear_fc1" not in peft.lora_targets:
         return ("activations of a frozen MoE first layer whose first adapter is its experts' linear_fc2 under "
                 "selective moe_act recompute: fc1's output requires no grad there, so megatron-core 0.16.1's "
