@@ -165,11 +165,12 @@ SPOT_SETUPS = {
     "frozen LoRA shared-outer grouped": ["--frozen", "--lora-rank", "4", "--lora-grouped-experts", "shared-outer"],
     # The same and selective moe_act with the first adapter a routed expert's (memory/grouped_start.py; rank 8: every
     # per-expert dimension a multiple of 8, grouped_mm's path).
-    **{f"frozen LoRA fc1, fc2 {layout} grouped": ["--frozen", "--lora-rank", "8", "--lora-targets", "linear_fc1,linear_fc2",
-                                                  "--lora-grouped-experts", layout]
+    **{f"frozen LoRA fc1, fc2 {layout} grouped": ["--frozen", "--lora-rank", "8", "--lora-targets",
+                                                  "linear_fc1,linear_fc2", "--lora-grouped-experts", layout]
        for layout in ("per-expert", "shared-outer")},
-    "frozen LoRA fc1, fc2, selective moe_act": ["--frozen", "--lora-rank", "4", "--lora-targets", "linear_fc1,linear_fc2",
-                                               "--recompute", "selective", "--recompute-modules", "moe_act"],
+    "frozen LoRA fc1, fc2, selective moe_act": ["--frozen", "--lora-rank", "4", "--lora-targets",
+                                               "linear_fc1,linear_fc2", "--recompute", "selective",
+                                               "--recompute-modules", "moe_act"],
 }
 SPOT_LAYOUTS = {
     "TP2 SP DP2 FSDP": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--fsdp"],

@@ -72,7 +72,8 @@ def test_per_expert_and_shared_outer_add_their_grouped_tensors(tmp_path, layout,
     report = _memory(tmp_path, "--lora-grouped-experts", layout, rank="8")
     # Both layouts' grouped GEMMs keep their int32 offsets [E/EP = 2] per adapted linear: 2 x 2 x 4 B = 16.
     assert _saved(report) == {**shared, "lora": shared["lora"] + extra}
-    assert any(line.startswith(f"the first MoE layer's TEGroupedMLP {layout} adapters") for line in report["unmeasured"])
+    label = f"the first MoE layer's TEGroupedMLP {layout} adapters"
+    assert any(line.startswith(label) for line in report["unmeasured"])
 
 
 @pytest.mark.parametrize(("fusion", "experts", "freed"), [

@@ -67,7 +67,8 @@ def first_adapter_moe_act_freed(spec: ModelSpec, options: DecoderOptions, *, fre
     return freed - (0 if fused else got * (moe.ffn_hidden_size // tp) * act)
 
 
-def legacy_combine_skip(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training) -> dict[str, int]:
+def legacy_combine_skip(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
+                        training: Training) -> dict[str, int]:
     """Payload bytes per step legacy ``GroupedMLP``'s first MoE layer does not run in backward
     beyond the dispatcher's (:func:`~megatron_flops.memory.moe_lora_start.first_adapter_ep_skip`,
     :func:`~megatron_flops.memory.moe_lora_start.first_adapter_dispatcher_skip`), as negative
