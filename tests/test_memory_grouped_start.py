@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ import pytest
 from megatron_flops.cli import main
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.decoder import DecoderOptions
+from megatron_flops.memory.grouped_lora import grouped_adapter_saved
 from megatron_flops.memory.grouped_start import (first_adapter_moe_act_freed, grouped_first_adapter_reason,
                                                  legacy_combine_skip)
 from megatron_flops.memory.layout import Parallelism, Training
@@ -35,6 +39,7 @@ LEGACY = dict(moe_use_legacy_grouped_gemm=True)
 FROZEN = ("--frozen", "--lora-targets", "linear_fc1,linear_fc2", "--dp", "2", "--ep", "2")
 MOE_ACT = ("--recompute", "selective", "--recompute-modules", "moe_act")
 PER_TOKEN = 32 * 48 * 2  # one [n, ffn] activation: 3072
+TESTS = Path(__file__).resolve().parent
 
 
 def _run(tmp_path: Path, *argv: str, command: str = "memory", code: int = 0, **fields: Any) -> tuple[dict, str]:
@@ -74,6 +79,41 @@ def test_per_expert_and_shared_outer_add_their_grouped_tensors(tmp_path, layout,
     assert _saved(report) == {**shared, "lora": shared["lora"] + extra}
     label = f"the first MoE layer's TEGroupedMLP {layout} adapters"
     assert any(line.startswith(label) for line in report["unmeasured"])
+
+
+@pytest.fixture(scope="module")
+def bridge_adapter_saved() -> dict[str, int]:
+    """tests/grouped_adapter_step.py's measurement in Megatron-Bridge 0.6.2's venv."""
+    venvs = Path(os.environ.get("MEGATRON_FLOPS_TEST_VENVS") or Path.home() / ".cache" / "megatron-flops" / "venvs")
+    python = venvs / "megatron-bridge-0.6.2" / "bin" / "python"
+    if not python.is_file():
+        pytest.skip(f"needs Megatron-Bridge 0.6.2's venv ({python} absent; tests/frameworks/envs.py makes it)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    done = subprocess.run([str(python), str(TESTS / "grouped_adapter_step.py"), str(port)], capture_output=True,
+                          text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(("name", "width", "started"), [
+    ("linear_fc1 frozen input", 64, False), ("linear_fc1 input grad", 64, True),
+    ("linear_fc2 frozen input", 48, False), ("linear_fc2 input grad", 48, True)])
+def test_per_expert_grouped_mm_adapter_saves_as_measured(bridge_adapter_saved, name, width, started):
+    # Bridge 0.6.2's GroupedExpertLinearAdapter alone on CPU (grouped_mm's path; tests/grouped_adapter_step.py):
+    # 2 local experts, n = 32 tokens, r 8, h 64, ffn 48, bf16. What the shared adapter keeps (its input [n, in],
+    # here grouped_mm's copy, and the [n, r] intermediate) plus grouped_adapter_saved's extra: offsets (8 B), the
+    # two index ops' int64 indices (32 B), linear_out's weight copy (fc1 [2, 96, 8], fc2 [2, 64, 8]) and, where the
+    # input requires grad, linear_in's ([2, 8, 64], [2, 8, 48]). E.g. fc1, frozen input: 4096 + 512 + 8 + 32 + 3072.
+    target = name.split()[0]
+    peft = PeftSpec(frozen=True, lora_rank=8, lora_targets=(target,), grouped_expert_adapters="per-expert")
+    weights = {"linear_fc1": (2 * 8 * 64, 2 * 96 * 8), "linear_fc2": (2 * 8 * 48, 2 * 64 * 8)}
+    extra = grouped_adapter_saved(peft, grouped_mm=True, got=32, num_local=2, width=64, ffn=48, act=2, frozen=True,
+                                  moe_act=False, weights=weights, started=started)
+    assert bridge_adapter_saved[name] == 32 * width * 2 + 32 * 8 * 2 + extra
+    assert bridge_adapter_saved["linear_fc1 frozen input"] == 4096 + 512 + 8 + 32 + 3072 == 7720
 
 
 @pytest.mark.parametrize(("fusion", "experts", "freed"), [

@@ -110,7 +110,7 @@ def uses_grouped_mm(peft: PeftSpec, par: Parallelism, *, bf16: bool, width: int,
 
 def grouped_adapter_saved(peft: PeftSpec, *, grouped_mm: bool, got: int, num_local: int, width: int, ffn: int,
                           act: int, frozen: bool, moe_act: bool, weights: Mapping[str, tuple[int, int]],
-                          fc1_input_grad: bool = True) -> int:
+                          started: bool = True) -> int:
     """Bytes one MoE layer's ``per-expert`` or ``shared-outer`` adapters keep per micro-batch
     beyond the shared adapter's (:func:`~megatron_flops.memory.moe.expert_lora_activations`), for
     ``got`` routed tokens on this rank: each grouped GEMM's int32 offsets [E/EP]; on
@@ -120,8 +120,10 @@ def grouped_adapter_saved(peft: PeftSpec, *, grouped_mm: bool, got: int, num_loc
     indexes per call (``weight[active experts]``: a copy, ``weights``: the numels of each adapted
     linear's ``linear_in`` and ``linear_out``), whose index op keeps the int64 indices [E/EP]:
     ``grouped_mm`` keeps ``linear_out``'s copy (its input, the [n, r] intermediate, requires
-    grad), and ``linear_in``'s where its input requires grad (``fc1_input_grad``: fc1's input;
-    fc2's does wherever an adapter runs before it)."""
+    grad), and ``linear_in``'s where its input requires grad (``started``: the hidden states do
+    before the experts; else only fc2's, and only when fc1 is adapted: a frozen first layer whose
+    gradient starts in them). Measured (the adapter alone, Bridge 0.6.2 on CPU with torch 2.13:
+    tests/test_memory_grouped_start.py)."""
     layout = peft.grouped_expert_adapters
     if peft.lora_rank is None or layout == "shared" or (layout == "per-expert" and not grouped_mm):
         return 0
@@ -134,7 +136,7 @@ def grouped_adapter_saved(peft: PeftSpec, *, grouped_mm: bool, got: int, num_loc
             total += got * inp * act
         if layout == "per-expert":
             in_numel, out_numel = weights[name]
-            input_grad = fc1_input_grad if name == "linear_fc1" else True
+            input_grad = started or (name == "linear_fc2" and "linear_fc1" in peft.lora_targets)
             total += 2 * num_local * INDEX_BYTES + (out_numel + (in_numel if input_grad else 0)) * act
     return total
 

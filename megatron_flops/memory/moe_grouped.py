@@ -123,7 +123,7 @@ def grouped_lora_saved(spec: ModelSpec, options: DecoderOptions, par: Parallelis
         got=tokens * moe.router_topk if received is None else received, num_local=num_local,
         width=width, ffn=ffn, act=training.param_bytes, frozen=peft.frozen, moe_act=moe_act,
         weights=adapter_weight_numels(peft, par, width=width, ffn=ffn, gate=gate, num_local=num_local),
-        fc1_input_grad=not first)
+        started=not first)
 
 
 def grouped_lora_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
