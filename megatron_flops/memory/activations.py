@@ -82,7 +82,7 @@ from megatron_flops.memory.moe_grouped import expert_adapter_targets, frozen_exp
 from megatron_flops.memory.moe_lora_start import first_adapter_moe_reason, first_adapter_moe_saved
 from megatron_flops.memory.moe import (expert_lora_activations, moe_act_freed, moe_activation_reason,
                                        moe_activations, shared_gate_activations)
-from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec, check_checkpointed_regions
 from megatron_flops.model.spec import ModelSpec
 
 
@@ -211,7 +211,9 @@ class _Walk:
 
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
-    """Why activations are not modelled for this setup (None: they are)."""
+    """Why activations are not modelled for this setup (None: they are); ValueError where no
+    adapter of a checkpointed region would train (as ``estimate`` refuses it)."""
+    check_checkpointed_regions(spec, peft, recompute, modules=("shared_experts",))
     selective = recompute is not None and recompute.granularity == "selective" and "mla_up_proj" in recompute.modules
     reason = (lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute, cp=par.cp)
               or first_adapter_moe_reason(spec, options, par, recompute, peft))
