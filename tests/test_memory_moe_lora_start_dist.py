@@ -22,6 +22,8 @@ WITH_PROJ = "TP2 + SP, MoE every layer (alltoall), fused SwiGLU experts, LoRA on
 _MIXTRAL_LIKE = dict(BASE, **dict(MOE, moe_layer_freq=1), **SWIGLU, bias_activation_fusion=True,
                      moe_token_dispatcher_type="alltoall")
 EP_ALLTOALL = "EP2, MoE every layer (alltoall), fused SwiGLU experts, LoRA on linear_fc1 + linear_fc2"
+LATENT_TP = "TP2 + SP, Mixtral-like with latent 24 (alltoall), LoRA on linear_fc1 + linear_fc2"
+LATENT_EP = "EP2, Mixtral-like with latent 24 (alltoall), LoRA on linear_fc1 + linear_fc2"
 RUNS = {
     # Mixtral's layer: every layer MoE, fused SwiGLU experts, alltoall, no shared experts.
     MIXTRAL: dict(world=2, layout=dict(tp=2, sp=True), model=_MIXTRAL_LIKE, m=2,
@@ -53,6 +55,16 @@ RUNS = {
     "EP2, Mixtral-like, LoRA on linear_fc1 + linear_fc2, selective core_attn": dict(
         world=2, layout=dict(tp=1, ep=2), m=2, lora=(("linear_fc1", "linear_fc2"), 4), live=True,
         model=dict(_MIXTRAL_LIKE, recompute_granularity="selective")),
+    # Latent projections (tests/mcore_cpu.DuplicatedLinearStandIn for TELinear): the dispatcher moves latent
+    # tokens; the frozen projections keep nothing (fc1's runs before any adapter).
+    LATENT_TP: dict(world=2, layout=dict(tp=2, sp=True), model=dict(_MIXTRAL_LIKE, moe_latent_size=24), m=2,
+                    lora=(("linear_fc1", "linear_fc2"), 4)),
+    LATENT_EP: dict(world=2, layout=dict(tp=1, ep=2), model=dict(_MIXTRAL_LIKE, moe_latent_size=24), m=2,
+                    lora=(("linear_fc1", "linear_fc2"), 4)),
+    # Selective mlp checkpoints the dense layer 1 only (megatron-core's TransformerLayer: not is_moe_layer).
+    "TP2 + SP, MoE first of 2 layers (alltoall), LoRA on linear_fc1 + linear_fc2, selective mlp": dict(
+        world=2, layout=dict(tp=2, sp=True), m=2, lora=(("linear_fc1", "linear_fc2"), 4), live=True,
+        model=dict(_MIXTRAL_LIKE, moe_layer_freq=[1, 0], recompute_granularity="selective", recompute_modules=["mlp"])),
     "TP2 x EP2 + SP, Mixtral-like (alltoall), LoRA on linear_fc1 + linear_fc2": dict(
         world=4, layout=dict(tp=2, sp=True, ep=2), model=_MIXTRAL_LIKE, m=2, lora=(("linear_fc1", "linear_fc2"), 4)),
 }

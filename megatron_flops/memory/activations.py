@@ -536,7 +536,8 @@ def _checkpointed_mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool, 
     _mlp(inner, x, options, gated, shared_input=shared_input)
     g, inp = w.grad, 0 if shared_input else x.local_tokens * x.h * x.act
     w.keep("recompute", inp)
-    w.region(inner.kept - (inp if g.base or "linear_fc1" in g.adapted else 0))  # (fc1's input is the checkpoint's)
+    # (fc1's input is the checkpoint's, but the [T, h] a frozen fc1's adapter gathers itself under SP)
+    w.region(inner.kept - (inp if g.base or ("linear_fc1" in g.adapted and x.sp == 1) else 0))
 
 
 def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:

@@ -93,9 +93,11 @@ def first_adapter_dispatcher_skip(spec: ModelSpec, par: Parallelism, training: T
                                   routed: int) -> dict[str, int]:
     """Payload bytes per micro-batch the first layer's dispatcher does not run in backward under
     expert TP (its tokens and probabilities require no grad), beyond the trained layer's: with
-    ``alltoall``, the reduce-scatter of the ``routed`` tokens' and probabilities' gradients [n, h + 1].
-    The experts' output gradient is still all-gathered (EP and ``allgather``: :func:`first_adapter_ep_skip`)."""
-    a, h = training.param_bytes, spec.hidden_size
+    ``alltoall``, the reduce-scatter of the ``routed`` tokens' and probabilities' gradients [n, h + 1]
+    (h: the latent size with latent projections). The experts' output gradient is still all-gathered
+    (EP and ``allgather``: :func:`first_adapter_ep_skip`)."""
+    assert spec.moe is not None
+    a, h = training.param_bytes, spec.moe.latent_size or spec.hidden_size
     if dispatcher != "alltoall" or par.expert_tp == 1:  # (flex: in its all-to-all, first_adapter_ep_skip)
         return {}
     return {f"{expert_tp_group(par)}/reduce_scatter": routed * (h + 1) * a}
@@ -108,12 +110,13 @@ def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Paralle
     ``alltoall`` (EP > 1): the all-to-all of this rank's routed tokens' and probabilities'
     gradients [T_l x k, h + 1] (the combine's all-to-all still runs backward); ``allgather``
     (expert TP x EP > 1): the reduce-scatter of the gathered tokens' and probabilities' gradients
-    [G, h + E]. None under full recompute (Bridge makes the decoder's input require grad)."""
+    [G, h + E] (h: the latent size with latent projections). None under full recompute (Bridge makes
+    the decoder's input require grad)."""
     moe = spec.moe
     if (moe is None or not starts_in_experts(spec, peft) or not par.is_first_stage(pp_rank, 0)
             or (recompute is not None and recompute.granularity == "full")):
         return {}
-    a, h, m = training.param_bytes, spec.hidden_size, training.num_microbatches
+    a, h, m = training.param_bytes, moe.latent_size or spec.hidden_size, training.num_microbatches
     local = training.seq_length * training.micro_batch_size // par.tp  # this rank's T_l tokens
     if options.moe_token_dispatcher_type == "allgather":
         rows = local * par.expert_tp * par.ep
