@@ -113,6 +113,14 @@ def test_ep_dispatcher_all_to_all_runs_no_backward_before_the_experts_adapters(m
         assert dict(result["comm"])["ep/all_to_all"] == 347_136
 
 
+def test_latent_dispatcher_all_to_all_moves_latent_tokens(measured):
+    # As above with moe_latent_size 24: the routed tokens are latent-wide, 128 x (24 + 1) x 4 B = 12,800 B
+    # dispatched and 128 x 24 x 4 = 12,288 B combined per MoE layer and micro-batch, as much backward but
+    # layer 0's dispatch: 4 x 2 x 25,088 - 2 x 12,800 = 175,104 B.
+    for result in measured[LATENT_EP]:
+        assert dict(result["comm"])["ep/all_to_all"] == 175_104
+
+
 def test_selective_moe_recompute_runs_no_backward_in_the_moe_layers(measured):
     # Selective 'moe' checkpoints each MoE layer around an input that requires no grad: forward only,
     # 4 x 49,664 = 198,656 B of ep/all_to_all (none in backward; no adapter trains), and refused.
