@@ -61,6 +61,12 @@ MCORE = {
     "moe flex hybridep grouped": dict(BASE, **_MOE, moe_token_dispatcher_type="flex",
                                       moe_flex_dispatcher_backend="hybridep", moe_grouped_gemm=True,
                                       add_bias_linear=False),
+    # A frozen MoE first layer adapted on its experts (memory/moe_lora_start.py): with latent projections (measured
+    # with a stand-in for TELinear), and before dense layers (selective mlp checkpoints those only).
+    "moe first latent": dict(BASE, **dict(_MOE, moe_layer_freq=1), moe_latent_size=32, moe_token_dispatcher_type="alltoall",
+                             add_bias_linear=False),
+    "moe first then dense": dict(BASE, **dict(_MOE, moe_layer_freq=[1, 0, 1, 0], moe_shared_expert_intermediate_size=None),
+                                 moe_token_dispatcher_type="alltoall", add_bias_linear=False),
     "mla": dict(BASE, **_MLA),
     "mtp": dict(BASE, mtp_num_layers=1),
     "mla moe mtp": dict(BASE, **_MLA, **_MOE, mtp_num_layers=1, normalization="RMSNorm"),
@@ -148,6 +154,10 @@ SPOT_SETUPS = {
     "frozen LoRA fc1, fc2, full recompute": ["--frozen", "--lora-rank", "4", "--lora-targets", "linear_fc1,linear_fc2",
                                              "--recompute", "full", "--recompute-method", "uniform",
                                              "--recompute-num-layers", "1"],
+    # (Selective shared_experts with shared experts is refused by both: their adapters would get no gradient.)
+    "frozen LoRA fc1, fc2, selective mlp, shared_experts": ["--frozen", "--lora-rank", "4", "--lora-targets",
+                                                            "linear_fc1,linear_fc2", "--recompute", "selective",
+                                                            "--recompute-modules", "core_attn,mlp,shared_experts"],
     "frozen LoRA fc1, fc2, flex dispatcher": ["--frozen", "--lora-rank", "4", "--lora-targets",
                                               "linear_fc1,linear_fc2", "--moe-token-dispatcher", "flex"],
     "full recompute of 2-block groups": ["--recompute", "full", "--recompute-method", "uniform",
@@ -183,6 +193,9 @@ SPOT_CHECKS = [
     ("hf:deepseek_v3", "frozen LoRA q_up, kv_up, proj", ("TP2 SP",)),  # (latent norms fused into them)
     ("hf:mixtral", "frozen LoRA fc1, fc2", ("1 GPU", "TP2 SP", "DP2 EP2", "TP2 SP DP2 EP2")),
     ("hf:mixtral", "frozen LoRA fc1, fc2, full recompute", ("DP2 EP2", "TP2 SP DP2 EP2")),
+    ("mcore:moe first latent", "frozen LoRA fc1, fc2", ("1 GPU", "TP2 SP", "DP2 EP2", "TP2 SP DP2 EP2")),
+    ("mcore:moe first then dense", "frozen LoRA fc1, fc2, selective mlp, shared_experts", ("1 GPU", "TP2 SP", "DP2 EP2")),
+    ("hf:mixtral", "frozen LoRA fc1, fc2, selective mlp, shared_experts", ("1 GPU", "TP2 SP DP2 EP2")),
     ("hf:mixtral", "frozen LoRA fc1, fc2, flex dispatcher", ("DP2 EP2", "TP2 SP DP2 EP2")),  # (a formula)
     ("mcore:moe alltoall", "LoRA", ("TP2 SP DP2 EP2 ETP1",)),
     ("examples/wan_tiny_dit.json", "full recompute of 2-block groups", ("1 GPU", "DP2")),
