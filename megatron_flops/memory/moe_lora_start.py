@@ -18,6 +18,10 @@ keeps only them; the fused SwiGLU kernel keeps its input and the probabilities r
 (int64: this rank's [T_l x k] before the all-to-all, or the gathered tokens its experts take with
 the allgather dispatcher); the routing map and the scattered probabilities are not kept. In
 backward the dispatcher's tokens and probabilities need no gradient: no reduce-scatter of theirs.
+With latent projections (``moe_latent_size``) ``fc1_latent_proj`` runs before any adapter and the
+frozen ``fc2_latent_proj`` keeps no input (Transformer Engine's linear keeps it only when its weight
+trains); the dispatcher, experts and adapters work at the latent width (measured with a stand-in for
+``TELinear``, tests/mcore_cpu.py). Selective ``mlp`` checkpoints the dense layers only (measured).
 """
 
 from __future__ import annotations
