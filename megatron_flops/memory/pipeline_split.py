@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatron_flops.flops.pipeline_split import FIELDS, PipelineSplit, split_stages, standalone_mtp_stage
+from megatron_flops.flops.pipeline_split import FIELDS, PipelineSplit, parse_layout, split_stages, standalone_mtp_stage
 from megatron_flops.memory.hybrid_pipeline import is_hybrid
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.model.spec import ModelSpec
@@ -85,7 +85,23 @@ def split_note(split: PipelineSplit, par: Parallelism, *, hybrid: bool = False) 
                if hybrid else "megatron-core 0.16.1 splits them")
     return [f"pipeline stages as {builder} ({_given(split)}): decoder layers per virtual stage "
             f"{list(par.stage_layers)} (stage v x PP + r on model chunk v of pipeline rank r); the embedding on the "
-            "first virtual stage, the output layer and loss on the last"]
+            f"first virtual stage, the output layer and loss on the last{_edge_note(split)}"]
+
+
+def _edge_note(split: PipelineSplit) -> str:
+    """Where a layout's empty edge stages leave the embedding and loss: megatron-core builds them
+    where ``pre_process``/``post_process`` are true, not where the layout writes them."""
+    if split.pipeline_model_parallel_layout is None:
+        return ""
+    stages = parse_layout(split.pipeline_model_parallel_layout)
+    where = {kind: next(i for i, stage in enumerate(stages) if kind in stage) for kind in ("embedding", "loss")}
+    names = {"embedding": "the embedding", "loss": "the output layer and loss"}
+    moved = [f"{names[kind]} on virtual stage {edge}, not stage {i} where the layout writes {kind[0].upper()}"
+             for (kind, i), edge in zip(where.items(), (0, len(stages) - 1)) if i != edge]
+    if not moved:
+        return ""
+    return (f"; megatron-core builds {' and '.join(moved)} (pre_process/post_process place them; a layout decides "
+            "only the decoder and MTP layers)")
 
 
 def dit_split_note(split: PipelineSplit, par: Parallelism) -> list[str]:
