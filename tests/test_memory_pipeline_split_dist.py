@@ -60,6 +60,15 @@ RUNS = {
     "DP2 x PP2 x VPP2, layout |Ett|ttL| (empty edge stages), distributed optimizer, fp32, M=4": dict(
         layout=dict(pp=2, vpp=2), model=dict(BASE, num_layers=4, pipeline_model_parallel_layout="|Ett|ttL|"), m=4,
         build=dict(distributed_optimizer=True, params_dtype="fp32")),
+    # A frozen base whose first stage holds no layer ('E|ttL', LoRA on the decoder only): rank 0's output
+    # (the frozen embedding's) needs no gradient, so megatron-core 0.16.1's backward_step skips its backward
+    # ("we intentionally skip the backward pass while preserving zero gradients"): it saves nothing, has no
+    # gradient buffer; rank 1's received input requires grad (recv_forward builds it so), so its first
+    # layer saves as any layer whose input needs a gradient and it still sends the input gradient back
+    # (pp/send_recv as with a trained embedding). The DiT's formula (memory/dit_layouts.py) rests on this.
+    "DP2 x PP2 (1F1B), layout E|ttL, frozen base + LoRA on the decoder, DDP, bf16, M=3": dict(
+        layout=dict(pp=2), model=dict(BASE, num_layers=2, pipeline_model_parallel_layout="E|ttL"), m=3,
+        build=dict(lora=(("linear_qkv", "linear_fc2"), 4))),
 }
 
 # Standalone MTP stages on a pipeline rank of their own: PP3, in a 3-process group of its own. Rank 1
