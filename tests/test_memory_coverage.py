@@ -202,6 +202,8 @@ SPOT_CHECKS = [
     ("mcore:mtp", "", ("PP2 layout |Et*4mL", "PP2 layout Et*4mL|", "PP2 layout |Ett|ttmL|")),
     ("examples/wan21_14b_dit.json", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split",
                                          "PP2 layout Et*8|t*32L", "PP2 layout E|t*40L", "PP2 layout Et*40|L")),
+    # A frozen base whose first stage holds no block (memory/dit_layouts.py: megatron-core skips its backward).
+    ("examples/wan21_14b_dit.json", "frozen LoRA", ("PP2 layout E|t*40L",)),
 ]
 # What a report leaves out until the user gives an input no model file holds (``needs_input``): not
 # a gap. A VLM without --grid-thw: the vision tower's activations (the survey passes no grids but in
