@@ -182,6 +182,9 @@ SPOT_LAYOUTS = {
                               "Et*8|t*32L"],
     "PP2 layout E|t*40L": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", "E|t*40L"],
     "PP2 layout Et*40|L": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", "Et*40|L"],
+    # Empty stages before E or after L (megatron-core builds the embedding and loss on the edge stages anyway).
+    **{f"PP2 layout {layout}": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", layout]
+       for layout in ("|Et*4L", "Et*4L|", "|Ett|ttL|", "|Et*4mL", "Et*4mL|", "|Ett|ttmL|")},
     "TP2 SP CP2": ["--tp", "2", "--sequence-parallel", "--cp", "2"],
     "TP2 CP2": ["--tp", "2", "--cp", "2"],
 }
@@ -208,8 +211,12 @@ SPOT_CHECKS = [
     ("mcore:hybrid mamba", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split", "PP2 layout Ett|ttL")),
     ("mcore:hybrid mamba piped", "", ("PP2 first stage 1 layer",)),
     ("mcore:gdn", "", ("PP2 first stage 1 layer",)),
+    ("mcore:pipeline layout", "", ("PP2 layout |Et*4L", "PP2 layout Et*4L|", "PP2 layout |Ett|ttL|")),
+    ("mcore:mtp", "", ("PP2 layout |Et*4mL", "PP2 layout Et*4mL|", "PP2 layout |Ett|ttmL|")),
     ("examples/wan21_14b_dit.json", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split",
                                          "PP2 layout Et*8|t*32L", "PP2 layout E|t*40L", "PP2 layout Et*40|L")),
+    # A frozen base whose first stage holds no block (memory/dit_layouts.py: megatron-core skips its backward).
+    ("examples/wan21_14b_dit.json", "frozen LoRA", ("PP2 layout E|t*40L",)),
 ]
 # What a report leaves out until the user gives an input no model file holds (``needs_input``): not
 # a gap. A VLM without --grid-thw: the vision tower's activations (the survey passes no grids but in
