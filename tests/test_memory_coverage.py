@@ -63,6 +63,12 @@ MCORE = {
     "moe flex hybridep grouped": dict(BASE, **_MOE, moe_token_dispatcher_type="flex",
                                       moe_flex_dispatcher_backend="hybridep", moe_grouped_gemm=True,
                                       add_bias_linear=False),
+    # A frozen MoE first layer adapted on its experts (memory/moe_lora_start.py): with latent projections (measured
+    # with a stand-in for TELinear), and before dense layers (selective mlp checkpoints those only).
+    "moe first latent": dict(BASE, **dict(_MOE, moe_layer_freq=1), moe_latent_size=32, moe_token_dispatcher_type="alltoall",
+                             add_bias_linear=False),
+    "moe first then dense": dict(BASE, **dict(_MOE, moe_layer_freq=[1, 0, 1, 0], moe_shared_expert_intermediate_size=None),
+                                 moe_token_dispatcher_type="alltoall", add_bias_linear=False),
     "mla": dict(BASE, **_MLA),
     "mtp": dict(BASE, mtp_num_layers=1),
     "mla moe mtp": dict(BASE, **_MLA, **_MOE, mtp_num_layers=1, normalization="RMSNorm"),
@@ -150,6 +156,10 @@ SPOT_SETUPS = {
     "frozen LoRA fc1, fc2, full recompute": ["--frozen", "--lora-rank", "4", "--lora-targets", "linear_fc1,linear_fc2",
                                              "--recompute", "full", "--recompute-method", "uniform",
                                              "--recompute-num-layers", "1"],
+    # (Selective shared_experts with shared experts is refused by both: their adapters would get no gradient.)
+    "frozen LoRA fc1, fc2, selective mlp, shared_experts": ["--frozen", "--lora-rank", "4", "--lora-targets",
+                                                            "linear_fc1,linear_fc2", "--recompute", "selective",
+                                                            "--recompute-modules", "core_attn,mlp,shared_experts"],
     "frozen LoRA fc1, fc2, flex dispatcher": ["--frozen", "--lora-rank", "4", "--lora-targets",
                                               "linear_fc1,linear_fc2", "--moe-token-dispatcher", "flex"],
     "full recompute of 2-block groups": ["--recompute", "full", "--recompute-method", "uniform",
@@ -180,6 +190,9 @@ SPOT_LAYOUTS = {
                               "Et*8|t*32L"],
     "PP2 layout E|t*40L": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", "E|t*40L"],
     "PP2 layout Et*40|L": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", "Et*40|L"],
+    # Empty stages before E or after L (megatron-core builds the embedding and loss on the edge stages anyway).
+    **{f"PP2 layout {layout}": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", layout]
+       for layout in ("|Et*4L", "Et*4L|", "|Ett|ttL|", "|Et*4mL", "Et*4mL|", "|Ett|ttmL|")},
     "TP2 SP CP2": ["--tp", "2", "--sequence-parallel", "--cp", "2"],
     "TP2 CP2": ["--tp", "2", "--cp", "2"],
     "DP2 distopt SGD": ["--dp", "2", "--distributed-optimizer", "--optimizer", "sgd"],
@@ -194,6 +207,9 @@ SPOT_CHECKS = [
     ("hf:deepseek_v3", "frozen LoRA q_up, kv_up, proj", ("TP2 SP",)),  # (latent norms fused into them)
     ("hf:mixtral", "frozen LoRA fc1, fc2", ("1 GPU", "TP2 SP", "DP2 EP2", "TP2 SP DP2 EP2")),
     ("hf:mixtral", "frozen LoRA fc1, fc2, full recompute", ("DP2 EP2", "TP2 SP DP2 EP2")),
+    ("mcore:moe first latent", "frozen LoRA fc1, fc2", ("1 GPU", "TP2 SP", "DP2 EP2", "TP2 SP DP2 EP2")),
+    ("mcore:moe first then dense", "frozen LoRA fc1, fc2, selective mlp, shared_experts", ("1 GPU", "TP2 SP", "DP2 EP2")),
+    ("hf:mixtral", "frozen LoRA fc1, fc2, selective mlp, shared_experts", ("1 GPU", "TP2 SP DP2 EP2")),
     ("hf:mixtral", "frozen LoRA fc1, fc2, flex dispatcher", ("DP2 EP2", "TP2 SP DP2 EP2")),  # (a formula)
     ("mcore:moe alltoall", "LoRA", ("TP2 SP DP2 EP2 ETP1",)),
     ("examples/wan_tiny_dit.json", "full recompute of 2-block groups", ("1 GPU", "DP2")),
@@ -214,8 +230,12 @@ SPOT_CHECKS = [
     ("mcore:gqa*", "", ("DP2 distopt SGD",)),
     ("examples/wan_tiny_dit.json", "", ("DP2 distopt SGD",)),
     ("examples/llama3_8b.json", "", ("DP4096 distopt",)),
+    ("mcore:pipeline layout", "", ("PP2 layout |Et*4L", "PP2 layout Et*4L|", "PP2 layout |Ett|ttL|")),
+    ("mcore:mtp", "", ("PP2 layout |Et*4mL", "PP2 layout Et*4mL|", "PP2 layout |Ett|ttmL|")),
     ("examples/wan21_14b_dit.json", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split",
                                          "PP2 layout Et*8|t*32L", "PP2 layout E|t*40L", "PP2 layout Et*40|L")),
+    # A frozen base whose first stage holds no block (memory/dit_layouts.py: megatron-core skips its backward).
+    ("examples/wan21_14b_dit.json", "frozen LoRA", ("PP2 layout E|t*40L",)),
 ]
 # What a report leaves out until the user gives an input no model file holds (``needs_input``): not
 # a gap. A VLM without --grid-thw: the vision tower's activations (the survey passes no grids but in

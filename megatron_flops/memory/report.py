@@ -298,11 +298,7 @@ def decoder_memory(
 
         fsdp = fsdp_stage(spec, options, par, training, peft=peft, vision=vision.params if vision else ())
         par = replace(par, fsdp=False)
-    if recompute is not None and recompute.pipeline_model_parallel_size != par.pp:
-        recompute = RecomputeSpec(granularity=recompute.granularity, method=recompute.method,
-                                  num_layers=recompute.num_layers, modules=recompute.modules,
-                                  pipeline_model_parallel_size=par.pp,
-                                  virtual_pipeline_model_parallel_size=par.vpp)
+    recompute = _on_pipeline(recompute, par)
     stages = []
     for pp_rank in range(par.pp):
         ranks = [rank_memory(spec, options, par, training, pp_rank=pp_rank, dp_rank=d, peft=peft, recompute=recompute,
@@ -317,20 +313,7 @@ def decoder_memory(
     reason = _activation_reason(spec, options, par, recompute, peft)
     assumptions, unmeasured = modelling_notes(spec, options, par, activations=reason is None,
                                               lora=peft is not None and peft.lora_rank is not None)
-    unmeasured += tuple(lora_duplicated_unmeasured(spec, par, peft, duplicated=options.duplicated_mla_down,
-                                                   fused=options.fused_norm_targets))
-    unmeasured += tuple(lora_fused_norm_unmeasured(spec, par, peft, fused=options.fused_norm_targets))
-    if reason is None:
-        unmeasured += tuple(selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel))
-        unmeasured += kda_fla_unmeasured(spec, training)
-    unmeasured += tuple(grouped_unmeasured(spec, options, recompute, activations=reason is None, peft=peft))
-    unmeasured += tuple(expert_lora_unmeasured(spec, par, peft))
-    unmeasured += tuple(first_adapter_unmeasured(spec, options, peft))
-    unmeasured += tuple(standalone_mtp_unmeasured(spec, par, recompute=recompute, peft=peft))
-    unmeasured += tuple(parallel_layer_unmeasured(
-        options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel, peft=peft is not None,
-        selective=reason is None and recompute is not None and recompute.granularity == "selective"
-        and "layernorm" in recompute.modules))
+    unmeasured += _formula_labels(spec, options, par, training, recompute, peft, activations=reason is None)
     if par.megatron_fsdp is not None:
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_notes
 
@@ -346,14 +329,47 @@ def decoder_memory(
     return MemoryReport(
         parameters={k: v + tower.parameter_counts()[k] for k, v in counts.items()},
         stages=tuple(stages),
-        group_sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2,
-                     "tp_ep": par.expert_tp * par.ep, "etp": par.expert_tp,
-                     "cp": par.cp, "tp_dp_cp": par.tp * par.dp * par.cp},
+        group_sizes=_group_sizes(par),
         not_modelled=(reason,) if reason else (),
         assumptions=assumptions + tower.assumptions,
         unmeasured=unmeasured + tower.unmeasured,
         needs_input=tower.needs_input,
     )
+
+
+def _on_pipeline(recompute: RecomputeSpec | None, par: Parallelism) -> RecomputeSpec | None:
+    """``recompute`` on ``par``'s pipeline (its ``block`` method counts layers per model chunk)."""
+    if recompute is None or recompute.pipeline_model_parallel_size == par.pp:
+        return recompute
+    return RecomputeSpec(granularity=recompute.granularity, method=recompute.method, num_layers=recompute.num_layers,
+                         modules=recompute.modules, pipeline_model_parallel_size=par.pp,
+                         virtual_pipeline_model_parallel_size=par.vpp)
+
+
+def _group_sizes(par: Parallelism) -> dict[str, int]:
+    """Ranks in each process group the communication keys name."""
+    return {"dp": par.dp * par.cp, "expt_dp": par.expert_dp, "tp": par.tp, "ep": par.ep, "embd": 2,
+            "tp_ep": par.expert_tp * par.ep, "etp": par.expert_tp, "cp": par.cp, "tp_dp_cp": par.tp * par.dp * par.cp}
+
+
+def _formula_labels(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
+                    recompute: RecomputeSpec | None, peft: PeftSpec | None, *, activations: bool) -> tuple[str, ...]:
+    """The labels of a decoder's figures that are formulas (no CPU step runs them), beyond
+    :func:`modelling_notes`' (``activations``: activations are modelled)."""
+    out = [*lora_duplicated_unmeasured(spec, par, peft, duplicated=options.duplicated_mla_down,
+                                       fused=options.fused_norm_targets),
+           *lora_fused_norm_unmeasured(spec, par, peft, fused=options.fused_norm_targets)]
+    if activations:
+        out += [*selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel),
+                *kda_fla_unmeasured(spec, training)]
+    out += [*grouped_unmeasured(spec, options, recompute, activations=activations, peft=peft),
+            *expert_lora_unmeasured(spec, par, peft), *first_adapter_unmeasured(spec, options, peft),
+            *standalone_mtp_unmeasured(spec, par, recompute=recompute, peft=peft),
+            *parallel_layer_unmeasured(options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel,
+                                       peft=peft is not None,
+                                       selective=activations and recompute is not None
+                                       and recompute.granularity == "selective" and "layernorm" in recompute.modules)]
+    return tuple(out)
 
 
 def _with_states(rank: RankMemory, states: dict[str, int], data_parallel: dict[str, int]) -> RankMemory:
