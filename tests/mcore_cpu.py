@@ -137,6 +137,25 @@ class _NullEvent:
         return None
 
 
+class DuplicatedLinearStandIn(torch.nn.Module):
+    """Test-only stand-in for Transformer Engine's ``TELinear(parallel_mode="duplicated")`` as
+    megatron-core's ``MoELayer`` builds its latent projections: the whole weight [out, in] (and
+    bias) on every rank, no collective, ``(y, None)`` out. It saves for backward what TE's
+    ``_Linear`` saves outside FP8 (read in its source): its input only when the weight trains (the
+    weight itself is a parameter), as torch's matmul does."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable, bias: bool,
+                 parallel_mode: str, skip_bias_add: bool, **_: Any) -> None:
+        super().__init__()
+        assert parallel_mode == "duplicated" and not skip_bias_add
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        init_method(self.weight)
+        self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return torch.nn.functional.linear(x, self.weight, self.bias), None
+
+
 def apply_cpu_patches() -> None:
     """Apply every test-only patch needed to run megatron-core on CPU. Idempotent.
 
@@ -151,7 +170,8 @@ def apply_cpu_patches() -> None:
         ``CheckpointWithoutOutput`` only takes its TE/FP8 path for a truthy ``fp8``
         (selective recompute of "layernorm"/"moe_act" otherwise needs TE).
       * MoE: ``Router.gating`` keeps the router weight on CPU; ``moe_utils.te_general_gemm = None``;
-        the alltoall dispatcher gets a null stream and a CPU ``_maybe_dtoh_and_synchronize``.
+        the alltoall dispatcher gets a null stream and a CPU ``_maybe_dtoh_and_synchronize``;
+        latent projections are :class:`DuplicatedLinearStandIn` (``moe_layer.HAVE_TE = True``).
       * MLA: ``multi_latent_attention.HAVE_TE = False``; the local ``DotProductAttention``
         accepts ``k_channels``/``v_channels``.
       * RoPE: ``RotaryEmbedding.get_emb`` / ``YarnRotaryEmbedding.get_emb`` stay on CPU
@@ -230,6 +250,11 @@ def apply_cpu_patches() -> None:
 
     _set(a2a, "cuda_dtoh_stream", _NullStream())
     _set(a2a, "_maybe_dtoh_and_synchronize", maybe_dtoh_and_synchronize)
+    # Latent projections (moe_latent_size): MoELayer builds them as Transformer Engine's TELinear only.
+    from megatron.core.transformer.moe import moe_layer
+
+    _set(moe_layer, "HAVE_TE", True)
+    _set(moe_layer, "TELinear", DuplicatedLinearStandIn)
 
     # --- MLA --------------------------------------------------------------------------------
     from megatron.core.transformer import dot_product_attention as dpa

@@ -291,6 +291,21 @@ PEFT_CASES = {
              moe_token_dispatcher_type="allgather"), "rope", "fp32", ("linear_fc1", "linear_fc2"), True, 0, 0, 0),
     "frozen MoE first layer, shared experts, linear_fc2 only": (
         dict(MOE, moe_shared_expert_intermediate_size=80), "rope", "fp32", ("linear_fc2",), True, 0, 0, 0),
+    # Latent projections (tests/mcore_cpu.DuplicatedLinearStandIn for Transformer Engine's TELinear): the frozen
+    # fc1_latent_proj runs before any adapter, the frozen fc2_latent_proj keeps no input; the experts and their
+    # adapters work at the latent width (test_first_adapter_moe_latent_bytes: the integers).
+    "frozen MoE first layer, latent 32, SwiGLU fused (Mixtral), linear_fc1 + linear_fc2": (
+        dict(MOE, moe_latent_size=32, gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True),
+        "rope", "fp32", ("linear_fc1", "linear_fc2"), True, 0, 0, 0),
+    "frozen MoE first layer, latent 32, gated shared experts, allgather, linear_fc2 only": (
+        dict(MOE, moe_latent_size=32, moe_shared_expert_intermediate_size=80, moe_shared_expert_gate=True,
+             moe_token_dispatcher_type="allgather"), "rope", "fp32", ("linear_fc2",), True, 0, 0, 0),
+    # Selective mlp checkpoints the dense layers only (TransformerLayer: not is_moe_layer): layer 1's MLP, whose
+    # input requires grad by then; selective shared_experts without shared experts checkpoints nothing.
+    "frozen MoE first layer then dense, selective mlp + shared_experts, linear_fc1 + linear_fc2": (
+        dict(MOE, moe_layer_freq=[1, 0], gated_linear_unit=True, activation_func="silu",
+             recompute_granularity="selective", recompute_modules=["mlp", "shared_experts"]), "rope", "fp32",
+        ("linear_fc1", "linear_fc2"), True, 0, 0, 0),
     "base trains, MoE SwiGLU fused every other layer, linear_fc1 + linear_fc2": (
         dict(MOE, gated_linear_unit=True, activation_func="silu", bias_activation_fusion=True, moe_layer_freq=[0, 1]),
         "rope", "fp32", ("linear_fc1", "linear_fc2"), False, 0, 0, 0),

@@ -81,3 +81,50 @@ def test_grouped_experts_save_as_sequential_and_are_labelled():
     assert first_adapter_moe_reason(SPEC, grouped, EP2, None, per_expert) is None
     legacy = options(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, transformer_impl="local")
     assert "legacy GroupedMLP experts without shared experts" in first_adapter_moe_reason(SPEC, legacy, EP2, None, PEFT)
+
+
+def test_latent_projections_keep_nothing_and_the_experts_work_at_the_latent_width():
+    # moe_latent_size 24 (measured: tests/test_memory_activations.py at TP 1, tests/test_memory_moe_lora_start_dist.py
+    # under TP2 + SP and EP2, with a stand-in for TELinear). fc1_latent_proj runs before any adapter; the frozen
+    # fc2_latent_proj (Transformer Engine keeps a linear's input only when its weight trains) keeps nothing.
+    # n = T x k = 32 x 4 = 128 routed tokens, fp32: the combine's sorted indices int64 [128] = 1,024 B; the fused
+    # SwiGLU experts keep the probabilities [128] and fc1's output [128, 2 x 56]: 512 + 57,344 = 57,856 B;
+    # the adapters: fc1's [128, r] + its input, the permuted latent tokens [128, 24]: 2,048 + 12,288 = 14,336 B,
+    # fc2's [128, r] + its input [128, 56]: 2,048 + 28,672 = 30,720 B.
+    spec = ModelSpec.from_mapping(dict(FIELDS, moe_latent_size=24))
+    opts = options(moe_token_dispatcher_type="alltoall", moe_latent_size=24)
+    assert first_adapter_moe_reason(spec, opts, EP2, None, PEFT) is None
+    assert first_adapter_moe_saved(spec, opts, PEFT, tokens=32, local_tokens=32, act=4, tp=1) == \
+        {"moe/dispatcher": 1_024, "moe/experts": 57_856, "lora": 45_056}
+    # EP2: the dispatch all-to-all's gradients not sent are latent-wide: 128 x (24 + 1) x 4 B = 12,800 B per
+    # micro-batch, x 2.
+    assert first_adapter_ep_skip(spec, opts, EP2, TRAINING, pp_rank=0, peft=PEFT, recompute=None) == \
+        {"ep/all_to_all": -25_600}
+
+
+@pytest.mark.parametrize("freq", [1, [1, 0]])
+def test_selective_mlp_and_shared_experts_without_shared_experts_are_modelled(freq):
+    # Selective mlp checkpoints the dense layers only (megatron-core's TransformerLayer: not is_moe_layer), whose
+    # input requires grad after layer 0; shared_experts checkpoints nothing without shared experts.
+    spec = ModelSpec.from_mapping(dict(FIELDS, moe_layer_freq=freq))
+    selective = RecomputeSpec(granularity="selective", modules=("core_attn", "mlp", "shared_experts"))
+    assert first_adapter_moe_reason(spec, options(moe_token_dispatcher_type="alltoall"), EP2, selective, PEFT) is None
+
+
+@pytest.mark.parametrize("targets", [("linear_fc1", "linear_fc2"), ("linear_fc2",)])
+def test_selective_shared_experts_is_refused_as_estimate_refuses_it(targets):
+    # Shared experts run first in layer 0, inside a checkpoint whose input requires no grad: their adapters would
+    # get no gradient. `estimate` (flops/passes.py) and `memory` refuse it with one message.
+    from megatron_flops.flops.formulas import SeqStats
+    from megatron_flops.flops.passes import training_passes
+    from megatron_flops.memory.activations import check_activations_supported
+
+    spec = ModelSpec.from_mapping(dict(FIELDS, moe_shared_expert_intermediate_size=32))
+    peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=targets)
+    selective = RecomputeSpec(granularity="selective", modules=("shared_experts",))
+    with pytest.raises(ValueError) as flops:
+        training_passes(spec, SeqStats.full_length(2, 16), peft=peft, recompute=selective)
+    with pytest.raises(ValueError) as memory:
+        check_activations_supported(spec, options(moe_token_dispatcher_type="alltoall"), EP2, selective, peft)
+    assert str(memory.value) == str(flops.value)
+    assert "selective recompute of 'shared_experts' with a frozen base" in str(memory.value)

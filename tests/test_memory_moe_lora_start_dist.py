@@ -22,6 +22,8 @@ WITH_PROJ = "TP2 + SP, MoE every layer (alltoall), fused SwiGLU experts, LoRA on
 _MIXTRAL_LIKE = dict(BASE, **dict(MOE, moe_layer_freq=1), **SWIGLU, bias_activation_fusion=True,
                      moe_token_dispatcher_type="alltoall")
 EP_ALLTOALL = "EP2, MoE every layer (alltoall), fused SwiGLU experts, LoRA on linear_fc1 + linear_fc2"
+LATENT_TP = "TP2 + SP, Mixtral-like with latent 24 (alltoall), LoRA on linear_fc1 + linear_fc2"
+LATENT_EP = "EP2, Mixtral-like with latent 24 (alltoall), LoRA on linear_fc1 + linear_fc2"
 RUNS = {
     # Mixtral's layer: every layer MoE, fused SwiGLU experts, alltoall, no shared experts.
     MIXTRAL: dict(world=2, layout=dict(tp=2, sp=True), model=_MIXTRAL_LIKE, m=2,
@@ -53,6 +55,16 @@ RUNS = {
     "EP2, Mixtral-like, LoRA on linear_fc1 + linear_fc2, selective core_attn": dict(
         world=2, layout=dict(tp=1, ep=2), m=2, lora=(("linear_fc1", "linear_fc2"), 4), live=True,
         model=dict(_MIXTRAL_LIKE, recompute_granularity="selective")),
+    # Latent projections (tests/mcore_cpu.DuplicatedLinearStandIn for TELinear): the dispatcher moves latent
+    # tokens; the frozen projections keep nothing (fc1's runs before any adapter).
+    LATENT_TP: dict(world=2, layout=dict(tp=2, sp=True), model=dict(_MIXTRAL_LIKE, moe_latent_size=24), m=2,
+                    lora=(("linear_fc1", "linear_fc2"), 4)),
+    LATENT_EP: dict(world=2, layout=dict(tp=1, ep=2), model=dict(_MIXTRAL_LIKE, moe_latent_size=24), m=2,
+                    lora=(("linear_fc1", "linear_fc2"), 4)),
+    # Selective mlp checkpoints the dense layer 1 only (megatron-core's TransformerLayer: not is_moe_layer).
+    "TP2 + SP, MoE first of 2 layers (alltoall), LoRA on linear_fc1 + linear_fc2, selective mlp": dict(
+        world=2, layout=dict(tp=2, sp=True), m=2, lora=(("linear_fc1", "linear_fc2"), 4), live=True,
+        model=dict(_MIXTRAL_LIKE, moe_layer_freq=[1, 0], recompute_granularity="selective", recompute_modules=["mlp"])),
     "TP2 x EP2 + SP, Mixtral-like (alltoall), LoRA on linear_fc1 + linear_fc2": dict(
         world=4, layout=dict(tp=2, sp=True, ep=2), model=_MIXTRAL_LIKE, m=2, lora=(("linear_fc1", "linear_fc2"), 4)),
 }
@@ -99,6 +111,14 @@ def test_ep_dispatcher_all_to_all_runs_no_backward_before_the_experts_adapters(m
     # 25,088 B fewer. 2 layers x 2 micro-batches: 4 x 2 x 49,664 - 2 x 25,088 = 347,136 B.
     for result in measured[EP_ALLTOALL]:
         assert dict(result["comm"])["ep/all_to_all"] == 347_136
+
+
+def test_latent_dispatcher_all_to_all_moves_latent_tokens(measured):
+    # As above with moe_latent_size 24: the routed tokens are latent-wide, 128 x (24 + 1) x 4 B = 12,800 B
+    # dispatched and 128 x 24 x 4 = 12,288 B combined per MoE layer and micro-batch, as much backward but
+    # layer 0's dispatch: 4 x 2 x 25,088 - 2 x 12,800 = 175,104 B.
+    for result in measured[LATENT_EP]:
+        assert dict(result["comm"])["ep/all_to_all"] == 175_104
 
 
 def test_selective_moe_recompute_runs_no_backward_in_the_moe_layers(measured):

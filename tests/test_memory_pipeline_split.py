@@ -50,6 +50,12 @@ CASES = [
     ((4, 2, None, 0, {LAYOUT: "Ett|ttL"}), (2, 2)),
     # an embedding-only first stage and a loss-only last one.
     ((4, 4, None, 0, {LAYOUT: "E|tt|tt|L"}), (0, 2, 2, 0)),
+    # empty stages before E or after L (validate_layer_layout reads the flattened layout only):
+    # the same decoder counts; megatron-core builds the embedding and loss on the edge stages anyway.
+    ((4, 3, None, 0, {LAYOUT: "|Ett|ttL"}), (0, 2, 2)),
+    ((4, 3, None, 0, {LAYOUT: "Ett|ttL|"}), (2, 2, 0)),
+    ((4, 2, None, 0, {LAYOUT: "|Ett|ttL|"}), (0, 2, 2, 0)),
+    ((4, 3, None, 1, {LAYOUT: "Ett|ttmL|"}), (2, 2, 0)),
 ]
 # Splits megatron-core refuses (num_layers, PP, VPP, MTP, fields).
 REFUSED = [
@@ -134,7 +140,7 @@ def test_layout_string_grammar():
 
 
 @needs_mcore
-@pytest.mark.parametrize("layout", ["Et|t|t|mL", "Et|tt|t|tmL", "Ett|ttmL", "E|tt|tt|mL"])
+@pytest.mark.parametrize("layout", ["Et|t|t|mL", "Et|tt|t|tmL", "Ett|ttmL", "E|tt|tt|mL", "|Ett|ttmL|", "Ett|t|mL|"])
 @pytest.mark.parametrize("mtp", [0, 1])
 def test_final_norm_stage_is_megatron_cores(layout, mtp, monkeypatch):
     # megatron-core 0.16.1's TransformerBlock.has_final_layernorm_in_this_stage on each virtual stage's layers
@@ -163,7 +169,8 @@ def test_final_norm_stage_is_megatron_cores(layout, mtp, monkeypatch):
 @needs_mcore
 @pytest.mark.parametrize("layout, pp, stage", [("Ett|m|L", 3, 1), ("Et|tm|L", 3, 1), ("Etttm|L", 2, 0),
                                                ("Ett|tt|m|L", 2, 2), ("Et|t|m|L", 2, 2), ("Ett|m||L", 4, 1),
-                                               ("Et|t|t|mL", 2, None), ("Ett|mL", 2, None)])
+                                               ("Et|t|t|mL", 2, None), ("Ett|mL", 2, None), ("Ett|ttmL|", 3, 1),
+                                               ("|Ett|tmL", 3, None), ("|Ett|ttmL|", 2, 2)])
 def test_standalone_mtp_stage_where_megatron_sets_mtp_standalone(layout, pp, stage):
     # megatron-core 0.16.1's validate_layer_layout returns mtp_standalone: MTP in the last model chunk of a
     # pipeline rank other than the last; the reports place the MTP layers (and an embedding copy) on that
@@ -264,3 +271,20 @@ def test_megatron_args_virtual_stage_options_as_megatron_lm_validates_them(capsy
             (" --num-layers-per-virtual-pipeline-stage 1 --account-for-embedding-in-pipeline-split", "refuses 7 layers")):
         assert main(["memory", "--megatron-args", TINY + extra]) == 2
         assert "Megatron-LM refuses " in (err := capsys.readouterr().err) and reason in err
+
+
+@pytest.mark.parametrize("edge,plain,moved", [("|Ett|ttttL", "E|tt|ttttL", "the embedding on virtual stage 0, not stage 1"),
+                                              ("Ett|ttttL|", "Ett|tttt|L", "the output layer and loss on virtual "
+                                                                           "stage 2, not stage 1")])
+def test_empty_edge_stages_report_as_megatron_core_builds_them(edge, plain, moved, capsys):
+    # megatron-core 0.16.1 builds the embedding where pre_process is true (the first virtual stage) and
+    # the output layer and loss where post_process is (the last), whatever the layout writes: a layout
+    # with empty edge stages reports as the one with E and L on the edges, and says where they are
+    # (measured: tests/test_memory_pipeline_split_dist.py's '|Ett|ttL', 'Ett|ttL|' and '|Ett|ttL|').
+    args = TINY.replace("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 3")
+    ours = _memory(capsys, "--megatron-args", args, "--pipeline-model-parallel-layout", edge)
+    theirs = _memory(capsys, "--megatron-args", args, "--pipeline-model-parallel-layout", plain)
+    notes = [a for a in ours["assumptions"] if "pipeline stages" in a]
+    assert len(notes) == 1 and f"megatron-core builds {moved} where the layout writes" in notes[0]
+    assert {k: v for k, v in ours.items() if k != "assumptions"} == {k: v for k, v in theirs.items()
+                                                                    if k != "assumptions"}

@@ -53,6 +53,22 @@ RUNS = {
         layout=dict(pp=2, vpp=2, embedding_ranks=(0,)),
         model=dict(BASE, num_layers=2, mtp_num_layers=1, pipeline_model_parallel_layout="Et|t|m|L"), m=4,
         build=dict(params_dtype="fp32", share_embeddings=False)),
+    # Empty edge stages: '|Ett|ttL|' is stages [], [E t t], [t t L], [] over PP2 x VPP2. megatron-core builds
+    # the embedding on rank 0's chunk 0 (pre_process), whose stage holds no layer, and the final norm, output
+    # layer and loss on rank 1's chunk 1 (post_process), whose stage holds none either; every chunk still
+    # sends and receives [s, b, h].
+    "DP2 x PP2 x VPP2, layout |Ett|ttL| (empty edge stages), distributed optimizer, fp32, M=4": dict(
+        layout=dict(pp=2, vpp=2), model=dict(BASE, num_layers=4, pipeline_model_parallel_layout="|Ett|ttL|"), m=4,
+        build=dict(distributed_optimizer=True, params_dtype="fp32")),
+    # A frozen base whose first stage holds no layer ('E|ttL', LoRA on the decoder only): rank 0's output
+    # (the frozen embedding's) needs no gradient, so megatron-core 0.16.1's backward_step skips its backward
+    # ("we intentionally skip the backward pass while preserving zero gradients"): it saves nothing, has no
+    # gradient buffer; rank 1's received input requires grad (recv_forward builds it so), so its first
+    # layer saves as any layer whose input needs a gradient and it still sends the input gradient back
+    # (pp/send_recv as with a trained embedding). The DiT's formula (memory/dit_layouts.py) rests on this.
+    "DP2 x PP2 (1F1B), layout E|ttL, frozen base + LoRA on the decoder, DDP, bf16, M=3": dict(
+        layout=dict(pp=2), model=dict(BASE, num_layers=2, pipeline_model_parallel_layout="E|ttL"), m=3,
+        build=dict(lora=(("linear_qkv", "linear_fc2"), 4))),
 }
 
 # Standalone MTP stages on a pipeline rank of their own: PP3, in a 3-process group of its own. Rank 1
@@ -70,6 +86,16 @@ PP3_RUNS = {
         layout=dict(pp=3, world=PP3_WORLD, embedding_ranks=(0, 1)),
         model=dict(BASE, num_layers=2, mtp_num_layers=2, pipeline_model_parallel_layout="Et|tmm|L"), m=3,
         build=dict(distributed_optimizer=True, share_embeddings=False)),
+    # An empty stage before E: rank 0 builds the embedding alone (pre_process), layers 0-1 on rank 1.
+    "PP3 (1F1B), layout |Ett|ttL (empty stage before the embedding), DDP, fp32, tied embeddings, M=3": dict(
+        layout=dict(pp=PP3_WORLD, world=PP3_WORLD),
+        model=dict(BASE, num_layers=4, pipeline_model_parallel_layout="|Ett|ttL"),
+        m=3, build=dict(params_dtype="fp32")),
+    # An empty stage after L: rank 2 builds the final norm, output layer and loss alone (post_process).
+    "PP3 (1F1B), layout Ett|ttL| (empty stage after the loss), distributed optimizer, bf16, untied, M=3": dict(
+        layout=dict(pp=PP3_WORLD, world=PP3_WORLD, embedding_ranks=(0,)),
+        model=dict(BASE, num_layers=4, pipeline_model_parallel_layout="Ett|ttL|"),
+        m=3, build=dict(distributed_optimizer=True, share_embeddings=False)),
 }
 ALL_RUNS = {**RUNS, **PP3_RUNS}
 

@@ -164,6 +164,11 @@ def test_block_recompute_over_uneven_stages():
     assert recomputed(1, 2, num_layers_in_last_pipeline_stage=1) == 2 * 11904
     assert recomputed(1, 2, account_for_embedding_in_pipeline_split=True) == 2 * 11904
     assert recomputed(1, 3, pipeline_model_parallel_layout="Et|t|tL") == 3 * 11904
+    # Empty edge stages ('|Ett|tL', 'Ett|tL|' on PP 3: stages of 0, 2, 1 and 2, 1, 0 layers, the
+    # embedding and loss built on the edge stages anyway): block 1 re-runs the first layer of the two
+    # non-empty stages, 2 x 11,904.
+    assert recomputed(1, 3, pipeline_model_parallel_layout="|Ett|tL") == 2 * 11904
+    assert recomputed(1, 3, pipeline_model_parallel_layout="Ett|tL|") == 2 * 11904
 
 
 def test_one_more_block_layer_moves_one_layer():

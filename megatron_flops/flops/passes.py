@@ -280,8 +280,7 @@ def training_passes(
 ) -> TrainingPasses:
     """Forward, input-gradient, weight-gradient, unneeded and recompute FLOPs over ``stats``."""
     peft = peft or PeftSpec()
-    if any(m is not None for m in (spec.mamba, spec.gdn, spec.kda, spec.dsa)) or any(
-            "none" in kind for kind, _ in spec.layer_runs):
+    if not _gpt_decoder(spec):
         raise ValueError(
             "frozen weights, LoRA and recompute are modelled for GPT decoders only (no hybrid, Mamba, "
             "Gated DeltaNet, KDA or DSA layers)"
@@ -329,6 +328,27 @@ def check_moe_act(recompute: RecomputeSpec | None, *, grouped_gemm: bool) -> Non
         raise ValueError("megatron-core refuses selective recompute of moe_act without grouped-GEMM experts "
                          "(TransformerConfig: 'moe_act in recompute_modules is only supported with "
                          "moe_grouped_gemm'): set moe_grouped_gemm")
+
+
+def _gpt_decoder(spec: ModelSpec) -> bool:
+    """Whether the walk models this decoder (no hybrid, Mamba, Gated DeltaNet, KDA or DSA layers)."""
+    return all(m is None for m in (spec.mamba, spec.gdn, spec.kda, spec.dsa)) and not any(
+        "none" in kind for kind, _ in spec.layer_runs)
+
+
+def check_checkpointed_regions(
+    spec: ModelSpec, peft: PeftSpec | None, recompute: RecomputeSpec | None, *, modules: tuple[str, ...]
+) -> None:
+    """The ValueError :func:`training_passes` raises where a selective region among ``modules``
+    holds trainable weights or adapters but its input needs no gradient (megatron-core's reentrant
+    checkpoint would leave them untrained), for callers that price no FLOPs (the memory report).
+    Nothing for a decoder the walk does not model (training_passes refuses it on its own)."""
+    if peft is None or recompute is None or recompute.granularity != "selective" or not _gpt_decoder(spec):
+        return
+    regions = tuple(m for m in recompute.modules if m in modules)
+    if regions:  # (the region's decision reads no size: one token will do)
+        _walk(spec, forward_runs(spec, SeqStats.full_length(1, 1)), peft, replace(recompute, modules=regions),
+              executed=True)
 
 
 # ---- the walk: which operands need a gradient -------------------------------------------------

@@ -155,8 +155,7 @@ def _accounted_ranks(split: PipelineSplit, *, num_layers: int, pp: int, vpp: int
 def _layout_stages(layout: str, *, num_layers: int, pp: int, vpp: int | None,
                    mtp_num_layers: int) -> tuple[tuple[int, ...], int | None]:
     """A layout string's decoder layers per virtual stage, checked as ``validate_layer_layout``
-    checks it; where it places the embedding, loss or MTP elsewhere than megatron-core builds
-    them for these reports (first stage, last stage), ValueError."""
+    checks it (ValueError with its reason)."""
     stages = parse_layout(layout)
     if len(stages) % pp:
         raise ValueError(f"pipeline_model_parallel_layout must be divisible by pipeline_model_parallel_size "
@@ -186,8 +185,7 @@ def _layout_stages(layout: str, *, num_layers: int, pp: int, vpp: int | None,
     if len(where) > 1:
         raise ValueError(f"pipeline_model_parallel_layout {layout!r}: All of the MTP layers must be in the same one "
                          "virtual pipeline stage (megatron-core refuses it)")
-    if "embedding" not in stages[0] or "loss" not in stages[-1]:
-        raise ValueError(f"pipeline_model_parallel_layout {layout!r}: megatron-core builds the embedding on the first "
-                         "virtual stage and the loss on the last whatever the layout says; a layout with empty stages "
-                         "before the embedding or after the loss is not modelled")
+    # (Empty stages before E or after L pass: megatron-core builds the embedding where pre_process
+    # is true, the first virtual stage, and the output layer and loss on the last, whatever the
+    # layout says; the layout decides the decoder and MTP layers only. memory/pipeline_split.py says so.)
     return tuple(stage.count("decoder") for stage in stages), (detected if detected > 1 else None)

@@ -83,7 +83,7 @@ from megatron_flops.memory.moe_lora_start import first_adapter_moe_reason, first
 from megatron_flops.memory.grouped_start import first_adapter_moe_act_freed
 from megatron_flops.memory.moe import (expert_lora_activations, moe_act_freed, moe_activation_reason,
                                        moe_activations, shared_gate_activations)
-from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec, check_checkpointed_regions
 from megatron_flops.model.spec import ModelSpec
 
 
@@ -213,7 +213,9 @@ class _Walk:
 
 def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
-    """Why activations are not modelled for this setup (None: they are)."""
+    """Why activations are not modelled for this setup (None: they are); ValueError where no
+    adapter of a checkpointed region would train (as ``estimate`` refuses it)."""
+    check_checkpointed_regions(spec, peft, recompute, modules=("shared_experts",))
     selective = recompute is not None and recompute.granularity == "selective" and "mla_up_proj" in recompute.modules
     reason = (lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute, cp=par.cp)
               or first_adapter_moe_reason(spec, options, par, recompute, peft))
@@ -230,7 +232,10 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
         if "mlp" in recompute.modules and (options.add_bias_linear or options.mlp_bias):
             # (fc2's bias, returned through the checkpoint, gets the checkpoint as its grad_fn: its
             # backward re-enters itself without end; seen on CPU, not a CPU effect.)
-            return "selective mlp recompute with linear biases does not run on megatron-core 0.16.1"
+            return ("activations under selective mlp recompute with linear biases: megatron-core 0.16.1's and 0.19.0's "
+                    "backward never ends (fc2's bias, returned through tensor_parallel.checkpoint, gets the checkpoint "
+                    "as its grad_fn); seen here with both releases: set add_bias_linear false or recompute other "
+                    "modules")
     return None
 
 
@@ -536,7 +541,8 @@ def _checkpointed_mlp(w: _Walk, x: _Dims, options: DecoderOptions, gated: bool, 
     _mlp(inner, x, options, gated, shared_input=shared_input)
     g, inp = w.grad, 0 if shared_input else x.local_tokens * x.h * x.act
     w.keep("recompute", inp)
-    w.region(inner.kept - (inp if g.base or "linear_fc1" in g.adapted else 0))  # (fc1's input is the checkpoint's)
+    # (fc1's input is the checkpoint's, but the [T, h] a frozen fc1's adapter gathers itself under SP)
+    w.region(inner.kept - (inp if g.base or ("linear_fc1" in g.adapted and x.sp == 1) else 0))
 
 
 def _dropout_mask(w: _Walk, x: _Dims, options: DecoderOptions) -> None:

@@ -88,16 +88,14 @@ def dit_layout_reason(spec: DiTSpec, par: Parallelism, training: Training, peft:
         return ("virtual pipeline stages of a DiT are not modelled: Megatron-Bridge 0.6.2 cannot interleave WAN itself "
                 "(WanModelProvider.provide ignores vp_stage and builds every model chunk with the pre_process/"
                 "post_process of its pipeline rank alone)")
-    if par.stage_layers is not None and par.stage_layers[0] == 0 and peft is not None and peft.frozen:
-        return ("a frozen DiT's first pipeline stage without blocks is not modelled: the patch embedding's output it "
-                "sends requires no gradient, and what megatron-core's backward_step does with it is not worked out")
     if _sp(par) and training.seq_length % (par.cp * par.tp):
         return (f"sequence parallelism splits each rank's video tokens over TP: --seq-length {training.seq_length} is "
                 f"not divisible by CP x TP = {par.cp * par.tp}")
     if par.ep > 1:
         return "a DiT has no experts to split over --ep"
     if par.distributed_optimizer and training.optimizer != "adam":
-        return "megatron-core's distributed optimizer supports Adam only"
+        return ("megatron-core's distributed optimizer supports Adam only (DistributedOptimizer asserts 'Only Adam and "
+                "HybridDeviceOptimizer currently supported')")
     sizes = {"hidden_size": spec.hidden_size, "num_heads": spec.num_heads, "ffn_hidden_size": spec.ffn_hidden_size}
     if peft is not None and peft.lora_rank:
         sizes["--lora-rank"] = peft.lora_rank
@@ -317,6 +315,17 @@ def _layout_assumption(par: Parallelism, checkpointed_blocks: int, num_layers: i
             f"{blocks}; gradients accumulated in the buffer and reduced after the last micro-batch")
 
 
+# A frozen base whose first stage holds no block: as measured on a GPT's frozen embedding-only stage
+# (tests/test_memory_pipeline_split_dist.py, 'E|ttL' + LoRA) and read in WanModel.forward.
+_FROZEN_EMPTY_FIRST = (
+    "a frozen base whose first pipeline stage holds no block: that stage's output (the frozen patch embedding's, "
+    "the only tensor WanModel sends between stages) needs no gradient, so megatron-core 0.16.1's backward_step "
+    "skips its backward (it saves nothing and has no gradient buffer or optimizer state); the next stage receives "
+    "its input with requires_grad=True (recv_forward), so block 0 saves and computes its input gradient as any "
+    "later block (backward GEMMs a frozen first block skips, which the FLOPs estimate, PP-agnostic, leaves out) "
+    "and pp/send_recv still carries that gradient back (the GPT analogue measured: a frozen embedding-only stage)")
+
+
 def layout_unmeasured(par: Parallelism, attention: str, peft: PeftSpec | None = None) -> list[str]:
     """The figures that are formulas, not measured (see the module NB)."""
     out = _megatron_fsdp_unmeasured(par, peft)
@@ -354,6 +363,8 @@ def layout_unmeasured(par: Parallelism, attention: str, peft: PeftSpec | None = 
                    "kept for backward (the last stage; a first stage keeps the patch embedding's input only); their "
                    "weights, gradient buffer and optimizer state as on any stage (gradients of the embeddings that "
                    "feed nothing stay zero); pp/send_recv the hidden states alone")
+    if par.pp > 1 and par.stage_layers is not None and par.stage_layers[0] == 0 and peft is not None and peft.frozen:
+        out.append(_FROZEN_EMPTY_FIRST)
     if par.cp > 1:
         out.append(f"context parallelism (CP {par.cp}): s/CP video tokens per rank through the flash convention, "
                    "and 1/CP of the text (padded to 2 x CP), cp/send_recv of the self- and cross-attention's K/V ring")

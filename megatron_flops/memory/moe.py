@@ -21,7 +21,8 @@ NB: measured on CPU (gloo) for both dispatchers without TP and under TP2 + SP an
 and with an expert TP other than TP (TP2 + SP with ETP1 x EP2, TP1 with ETP2 x EP2) (the
 alltoall dispatcher's uneven TP all-gather and reduce-scatter run as gloo's uneven all-to-all in
 the tests). Latent projections (``moe_latent_size`` needs Transformer Engine) are
-a formula.
+a formula (measured with a stand-in for TELinear where a frozen base is adapted on the first MoE
+layer's experts only: :mod:`.moe_lora_start`).
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def check_moe(spec: ModelSpec, options: DecoderOptions, par: Parallelism) -> Non
 def moe_activation_reason(options: DecoderOptions) -> str | None:
     """Why MoE activations are not modelled (None: they are)."""
     if options.moe_token_dispatcher_type not in (*DISPATCHERS, "flex"):
-        return (f"MoE activations are modelled for the {' and '.join(DISPATCHERS)} dispatchers, not "
-                f"{options.moe_token_dispatcher_type!r}")
+        return (f"MoE activations with the {options.moe_token_dispatcher_type!r} dispatcher: megatron-core 0.14.0 to "
+                "0.19.0 build none (MoELayer raises 'Unsupported token dispatcher type'; theirs are allgather, alltoall "
+                "and flex)")
     return None
 
 
@@ -302,5 +304,6 @@ def moe_unmeasured(spec: ModelSpec, options: DecoderOptions) -> list[str]:
     if moe.latent_size:
         out.append(f"MoE latent projections (moe_latent_size {moe.latent_size}): their parameters, the experts' "
                    "latent width and the latent output kept for fc2_latent_proj (megatron-core builds them with "
-                   "Transformer Engine only: no CPU step runs)")
+                   "Transformer Engine only: measured on CPU with a stand-in for its TELinear, what TE's linear "
+                   "keeps read in its source)")
     return out

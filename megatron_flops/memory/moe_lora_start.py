@@ -18,6 +18,10 @@ keeps only them; the fused SwiGLU kernel keeps its input and the probabilities r
 (int64: this rank's [T_l x k] before the all-to-all, or the gathered tokens its experts take with
 the allgather dispatcher); the routing map and the scattered probabilities are not kept. In
 backward the dispatcher's tokens and probabilities need no gradient: no reduce-scatter of theirs.
+With latent projections (``moe_latent_size``) ``fc1_latent_proj`` runs before any adapter and the
+frozen ``fc2_latent_proj`` keeps no input (Transformer Engine's linear keeps it only when its weight
+trains); the dispatcher, experts and adapters work at the latent width (measured with a stand-in for
+``TELinear``, tests/mcore_cpu.py). Selective ``mlp`` checkpoints the dense layers only (measured).
 """
 
 from __future__ import annotations
@@ -45,11 +49,12 @@ def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Para
                          "gradient when its input requires none (measured: its backward never runs); use full "
                          "recompute (Megatron-Bridge then makes the decoder's input require grad) or add an "
                          "attention target (linear_proj)")
-    if moe.latent_size or modules - {"core_attn", "moe_act"}:
+    # (Selective mlp: the dense layers only; shared_experts: none here, flops.passes refuses adapted ones.)
+    if modules - {"core_attn", "mlp", "shared_experts", "moe_act"}:
         return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are modelled for "
-                "SequentialMLP experts (measured) and grouped-GEMM experts (formulas), without latent "
-                "projections, with full or selective core_attn or moe_act recompute; add an attention target "
-                "(linear_proj) for the rest")
+                "SequentialMLP experts (measured) and grouped-GEMM experts (formulas), with full or selective "
+                "core_attn, mlp, shared_experts or moe_act recompute; add an attention target (linear_proj) for "
+                "the rest")
     return grouped_first_adapter_reason(spec, options, peft, moe_act="moe_act" in modules)
 
 
@@ -96,9 +101,11 @@ def first_adapter_dispatcher_skip(spec: ModelSpec, par: Parallelism, training: T
                                   routed: int) -> dict[str, int]:
     """Payload bytes per micro-batch the first layer's dispatcher does not run in backward under
     expert TP (its tokens and probabilities require no grad), beyond the trained layer's: with
-    ``alltoall``, the reduce-scatter of the ``routed`` tokens' and probabilities' gradients [n, h + 1].
-    The experts' output gradient is still all-gathered (EP and ``allgather``: :func:`first_adapter_ep_skip`)."""
-    a, h = training.param_bytes, spec.hidden_size
+    ``alltoall``, the reduce-scatter of the ``routed`` tokens' and probabilities' gradients [n, h + 1]
+    (h: the latent size with latent projections). The experts' output gradient is still all-gathered
+    (EP and ``allgather``: :func:`first_adapter_ep_skip`)."""
+    assert spec.moe is not None
+    a, h = training.param_bytes, spec.moe.latent_size or spec.hidden_size
     if dispatcher != "alltoall" or par.expert_tp == 1:  # (flex: in its all-to-all, first_adapter_ep_skip)
         return {}
     return {f"{expert_tp_group(par)}/reduce_scatter": routed * (h + 1) * a}
@@ -111,9 +118,9 @@ def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Paralle
     ``alltoall`` (EP > 1): the all-to-all of this rank's routed tokens' and probabilities'
     gradients [T_l x k, h + 1] (the combine's all-to-all still runs backward); ``allgather``
     (expert TP x EP > 1): the reduce-scatter of the gathered tokens' and probabilities' gradients
-    [G, h + E]; legacy ``GroupedMLP`` (no expert adapter): the combine's backward too
-    (:func:`~megatron_flops.memory.grouped_start.legacy_combine_skip`, a formula). None under full
-    recompute (Bridge makes the decoder's input require grad)."""
+    [G, h + E] (h: the latent size with latent projections); legacy ``GroupedMLP`` (no expert
+    adapter): the combine's backward too (:func:`~megatron_flops.memory.grouped_start.legacy_combine_skip`,
+    a formula). None under full recompute (Bridge makes the decoder's input require grad)."""
     moe = spec.moe
     if (moe is None or not starts_in_experts(spec, peft) or not par.is_first_stage(pp_rank, 0)
             or (recompute is not None and recompute.granularity == "full")):
@@ -127,7 +134,7 @@ def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Paralle
 def _dispatch_skip(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training) -> dict[str, int]:
     moe = spec.moe
     assert moe is not None
-    a, h, m = training.param_bytes, spec.hidden_size, training.num_microbatches
+    a, h, m = training.param_bytes, moe.latent_size or spec.hidden_size, training.num_microbatches
     local = training.seq_length * training.micro_batch_size // par.tp  # this rank's T_l tokens
     if options.moe_token_dispatcher_type == "allgather":
         rows = local * par.expert_tp * par.ep

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatron_flops.flops.pipeline_split import FIELDS, PipelineSplit, split_stages, standalone_mtp_stage
+from megatron_flops.flops.pipeline_split import FIELDS, PipelineSplit, parse_layout, split_stages, standalone_mtp_stage
 from megatron_flops.memory.hybrid_pipeline import is_hybrid
 from megatron_flops.memory.layout import Parallelism
 from megatron_flops.model.spec import ModelSpec
@@ -85,7 +85,23 @@ def split_note(split: PipelineSplit, par: Parallelism, *, hybrid: bool = False) 
                if hybrid else "megatron-core 0.16.1 splits them")
     return [f"pipeline stages as {builder} ({_given(split)}): decoder layers per virtual stage "
             f"{list(par.stage_layers)} (stage v x PP + r on model chunk v of pipeline rank r); the embedding on the "
-            "first virtual stage, the output layer and loss on the last"]
+            f"first virtual stage, the output layer and loss on the last{_edge_note(split)}"]
+
+
+def _edge_note(split: PipelineSplit, *, names: tuple[str, str] = ("the embedding", "the output layer and loss"),
+               layers: str = "the decoder and MTP layers") -> str:
+    """Where a layout's empty edge stages leave the embedding and loss: megatron-core builds them
+    where ``pre_process``/``post_process`` are true, not where the layout writes them."""
+    if split.pipeline_model_parallel_layout is None:
+        return ""
+    stages = parse_layout(split.pipeline_model_parallel_layout)
+    where = [next(i for i, stage in enumerate(stages) if kind in stage) for kind in ("embedding", "loss")]
+    moved = [f"{name} on {'virtual ' * (layers != 'the blocks')}stage {edge}, not stage {i} where the layout "
+             f"writes {char}" for name, char, i, edge in zip(names, "EL", where, (0, len(stages) - 1)) if i != edge]
+    if not moved:
+        return ""
+    return (f"; megatron-core builds {' and '.join(moved)} (pre_process/post_process place them; a layout decides "
+            f"only {layers})")
 
 
 def dit_split_note(split: PipelineSplit, par: Parallelism) -> list[str]:
@@ -94,7 +110,8 @@ def dit_split_note(split: PipelineSplit, par: Parallelism) -> list[str]:
         return []
     return [f"pipeline stages as megatron-core 0.19.2's get_num_layers_to_build places Megatron-Bridge 0.6.2's WanModel "
             f"blocks ({_given(split)}): blocks per stage {list(par.stage_layers)}; the patch embedding on the first "
-            "stage, the head and loss on the last, the text and time embeddings on every stage"]
+            "stage, the head and loss on the last, the text and time embeddings on every stage"
+            f"{_edge_note(split, names=('the patch embedding', 'the head and loss'), layers='the blocks')}"]
 
 
 def _given(split: PipelineSplit) -> str:
