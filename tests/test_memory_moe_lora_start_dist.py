@@ -23,6 +23,7 @@ _MIXTRAL_LIKE = dict(BASE, **dict(MOE, moe_layer_freq=1), **SWIGLU, bias_activat
                      moe_token_dispatcher_type="alltoall")
 EP_ALLTOALL = "EP2, MoE every layer (alltoall), fused SwiGLU experts, LoRA on linear_fc1 + linear_fc2"
 LATENT_TP = "TP2 + SP, Mixtral-like with latent 24 (alltoall), LoRA on linear_fc1 + linear_fc2"
+MLA_MOE_FIRST = "TP2 + SP, MLA (q_lora) + MoE every layer (alltoall), shared experts, LoRA on linear_fc1 + linear_fc2"
 LATENT_EP = "EP2, Mixtral-like with latent 24 (alltoall), LoRA on linear_fc1 + linear_fc2"
 RUNS = {
     # Mixtral's layer: every layer MoE, fused SwiGLU experts, alltoall, no shared experts.
@@ -42,6 +43,14 @@ RUNS = {
         world=2, layout=dict(tp=2, sp=True),
         model=dict(BASE, **MLA, q_lora_rank=24, **dict(MOE, moe_layer_freq=1), moe_token_dispatcher_type="alltoall"),
         m=2, lora=(("linear_fc1",), 4)),
+    # Selective mla_up_proj: layer 0's up-projection checkpoint runs before any adapter (its inputs require no
+    # grad): it saves nothing and never re-runs, so layer 1's up projections alone all-gather their latents again.
+    **{f"{MLA_MOE_FIRST}, selective {' + '.join(modules)}": dict(
+        world=2, layout=dict(tp=2, sp=True), m=2, lora=(("linear_fc1", "linear_fc2"), 4), live=True,
+        model=dict(BASE, **MLA, q_lora_rank=24, **dict(MOE, moe_layer_freq=1), moe_token_dispatcher_type="alltoall",
+                   moe_shared_expert_intermediate_size=40, recompute_granularity="selective",
+                   recompute_modules=list(modules)))
+       for modules in (("mla_up_proj",), ("core_attn", "mla_up_proj"))},
     # EP2 (TP 1): the alltoall dispatcher's all-to-all carries tokens that need no gradient (the first
     # adapter is behind it), the combine's does; allgather gathers over the EP group.
     EP_ALLTOALL: dict(world=2, layout=dict(tp=1, ep=2), model=_MIXTRAL_LIKE, m=2, lora=(("linear_fc1", "linear_fc2"), 4)),

@@ -111,6 +111,12 @@ PEFT_CASES = {
         dict(MLA_LN, q_lora_rank=24, **_selective("mla_up_proj")), MLA_FOUR + ("linear_proj",), False),
     "mla_up_proj, q_lora, qk_layernorm, base trains, linear_proj": (
         dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, **_selective("mla_up_proj")), ("linear_proj",), False),
+    # A frozen MLA + MoE first layer adapted on its experts only (memory/moe_lora_start.py): nothing requires grad
+    # before the shared experts' fc1 adapter, so layer 0's up-projection checkpoint saves nothing and never re-runs
+    # (test_mla_up_proj_in_a_frozen_moe_first_layer_saves_nothing: the integers).
+    **{f"{label}, MLA + MoE first layer, shared experts, frozen, linear_fc1 + linear_fc2": (
+        dict(MLA_MOE, moe_layer_freq=1, **_selective(*modules)), ("linear_fc1", "linear_fc2"), True)
+       for label, modules in (("mla_up_proj", ("mla_up_proj",)), ("core_attn + mla_up_proj", ("core_attn", "mla_up_proj")))},
 }
 
 

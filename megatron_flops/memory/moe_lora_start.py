@@ -48,13 +48,16 @@ def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Para
                          "recompute (Megatron-Bridge then makes the decoder's input require grad) or add an "
                          "attention target (linear_proj)")
     module = experts_module(options)
-    # (Selective mlp: the dense layers only; shared_experts: none here, flops.passes refuses adapted ones.)
-    if (modules - {"core_attn", "mlp", "shared_experts"} or module == "GroupedMLP"  # NB: legacy grouped: no adapter
+    # (Selective mlp: the dense layers only; shared_experts: none here, flops.passes refuses adapted ones;
+    # mla_up_proj: its checkpoint's inputs require no grad there, it saves nothing and never re-runs, as core_attn's;
+    # layernorm: megatron-core fails, recompute.selective_reason says why.)
+    if (modules - {"core_attn", "mlp", "shared_experts", "mla_up_proj", "layernorm"}
+            or module == "GroupedMLP"  # NB: legacy grouped: no adapter
             or (module == "TEGroupedMLP" and peft is not None and peft.grouped_expert_adapters != "shared")):
         return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are modelled for "
                 "SequentialMLP experts (measured) and TEGroupedMLP's shared adapters (a formula), with full or "
-                "selective core_attn, mlp or shared_experts recompute; add an attention target (linear_proj) for "
-                "the rest")
+                "selective core_attn, mlp, shared_experts or mla_up_proj recompute; add an attention target "
+                "(linear_proj) for the rest")
     return None
 
 
