@@ -138,3 +138,15 @@ def test_selective_moe_recompute_runs_no_backward_in_the_moe_layers(measured):
     spec, options, par, _, peft, recompute = setup(SELECTIVE_MOE, REFUSED)
     with pytest.raises(ValueError, match="trains no adapter"):
         first_adapter_moe_reason(spec, options, par, recompute, peft)
+
+
+@pytest.mark.parametrize("modules", [("mla_up_proj",), ("core_attn", "mla_up_proj")])
+def test_mla_up_proj_reruns_only_the_later_layers_all_gathers(modules):
+    # Under TP2 + SP each re-run up projection all-gathers its latent again: q [s, b, 24] and kv [s, b, 32], T = 16 x 2
+    # = 32 tokens, fp32: 32 x 56 x 4 = 7,168 B per MLA layer and micro-batch. Layer 0's checkpoint never re-runs (its
+    # inputs require no grad): layer 1 only, x 2 micro-batches = 14,336 B (in the measured tp/all_gather above).
+    from megatron_flops.memory.recompute import selective_rerun_communication
+
+    spec, _, par, training, peft, recompute = setup(f"{MLA_MOE_FIRST}, selective {' + '.join(modules)}", RUNS)
+    assert selective_rerun_communication(spec, par, training, pp_rank=0, recompute=recompute, peft=peft) == \
+        {"tp/all_gather": 14_336}

@@ -297,9 +297,8 @@ def test_selective_moe_reruns_routed_expert_adapters_only_where_they_gather():
 
 def test_layernorm_recompute_fails_for_a_frozen_moe_first_layer_adapted_on_its_experts(mcore):
     # The framework's own failure (recompute.selective_reason, the reason `memory` gives, ahead of the experts-first
-    # one): layer 0's norms run under CheckpointWithoutOutput with inputs that require no grad, which saves nothing,
-    # yet the shared experts' fc1 adapter keeps the pre-MLP norm's output, whose re-run in backward finds no saved
-    # input.
+    # one): layer 0's norms run under CheckpointWithoutOutput with inputs that require no grad, so it saves none,
+    # and a norm's re-run in backward finds no input.
     fields = dict(MLA_MOE, moe_layer_freq=1, **_selective("layernorm", "mla_up_proj"))
     with pytest.raises(TypeError, match="missing 1 required positional argument: 'input'"):  # (the norm's re-run)
         _measure(fields, "rope", "fp32", lora=(("linear_fc1", "linear_fc2"), LORA_RANK, True),
