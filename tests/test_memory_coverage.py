@@ -58,6 +58,8 @@ MCORE = {
                                      add_bias_linear=False, recompute_granularity="selective",
                                      recompute_modules=["moe_act"]),
     "moe flex deepep": dict(BASE, **_MOE, moe_token_dispatcher_type="flex"),
+    # A dispatcher megatron-core no longer builds (FRAMEWORK_REFUSES).
+    "moe alltoall_seq": dict(BASE, **_MOE, moe_token_dispatcher_type="alltoall_seq"),
     "moe flex hybridep grouped": dict(BASE, **_MOE, moe_token_dispatcher_type="flex",
                                       moe_flex_dispatcher_backend="hybridep", moe_grouped_gemm=True,
                                       add_bias_linear=False),
@@ -177,6 +179,12 @@ SPOT_SETUPS = {
     # Megatron-Bridge 0.6.2's other adapter layouts on TEGroupedMLP experts (memory/grouped_lora.py).
     "LoRA per-expert grouped": ["--lora-rank", "4", "--lora-grouped-experts", "per-expert"],
     "frozen LoRA shared-outer grouped": ["--frozen", "--lora-rank", "4", "--lora-grouped-experts", "shared-outer"],
+    # Modules megatron-core cannot recompute on some models (FRAMEWORK_REFUSES), and an MTP layer from the flag.
+    "selective recompute of mlp": ["--recompute", "selective", "--recompute-modules", "mlp"],
+    "selective recompute of mla_up_proj": ["--recompute", "selective", "--recompute-modules", "mla_up_proj"],
+    "one MTP layer": ["--mtp-num-layers", "1"],
+    "frozen LoRA, selective recompute of layernorm": ["--frozen", "--lora-rank", "4", "--recompute", "selective",
+                                                      "--recompute-modules", "layernorm"],
 }
 SPOT_LAYOUTS = {
     "TP2 SP DP2 FSDP": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--fsdp"],
@@ -198,6 +206,9 @@ SPOT_LAYOUTS = {
        for layout in ("|Et*4L", "Et*4L|", "|Ett|ttL|", "|Et*4mL", "Et*4mL|", "|Ett|ttmL|")},
     "TP2 SP CP2": ["--tp", "2", "--sequence-parallel", "--cp", "2"],
     "TP2 CP2": ["--tp", "2", "--cp", "2"],
+    "DP2 distopt SGD": ["--dp", "2", "--distributed-optimizer", "--optimizer", "sgd"],
+    # A large data-parallel group under the distributed optimizer (32 layers x 4096 ranks: GAPS).
+    "DP4096 distopt": ["--dp", "4096", "--distributed-optimizer"],
 }
 SPOT_CHECKS = [
     ("mcore:mla", "frozen LoRA proj, selective recompute of mla_up_proj", ("1 GPU", "TP2 SP")),
@@ -224,6 +235,14 @@ SPOT_CHECKS = [
     ("mcore:hybrid mamba", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split", "PP2 layout Ett|ttL")),
     ("mcore:hybrid mamba piped", "", ("PP2 first stage 1 layer",)),
     ("mcore:gdn", "", ("PP2 first stage 1 layer",)),
+    ("mcore:dense*", "selective recompute of mlp", ("1 GPU",)),  # (linear biases)
+    ("mcore:gqa*", "selective recompute of mlp", ("1 GPU", "TP2 SP")),  # (none: measured)
+    ("mcore:gqa*", "selective recompute of mla_up_proj", ("1 GPU",)),
+    ("hf:kimi_linear", "one MTP layer", ("1 GPU",)),
+    ("mcore:gqa*", "frozen LoRA, selective recompute of layernorm", ("1 GPU",)),
+    ("mcore:gqa*", "", ("DP2 distopt SGD",)),
+    ("examples/wan_tiny_dit.json", "", ("DP2 distopt SGD",)),
+    ("examples/llama3_8b.json", "", ("DP4096 distopt",)),
     ("mcore:pipeline layout", "", ("PP2 layout |Et*4L", "PP2 layout Et*4L|", "PP2 layout |Ett|ttL|")),
     ("mcore:mtp", "", ("PP2 layout |Et*4mL", "PP2 layout Et*4mL|", "PP2 layout |Ett|ttmL|")),
     ("examples/wan21_14b_dit.json", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split",
@@ -320,10 +339,36 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
                                                             r"layernorm with a frozen base: .*CheckpointWithoutOutput"),
     # DSA under CP needs megatron-core 0.19.0's AbsorbedMLASelfAttention, which asserts sequence parallelism under TP.
     ("mcore:dsa* | TP2 CP2 | ", r"refused: .*AbsorbedMLASelfAttention asserts it"),
+    # Selective mlp recompute with linear biases: megatron-core 0.16.1's and 0.19.0's backward never ends (fc2's bias,
+    # returned through the checkpoint, gets it as its grad_fn; seen on CPU with both: a 2-layer GPT steps in seconds
+    # without biases and runs on for minutes with them). The report keeps the states and leaves activations out.
+    ("* | * | selective recompute of mlp", r"not modelled: .*selective mlp recompute with linear biases: megatron-core "
+                                           r"0.16.1's and 0.19.0's backward never ends"),
+    # megatron-core's TransformerConfig raises for mla_up_proj without MLA (`estimate` accepts it).
+    ("* | * | selective recompute of mla_up_proj", r"not modelled: .*'mla_up_proj in recompute_modules is only "
+                                                   r"supported with multi_latent_attention'"),
+    # An MTP layer after a KDA layer: no framework trains it (no KDA layer in megatron-core or Bridge; transformers'
+    # Kimi Linear has no MTP).
+    ("hf:kimi_linear | 1 GPU | one MTP layer", r"refused: .*multi-token prediction after a Kimi Delta Attention layer: "
+                                               r"no framework trains it"),
+    # A frozen base under selective layernorm recompute: megatron-core 0.16.1's and 0.19.0's CheckpointWithoutOutput fail
+    # in backward where a norm's input requires no grad (memory/recompute.py; seen with both).
+    ("* | * | frozen LoRA, selective recompute of layernorm", r"not modelled: .*CheckpointWithoutOutput fail in "
+                                                              r"backward"),
+    # A dispatcher megatron-core 0.14.0 to 0.19.0 does not build: MoELayer raises.
+    ("mcore:moe alltoall_seq | * | *", r"not modelled: .*MoELayer raises 'Unsupported token dispatcher type'"),
+    # megatron-core's DistributedOptimizer asserts Adam (or HybridDeviceOptimizer).
+    ("* | DP2 distopt SGD | ", r"refused: .*'Only Adam and HybridDeviceOptimizer currently supported'"),
 ]
 
 # GAPS: ours. Each is a refusal or a not-modelled row for a layout the frameworks train.
-GAPS: list[tuple[str, str]] = []
+GAPS: list[tuple[str, str]] = [
+    # The memory model lists every layer on every data-parallel rank it compares (all of them under the distributed
+    # optimizer or Megatron-FSDP) and refuses num_layers x DP > 65,536 (memory/report.py's _check_size), whatever PP
+    # is: an 8B model on DP 4096, a 70B one (80 layers) on TP8 x PP4 x DP 1024. The frameworks train these; a fix
+    # compares only the ranks whose shard boundaries differ (the figures are exact by construction: no measurement).
+    ("examples/llama3_8b.json | DP4096 distopt | ", r"refused: .*num_layers x those ranks must be at most 65,536"),
+]
 
 
 # Hugging Face families whose layers save tensors a megatron-core GPT layer with the same sizes does

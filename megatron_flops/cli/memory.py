@@ -192,7 +192,8 @@ def _decoder(args: argparse.Namespace, model: LoadedModel, training: Training, p
         options = replace(options, mtp_standalone=False)
     peft, recompute = _training_setup(args, raw, model.source)
     if training.optimizer != "adam" and par.distributed_optimizer:
-        raise ValueError("megatron-core's distributed optimizer supports Adam only")
+        raise ValueError("megatron-core's distributed optimizer supports Adam only (DistributedOptimizer asserts "
+                         "'Only Adam and HybridDeviceOptimizer currently supported')")
     name = "LoRA" if peft is not None and peft.lora_rank else "this setup"
     frozen = peft is not None and peft.frozen
     reports = {name: report_dict(decoder_memory(spec, options, par, training, peft=peft, recompute=recompute,

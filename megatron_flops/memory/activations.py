@@ -230,7 +230,10 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
         if "mlp" in recompute.modules and (options.add_bias_linear or options.mlp_bias):
             # (fc2's bias, returned through the checkpoint, gets the checkpoint as its grad_fn: its
             # backward re-enters itself without end; seen on CPU, not a CPU effect.)
-            return "selective mlp recompute with linear biases does not run on megatron-core 0.16.1"
+            return ("activations under selective mlp recompute with linear biases: megatron-core 0.16.1's and 0.19.0's "
+                    "backward never ends (fc2's bias, returned through tensor_parallel.checkpoint, gets the checkpoint "
+                    "as its grad_fn); seen here with both releases: set add_bias_linear false or recompute other "
+                    "modules")
     return None
 
 

@@ -94,7 +94,8 @@ def dit_layout_reason(spec: DiTSpec, par: Parallelism, training: Training, peft:
     if par.ep > 1:
         return "a DiT has no experts to split over --ep"
     if par.distributed_optimizer and training.optimizer != "adam":
-        return "megatron-core's distributed optimizer supports Adam only"
+        return ("megatron-core's distributed optimizer supports Adam only (DistributedOptimizer asserts 'Only Adam and "
+                "HybridDeviceOptimizer currently supported')")
     sizes = {"hidden_size": spec.hidden_size, "num_heads": spec.num_heads, "ffn_hidden_size": spec.ffn_hidden_size}
     if peft is not None and peft.lora_rank:
         sizes["--lora-rank"] = peft.lora_rank

@@ -68,8 +68,9 @@ def check_moe(spec: ModelSpec, options: DecoderOptions, par: Parallelism) -> Non
 def moe_activation_reason(options: DecoderOptions) -> str | None:
     """Why MoE activations are not modelled (None: they are)."""
     if options.moe_token_dispatcher_type not in (*DISPATCHERS, "flex"):
-        return (f"MoE activations are modelled for the {' and '.join(DISPATCHERS)} dispatchers, not "
-                f"{options.moe_token_dispatcher_type!r}")
+        return (f"MoE activations with the {options.moe_token_dispatcher_type!r} dispatcher: megatron-core 0.14.0 to "
+                "0.19.0 build none (MoELayer raises 'Unsupported token dispatcher type'; theirs are allgather, alltoall "
+                "and flex)")
     return None
 
 

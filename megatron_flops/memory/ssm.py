@@ -314,6 +314,10 @@ def ssm_reason(spec: ModelSpec, par: Parallelism, peft: PeftSpec | None) -> str 
     """Why the parameters of this model are not modelled on ``par`` (None: they are)."""
     kinds = model_kinds(spec)
     mixers = {mixer for mixer, _ in kinds}
+    if spec.mtp_num_layers and not hybrid_mtp(spec) and mtp_mixer(spec) == "kda":
+        return ("multi-token prediction after a Kimi Delta Attention layer: no framework trains it (Megatron-LM builds "
+                "an MTP layer of the last decoder layer's kind, and neither megatron-core (0.16.1 to 0.19.2) nor "
+                "Megatron-Bridge 0.6.2 has a KDA layer; transformers' Kimi Linear has no MTP layers)")
     if spec.mtp_num_layers and not hybrid_mtp(spec) and mtp_mixer(spec) not in ("attention", "dsa", "gdn"):
         return "multi-token prediction is modelled with MTP layers of one attention, DSA or GDN layer"
     if peft is not None and peft.lora_rank is not None and (mixers - {"attention", "window"}
