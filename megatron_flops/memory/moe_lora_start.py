@@ -21,7 +21,10 @@ backward the dispatcher's tokens and probabilities need no gradient: no reduce-s
 With latent projections (``moe_latent_size``) ``fc1_latent_proj`` runs before any adapter and the
 frozen ``fc2_latent_proj`` keeps no input (Transformer Engine's linear keeps it only when its weight
 trains); the dispatcher, experts and adapters work at the latent width (measured with a stand-in for
-``TELinear``, tests/mcore_cpu.py). Selective ``mlp`` checkpoints the dense layers only (measured).
+``TELinear``, tests/mcore_cpu.py). Selective ``mlp`` checkpoints the dense layers only (measured). Selective
+``mla_up_proj`` (an MLA first layer): its ``CheckpointWithoutOutput`` runs with inputs that need no grad, so it saves
+nothing and registers no re-run (measured at TP 1 and TP2 + SP); selective ``layernorm`` fails in megatron-core
+(:func:`.recompute.selective_reason` says so).
 """
 
 from __future__ import annotations
