@@ -21,7 +21,10 @@ backward the dispatcher's tokens and probabilities need no gradient: no reduce-s
 With latent projections (``moe_latent_size``) ``fc1_latent_proj`` runs before any adapter and the
 frozen ``fc2_latent_proj`` keeps no input (Transformer Engine's linear keeps it only when its weight
 trains); the dispatcher, experts and adapters work at the latent width (measured with a stand-in for
-``TELinear``, tests/mcore_cpu.py). Selective ``mlp`` checkpoints the dense layers only (measured).
+``TELinear``, tests/mcore_cpu.py). Selective ``mlp`` checkpoints the dense layers only (measured). Selective
+``mla_up_proj`` (an MLA first layer): its ``CheckpointWithoutOutput`` runs with inputs that need no grad, so it saves
+nothing and registers no re-run (measured at TP 1 and TP2 + SP); selective ``layernorm`` fails in megatron-core
+(:func:`.recompute.selective_reason` says so).
 """
 
 from __future__ import annotations
@@ -49,12 +52,10 @@ def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Para
                          "gradient when its input requires none (measured: its backward never runs); use full "
                          "recompute (Megatron-Bridge then makes the decoder's input require grad) or add an "
                          "attention target (linear_proj)")
-    # (Selective mlp: the dense layers only; shared_experts: none here, flops.passes refuses adapted ones.)
-    if modules - {"core_attn", "mlp", "shared_experts", "moe_act"}:
-        return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are modelled for "
-                "SequentialMLP experts (measured) and grouped-GEMM experts (formulas), with full or selective "
-                "core_attn, mlp, shared_experts or moe_act recompute; add an attention target (linear_proj) for "
-                "the rest")
+    # Every other selective module is modelled in this layer: mlp (the dense layers only), shared_experts (none here:
+    # flops.passes refuses adapted ones), mla_up_proj (its checkpoint's inputs require no grad there: it saves nothing
+    # and never re-runs, as core_attn's), moe_act (grouped experts), layernorm (megatron-core fails:
+    # recompute.selective_reason says why).
     return grouped_first_adapter_reason(spec, options, peft, moe_act="moe_act" in modules)
 
 
