@@ -196,7 +196,6 @@ SPOT_SETUPS = {
                                                "--recompute-modules", "moe_act"],
     # Modules megatron-core cannot recompute on some models (FRAMEWORK_REFUSES), and an MTP layer from the flag.
     "selective recompute of mlp": ["--recompute", "selective", "--recompute-modules", "mlp"],
-    "selective recompute of mla_up_proj": ["--recompute", "selective", "--recompute-modules", "mla_up_proj"],
     "one MTP layer": ["--mtp-num-layers", "1"],
     "frozen LoRA, selective recompute of layernorm": ["--frozen", "--lora-rank", "4", "--recompute", "selective",
                                                       "--recompute-modules", "layernorm"],
@@ -255,7 +254,6 @@ SPOT_CHECKS = [
     ("mcore:gdn", "", ("PP2 first stage 1 layer",)),
     ("mcore:dense*", "selective recompute of mlp", ("1 GPU",)),  # (linear biases)
     ("mcore:gqa*", "selective recompute of mlp", ("1 GPU", "TP2 SP")),  # (none: measured)
-    ("mcore:gqa*", "selective recompute of mla_up_proj", ("1 GPU",)),
     ("hf:kimi_linear", "one MTP layer", ("1 GPU",)),
     ("mcore:gqa*", "frozen LoRA, selective recompute of layernorm", ("1 GPU",)),
     ("mcore:gqa*", "", ("DP2 distopt SGD",)),
@@ -362,9 +360,6 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
     # without biases and runs on for minutes with them). The report keeps the states and leaves activations out.
     ("* | * | selective recompute of mlp", r"not modelled: .*selective mlp recompute with linear biases: megatron-core "
                                            r"0.16.1's and 0.19.0's backward never ends"),
-    # megatron-core's TransformerConfig raises for mla_up_proj without MLA (`estimate` accepts it).
-    ("* | * | selective recompute of mla_up_proj", r"not modelled: .*'mla_up_proj in recompute_modules is only "
-                                                   r"supported with multi_latent_attention'"),
     # An MTP layer after a KDA layer: no framework trains it (no KDA layer in megatron-core or Bridge; transformers'
     # Kimi Linear has no MTP).
     ("hf:kimi_linear | 1 GPU | one MTP layer", r"refused: .*multi-token prediction after a Kimi Delta Attention layer: "

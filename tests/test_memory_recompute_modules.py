@@ -210,8 +210,23 @@ def test_estimate_adds_one_forward_of_each_recomputed_module(tmp_path, modules, 
     assert report["components"] == model  # (model FLOPs do not count recompute)
 
 
+@pytest.mark.parametrize("command", ["estimate", "memory"])
+def test_mla_up_proj_without_mla_is_refused_as_megatron_core_refuses_it(tmp_path, command):
+    import json
+
+    from megatron_flops.cli import build_parser
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(dict(FLOPS_MODEL, multi_latent_attention=False)))
+    args = build_parser().parse_args([command, "--model", str(path), "--seq-length", str(T), "--recompute",
+                                      "selective", "--recompute-modules", "core_attn,mla_up_proj"])
+    # (one rule, flops/passes.py check_recompute_modules: TransformerConfig's own ValueError)
+    with pytest.raises(ValueError, match="'mla_up_proj in recompute_modules is only supported with "
+                                         "multi_latent_attention'"):
+        args.func(args)
+
+
 @pytest.mark.parametrize("fields, par, peft, reason", [
-    (_selective("mla_up_proj"), Parallelism(), None, "megatron-core refuses it without multi-latent attention"),
     (dict(SHARED, **_selective("layernorm", "moe")), Parallelism(), PeftSpec(frozen=True, lora_rank=4),
      "layernorm with a frozen base: megatron-core 0.16.1's and 0.19.0's CheckpointWithoutOutput fail"),
 ])

@@ -18,7 +18,7 @@ from megatron_flops.flops.passes import (
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
     PeftSpec,
-    check_moe_act,
+    check_recompute_modules,
     RecomputeSpec,
     price,
 )
@@ -240,7 +240,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if peft is not None and peft.lora_rank is not None and spec is not None and spec.moe is not None \
             and not routed_expert_adapters(model):
         peft = replace(peft, expert_adapters=False)
-    check_moe_act(recompute, grouped_gemm=grouped_gemm_experts(model))
+    if spec is not None:
+        check_recompute_modules(spec, recompute, grouped_gemm=grouped_gemm_experts(model))
     vision = None
     if args.grid_thw is not None:
         from megatron_flops.flops.vision import hf_vision_sections, vision_report

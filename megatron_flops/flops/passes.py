@@ -320,14 +320,19 @@ def check_lora_targets(spec: ModelSpec, peft: PeftSpec | None, runs: tuple[Layer
             raise ValueError(f"lora target {target!r} matches no projection of this model{legacy}")
 
 
-def check_moe_act(recompute: RecomputeSpec | None, *, grouped_gemm: bool) -> None:
-    """ValueError, with megatron-core's reason, for selective ``moe_act`` recompute without
-    grouped-GEMM experts (``moe_grouped_gemm``): the one rule ``estimate`` and ``memory`` share."""
-    if recompute is not None and recompute.granularity == "selective" and "moe_act" in recompute.modules \
-            and not grouped_gemm:
+def check_recompute_modules(spec: ModelSpec, recompute: RecomputeSpec | None, *, grouped_gemm: bool) -> None:
+    """ValueError, with megatron-core's ``TransformerConfig`` reason, for selective modules the model
+    cannot recompute: ``moe_act`` without grouped-GEMM experts (``moe_grouped_gemm``), ``mla_up_proj``
+    without multi-latent attention. The one rule ``estimate`` and ``memory`` share."""
+    modules = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
+    if "moe_act" in modules and not grouped_gemm:
         raise ValueError("megatron-core refuses selective recompute of moe_act without grouped-GEMM experts "
                          "(TransformerConfig: 'moe_act in recompute_modules is only supported with "
                          "moe_grouped_gemm'): set moe_grouped_gemm")
+    if "mla_up_proj" in modules and spec.mla is None:
+        raise ValueError("megatron-core refuses selective recompute of mla_up_proj without multi-latent attention "
+                         "(TransformerConfig: 'mla_up_proj in recompute_modules is only supported with "
+                         "multi_latent_attention')")
 
 
 def _gpt_decoder(spec: ModelSpec) -> bool:

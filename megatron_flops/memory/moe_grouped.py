@@ -53,7 +53,7 @@ from megatron_flops.memory.grouped_lora import (adapter_weight_numels, check_gro
                                                 grouped_adapter_saved,
                                                 grouped_lora_note, uses_grouped_mm)
 from megatron_flops.memory.layout import BOOL_BYTES, FP32_BYTES, INDEX_BYTES, Parallelism, Training
-from megatron_flops.flops.passes import PeftSpec, RecomputeSpec, check_lora_targets, check_moe_act
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec, check_lora_targets, check_recompute_modules
 from megatron_flops.model.spec import ModelSpec
 
 FLEX_BACKENDS = ("deepep", "hybridep")
@@ -67,7 +67,7 @@ def check_grouped(spec: ModelSpec, options: DecoderOptions, par: Parallelism, tr
                   recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> None:
     """ValueError, with megatron-core's own reason, for the grouped-GEMM, ``moe_act`` and flex
     layouts megatron-core 0.16.1 refuses to build or train."""
-    check_moe_act(recompute, grouped_gemm=options.moe_grouped_gemm)
+    check_recompute_modules(spec, recompute, grouped_gemm=options.moe_grouped_gemm)
     if spec.moe is None:
         return
     if experts_module(options) == "GroupedMLP":
