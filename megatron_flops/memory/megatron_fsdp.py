@@ -225,8 +225,8 @@ def megatron_fsdp_stage(spec: ModelSpec, options: DecoderOptions, par: Paralleli
               for chunk in range(par.num_chunks)]
     steps: dict[str, list[Step]] = {"dp": [], "expt_dp": []}
     for params, bucket_size in chunks:
-        for group, more in shard_steps(params, strategy=strategy, sizes=sizes, bucket_size=bucket_size).items():
-            steps[group] += more
+        for group, found in shard_steps(params, strategy=strategy, sizes=sizes, bucket_size=bucket_size).items():
+            steps[group] += found
     dp_rank = most_loaded_rank(steps["dp"], ranks=par.dp, expert=steps["expt_dp"], expert_rank=par.expert_dp_rank)
     states: dict[str, int] = {}
     comm: dict[str, int] = {}
