@@ -47,8 +47,11 @@ def test_activations_and_all_reduce(tmp_path):
     lora = {k: r["per_stage"][0]["activations_per_microbatch"][0]["lora"] for k, r in runs.items()}
     # 32 routed (token, expert) pairs per layer (16 tokens x top-2), 2 local experts, bf16.
     # per-expert takes grouped_mm (bf16, dims 8, 64, 64, 8 / 8, 32, 64, 8 all multiples of 8): a copy of
-    # each adapter's input (fc1 32 x 64 x 2 = 4096, fc2 32 x 32 x 2 = 2048) and int32 offsets [2] (8) each.
-    assert lora["per-expert"] - lora["shared"] == 2 * (4096 + 8 + 2048 + 8)
+    # each adapter's input (fc1 32 x 64 x 2 = 4096, fc2 32 x 32 x 2 = 2048) and int32 offsets [2] (8) each; and
+    # per adapter the weights it indexes (weight[[0, 1]]: copies grouped_mm keeps, their inputs requiring grad)
+    # with the int64 indices [2] of each index op (2 x 16): fc1 A [2, 8, 64] + B [2, 64, 8] = 2048 elements,
+    # fc2 A [2, 8, 32] + B [2, 64, 8] = 1536, x 2 bytes.
+    assert lora["per-expert"] - lora["shared"] == 2 * (4096 + 8 + 2048 + 8 + 2 * 2 * 16 + (2048 + 1536) * 2)
     # shared-outer: torch._grouped_mm's int32 offsets [2] per adapter (the rest as the shared adapter's).
     assert lora["shared-outer"] - lora["shared"] == 2 * 2 * 8
     comm = {k: r["communication_per_step"] for k, r in runs.items()}

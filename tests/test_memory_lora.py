@@ -141,13 +141,19 @@ _MLA_SPEC = dict(_MOE_SPEC, multi_latent_attention=True, kv_lora_rank=16, qk_hea
     (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall"), Parallelism(),
      PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
     (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True),
-     Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), "SequentialMLP experts"),
+     Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)),
+     "legacy GroupedMLP experts without shared experts: no adapter of it trains"),
+    # (With shared experts their adapter is the first: a formula, tests/test_memory_grouped_start.py.)
+    (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True,
+          moe_shared_expert_intermediate_size=32), Parallelism(),
+     PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
     (_MOE_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4), None),
     (_MLA_SPEC, Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
 ], ids=["MLA projections", "MoE first layer, experts only, flex", "MoE first layer, experts only, allgather",
         "MoE first layer, experts only",
-        "MoE first layer, experts only, legacy grouped experts", "MoE default targets",
+        "MoE first layer, experts only, legacy grouped experts",
+        "MoE first layer, experts only, legacy grouped experts, shared experts", "MoE default targets",
         "MLA + MoE default targets (linear_qkv adapts nothing)", "MLA, dense first layer, fc1"])
 def test_lora_moe_mla_activations_refused_with_a_reason(fields, par, peft, reason):
     # Activations of LoRA/frozen MoE and MLA decoders are measured at TP 1 (tests/test_memory_activations.py);

@@ -75,11 +75,12 @@ def test_grouped_experts_save_as_sequential_and_are_labelled():
     assert first_adapter_moe_reason(SPEC, grouped, EP2, None, PEFT) is None
     assert any("TEGroupedMLP" in note for note in first_adapter_unmeasured(SPEC, grouped, PEFT))
     assert first_adapter_unmeasured(SPEC, sequential, PEFT) == []
-    # Megatron-Bridge 0.6.2's per-expert adapters, legacy GroupedMLP (no adapter): not modelled.
+    # Megatron-Bridge 0.6.2's per-expert adapters: modelled (tests/test_memory_grouped_start.py); legacy
+    # GroupedMLP without shared experts: no adapter of the layer trains, not modelled.
     per_expert = PeftSpec(frozen=True, lora_rank=4, lora_targets=PEFT.lora_targets, grouped_expert_adapters="per-expert")
-    assert first_adapter_moe_reason(SPEC, grouped, EP2, None, per_expert) is not None
+    assert first_adapter_moe_reason(SPEC, grouped, EP2, None, per_expert) is None
     legacy = options(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, transformer_impl="local")
-    assert first_adapter_moe_reason(SPEC, legacy, EP2, None, PEFT) is not None
+    assert "legacy GroupedMLP experts without shared experts" in first_adapter_moe_reason(SPEC, legacy, EP2, None, PEFT)
 
 
 def test_latent_projections_keep_nothing_and_the_experts_work_at_the_latent_width():
@@ -127,3 +128,54 @@ def test_selective_shared_experts_is_refused_as_estimate_refuses_it(targets):
         check_activations_supported(spec, options(moe_token_dispatcher_type="alltoall"), EP2, selective, peft)
     assert str(memory.value) == str(flops.value)
     assert "selective recompute of 'shared_experts' with a frozen base" in str(memory.value)
+
+
+# An MLA + MoE first layer (the survey's "mla moe first" file): s = 16, b = 1 (T = 16), bf16, h = 64, 4 heads,
+# q_lora 24, kv_lora 16, qk 16, rope 8, v 16, shared experts 32; LoRA on the experts only.
+MLA_FIRST = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=100,
+                 num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=32,
+                 multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8,
+                 v_head_dim=16, normalization="RMSNorm")
+SPEC_MLA_FIRST = ModelSpec.from_mapping(MLA_FIRST)
+
+
+def _mla_first_forward(*modules: str) -> int:
+    from megatron_flops.memory.activations import chunk_activations
+
+    opts = DecoderOptions.from_mapping(dict(MLA_FIRST, padded_vocab_size=128, attention_backend="local",
+                                            transformer_impl="local", add_bias_linear=False))
+    recompute = RecomputeSpec(granularity="selective", modules=modules) if modules else None
+    act = chunk_activations(SPEC_MLA_FIRST, opts, Parallelism(), Training(seq_length=16, micro_batch_size=1), pp_rank=0,
+                            chunk=0, recompute=recompute, peft=PEFT)
+    return act.forward + act.shared
+
+
+def test_mla_up_proj_in_a_frozen_moe_first_layer_saves_nothing():
+    # Layer 0's up-projection checkpoint (megatron-core's CheckpointWithoutOutput) runs before any adapter: its
+    # inputs require no grad, so autograd saves nothing for it, and its hook tensor (the core attention's output)
+    # requiring none, no re-run is registered (measured: tests/test_memory_recompute_modules.py at TP 1,
+    # tests/test_memory_moe_lora_start_dist.py under TP2 + SP). Layer 0 saves the same with or without it; each of
+    # the 3 later layers (frozen base, hidden states requiring grad) saves, without recompute, RoPE's cos and sin
+    # for q and k 4 x [16, 8] x 2 B = 1,024 B, q and k [16, 4, 24] x 2 B = 3,072 B each, v [16, 4, 16] x 2 B =
+    # 2,048 B: 9,216 B; under mla_up_proj the checkpoint's inputs, the q latent [16, 24] and kv_down's output
+    # [16, 16 + 8], 48 x 16 x 2 B = 1,536 B, and the fp32 RoPE frequencies [16, 8] x 4 B = 512 B: 2,048 B.
+    none, up = _mla_first_forward(), _mla_first_forward("mla_up_proj")
+    assert none - up == 3 * (9_216 - 2_048)
+    # core_attn as well: each later layer's fp32 softmax [1, 4, 16, 16] x 4 B = 4,096 B, attention dropout's bool
+    # mask (megatron-core's default p = 0.1) 1,024 B and output x 2 B = 2,048 B, 7,168 B, are re-saved in backward
+    # only (the checkpoint keeps q, k, v and the mask, kept already).
+    assert up - _mla_first_forward("core_attn", "mla_up_proj") == 3 * 7_168
+    par = Parallelism()
+    for modules in (("mla_up_proj",), ("core_attn", "mla_up_proj")):
+        assert first_adapter_moe_reason(SPEC_MLA_FIRST, options(), par, RecomputeSpec(granularity="selective",
+                                                                                      modules=modules), PEFT) is None
+
+
+def test_layernorm_recompute_gives_the_frameworks_reason():
+    # Selective layernorm with a frozen base: megatron-core's CheckpointWithoutOutput fails in backward
+    # (recompute.selective_reason), which the experts-first reason must not hide.
+    from megatron_flops.memory.activations import check_activations_supported
+
+    selective = RecomputeSpec(granularity="selective", modules=("layernorm", "mla_up_proj"))
+    reason = check_activations_supported(SPEC_MLA_FIRST, options(), Parallelism(), selective, PEFT)
+    assert reason is not None and "CheckpointWithoutOutput fail" in reason

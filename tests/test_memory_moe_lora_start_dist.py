@@ -23,6 +23,7 @@ _MIXTRAL_LIKE = dict(BASE, **dict(MOE, moe_layer_freq=1), **SWIGLU, bias_activat
                      moe_token_dispatcher_type="alltoall")
 EP_ALLTOALL = "EP2, MoE every layer (alltoall), fused SwiGLU experts, LoRA on linear_fc1 + linear_fc2"
 LATENT_TP = "TP2 + SP, Mixtral-like with latent 24 (alltoall), LoRA on linear_fc1 + linear_fc2"
+MLA_MOE_FIRST = "TP2 + SP, MLA (q_lora) + MoE every layer (alltoall), shared experts, LoRA on linear_fc1 + linear_fc2"
 LATENT_EP = "EP2, Mixtral-like with latent 24 (alltoall), LoRA on linear_fc1 + linear_fc2"
 RUNS = {
     # Mixtral's layer: every layer MoE, fused SwiGLU experts, alltoall, no shared experts.
@@ -42,6 +43,14 @@ RUNS = {
         world=2, layout=dict(tp=2, sp=True),
         model=dict(BASE, **MLA, q_lora_rank=24, **dict(MOE, moe_layer_freq=1), moe_token_dispatcher_type="alltoall"),
         m=2, lora=(("linear_fc1",), 4)),
+    # Selective mla_up_proj: layer 0's up-projection checkpoint runs before any adapter (its inputs require no
+    # grad): it saves nothing and never re-runs, so layer 1's up projections alone all-gather their latents again.
+    **{f"{MLA_MOE_FIRST}, selective {' + '.join(modules)}": dict(
+        world=2, layout=dict(tp=2, sp=True), m=2, lora=(("linear_fc1", "linear_fc2"), 4), live=True,
+        model=dict(BASE, **MLA, q_lora_rank=24, **dict(MOE, moe_layer_freq=1), moe_token_dispatcher_type="alltoall",
+                   moe_shared_expert_intermediate_size=40, recompute_granularity="selective",
+                   recompute_modules=list(modules)))
+       for modules in (("mla_up_proj",), ("core_attn", "mla_up_proj"))},
     # EP2 (TP 1): the alltoall dispatcher's all-to-all carries tokens that need no gradient (the first
     # adapter is behind it), the combine's does; allgather gathers over the EP group.
     EP_ALLTOALL: dict(world=2, layout=dict(tp=1, ep=2), model=_MIXTRAL_LIKE, m=2, lora=(("linear_fc1", "linear_fc2"), 4)),
@@ -129,3 +138,15 @@ def test_selective_moe_recompute_runs_no_backward_in_the_moe_layers(measured):
     spec, options, par, _, peft, recompute = setup(SELECTIVE_MOE, REFUSED)
     with pytest.raises(ValueError, match="trains no adapter"):
         first_adapter_moe_reason(spec, options, par, recompute, peft)
+
+
+@pytest.mark.parametrize("modules", [("mla_up_proj",), ("core_attn", "mla_up_proj")])
+def test_mla_up_proj_reruns_only_the_later_layers_all_gathers(modules):
+    # Under TP2 + SP each re-run up projection all-gathers its latent again: q [s, b, 24] and kv [s, b, 32], T = 16 x 2
+    # = 32 tokens, fp32: 32 x 56 x 4 = 7,168 B per MLA layer and micro-batch. Layer 0's checkpoint never re-runs (its
+    # inputs require no grad): layer 1 only, x 2 micro-batches = 14,336 B (in the measured tp/all_gather above).
+    from megatron_flops.memory.recompute import selective_rerun_communication
+
+    spec, _, par, training, peft, recompute = setup(f"{MLA_MOE_FIRST}, selective {' + '.join(modules)}", RUNS)
+    assert selective_rerun_communication(spec, par, training, pp_rank=0, recompute=recompute, peft=peft) == \
+        {"tp/all_gather": 14_336}

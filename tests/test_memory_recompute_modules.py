@@ -111,6 +111,12 @@ PEFT_CASES = {
         dict(MLA_LN, q_lora_rank=24, **_selective("mla_up_proj")), MLA_FOUR + ("linear_proj",), False),
     "mla_up_proj, q_lora, qk_layernorm, base trains, linear_proj": (
         dict(MLA_LN, q_lora_rank=24, qk_layernorm=True, **_selective("mla_up_proj")), ("linear_proj",), False),
+    # A frozen MLA + MoE first layer adapted on its experts only (memory/moe_lora_start.py): nothing requires grad
+    # before the shared experts' fc1 adapter, so layer 0's up-projection checkpoint saves nothing and never re-runs
+    # (test_mla_up_proj_in_a_frozen_moe_first_layer_saves_nothing: the integers).
+    **{f"{label}, MLA + MoE first layer, shared experts, frozen, linear_fc1 + linear_fc2": (
+        dict(MLA_MOE, moe_layer_freq=1, **_selective(*modules)), ("linear_fc1", "linear_fc2"), True)
+       for label, modules in (("mla_up_proj", ("mla_up_proj",)), ("core_attn + mla_up_proj", ("core_attn", "mla_up_proj")))},
 }
 
 
@@ -204,8 +210,23 @@ def test_estimate_adds_one_forward_of_each_recomputed_module(tmp_path, modules, 
     assert report["components"] == model  # (model FLOPs do not count recompute)
 
 
+@pytest.mark.parametrize("command", ["estimate", "memory"])
+def test_mla_up_proj_without_mla_is_refused_as_megatron_core_refuses_it(tmp_path, command):
+    import json
+
+    from megatron_flops.cli import build_parser
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(dict(FLOPS_MODEL, multi_latent_attention=False)))
+    args = build_parser().parse_args([command, "--model", str(path), "--seq-length", str(T), "--recompute",
+                                      "selective", "--recompute-modules", "core_attn,mla_up_proj"])
+    # (one rule, flops/passes.py check_recompute_modules: TransformerConfig's own ValueError)
+    with pytest.raises(ValueError, match="'mla_up_proj in recompute_modules is only supported with "
+                                         "multi_latent_attention'"):
+        args.func(args)
+
+
 @pytest.mark.parametrize("fields, par, peft, reason", [
-    (_selective("mla_up_proj"), Parallelism(), None, "megatron-core refuses it without multi-latent attention"),
     (dict(SHARED, **_selective("layernorm", "moe")), Parallelism(), PeftSpec(frozen=True, lora_rank=4),
      "layernorm with a frozen base: megatron-core 0.16.1's and 0.19.0's CheckpointWithoutOutput fail"),
 ])
@@ -287,3 +308,17 @@ def test_selective_moe_reruns_routed_expert_adapters_only_where_they_gather():
     assert reruns(etp2, expert_adapters=False) == {"tp/all_gather": 2 * 4_096, "tp/reduce_scatter": 2 * 4_096}
     etp1 = Parallelism(tp=2, sequence_parallel=True, ep=2, etp=1, dp=2)
     assert reruns(etp1) == {"tp/all_gather": 2 * 4_096, "tp/reduce_scatter": 2 * 4_096}
+
+
+def test_layernorm_recompute_fails_for_a_frozen_moe_first_layer_adapted_on_its_experts(mcore):
+    # The framework's own failure (recompute.selective_reason, the reason `memory` gives, ahead of the experts-first
+    # one): layer 0's norms run under CheckpointWithoutOutput with inputs that require no grad, so it saves none,
+    # and a norm's re-run in backward finds no input.
+    fields = dict(MLA_MOE, moe_layer_freq=1, **_selective("layernorm", "mla_up_proj"))
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'input'"):  # (the norm's re-run)
+        _measure(fields, "rope", "fp32", lora=(("linear_fc1", "linear_fc2"), LORA_RANK, True),
+                 meter_cls=mcore_memory.LiveStorageMeter)
+    spec, options, _, recompute = _model(fields)
+    peft = PeftSpec(frozen=True, lora_rank=LORA_RANK, lora_targets=("linear_fc1", "linear_fc2"))
+    reason = check_activations_supported(spec, options, Parallelism(), recompute, peft)
+    assert reason is not None and "CheckpointWithoutOutput fail" in reason

@@ -43,13 +43,22 @@ def decoder_options(args: argparse.Namespace, model: LoadedModel) -> tuple[Decod
 def routed_expert_adapters(model: LoadedModel) -> bool:
     """Whether Megatron-Bridge's LoRA can adapt the routed experts megatron-core builds for this
     model (:func:`~megatron_flops.memory.decoder.experts_take_adapters`)."""
+    options = _experts_options(model)
+    return options is None or experts_take_adapters(options)
+
+
+def grouped_gemm_experts(model: LoadedModel) -> bool:
+    """Whether this model's routed experts are grouped-GEMM ones (``moe_grouped_gemm``)."""
+    options = _experts_options(model)
+    return options is not None and options.moe_grouped_gemm
+
+
+def _experts_options(model: LoadedModel) -> DecoderOptions | None:
+    """The options that choose the routed experts' module, as ``memory`` reads them (None: a
+    Hugging Face config, which has no grouped-GEMM fields: SequentialMLP)."""
     if model.megatron_args is not None:
-        options = _megatron_options(model.megatron_args)
-    elif is_hf_config(model.raw):
-        return True  # (no grouped-GEMM fields: SequentialMLP, as memory reads the file)
-    else:
-        options = DecoderOptions.from_mapping(model.raw)
-    return experts_take_adapters(options)
+        return _megatron_options(model.megatron_args)
+    return None if is_hf_config(model.raw) else DecoderOptions.from_mapping(model.raw)
 
 
 def _megatron_options(namespace: SimpleNamespace) -> DecoderOptions:

@@ -18,11 +18,12 @@ from megatron_flops.flops.passes import (
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
     PeftSpec,
+    check_recompute_modules,
     RecomputeSpec,
     price,
 )
 from megatron_flops.cli._common import format_components, json_list_arg
-from megatron_flops.cli._memory_model import routed_expert_adapters
+from megatron_flops.cli._memory_model import grouped_gemm_experts, routed_expert_adapters
 from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
 from megatron_flops.memory.hybrid_pipeline import is_hybrid
 from megatron_flops.cli._dit import add_arguments as add_dit_arguments, estimate_dit
@@ -239,6 +240,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if peft is not None and peft.lora_rank is not None and spec is not None and spec.moe is not None \
             and not routed_expert_adapters(model):
         peft = replace(peft, expert_adapters=False)
+    if spec is not None:
+        check_recompute_modules(spec, recompute, grouped_gemm=grouped_gemm_experts(model))
     vision = None
     if args.grid_thw is not None:
         from megatron_flops.flops.vision import hf_vision_sections, vision_report

@@ -286,12 +286,7 @@ def training_passes(
             "Gated DeltaNet, KDA or DSA layers)"
         )
     runs = forward_runs(spec, stats, attention=attention, include_padding=include_padding)
-    if peft.lora_rank is not None:
-        present = {g.name.rsplit(".", 1)[-1] for run in runs for g in run.gemms if peft.adapted(g.name)}
-        for target in peft.lora_targets:
-            if target not in present:
-                legacy = "" if peft.expert_adapters else " (its routed experts, legacy GroupedMLP, take no adapter)"
-                raise ValueError(f"lora target {target!r} matches no projection of this model{legacy}")
+    check_lora_targets(spec, peft, runs)
     needed = _walk(spec, runs, peft, None, executed=False)
     done = _walk(spec, runs, peft, recompute, executed=True)
     unneeded = {}
@@ -307,6 +302,37 @@ def training_passes(
         attention=attention,
         include_padding=include_padding,
     )
+
+
+def check_lora_targets(spec: ModelSpec, peft: PeftSpec | None, runs: tuple[LayerRun, ...] | None = None) -> None:
+    """ValueError for a LoRA target that matches no projection of ``spec`` (Megatron-Bridge would
+    put no adapter there; with legacy ``GroupedMLP`` experts, ``expert_adapters=False``, none on
+    them): the one rule ``estimate`` and ``memory`` share. ``runs``: ``spec``'s forward runs, if
+    built already (only the GEMM names are read)."""
+    if peft is None or peft.lora_rank is None:
+        return
+    if runs is None:
+        runs = forward_runs(spec, SeqStats.full_length(1, 1, window=spec.pair_window))
+    present = {g.name.rsplit(".", 1)[-1] for run in runs for g in run.gemms if peft.adapted(g.name)}
+    for target in peft.lora_targets:
+        if target not in present:
+            legacy = "" if peft.expert_adapters else " (its routed experts, legacy GroupedMLP, take no adapter)"
+            raise ValueError(f"lora target {target!r} matches no projection of this model{legacy}")
+
+
+def check_recompute_modules(spec: ModelSpec, recompute: RecomputeSpec | None, *, grouped_gemm: bool) -> None:
+    """ValueError, with megatron-core's ``TransformerConfig`` reason, for selective modules the model
+    cannot recompute: ``moe_act`` without grouped-GEMM experts (``moe_grouped_gemm``), ``mla_up_proj``
+    without multi-latent attention. The one rule ``estimate`` and ``memory`` share."""
+    modules = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
+    if "moe_act" in modules and not grouped_gemm:
+        raise ValueError("megatron-core refuses selective recompute of moe_act without grouped-GEMM experts "
+                         "(TransformerConfig: 'moe_act in recompute_modules is only supported with "
+                         "moe_grouped_gemm'): set moe_grouped_gemm")
+    if "mla_up_proj" in modules and spec.mla is None:
+        raise ValueError("megatron-core refuses selective recompute of mla_up_proj without multi-latent attention "
+                         "(TransformerConfig: 'mla_up_proj in recompute_modules is only supported with "
+                         "multi_latent_attention')")
 
 
 def _gpt_decoder(spec: ModelSpec) -> bool:

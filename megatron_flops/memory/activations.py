@@ -80,6 +80,7 @@ from megatron_flops.memory.mla_mtp import mtp_recomputed
 from megatron_flops.memory.recompute import selective_reason
 from megatron_flops.memory.moe_grouped import expert_adapter_targets, frozen_experts_keep_inputs, grouped_lora_saved
 from megatron_flops.memory.moe_lora_start import first_adapter_moe_reason, first_adapter_moe_saved
+from megatron_flops.memory.grouped_start import first_adapter_moe_act_freed
 from megatron_flops.memory.moe import (expert_lora_activations, moe_act_freed, moe_activation_reason,
                                        moe_activations, shared_gate_activations)
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec, check_checkpointed_regions
@@ -154,6 +155,7 @@ class _Grad:
     started: bool = True
     mask_saved: bool = False
     grouped_lora: int = 0  # bytes per MoE layer of grouped-expert adapters beyond shared ones (:mod:`.grouped_lora`)
+    grouped_lora_first: int = 0  # the same in a frozen first MoE layer whose gradient starts in them
 
 
 class _Walk:
@@ -692,12 +694,19 @@ def _first_adapter_moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOpti
         lora = sub.out.components.pop("lora", 0)
         w.keep("moe/shared_experts", sub.kept - lora + (x.local_tokens * x.act if moe.shared_expert_gate else 0))
         w.keep("lora", lora)
-    peft = PeftSpec(frozen=True, lora_rank=g.rank, lora_targets=g.adapted)
+    peft, moe_act = PeftSpec(frozen=True, lora_rank=g.rank, lora_targets=g.adapted), "moe_act" in w.selective
     for key, nbytes in first_adapter_moe_saved(spec, options, peft, tokens=x.expert_tokens,
                                                local_tokens=x.local_tokens, act=x.act, tp=x.etp, ep=x.ep,
-                                               received=x.received).items():
+                                               received=x.received, moe_act=moe_act).items():
         w.keep(key, nbytes)
     g.started = True
+    w.keep("lora", g.grouped_lora_first)  # (per-expert, shared-outer adapters: :mod:`.grouped_start`)
+    freed = first_adapter_moe_act_freed(
+        spec, options, tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received,
+        freed=moe_act_freed(spec, options, tokens=x.expert_tokens, act=x.act, tp=x.etp, received=x.received)) \
+        if moe_act else 0
+    if freed:
+        w.region(freed)
 
 
 def _selective_moe(w: _Walk, kept: dict[str, int], inp: int, freed: int = 0) -> None:
@@ -788,8 +797,9 @@ def chunk_activations(
     first = par.is_first_stage(pp_rank, chunk)
     selective = recompute.modules if recompute is not None and recompute.granularity == "selective" else ()
     w = _Walk(_peft_grad(peft, first_stage=first), selective=selective)
-    w.grad.grouped_lora = grouped_lora_saved(spec, options, par, training, peft, tokens=x.expert_tokens,
-                                             received=received, moe_act="moe_act" in selective)
+    w.grad.grouped_lora, w.grad.grouped_lora_first = (
+        grouped_lora_saved(spec, options, par, training, peft, tokens=x.expert_tokens, received=received,
+                           moe_act="moe_act" in selective, first=start) for start in (False, True))
     layers = par.chunk_layers(spec.num_layers, pp_rank, chunk)
     if first:
         positions = options.position_embedding_type == "learned_absolute"

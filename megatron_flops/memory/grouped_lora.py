@@ -15,7 +15,9 @@ anyway; legacy ``GroupedMLP`` has no linear to match) in one of three ways (``Lo
   path: bf16 on a GPU of compute capability 8.0 or more with every local matrix dimension a
   multiple of 8 runs ``torch.nn.functional.grouped_mm`` over ``torch.cat`` of the experts' token
   slices, a copy of its input [n, in] (with more than one local expert) that the grouped GEMM
-  keeps, and its int32 offsets [E/EP]; otherwise (fp32/fp16, other sizes) a loop of per-expert
+  keeps, its int32 offsets [E/EP], and the weights it indexes per call (``weight[active experts]``:
+  copies, which it keeps where the GEMM's input requires grad, each index op keeping its int64
+  indices [E/EP]); otherwise (fp32/fp16, other sizes) a loop of per-expert
   ``linear`` calls that keep views of the input and [n_e, r] each: the shared adapter's count.
   NB: FP8 (Transformer Engine's grouped kernel) is not modelled.
 - ``shared-outer`` (``experts_shared_outer_loras``, SGLang's serving contract):
@@ -38,8 +40,10 @@ FLOPs (``estimate`` prices them alike).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from megatron_flops.flops.passes import PeftSpec
-from megatron_flops.memory.layout import Parallelism
+from megatron_flops.memory.layout import INDEX_BYTES, Parallelism
 
 OFFSET_BYTES = 4  # int32 group offsets of a grouped GEMM
 ADAPTED = ("linear_fc1", "linear_fc2")
@@ -81,6 +85,20 @@ def grouped_adapter_tensors(peft: PeftSpec, par: Parallelism, *, width: int, ffn
     return out
 
 
+def adapter_weight_numels(peft: PeftSpec, par: Parallelism, *, width: int, ffn: int, gate: int,
+                          num_local: int) -> dict[str, tuple[int, int]]:
+    """(``linear_in``, ``linear_out``) elements of each adapted expert linear's ``per-expert`` or
+    ``shared-outer`` adapter ({} for the shared adapter; see :func:`grouped_adapter_tensors`)."""
+    out: dict[str, tuple[int, int]] = {}
+    if peft.lora_rank is None or peft.grouped_expert_adapters == "shared":
+        return out
+    for name, numel, _, _ in grouped_adapter_tensors(peft, par, width=width, ffn=ffn, gate=gate, num_local=num_local):
+        linear, side = name.split(".")[0], name.split(".")[2]  # linear_fc1.adapter.linear_in.weight
+        inn, outer = out.get(linear, (0, 0))
+        out[linear] = (inn + numel, outer) if side == "linear_in" else (inn, outer + numel)
+    return out
+
+
 def uses_grouped_mm(peft: PeftSpec, par: Parallelism, *, bf16: bool, width: int, ffn: int, gate: int) -> bool:
     """Whether ``per-expert`` adapters take ``grouped_mm``'s path (bf16, every local matrix
     dimension a multiple of 8; a GPU of compute capability 8.0 or more assumed)."""
@@ -91,13 +109,21 @@ def uses_grouped_mm(peft: PeftSpec, par: Parallelism, *, bf16: bool, width: int,
 
 
 def grouped_adapter_saved(peft: PeftSpec, *, grouped_mm: bool, got: int, num_local: int, width: int, ffn: int,
-                          act: int, frozen: bool, moe_act: bool) -> int:
+                          act: int, frozen: bool, moe_act: bool, weights: Mapping[str, tuple[int, int]],
+                          started: bool = True) -> int:
     """Bytes one MoE layer's ``per-expert`` or ``shared-outer`` adapters keep per micro-batch
     beyond the shared adapter's (:func:`~megatron_flops.memory.moe.expert_lora_activations`), for
     ``got`` routed tokens on this rank: each grouped GEMM's int32 offsets [E/EP]; on
     ``grouped_mm``'s path the concatenated copy of each adapter's input [n, in] (more than one
     local expert), which stands in for the input a frozen base's adapter keeps otherwise (but
-    fc2's under ``moe_act``, whose input the checkpoint frees: counted there)."""
+    fc2's under ``moe_act``, whose input the checkpoint frees: counted there), and the weights it
+    indexes per call (``weight[active experts]``: a copy, ``weights``: the numels of each adapted
+    linear's ``linear_in`` and ``linear_out``), whose index op keeps the int64 indices [E/EP]:
+    ``grouped_mm`` keeps ``linear_out``'s copy (its input, the [n, r] intermediate, requires
+    grad), and ``linear_in``'s where its input requires grad (``started``: the hidden states do
+    before the experts; else only fc2's, and only when fc1 is adapted: a frozen first layer whose
+    gradient starts in them). Measured (the adapter alone, Bridge 0.6.2 on CPU with torch 2.13:
+    tests/test_memory_grouped_start.py)."""
     layout = peft.grouped_expert_adapters
     if peft.lora_rank is None or layout == "shared" or (layout == "per-expert" and not grouped_mm):
         return 0
@@ -108,6 +134,10 @@ def grouped_adapter_saved(peft: PeftSpec, *, grouped_mm: bool, got: int, num_loc
         total += num_local * OFFSET_BYTES
         if layout == "per-expert" and num_local > 1 and not (frozen and not (name == "linear_fc2" and moe_act)):
             total += got * inp * act
+        if layout == "per-expert":
+            in_numel, out_numel = weights[name]
+            input_grad = started or (name == "linear_fc2" and "linear_fc1" in peft.lora_targets)
+            total += 2 * num_local * INDEX_BYTES + (out_numel + (in_numel if input_grad else 0)) * act
     return total
 
 

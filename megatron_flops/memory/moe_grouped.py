@@ -46,11 +46,14 @@ for the alltoall dispatcher), ``N = n x min(topk, EP) / topk`` tokens arrive per
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megatron_flops.memory.decoder import DecoderOptions, experts_module, experts_take_adapters
-from megatron_flops.memory.grouped_lora import (check_grouped_lora, cross_ep_all_reduce, grouped_adapter_saved,
+from megatron_flops.memory.grouped_lora import (adapter_weight_numels, check_grouped_lora, cross_ep_all_reduce,
+                                                grouped_adapter_saved,
                                                 grouped_lora_note, uses_grouped_mm)
 from megatron_flops.memory.layout import BOOL_BYTES, FP32_BYTES, INDEX_BYTES, Parallelism, Training
-from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec, check_lora_targets, check_recompute_modules
 from megatron_flops.model.spec import ModelSpec
 
 FLEX_BACKENDS = ("deepep", "hybridep")
@@ -64,13 +67,11 @@ def check_grouped(spec: ModelSpec, options: DecoderOptions, par: Parallelism, tr
                   recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> None:
     """ValueError, with megatron-core's own reason, for the grouped-GEMM, ``moe_act`` and flex
     layouts megatron-core 0.16.1 refuses to build or train."""
-    if _moe_act(recompute) and not options.moe_grouped_gemm:
-        raise ValueError("megatron-core refuses selective recompute of moe_act without grouped-GEMM experts "
-                         "(TransformerConfig: 'moe_act in recompute_modules is only supported with "
-                         "moe_grouped_gemm'): set moe_grouped_gemm")
+    check_recompute_modules(spec, recompute, grouped_gemm=options.moe_grouped_gemm)
     if spec.moe is None:
         return
     if experts_module(options) == "GroupedMLP":
+        check_lora_targets(spec, None if peft is None else replace(peft, expert_adapters=False))
         if options.add_bias_linear:
             raise ValueError("megatron-core's GroupedMLP refuses linear biases ('bias not supported in Grouped GEMM "
                              "yet, please set '--disable-bias-linear' instead.')")
@@ -104,20 +105,25 @@ def expert_adapter_targets(options: DecoderOptions, adapted: tuple[str, ...]) ->
 
 
 def grouped_lora_saved(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,
-                       peft: PeftSpec | None, *, tokens: int, received: int | None, moe_act: bool) -> int:
+                       peft: PeftSpec | None, *, tokens: int, received: int | None, moe_act: bool,
+                       first: bool = False) -> int:
     """Bytes per MoE layer and micro-batch that ``TEGroupedMLP``'s per-expert or shared-outer
     adapters keep beyond the shared adapter's (:mod:`.grouped_lora`); ``tokens``: the expert
-    TP group's tokens (``received``: routed tokens reaching this rank, None: balanced)."""
+    TP group's tokens (``received``: routed tokens reaching this rank, None: balanced); ``first``:
+    a frozen first layer whose gradient starts in them (fc1's input requires no grad)."""
     moe = spec.moe
     if moe is None or peft is None or peft.lora_rank is None or experts_module(options) != "TEGroupedMLP":
         return 0
     width, ffn, gate = moe.latent_size or spec.hidden_size, moe.ffn_hidden_size // par.expert_tp, \
         2 if spec.gated_linear_unit else 1
+    num_local = moe.num_experts // par.ep
     return grouped_adapter_saved(
         peft, grouped_mm=uses_grouped_mm(peft, par, bf16=training.params_dtype == "bf16", width=width, ffn=ffn,
                                          gate=gate),
-        got=tokens * moe.router_topk if received is None else received, num_local=moe.num_experts // par.ep,
-        width=width, ffn=ffn, act=training.param_bytes, frozen=peft.frozen, moe_act=moe_act)
+        got=tokens * moe.router_topk if received is None else received, num_local=num_local,
+        width=width, ffn=ffn, act=training.param_bytes, frozen=peft.frozen, moe_act=moe_act,
+        weights=adapter_weight_numels(peft, par, width=width, ffn=ffn, gate=gate, num_local=num_local),
+        started=not first)
 
 
 def grouped_lora_communication(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training,

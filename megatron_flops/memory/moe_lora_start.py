@@ -21,13 +21,18 @@ backward the dispatcher's tokens and probabilities need no gradient: no reduce-s
 With latent projections (``moe_latent_size``) ``fc1_latent_proj`` runs before any adapter and the
 frozen ``fc2_latent_proj`` keeps no input (Transformer Engine's linear keeps it only when its weight
 trains); the dispatcher, experts and adapters work at the latent width (measured with a stand-in for
-``TELinear``, tests/mcore_cpu.py). Selective ``mlp`` checkpoints the dense layers only (measured).
+``TELinear``, tests/mcore_cpu.py). Selective ``mlp`` checkpoints the dense layers only (measured). Selective
+``mla_up_proj`` (an MLA first layer): its ``CheckpointWithoutOutput`` runs with inputs that need no grad, so it saves
+nothing and registers no re-run (measured at TP 1 and TP2 + SP); selective ``layernorm`` fails in megatron-core
+(:func:`.recompute.selective_reason` says so).
 """
 
 from __future__ import annotations
 
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
-from megatron_flops.memory.decoder import DecoderOptions, experts_module
+from megatron_flops.memory.decoder import DecoderOptions, experts_module, experts_take_adapters
+from megatron_flops.memory.grouped_start import (grouped_first_adapter_reason, grouped_start_unmeasured,
+                                                 legacy_combine_skip)
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism, Training
 from megatron_flops.memory.moe import expert_lora_activations, expert_tp_group, moe_activations
 from megatron_flops.model.spec import ModelSpec
@@ -47,15 +52,11 @@ def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Para
                          "gradient when its input requires none (measured: its backward never runs); use full "
                          "recompute (Megatron-Bridge then makes the decoder's input require grad) or add an "
                          "attention target (linear_proj)")
-    module = experts_module(options)
-    # (Selective mlp: the dense layers only; shared_experts: none here, flops.passes refuses adapted ones.)
-    if (modules - {"core_attn", "mlp", "shared_experts"} or module == "GroupedMLP"  # NB: legacy grouped: no adapter
-            or (module == "TEGroupedMLP" and peft is not None and peft.grouped_expert_adapters != "shared")):
-        return ("activations of a frozen MoE first layer whose first adapter is a routed expert's are modelled for "
-                "SequentialMLP experts (measured) and TEGroupedMLP's shared adapters (a formula), with full or "
-                "selective core_attn, mlp or shared_experts recompute; add an attention target (linear_proj) for "
-                "the rest")
-    return None
+    # Every other selective module is modelled in this layer: mlp (the dense layers only), shared_experts (none here:
+    # flops.passes refuses adapted ones), mla_up_proj (its checkpoint's inputs require no grad there: it saves nothing
+    # and never re-runs, as core_attn's), moe_act (grouped experts), layernorm (megatron-core fails:
+    # recompute.selective_reason says why).
+    return grouped_first_adapter_reason(spec, options, peft, moe_act="moe_act" in modules)
 
 
 def starts_in_experts(spec: ModelSpec, peft: PeftSpec | None) -> bool:
@@ -69,19 +70,23 @@ def starts_in_experts(spec: ModelSpec, peft: PeftSpec | None) -> bool:
 
 def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec, *, tokens: int,
                             local_tokens: int, act: int, tp: int, ep: int = 1,
-                            received: int | None = None) -> dict[str, int]:
-    """Bytes that MoE layer saves per micro-batch by key (see the module doc)."""
+                            received: int | None = None, moe_act: bool = False) -> dict[str, int]:
+    """Bytes that MoE layer saves per micro-batch by key (see the module doc; ``moe_act`` and
+    legacy ``GroupedMLP``, whose routed path keeps nothing: :mod:`.grouped_start`)."""
     moe = spec.moe
     assert moe is not None and peft.lora_rank is not None
+    if not experts_take_adapters(options):
+        return {}
     got, ffn = tokens * moe.router_topk if received is None else received, moe.ffn_hidden_size // tp
     adapted = tuple(t for t in ("linear_fc1", "linear_fc2") if t in peft.lora_targets)
     experts = 0
     if "linear_fc1" in adapted:
         started = moe_activations(spec, options, tokens=tokens, local_tokens=local_tokens, act=act, tp=tp, ep=ep,
-                                  received=received, frozen=True)
-        # NB: the fused SwiGLU's kernel keeps its input and the probabilities only (no product to drop).
+                                  received=received, frozen=True, moe_act=moe_act)
+        # NB: the fused SwiGLU's kernel keeps its input and the probabilities only (no product to drop); under
+        # moe_act the checkpoint keeps fc1's output and the probabilities only.
         fused = spec.gated_linear_unit and options.bias_activation_fusion
-        experts = started["moe/experts"] - (0 if fused else got * ffn * act)
+        experts = started["moe/experts"] - (0 if fused or moe_act else got * ffn * act)
     # The combine's sorted indices: of this rank's T_l tokens permuted before the all-to-all, or (allgather)
     # of the gathered tokens its experts take. NB: flex (a formula, CUDA only): DeepEP's unpermute of the
     # pairs that reached this rank; HybridEP permutes inside its kernels (its handle not counted).
@@ -90,7 +95,7 @@ def first_adapter_moe_saved(spec: ModelSpec, options: DecoderOptions, peft: Peft
         dispatcher, 0 if options.moe_flex_dispatcher_backend == "hybridep" else got)
     return {"moe/dispatcher": permuted * INDEX_BYTES, "moe/experts": experts,
             "lora": expert_lora_activations(spec, adapted=adapted, rank=peft.lora_rank, frozen=True, tokens=tokens,
-                                            act=act, tp=tp, received=received)}
+                                            act=act, tp=tp, received=received, moe_act=moe_act)}
 
 
 def first_adapter_dispatcher_skip(spec: ModelSpec, par: Parallelism, training: Training, *, dispatcher: str,
@@ -114,12 +119,22 @@ def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Paralle
     ``alltoall`` (EP > 1): the all-to-all of this rank's routed tokens' and probabilities'
     gradients [T_l x k, h + 1] (the combine's all-to-all still runs backward); ``allgather``
     (expert TP x EP > 1): the reduce-scatter of the gathered tokens' and probabilities' gradients
-    [G, h + E] (h: the latent size with latent projections). None under full recompute (Bridge makes
-    the decoder's input require grad)."""
+    [G, h + E] (h: the latent size with latent projections); legacy ``GroupedMLP`` (no expert
+    adapter): the combine's backward too (:func:`~megatron_flops.memory.grouped_start.legacy_combine_skip`,
+    a formula). None under full recompute (Bridge makes the decoder's input require grad)."""
     moe = spec.moe
     if (moe is None or not starts_in_experts(spec, peft) or not par.is_first_stage(pp_rank, 0)
             or (recompute is not None and recompute.granularity == "full")):
         return {}
+    skip = _dispatch_skip(spec, options, par, training)
+    for key, value in legacy_combine_skip(spec, options, par, training).items():
+        skip[key] = skip.get(key, 0) + value
+    return skip
+
+
+def _dispatch_skip(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training) -> dict[str, int]:
+    moe = spec.moe
+    assert moe is not None
     a, h, m = training.param_bytes, moe.latent_size or spec.hidden_size, training.num_microbatches
     local = training.seq_length * training.micro_batch_size // par.tp  # this rank's T_l tokens
     if options.moe_token_dispatcher_type == "allgather":
@@ -138,11 +153,13 @@ def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Paralle
     return {}
 
 
-def first_adapter_unmeasured(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec | None) -> list[str]:
+def first_adapter_unmeasured(spec: ModelSpec, options: DecoderOptions, peft: PeftSpec | None,
+                             recompute: RecomputeSpec | None = None) -> list[str]:
     """The figures of this module that are formulas (CUDA-only experts or dispatcher)."""
     if not starts_in_experts(spec, peft):
         return []
-    out = []
+    moe_act = recompute is not None and recompute.granularity == "selective" and "moe_act" in recompute.modules
+    out = grouped_start_unmeasured(spec, options, peft, moe_act=moe_act)
     if experts_module(options) == "TEGroupedMLP":
         out.append("the first MoE layer's TEGroupedMLP experts under a frozen base whose first adapter is theirs: "
                    "as SequentialMLP's (measured): from linear_fc1's shared adapter on, no activation output kept")

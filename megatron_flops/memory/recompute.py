@@ -53,10 +53,6 @@ def selective_reason(spec: ModelSpec, par: Parallelism, modules: tuple[str, ...]
                 f"projections ({sorted(adapted)}) and none on a down projection: the first layer's checkpoint inputs "
                 "require no grad, so megatron-core runs its up projections and their adapters under no_grad (they "
                 "train nowhere there); adapt a down projection too")
-    if "mla_up_proj" in modules and spec.mla is None:
-        return ("activations under selective recompute of mla_up_proj: megatron-core refuses it without "
-                "multi-latent attention (TransformerConfig: 'mla_up_proj in recompute_modules is only supported with "
-                "multi_latent_attention')")
     if "layernorm" in modules and any(m in ("mamba", "gdn", "kda") or f == "none" for (m, f), _ in spec.layer_runs):
         return ("activations under selective recompute of layernorm are modelled for attention layers (no Mamba, KDA, "
                 "GDN or hybrid layers)")

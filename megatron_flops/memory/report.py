@@ -384,7 +384,7 @@ def _formula_labels(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
         out += [*selective_unmeasured(options, recompute, sequence_parallel=par.sequence_parallel),
                 *kda_fla_unmeasured(spec, training)]
     out += [*grouped_unmeasured(spec, options, recompute, activations=activations, peft=peft),
-            *expert_lora_unmeasured(spec, par, peft), *first_adapter_unmeasured(spec, options, peft),
+            *expert_lora_unmeasured(spec, par, peft), *first_adapter_unmeasured(spec, options, peft, recompute),
             *standalone_mtp_unmeasured(spec, par, recompute=recompute, peft=peft),
             *parallel_layer_unmeasured(options.parallel_layer_norms, tp=par.tp, sequence_parallel=par.sequence_parallel,
                                        peft=peft is not None,
