@@ -280,7 +280,7 @@ def training_passes(
 ) -> TrainingPasses:
     """Forward, input-gradient, weight-gradient, unneeded and recompute FLOPs over ``stats``."""
     peft = peft or PeftSpec()
-    if not _gpt_decoder(spec):
+    if not gpt_decoder(spec):
         raise ValueError(
             "frozen weights, LoRA and recompute are modelled for GPT decoders only (no hybrid, Mamba, "
             "Gated DeltaNet, KDA or DSA layers)"
@@ -335,7 +335,7 @@ def check_recompute_modules(spec: ModelSpec, recompute: RecomputeSpec | None, *,
                          "multi_latent_attention')")
 
 
-def _gpt_decoder(spec: ModelSpec) -> bool:
+def gpt_decoder(spec: ModelSpec) -> bool:
     """Whether the walk models this decoder (no hybrid, Mamba, Gated DeltaNet, KDA or DSA layers)."""
     return all(m is None for m in (spec.mamba, spec.gdn, spec.kda, spec.dsa)) and not any(
         "none" in kind for kind, _ in spec.layer_runs)
@@ -348,7 +348,7 @@ def check_checkpointed_regions(
     holds trainable weights or adapters but its input needs no gradient (megatron-core's reentrant
     checkpoint would leave them untrained), for callers that price no FLOPs (the memory report).
     Nothing for a decoder the walk does not model (training_passes refuses it on its own)."""
-    if peft is None or recompute is None or recompute.granularity != "selective" or not _gpt_decoder(spec):
+    if peft is None or recompute is None or recompute.granularity != "selective" or not gpt_decoder(spec):
         return
     regions = tuple(m for m in recompute.modules if m in modules)
     if regions:  # (the region's decision reads no size: one token will do)

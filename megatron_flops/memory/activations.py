@@ -215,7 +215,7 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are); ValueError where no
     adapter of a checkpointed region would train (as ``estimate`` refuses it)."""
-    check_checkpointed_regions(spec, peft, recompute, modules=("shared_experts",))
+    check_checkpointed_regions(spec, peft, recompute, modules=("mlp", "moe", "shared_experts"))
     selective = recompute is not None and recompute.granularity == "selective" and "mla_up_proj" in recompute.modules
     reason = (lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute, cp=par.cp)
               or first_adapter_moe_reason(spec, options, par, recompute, peft))

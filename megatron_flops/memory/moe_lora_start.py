@@ -41,18 +41,12 @@ from megatron_flops.model.spec import ModelSpec
 def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                              recompute: RecomputeSpec | None, peft: PeftSpec | None) -> str | None:
     """Why a frozen MoE first layer whose first adapter is an expert's is not modelled (None: it
-    is, or this is not that layer); ValueError where no adapter of it would train."""
-    moe = spec.moe
-    if not starts_in_experts(spec, peft) or moe is None:
+    is, or this is not that layer). (Selective ``moe`` there trains no adapter of the layer: refused
+    before, by flops.passes.check_checkpointed_regions.)"""
+    if not starts_in_experts(spec, peft):
         return None
     modules = set(recompute.modules) if recompute is not None and recompute.granularity == "selective" else set()
-    if "moe" in modules:  # (as the FLOPs side refuses it, flops/passes.py)
-        raise ValueError("selective recompute of 'moe' around a frozen MoE first layer whose first adapter is a "
-                         "routed expert's trains no adapter of that layer: megatron-core's checkpoint passes no "
-                         "gradient when its input requires none (measured: its backward never runs); use full "
-                         "recompute (Megatron-Bridge then makes the decoder's input require grad) or add an "
-                         "attention target (linear_proj)")
-    # Every other selective module is modelled in this layer: mlp (the dense layers only), shared_experts (none here:
+    # Every selective module but moe is modelled in this layer: mlp (the dense layers only), shared_experts (none here:
     # flops.passes refuses adapted ones), mla_up_proj (its checkpoint's inputs require no grad there: it saves nothing
     # and never re-runs, as core_attn's), moe_act (grouped experts), layernorm (megatron-core fails:
     # recompute.selective_reason says why).
