@@ -117,8 +117,8 @@ def first_stage_without_decoder(fields: Mapping[str, Any], *, num_layers: int, m
     with it (without it, every layer is on one stage)."""
     split = PipelineSplit.from_mapping(fields, source=source)
     if split.pipeline_model_parallel_layout is not None:
-        stages = parse_layout(split.pipeline_model_parallel_layout)
-        return len(stages) > 1 and "decoder" not in stages[0]
+        kinds = parse_layout(split.pipeline_model_parallel_layout)
+        return len(kinds) > 1 and "decoder" not in kinds[0]
     pp, vpp = fields.get("pipeline_model_parallel_size"), fields.get("virtual_pipeline_model_parallel_size")
     if not split.uneven or not isinstance(pp, int) or isinstance(pp, bool) or pp < 2:
         return False
