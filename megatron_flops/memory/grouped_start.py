@@ -45,10 +45,8 @@ def grouped_first_adapter_reason(spec: ModelSpec, options: DecoderOptions, peft:
     these experts (None: it is; see the module doc)."""
     moe = spec.moe
     assert moe is not None
-    if leading_frozen_layers(spec, options, range(spec.num_layers)) == spec.num_layers:
-        return ("activations of a frozen MoE model of legacy GroupedMLP experts without shared experts or dense "
-                "layers, adapted on linear_fc1/linear_fc2 only: no adapter of it trains (GroupedMLP has no "
-                "linear_fc1/linear_fc2 for Megatron-Bridge to adapt); add an attention target (linear_proj)")
+    # (Legacy GroupedMLP without shared experts: its leading MoE layers train nothing, the gradient starts in the
+    # first dense layer: modelled; without one flops.passes.check_lora_targets refuses the targets.)
     if moe_act and experts_take_adapters(options) and peft is not None and "linear_fc1" not in peft.lora_targets:
         return ("activations of a frozen MoE first layer whose first adapter is its experts' linear_fc2 under "
                 "selective moe_act recompute: fc1's output requires no grad there, so megatron-core 0.16.1's "
