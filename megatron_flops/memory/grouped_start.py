@@ -27,8 +27,9 @@ in ``unmeasured``.
   leading MoE layer before the first dense layer saves nothing and runs no backward (its attention's
   TP/SP collectives, the dispatcher's and the combine's included; :func:`leading_frozen_layers`), and
   the gradient starts at that dense layer's first adapter, as in a frozen dense first layer (the saved
-  tensors measured with ``SequentialMLP`` experts stripped of their adapters, tests/test_memory_activations.py). On a pipeline's first stage holding only such
-  layers nothing requires grad: megatron-core 0.16.1's ``backward_step`` runs no backward there.
+  tensors measured with ``SequentialMLP`` experts stripped of their adapters, tests/test_memory_activations.py).
+  On a pipeline's first stage holding only such layers nothing requires grad: megatron-core 0.16.1's
+  ``backward_step`` runs no backward there.
 """
 
 from __future__ import annotations

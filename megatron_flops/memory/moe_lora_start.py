@@ -121,7 +121,9 @@ def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Paralle
     (expert TP x EP > 1): the reduce-scatter of the gathered tokens' and probabilities' gradients
     [G, h + E] (h: the latent size with latent projections); legacy ``GroupedMLP`` (no expert
     adapter): the combine's backward too (:func:`~megatron_flops.memory.grouped_start.legacy_combine_skip`,
-    a formula). None under full recompute (Bridge makes the decoder's input require grad)."""
+    a formula), and without shared experts in each leading MoE layer before the first dense layer
+    (:func:`~megatron_flops.memory.grouped_start.leading_frozen_layers`). None under full recompute
+    (Bridge makes the decoder's input require grad)."""
     moe = spec.moe
     if (moe is None or not starts_in_experts(spec, peft) or not par.is_first_stage(pp_rank, 0)
             or (recompute is not None and recompute.granularity == "full")):
@@ -163,9 +165,9 @@ def first_adapter_unmeasured(spec: ModelSpec, options: DecoderOptions, peft: Pef
     out = grouped_start_unmeasured(spec, options, peft, moe_act=moe_act)
     if experts_module(options) == "TEGroupedMLP":
         layout = peft.grouped_expert_adapters if peft is not None else "shared"
+        adapters = f"{layout} adapter{'s' if layout == 'per-expert' else ''}"
         out.append("the first MoE layer's TEGroupedMLP experts under a frozen base whose first adapter is theirs: "
-                   f"as SequentialMLP's (measured): from linear_fc1's {layout} adapter{'s' if layout == 'per-expert' else ''} "
-                   "on, no activation output kept")
+                   f"as SequentialMLP's (measured): from linear_fc1's {adapters} on, no activation output kept")
     if options.moe_token_dispatcher_type == "flex":
         out.append("the first MoE layer's flex dispatcher under a frozen base whose first adapter is an expert's: "
                    "only the combine's sorted indices kept (DeepEP; HybridEP nothing), and no backward of the "
