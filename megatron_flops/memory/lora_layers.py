@@ -172,7 +172,7 @@ def _leading_unadapted(spec: ModelSpec, par: Parallelism, layers: list[AdaptedLa
         return 0
     count = 0
     for layer in layers[: len(par.chunk_layers(spec.num_layers, pp_rank, 0))]:
-        if layer.dense or layer.mla or not layer.experts:
+        if layer.dense or not layer.experts:
             break
         count += 1
     return count
