@@ -64,6 +64,12 @@ MCORE = {
     "moe grouped gemm legacy all moe": dict(BASE, **{**_MOE, "moe_layer_freq": 1}, moe_token_dispatcher_type="alltoall",
                                             moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True,
                                             add_bias_linear=False),
+    # Legacy GroupedMLP without shared experts, a dense layer second: the leading MoE layer has no adapter, the
+    # gradient starts at the dense layer's linear_fc1 adapter (memory/grouped_start.py: a formula).
+    "moe grouped gemm legacy moe first then dense": dict(
+        BASE, **dict(_MOE, moe_layer_freq=[1, 0, 1, 0], moe_shared_expert_intermediate_size=None),
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True,
+        add_bias_linear=False),
     "moe flex deepep": dict(BASE, **_MOE, moe_token_dispatcher_type="flex"),
     # A dispatcher megatron-core no longer builds (FRAMEWORK_REFUSES).
     "moe alltoall_seq": dict(BASE, **_MOE, moe_token_dispatcher_type="alltoall_seq"),
@@ -248,6 +254,8 @@ SPOT_CHECKS = [
     *[("mcore:moe grouped gemm*all moe", setup, ("1 GPU", "DP2 EP2", "TP2 SP DP2 EP2", "TP2 SP DP2 EP2 ETP1", "PP2"))
       for setup in ("frozen LoRA fc1, fc2 per-expert grouped", "frozen LoRA fc1, fc2 shared-outer grouped",
                     "frozen LoRA fc1, fc2, selective moe_act", "frozen LoRA fc1, fc2")],
+    *[("mcore:moe grouped gemm legacy moe first then dense", setup, ("1 GPU", "DP2 EP2", "TP2 SP DP2 EP2", "PP2"))
+      for setup in ("frozen LoRA fc1, fc2", "frozen LoRA fc1, fc2, full recompute")],
     ("mcore:dsa*", "", ("TP2 SP CP2", "TP2 CP2")),  # (megatron-core 0.19.0's DSA layer under TP x CP)
     ("examples/qwen2_5_vl_7b_config.json", "vision grids", ("1 GPU", "DP2 distopt", "DP2 FSDP", "TP2 SP", "PP2")),
     ("mcore:hybrid mamba", "", ("PP2 first stage 1 layer", "PP2 embedding and loss in the split", "PP2 layout Ett|ttL")),

@@ -26,6 +26,7 @@ from megatron_flops.memory.grouped_lora import grouped_adapter_saved
 from megatron_flops.memory.grouped_start import (first_adapter_moe_act_freed, grouped_first_adapter_reason,
                                                  legacy_combine_skip)
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.moe_lora_start import first_adapter_unmeasured
 from megatron_flops.model.spec import ModelSpec
 
 # One MoE layer (the first adapter a routed expert's): s = 16, b = 1 (T = 16), h = 64, E = 4 experts (2 per
@@ -197,6 +198,57 @@ def test_legacy_without_shared_experts_is_refused_as_estimate_refuses(tmp_path):
     # One rule (flops/passes.py check_lora_targets): no projection takes the adapter, so none trains.
     assert "matches no projection of this model (its routed experts, legacy GroupedMLP, take no adapter)" in memory
     assert estimate == memory
+
+
+NO_SHARED = dict(LEGACY, moe_shared_expert_intermediate_size=None)
+ADAPTED = ("--frozen", "--lora-rank", "4", "--lora-targets", "linear_fc1,linear_fc2")
+
+
+@pytest.mark.parametrize("freq", [[1, 0], [1, 1, 0]])
+def test_legacy_moe_first_then_dense_saves_as_a_dense_first_layer(tmp_path, freq):
+    # Legacy GroupedMLP without shared experts: no adapter of the leading MoE layers trains, nothing in them requires
+    # grad, so they save nothing, and the gradient starts at the dense layer's linear_fc1 adapter: the model saves
+    # exactly what a frozen one-layer dense model (the measured dense-first case) saves, key by key.
+    legacy, _ = _run(tmp_path, *ADAPTED, num_layers=len(freq), moe_layer_freq=freq, **NO_SHARED)
+    dense, _ = _run(tmp_path, *ADAPTED, num_layers=1, num_moe_experts=None, moe_router_topk=None,
+                    moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None, moe_grouped_gemm=False)
+    assert legacy["not_modelled"] == []
+    # fc1's input [16, 64] x 2 B, fc1's output 2 x [16, 128] and silu's, fc2's input [16, 128] ... (the dense case)
+    assert _saved(legacy) == _saved(dense) == {"mlp": 22528, "lora": 256, "dropout": 1024, "output": 10512}
+    assert any(line.startswith("the leading MoE layers of legacy GroupedMLP experts without shared experts")
+               for line in legacy["unmeasured"])
+
+
+def test_legacy_leading_moe_layers_run_no_backward(tmp_path):
+    def comm(freq: list[int], *argv: str) -> dict[str, int]:
+        report, _ = _run(tmp_path, *ADAPTED, *argv, num_layers=len(freq), moe_layer_freq=freq, **NO_SHARED)
+        return report["communication_per_step"]
+
+    # DP2 x EP2 (T_l = 16, k = 2, h = 64, a = 2 B, m = 1): per leading MoE layer its forward all-to-alls only: the
+    # dispatch's tokens and probabilities [T_l x k, h + 1] = 32 x 65 x 2 = 4160 B and the combine's [32, 64]: 4096 B
+    # (no backward of either).
+    for freq in ([1, 0], [1, 1, 0]):
+        assert comm(freq, "--dp", "2", "--ep", "2")["ep/all_to_all"] == (len(freq) - 1) * (4160 + 4096)
+    # TP2 + SP x DP2 x EP2 (T_l = 8, ETP = TP = 2): a second leading MoE layer adds its forward collectives only: the
+    # attention's SP all-gather [16, 64] and reduce-scatter (2048 B each); the dispatch all-to-all [8 x 2, 65] (2080
+    # B), the combine's [16, 64] (2048 B); the expert-TP all-gather of the received tokens [32, 65] (4160 B) and the
+    # reduce-scatter of the experts' output [32, 64] (4096 B); the routing's token counts (128 B): none of their
+    # backward (their input gradients, the attention's TP collectives included).
+    sp = ("--tp", "2", "--sequence-parallel", "--dp", "2", "--ep", "2")
+    one, two = comm([1, 0], *sp), comm([1, 1, 0], *sp)
+    assert {k: two[k] - one[k] for k in one if k not in ("total_bytes", "dp/all_reduce")} == {
+        "tp/all_gather": 2048 + 4160, "tp/reduce_scatter": 2048 + 4096, "tp/all_reduce": 0, "tp_ep/all_gather": 128,
+        "ep/all_to_all": 2080 + 2048}
+
+
+def test_te_grouped_first_adapter_label_names_its_layout():
+    spec = ModelSpec.from_mapping(MODEL)
+    options = DecoderOptions.from_mapping(dict(MODEL, padded_vocab_size=128))
+    for layout in ("shared", "per-expert", "shared-outer"):
+        peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1", "linear_fc2"),
+                        grouped_expert_adapters=layout)
+        labels = " ".join(first_adapter_unmeasured(spec, options, peft))
+        assert f"from linear_fc1's {layout} adapter" in labels
 
 
 def test_moe_act_without_grouped_gemm_is_refused_by_estimate_as_by_memory(tmp_path):

@@ -141,9 +141,9 @@ _MLA_SPEC = dict(_MOE_SPEC, multi_latent_attention=True, kv_lora_rank=16, qk_hea
     (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall"), Parallelism(),
      PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
     (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True),
-     Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)),
-     "legacy GroupedMLP experts without shared experts: no adapter of it trains"),
-    # (With shared experts their adapter is the first: a formula, tests/test_memory_grouped_start.py.)
+     Parallelism(), PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
+    # (Without shared experts the gradient starts in a later dense layer; with them their adapter is the first:
+    # formulas, tests/test_memory_grouped_start.py.)
     (dict(_MOE_SPEC, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True,
           moe_shared_expert_intermediate_size=32), Parallelism(),
      PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1",)), None),
