@@ -174,12 +174,14 @@ def test_ddp_and_distributed_optimizer_exact():
     dist = dit_layout_report(SPEC, Parallelism(dp=2, distributed_optimizer=True), TRAINING)
     # Every parameter at a multiple of 64 elements: 35 of the 69 tensors (the 32-wide biases and norm
     # weights: 5 outside the blocks, 15 per block) have 32 mod 64 elements (+32 each), head.head.bias 16 (+48):
-    # 36,976 + 1,120 + 48 = 38,144 = 298 x 128, a multiple of lcm(2, 128) already; rank 0 keeps main
-    # copies and moments for the real elements of its half [0, 19,072): 18,416 (in reverse
-    # named_parameters() order).
+    # 36,976 + 1,120 + 48 = 38,144 = 298 x 128, a multiple of lcm(2, 128) already; each rank keeps main
+    # copies and moments for the real elements of its half: rank 0's [0, 19,072) holds 18,416 (in reverse
+    # named_parameters() order), rank 1's the other 36,976 - 18,416 = 18,560: the most loaded GPU is rank 1.
     assert dist["per_gpu"]["weights_bytes"] == 2 * 38_144
     assert dist["per_gpu"]["gradients_bytes"] == 4 * 38_144
-    assert dist["per_gpu"]["components"]["optimizer/exp_avg"] == 4 * 18_416
+    assert dist["per_gpu"]["components"]["optimizer/exp_avg"] == 4 * 18_560
+    assert dit_rank_states(SPEC, Parallelism(dp=2, distributed_optimizer=True), TRAINING, pp_rank=0,
+                           dp_rank=0)[0].components["optimizer/exp_avg"] == 4 * 18_416
     assert dist["communication_per_step"] == {"dp/reduce_scatter": 4 * 38_144, "dp/all_gather": 2 * 38_144,
                                               "total_bytes": 6 * 38_144}
 

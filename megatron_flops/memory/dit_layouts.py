@@ -73,6 +73,7 @@ from megatron_flops.memory.comm import bus_bytes, data_parallel_bytes
 from megatron_flops.memory.decoder import Param
 from megatron_flops.memory.dit_activations import TP_COLUMN_PARALLEL, DiTBatch, dit_activations
 from megatron_flops.memory.dit_megatron_fsdp import dit_megatron_fsdp_states
+from megatron_flops.memory.dp_ranks import bucket_steps, most_loaded_rank
 from megatron_flops.memory.dit_tp import ROW_PARALLEL, block_collectives
 from megatron_flops.memory.fsdp import dit_assumptions
 from megatron_flops.memory.layout import Parallelism, Training
@@ -159,15 +160,18 @@ def stage_blocks(spec: DiTSpec, par: Parallelism, pp_rank: int) -> range:
     return par.chunk_layers(spec.num_layers, pp_rank, 0)
 
 
-def dit_rank_states(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int, dp_rank: int = 0,
+def dit_rank_states(spec: DiTSpec, par: Parallelism, training: Training, *, pp_rank: int, dp_rank: int | None = None,
                     peft: PeftSpec | None = None) -> tuple[StateBytes, tuple[Bucket, ...], list[Param]]:
     """(state bytes, the gradient buffer's buckets, the parameters) on data-parallel rank
-    ``dp_rank`` of pipeline rank ``pp_rank`` (one model chunk; DP x CP ranks share a buffer)."""
+    ``dp_rank`` of pipeline rank ``pp_rank`` (one model chunk; DP x CP ranks share a buffer;
+    None: the rank whose optimizer shards hold the most, the lowest on a tie)."""
     params = dit_rank_params(spec, par, pp_rank=pp_rank, peft=peft)
     group = par.dp * par.cp
     # NB: megatron-core buckets only the first pipeline rank's model chunk.
     buffers = chunk_buffers(params, dp=group, expert_dp=1, distributed_optimizer=par.distributed_optimizer,
                             bucket_size=training.bucket_size if pp_rank == 0 else None)
+    if dp_rank is None:
+        dp_rank = most_loaded_rank(bucket_steps(buffers["dp"], group), ranks=group) if par.distributed_optimizer else 0
     states = chunk_state_bytes(params, buffers, training, sizes={"dp": group, "expt_dp": 1},
                                ranks={"dp": dp_rank, "expt_dp": 0}, distributed_optimizer=par.distributed_optimizer)
     return states, buffers["dp"], params

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 from megatron_flops.memory.decoder import Param
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.memory.megatron_fsdp import bucket_layout, fsdp_buckets, megatron_fsdp_rank
+from megatron_flops.memory.dp_ranks import most_loaded_rank as loaded_rank
+from megatron_flops.memory.megatron_fsdp import megatron_fsdp_rank, shard_steps
 
 DIT_UNIT = re.compile(r"^(blocks\.\d+\.)")
 
@@ -32,16 +33,9 @@ def most_loaded_rank(params: Sequence[Param], *, strategy: str, size: int, bucke
     """The data-parallel rank whose shards hold the most real (not padding) trainable elements,
     the lowest on a tie: every rank's buffers are the same size, so its optimizer moments make it
     the most loaded."""
-    real = [0] * size
-    for bucket in fsdp_buckets(params, strategy=strategy, bucket_size=bucket_size, unit=DIT_UNIT):
-        if not bucket.trainable:
-            continue
-        total, spans = bucket_layout(bucket, size)
-        part = total // size
-        for start, end in spans:
-            for rank in range(start // part, (end - 1) // part + 1):
-                real[rank] += min(end, (rank + 1) * part) - max(start, rank * part)
-    return max(range(size), key=lambda r: (real[r], -r))
+    steps = shard_steps(params, strategy=strategy, sizes={"dp": size, "expt_dp": 1}, bucket_size=bucket_size,
+                        unit=DIT_UNIT)
+    return loaded_rank(steps["dp"], ranks=size)
 
 
 def dit_megatron_fsdp_states(params: Sequence[Param], par: Parallelism,

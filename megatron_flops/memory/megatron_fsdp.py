@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.decoder import DecoderOptions, Param, chunk_parameters
+from megatron_flops.memory.dp_ranks import Step, most_loaded_rank, span_steps
 from megatron_flops.memory.fsdp_transients import unsharded_working_copies
 from megatron_flops.memory.layout import FP32_BYTES, FSDP_STRATEGIES as STRATEGIES, Parallelism, Training
 from megatron_flops.memory.states import optimizer_keys
@@ -215,26 +216,40 @@ def megatron_fsdp_rank(params: Sequence[Param], training: Training, *, strategy:
 def megatron_fsdp_stage(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
                         pp_rank: int, peft: PeftSpec | None) -> tuple[dict[str, int], dict[str, int]]:
     """(states, ``dp``/``expt_dp`` payloads) of pipeline rank ``pp_rank``'s most loaded
-    data-parallel rank: one Megatron-FSDP wrapper per model chunk (bucketed: chunk 0 only)."""
+    data-parallel rank (the lowest on a tie): one Megatron-FSDP wrapper per model chunk (bucketed:
+    chunk 0 only)."""
     assert par.megatron_fsdp is not None
-    best: tuple[dict[str, int], dict[str, int]] | None = None
-    for dp_rank in range(par.dp):
-        states: dict[str, int] = {}
-        comm: dict[str, int] = {}
-        for chunk in range(par.num_chunks):
-            params = chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk,
-                                      seq_length=training.seq_length, peft=peft)
-            more = megatron_fsdp_rank(params, training, strategy=par.megatron_fsdp,
-                                      sizes={"dp": par.dp * par.cp, "expt_dp": par.expert_dp},
-                                      ranks={"dp": dp_rank, "expt_dp": par.expert_dp_rank(dp_rank)},
-                                      bucket_size=training.bucket_size if chunk == 0 else None)
-            for into, extra in zip((states, comm), more):
-                for key, value in extra.items():
-                    into[key] = into.get(key, 0) + value
-        if best is None or sum(states.values()) > sum(best[0].values()):
-            best = (states, comm)
-    assert best is not None
-    return best
+    strategy, sizes = par.megatron_fsdp, {"dp": par.dp * par.cp, "expt_dp": par.expert_dp}
+    chunks = [(chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk, seq_length=training.seq_length,
+                                peft=peft), training.bucket_size if chunk == 0 else None)
+              for chunk in range(par.num_chunks)]
+    steps: dict[str, list[Step]] = {"dp": [], "expt_dp": []}
+    for params, bucket_size in chunks:
+        for group, found in shard_steps(params, strategy=strategy, sizes=sizes, bucket_size=bucket_size).items():
+            steps[group] += found
+    dp_rank = most_loaded_rank(steps["dp"], ranks=par.dp, expert=steps["expt_dp"], expert_rank=par.expert_dp_rank)
+    states: dict[str, int] = {}
+    comm: dict[str, int] = {}
+    for params, bucket_size in chunks:
+        more = megatron_fsdp_rank(params, training, strategy=strategy, sizes=sizes,
+                                  ranks={"dp": dp_rank, "expt_dp": par.expert_dp_rank(dp_rank)},
+                                  bucket_size=bucket_size)
+        for into, extra in zip((states, comm), more):
+            for key, value in extra.items():
+                into[key] = into.get(key, 0) + value
+    return states, comm
+
+
+def shard_steps(params: Sequence[Param], *, strategy: str, sizes: dict[str, int], bucket_size: int | None,
+                unit: re.Pattern[str] = _UNIT) -> dict[str, list[Step]]:
+    """Per group (``dp``, ``expt_dp``), the steps over the rank of the real trainable elements in
+    each rank's shards of one model chunk's buckets: what its optimizer moments cover."""
+    out: dict[str, list[Step]] = {"dp": [], "expt_dp": []}
+    for bucket in fsdp_buckets(params, strategy=strategy, bucket_size=bucket_size, unit=unit):
+        if bucket.trainable:
+            size, spans = bucket_layout(bucket, sizes[bucket.group])
+            out[bucket.group] += span_steps(spans, origin=0, part=size // sizes[bucket.group])
+    return out
 
 
 def megatron_fsdp_notes(par: Parallelism, peft: PeftSpec | None = None) -> tuple[list[str], list[str]]:

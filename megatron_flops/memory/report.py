@@ -19,8 +19,9 @@ from megatron_flops.memory.comm import (
     sequence_parallel_slice,
     step_communication,
 )
-from megatron_flops.memory.decoder import (DecoderOptions, check_supported, chunk_parameters, experts_take_adapters,
-                                          parameter_counts)
+from megatron_flops.memory.decoder import (DecoderOptions, Param, check_supported, chunk_parameters,
+                                          experts_take_adapters, parameter_counts)
+from megatron_flops.memory.dp_ranks import bucket_steps, most_loaded_rank
 from megatron_flops.memory.hybrid_pipeline import hybrid_stages, is_hybrid
 from megatron_flops.memory.layout import Parallelism, Training
 from megatron_flops.memory.hf_layers import hf_layer_assumptions
@@ -146,14 +147,8 @@ def _rank_states(spec: ModelSpec, options: DecoderOptions, par: Parallelism, tra
     buffers: dict[str, list[Bucket]] = {"dp": [], "expt_dp": []}
     sizes = {"dp": par.dp * par.cp, "expt_dp": par.expert_dp}
     ranks = {"dp": dp_rank, "expt_dp": par.expert_dp_rank(dp_rank)}
-    for chunk in range(par.num_chunks):
-        params = chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk,
-                                  seq_length=training.seq_length, peft=peft)
-        params = vision.chunk_params(par.is_first_stage(pp_rank, chunk)) + params
-        # NB: megatron-core buckets only the first model chunk of the first pipeline rank.
-        bucket_size = training.bucket_size if chunk == 0 and pp_rank == 0 else None
-        chunk_buckets = chunk_buffers(params, dp=sizes["dp"], expert_dp=sizes["expt_dp"],
-                                      distributed_optimizer=par.distributed_optimizer, bucket_size=bucket_size)
+    for params, chunk_buckets in _stage_buffers(spec, options, par, training, pp_rank=pp_rank, peft=peft,
+                                                vision=vision):
         for group, buckets in chunk_buckets.items():
             buffers[group] += buckets
         chunk_states = chunk_state_bytes(params, chunk_buckets, training, sizes=sizes, ranks=ranks,
@@ -161,6 +156,35 @@ def _rank_states(spec: ModelSpec, options: DecoderOptions, par: Parallelism, tra
         for key, value in chunk_states.components.items():
             states[key] = states.get(key, 0) + value
     return states, buffers
+
+
+def _stage_buffers(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *, pp_rank: int,
+                   peft: PeftSpec | None,
+                   vision: VisionMemory) -> list[tuple[tuple[Param, ...], dict[str, tuple[Bucket, ...]]]]:
+    """(parameters, buckets by group) of each model chunk of pipeline rank ``pp_rank``."""
+    out = []
+    for chunk in range(par.num_chunks):
+        params = chunk_parameters(spec, options, par, pp_rank=pp_rank, chunk=chunk,
+                                  seq_length=training.seq_length, peft=peft)
+        params = vision.chunk_params(par.is_first_stage(pp_rank, chunk)) + params
+        # NB: megatron-core buckets only the first model chunk of the first pipeline rank.
+        bucket_size = training.bucket_size if chunk == 0 and pp_rank == 0 else None
+        out.append((params, chunk_buffers(params, dp=par.dp * par.cp, expert_dp=par.expert_dp,
+                                          distributed_optimizer=par.distributed_optimizer, bucket_size=bucket_size)))
+    return out
+
+
+def _most_loaded_dp_rank(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
+                         pp_rank: int, peft: PeftSpec | None = None, vision: VisionMemory | None = None) -> int:
+    """The data-parallel rank of pipeline rank ``pp_rank`` with the most optimizer state, the
+    lowest on a tie (0 without the distributed optimizer): every other figure is the same on each."""
+    if not par.distributed_optimizer:
+        return 0
+    chunks = _stage_buffers(spec, options, par, training, pp_rank=pp_rank, peft=peft,
+                            vision=vision or VisionMemory(params=(), activations=None))
+    return most_loaded_rank((s for _, b in chunks for s in bucket_steps(b["dp"], par.dp * par.cp)), ranks=par.dp,
+                            expert=(s for _, b in chunks for s in bucket_steps(b["expt_dp"], par.expert_dp)),
+                            expert_rank=par.expert_dp_rank)
 
 
 def _lora_tp(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *, pp_rank: int,
@@ -234,18 +258,16 @@ def _routing_ranges(spec: ModelSpec, options: DecoderOptions, par: Parallelism, 
 
 
 # Bounds on the work of one report (each is about a second here at its limit): every layer's
-# parameters are listed on each data-parallel rank compared (all of them under the distributed
-# optimizer), and the pipeline schedule is stepped through forward pass by forward pass.
-MAX_LAYER_RANKS = 1 << 16
+# parameters are listed (the data-parallel rank compared is found without listing them again per
+# rank: memory/dp_ranks.py), and the pipeline schedule is stepped through forward pass by forward pass.
+MAX_LAYERS = 1 << 16
 MAX_FORWARD_PASSES = 1 << 16
 
 
 def _check_size(spec: ModelSpec, par: Parallelism, training: Training) -> None:
-    ranks = par.dp if par.distributed_optimizer or par.megatron_fsdp else 1
-    if spec.num_layers * ranks > MAX_LAYER_RANKS:
-        raise ValueError(f"the memory model lists every layer for each data-parallel rank it compares (every one "
-                         f"under --distributed-optimizer or --megatron-fsdp, else one): num_layers x those ranks must be at most "
-                         f"{MAX_LAYER_RANKS:,}, got {spec.num_layers:,} x {ranks:,}")
+    if spec.num_layers > MAX_LAYERS:
+        raise ValueError(f"the memory model lists every layer's parameters: num_layers must be at most "
+                         f"{MAX_LAYERS:,}, got {spec.num_layers:,}")
     passes = training.num_microbatches * par.num_chunks
     if passes > MAX_FORWARD_PASSES:
         raise ValueError(f"the memory model steps through the schedule's forward passes: --num-microbatches x VPP "
@@ -301,10 +323,9 @@ def decoder_memory(
     recompute = _on_pipeline(recompute, par)
     stages = []
     for pp_rank in range(par.pp):
-        ranks = [rank_memory(spec, options, par, training, pp_rank=pp_rank, dp_rank=d, peft=peft, recompute=recompute,
-                             vision=vision)
-                 for d in (range(par.dp) if par.distributed_optimizer else (0,))]
-        stages.append(max(ranks, key=lambda r: (r.total, -r.dp_rank)))
+        d = _most_loaded_dp_rank(spec, options, par, training, pp_rank=pp_rank, peft=peft, vision=vision)
+        stages.append(rank_memory(spec, options, par, training, pp_rank=pp_rank, dp_rank=d, peft=peft,
+                                  recompute=recompute, vision=vision))
     if par.megatron_fsdp is not None:  # Megatron-FSDP: its states and dp/ traffic, the rest as DDP's
         from megatron_flops.memory.megatron_fsdp import megatron_fsdp_stage
 
