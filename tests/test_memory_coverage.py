@@ -357,11 +357,6 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
                                                    r"layout with a hybrid layer pattern"),
     ("mcore:hybrid mamba piped | PP2 first stage 1 layer | ", r"refused: .*megatron-core 0.19 refuses num_layers_in_"
                                                               r"first/last_pipeline_stage when the hybrid pattern"),
-    # Selective layernorm with a frozen base: megatron-core's CheckpointWithoutOutput fails in backward where a norm's
-    # input requires no grad, as the first layer's does (tests/test_memory_recompute_modules.py, measured); the
-    # experts-first layer's own reason does not hide it.
-    ("mcore:mla moe first | 1 GPU | *selective layernorm*", r"not modelled: activations under selective recompute of "
-                                                            r"layernorm with a frozen base: .*CheckpointWithoutOutput"),
     # DSA under CP needs megatron-core 0.19.0's AbsorbedMLASelfAttention, which asserts sequence parallelism under TP.
     ("mcore:dsa* | TP2 CP2 | ", r"refused: .*AbsorbedMLASelfAttention asserts it"),
     # Selective mlp recompute with linear biases: megatron-core 0.16.1's and 0.19.0's backward never ends (fc2's bias,
@@ -374,9 +369,10 @@ FRAMEWORK_REFUSES: list[tuple[str, str]] = [
     ("hf:kimi_linear | 1 GPU | one MTP layer", r"refused: .*multi-token prediction after a Kimi Delta Attention layer: "
                                                r"no framework trains it"),
     # A frozen base under selective layernorm recompute: megatron-core 0.16.1's and 0.19.0's CheckpointWithoutOutput fail
-    # in backward where a norm's input requires no grad (memory/recompute.py; seen with both).
-    ("* | * | frozen LoRA, selective recompute of layernorm", r"not modelled: .*CheckpointWithoutOutput fail in "
-                                                              r"backward"),
+    # in backward where a norm's input requires no grad, as the first layer's does (memory/recompute.py; seen with
+    # both; tests/test_memory_recompute_modules.py measures it on an MoE-first layer, whose own reason does not hide it).
+    ("* | * | frozen LoRA*selective*layernorm*", r"not modelled: activations under selective recompute of layernorm "
+                                                 r"with a frozen base: .*CheckpointWithoutOutput fail in backward"),
     # A dispatcher megatron-core 0.14.0 to 0.19.0 does not build: MoELayer raises.
     ("mcore:moe alltoall_seq | * | *", r"not modelled: .*MoELayer raises 'Unsupported token dispatcher type'"),
     # megatron-core's DistributedOptimizer asserts Adam (or HybridDeviceOptimizer).

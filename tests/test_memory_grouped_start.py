@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import socket
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from frameworks import procs
 from megatron_flops.cli import main
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.decoder import DecoderOptions
@@ -40,7 +39,6 @@ LEGACY = dict(moe_use_legacy_grouped_gemm=True)
 FROZEN = ("--frozen", "--lora-targets", "linear_fc1,linear_fc2", "--dp", "2", "--ep", "2")
 MOE_ACT = ("--recompute", "selective", "--recompute-modules", "moe_act")
 PER_TOKEN = 32 * 48 * 2  # one [n, ffn] activation: 3072
-TESTS = Path(__file__).resolve().parent
 
 
 def _run(tmp_path: Path, *argv: str, command: str = "memory", code: int = 0, **fields: Any) -> tuple[dict, str]:
@@ -85,18 +83,13 @@ def test_per_expert_and_shared_outer_add_their_grouped_tensors(tmp_path, layout,
 @pytest.fixture(scope="module")
 def bridge_adapter_saved() -> dict[str, int]:
     """tests/grouped_adapter_step.py's measurement in Megatron-Bridge 0.6.2's venv."""
-    venvs = Path(os.environ.get("MEGATRON_FLOPS_TEST_VENVS") or Path.home() / ".cache" / "megatron-flops" / "venvs")
-    python = venvs / "megatron-bridge-0.6.2" / "bin" / "python"
-    if not python.is_file():
-        pytest.skip(f"needs Megatron-Bridge 0.6.2's venv ({python} absent; tests/frameworks/envs.py makes it)")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-    done = subprocess.run([str(python), str(TESTS / "grouped_adapter_step.py"), str(port)], capture_output=True,
-                          text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    saved: dict[str, int] = procs.run_json("megatron-bridge-0.6.2",
+                                           "import grouped_adapter_step; grouped_adapter_step.main()", port,
+                                           timeout_s=600)
+    return saved
 
 
 @pytest.mark.parametrize(("name", "width", "started"), [
@@ -114,6 +107,11 @@ def test_per_expert_grouped_mm_adapter_saves_as_measured(bridge_adapter_saved, n
     extra = grouped_adapter_saved(peft, grouped_mm=True, got=32, num_local=2, width=64, ffn=48, act=2, frozen=True,
                                   moe_act=False, weights=weights, started=started)
     assert bridge_adapter_saved[name] == 32 * width * 2 + 32 * 8 * 2 + extra
+
+
+def test_per_expert_grouped_mm_adapter_frozen_fc1_total(bridge_adapter_saved):
+    # fc1 with a frozen input: its input copy [32, 64] (4096 B), the [n, r] intermediate [32, 8] (512), the int32
+    # offsets (8), the two index ops' int64 indices (32) and linear_out's weight copy [2, 96, 8] (3072).
     assert bridge_adapter_saved["linear_fc1 frozen input"] == 4096 + 512 + 8 + 32 + 3072 == 7720
 
 

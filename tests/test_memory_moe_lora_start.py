@@ -174,12 +174,3 @@ def test_mla_up_proj_in_a_frozen_moe_first_layer_saves_nothing():
         assert first_adapter_moe_reason(SPEC_MLA_FIRST, options(), par, RecomputeSpec(granularity="selective",
                                                                                       modules=modules), PEFT) is None
 
-
-def test_layernorm_recompute_gives_the_frameworks_reason():
-    # Selective layernorm with a frozen base: megatron-core's CheckpointWithoutOutput fails in backward
-    # (recompute.selective_reason), which the experts-first reason must not hide.
-    from megatron_flops.memory.activations import check_activations_supported
-
-    selective = RecomputeSpec(granularity="selective", modules=("layernorm", "mla_up_proj"))
-    reason = check_activations_supported(SPEC_MLA_FIRST, options(), Parallelism(), selective, PEFT)
-    assert reason is not None and "CheckpointWithoutOutput fail" in reason
