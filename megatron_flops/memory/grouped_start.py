@@ -7,8 +7,8 @@ in ``unmeasured``.
 - ``per-expert`` and ``shared-outer`` adapters keep what the shared adapter keeps there, plus what
   :func:`~megatron_flops.memory.grouped_lora.grouped_adapter_saved` counts for a frozen base (the
   grouped GEMMs' int32 offsets; per-expert's ``grouped_mm`` copy of fc1's input stands in for the
-  permuted tokens the shared adapter keeps, and of the weight copies it indexes it keeps all but
-  fc1's ``linear_in``'s): ``torch._grouped_mm`` keeps its input when only its weight requires grad,
+  permuted tokens the shared adapter keeps, and of the weight copies it indexes it keeps each
+  ``linear_out``'s and the ``linear_in``'s of an adapter whose input requires grad, not fc1's): ``torch._grouped_mm`` keeps its input when only its weight requires grad,
   and its weight only when its input does (seen with torch 2.13 on CPU), as a linear does.
 - ``moe_act``: ``CheckpointWithoutOutput`` keeps its inputs, fc1's output (which requires grad
   from fc1's adapter on) and the probabilities (which do not), and frees the activation's output
@@ -37,6 +37,7 @@ from __future__ import annotations
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.decoder import DecoderOptions, experts_module, experts_take_adapters
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.moe import expert_tp_group
 from megatron_flops.model.spec import ModelSpec
 
 
@@ -108,8 +109,7 @@ def legacy_combine_skip(spec: ModelSpec, options: DecoderOptions, par: Paralleli
         if par.ep > 1:
             out["ep/all_to_all"] = -m * local * k * h * a
         if par.expert_tp > 1:
-            group = "tp" if par.expert_tp == par.tp else "etp"
-            out[f"{group}/all_gather"] = -m * local * par.expert_tp * k * h * a
+            out[f"{expert_tp_group(par)}/all_gather"] = -m * local * par.expert_tp * k * h * a
     elif dispatcher == "flex":
         sent = local * par.expert_tp * min(k, par.ep)
         out[f"{'ep' if par.expert_tp == 1 else 'tp_ep'}/all_to_all"] = -m * sent * h * a

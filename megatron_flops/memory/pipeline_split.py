@@ -89,14 +89,15 @@ def split_note(split: PipelineSplit, par: Parallelism, *, hybrid: bool = False) 
 
 
 def _edge_note(split: PipelineSplit, *, names: tuple[str, str] = ("the embedding", "the output layer and loss"),
-               layers: str = "the decoder and MTP layers") -> str:
+               layers: str = "the decoder and MTP layers", stage: str = "virtual stage") -> str:
     """Where a layout's empty edge stages leave the embedding and loss: megatron-core builds them
-    where ``pre_process``/``post_process`` are true, not where the layout writes them."""
+    where ``pre_process``/``post_process`` are true, not where the layout writes them (``stage``:
+    what a layout's segment is, a virtual stage or, for a DiT without VPP, a stage)."""
     if split.pipeline_model_parallel_layout is None:
         return ""
     stages = parse_layout(split.pipeline_model_parallel_layout)
     where = [next(i for i, stage in enumerate(stages) if kind in stage) for kind in ("embedding", "loss")]
-    moved = [f"{name} on {'virtual ' * (layers != 'the blocks')}stage {edge}, not stage {i} where the layout "
+    moved = [f"{name} on {stage} {edge}, not stage {i} where the layout "
              f"writes {char}" for name, char, i, edge in zip(names, "EL", where, (0, len(stages) - 1)) if i != edge]
     if not moved:
         return ""
@@ -111,7 +112,7 @@ def dit_split_note(split: PipelineSplit, par: Parallelism) -> list[str]:
     return [f"pipeline stages as megatron-core 0.19.2's get_num_layers_to_build places Megatron-Bridge 0.6.2's WanModel "
             f"blocks ({_given(split)}): blocks per stage {list(par.stage_layers)}; the patch embedding on the first "
             "stage, the head and loss on the last, the text and time embeddings on every stage"
-            f"{_edge_note(split, names=('the patch embedding', 'the head and loss'), layers='the blocks')}"]
+            f"{_edge_note(split, names=('the patch embedding', 'the head and loss'), layers='the blocks', stage='stage')}"]
 
 
 def _given(split: PipelineSplit) -> str:
