@@ -8,8 +8,9 @@ in ``unmeasured``.
   :func:`~megatron_flops.memory.grouped_lora.grouped_adapter_saved` counts for a frozen base (the
   grouped GEMMs' int32 offsets; per-expert's ``grouped_mm`` copy of fc1's input stands in for the
   permuted tokens the shared adapter keeps, and of the weight copies it indexes it keeps each
-  ``linear_out``'s and the ``linear_in``'s of an adapter whose input requires grad, not fc1's): ``torch._grouped_mm`` keeps its input when only its weight requires grad,
-  and its weight only when its input does (seen with torch 2.13 on CPU), as a linear does.
+  ``linear_out``'s and the ``linear_in``'s of an adapter whose input requires grad, not fc1's):
+  ``torch._grouped_mm`` keeps its input when only its weight requires grad, and its weight only when
+  its input does (seen with torch 2.13 on CPU), as a linear does.
 - ``moe_act``: ``CheckpointWithoutOutput`` keeps its inputs, fc1's output (which requires grad
   from fc1's adapter on) and the probabilities (which do not), and frees the activation's output
   (fc2's adapter's input) after fc2; in backward the activation re-runs and, as without the

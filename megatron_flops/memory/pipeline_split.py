@@ -112,7 +112,7 @@ def dit_split_note(split: PipelineSplit, par: Parallelism) -> list[str]:
     return [f"pipeline stages as megatron-core 0.19.2's get_num_layers_to_build places Megatron-Bridge 0.6.2's WanModel "
             f"blocks ({_given(split)}): blocks per stage {list(par.stage_layers)}; the patch embedding on the first "
             "stage, the head and loss on the last, the text and time embeddings on every stage"
-            f"{_edge_note(split, names=('the patch embedding', 'the head and loss'), layers='the blocks', stage='stage')}"]
+            + _edge_note(split, names=("the patch embedding", "the head and loss"), layers="the blocks", stage="stage")]
 
 
 def _given(split: PipelineSplit) -> str:
