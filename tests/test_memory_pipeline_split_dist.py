@@ -69,6 +69,20 @@ RUNS = {
     "DP2 x PP2 (1F1B), layout E|ttL, frozen base + LoRA on the decoder, DDP, bf16, M=3": dict(
         layout=dict(pp=2), model=dict(BASE, num_layers=2, pipeline_model_parallel_layout="E|ttL"), m=3,
         build=dict(lora=(("linear_qkv", "linear_fc2"), 4))),
+    # The same under TP2 + SP (LoRA on linear_fc1 only): layer 0 sits on rank 1, whose received input
+    # requires grad, so its linear_qkv and linear_proj run their backward collectives (no frozen-first-layer
+    # skip on either rank: Parallelism.holds_frozen_first_layer), and rank 0 (the frozen embedding alone)
+    # runs no backward collective.
+    "TP2 x PP2 + SP (1F1B), layout E|ttL, frozen base + LoRA on linear_fc1, DDP, bf16, M=2": dict(
+        layout=dict(pp=2, tp=2, sp=True), model=dict(BASE, num_layers=2, pipeline_model_parallel_layout="E|ttL"),
+        m=2, build=dict(lora=(("linear_fc1",), 4))),
+    # Experts first: a frozen MoE model whose first adapters are its routed experts' (alltoall, EP2). Layer 0's
+    # dispatcher still runs backward on rank 1 (its input requires grad), and rank 0 skips nothing it never runs.
+    "EP2 x PP2, MoE top-2 of 4 (alltoall), layout E|ttL, frozen base + LoRA on linear_fc1 + linear_fc2, DDP, bf16, M=2":
+        dict(layout=dict(pp=2, ep=2), model=dict(BASE, num_layers=2, pipeline_model_parallel_layout="E|ttL",
+                                                 num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                                                 moe_token_dispatcher_type="alltoall"),
+             m=2, build=dict(lora=(("linear_fc1", "linear_fc2"), 4))),
 }
 
 # Standalone MTP stages on a pipeline rank of their own: PP3, in a 3-process group of its own. Rank 1
