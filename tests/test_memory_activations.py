@@ -19,7 +19,7 @@ import mcore_memory
 from megatron_flops.memory.activations import chunk_activations, in_flight, schedule_peak
 from megatron_flops.memory.decoder import DecoderOptions
 from megatron_flops.memory.layout import Parallelism, Training
-from megatron_flops.flops.passes import RecomputeSpec
+from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.model.spec import ModelSpec
 
 VOCAB, SEQ, MBS, NUM_MB = 256, 16, 2, 2
@@ -234,7 +234,8 @@ PEFT_CASES = {
     # Layer 0's checkpointed core attention: no input requires grad, nothing saved or re-run.
     "frozen, linear_proj only, GQA, selective core_attn": (dict(recompute_granularity="selective", num_query_groups=2),
                                                            "rope", "fp32", ("linear_proj",), True, 0, 0, 0),
-    # Layer 0's checkpointed MLP: its input requires no grad (the adapter inside runs under no_grad).
+    # Layer 0's checkpointed MLP: its input requires no grad (the adapter inside runs under no_grad). (The walk
+    # is checked here; `memory` and `estimate` refuse the setup: no adapter would train.)
     "frozen, linear_fc1 only, selective mlp": (dict(recompute_granularity="selective", recompute_modules=["mlp"]),
                                                "rope", "fp32", ("linear_fc1",), True, 0, 0, 0),
     "frozen, all four targets, selective core_attn + mlp": (dict(recompute_granularity="selective",
@@ -433,3 +434,38 @@ def test_non_gated_fused_experts_are_refused_like_megatron_core(mcore):
     with pytest.raises(ValueError, match="non-gated activation"):
         decoder_memory(spec, options, Parallelism(), Training(seq_length=SEQ, micro_batch_size=MBS,
                                                               num_microbatches=NUM_MB))
+
+
+def test_leading_moe_layer_without_expert_adapters_saves_nothing(mcore, monkeypatch):
+    # Legacy GroupedMLP (CUDA-only) takes no expert adapter. Stand-in: SequentialMLP experts whose adapters are
+    # removed again after Bridge's wrapping (a test-only switch), so the first (MoE) layer has no adapter at all and
+    # the gradient starts at layer 1's (dense) linear_fc1 adapter. Nothing in layer 0 requires grad: it saves
+    # nothing, and the model (read with legacy GroupedMLP options, whose experts take no adapter) saves exactly what
+    # a frozen dense first layer saves (fp32 LayerNorm: no CPU correction).
+    real = mcore_memory.apply_lora
+
+    def without_expert_adapters(model, targets, rank):
+        out = real(model, targets, rank)
+        for prefix, parent in list(model.named_modules()):
+            for name, child in list(parent.named_children()):
+                if ".experts." in f"{prefix}." and isinstance(child, mcore_memory.LoRALinear):
+                    setattr(parent, name, child.to_wrap)
+        return out
+
+    monkeypatch.setattr(mcore_memory, "apply_lora", without_expert_adapters)
+    fields = dict(MOE, moe_layer_freq=[1, 0], gated_linear_unit=True, activation_func="silu")
+    targets = ("linear_fc1", "linear_fc2")
+    measured_forward, measured_peak = _measure(fields, "rope", "fp32", lora=(targets, LORA_RANK, True))
+    model = dict(BASE, **fields, vocab_size=VOCAB)
+    options = DecoderOptions.from_mapping(dict(model, padded_vocab_size=VOCAB, attention_backend="local",
+                                               position_embedding_type="rope", add_bias_linear=False,
+                                               moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True))
+    training = Training(seq_length=SEQ, micro_batch_size=MBS, num_microbatches=NUM_MB, params_dtype="fp32")
+    act = chunk_activations(ModelSpec.from_mapping(model), options, Parallelism(), training, pp_rank=0, chunk=0,
+                            peft=PeftSpec(frozen=True, lora_rank=LORA_RANK, lora_targets=targets))
+    # Layer 1's MLP from fc1's adapter on only (T = 32, r = 4, fp32): the two adapters' [T, r] intermediates; no
+    # attention, norm, router, dispatcher or expert tensor (layer 0's, or layer 1's attention before the adapter).
+    assert act.components["lora"] == 2 * 32 * 4 * 4
+    assert not {"attention", "norm", "moe/router", "moe/dispatcher", "moe/experts"} & set(act.components)
+    assert measured_forward == [act.forward + act.shared] * NUM_MB
+    assert measured_peak == schedule_peak([act], in_flight(Parallelism(), NUM_MB, 0))[0]

@@ -152,7 +152,8 @@ MODELS = {
 SETUPS = {
     "": [],
     "buckets of 777": ["--overlap-grad-reduce", "--bucket-size", "777"],
-    "frozen LoRA": ["--frozen", "--lora-rank", "4"],
+    # (targets every model here has: an MLA layer has no linear_qkv, which both commands refuse)
+    "frozen LoRA": ["--frozen", "--lora-rank", "4", "--lora-targets", "linear_proj,linear_fc1,linear_fc2"],
 }
 SHARDING = {
     "distopt": ["--distributed-optimizer"],

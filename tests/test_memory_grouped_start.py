@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import socket
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from frameworks import procs
 from megatron_flops.cli import main
 from megatron_flops.flops.passes import PeftSpec
 from megatron_flops.memory.decoder import DecoderOptions
@@ -26,6 +25,7 @@ from megatron_flops.memory.grouped_lora import grouped_adapter_saved
 from megatron_flops.memory.grouped_start import (first_adapter_moe_act_freed, grouped_first_adapter_reason,
                                                  legacy_combine_skip)
 from megatron_flops.memory.layout import Parallelism, Training
+from megatron_flops.memory.moe_lora_start import first_adapter_unmeasured
 from megatron_flops.model.spec import ModelSpec
 
 # One MoE layer (the first adapter a routed expert's): s = 16, b = 1 (T = 16), h = 64, E = 4 experts (2 per
@@ -39,7 +39,6 @@ LEGACY = dict(moe_use_legacy_grouped_gemm=True)
 FROZEN = ("--frozen", "--lora-targets", "linear_fc1,linear_fc2", "--dp", "2", "--ep", "2")
 MOE_ACT = ("--recompute", "selective", "--recompute-modules", "moe_act")
 PER_TOKEN = 32 * 48 * 2  # one [n, ffn] activation: 3072
-TESTS = Path(__file__).resolve().parent
 
 
 def _run(tmp_path: Path, *argv: str, command: str = "memory", code: int = 0, **fields: Any) -> tuple[dict, str]:
@@ -84,18 +83,13 @@ def test_per_expert_and_shared_outer_add_their_grouped_tensors(tmp_path, layout,
 @pytest.fixture(scope="module")
 def bridge_adapter_saved() -> dict[str, int]:
     """tests/grouped_adapter_step.py's measurement in Megatron-Bridge 0.6.2's venv."""
-    venvs = Path(os.environ.get("MEGATRON_FLOPS_TEST_VENVS") or Path.home() / ".cache" / "megatron-flops" / "venvs")
-    python = venvs / "megatron-bridge-0.6.2" / "bin" / "python"
-    if not python.is_file():
-        pytest.skip(f"needs Megatron-Bridge 0.6.2's venv ({python} absent; tests/frameworks/envs.py makes it)")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-    done = subprocess.run([str(python), str(TESTS / "grouped_adapter_step.py"), str(port)], capture_output=True,
-                          text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    saved: dict[str, int] = procs.run_json("megatron-bridge-0.6.2",
+                                           "import grouped_adapter_step; grouped_adapter_step.main()", port,
+                                           timeout_s=600)
+    return saved
 
 
 @pytest.mark.parametrize(("name", "width", "started"), [
@@ -113,6 +107,11 @@ def test_per_expert_grouped_mm_adapter_saves_as_measured(bridge_adapter_saved, n
     extra = grouped_adapter_saved(peft, grouped_mm=True, got=32, num_local=2, width=64, ffn=48, act=2, frozen=True,
                                   moe_act=False, weights=weights, started=started)
     assert bridge_adapter_saved[name] == 32 * width * 2 + 32 * 8 * 2 + extra
+
+
+def test_per_expert_grouped_mm_adapter_frozen_fc1_total(bridge_adapter_saved):
+    # fc1 with a frozen input: its input copy [32, 64] (4096 B), the [n, r] intermediate [32, 8] (512), the int32
+    # offsets (8), the two index ops' int64 indices (32) and linear_out's weight copy [2, 96, 8] (3072).
     assert bridge_adapter_saved["linear_fc1 frozen input"] == 4096 + 512 + 8 + 32 + 3072 == 7720
 
 
@@ -197,6 +196,57 @@ def test_legacy_without_shared_experts_is_refused_as_estimate_refuses(tmp_path):
     # One rule (flops/passes.py check_lora_targets): no projection takes the adapter, so none trains.
     assert "matches no projection of this model (its routed experts, legacy GroupedMLP, take no adapter)" in memory
     assert estimate == memory
+
+
+NO_SHARED = dict(LEGACY, moe_shared_expert_intermediate_size=None)
+ADAPTED = ("--frozen", "--lora-rank", "4", "--lora-targets", "linear_fc1,linear_fc2")
+
+
+@pytest.mark.parametrize("freq", [[1, 0], [1, 1, 0]])
+def test_legacy_moe_first_then_dense_saves_as_a_dense_first_layer(tmp_path, freq):
+    # Legacy GroupedMLP without shared experts: no adapter of the leading MoE layers trains, nothing in them requires
+    # grad, so they save nothing, and the gradient starts at the dense layer's linear_fc1 adapter: the model saves
+    # exactly what a frozen one-layer dense model (the measured dense-first case) saves, key by key.
+    legacy, _ = _run(tmp_path, *ADAPTED, num_layers=len(freq), moe_layer_freq=freq, **NO_SHARED)
+    dense, _ = _run(tmp_path, *ADAPTED, num_layers=1, num_moe_experts=None, moe_router_topk=None,
+                    moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None, moe_grouped_gemm=False)
+    assert legacy["not_modelled"] == []
+    # fc1's input [16, 64] x 2 B, fc1's output 2 x [16, 128] and silu's, fc2's input [16, 128] ... (the dense case)
+    assert _saved(legacy) == _saved(dense) == {"mlp": 22528, "lora": 256, "dropout": 1024, "output": 10512}
+    assert any(line.startswith("the leading MoE layers of legacy GroupedMLP experts without shared experts")
+               for line in legacy["unmeasured"])
+
+
+def test_legacy_leading_moe_layers_run_no_backward(tmp_path):
+    def comm(freq: list[int], *argv: str) -> dict[str, int]:
+        report, _ = _run(tmp_path, *ADAPTED, *argv, num_layers=len(freq), moe_layer_freq=freq, **NO_SHARED)
+        return report["communication_per_step"]
+
+    # DP2 x EP2 (T_l = 16, k = 2, h = 64, a = 2 B, m = 1): per leading MoE layer its forward all-to-alls only: the
+    # dispatch's tokens and probabilities [T_l x k, h + 1] = 32 x 65 x 2 = 4160 B and the combine's [32, 64]: 4096 B
+    # (no backward of either).
+    for freq in ([1, 0], [1, 1, 0]):
+        assert comm(freq, "--dp", "2", "--ep", "2")["ep/all_to_all"] == (len(freq) - 1) * (4160 + 4096)
+    # TP2 + SP x DP2 x EP2 (T_l = 8, ETP = TP = 2): a second leading MoE layer adds its forward collectives only: the
+    # attention's SP all-gather [16, 64] and reduce-scatter (2048 B each); the dispatch all-to-all [8 x 2, 65] (2080
+    # B), the combine's [16, 64] (2048 B); the expert-TP all-gather of the received tokens [32, 65] (4160 B) and the
+    # reduce-scatter of the experts' output [32, 64] (4096 B); the routing's token counts (128 B): none of their
+    # backward (their input gradients, the attention's TP collectives included).
+    sp = ("--tp", "2", "--sequence-parallel", "--dp", "2", "--ep", "2")
+    one, two = comm([1, 0], *sp), comm([1, 1, 0], *sp)
+    assert {k: two[k] - one[k] for k in one if k not in ("total_bytes", "dp/all_reduce")} == {
+        "tp/all_gather": 2048 + 4160, "tp/reduce_scatter": 2048 + 4096, "tp/all_reduce": 0, "tp_ep/all_gather": 128,
+        "ep/all_to_all": 2080 + 2048}
+
+
+def test_te_grouped_first_adapter_label_names_its_layout():
+    spec = ModelSpec.from_mapping(MODEL)
+    options = DecoderOptions.from_mapping(dict(MODEL, padded_vocab_size=128))
+    for layout in ("shared", "per-expert", "shared-outer"):
+        peft = PeftSpec(frozen=True, lora_rank=4, lora_targets=("linear_fc1", "linear_fc2"),
+                        grouped_expert_adapters=layout)
+        labels = " ".join(first_adapter_unmeasured(spec, options, peft))
+        assert f"from linear_fc1's {layout} adapter" in labels
 
 
 def test_moe_act_without_grouped_gemm_is_refused_by_estimate_as_by_memory(tmp_path):

@@ -76,11 +76,15 @@ def test_grouped_experts_save_as_sequential_and_are_labelled():
     assert any("TEGroupedMLP" in note for note in first_adapter_unmeasured(SPEC, grouped, PEFT))
     assert first_adapter_unmeasured(SPEC, sequential, PEFT) == []
     # Megatron-Bridge 0.6.2's per-expert adapters: modelled (tests/test_memory_grouped_start.py); legacy
-    # GroupedMLP without shared experts: no adapter of the layer trains, not modelled.
+    # GroupedMLP without shared experts: no adapter of the layer trains, nothing saved, the gradient starts in a
+    # later dense layer: modelled too (tests/test_memory_grouped_start.py), labelled.
     per_expert = PeftSpec(frozen=True, lora_rank=4, lora_targets=PEFT.lora_targets, grouped_expert_adapters="per-expert")
     assert first_adapter_moe_reason(SPEC, grouped, EP2, None, per_expert) is None
     legacy = options(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, transformer_impl="local")
-    assert "legacy GroupedMLP experts without shared experts" in first_adapter_moe_reason(SPEC, legacy, EP2, None, PEFT)
+    assert first_adapter_moe_reason(SPEC, legacy, EP2, None, PEFT) is None
+    assert first_adapter_moe_saved(SPEC, legacy, PEFT, **kw) == {}
+    assert any(note.startswith("the leading MoE layers of legacy GroupedMLP experts")
+               for note in first_adapter_unmeasured(SPEC, legacy, PEFT))
 
 
 def test_latent_projections_keep_nothing_and_the_experts_work_at_the_latent_width():
@@ -170,12 +174,3 @@ def test_mla_up_proj_in_a_frozen_moe_first_layer_saves_nothing():
         assert first_adapter_moe_reason(SPEC_MLA_FIRST, options(), par, RecomputeSpec(granularity="selective",
                                                                                       modules=modules), PEFT) is None
 
-
-def test_layernorm_recompute_gives_the_frameworks_reason():
-    # Selective layernorm with a frozen base: megatron-core's CheckpointWithoutOutput fails in backward
-    # (recompute.selective_reason), which the experts-first reason must not hide.
-    from megatron_flops.memory.activations import check_activations_supported
-
-    selective = RecomputeSpec(granularity="selective", modules=("layernorm", "mla_up_proj"))
-    reason = check_activations_supported(SPEC_MLA_FIRST, options(), Parallelism(), selective, PEFT)
-    assert reason is not None and "CheckpointWithoutOutput fail" in reason

@@ -1,9 +1,13 @@
 """A frozen base whose first layer is MoE, adapted on the experts only (``linear_fc1``/``linear_fc2``,
 no attention target: the gradient starts inside that layer, :mod:`megatron_flops.memory.moe_lora_start`)
-under TP2 + sequence parallelism: one real training step each on megatron-core 0.16.1 in 2 gloo
-processes with Megatron-Bridge 0.3.1's adapters (tests/test_memory_lora_tp_dist.py's scaffolding: top-k =
-experts, fp32), against :mod:`megatron_flops.memory` to the byte: parameters, states, every collective's
-payload, the bytes each forward saves and the schedule's peak."""
+under TP2 + sequence parallelism, EP2 (alltoall and allgather dispatchers) and TP2 x EP2 + SP: one real
+training step each on megatron-core 0.16.1 in 2 gloo processes (4 for TP2 x EP2) with Megatron-Bridge
+0.3.1's adapters (tests/test_memory_lora_tp_dist.py's scaffolding: top-k = experts, fp32), against
+:mod:`megatron_flops.memory` to the byte: parameters, states, every collective's payload, the bytes each
+forward saves and the schedule's peak. The runs cover an attention target beside the experts', gated
+shared experts, an MLA first layer (also under selective ``mla_up_proj``, alone and with ``core_attn``),
+MoE latent projections (``moe_latent_size``) at TP2 + SP and EP2, full recompute, selective
+``core_attn`` and ``mlp`` recompute, and selective ``moe`` (refused: no backward runs in its checkpoint)."""
 
 from __future__ import annotations
 

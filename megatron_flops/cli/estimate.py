@@ -22,6 +22,7 @@ from megatron_flops.flops.passes import (
     RecomputeSpec,
     price,
 )
+from megatron_flops.flops.pipeline_split import first_stage_without_decoder
 from megatron_flops.cli._common import format_components, json_list_arg
 from megatron_flops.cli._memory_model import grouped_gemm_experts, routed_expert_adapters
 from megatron_flops.cli._model_args import LoadedModel, add_model_arguments, load_model
@@ -51,16 +52,18 @@ def estimate_report(
     peft: PeftSpec | None = None,
     recompute: RecomputeSpec | None = None,
     convention: str = "needed",
+    decoder_input_grad: bool = False,
 ) -> dict[str, Any]:
     """Everything ``estimate --json`` prints: totals, components, statistics, and the static
     number that prices every row as one ``seq_length``-token sequence (default: the longest
     row), as the stock formula does. With ``peft`` or ``recompute``, model FLOPs follow
     ``convention`` and executed FLOPs add recompute and the GEMMs megatron-core runs unneeded
-    (:mod:`megatron_flops.flops.passes`)."""
+    (:mod:`megatron_flops.flops.passes`; ``decoder_input_grad``: a first pipeline stage without
+    decoder layers)."""
     stats = SeqStats.from_rows(rows, window=spec.pair_window)
     static_len = seq_length or max(r.num_padded_tokens for r in rows)
     return _report(spec, stats, static_len, attention=attention, peft=peft, recompute=recompute,
-                   convention=convention)
+                   convention=convention, decoder_input_grad=decoder_input_grad)
 
 
 def _report(
@@ -72,8 +75,10 @@ def _report(
     peft: PeftSpec | None,
     recompute: RecomputeSpec | None,
     convention: str,
+    decoder_input_grad: bool = False,
 ) -> dict[str, Any]:
-    priced = price(spec, stats, attention=attention, peft=peft, recompute=recompute, convention=convention)
+    priced = price(spec, stats, attention=attention, peft=peft, recompute=recompute, convention=convention,
+                   decoder_input_grad=decoder_input_grad)
     model, executed = priced.model, priced.executed
     static = training_flops(spec, SeqStats.full_length(stats.num_rows, static_len, window=spec.pair_window),
                             attention=attention)
@@ -240,8 +245,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if peft is not None and peft.lora_rank is not None and spec is not None and spec.moe is not None \
             and not routed_expert_adapters(model):
         peft = replace(peft, expert_adapters=False)
+    empty_first = False
     if spec is not None:
         check_recompute_modules(spec, recompute, grouped_gemm=grouped_gemm_experts(model))
+        empty_first = peft is not None and first_stage_without_decoder(
+            raw, num_layers=spec.num_layers, mtp_num_layers=spec.mtp_num_layers, source=source)
     vision = None
     if args.grid_thw is not None:
         from megatron_flops.flops.vision import hf_vision_sections, vision_report
@@ -262,10 +270,10 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             assert seq_length is not None
             stats = SeqStats.full_length(len(rows), seq_length, window=spec.pair_window)
             report = _report(spec, stats, seq_length, attention=args.attention, peft=peft, recompute=recompute,
-                             convention=args.convention)
+                             convention=args.convention, decoder_input_grad=empty_first)
         else:
-            report = estimate_report(spec, rows, attention=args.attention, seq_length=seq_length,
-                                     peft=peft, recompute=recompute, convention=args.convention)
+            report = estimate_report(spec, rows, attention=args.attention, seq_length=seq_length, peft=peft,
+                                     recompute=recompute, convention=args.convention, decoder_input_grad=empty_first)
         if vision is not None:
             report = _add_vision(report, vision)
     notes = _notes(args, raw) + _hybrid_mtp_notes(args, model)

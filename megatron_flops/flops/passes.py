@@ -31,6 +31,10 @@ megatron-core 0.16.1:
 - Full recompute with a frozen base: megatron's reentrant checkpoint calls backward only when
   its input requires grad, so Megatron-Bridge makes the decoder input require grad
   (``maybe_enable_recompute_inputs_grad``). We model that: every decoder GEMM then runs its dgrad.
+- A pipeline whose first stage holds no decoder layer (``decoder_input_grad``, e.g. the layout
+  ``E|ttttL``): that stage's output, the frozen embedding's, needs no gradient, so megatron-core
+  0.16.1's ``backward_step`` skips its backward, but the next stage receives the decoder input with
+  ``requires_grad=True`` (``recv_forward``): layer 0 runs its dgrad as every later layer does.
 
 Recompute (megatron-core's ``recompute_granularity``/``recompute_method``/``recompute_num_layers``/
 ``recompute_modules``) re-runs the forward GEMMs of each checkpointed region whose backward runs:
@@ -277,10 +281,13 @@ def training_passes(
     recompute: RecomputeSpec | None = None,
     attention: str = "causal",
     include_padding: bool = False,
+    decoder_input_grad: bool = False,
 ) -> TrainingPasses:
-    """Forward, input-gradient, weight-gradient, unneeded and recompute FLOPs over ``stats``."""
+    """Forward, input-gradient, weight-gradient, unneeded and recompute FLOPs over ``stats``;
+    ``decoder_input_grad``: megatron-core runs the decoder input with ``requires_grad=True``
+    whatever trains (a first pipeline stage without decoder layers: :func:`~megatron_flops.flops.pipeline_split.first_stage_without_decoder`)."""
     peft = peft or PeftSpec()
-    if not _gpt_decoder(spec):
+    if not gpt_decoder(spec):
         raise ValueError(
             "frozen weights, LoRA and recompute are modelled for GPT decoders only (no hybrid, Mamba, "
             "Gated DeltaNet, KDA or DSA layers)"
@@ -288,7 +295,7 @@ def training_passes(
     runs = forward_runs(spec, stats, attention=attention, include_padding=include_padding)
     check_lora_targets(spec, peft, runs)
     needed = _walk(spec, runs, peft, None, executed=False)
-    done = _walk(spec, runs, peft, recompute, executed=True)
+    done = _walk(spec, runs, peft, recompute, executed=True, decoder_input_grad=decoder_input_grad)
     unneeded = {}
     for k in needed.forward:
         unneeded[k] = done.input_grad[k] + done.weight_grad[k] - needed.input_grad[k] - needed.weight_grad[k]
@@ -335,7 +342,7 @@ def check_recompute_modules(spec: ModelSpec, recompute: RecomputeSpec | None, *,
                          "multi_latent_attention')")
 
 
-def _gpt_decoder(spec: ModelSpec) -> bool:
+def gpt_decoder(spec: ModelSpec) -> bool:
     """Whether the walk models this decoder (no hybrid, Mamba, Gated DeltaNet, KDA or DSA layers)."""
     return all(m is None for m in (spec.mamba, spec.gdn, spec.kda, spec.dsa)) and not any(
         "none" in kind for kind, _ in spec.layer_runs)
@@ -348,7 +355,7 @@ def check_checkpointed_regions(
     holds trainable weights or adapters but its input needs no gradient (megatron-core's reentrant
     checkpoint would leave them untrained), for callers that price no FLOPs (the memory report).
     Nothing for a decoder the walk does not model (training_passes refuses it on its own)."""
-    if peft is None or recompute is None or recompute.granularity != "selective" or not _gpt_decoder(spec):
+    if peft is None or recompute is None or recompute.granularity != "selective" or not gpt_decoder(spec):
         return
     regions = tuple(m for m in recompute.modules if m in modules)
     if regions:  # (the region's decision reads no size: one token will do)
@@ -484,6 +491,7 @@ def _walk(
     recompute: RecomputeSpec | None,
     *,
     executed: bool,
+    decoder_input_grad: bool = False,
 ) -> _Walk:
     """One pass over the layers: the needed passes (``executed=False``, no recompute) or what
     megatron-core runs (``executed=True``). A run of identical layers is walked once per distinct
@@ -493,8 +501,11 @@ def _walk(
     recomputed = recomputed_counter(spec.num_layers, recompute, mtp_num_layers=spec.mtp_num_layers)
     walker = _LayerWalker(peft, recompute, executed=executed)
     # The decoder input (embedding output) needs a gradient when the embedding trains, and in the
-    # executed walk when Megatron-Bridge forces it for full recompute.
-    stream = walker.trainable or (executed and recomputed(0, spec.num_layers + spec.mtp_num_layers) > 0)
+    # executed walk when Megatron-Bridge forces it for full recompute or when the first pipeline
+    # stage holds no decoder layer (the next stage receives it with requires_grad=True); nothing
+    # needs that gradient, so it is unneeded.
+    stream = walker.trainable or (executed and (
+        decoder_input_grad or recomputed(0, spec.num_layers + spec.mtp_num_layers) > 0))
     for run in runs:
         redo = recomputed(run.first, run.count)
         _, out = walker.layer(run.gemms, stream, False, run.first)
@@ -602,9 +613,10 @@ def price(
     peft: PeftSpec | None = None,
     recompute: RecomputeSpec | None = None,
     convention: str = "needed",
+    decoder_input_grad: bool = False,
 ) -> PricedStep:
     """The one pricing path of the CLI and the tracker: plain TRAIN_PASSES when nothing is frozen
-    or recomputed, else :func:`training_passes`."""
+    or recomputed, else :func:`training_passes` (``decoder_input_grad``: see there)."""
     if peft is None and recompute is None:
         model = training_flops(spec, stats, attention=attention)
         if (stats.num_padded_tokens, stats.sum_padded_seqlen_squared, stats.padded_window_pairs) == (
@@ -615,7 +627,8 @@ def price(
             executed = training_flops(spec, stats, attention=attention, include_padding=True)
         return PricedStep(model=model, executed=executed)
     model = training_passes(spec, stats, peft=peft, recompute=recompute, attention=attention).model(convention)
-    padded = training_passes(spec, stats, peft=peft, recompute=recompute, attention=attention, include_padding=True)
+    padded = training_passes(spec, stats, peft=peft, recompute=recompute, attention=attention, include_padding=True,
+                             decoder_input_grad=decoder_input_grad)
     return PricedStep(
         model=model,
         executed=padded.executed(),

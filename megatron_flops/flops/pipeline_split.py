@@ -109,6 +109,24 @@ def standalone_mtp_stage(split: PipelineSplit) -> int | None:
     return where[0] if where and where[0] != len(stages) - 1 else None
 
 
+def first_stage_without_decoder(fields: Mapping[str, Any], *, num_layers: int, mtp_num_layers: int = 0,
+                                source: str = "model file") -> bool:
+    """Whether a model file's pipeline fields put no decoder layer on the first virtual stage (it
+    builds the embedding alone: ``E|tt...``, or the embedding counted in the split on a stage of
+    one layer). A layout needs no ``pipeline_model_parallel_size``; the other fields are read only
+    with it (without it, every layer is on one stage)."""
+    split = PipelineSplit.from_mapping(fields, source=source)
+    if split.pipeline_model_parallel_layout is not None:
+        kinds = parse_layout(split.pipeline_model_parallel_layout)
+        return len(kinds) > 1 and "decoder" not in kinds[0]
+    pp, vpp = fields.get("pipeline_model_parallel_size"), fields.get("virtual_pipeline_model_parallel_size")
+    if not split.uneven or not isinstance(pp, int) or isinstance(pp, bool) or pp < 2:
+        return False
+    stages, _ = split_stages(split, num_layers=num_layers, pp=pp, vpp=vpp if isinstance(vpp, int) else None,
+                             mtp_num_layers=mtp_num_layers)
+    return stages[0] == 0
+
+
 def _uneven_ranks(first: int | None, last: int | None, *, num_layers: int, pp: int, vpp: int | None) -> list[int]:
     """Layers per pipeline rank with a given first and/or last rank (``TransformerConfig``'s checks)."""
     middle_layers, middle_ranks = num_layers, pp

@@ -67,7 +67,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from megatron_flops.memory.decoder import DecoderOptions, padded_vocab
+from megatron_flops.memory.decoder import DecoderOptions, experts_take_adapters, padded_vocab
 from megatron_flops.memory.hf_parallel import ONE_NORM, SEQUENTIAL, TWO_NORMS
 from megatron_flops.memory.hf_qk_norms import qk_norm_saved_bytes
 from megatron_flops.memory.lora import lora_activation_reason, mla_targets
@@ -215,7 +215,7 @@ def check_activations_supported(spec: ModelSpec, options: DecoderOptions, par: P
                                 recompute: RecomputeSpec | None, peft: PeftSpec | None = None) -> str | None:
     """Why activations are not modelled for this setup (None: they are); ValueError where no
     adapter of a checkpointed region would train (as ``estimate`` refuses it)."""
-    check_checkpointed_regions(spec, peft, recompute, modules=("shared_experts",))
+    check_checkpointed_regions(spec, peft, recompute, modules=("mlp", "moe", "shared_experts"))
     selective = recompute is not None and recompute.granularity == "selective" and "mla_up_proj" in recompute.modules
     reason = (lora_activation_reason(spec, peft, selective=selective) or ssm_activation_reason(spec, recompute, cp=par.cp)
               or first_adapter_moe_reason(spec, options, par, recompute, peft))
@@ -687,6 +687,8 @@ def _first_adapter_moe(w: _Walk, x: _Dims, spec: ModelSpec, options: DecoderOpti
     their gate keeping only its output [T_l, 1] for the product; then the routed experts."""
     moe, g = spec.moe, w.grad
     assert moe is not None
+    if not moe.shared_expert_ffn_hidden_size and not experts_take_adapters(options):
+        return  # (legacy GroupedMLP: no adapter of this layer trains; the gradient starts in a later dense layer)
     if moe.shared_expert_ffn_hidden_size:
         sub = _Walk(_Grad(base=False, adapted=g.adapted, rank=g.rank, started=False))
         _mlp(sub, dataclasses.replace(x, ffn=moe.shared_expert_ffn_hidden_size // x.tp), options,

@@ -23,7 +23,13 @@ in ``unmeasured``.
   keeps nothing: neither the router, the dispatcher, grouped_gemm's ``gmm`` (an autograd Function
   that records no node when no input requires grad), the compiled activation nor the combine sees
   a tensor that requires grad; its backward never runs, the combine's collectives included
-  (:func:`legacy_combine_skip`). Without shared experts no adapter of the layer trains.
+  (:func:`legacy_combine_skip`). Without shared experts no adapter of the layer trains: every
+  leading MoE layer before the first dense layer saves nothing and runs no backward (its attention's
+  TP/SP collectives, the dispatcher's and the combine's included; :func:`leading_frozen_layers`), and
+  the gradient starts at that dense layer's first adapter, as in a frozen dense first layer (the saved
+  tensors measured with ``SequentialMLP`` experts stripped of their adapters, tests/test_memory_activations.py).
+  On a pipeline's first stage holding only such layers nothing requires grad: megatron-core 0.16.1's
+  ``backward_step`` runs no backward there.
 """
 
 from __future__ import annotations
@@ -40,17 +46,30 @@ def grouped_first_adapter_reason(spec: ModelSpec, options: DecoderOptions, peft:
     these experts (None: it is; see the module doc)."""
     moe = spec.moe
     assert moe is not None
-    if not experts_take_adapters(options) and not moe.shared_expert_ffn_hidden_size:
-        return ("activations of a frozen first MoE layer of legacy GroupedMLP experts without shared experts: no "
-                "adapter of it trains (GroupedMLP has no linear_fc1/linear_fc2 for Megatron-Bridge to adapt) and the "
-                "gradient starts in a later dense layer (the backward collectives skipped before it are counted for "
-                "the first layer only); add an attention target (linear_proj)")
+    # (Legacy GroupedMLP without shared experts: its leading MoE layers train nothing, the gradient starts in the
+    # first dense layer: modelled; without one flops.passes.check_lora_targets refuses the targets.)
     if moe_act and experts_take_adapters(options) and peft is not None and "linear_fc1" not in peft.lora_targets:
         return ("activations of a frozen MoE first layer whose first adapter is its experts' linear_fc2 under "
                 "selective moe_act recompute: fc1's output requires no grad there, so megatron-core 0.16.1's "
                 "CheckpointWithoutOutput saves no input and its recompute fails in backward (the activation "
                 "called without arguments; seen on CPU); add linear_fc1 or an attention target (linear_proj)")
     return None
+
+
+def leading_frozen_layers(spec: ModelSpec, options: DecoderOptions, layers: range) -> int:
+    """How many of the first ``layers`` (the first stage's first chunk) of a frozen base whose first layer
+    is MoE and whose first adapter is an expert's run no backward at all before the gradient starts: the
+    leading MoE layers of legacy ``GroupedMLP`` experts without shared experts (no adapter of theirs
+    trains), else 1 (that first layer; its adapted parts run theirs)."""
+    moe = spec.moe
+    if moe is None or experts_take_adapters(options) or moe.shared_expert_ffn_hidden_size:
+        return 1
+    count = 0
+    for layer in layers:
+        if spec.layers[layer][1] != "moe":
+            break
+        count += 1
+    return count
 
 
 def first_adapter_moe_act_freed(spec: ModelSpec, options: DecoderOptions, *, freed: int, tokens: int, act: int,
@@ -101,7 +120,11 @@ def grouped_start_unmeasured(spec: ModelSpec, options: DecoderOptions, peft: Pef
                              moe_act: bool) -> list[str]:
     """The ``unmeasured`` labels of this module's figures in a report."""
     out = []
-    if not experts_take_adapters(options) and spec.moe is not None and spec.moe.shared_expert_ffn_hidden_size:
+    if not experts_take_adapters(options) and spec.moe is not None and not spec.moe.shared_expert_ffn_hidden_size:
+        out.append("the leading MoE layers of legacy GroupedMLP experts without shared experts under a frozen base "
+                   "adapted on linear_fc1/linear_fc2: nothing saved and no backward run (nor their attention's, "
+                   "dispatcher's or combine's collectives) before the first dense layer's adapter")
+    elif not experts_take_adapters(options) and spec.moe is not None:
         out.append("the first MoE layer's legacy GroupedMLP experts under a frozen base whose first adapter is the "
                    "shared experts' linear_fc1: the routed path keeps nothing and runs no backward (nor its "
                    "combine's collectives)")

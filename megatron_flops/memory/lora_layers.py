@@ -143,14 +143,16 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
             add(f"{expert_tp_group(par)}/all_gather",
                 (1 + layer.rerun) * expert_adapter_payload(spec, peft, routed=routed, act=a))
     full = recompute is not None and recompute.granularity == "full"
+    # Legacy GroupedMLP without shared experts: the first stage's leading MoE layers have no adapter.
+    leading = _leading_unadapted(spec, par, layers, pp_rank=pp_rank) if not expert_adapters else 0
     skips = _frozen_skips(spec, par, peft, layers, pp_rank=pp_rank, started=full, duplicated=duplicated,
-                          fused=fused) if par.tp > 1 else {}
+                          fused=fused, leading=leading) if par.tp > 1 else {}
     for key, count in skips.items():
         add(key, -count * tokens * a)
     if not full and par.holds_frozen_first_layer(spec.num_layers, pp_rank) and starts_in_experts(spec, peft) and routed is not None:
         for key, value in first_adapter_dispatcher_skip(spec, par, training, dispatcher=dispatcher,
                                                         routed=routed).items():
-            add(key, -value)
+            add(key, -max(leading, 1) * value)
     m = training.num_microbatches
     return {key: m * value for key, value in out.items() if value}
 
@@ -163,8 +165,22 @@ def _down_widths(spec: ModelSpec) -> dict[str, int]:
             "linear_kv_down_proj": spec.mla.kv_lora_rank + spec.mla.qk_pos_emb_head_dim}
 
 
+def _leading_unadapted(spec: ModelSpec, par: Parallelism, layers: list[AdaptedLayer], *, pp_rank: int) -> int:
+    """How many of the first stage's first layers are MoE layers with no adapter (no dense MLP, and
+    experts without adapters): they run no backward at all under a frozen base."""
+    if not par.holds_frozen_first_layer(spec.num_layers, pp_rank):
+        return 0
+    count = 0
+    for layer in layers[: len(par.chunk_layers(spec.num_layers, pp_rank, 0))]:
+        if layer.dense or not layer.experts:
+            break
+        count += 1
+    return count
+
+
 def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: list[AdaptedLayer], *,
-                  pp_rank: int, started: bool, duplicated: bool, fused: tuple[str, ...] = ()) -> dict[str, int]:
+                  pp_rank: int, started: bool, duplicated: bool, fused: tuple[str, ...] = (),
+                  leading: int = 0) -> dict[str, int]:
     """Elements per token of the collectives :mod:`megatron_flops.memory.comm` prices for a
     trained base that a frozen one does not run. Under sequence parallelism: every layer's
     column-parallel weight-gradient all-gathers (``linear_qkv`` or MLA's, ``linear_fc1``), the
@@ -172,13 +188,16 @@ def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: lis
     input [T, 2h]. On the rank running layer 0 after the embedding (not where a layout leaves the
     first stage no layer), unless its decoder input requires grad (``started``), the
     backward collectives of the first layer's base linears up to its first adapter (see
-    :func:`_before_first_adapter`; ``fused``: as :func:`lora_tp_communication`)."""
+    :func:`_before_first_adapter`; ``fused``: as :func:`lora_tp_communication`), and before them those of
+    the ``leading`` layers with no adapter (all of their base linears')."""
     if not peft.frozen:
         return {}
     h, sp = spec.hidden_size, par.sequence_parallel
     first = par.holds_frozen_first_layer(spec.num_layers, pp_rank) and not started
-    out = _before_first_adapter(spec, peft, layers[0], sp=sp, duplicated=duplicated, fused=fused) \
-        if first and layers else {}
+    out: dict[str, int] = {}
+    for layer in layers[: min(leading + 1, len(par.chunk_layers(spec.num_layers, pp_rank, 0)))] if first else []:
+        for key, value in _before_first_adapter(spec, peft, layer, sp=sp, duplicated=duplicated, fused=fused).items():
+            out[key] = out.get(key, 0) + value
     if not sp:
         return out
     gathers = 0

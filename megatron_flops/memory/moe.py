@@ -304,6 +304,7 @@ def moe_unmeasured(spec: ModelSpec, options: DecoderOptions) -> list[str]:
     if moe.latent_size:
         out.append(f"MoE latent projections (moe_latent_size {moe.latent_size}): their parameters, the experts' "
                    "latent width and the latent output kept for fc2_latent_proj (megatron-core builds them with "
-                   "Transformer Engine only: measured on CPU with a stand-in for its TELinear, what TE's linear "
-                   "keeps read in its source)")
+                   "Transformer Engine only, which does not run on CPU: a formula, what TE's linear keeps read in its "
+                   "source; only a frozen base whose first MoE layer is adapted on the experts alone is measured, "
+                   "with a stand-in for TE's TELinear)")
     return out

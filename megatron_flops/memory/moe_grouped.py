@@ -53,7 +53,8 @@ from megatron_flops.memory.grouped_lora import (adapter_weight_numels, check_gro
                                                 grouped_adapter_saved,
                                                 grouped_lora_note, uses_grouped_mm)
 from megatron_flops.memory.layout import BOOL_BYTES, FP32_BYTES, INDEX_BYTES, Parallelism, Training
-from megatron_flops.flops.passes import PeftSpec, RecomputeSpec, check_lora_targets, check_recompute_modules
+from megatron_flops.flops.passes import (PeftSpec, RecomputeSpec, check_lora_targets, check_recompute_modules,
+                                        gpt_decoder)
 from megatron_flops.model.spec import ModelSpec
 
 FLEX_BACKENDS = ("deepep", "hybridep")
@@ -68,10 +69,11 @@ def check_grouped(spec: ModelSpec, options: DecoderOptions, par: Parallelism, tr
     """ValueError, with megatron-core's own reason, for the grouped-GEMM, ``moe_act`` and flex
     layouts megatron-core 0.16.1 refuses to build or train."""
     check_recompute_modules(spec, recompute, grouped_gemm=options.moe_grouped_gemm)
+    if peft is not None and gpt_decoder(spec):  # (as estimate: LoRA elsewhere is refused on its own)
+        check_lora_targets(spec, replace(peft, expert_adapters=experts_take_adapters(options)))
     if spec.moe is None:
         return
     if experts_module(options) == "GroupedMLP":
-        check_lora_targets(spec, None if peft is None else replace(peft, expert_adapters=False))
         if options.add_bias_linear:
             raise ValueError("megatron-core's GroupedMLP refuses linear biases ('bias not supported in Grouped GEMM "
                              "yet, please set '--disable-bias-linear' instead.')")

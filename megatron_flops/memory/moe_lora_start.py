@@ -32,7 +32,7 @@ from __future__ import annotations
 from megatron_flops.flops.passes import PeftSpec, RecomputeSpec
 from megatron_flops.memory.decoder import DecoderOptions, experts_module, experts_take_adapters
 from megatron_flops.memory.grouped_start import (grouped_first_adapter_reason, grouped_start_unmeasured,
-                                                 legacy_combine_skip)
+                                                 leading_frozen_layers, legacy_combine_skip)
 from megatron_flops.memory.layout import FP32_BYTES, INDEX_BYTES, Parallelism, Training
 from megatron_flops.memory.moe import expert_lora_activations, expert_tp_group, moe_activations
 from megatron_flops.model.spec import ModelSpec
@@ -41,18 +41,12 @@ from megatron_flops.model.spec import ModelSpec
 def first_adapter_moe_reason(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
                              recompute: RecomputeSpec | None, peft: PeftSpec | None) -> str | None:
     """Why a frozen MoE first layer whose first adapter is an expert's is not modelled (None: it
-    is, or this is not that layer); ValueError where no adapter of it would train."""
-    moe = spec.moe
-    if not starts_in_experts(spec, peft) or moe is None:
+    is, or this is not that layer). (Selective ``moe`` there trains no adapter of the layer: refused
+    before, by flops.passes.check_checkpointed_regions.)"""
+    if not starts_in_experts(spec, peft):
         return None
     modules = set(recompute.modules) if recompute is not None and recompute.granularity == "selective" else set()
-    if "moe" in modules:  # (as the FLOPs side refuses it, flops/passes.py)
-        raise ValueError("selective recompute of 'moe' around a frozen MoE first layer whose first adapter is a "
-                         "routed expert's trains no adapter of that layer: megatron-core's checkpoint passes no "
-                         "gradient when its input requires none (measured: its backward never runs); use full "
-                         "recompute (Megatron-Bridge then makes the decoder's input require grad) or add an "
-                         "attention target (linear_proj)")
-    # Every other selective module is modelled in this layer: mlp (the dense layers only), shared_experts (none here:
+    # Every selective module but moe is modelled in this layer: mlp (the dense layers only), shared_experts (none here:
     # flops.passes refuses adapted ones), mla_up_proj (its checkpoint's inputs require no grad there: it saves nothing
     # and never re-runs, as core_attn's), moe_act (grouped experts), layernorm (megatron-core fails:
     # recompute.selective_reason says why).
@@ -121,7 +115,9 @@ def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Paralle
     (expert TP x EP > 1): the reduce-scatter of the gathered tokens' and probabilities' gradients
     [G, h + E] (h: the latent size with latent projections); legacy ``GroupedMLP`` (no expert
     adapter): the combine's backward too (:func:`~megatron_flops.memory.grouped_start.legacy_combine_skip`,
-    a formula). None under full recompute (Bridge makes the decoder's input require grad)."""
+    a formula), and without shared experts in each leading MoE layer before the first dense layer
+    (:func:`~megatron_flops.memory.grouped_start.leading_frozen_layers`). None under full recompute
+    (Bridge makes the decoder's input require grad)."""
     moe = spec.moe
     if (moe is None or not starts_in_experts(spec, peft) or not par.holds_frozen_first_layer(spec.num_layers, pp_rank)
             or (recompute is not None and recompute.granularity == "full")):
@@ -129,7 +125,8 @@ def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Paralle
     skip = _dispatch_skip(spec, options, par, training)
     for key, value in legacy_combine_skip(spec, options, par, training).items():
         skip[key] = skip.get(key, 0) + value
-    return skip
+    leading = leading_frozen_layers(spec, options, par.chunk_layers(spec.num_layers, pp_rank, 0))
+    return {key: leading * value for key, value in skip.items()}
 
 
 def _dispatch_skip(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training) -> dict[str, int]:
@@ -161,8 +158,10 @@ def first_adapter_unmeasured(spec: ModelSpec, options: DecoderOptions, peft: Pef
     moe_act = recompute is not None and recompute.granularity == "selective" and "moe_act" in recompute.modules
     out = grouped_start_unmeasured(spec, options, peft, moe_act=moe_act)
     if experts_module(options) == "TEGroupedMLP":
+        layout = peft.grouped_expert_adapters if peft is not None else "shared"
+        adapters = f"{layout} adapter{'s' if layout == 'per-expert' else ''}"
         out.append("the first MoE layer's TEGroupedMLP experts under a frozen base whose first adapter is theirs: "
-                   "as SequentialMLP's (measured): from linear_fc1's shared adapter on, no activation output kept")
+                   f"as SequentialMLP's (measured): from linear_fc1's {adapters} on, no activation output kept")
     if options.moe_token_dispatcher_type == "flex":
         out.append("the first MoE layer's flex dispatcher under a frozen base whose first adapter is an expert's: "
                    "only the combine's sorted indices kept (DeepEP; HybridEP nothing), and no backward of the "
