@@ -226,6 +226,14 @@ SPOT_LAYOUTS = {
     # Empty stages before E or after L (megatron-core builds the embedding and loss on the edge stages anyway).
     **{f"PP2 layout {layout}": ["--pp", "2", "--num-microbatches", "4", "--pipeline-model-parallel-layout", layout]
        for layout in ("|Et*4L", "Et*4L|", "|Ett|ttL|", "|Et*4mL", "Et*4mL|", "|Ett|ttmL|")},
+    # A frozen base's first stage holding no layer under TP2 + SP (and EP2): layer 0's input is received and
+    # requires grad, so no frozen-first-layer skip applies on any rank (Parallelism.holds_frozen_first_layer).
+    "TP2 SP PP2 layout E|ttttL": ["--tp", "2", "--sequence-parallel", "--pp", "2", "--num-microbatches", "4",
+                                  "--pipeline-model-parallel-layout", "E|ttttL"],
+    "TP2 SP DP2 EP2 PP2 layout E|ttttL": ["--tp", "2", "--sequence-parallel", "--dp", "2", "--ep", "2", "--pp", "2",
+                                          "--num-microbatches", "4", "--pipeline-model-parallel-layout", "E|ttttL"],
+    "TP2 SP PP2 layout |Ett|ttL|": ["--tp", "2", "--sequence-parallel", "--pp", "2", "--num-microbatches", "4",
+                                    "--pipeline-model-parallel-layout", "|Ett|ttL|"],
     "TP2 SP CP2": ["--tp", "2", "--sequence-parallel", "--cp", "2"],
     "TP2 CP2": ["--tp", "2", "--cp", "2"],
     "DP2 distopt SGD": ["--dp", "2", "--distributed-optimizer", "--optimizer", "sgd"],
@@ -277,6 +285,9 @@ SPOT_CHECKS = [
                                          "PP2 layout Et*8|t*32L", "PP2 layout E|t*40L", "PP2 layout Et*40|L")),
     # A frozen base whose first stage holds no block (memory/dit_layouts.py: megatron-core skips its backward).
     ("examples/wan21_14b_dit.json", "frozen LoRA", ("PP2 layout E|t*40L",)),
+    ("mcore:gqa*", "frozen LoRA", ("TP2 SP PP2 layout E|ttttL", "TP2 SP PP2 layout |Ett|ttL|")),
+    ("mcore:moe first latent", "frozen LoRA fc1, fc2", ("TP2 SP PP2 layout E|ttttL", "TP2 SP DP2 EP2 PP2 layout E|ttttL")),
+    ("mcore:moe grouped gemm all moe", "frozen LoRA fc1, fc2", ("TP2 SP DP2 EP2 PP2 layout E|ttttL",)),
 ]
 # What a report leaves out until the user gives an input no model file holds (``needs_input``): not
 # a gap. A VLM without --grid-thw: the vision tower's activations (the survey passes no grids but in

@@ -11,8 +11,9 @@ import pytest
 
 import mcore_cpu
 import mcore_dist
+from megatron_flops.memory.activations import chunk_activations
 from test_memory_dist import (BASE, WORLD, check_activations, check_communication, check_parameters, check_states,
-                              memory_worker)
+                              cpu_delta, memory_worker, setup)
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not mcore_cpu.HAVE_MCORE, reason=mcore_cpu.SKIP_REASON)]
 
@@ -69,6 +70,20 @@ RUNS = {
     "DP2 x PP2 (1F1B), layout E|ttL, frozen base + LoRA on the decoder, DDP, bf16, M=3": dict(
         layout=dict(pp=2), model=dict(BASE, num_layers=2, pipeline_model_parallel_layout="E|ttL"), m=3,
         build=dict(lora=(("linear_qkv", "linear_fc2"), 4))),
+    # The same under TP2 + SP (LoRA on linear_fc1 only): layer 0 sits on rank 1, whose received input
+    # requires grad, so its linear_qkv and linear_proj run their backward collectives (no frozen-first-layer
+    # skip on either rank: Parallelism.holds_frozen_first_layer), and rank 0 (the frozen embedding alone)
+    # runs no backward collective.
+    "TP2 x PP2 + SP (1F1B), layout E|ttL, frozen base + LoRA on linear_fc1, DDP, bf16, M=2": dict(
+        layout=dict(pp=2, tp=2, sp=True), model=dict(BASE, num_layers=2, pipeline_model_parallel_layout="E|ttL"),
+        m=2, build=dict(lora=(("linear_fc1",), 4))),
+    # Experts first: a frozen MoE model whose first adapters are its routed experts' (alltoall, EP2). Layer 0's
+    # dispatcher still runs backward on rank 1 (its input requires grad), and rank 0 skips nothing it never runs.
+    "EP2 x PP2, MoE top-2 of 4 (alltoall), layout E|ttL, frozen base + LoRA on linear_fc1 + linear_fc2, DDP, bf16, M=2":
+        dict(layout=dict(pp=2, ep=2), model=dict(BASE, num_layers=2, pipeline_model_parallel_layout="E|ttL",
+                                                 num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                                                 moe_token_dispatcher_type="alltoall"),
+             m=2, build=dict(lora=(("linear_fc1", "linear_fc2"), 4))),
 }
 
 # Standalone MTP stages on a pipeline rank of their own: PP3, in a 3-process group of its own. Rank 1
@@ -121,6 +136,36 @@ def test_communication_per_step(measured, name):
     check_communication(ALL_RUNS[name], measured[name])
 
 
-@pytest.mark.parametrize("name", list(ALL_RUNS))
+def _routed(name: str) -> bool:
+    """MoE under EP > 1: what one rank's experts save follows the routing."""
+    return "MoE" in name and ALL_RUNS[name]["layout"].get("ep", 1) > 1
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_RUNS if not _routed(n)])
 def test_activations_per_forward_and_schedule_peak(measured, name):
     check_activations(ALL_RUNS[name], measured[name])
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_RUNS if _routed(n)])
+def test_moe_activations_balanced_per_stage(measured, name):
+    check_routed_activations(ALL_RUNS[name], measured[name])
+
+
+def check_routed_activations(run: dict, results: list) -> None:
+    """One model chunk per rank, EP > 1: what one rank's experts save follows the routing, but over
+    a pipeline stage's ranks every routed token is saved once, so the stage's measured forwards sum
+    to the balanced figure's (a stage without MoE layers: per rank)."""
+    spec, options, par, training, peft, recompute = setup(run)
+    totals: dict[int, tuple[int, int]] = {}
+    for result in results:
+        pp_rank = result["sizes"]["pp_rank"]
+        act = chunk_activations(spec, options, par, training, pp_rank=pp_rank, chunk=0, recompute=recompute, peft=peft)
+        layers = len(par.chunk_layers(spec.num_layers, pp_rank, 0))
+        # LayerNorms per forward as check_activations counts them (a frozen first layer's input norm: none)
+        norms = 2 * layers + par.is_last_stage(pp_rank, 0) - par.holds_frozen_first_layer(spec.num_layers, pp_rank)
+        forwards = [b for _, b in result["forward"]]
+        measured, formula = totals.get(pp_rank, (0, 0))
+        totals[pp_rank] = (measured + sum(forwards),
+                           formula + (act.forward + act.shared + cpu_delta(par, training, norms)) * len(forwards))
+    for pp_rank, (measured, formula) in totals.items():
+        assert measured == formula, pp_rank

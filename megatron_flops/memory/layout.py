@@ -110,6 +110,13 @@ class Parallelism:
     def is_first_stage(self, pp_rank: int, chunk: int) -> bool:
         return pp_rank == 0 and chunk == 0
 
+    def holds_frozen_first_layer(self, num_layers: int, pp_rank: int) -> bool:
+        """Whether pipeline rank ``pp_rank`` runs decoder layer 0 after the embedding on the first
+        virtual stage: of a frozen model, the one layer whose input requires no grad. Where a layout
+        leaves the first stage no layer, layer 0's input is received from it and requires grad
+        (megatron-core skips a stage's backward whose output needs none): no layer is frozen-input."""
+        return pp_rank == 0 and len(self.chunk_layers(num_layers, 0, 0)) > 0
+
     def is_last_stage(self, pp_rank: int, chunk: int) -> bool:
         return pp_rank == self.pp - 1 and chunk == self.num_chunks - 1
 

@@ -149,7 +149,7 @@ def lora_tp_communication(spec: ModelSpec, par: Parallelism, training: Training,
                           fused=fused, leading=leading) if par.tp > 1 else {}
     for key, count in skips.items():
         add(key, -count * tokens * a)
-    if not full and par.is_first_stage(pp_rank, 0) and starts_in_experts(spec, peft) and routed is not None:
+    if not full and par.holds_frozen_first_layer(spec.num_layers, pp_rank) and starts_in_experts(spec, peft) and routed is not None:
         for key, value in first_adapter_dispatcher_skip(spec, par, training, dispatcher=dispatcher,
                                                         routed=routed).items():
             add(key, -max(leading, 1) * value)
@@ -168,7 +168,7 @@ def _down_widths(spec: ModelSpec) -> dict[str, int]:
 def _leading_unadapted(spec: ModelSpec, par: Parallelism, layers: list[AdaptedLayer], *, pp_rank: int) -> int:
     """How many of the first stage's first layers are MoE layers with no adapter (no dense MLP, and
     experts without adapters): they run no backward at all under a frozen base."""
-    if not par.is_first_stage(pp_rank, 0):
+    if not par.holds_frozen_first_layer(spec.num_layers, pp_rank):
         return 0
     count = 0
     for layer in layers[: len(par.chunk_layers(spec.num_layers, pp_rank, 0))]:
@@ -185,14 +185,15 @@ def _frozen_skips(spec: ModelSpec, par: Parallelism, peft: PeftSpec, layers: lis
     trained base that a frozen one does not run. Under sequence parallelism: every layer's
     column-parallel weight-gradient all-gathers (``linear_qkv`` or MLA's, ``linear_fc1``), the
     output layer's, the embedding's gradient; an MTP layer's embedding gradient and ``eh_proj``
-    input [T, 2h]. On the first stage, unless its decoder input requires grad (``started``), the
+    input [T, 2h]. On the rank running layer 0 after the embedding (not where a layout leaves the
+    first stage no layer), unless its decoder input requires grad (``started``), the
     backward collectives of the first layer's base linears up to its first adapter (see
     :func:`_before_first_adapter`; ``fused``: as :func:`lora_tp_communication`), and before them those of
     the ``leading`` layers with no adapter (all of their base linears')."""
     if not peft.frozen:
         return {}
     h, sp = spec.hidden_size, par.sequence_parallel
-    first = par.is_first_stage(pp_rank, 0) and not started
+    first = par.holds_frozen_first_layer(spec.num_layers, pp_rank) and not started
     out: dict[str, int] = {}
     for layer in layers[: min(leading + 1, len(par.chunk_layers(spec.num_layers, pp_rank, 0)))] if first else []:
         for key, value in _before_first_adapter(spec, peft, layer, sp=sp, duplicated=duplicated, fused=fused).items():

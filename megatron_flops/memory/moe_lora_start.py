@@ -119,7 +119,7 @@ def first_adapter_ep_skip(spec: ModelSpec, options: DecoderOptions, par: Paralle
     (:func:`~megatron_flops.memory.grouped_start.leading_frozen_layers`). None under full recompute
     (Bridge makes the decoder's input require grad)."""
     moe = spec.moe
-    if (moe is None or not starts_in_experts(spec, peft) or not par.is_first_stage(pp_rank, 0)
+    if (moe is None or not starts_in_experts(spec, peft) or not par.holds_frozen_first_layer(spec.num_layers, pp_rank)
             or (recompute is not None and recompute.granularity == "full")):
         return {}
     skip = _dispatch_skip(spec, options, par, training)

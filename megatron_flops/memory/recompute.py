@@ -93,7 +93,7 @@ def selective_rerun_communication(spec: ModelSpec, par: Parallelism, training: T
     kinds = spec.layers
     layers = [i for c in range(par.num_chunks) for i in par.chunk_layers(spec.num_layers, pp_rank, c)]
     dense = sum(kinds[i][1] == "mlp" for i in layers) if "mlp" in recompute.modules else 0
-    if dense and par.is_first_stage(pp_rank, 0) and peft is not None and peft.frozen \
+    if dense and par.holds_frozen_first_layer(spec.num_layers, pp_rank) and peft is not None and peft.frozen \
             and not any(t in _BEFORE_MLP[spec.mla is not None:] for t in peft.lora_targets) and kinds[0][1] == "mlp":
         dense -= 1  # (layer 0's MLP input requires no grad: its checkpoint never re-runs)
     tokens, act = training.seq_length * training.micro_batch_size, training.param_bytes
@@ -161,8 +161,8 @@ def _mla_up_proj_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeS
     mtp = [mixer for mixer, _ in last_stage_mtp_kinds(spec, last)]  # (a hybrid MTP part: its MLA layers only)
     num = sum(mixer in mla_kinds for mixer in [spec.layers[i][0] for i in layers] + mtp)
     down = peft is not None and bool({"linear_q_down_proj", "linear_kv_down_proj"} & set(peft.lora_targets))
-    return num - bool(peft is not None and peft.frozen and not down and par.is_first_stage(pp_rank, 0) and layers
-                      and layers[0] == 0 and spec.layers[0][0] in mla_kinds)
+    return num - bool(peft is not None and peft.frozen and not down and par.holds_frozen_first_layer(spec.num_layers, pp_rank)
+                      and spec.layers[0][0] in mla_kinds)
 
 
 def _shared_expert_reruns(spec: ModelSpec, par: Parallelism, recompute: RecomputeSpec, layers: list[int],

@@ -202,6 +202,8 @@ def _add_payloads(total: dict[str, int], *extras: dict[str, int]) -> None:
     for extra in extras:
         for key, value in extra.items():
             total[key] = total.get(key, 0) + value
+    for key in [key for key, value in total.items() if not value]:
+        del total[key]  # (a frozen first stage's embedding gather less its skip: none runs)
 
 
 def context_parallel_view(par: Parallelism, training: Training,
