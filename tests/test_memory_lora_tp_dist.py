@@ -42,8 +42,8 @@ RUNS = {
         world=2, layout=dict(tp=2, sp=True),
         model=dict(BASE, **MOE, moe_token_dispatcher_type="allgather", moe_shared_expert_intermediate_size=40),
         m=2, lora=(ALL, 4)),
-    # An MLA layer has no linear_qkv (that target adapts nothing); a MoE layer without shared
-    # experts no dense MLP. Layer 0's MLA projections run before its first adapter (linear_proj).
+    # An MLA layer has no linear_qkv (both commands refuse that target there: Bridge would adapt nothing); a MoE
+    # layer without shared experts no dense MLP. Layer 0's MLA projections run before its first adapter (linear_proj).
     # Selective moe + shared_experts (live-storage meter): per micro-batch the MoE layer re-runs once
     # and its shared experts twice, their adapters' forward collectives with them. T = 32, h = 48,
     # r = 4, fp32: shared fc1 + fc2 adapters 32 * 48 * 4 + 32 * 4 * 4 + 32 * 48 * 4 = 12800 B of
@@ -56,9 +56,9 @@ RUNS = {
         model=dict(BASE, **MOE, moe_token_dispatcher_type="allgather", moe_shared_expert_intermediate_size=40,
                    recompute_granularity="selective", recompute_modules=["moe", "shared_experts"]),
         m=2, lora=(ALL, 4), live=True),
-    "TP2 + SP, MLA (q_lora) + MoE without shared experts (alltoall), LoRA on all four": dict(
+    "TP2 + SP, MLA (q_lora) + MoE without shared experts (alltoall), LoRA on proj, fc1, fc2": dict(
         world=2, layout=dict(tp=2, sp=True),
-        model=dict(BASE, **MLA, q_lora_rank=24, **MOE, moe_token_dispatcher_type="alltoall"), m=2, lora=(ALL, 4)),
+        model=dict(BASE, **MLA, q_lora_rank=24, **MOE, moe_token_dispatcher_type="alltoall"), m=2, lora=(ALL[1:], 4)),
     "TP2 + SP, 1 MTP layer, LoRA on all four": dict(
         world=2, layout=dict(tp=2, sp=True), model=dict(BASE, mtp_num_layers=1), m=2, lora=(ALL, 4)),
     # Without SP: layer 0's MLA projections, linear_proj and linear_fc1 run before its first
