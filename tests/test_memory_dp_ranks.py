@@ -102,13 +102,14 @@ def test_bucket_steps_match_shard_numel():
 def _every_rank(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *, pp_rank: int,
                 peft: Any = None, vision: VisionMemory | None = None) -> int:
     """The walk the step functions replace: every data-parallel rank's state bytes (the only figures
-    that depend on it: test_other_figures_do_not_depend_on_the_rank), the largest, lowest on a tie."""
+    that depend on it: test_other_figures_do_not_depend_on_the_rank), the largest, lowest on a tie;
+    with context parallelism every one of the DP x CP ranks the buffers are sharded over."""
     if not par.distributed_optimizer:
         return 0
     vision = vision or VisionMemory(params=(), activations=None)
     totals = [sum(report._rank_states(spec, options, par, training, pp_rank=pp_rank, dp_rank=d, peft=peft,
-                                      vision=vision)[0].values()) for d in range(par.dp)]
-    return max(range(par.dp), key=lambda d: (totals[d], -d))
+                                      vision=vision)[0].values()) for d in range(par.dp * par.cp)]
+    return max(range(par.dp * par.cp), key=lambda d: (totals[d], -d))
 
 
 def _every_fsdp_rank(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *, pp_rank: int,
@@ -117,7 +118,7 @@ def _every_fsdp_rank(spec: ModelSpec, options: DecoderOptions, par: Parallelism,
     payloads, the rank with the largest states (the first of equals)."""
     assert par.megatron_fsdp is not None
     best: tuple[dict[str, int], dict[str, int]] | None = None
-    for dp_rank in range(par.dp):
+    for dp_rank in range(par.dp * par.cp):
         states: dict[str, int] = {}
         comm: dict[str, int] = {}
         for chunk in range(par.num_chunks):
@@ -166,6 +167,8 @@ def _layouts(model: str, dp: int) -> dict[str, list[str]]:
     out = {"DP": [], "TP2 SP": tp2, "PP2 VPP2": ["--pp", "2", "--vpp", "2", "--num-microbatches", "4"]}
     if model == "experts":
         del out["TP2 SP"]  # (an FFN of 93 does not split over TP 2; ETP 1 keeps the experts whole)
+    if model in ("dense", "moe"):
+        out["CP2"] = ["--cp", "2"]  # (the buffers sharded over DP x CP ranks)
     if "moe" in model:
         out.update({f"EP{ep}": ["--ep", str(ep)] for ep in (2, 4) if dp % ep == 0})
         out["TP2 SP ETP1 EP2"] = [*tp2, "--etp", "1", "--ep", "2"]  # (expert DP = TP x DP / 2 = DP)

@@ -227,7 +227,7 @@ def megatron_fsdp_stage(spec: ModelSpec, options: DecoderOptions, par: Paralleli
     for params, bucket_size in chunks:
         for group, found in shard_steps(params, strategy=strategy, sizes=sizes, bucket_size=bucket_size).items():
             steps[group] += found
-    dp_rank = most_loaded_rank(steps["dp"], ranks=par.dp, expert=steps["expt_dp"], expert_rank=par.expert_dp_rank)
+    dp_rank = most_loaded_rank(steps["dp"], ranks=sizes["dp"], expert=steps["expt_dp"], expert_rank=par.expert_dp_rank)
     states: dict[str, int] = {}
     comm: dict[str, int] = {}
     for params, bucket_size in chunks:

@@ -176,13 +176,15 @@ def _stage_buffers(spec: ModelSpec, options: DecoderOptions, par: Parallelism, t
 
 def _most_loaded_dp_rank(spec: ModelSpec, options: DecoderOptions, par: Parallelism, training: Training, *,
                          pp_rank: int, peft: PeftSpec | None = None, vision: VisionMemory | None = None) -> int:
-    """The data-parallel rank of pipeline rank ``pp_rank`` with the most optimizer state, the
-    lowest on a tie (0 without the distributed optimizer): every other figure is the same on each."""
+    """The rank of pipeline rank ``pp_rank``'s data-parallel group (with context parallelism: DP x
+    CP ranks, which the buffers are sharded over) with the most optimizer state, the lowest on a tie
+    (0 without the distributed optimizer): every other figure is the same on each."""
     if not par.distributed_optimizer:
         return 0
     chunks = _stage_buffers(spec, options, par, training, pp_rank=pp_rank, peft=peft,
                             vision=vision or VisionMemory(params=(), activations=None))
-    return most_loaded_rank((s for _, b in chunks for s in bucket_steps(b["dp"], par.dp * par.cp)), ranks=par.dp,
+    ranks = par.dp * par.cp
+    return most_loaded_rank((s for _, b in chunks for s in bucket_steps(b["dp"], ranks)), ranks=ranks,
                             expert=(s for _, b in chunks for s in bucket_steps(b["expt_dp"], par.expert_dp)),
                             expert_rank=par.expert_dp_rank)
 
