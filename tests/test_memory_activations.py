@@ -234,10 +234,6 @@ PEFT_CASES = {
     # Layer 0's checkpointed core attention: no input requires grad, nothing saved or re-run.
     "frozen, linear_proj only, GQA, selective core_attn": (dict(recompute_granularity="selective", num_query_groups=2),
                                                            "rope", "fp32", ("linear_proj",), True, 0, 0, 0),
-    # Layer 0's checkpointed MLP: its input requires no grad (the adapter inside runs under no_grad). (The walk
-    # is checked here; `memory` and `estimate` refuse the setup: no adapter would train.)
-    "frozen, linear_fc1 only, selective mlp": (dict(recompute_granularity="selective", recompute_modules=["mlp"]),
-                                               "rope", "fp32", ("linear_fc1",), True, 0, 0, 0),
     "frozen, all four targets, selective core_attn + mlp": (dict(recompute_granularity="selective",
                                                                  recompute_modules=["core_attn", "mlp"]), "rope",
                                                             "fp32", ALL, True, 0, 0, 0),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 import mcore_cpu
-from megatron_flops.memory.moe_lora_start import first_adapter_moe_reason
+from megatron_flops.memory.activations import check_activations_supported
 from test_memory_lora_tp_dist import (BASE, MLA, MOE, check_activations, check_parameters,
                                       check_states_and_communication, measure, setup)
 
@@ -81,8 +81,8 @@ RUNS = {
     "TP2 x EP2 + SP, Mixtral-like (alltoall), LoRA on linear_fc1 + linear_fc2": dict(
         world=4, layout=dict(tp=2, sp=True, ep=2), model=_MIXTRAL_LIKE, m=2, lora=(("linear_fc1", "linear_fc2"), 4)),
 }
-# Refused (moe_lora_start.first_adapter_moe_reason): selective 'moe' wraps each MoE layer in a checkpoint whose
-# input requires no grad, so no backward runs in it.
+# Refused (flops.passes.check_checkpointed_regions, as estimate refuses it): selective 'moe' wraps each MoE
+# layer in a checkpoint whose input requires no grad, so no backward runs in it.
 SELECTIVE_MOE = "EP2, Mixtral-like, LoRA on linear_fc1 + linear_fc2, selective moe"
 REFUSED = {SELECTIVE_MOE: dict(world=2, layout=dict(tp=1, ep=2), m=2, lora=(("linear_fc1", "linear_fc2"), 4), live=True,
                                model=dict(_MIXTRAL_LIKE, recompute_granularity="selective", recompute_modules=["moe"]))}
@@ -140,8 +140,10 @@ def test_selective_moe_recompute_runs_no_backward_in_the_moe_layers(measured):
     for result in measured[SELECTIVE_MOE]:
         assert dict(result["comm"])["ep/all_to_all"] == 198_656
     spec, options, par, _, peft, recompute = setup(SELECTIVE_MOE, REFUSED)
-    with pytest.raises(ValueError, match="trains no adapter"):
-        first_adapter_moe_reason(spec, options, par, recompute, peft)
+    # (one rule with estimate's: flops/passes.py check_checkpointed_regions)
+    with pytest.raises(ValueError, match="selective recompute of 'moe' with a frozen base: megatron-core's reentrant "
+                                         "checkpoint gives the trainable weights of .* no gradient"):
+        check_activations_supported(spec, options, par, recompute, peft)
 
 
 @pytest.mark.parametrize("modules", [("mla_up_proj",), ("core_attn", "mla_up_proj")])
