@@ -27,6 +27,14 @@ from megatron_flops.tracking.tracker import FlopsTracker
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128)
 
 
+def _sigint_default() -> None:
+    """In the child before exec: Ctrl-C's default disposition, whatever the test process inherited
+    (Python installs its KeyboardInterrupt handler only where SIGINT is not ignored at start-up)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _tracker() -> FlopsTracker:
     return FlopsTracker(ModelSpec.from_mapping(MODEL), seq_length=16)
 
@@ -338,7 +346,8 @@ def test_a_second_sweep_on_a_running_sweeps_out_is_refused(tmp_path, capsys):
 
     out = tmp_path / "sw"
     args = ["--param", "mode=hang", "--timeout", "600", "--out", str(out), "--", sys.executable, FAKE, "--mode", "{mode}"]
-    first = subprocess.Popen([sys.executable, "-m", "megatron_flops", "sweep", *args], cwd=ROOT,
+    first = subprocess.Popen(  # (Ctrl-C as a user's terminal delivers it)
+        preexec_fn=_sigint_default, args=[sys.executable, "-m", "megatron_flops", "sweep", *args], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         log = out / "000_mode-hang" / "r1" / "log.txt"
@@ -430,7 +439,8 @@ def test_a_second_ctrl_c_kills_a_run_that_ignores_sigterm(tmp_path):
     import signal
 
     out = tmp_path / "sw"
-    sweep = subprocess.Popen([sys.executable, "-m", "megatron_flops", "sweep", "--param", "mode=stubborn",
+    sweep = subprocess.Popen(  # (Ctrl-C as a user's terminal delivers it)
+        preexec_fn=_sigint_default, args=[sys.executable, "-m", "megatron_flops", "sweep", "--param", "mode=stubborn",
                               "--timeout", "600", "--out", str(out), "--", sys.executable, FAKE, "--mode", "{mode}"],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -27,6 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 T = 10**12
 
 
+def _sigint_default() -> None:
+    """In the child before exec: Ctrl-C's default disposition, whatever the test process inherited
+    (Python installs its KeyboardInterrupt handler only where SIGINT is not ignored at start-up)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _sweep(capsys, *args: str) -> tuple[int, str, str]:
     code = cli.main(["sweep", *args])
     out, err = capsys.readouterr()
@@ -214,7 +222,8 @@ def test_ctrl_c_keeps_finished_runs_and_a_rerun_resumes(tmp_path) -> None:
     command = [sys.executable, "-m", "megatron_flops", "sweep", "--param", "mode=ok,hang,ok2", "--timeout", "600",
                "--out", str(out), "--", sys.executable, FAKE, "--mode", "{mode}", "--hang-once", str(marker)]
     # fake_train knows no "ok2": that run would fail; the sweep must stop before it.
-    sweep = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sweep = subprocess.Popen(  # (Ctrl-C as a user's terminal delivers it)
+        preexec_fn=_sigint_default, args=command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         log = out / "001_mode-hang" / "r1" / "log.txt"
         wait_for(lambda: log.exists() and "hanging" in log.read_text(), "the second run to hang")
